@@ -1,0 +1,22 @@
+"""leat: a GGUF inference engine built from a small core and plugins."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from leat.hookspecs import hookimpl
+
+try:
+    __version__ = metadata.version("leat")
+except metadata.PackageNotFoundError:  # running from a source tree without installing
+    __version__ = "0.0.0"
+
+
+def load(model: str, backend: str | None = None, **options):
+    """Load a model by path or cached name and return a :class:`leat.model.Model`."""
+    from leat.model import load as _load
+
+    return _load(model, backend=backend, **options)
+
+
+__all__ = ["__version__", "hookimpl", "load"]

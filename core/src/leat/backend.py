@@ -1,0 +1,130 @@
+"""The Backend contract: device memory and the ops architectures are written against.
+
+An architecture's ``forward`` calls only these methods, so one model file runs on every backend.
+Activations are opaque backend arrays (numpy arrays on the CPU, device buffers elsewhere); only
+:meth:`Backend.to_host` turns one into numpy. Shapes below use ``n`` for the tokens of a batch
+(all rows' spans concatenated), ``d`` for the model width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import gguf
+import numpy as np
+
+from leat.batch import Batch
+from leat.modelfile import Tensor
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """How one layer rotates q and k.
+
+    ``neox``: rotate halves (x[i], x[i + dims/2]), as GPT-NeoX, Qwen and Gemma; otherwise adjacent
+    pairs (x[2i], x[2i+1]), as llama.cpp's LLAMA_ROPE_TYPE_NORM for Llama (its GGUF q/k weights are
+    permuted for that layout). ``freq_factors`` divide each pair's frequency (Llama 3 ``rope_freqs``).
+    """
+
+    dims: int
+    base: float = 10000.0
+    neox: bool = False
+    scale: float = 1.0  # linear position scaling: positions are multiplied by this
+    freq_factors: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one layer keeps per token in the KV cache."""
+
+    kv_heads: int
+    head_dim: int
+    value_dim: int | None = None
+    window: int | None = None  # sliding-window layers attend to the last `window` positions only
+
+    def bytes_per_token(self, element_bytes: int) -> int:
+        return self.kv_heads * (self.head_dim + (self.value_dim or self.head_dim)) * element_bytes
+
+
+@dataclass
+class Allocations:
+    """Physical bytes a backend holds, by purpose."""
+
+    weights: int = 0
+    kv: int = 0
+    scratch: int = 0
+    by_type: dict[str, int] = field(default_factory=dict)
+
+
+class Backend:
+    """Base class of compute backends. Subclasses implement every method that raises here."""
+
+    name: ClassVar[str] = "?"
+    #: quantization types whose tensors this backend can use (as stored or after its own conversion)
+    quant_types: ClassVar[frozenset[gguf.GGMLQuantizationType]] = frozenset()
+
+    @classmethod
+    def probe(cls) -> str | None:
+        """None when the backend can run on this machine, else why not. Must be cheap."""
+        return None
+
+    def __init__(self, precision: str = "f32", **options: Any):
+        self.precision = precision
+        self.options = options
+        self.allocations = Allocations()
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "precision": self.precision}
+
+    # -- memory -------------------------------------------------------------------------------------
+    def upload(self, tensor: Tensor) -> Any:
+        """Place one GGUF tensor on the device and return the handle ops take as ``weight``."""
+        raise NotImplementedError
+
+    def allocate_kv(self, layouts: list[KVLayout], slots: int, context: int) -> Any:
+        """KV storage for ``slots`` sequences of up to ``context`` tokens per layer."""
+        raise NotImplementedError
+
+    def to_host(self, x: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    # -- ops -----------------------------------------------------------------------------------------
+    def embed(self, weight: Any, tokens: np.ndarray) -> Any:
+        """Rows of an embedding table: [n] token ids -> [n, d]."""
+        raise NotImplementedError
+
+    def matmul(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """x [n, k] times the transpose of weight [m, k] (GGUF row-major), plus bias [m]: -> [n, m]."""
+        raise NotImplementedError
+
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        """x / sqrt(mean(x^2) + eps) * weight over the last axis (weight None: no scale)."""
+        raise NotImplementedError
+
+    def rope(self, x: Any, positions: np.ndarray, spec: RopeSpec) -> Any:
+        """Rotate x [n, heads, head_dim] by each token's position."""
+        raise NotImplementedError
+
+    def attention(self, q: Any, k: Any, v: Any, kv: Any, layer: int, batch: Batch, scale: float) -> Any:
+        """Write k, v [n, kv_heads, dim] into ``kv`` at each row's positions, then attend causally.
+
+        q is [n, heads, dim]; heads is a multiple of kv_heads (grouped-query attention). Each row
+        attends to its own slot's cached positions up to and including each query's position.
+        Returns [n, heads * value_dim].
+        """
+        raise NotImplementedError
+
+    def silu_mul(self, gate: Any, up: Any) -> Any:
+        """silu(gate) * up, elementwise."""
+        raise NotImplementedError
+
+    def add(self, a: Any, b: Any) -> Any:
+        raise NotImplementedError
+
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        raise NotImplementedError
+
+    def take_rows(self, x: Any, index: np.ndarray) -> Any:
+        """The rows ``index`` of x [n, ...] (the positions whose logits are wanted)."""
+        raise NotImplementedError

@@ -1,0 +1,106 @@
+"""Building blocks shared by architectures: attention with RoPE and GQA, gated MLPs, logits.
+
+Each block is a function of a backend ``B`` and backend arrays, so architectures compose them
+without copying each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+
+from leat.backend import Backend, RopeSpec
+from leat.batch import Batch
+from leat.modelfile import ModelFile
+
+K = gguf.Keys
+
+
+@dataclass
+class AttentionWeights:
+    q: Any
+    k: Any
+    v: Any
+    o: Any
+    q_bias: Any = None
+    k_bias: Any = None
+    v_bias: Any = None
+    o_bias: Any = None
+    q_norm: Any = None  # per-head RMSNorm of q and k (Qwen3, Gemma 3)
+    k_norm: Any = None
+
+
+def layer_tensor(kind: gguf.MODEL_TENSOR, layer: int | None = None, suffix: str = "weight") -> str:
+    """The GGUF name of a tensor, e.g. ``blk.3.attn_q.weight``."""
+    name = gguf.TENSOR_NAMES[kind]
+    return (name.format(bid=layer) if layer is not None else name) + f".{suffix}"
+
+
+def load_attention(weights, layer: int) -> AttentionWeights:
+    T = gguf.MODEL_TENSOR
+    return AttentionWeights(
+        q=weights(layer_tensor(T.ATTN_Q, layer)),
+        k=weights(layer_tensor(T.ATTN_K, layer)),
+        v=weights(layer_tensor(T.ATTN_V, layer)),
+        o=weights(layer_tensor(T.ATTN_OUT, layer)),
+        q_bias=weights(layer_tensor(T.ATTN_Q, layer, "bias"), optional=True),
+        k_bias=weights(layer_tensor(T.ATTN_K, layer, "bias"), optional=True),
+        v_bias=weights(layer_tensor(T.ATTN_V, layer, "bias"), optional=True),
+        o_bias=weights(layer_tensor(T.ATTN_OUT, layer, "bias"), optional=True),
+        q_norm=weights(layer_tensor(T.ATTN_Q_NORM, layer), optional=True),
+        k_norm=weights(layer_tensor(T.ATTN_K_NORM, layer), optional=True),
+    )
+
+
+def rope_scale(file: ModelFile) -> float:
+    """Linear RoPE scaling as a position multiplier (1.0 when the file asks for none)."""
+    kind = file.get(K.Rope.SCALING_TYPE, "none")
+    factor = float(file.get(K.Rope.SCALING_FACTOR, 0.0) or 0.0)
+    if kind == "linear" and factor > 0:
+        return 1.0 / factor
+    return 1.0
+
+
+def attention(
+    B: Backend,
+    x: Any,
+    w: AttentionWeights,
+    batch: Batch,
+    kv: Any,
+    layer: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    rope: RopeSpec,
+    norm_eps: float = 1e-6,
+    scale: float | None = None,
+) -> Any:
+    """Self-attention of one layer: projections, optional q/k norm, RoPE, cached GQA attention, output."""
+    n = len(batch)
+    q = B.reshape(B.matmul(x, w.q, w.q_bias), (n, heads, head_dim))
+    k = B.reshape(B.matmul(x, w.k, w.k_bias), (n, kv_heads, head_dim))
+    v = B.reshape(B.matmul(x, w.v, w.v_bias), (n, kv_heads, head_dim))
+    if w.q_norm is not None:
+        q = B.rms_norm(q, w.q_norm, norm_eps)
+        k = B.rms_norm(k, w.k_norm, norm_eps)
+    q = B.rope(q, batch.positions, rope)
+    k = B.rope(k, batch.positions, rope)
+    out = B.attention(q, k, v, kv, layer, batch, scale if scale is not None else head_dim**-0.5)
+    return B.matmul(out, w.o, w.o_bias)
+
+
+def swiglu(B: Backend, x: Any, gate: Any, up: Any, down: Any) -> Any:
+    return B.matmul(B.silu_mul(B.matmul(x, gate), B.matmul(x, up)), down)
+
+
+def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """Weights for tiny test models: norms near 1, everything else small and centred."""
+    if name.startswith("rope_freqs"):  # Llama 3 style: low frequencies stretched up to 8x
+        return np.linspace(1.0, 8.0, shape[0], dtype=np.float32)
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    fan_in = shape[-1]
+    return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)

@@ -1,0 +1,119 @@
+"""``leat doctor``: what this machine can run, and what a model needs, without loading weights."""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import platform
+import shutil
+from collections import Counter
+from typing import Any
+
+from leat import plugins
+from leat.errors import LeatError
+from leat.modelfile import ModelFile
+
+KV_ELEMENT_BYTES = {"f32": 4, "f16": 2, "q8_0": 34 / 32}
+
+
+def _memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def machine_report() -> dict[str, Any]:
+    """CPU, memory, GPU driver and NVRTC presence, and each backend's probe, with what to fix."""
+    report: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "memory_bytes": _memory_bytes(),
+        "nvidia_driver": bool(ctypes.util.find_library("cuda")),
+        "nvidia_smi": shutil.which("nvidia-smi"),
+    }
+    fixes = []
+    host = plugins.host()
+    backends = {}
+    for name, entry in host.registry["backends"].items():
+        try:
+            reason = entry.load().probe()
+        except LeatError as e:
+            reason = str(e)
+        backends[name] = {"plugin": entry.plugin, "usable": reason is None, "reason": reason}
+        if reason:
+            fixes.append(f"backend {name}: {reason}")
+    report["backends"] = backends
+    for info in host.failed():
+        fixes.append(f"plugin {info.name} failed to load: {info.error}")
+    if not backends:
+        fixes.append("no backend plugin is installed: install leat-backend-cpu")
+    report["fixes"] = fixes
+    return report
+
+
+def describe_model(name: str) -> dict[str, Any]:
+    from leat.model import architecture_class
+    from leat.pull import resolve
+
+    file = ModelFile(resolve(name))
+    types = Counter(t.qtype.name for t in file.tensors.values())
+    out: dict[str, Any] = {
+        "path": str(file.path),
+        "parts": len(file.parts),
+        "name": file.name,
+        "architecture": file.architecture,
+        "tensors": len(file.tensors),
+        "tensor_types": dict(types.most_common()),
+        "weight_bytes": file.weight_bytes(),
+    }
+    arch = architecture_class(file)
+    params = arch.read_params(file)
+    layouts = arch.kv_layouts(params)
+    out["context_length"] = int(file.get("{arch}.context_length", 0)) or None
+    out["kv_bytes_per_token"] = {
+        kind: int(sum(layout.bytes_per_token(1) for layout in layouts) * size) for kind, size in KV_ELEMENT_BYTES.items()
+    }
+    host = plugins.host()
+    support = {}
+    for backend_name, entry in host.registry["backends"].items():
+        try:
+            cls = entry.load()
+        except LeatError as e:
+            support[backend_name] = str(e)
+            continue
+        missing = sorted({t.qtype.name for t in file.tensors.values()} - {q.name for q in cls.quant_types})
+        support[backend_name] = "all tensor types" if not missing else f"missing {', '.join(missing)}"
+    out["backend_support"] = support
+    return out
+
+
+def render(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    lines = [f"leat {report['leat']} on Python {m['python']}, {m['platform']}"]
+    memory = f"{m['memory_bytes'] / 2**30:.1f} GiB" if m["memory_bytes"] else "unknown"
+    lines.append(f"CPU: {m['cpus']} cores, memory {memory}")
+    lines.append(f"NVIDIA driver: {'found' if m['nvidia_driver'] else 'not found'}")
+    for name, b in m["backends"].items():
+        state = "usable" if b["usable"] else f"not usable: {b['reason']}"
+        lines.append(f"backend {name} ({b['plugin']}): {state}")
+    if "model" in report:
+        d = report["model"]
+        lines.append("")
+        lines.append(f"model {d['name']} ({d['path']}, {d['parts']} part(s))")
+        lines.append(f"architecture {d['architecture']}, {d['tensors']} tensors, {d['weight_bytes'] / 2**20:.1f} MiB")
+        lines.append("tensor types: " + ", ".join(f"{k} x{v}" for k, v in d["tensor_types"].items()))
+        lines.append(f"context length {d['context_length']}")
+        lines.append("KV bytes per token: " + ", ".join(f"{k} {v}" for k, v in d["kv_bytes_per_token"].items()))
+        for name, support in d["backend_support"].items():
+            lines.append(f"backend {name}: {support}")
+    fixes = m["fixes"]
+    lines.append("")
+    lines.append("to fix:" if fixes else "nothing to fix")
+    lines.extend(f"  - {fix}" for fix in fixes)
+    return "\n".join(lines)

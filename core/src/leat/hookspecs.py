@@ -1,0 +1,70 @@
+"""Hook specifications: the contract between leat and its plugins.
+
+A plugin is a module that an installed distribution names under the ``leat`` entry-point group
+(the entry-point name is the distribution name)::
+
+    [project.entry-points.leat]
+    leat-backend-cpu = "leat_backend_cpu.plugin"
+
+The module holds functions decorated with :data:`leat.hookimpl` whose names match the
+specifications below. Each ``register_*`` hook receives a ``register`` callback; the host keeps
+the names, detects clashes and decides order. What a plugin registers is a lazy reference, a
+``"module:attribute"`` string, so that listing plugins imports nothing heavy (no CUDA, no
+tinygrad); the reference is imported only when that backend, architecture or sampler is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("leat")
+hookimpl = pluggy.HookimplMarker("leat")
+
+
+@hookspec
+def register_backends(register: Callable[..., None]) -> None:
+    """Register compute backends.
+
+    Called once, when leat first needs its list of backends (``leat plugins``, loading a model).
+
+    :param register: call ``register(name, ref, priority=0)`` once per backend.
+        ``name`` is what users pass to ``--backend`` (e.g. ``"cpu"``). ``ref`` is a
+        ``"module:Class"`` string naming a subclass of :class:`leat.backend.Backend`; it is
+        imported only when the backend is probed or used. ``priority`` orders automatic choice:
+        the usable backend with the highest priority wins unless the user names one.
+
+    The return value is ignored. Registering a name that another plugin registered is an error
+    naming both plugins.
+    """
+
+
+@hookspec
+def register_architectures(register: Callable[..., None]) -> None:
+    """Register model architectures, keyed by GGUF ``general.architecture``.
+
+    Called once, when leat first needs its list of architectures.
+
+    :param register: call ``register(name, ref)`` once per architecture. ``name`` is the
+        value of ``general.architecture`` the class serves (e.g. ``"llama"``); one class may be
+        registered under several names. ``ref`` is a ``"module:Class"`` string naming a
+        subclass of :class:`leat.architecture.Architecture`.
+
+    The return value is ignored. Registering a name twice is an error naming both plugins.
+    """
+
+
+@hookspec
+def register_samplers(register: Callable[..., None]) -> None:
+    """Register sampler stages (logits transforms) and selectors.
+
+    Called once, when leat first builds a sampling chain.
+
+    :param register: call ``register(name, ref)`` once per stage. ``ref`` is a
+        ``"module:attribute"`` string naming a subclass of :class:`leat.sampling.Stage`
+        (or :class:`leat.sampling.Selector`). ``name`` is the key a request uses (e.g.
+        ``"top_k"``, ``"greedy"``).
+
+    The return value is ignored. Registering a name twice is an error naming both plugins.
+    """

@@ -1,0 +1,226 @@
+"""The Python API: ``leat.load(path_or_name)`` -> :class:`Model` with tokenize, logits, generate."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from leat import plugins
+from leat.architecture import Architecture
+from leat.backend import Backend
+from leat.batch import Batch, Row
+from leat.errors import BackendUnavailable, LeatError, UnknownArchitecture
+from leat.modelfile import ModelFile
+
+# Which distribution serves an architecture we know of but that may not be installed.
+KNOWN_ARCHITECTURES = {
+    "llama": "leat-arch-llama",
+    "qwen2": "leat-arch-qwen3",
+    "qwen3": "leat-arch-qwen3",
+    "qwen3moe": "leat-arch-qwen3",
+    "gemma": "leat-arch-gemma",
+    "gemma2": "leat-arch-gemma",
+    "gemma3": "leat-arch-gemma",
+    "gpt-oss": "leat-arch-gpt-oss",
+    "deepseek2": "leat-arch-deepseek2",
+}
+PREFILL_CHUNK = 512
+
+
+def architecture_class(file: ModelFile, host: plugins.PluginHost | None = None) -> type[Architecture]:
+    host = host or plugins.host()
+    entry = host.get("architectures", file.architecture)
+    if entry is None:
+        installed = ", ".join(sorted(host.registry["architectures"])) or "none"
+        hint = KNOWN_ARCHITECTURES.get(file.architecture)
+        where = f"; install the plugin {hint}" if hint else ""
+        failed = [p.name for p in host.failed()]
+        broken = f"; plugins that failed to load: {', '.join(failed)}" if failed else ""
+        raise UnknownArchitecture(
+            f"{file.path.name}: architecture {file.architecture!r} is not served by any installed plugin "
+            f"(installed: {installed}){where}{broken}"
+        )
+    return entry.load()
+
+
+def choose_backend(name: str | None, host: plugins.PluginHost | None = None) -> type[Backend]:
+    """The named backend, or the usable one with the highest priority."""
+    host = host or plugins.host()
+    table = host.registry["backends"]
+    if name is not None:
+        if name not in table:
+            raise BackendUnavailable(f"no backend named {name!r}; installed: {', '.join(sorted(table)) or 'none'}")
+        cls = table[name].load()
+        reason = cls.probe()
+        if reason:
+            raise BackendUnavailable(f"backend {name} cannot run here: {reason}")
+        return cls
+    reasons = []
+    for entry in sorted(table.values(), key=lambda e: -int(e.options.get("priority", 0))):
+        cls = entry.load()
+        reason = cls.probe()
+        if reason is None:
+            return cls
+        reasons.append(f"{entry.name}: {reason}")
+    raise BackendUnavailable("no usable backend installed" + (f" ({'; '.join(reasons)})" if reasons else ""))
+
+
+@dataclass
+class Token:
+    """One generated token and the text it completes (may be empty while UTF-8 is incomplete)."""
+
+    id: int
+    text: str
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    generate_seconds: float = 0.0
+    finish_reason: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_seconds": round(self.prompt_seconds, 6),
+            "prompt_tokens_per_second": _rate(self.prompt_tokens, self.prompt_seconds),
+            "generated_tokens": self.generated_tokens,
+            "generate_seconds": round(self.generate_seconds, 6),
+            "generate_tokens_per_second": _rate(self.generated_tokens, self.generate_seconds),
+            "finish_reason": self.finish_reason,
+        }
+
+
+def _rate(n: int, seconds: float) -> float | None:
+    return round(n / seconds, 3) if seconds > 0 else None
+
+
+class Model:
+    """A loaded model: file, architecture on a backend, tokenizer and chat template."""
+
+    def __init__(self, file: ModelFile, architecture: Architecture, backend: Backend):
+        from leat.chat import ChatTemplate
+        from leat.tokenizer import Tokenizer
+
+        self.file = file
+        self.architecture = architecture
+        self.backend = backend
+        self.tokenizer = Tokenizer.from_metadata(file.metadata)
+        self.chat_template = ChatTemplate.from_metadata(file.metadata)
+        self.last_timings = Timings()
+
+    @property
+    def context_length(self) -> int:
+        return self.architecture.context_length
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special=skip_special)
+
+    def new_kv(self, context: int, slots: int = 1) -> Any:
+        return self.backend.allocate_kv(self.architecture.kv_layouts(self.architecture.params), slots, context)
+
+    def logits(self, token_ids: Sequence[int], native: bool = False) -> np.ndarray:
+        """Logits at every position of a fresh sequence: [len(token_ids), vocab], float32 unless ``native``."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        self._check_tokens(ids)
+        kv = self.new_kv(len(ids))
+        out = []
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[start : start + PREFILL_CHUNK]
+            batch = Batch([Row(0, start, chunk, all_logits=True)])
+            out.append(self.backend.to_host(self.architecture.forward(batch, kv)))
+        logits = np.concatenate(out)
+        return logits if native else logits.astype(np.float32)
+
+    def _check_tokens(self, ids: np.ndarray) -> None:
+        if len(ids) == 0:
+            raise LeatError("no tokens to evaluate")
+        vocab = self.architecture.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise LeatError(f"token id out of range for this model's vocabulary of {vocab}")
+
+    def chat_prompt(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
+        text = self.chat_template.render(messages, add_generation_prompt=True, **extra)
+        # The template writes BOS itself when the model wants one, so only special tokens are parsed here.
+        return self.tokenize(text, add_special=False, parse_special=True)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        sampling: Any = None,
+        stop: Sequence[str] = (),
+        context: int | None = None,
+    ) -> Iterator[Token]:
+        """Stream tokens after ``prompt`` (text is tokenized with BOS as the model wants)."""
+        from leat.sampling import Sampler, SamplingParams
+        from leat.tokenizer import IncrementalDecoder
+
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_tokens(np.asarray(ids))
+        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.resolve(sampling or {}, self.file.metadata)
+        sampler = Sampler.build(params)
+        limit = min(context or self.context_length, self.context_length)
+        if len(ids) >= limit:
+            raise LeatError(f"prompt of {len(ids)} tokens does not fit the context of {limit} tokens")
+        max_tokens = min(max_tokens, limit - len(ids))
+        kv = self.new_kv(len(ids) + max_tokens)
+        timings = self.last_timings = Timings(prompt_tokens=len(ids))
+        decoder = IncrementalDecoder(self.tokenizer)
+        history = list(ids)
+        started = time.perf_counter()
+        logits = None
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = np.asarray(ids[start : start + PREFILL_CHUNK])
+            logits = self.architecture.forward(Batch([Row(0, start, chunk)]), kv)
+        timings.prompt_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        text = ""
+        timings.finish_reason = "length"
+        for step in range(max_tokens):
+            token = sampler.sample(self.backend.to_host(logits)[-1], history)
+            history.append(token)
+            timings.generated_tokens += 1
+            if self.tokenizer.is_eog(token):
+                timings.finish_reason = "stop"
+                break
+            piece = decoder.feed(token)
+            text += piece
+            if stop and any(s in text for s in stop):
+                timings.finish_reason = "stop"
+                yield Token(token, piece)
+                break
+            yield Token(token, piece)
+            if step + 1 < max_tokens:
+                logits = self.architecture.forward(Batch([Row(0, len(history) - 1, np.asarray([token]))]), kv)
+        tail = decoder.flush()
+        if tail:
+            yield Token(-1, tail)
+        timings.generate_seconds = time.perf_counter() - started
+
+
+def load(
+    model: str,
+    backend: str | None = None,
+    precision: str = "f32",
+    pull: bool = True,
+    host: plugins.PluginHost | None = None,
+) -> Model:
+    """Load ``model`` (a path, or a name ``leat pull`` understands) on ``backend`` (None: best usable)."""
+    from leat.pull import resolve
+
+    path = resolve(model, pull=pull)
+    file = ModelFile(path)
+    arch_cls = architecture_class(file, host)
+    backend_obj = choose_backend(backend, host)(precision=precision)
+    return Model(file, arch_cls(file, backend_obj), backend_obj)

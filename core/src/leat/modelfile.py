@@ -1,0 +1,131 @@
+"""A GGUF model file: typed metadata and memory-mapped tensors, split files included.
+
+Reading goes through ``gguf.GGUFReader`` (mmap, no copy of the weights). Every way a file can be
+wrong (not GGUF, truncated, missing key) becomes a :class:`ModelFileError` naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from leat.errors import ModelFileError
+
+SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor as stored: ``shape`` in row-major (numpy) order, ``data`` the raw mmapped blocks."""
+
+    name: str
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+def split_parts(path: Path) -> list[Path]:
+    """All parts of a split GGUF given its first part (``NAME-00001-of-0000N.gguf``), else ``[path]``."""
+    match = SPLIT_NAME.match(path.name)
+    if not match:
+        return [path]
+    count = int(match["count"])
+    parts = [path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.exists()]
+    if missing:
+        raise ModelFileError(f"{path}: split GGUF is missing part(s) {', '.join(missing)} in {path.parent}")
+    return parts
+
+
+def _read(path: Path) -> gguf.GGUFReader:
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelFileError(f"{path}: is a directory, not a GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelFileError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:
+        raise ModelFileError(f"{path}: malformed or truncated GGUF ({type(e).__name__}: {e})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise ModelFileError(f"{path}: truncated: tensor {t.name} ends at byte {end} but the file has {size}")
+    return reader
+
+
+class ModelFile:
+    """Metadata and tensors of one model, from a single or split GGUF."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).expanduser()
+        self.parts = split_parts(self.path)
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, Tensor] = {}
+        self._readers = []
+        for part in self.parts:
+            reader = _read(part)
+            self._readers.append(reader)
+            for name, field in reader.fields.items():
+                if name.startswith("GGUF.") or (name in self.metadata and name.startswith("split.")):
+                    continue
+                try:
+                    self.metadata.setdefault(name, field.contents())
+                except Exception as e:
+                    raise ModelFileError(f"{part}: metadata key {name} is unreadable ({e})") from None
+            for t in reader.tensors:
+                if t.name in self.tensors:
+                    raise ModelFileError(f"{part}: tensor {t.name} appears twice")
+                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+                self.tensors[t.name] = Tensor(t.name, gguf.GGMLQuantizationType(t.tensor_type), shape, t.data)
+        if "general.architecture" not in self.metadata:
+            raise ModelFileError(f"{self.path}: missing metadata key general.architecture")
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata["general.architecture"])
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata.get("general.name") or self.path.stem)
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        """A metadata value; ``{arch}`` in the key is the file's architecture. Missing without a default: error."""
+        key = key.format(arch=self.architecture)
+        if key in self.metadata:
+            return self.metadata[key]
+        if default is _MISSING:
+            raise ModelFileError(f"{self.path}: missing metadata key {key}")
+        return default
+
+    def tensor(self, name: str) -> Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelFileError(f"{self.path}: missing tensor {name}") from None
+
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        for part in self.parts:
+            with open(part, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+        return digest.hexdigest()

@@ -1,0 +1,124 @@
+"""Tiny random-weight GGUF models for tests, written with ``gguf.GGUFWriter``.
+
+The files carry an architecture's real tensor names and metadata keys (from the architecture's
+``tiny``, ``tensor_shapes`` and ``write_metadata``) and a small byte-level BPE vocabulary, so
+llama.cpp loads them too and can serve as the reference.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from leat.blocks import random_tensor
+
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
+TRAINING_TEXT = (
+    "the quick brown fox jumps over the lazy dog. the sky is blue because of rayleigh scattering "
+    "of sunlight in the atmosphere. hello world, this is a tiny test model for leat and llama.cpp. "
+)
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (byte-level BPE token text)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def tiny_vocab(size: int) -> tuple[list[str], list[str], list[int]]:
+    """Tokens, merges and token types of a byte-level BPE vocabulary of exactly ``size`` tokens."""
+    if size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"a tiny vocabulary needs at least {256 + len(SPECIAL_TOKENS)} tokens, not {size}")
+    mapping = byte_to_unicode()
+    tokens = [mapping[b] for b in range(256)]
+    words = [[mapping[b] for b in (" " + w).encode()] for w in TRAINING_TEXT.split()]
+    merges: list[str] = []
+    while len(tokens) < size - len(SPECIAL_TOKENS):
+        pairs = Counter((a, b) for w in words for a, b in zip(w, w[1:]))
+        if not pairs:
+            tokens.append(f"<unused{len(tokens)}>")
+            continue
+        (a, b), _ = pairs.most_common(1)[0]
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+        words = [_merge(w, a, b) for w in words]
+    types = [gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS)
+    return tokens + SPECIAL_TOKENS, merges, [int(t) for t in types]
+
+
+def _merge(word: list[str], a: str, b: str) -> list[str]:
+    out, i = [], 0
+    while i < len(word):
+        if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
+            out.append(a + b)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return out
+
+
+def add_tiny_tokenizer(writer: gguf.GGUFWriter, vocab_size: int, pre: str = "llama-bpe") -> None:
+    tokens, merges, types = tiny_vocab(vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|begin_of_text|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(CHATML)
+
+
+def quantizable(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> bool:
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return len(shape) >= 2 and shape[-1] % block == 0
+
+
+def write_tiny_gguf(
+    architecture: Any,
+    path: str | Path,
+    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    seed: int = 0,
+    params: Any = None,
+) -> Path:
+    """Write a random-weight model of ``architecture`` (an Architecture class) to ``path``.
+
+    Matrices are stored as ``qtype`` where their rows fit its block size; vectors (norms, biases)
+    stay F32 as llama.cpp's converter leaves them.
+    """
+    path = Path(path)
+    params = params if params is not None else architecture.tiny()
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(path, architecture.names[0])
+    writer.add_name(f"tiny-{architecture.names[0]}")
+    architecture.write_metadata(writer, params)
+    add_tiny_tokenizer(writer, params.vocab)
+    for name, shape in architecture.tensor_shapes(params).items():
+        values = random_tensor(rng, shape, name)
+        if qtype != gguf.GGMLQuantizationType.F32 and quantizable(shape, qtype):
+            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
