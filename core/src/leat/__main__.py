@@ -1,0 +1,3 @@
+from leat.cli import main
+
+main()
