@@ -110,3 +110,20 @@ def test_embed_and_take_rows(backend):
     table = np.arange(20.0).reshape(5, 4).astype(backend.dtype)
     np.testing.assert_array_equal(backend.embed(table, np.array([4, 0, 4])), table[[4, 0, 4]])
     np.testing.assert_array_equal(backend.take_rows(table, np.array([1, 3])), table[[1, 3]])
+
+
+def test_attention_reads_through_a_shuffled_page_table(backend):
+    rng = np.random.default_rng(5)
+    dt, layout = backend.dtype, KVLayout(2, 4)
+    q, k, v = rng.standard_normal((11, 4, 4)), rng.standard_normal((11, 2, 4)), rng.standard_normal((11, 2, 4))
+    contiguous = backend.allocate_kv([layout], slots=1, context=12, page_size=4)
+    paged = backend.allocate_kv([layout], slots=2, context=12, pages=7, page_size=4)
+    backend.set_pages(paged, 1, np.array([5, 0, 3]))
+    assert paged.page_table[0].tolist() == [-1, -1, -1] and paged.context == 12
+    args = (q.astype(dt), k.astype(dt), v.astype(dt))
+    want = backend.attention(*args, contiguous, 0, Batch([Row(0, 0, np.zeros(11, int), all_logits=True)]), 0.5)
+    got = backend.attention(*args, paged, 0, Batch([Row(1, 0, np.zeros(11, int), all_logits=True)]), 0.5)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(paged.k[0][3, :3], k[8:].astype(dt))
+    backend.copy_page(paged, 3, 6)
+    np.testing.assert_array_equal(paged.v[0][6], paged.v[0][3])

@@ -48,6 +48,36 @@ class KVLayout:
 
 
 @dataclass
+class KVPages:
+    """What every backend's KV storage shares: shape facts and the host copy of the page table.
+
+    Backends subclass it to add their storage (numpy arrays, device buffers).
+    """
+
+    layouts: list[KVLayout]
+    slots: int
+    pages: int
+    page_size: int
+    page_table: np.ndarray  # [slots, pages_per_slot] int32, -1 = no page
+
+    @property
+    def context(self) -> int:
+        """The most positions one slot can hold."""
+        return self.page_table.shape[1] * self.page_size
+
+    @staticmethod
+    def plan(slots: int, context: int, pages: int | None, page_size: int) -> tuple[int, np.ndarray]:
+        """Page count and initial page table for :meth:`Backend.allocate_kv`'s arguments."""
+        per_slot = -(-context // page_size)
+        if pages is None:
+            pages = slots * per_slot
+            table = np.arange(pages, dtype=np.int32).reshape(slots, per_slot)
+        else:
+            table = np.full((slots, per_slot), -1, dtype=np.int32)
+        return pages, table
+
+
+@dataclass
 class Allocations:
     """Physical bytes a backend holds, by purpose."""
 
@@ -82,8 +112,26 @@ class Backend:
         """Place one GGUF tensor on the device and return the handle ops take as ``weight``."""
         raise NotImplementedError
 
-    def allocate_kv(self, layouts: list[KVLayout], slots: int, context: int) -> Any:
-        """KV storage for ``slots`` sequences of up to ``context`` tokens per layer."""
+    def allocate_kv(
+        self, layouts: list[KVLayout], slots: int, context: int, pages: int | None = None, page_size: int = 16
+    ) -> KVPages:
+        """Paged KV storage: ``pages`` pages of ``page_size`` tokens per layer, and a page table of
+        ``slots`` rows that maps each sequence's positions to pages (position p of slot s lives in
+        page ``page_table[s, p // page_size]`` at offset ``p % page_size``).
+
+        With ``pages`` None every slot gets its own ``ceil(context / page_size)`` pages in order, so
+        a caller that needs no sharing can ignore paging. The engine passes a page budget instead
+        and assigns pages with :meth:`set_pages`.
+        """
+        raise NotImplementedError
+
+    def set_pages(self, kv: KVPages, slot: int, pages: np.ndarray) -> None:
+        """Give ``slot`` the page ids ``pages`` (in position order; the rest of its row becomes -1)."""
+        kv.page_table[slot] = -1
+        kv.page_table[slot, : len(pages)] = pages
+
+    def copy_page(self, kv: KVPages, source: int, target: int) -> None:
+        """Copy one page's K/V in every layer (copy-on-write of a shared prefix page)."""
         raise NotImplementedError
 
     def to_host(self, x: Any) -> np.ndarray:

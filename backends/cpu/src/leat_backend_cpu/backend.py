@@ -7,13 +7,13 @@ matmul, so a dequantized copy is the fast path here) and kept in the compute dty
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import gguf
 import numpy as np
 
-from leat.backend import Allocations, Backend, KVLayout, RopeSpec
+from leat.backend import Allocations, Backend, KVLayout, KVPages, RopeSpec
 from leat.batch import Batch
 from leat.errors import UnsupportedQuantType
 from leat.modelfile import Tensor
@@ -29,11 +29,9 @@ DEQUANTIZABLE = frozenset(
 
 
 @dataclass
-class KVCache:
-    k: list[np.ndarray]  # per layer: [slots, context, kv_heads, head_dim]
-    v: list[np.ndarray]
-    layouts: list[KVLayout]
-    context: int
+class KVCache(KVPages):
+    k: list[np.ndarray] = field(default_factory=list)  # per layer: [pages, page_size, kv_heads, head_dim]
+    v: list[np.ndarray] = field(default_factory=list)
 
 
 class CPUBackend(Backend):
@@ -63,13 +61,18 @@ class CPUBackend(Backend):
         self.allocations.by_type[kind] = self.allocations.by_type.get(kind, 0) + values.nbytes
         return values
 
-    def allocate_kv(self, layouts: list[KVLayout], slots: int, context: int) -> KVCache:
-        ks, vs = [], []
+    def allocate_kv(self, layouts, slots, context, pages=None, page_size=16) -> KVCache:
+        pages, table = KVPages.plan(slots, context, pages, page_size)
+        kv = KVCache(layouts, slots, pages, page_size, table)
         for layout in layouts:
-            ks.append(np.zeros((slots, context, layout.kv_heads, layout.head_dim), self.dtype))
-            vs.append(np.zeros((slots, context, layout.kv_heads, layout.value_dim or layout.head_dim), self.dtype))
-        self.allocations.kv += sum(a.nbytes for a in ks + vs)
-        return KVCache(ks, vs, layouts, context)
+            kv.k.append(np.zeros((pages, page_size, layout.kv_heads, layout.head_dim), self.dtype))
+            kv.v.append(np.zeros((pages, page_size, layout.kv_heads, layout.value_dim or layout.head_dim), self.dtype))
+        self.allocations.kv += sum(a.nbytes for a in kv.k + kv.v)
+        return kv
+
+    def copy_page(self, kv: KVCache, source: int, target: int) -> None:
+        for storage in kv.k + kv.v:
+            storage[target] = storage[source]
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(x)
@@ -112,13 +115,17 @@ class CPUBackend(Backend):
         kv_heads, value_dim = v.shape[1], v.shape[2]
         group = heads // kv_heads
         out = np.empty((n, heads * value_dim), self.dtype)
+        size = kv.page_size
         for row, offset in zip(batch.rows, batch.offsets):
             length, start = len(row.tokens), row.start
             span = slice(offset, offset + length)
-            keys_all[row.slot, start : start + length] = k[span]
-            values_all[row.slot, start : start + length] = v[span]
-            keys = keys_all[row.slot, : start + length]
-            values = values_all[row.slot, : start + length]
+            table = kv.page_table[row.slot]
+            positions = np.arange(start, start + length)
+            keys_all[table[positions // size], positions % size] = k[span]
+            values_all[table[positions // size], positions % size] = v[span]
+            used = table[: -(-(start + length) // size)]
+            keys = keys_all[used].reshape(-1, kv_heads, dim)[: start + length]
+            values = values_all[used].reshape(-1, kv_heads, value_dim)[: start + length]
             qs = q[span].reshape(length, kv_heads, group, dim)
             scores = np.einsum("lkgd,tkd->kglt", qs, keys) * scale
             query_pos = start + np.arange(length)[:, None]
