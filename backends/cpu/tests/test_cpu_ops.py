@@ -127,3 +127,23 @@ def test_attention_reads_through_a_shuffled_page_table(backend):
     np.testing.assert_array_equal(paged.k[0][3, :3], k[8:].astype(dt))
     backend.copy_page(paged, 3, 6)
     np.testing.assert_array_equal(paged.v[0][6], paged.v[0][3])
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
+def test_kv_storage_types_round_trip_as_gguf_does(backend, kv_dtype):
+    import gguf
+
+    rng = np.random.default_rng(6)
+    q, k, v = rng.standard_normal((5, 2, 32)), rng.standard_normal((5, 1, 32)), rng.standard_normal((5, 1, 32))
+    kv = backend.allocate_kv([KVLayout(1, 32)], slots=1, context=8, page_size=4, dtype=kv_dtype)
+    dt = backend.dtype
+    backend.attention(q.astype(dt), k.astype(dt), v.astype(dt), kv, 0, Batch([Row(0, 0, np.zeros(5, int))]), 0.1)
+    stored = kv.k[0].reshape(-1, 1, 32)[:5]
+    if kv_dtype == "f16":
+        np.testing.assert_array_equal(stored, k.astype(dt).astype(np.float16))
+    else:
+        want = gguf.quants.dequantize(gguf.quants.quantize(k.astype(np.float32).reshape(5, 32), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+        scale = kv.k_scale[0].reshape(-1, 1, 1)[:5]
+        got = stored.astype(np.float32) * scale.astype(np.float32)
+        np.testing.assert_allclose(got.reshape(5, 32), want, atol=float(np.abs(want).max()) / 127 + 1e-6)
+        assert np.mean(np.isclose(got.reshape(5, 32), want, rtol=1e-6, atol=1e-7)) > 0.99

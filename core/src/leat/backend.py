@@ -107,13 +107,23 @@ class Backend:
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "precision": self.precision}
 
+    def kv_budget_bytes(self) -> int:
+        """Bytes the KV cache may take when the engine sizes the context itself."""
+        return 2 << 30
+
     # -- memory -------------------------------------------------------------------------------------
     def upload(self, tensor: Tensor) -> Any:
         """Place one GGUF tensor on the device and return the handle ops take as ``weight``."""
         raise NotImplementedError
 
     def allocate_kv(
-        self, layouts: list[KVLayout], slots: int, context: int, pages: int | None = None, page_size: int = 16
+        self,
+        layouts: list[KVLayout],
+        slots: int,
+        context: int,
+        pages: int | None = None,
+        page_size: int = 16,
+        dtype: str = "f32",
     ) -> KVPages:
         """Paged KV storage: ``pages`` pages of ``page_size`` tokens per layer, and a page table of
         ``slots`` rows that maps each sequence's positions to pages (position p of slot s lives in
@@ -121,7 +131,8 @@ class Backend:
 
         With ``pages`` None every slot gets its own ``ceil(context / page_size)`` pages in order, so
         a caller that needs no sharing can ignore paging. The engine passes a page budget instead
-        and assigns pages with :meth:`set_pages`.
+        and assigns pages with :meth:`set_pages`. ``dtype`` is the storage: "f32" (the compute
+        precision), "f16", or "q8_0" (blocks of 32 along the head dimension, as GGUF's Q8_0).
         """
         raise NotImplementedError
 
@@ -175,4 +186,31 @@ class Backend:
 
     def take_rows(self, x: Any, index: np.ndarray) -> Any:
         """The rows ``index`` of x [n, ...] (the positions whose logits are wanted)."""
+        raise NotImplementedError
+
+    def scale(self, x: Any, factor: float) -> Any:
+        """x * factor, elementwise (Gemma's sqrt(d) embedding scale)."""
+        raise NotImplementedError
+
+    def gelu_mul(self, gate: Any, up: Any) -> Any:
+        """gelu(gate) * up, elementwise (GeGLU), gelu in ggml's tanh approximation:
+        0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715 * g^3))).
+
+        (ggml's CPU kernel looks gelu up in a table indexed by g rounded to f16, for |g| < 10; the
+        formula is the reference, the table is one of ggml's roundings.)
+        """
+        raise NotImplementedError
+
+    def softcap(self, x: Any, cap: float) -> Any:
+        """cap * tanh(x / cap), elementwise (Gemma 2's final logit soft-capping)."""
+        raise NotImplementedError
+
+    def attention_softcap(
+        self, q: Any, k: Any, v: Any, kv: Any, layer: int, batch: Batch, scale: float, softcap: float
+    ) -> Any:
+        """:meth:`attention` with each score soft-capped before the mask and softmax (Gemma 2).
+
+        The score of query i and key j is ``softcap * tanh(scale * (q_i . k_j) / softcap)``; all else
+        (cache writes, GQA, causal and window masks, output shape) is as :meth:`attention`.
+        """
         raise NotImplementedError

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,7 +92,8 @@ class Timings:
             "prompt_tokens_per_second": _rate(self.prompt_tokens, self.prompt_seconds),
             "generated_tokens": self.generated_tokens,
             "generate_seconds": round(self.generate_seconds, 6),
-            "generate_tokens_per_second": _rate(self.generated_tokens, self.generate_seconds),
+            # the first token comes with the prompt; the decode rate counts the ones after it
+            "generate_tokens_per_second": _rate(max(self.generated_tokens - 1, 0), self.generate_seconds),
             "finish_reason": self.finish_reason,
         }
 
@@ -162,51 +162,40 @@ class Model:
         stop: Sequence[str] = (),
         context: int | None = None,
     ) -> Iterator[Token]:
-        """Stream tokens after ``prompt`` (text is tokenized with BOS as the model wants)."""
-        from leat.sampling import Sampler, SamplingParams
-        from leat.tokenizer import IncrementalDecoder
+        """Stream tokens after ``prompt`` (text is tokenized with BOS as the model wants).
+
+        Runs a private single-slot :class:`~leat.engine.Engine`, so this path and the server's share
+        one implementation.
+        """
+        from leat.engine import Engine, GenerationRequest
 
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_tokens(np.asarray(ids))
-        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.resolve(sampling or {}, self.file.metadata)
-        sampler = Sampler.build(params)
         limit = min(context or self.context_length, self.context_length)
         if len(ids) >= limit:
             raise LeatError(f"prompt of {len(ids)} tokens does not fit the context of {limit} tokens")
         max_tokens = min(max_tokens, limit - len(ids))
-        kv = self.new_kv(len(ids) + max_tokens)
+        engine = Engine(self, batch_size=1, max_context=len(ids) + max_tokens, prefill_chunk=PREFILL_CHUNK)
         timings = self.last_timings = Timings(prompt_tokens=len(ids))
-        decoder = IncrementalDecoder(self.tokenizer)
-        history = list(ids)
-        started = time.perf_counter()
-        logits = None
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = np.asarray(ids[start : start + PREFILL_CHUNK])
-            logits = self.architecture.forward(Batch([Row(0, start, chunk)]), kv)
-        timings.prompt_seconds = time.perf_counter() - started
-        started = time.perf_counter()
-        text = ""
-        timings.finish_reason = "length"
-        for step in range(max_tokens):
-            token = sampler.sample(self.backend.to_host(logits)[-1], history)
-            history.append(token)
-            timings.generated_tokens += 1
-            if self.tokenizer.is_eog(token):
-                timings.finish_reason = "stop"
-                break
-            piece = decoder.feed(token)
-            text += piece
-            if stop and any(s in text for s in stop):
-                timings.finish_reason = "stop"
-                yield Token(token, piece)
-                break
-            yield Token(token, piece)
-            if step + 1 < max_tokens:
-                logits = self.architecture.forward(Batch([Row(0, len(history) - 1, np.asarray([token]))]), kv)
-        tail = decoder.flush()
-        if tail:
-            yield Token(-1, tail)
-        timings.generate_seconds = time.perf_counter() - started
+        engine.start()
+        try:
+            handle = engine.submit(GenerationRequest(ids, max_tokens, sampling, stop))
+            try:
+                for event in handle:
+                    if event.kind == "token":
+                        timings.generated_tokens += event.id >= 0
+                        yield Token(event.id, event.text)
+                    elif event.kind == "error":
+                        raise LeatError(f"generation failed: {event.error}")
+                    else:
+                        timings.finish_reason = event.finish_reason
+                        timings.generated_tokens = event.usage["completion_tokens"]
+                        timings.prompt_seconds = event.timings["ttft_seconds"]
+                        timings.generate_seconds = event.timings["total_seconds"] - event.timings["ttft_seconds"]
+            finally:
+                handle.cancel()
+        finally:
+            engine.stop()
 
 
 def load(

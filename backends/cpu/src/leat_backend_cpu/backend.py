@@ -6,6 +6,7 @@ matmul, so a dequantized copy is the fast path here) and kept in the compute dty
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,25 @@ DEQUANTIZABLE = frozenset(
 class KVCache(KVPages):
     k: list[np.ndarray] = field(default_factory=list)  # per layer: [pages, page_size, kv_heads, head_dim]
     v: list[np.ndarray] = field(default_factory=list)
+    dtype: str = "f32"
+    k_scale: list[np.ndarray] = field(default_factory=list)  # q8_0: one f16 scale per 32 values
+    v_scale: list[np.ndarray] = field(default_factory=list)
+
+
+def _q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize the last axis in blocks of 32 as GGUF's Q8_0: d = max|x| / 127, q = round(x / d)."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / 127
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d > 0, blocks / d, 0)
+    # ggml rounds half away from zero (roundf), numpy's round is half to even
+    q = (np.sign(q) * np.floor(np.abs(q) + 0.5)).astype(np.int8)
+    return q.reshape(x.shape), d[..., 0].astype(np.float16)
+
+
+def _from_q8_0(q: np.ndarray, d: np.ndarray, dtype) -> np.ndarray:
+    blocks = q.reshape(*q.shape[:-1], -1, 32).astype(dtype) * d[..., None].astype(dtype)
+    return blocks.reshape(q.shape)
 
 
 class CPUBackend(Backend):
@@ -61,17 +81,37 @@ class CPUBackend(Backend):
         self.allocations.by_type[kind] = self.allocations.by_type.get(kind, 0) + values.nbytes
         return values
 
-    def allocate_kv(self, layouts, slots, context, pages=None, page_size=16) -> KVCache:
+    def allocate_kv(self, layouts, slots, context, pages=None, page_size=16, dtype="f32") -> KVCache:
+        if dtype not in ("f32", "f16", "q8_0"):
+            raise ValueError(f"KV dtype must be f32, f16 or q8_0, not {dtype!r}")
         pages, table = KVPages.plan(slots, context, pages, page_size)
-        kv = KVCache(layouts, slots, pages, page_size, table)
+        kv = KVCache(layouts, slots, pages, page_size, table, dtype=dtype)
+        storage = {"f32": self.dtype, "f16": np.float16, "q8_0": np.int8}[dtype]
         for layout in layouts:
-            kv.k.append(np.zeros((pages, page_size, layout.kv_heads, layout.head_dim), self.dtype))
-            kv.v.append(np.zeros((pages, page_size, layout.kv_heads, layout.value_dim or layout.head_dim), self.dtype))
-        self.allocations.kv += sum(a.nbytes for a in kv.k + kv.v)
+            shapes = [
+                (pages, page_size, layout.kv_heads, dim)
+                for dim in (layout.head_dim, layout.value_dim or layout.head_dim)
+            ]
+            if dtype == "q8_0" and any(shape[-1] % 32 for shape in shapes):
+                raise ValueError(f"q8_0 KV needs head dimensions that are multiples of 32, not {shapes[0][-1]}")
+            kv.k.append(np.zeros(shapes[0], storage))
+            kv.v.append(np.zeros(shapes[1], storage))
+            if dtype == "q8_0":
+                kv.k_scale.append(np.zeros((*shapes[0][:-1], shapes[0][-1] // 32), np.float16))
+                kv.v_scale.append(np.zeros((*shapes[1][:-1], shapes[1][-1] // 32), np.float16))
+        self.allocations.kv += sum(a.nbytes for a in kv.k + kv.v + kv.k_scale + kv.v_scale)
         return kv
 
+    def kv_budget_bytes(self) -> int:
+        try:
+            with open("/proc/meminfo") as f:
+                info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+            return info["MemAvailable"] // 4
+        except (OSError, KeyError, ValueError):
+            return 2 << 30
+
     def copy_page(self, kv: KVCache, source: int, target: int) -> None:
-        for storage in kv.k + kv.v:
+        for storage in kv.k + kv.v + kv.k_scale + kv.v_scale:
             storage[target] = storage[source]
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
@@ -121,11 +161,18 @@ class CPUBackend(Backend):
             span = slice(offset, offset + length)
             table = kv.page_table[row.slot]
             positions = np.arange(start, start + length)
-            keys_all[table[positions // size], positions % size] = k[span]
-            values_all[table[positions // size], positions % size] = v[span]
+            where = (table[positions // size], positions % size)
             used = table[: -(-(start + length) // size)]
-            keys = keys_all[used].reshape(-1, kv_heads, dim)[: start + length]
-            values = values_all[used].reshape(-1, kv_heads, value_dim)[: start + length]
+            if kv.dtype == "q8_0":
+                keys_all[where], kv.k_scale[layer][where] = _q8_0(k[span])
+                values_all[where], kv.v_scale[layer][where] = _q8_0(v[span])
+                keys = _from_q8_0(keys_all[used], kv.k_scale[layer][used], self.dtype)
+                values = _from_q8_0(values_all[used], kv.v_scale[layer][used], self.dtype)
+            else:
+                keys_all[where], values_all[where] = k[span], v[span]
+                keys, values = keys_all[used].astype(self.dtype), values_all[used].astype(self.dtype)
+            keys = keys.reshape(-1, kv_heads, dim)[: start + length]
+            values = values.reshape(-1, kv_heads, value_dim)[: start + length]
             qs = q[span].reshape(length, kv_heads, group, dim)
             scores = np.einsum("lkgd,tkd->kglt", qs, keys) * scale
             query_pos = start + np.arange(length)[:, None]
@@ -152,3 +199,64 @@ class CPUBackend(Backend):
 
     def take_rows(self, x: np.ndarray, index: np.ndarray) -> np.ndarray:
         return x[index]
+
+    def scale(self, x: np.ndarray, factor: float) -> np.ndarray:
+        return x * self.dtype(factor)
+
+    def gelu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        inner = self.dtype(math.sqrt(2 / math.pi)) * (gate + self.dtype(0.044715) * gate * gate * gate)
+        return self.dtype(0.5) * gate * (1 + np.tanh(inner)) * up
+
+    def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
+        return self.dtype(cap) * np.tanh(x / self.dtype(cap))
+
+    def attention_softcap(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float):
+        return self._attend(q, k, v, kv, layer, batch, scale, softcap)
+
+    def _attend(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float | None = None):
+        """Paged, causal, windowed GQA attention; scores soft-capped when ``softcap`` is given."""
+        keys_all, values_all = kv.k[layer], kv.v[layer]
+        window = kv.layouts[layer].window
+        n, heads, dim = q.shape
+        kv_heads, value_dim = v.shape[1], v.shape[2]
+        group = heads // kv_heads
+        out = np.empty((n, heads * value_dim), self.dtype)
+        size = kv.page_size
+        for row, offset in zip(batch.rows, batch.offsets):
+            length, start = len(row.tokens), row.start
+            span = slice(offset, offset + length)
+            table = kv.page_table[row.slot]
+            positions = np.arange(start, start + length)
+            where = (table[positions // size], positions % size)
+            used = table[: -(-(start + length) // size)]
+            if kv.dtype == "q8_0":
+                keys_all[where], kv.k_scale[layer][where] = _q8_0(k[span])
+                values_all[where], kv.v_scale[layer][where] = _q8_0(v[span])
+                keys = _from_q8_0(keys_all[used], kv.k_scale[layer][used], self.dtype)
+                values = _from_q8_0(values_all[used], kv.v_scale[layer][used], self.dtype)
+            else:
+                keys_all[where], values_all[where] = k[span], v[span]
+                keys, values = keys_all[used].astype(self.dtype), values_all[used].astype(self.dtype)
+            keys = keys.reshape(-1, kv_heads, dim)[: start + length]
+            values = values.reshape(-1, kv_heads, value_dim)[: start + length]
+            qs = q[span].reshape(length, kv_heads, group, dim)
+            scores = np.einsum("lkgd,tkd->kglt", qs, keys) * scale
+            if softcap is not None:
+                scores = softcap * np.tanh(scores / softcap)
+            out[span] = np.einsum("kglt,tkd->lkgd", self._softmax(scores, start, length, window), values).reshape(
+                length, heads * value_dim
+            )
+        return out
+
+    @staticmethod
+    def _softmax(scores: np.ndarray, start: int, length: int, window: int | None) -> np.ndarray:
+        """Softmax over the last axis (key positions 0..start+length-1) of the causal, windowed scores."""
+        query_pos = start + np.arange(length)[:, None]
+        key_pos = np.arange(start + length)[None, :]
+        masked = key_pos > query_pos
+        if window is not None:
+            masked |= key_pos <= query_pos - window
+        scores[..., masked] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        weights = np.exp(scores)
+        return weights / weights.sum(axis=-1, keepdims=True)

@@ -1,0 +1,400 @@
+"""The engine: a scheduler thread that owns the device and serves many requests at once.
+
+Each step batches the decode rows of the running requests (one token each) with one prefill chunk
+of an admitted prompt, so long prompts never stall the others' decoding. KV lives in fixed-size
+pages (:mod:`leat.kvpool`); a request is admitted only when its page-rounded worst case
+(prompt + max_tokens) fits, so nothing runs out of memory mid-request. The asyncio side talks to
+the scheduler through :class:`RequestHandle` queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from leat.batch import Batch, Row
+from leat.compare import log_softmax
+from leat.errors import LeatError
+from leat.kvpool import PagePool
+from leat.sampling import Sampler, SamplingParams
+
+KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+
+
+class Overloaded(LeatError):
+    """No capacity now: retry after ``retry_after`` seconds (HTTP 429/503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class TooLong(LeatError):
+    """The request can never fit: its prompt plus max_tokens exceed ``limit`` tokens."""
+
+    def __init__(self, message: str, limit: int):
+        super().__init__(message)
+        self.limit = limit
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: Sequence[int]
+    max_tokens: int = 128
+    sampling: SamplingParams | dict[str, Any] | None = None
+    stop: Sequence[str] = ()
+    session: str | None = None
+    client: str | None = None
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k: also the top k
+
+
+@dataclass
+class Event:
+    kind: str  # "token" | "done" | "error"
+    id: int = -1
+    text: str = ""
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    timings: dict[str, float] | None = None
+    error: str | None = None
+
+
+class RequestHandle:
+    """A submitted request's event stream, readable from threads or asyncio; ``cancel()`` stops it."""
+
+    def __init__(self, request_id: int):
+        self.id = request_id
+        self.cancelled = threading.Event()
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async_events: asyncio.Queue[Event] | None = None
+
+    def emit(self, event: Event) -> None:
+        with self._lock:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._async_events.put_nowait, event)
+            else:
+                self._events.put(event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            event = self._events.get()
+            yield event
+            if event.kind in ("done", "error"):
+                return
+
+    async def aiter(self) -> AsyncIterator[Event]:
+        with self._lock:
+            self._loop = asyncio.get_running_loop()
+            self._async_events = asyncio.Queue()
+            while not self._events.empty():
+                self._async_events.put_nowait(self._events.get_nowait())
+        while True:
+            event = await self._async_events.get()
+            yield event
+            if event.kind in ("done", "error"):
+                return
+
+
+@dataclass
+class _Running:
+    request: GenerationRequest
+    handle: RequestHandle
+    sampler: Sampler
+    tokens: list[int]
+    prompt_len: int
+    decoder: Any
+    submitted: float
+    slot: int = -1
+    filled: int = 0  # positions already in the KV cache
+    pages: list[int] = field(default_factory=list)
+    reserved: int = 0
+    pending_text: str = ""
+    first_token_at: float | None = None
+    prefix_keys: list[bytes] = field(default_factory=list)
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        batch_size: int = 8,
+        max_context: int | None = None,
+        kv: str = "f32",
+        prefill_chunk: int = 512,
+        page_size: int = 16,
+        max_queue: int = 64,
+        kv_budget_bytes: int | None = None,
+    ):
+        if kv not in KV_BYTES:
+            raise LeatError(f"--kv must be one of {', '.join(KV_BYTES)}, not {kv!r}")
+        self.model = model
+        self.backend = model.backend
+        self.batch_size = batch_size
+        self.prefill_chunk = prefill_chunk
+        self.page_size = page_size
+        self.max_queue = max_queue
+        layouts = model.architecture.kv_layouts(model.architecture.params)
+        per_token = sum(layout.bytes_per_token(1) for layout in layouts) * KV_BYTES[kv]
+        self.max_context, pages, self.plan = self._size(max_context, per_token, kv_budget_bytes)
+        self.kv_dtype = kv
+        self.kv = self.backend.allocate_kv(layouts, batch_size, self.max_context, pages, page_size, dtype=kv)
+        self.pool = PagePool(pages, page_size)
+        self.free_slots = list(range(batch_size - 1, -1, -1))
+        self.waiting: deque[_Running] = deque()
+        self.running: list[_Running] = []
+        self._ids = itertools.count(1)
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    def _size(self, max_context: int | None, per_token: float, budget: int | None) -> tuple[int, int, str]:
+        """Context and page count: the largest context whose KV for every slot fits the budget."""
+        model_context = self.model.context_length
+        if budget is None:
+            budget = self.backend.kv_budget_bytes()
+        fits = int(budget // (per_token * self.batch_size)) if per_token else model_context
+        fits -= fits % self.page_size
+        context = min(max_context or model_context, model_context)
+        if max_context is None:
+            context = min(context, fits)
+        if fits < min(context, self.page_size):
+            raise LeatError(
+                f"KV for {self.batch_size} slots does not fit in {budget / 2**30:.2f} GiB "
+                f"({per_token:.0f} bytes per token); lower --batch-size"
+            )
+        pages = self.batch_size * -(-context // self.page_size)
+        plan = (
+            f"context {context} tokens x {self.batch_size} slots, {pages} KV pages of {self.page_size} tokens "
+            f"({pages * self.page_size * per_token / 2**20:.1f} MiB)"
+        )
+        return context, pages, plan
+
+    # -- the asyncio / caller side -------------------------------------------------------------------
+    def start(self) -> Engine:
+        self._thread = threading.Thread(target=self._loop, name="leat-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        prompt = list(request.prompt_ids)
+        if not prompt:
+            raise LeatError("the prompt is empty")
+        vocab = self.model.architecture.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise LeatError(f"prompt token id out of range for the vocabulary of {vocab}")
+        need = len(prompt) + request.max_tokens
+        if need > self.max_context:
+            raise TooLong(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({request.max_tokens}) exceeds the context "
+                f"of {self.max_context} tokens",
+                limit=self.max_context,
+            )
+        params = request.sampling
+        if not isinstance(params, SamplingParams):
+            params = SamplingParams.resolve(params or {}, self.model.file.metadata)
+        from leat.tokenizer import IncrementalDecoder
+
+        handle = RequestHandle(next(self._ids))
+        item = _Running(request, handle, Sampler.build(params), prompt, len(prompt),
+                        IncrementalDecoder(self.model.tokenizer), time.perf_counter())
+        with self._wake:
+            if len(self.waiting) >= self.max_queue:
+                raise Overloaded(f"{len(self.waiting)} requests are already waiting; retry shortly", retry_after=1.0)
+            self.waiting.append(item)
+            self._wake.notify()
+        return handle
+
+    def stats(self) -> dict[str, Any]:
+        a = self.backend.allocations
+        return {
+            "queue_depth": len(self.waiting),
+            "running": len(self.running),
+            "kv_pages_total": self.pool.pages,
+            "kv_pages_used": self.pool.used(),
+            "kv_pages_free": len(self.pool.free),
+            "kv_pages_cached": len(self.pool.cached),
+            "kv": self.kv_dtype,
+            "max_context": self.max_context,
+            "batch_size": self.batch_size,
+            "steps": self.steps,
+            "allocations": {"weights": a.weights, "kv": a.kv, "scratch": a.scratch},
+        }
+
+    # -- the scheduler thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.waiting and not self.running:
+                    self._wake.wait()
+                if self._stop:
+                    break
+                self._reap_cancelled()
+                self._admit()
+            if self.running:
+                try:
+                    self.step()
+                except Exception as e:  # a failed step ends its requests, never the server
+                    for item in list(self.running):
+                        self._finish(item, "error", error=f"{type(e).__name__}: {e}")
+        for item in list(self.running) + list(self.waiting):
+            item.handle.emit(Event("done", finish_reason="cancelled", usage=self._usage(item)))
+
+    def _reap_cancelled(self) -> None:
+        for item in [w for w in self.waiting if w.handle.cancelled.is_set()]:
+            self.waiting.remove(item)
+            item.handle.emit(Event("done", finish_reason="cancelled", usage=self._usage(item)))
+        for item in [r for r in self.running if r.handle.cancelled.is_set()]:
+            self._finish(item, "cancelled")
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            item = self.waiting[0]
+            keys = self.pool.prefix_keys(item.request.client, item.tokens[: item.prompt_len - 1])
+            shared = self.pool.lookup(keys)
+            total = -(-(item.prompt_len + item.request.max_tokens) // self.page_size)
+            if not self.pool.reserve(total - len(shared)):
+                for page in shared:
+                    self.pool.drop(page)
+                return  # wait for pages to come back
+            self.waiting.popleft()
+            item.pages, item.reserved = shared, total - len(shared)
+            item.filled = len(shared) * self.page_size
+            item.prefix_keys = self.pool.prefix_keys(item.request.client, item.tokens[: item.prompt_len])
+            item.slot = self.free_slots.pop()
+            self.running.append(item)
+
+    def _pages_for(self, item: _Running, end: int) -> None:
+        """Give ``item`` pages up to position ``end`` (exclusive), copying a shared page before writing."""
+        size = self.page_size
+        first = item.filled // size
+        if first < len(item.pages) and self.pool.refs[item.pages[first]] > 1:
+            copy = self.pool.take()
+            item.reserved -= 1
+            self.backend.copy_page(self.kv, item.pages[first], copy)
+            self.pool.drop(item.pages[first])
+            item.pages[first] = copy
+        while len(item.pages) * size < end:
+            item.pages.append(self.pool.take())
+            item.reserved -= 1
+        self.backend.set_pages(self.kv, item.slot, np.asarray(item.pages, dtype=np.int32))
+
+    def step(self) -> None:
+        """One forward pass: every decoding request's next token plus one prefill chunk."""
+        rows: list[tuple[_Running, Row]] = []
+        prefill_done = False
+        for item in self.running:
+            if item.filled < item.prompt_len:
+                if prefill_done:
+                    continue
+                end = min(item.prompt_len, item.filled + self.prefill_chunk)
+                prefill_done = True
+            else:
+                end = item.filled + 1
+            self._pages_for(item, end)
+            rows.append((item, Row(item.slot, item.filled, np.asarray(item.tokens[item.filled : end]))))
+        logits = self.backend.to_host(self.model.architecture.forward(Batch([r for _, r in rows]), self.kv))
+        self.steps += 1
+        for (item, row), row_logits in zip(rows, logits):
+            item.filled = row.start + len(row.tokens)
+            if item.filled == len(item.tokens):
+                self._sample(item, row_logits)
+
+    def _sample(self, item: _Running, logits: np.ndarray) -> None:
+        token = item.sampler.sample(logits, item.tokens)
+        item.tokens.append(token)
+        now = time.perf_counter()
+        if item.first_token_at is None:
+            item.first_token_at = now
+        tokenizer = self.model.tokenizer
+        if tokenizer.is_eog(token):
+            self._finish(item, "stop")
+            return
+        event = Event("token", id=token)
+        if item.request.logprobs is not None:
+            logp = log_softmax(logits)
+            event.logprob = float(logp[token])
+            if item.request.logprobs > 0:
+                top = np.argsort(-logp)[: item.request.logprobs]
+                event.top_logprobs = [(int(t), float(logp[t])) for t in top]
+        text = item.pending_text + item.decoder.feed(token)
+        stop_at = _find_stop(text, item.request.stop)
+        if stop_at is not None:
+            event.text = text[:stop_at]
+            item.handle.emit(event)
+            self._finish(item, "stop", flush=False)
+            return
+        keep = _stop_prefix_len(text, item.request.stop)
+        event.text, item.pending_text = text[: len(text) - keep], text[len(text) - keep :]
+        item.handle.emit(event)
+        if item.generated >= item.request.max_tokens:
+            self._finish(item, "length")
+
+    def _usage(self, item: _Running) -> dict[str, int]:
+        return {"prompt_tokens": item.prompt_len, "completion_tokens": max(0, len(item.tokens) - item.prompt_len)}
+
+    def _finish(self, item: _Running, reason: str, error: str | None = None, flush: bool = True) -> None:
+        if flush and reason in ("stop", "length"):
+            tail = item.pending_text + item.decoder.flush()
+            if tail:
+                item.handle.emit(Event("token", text=tail))
+        full = item.filled // self.page_size
+        self.pool.remember(item.prefix_keys[:full], item.pages[:full])
+        for page in item.pages:
+            self.pool.drop(page)
+        self.pool.release(item.reserved)
+        item.pages, item.reserved = [], 0
+        self.running.remove(item)
+        self.free_slots.append(item.slot)
+        now = time.perf_counter()
+        timings = {
+            "ttft_seconds": (item.first_token_at or now) - item.submitted,
+            "total_seconds": now - item.submitted,
+        }
+        if error is not None:
+            item.handle.emit(Event("error", error=error, usage=self._usage(item)))
+        else:
+            item.handle.emit(Event("done", finish_reason=reason, usage=self._usage(item), timings=timings))
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> int | None:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters of ``text`` could begin a stop string (held back, not yet sent)."""
+    longest = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                longest = max(longest, n)
+                break
+    return longest
