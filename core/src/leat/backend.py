@@ -9,13 +9,16 @@ Activations are opaque backend arrays (numpy arrays on the CPU, device buffers e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import gguf
 import numpy as np
 
 from leat.batch import Batch
 from leat.modelfile import Tensor
+
+if TYPE_CHECKING:
+    from leat.moe import MoESpec, MoEWeights
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class RopeSpec:
     neox: bool = False
     scale: float = 1.0  # linear position scaling: positions are multiplied by this
     freq_factors: np.ndarray | None = None
+    attn_factor: float = 1.0  # cos and sin are multiplied by this (YaRN's magnitude; see leat.rope)
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,14 @@ class Backend:
         """Copy one page's K/V in every layer (copy-on-write of a shared prefix page)."""
         raise NotImplementedError
 
+    def read_pages(self, kv: KVPages, pages: list[int]) -> list[np.ndarray]:
+        """The contents of ``pages`` in every layer, as host arrays (to hibernate a session)."""
+        raise NotImplementedError
+
+    def write_pages(self, kv: KVPages, pages: list[int], contents: list[np.ndarray]) -> None:
+        """Put back what :meth:`read_pages` returned, into (possibly other) page ids."""
+        raise NotImplementedError
+
     def to_host(self, x: Any) -> np.ndarray:
         raise NotImplementedError
 
@@ -212,5 +224,30 @@ class Backend:
 
         The score of query i and key j is ``softcap * tanh(scale * (q_i . k_j) / softcap)``; all else
         (cache writes, GQA, causal and window masks, output shape) is as :meth:`attention`.
+        """
+        raise NotImplementedError
+
+    def attention_sinks(
+        self, q: Any, k: Any, v: Any, kv: Any, layer: int, batch: Batch, scale: float, sinks: Any
+    ) -> Any:
+        """:meth:`attention` with a learned logit per query head joining each softmax's denominator (gpt-oss).
+
+        ``sinks`` is an uploaded [heads] tensor. Query i of head h weights key j by
+        ``exp(s_ij) / (exp(sinks[h]) + sum_j' exp(s_ij'))`` with ``s_ij = scale * (q_i . k_j)`` over the
+        unmasked keys: the sink takes probability mass and contributes no value. All else (cache
+        writes, GQA, causal and window masks, output shape) is as :meth:`attention`.
+        """
+        raise NotImplementedError
+
+    def moe(self, x: Any, weights: MoEWeights, spec: MoESpec) -> Any:
+        """A mixture-of-experts feed-forward over x [n, d] -> [n, d], routing included (see leat.moe).
+
+        Per token: router logits ``x @ router.T + router_bias`` [experts]; the top ``spec.experts_used``
+        experts and their weights as ``spec.gating``, ``spec.normalize`` and ``spec.scale`` say
+        (:func:`leat.moe.route` is the reference); for each selected expert e,
+        ``h = act(x @ gate[e].T + gate_bias[e], x @ up[e].T + up_bias[e])`` with ``spec.activation``
+        (:func:`leat.moe.activate`), ``y_e = h @ down[e].T + down_bias[e]``; the output is the sum of
+        the weighted ``y_e``. ``gate``/``up`` are [experts, ffn, d] and ``down`` [experts, d, ffn], as
+        stored (any quant type the backend supports); absent biases are zero.
         """
         raise NotImplementedError

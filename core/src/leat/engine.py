@@ -26,6 +26,7 @@ from leat.compare import log_softmax
 from leat.errors import LeatError
 from leat.kvpool import PagePool
 from leat.sampling import Sampler, SamplingParams
+from leat.sessions import SessionStore, common_prefix, model_fingerprint
 
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
 
@@ -144,6 +145,7 @@ class Engine:
         page_size: int = 16,
         max_queue: int = 64,
         kv_budget_bytes: int | None = None,
+        session_store: str | None = None,
     ):
         if kv not in KV_BYTES:
             raise LeatError(f"--kv must be one of {', '.join(KV_BYTES)}, not {kv!r}")
@@ -163,7 +165,9 @@ class Engine:
         self.waiting: deque[_Running] = deque()
         self.running: list[_Running] = []
         self._ids = itertools.count(1)
+        self.sessions = SessionStore(session_store, model_fingerprint(model, kv, page_size))
         self._wake = threading.Condition()
+        self._state = threading.RLock()  # pool, slots, running and sessions: the scheduler's, or a session call's
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0
@@ -256,14 +260,16 @@ class Engine:
                     self._wake.wait()
                 if self._stop:
                     break
-                self._reap_cancelled()
-                self._admit()
-            if self.running:
-                try:
-                    self.step()
-                except Exception as e:  # a failed step ends its requests, never the server
-                    for item in list(self.running):
-                        self._finish(item, "error", error=f"{type(e).__name__}: {e}")
+            with self._state:
+                with self._wake:
+                    self._reap_cancelled()
+                    self._admit()
+                if self.running:
+                    try:
+                        self.step()
+                    except Exception as e:  # a failed step ends its requests, never the server
+                        for item in list(self.running):
+                            self._finish(item, "error", error=f"{type(e).__name__}: {e}")
         for item in list(self.running) + list(self.waiting):
             item.handle.emit(Event("done", finish_reason="cancelled", usage=self._usage(item)))
 
@@ -277,19 +283,107 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
             item = self.waiting[0]
-            keys = self.pool.prefix_keys(item.request.client, item.tokens[: item.prompt_len - 1])
-            shared = self.pool.lookup(keys)
-            total = -(-(item.prompt_len + item.request.max_tokens) // self.page_size)
-            if not self.pool.reserve(total - len(shared)):
-                for page in shared:
-                    self.pool.drop(page)
+            session = self.sessions.get(item.request.session) if item.request.session else None
+            if session is not None and session.busy:
+                return  # one request at a time extends a session
+            if not self._reserve(item, session):
                 return  # wait for pages to come back
             self.waiting.popleft()
-            item.pages, item.reserved = shared, total - len(shared)
-            item.filled = len(shared) * self.page_size
             item.prefix_keys = self.pool.prefix_keys(item.request.client, item.tokens[: item.prompt_len])
             item.slot = self.free_slots.pop()
+            if session is not None:
+                session.busy = True
             self.running.append(item)
+
+    def _reserve(self, item: _Running, session) -> bool:
+        """Share what can be reused (a session's pages or cached prefix pages), reserve the rest."""
+        size = self.page_size
+        total = -(-(item.prompt_len + item.request.max_tokens) // size)
+        if session is not None and session.hibernated and not self._restore(session):
+            return False
+        if session is not None and session.pages:
+            reuse = common_prefix(session.tokens, item.tokens[: item.prompt_len - 1])
+            shared = [self.pool.share(page) for page in session.pages[: -(-reuse // size)]]
+            copy = 1 if reuse % size else 0  # the partly filled last page is copied before writing
+        else:
+            keys = self.pool.prefix_keys(item.request.client, item.tokens[: item.prompt_len - 1])
+            shared = self.pool.lookup(keys)
+            reuse, copy = len(shared) * size, 0
+        need = total - len(shared) + copy
+        if not self.pool.reserve(need) and not (self._make_room(need, session) and self.pool.reserve(need)):
+            for page in shared:
+                self.pool.drop(page)
+            return False
+        item.pages, item.reserved, item.filled = shared, need, reuse
+        return True
+
+    def _make_room(self, need: int, keep) -> bool:
+        """Hibernate (with a store) or forget idle sessions, least recently used first, until ``need`` pages fit."""
+        idle = sorted(
+            (s for s in self.sessions.live.values() if s.pages and not s.busy and s is not keep),
+            key=lambda s: s.last_used,
+        )
+        for session in idle:
+            if self.pool.available() >= need:
+                break
+            self._release_session(session, to_disk=self.sessions.directory is not None)
+        return self.pool.available() >= need
+
+    def _release_session(self, session, to_disk: bool) -> None:
+        if to_disk:
+            self.sessions.save(session, self.backend.read_pages(self.kv, session.pages))
+        else:
+            session.tokens = []
+        for page in session.pages:
+            self.pool.drop(page)
+        session.pages = []
+
+    def _restore(self, session) -> bool:
+        contents = self.sessions.load(session)
+        count = len(contents[0]) if contents else 0
+        if not self.pool.reserve(count) and not (self._make_room(count, session) and self.pool.reserve(count)):
+            return False
+        session.pages = [self.pool.take() for _ in range(count)]
+        self.backend.write_pages(self.kv, session.pages, contents)
+        return True
+
+    # -- sessions (callable from any thread) ---------------------------------------------------------
+    def fork_session(self, source: str, target: str) -> None:
+        """``target`` starts as a copy of ``source``, sharing its pages until either writes."""
+        with self._state:
+            src, dst = self.sessions.get(source), self.sessions.get(target)
+            if src.hibernated and not self._restore(src):
+                raise Overloaded("no KV pages free to restore the session being forked", retry_after=1.0)
+            self._drop_session_pages(dst)
+            dst.tokens, dst.pages = list(src.tokens), [self.pool.share(p) for p in src.pages]
+
+    def hibernate(self, name: str) -> None:
+        with self._state:
+            session = self.sessions.get(name)
+            if session.busy:
+                raise LeatError(f"session {name} is in use")
+            if session.pages:
+                self._release_session(session, to_disk=True)
+
+    def drop_session(self, name: str) -> None:
+        with self._state:
+            session = self.sessions.get(name)
+            if session.busy:
+                raise LeatError(f"session {name} is in use")
+            self._drop_session_pages(session)
+            self.sessions.delete(name)
+
+    def list_sessions(self) -> list[dict[str, Any]]:
+        with self._state:
+            return [
+                {"name": s.name, "tokens": len(s.tokens), "pages": len(s.pages), "hibernated": s.hibernated}
+                for s in self.sessions.live.values()
+            ]
+
+    def _drop_session_pages(self, session) -> None:
+        for page in session.pages:
+            self.pool.drop(page)
+        session.pages = []
 
     def _pages_for(self, item: _Running, end: int) -> None:
         """Give ``item`` pages up to position ``end`` (exclusive), copying a shared page before writing."""
@@ -357,6 +451,17 @@ class Engine:
         if item.generated >= item.request.max_tokens:
             self._finish(item, "length")
 
+    def _keep_session(self, item: _Running, reason: str) -> None:
+        session = self.sessions.get(item.request.session)
+        session.busy, session.last_used = False, time.monotonic()
+        if reason == "error":
+            return
+        self._drop_session_pages(session)
+        session.tokens = item.tokens[: item.filled]
+        session.pages = [self.pool.share(p) for p in item.pages[: -(-item.filled // self.page_size)]]
+        if self.sessions.directory is not None:
+            self.sessions.save(session, self.backend.read_pages(self.kv, session.pages))
+
     def _usage(self, item: _Running) -> dict[str, int]:
         return {"prompt_tokens": item.prompt_len, "completion_tokens": max(0, len(item.tokens) - item.prompt_len)}
 
@@ -367,6 +472,8 @@ class Engine:
                 item.handle.emit(Event("token", text=tail))
         full = item.filled // self.page_size
         self.pool.remember(item.prefix_keys[:full], item.pages[:full])
+        if item.request.session:
+            self._keep_session(item, reason)
         for page in item.pages:
             self.pool.drop(page)
         self.pool.release(item.reserved)

@@ -18,6 +18,7 @@ from leat.backend import Allocations, Backend, KVLayout, KVPages, RopeSpec
 from leat.batch import Batch
 from leat.errors import UnsupportedQuantType
 from leat.modelfile import Tensor
+from leat.moe import MoESpec, MoEWeights, activate, route
 
 Q = gguf.GGMLQuantizationType
 # The types gguf-py can dequantize (it raises NotImplementedError for the others).
@@ -102,6 +103,13 @@ class CPUBackend(Backend):
         self.allocations.kv += sum(a.nbytes for a in kv.k + kv.v + kv.k_scale + kv.v_scale)
         return kv
 
+    def read_pages(self, kv: KVCache, pages: list[int]) -> list[np.ndarray]:
+        return [storage[pages] for storage in kv.k + kv.v + kv.k_scale + kv.v_scale]
+
+    def write_pages(self, kv: KVCache, pages: list[int], contents: list[np.ndarray]) -> None:
+        for storage, values in zip(kv.k + kv.v + kv.k_scale + kv.v_scale, contents, strict=True):
+            storage[pages] = values
+
     def kv_budget_bytes(self) -> int:
         try:
             with open("/proc/meminfo") as f:
@@ -135,8 +143,8 @@ class CPUBackend(Backend):
         if spec.freq_factors is not None:
             inv_freq = inv_freq / spec.freq_factors[:half]
         angles = (positions.astype(np.float64) * spec.scale)[:, None] * inv_freq[None, :]
-        cos = np.cos(angles).astype(self.dtype)[:, None, :]
-        sin = np.sin(angles).astype(self.dtype)[:, None, :]
+        cos = (np.cos(angles) * spec.attn_factor).astype(self.dtype)[:, None, :]
+        sin = (np.sin(angles) * spec.attn_factor).astype(self.dtype)[:, None, :]
         out = x.copy()
         if spec.neox:
             a, b = x[..., :half], x[..., half : spec.dims]
@@ -213,8 +221,11 @@ class CPUBackend(Backend):
     def attention_softcap(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float):
         return self._attend(q, k, v, kv, layer, batch, scale, softcap)
 
-    def _attend(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float | None = None):
-        """Paged, causal, windowed GQA attention; scores soft-capped when ``softcap`` is given."""
+    def _attend(
+        self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float | None = None, sinks=None
+    ):
+        """Paged, causal, windowed GQA attention; scores soft-capped when ``softcap`` is given, and each
+        head's ``sinks`` logit added to its softmax denominator when given."""
         keys_all, values_all = kv.k[layer], kv.v[layer]
         window = kv.layouts[layer].window
         n, heads, dim = q.shape
@@ -243,20 +254,51 @@ class CPUBackend(Backend):
             scores = np.einsum("lkgd,tkd->kglt", qs, keys) * scale
             if softcap is not None:
                 scores = softcap * np.tanh(scores / softcap)
-            out[span] = np.einsum("kglt,tkd->lkgd", self._softmax(scores, start, length, window), values).reshape(
+            out[span] = np.einsum("kglt,tkd->lkgd", self._softmax(scores, start, length, window, sinks), values).reshape(
                 length, heads * value_dim
             )
         return out
 
     @staticmethod
-    def _softmax(scores: np.ndarray, start: int, length: int, window: int | None) -> np.ndarray:
-        """Softmax over the last axis (key positions 0..start+length-1) of the causal, windowed scores."""
+    def _softmax(
+        scores: np.ndarray, start: int, length: int, window: int | None, sinks: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Softmax over the last axis (key positions 0..start+length-1) of the causal, windowed scores
+        [kv_heads, group, queries, keys]; ``sinks`` [kv_heads * group] join the denominators."""
         query_pos = start + np.arange(length)[:, None]
         key_pos = np.arange(start + length)[None, :]
         masked = key_pos > query_pos
         if window is not None:
             masked |= key_pos <= query_pos - window
         scores[..., masked] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        weights = np.exp(scores)
-        return weights / weights.sum(axis=-1, keepdims=True)
+        peak = scores.max(axis=-1, keepdims=True)
+        if sinks is not None:
+            sinks = sinks.reshape(*scores.shape[:2], 1, 1)
+            peak = np.maximum(peak, sinks)
+        weights = np.exp(scores - peak)
+        total = weights.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            total = total + np.exp(sinks - peak)
+        return weights / total
+
+    def attention_sinks(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, sinks: np.ndarray):
+        return self._attend(q, k, v, kv, layer, batch, scale, sinks=sinks)
+
+    def moe(self, x: np.ndarray, weights: MoEWeights, spec: MoESpec) -> np.ndarray:
+        logits = self.matmul(x, weights.router, weights.router_bias)
+        ids, gains = route(logits, spec)
+        out = np.zeros_like(x)
+        for expert in np.unique(ids):
+            rows, slot = np.nonzero(ids == expert)
+            h = x[rows]
+            gate = h @ weights.gate[expert].T
+            up = h @ weights.up[expert].T
+            if weights.gate_bias is not None:
+                gate = gate + weights.gate_bias[expert]
+            if weights.up_bias is not None:
+                up = up + weights.up_bias[expert]
+            y = activate(gate, up, spec) @ weights.down[expert].T
+            if weights.down_bias is not None:
+                y = y + weights.down_bias[expert]
+            out[rows] += y * gains[rows, slot][:, None]  # a token selects an expert at most once
+        return out

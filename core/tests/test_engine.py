@@ -1,0 +1,267 @@
+import threading
+
+import numpy as np
+import pytest
+
+import leat
+from leat.backend import KVLayout
+from leat.batch import Batch, Row
+from leat.compare import compare
+from leat.engine import Engine, GenerationRequest, Overloaded, TooLong
+from leat.testing import write_tiny_gguf
+from leat_arch_llama.llama import Llama
+
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_tiny_gguf(Llama, tmp_path_factory.mktemp("engine") / "tiny.gguf", params=Llama.tiny(context=512))
+    return leat.load(str(path), backend="cpu", precision="f32")
+
+
+def prompts(count, seed=0, lengths=(5, 40, 17, 3, 64, 9, 33, 2)):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 290, lengths[i % len(lengths)]).tolist() for i in range(count)]
+
+
+def tokens(handle):
+    events = list(handle)
+    assert events[-1].kind == "done", events[-1]
+    return [e.id for e in events if e.kind == "token" and e.id >= 0], events[-1]
+
+
+def alone(model, prompt, n=24, **request):
+    engine = Engine(model, batch_size=1, max_context=256).start()
+    try:
+        return tokens(engine.submit(GenerationRequest(prompt, n, GREEDY, **request)))[0]
+    finally:
+        engine.stop()
+
+
+def test_concurrent_greedy_equals_one_at_a_time(model):
+    batch = prompts(8)
+    expected = [alone(model, p) for p in batch]
+    engine = Engine(model, batch_size=4, prefill_chunk=16, page_size=8, max_context=256).start()
+    try:
+        handles = [engine.submit(GenerationRequest(p, 24, GREEDY)) for p in batch]
+        got = [tokens(h)[0] for h in handles]
+        assert engine.steps < sum(len(p) // 16 + 24 for p in batch), "rows were not batched together"
+    finally:
+        engine.stop()
+    assert got == expected
+
+
+def test_submissions_from_many_threads(model):
+    batch = prompts(6, seed=1)
+    expected = [alone(model, p, n=10) for p in batch]
+    engine = Engine(model, batch_size=3, prefill_chunk=8, max_context=256).start()
+    results = [None] * len(batch)
+
+    def worker(i):
+        results[i] = tokens(engine.submit(GenerationRequest(batch[i], 10, GREEDY)))[0]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(batch))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    engine.stop()
+    assert results == expected
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_reduced_kv_storage_keeps_top1(tmp_path, kv):
+    path = write_tiny_gguf(Llama, tmp_path / "hd32.gguf", params=Llama.tiny(head_dim=32, context=512), seed=3)
+    model = leat.load(str(path), backend="cpu", precision="f32")
+    arch, backend = model.architecture, model.backend
+    ids = np.random.default_rng(2).integers(0, 290, 200)
+    outs = {}
+    for dtype in ("f32", kv):
+        cache = backend.allocate_kv(arch.kv_layouts(arch.params), 1, 256, dtype=dtype)
+        outs[dtype] = backend.to_host(arch.forward(Batch([Row(0, 0, ids, all_logits=True)]), cache))
+    agreement = compare(outs["f32"], outs[kv], label=f"{kv} KV vs f32 KV")
+    assert not agreement.failures(top1=0.99, kl=1e-3), str(agreement)
+    assert not np.array_equal(outs["f32"], outs[kv]), "the reduced storage was not used"
+
+
+def test_too_long_is_refused_before_anything_is_allocated(model):
+    engine = Engine(model, batch_size=2, max_context=64)
+    with pytest.raises(TooLong, match="exceeds the context of 64 tokens") as info:
+        engine.submit(GenerationRequest(list(range(60)), 10))
+    assert info.value.limit == 64
+    assert engine.pool.used() == 0 and not engine.waiting
+
+
+def test_overload_refuses_when_queue_is_full_and_admitted_all_complete(model):
+    engine = Engine(model, batch_size=2, max_context=128, max_queue=3)
+    accepted = [engine.submit(GenerationRequest(p, 8, GREEDY)) for p in prompts(3)]
+    with pytest.raises(Overloaded) as info:
+        engine.submit(GenerationRequest([1, 2, 3], 8))
+    assert info.value.retry_after > 0
+    engine.start()
+    try:
+        for handle in accepted:
+            assert tokens(handle)[1].finish_reason in ("length", "stop")
+    finally:
+        engine.stop()
+    assert engine.pool.reserved == 0 and not engine.running
+    assert engine.pool.used() == len(engine.pool.cached)  # only reusable prefix pages stay
+
+
+def test_admission_waits_for_pages_instead_of_running_out(model):
+    # 6 pages of 16 tokens: each request reserves ceil((40 + 20) / 16) = 4 pages, so only one runs at a time
+    engine = Engine(model, batch_size=4, max_context=96, page_size=16)
+    engine.pool = type(engine.pool)(6, 16)
+    handles = [engine.submit(GenerationRequest(p, 20, GREEDY)) for p in prompts(3, lengths=(40,))]
+    engine.start()
+    try:
+        for handle in handles:
+            assert tokens(handle)[1].usage["completion_tokens"] >= 1
+    finally:
+        engine.stop()
+
+
+def test_cancel_frees_pages_at_once(model):
+    engine = Engine(model, batch_size=2, max_context=256).start()
+    try:
+        handle = engine.submit(GenerationRequest(list(range(1, 50)), 200, GREEDY))
+        first = next(iter(handle))
+        assert first.kind == "token"
+        handle.cancel()
+        rest = list(handle)
+        assert rest[-1].finish_reason == "cancelled"
+        assert engine.pool.reserved == 0 and not engine.running
+        assert engine.pool.used() == len(engine.pool.cached)
+    finally:
+        engine.stop()
+
+
+def test_prefix_pages_are_reused_per_client(model):
+    shared = prompts(1, seed=5, lengths=(50,))[0]
+    engine = Engine(model, batch_size=2, max_context=256, page_size=8, prefill_chunk=8).start()
+    try:
+        first, _ = tokens(engine.submit(GenerationRequest(shared + [7], 5, GREEDY, client="alice")))
+        assert engine.steps == 7 + 4  # 51 prompt tokens in chunks of 8, then 4 more decodes
+        cached = len(engine.pool.cached)
+        assert cached == 6  # the 51-token prompt fills 6 pages of 8
+        steps = engine.steps
+        again, _ = tokens(engine.submit(GenerationRequest(shared + [7], 5, GREEDY, client="alice")))
+        assert again == first
+        assert engine.steps - steps == 5  # prefill of the 3 uncached tokens took one step, then 4 decodes
+        steps = engine.steps
+        other, _ = tokens(engine.submit(GenerationRequest(shared + [7], 5, GREEDY, client="bob")))
+        assert other == first and engine.steps - steps == 11  # bob does not see alice's pages
+    finally:
+        engine.stop()
+
+
+def test_stop_strings_end_generation_and_are_not_sent(model):
+    prompt = prompts(1, seed=7)[0]
+    engine = Engine(model, batch_size=1, max_context=256).start()
+    try:
+        events = list(engine.submit(GenerationRequest(prompt, 30, GREEDY)))
+        text = "".join(e.text for e in events if e.kind == "token")
+        stop = text[10:13]
+        assert len(stop) == 3
+        events = list(engine.submit(GenerationRequest(prompt, 30, GREEDY, stop=[stop])))
+    finally:
+        engine.stop()
+    cut = "".join(e.text for e in events if e.kind == "token")
+    assert cut == text[: text.find(stop)] and events[-1].finish_reason == "stop"
+
+
+def test_logprobs_match_the_models_logits(model):
+    prompt = prompts(1, seed=8)[0]
+    engine = Engine(model, batch_size=1, max_context=256).start()
+    try:
+        events = [e for e in engine.submit(GenerationRequest(prompt, 4, GREEDY, logprobs=3)) if e.kind == "token"]
+    finally:
+        engine.stop()
+    ids = [e.id for e in events]
+    logits = model.logits(prompt + ids).astype(np.float64)
+    for i, event in enumerate(events):
+        row = logits[len(prompt) - 1 + i]
+        logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
+        assert event.logprob == pytest.approx(logp[event.id], abs=1e-4)
+        assert [t for t, _ in event.top_logprobs] == list(np.argsort(-logp)[:3])
+
+
+def run(engine, prompt, n=6, **request):
+    before = engine.steps
+    out, done = tokens(engine.submit(GenerationRequest(prompt, n, GREEDY, **request)))
+    return out, engine.steps - before
+
+
+def test_session_continues_without_reprefill(model):
+    first_turn, second_turn = prompts(2, seed=11, lengths=(40, 20))
+    engine = Engine(model, batch_size=2, max_context=256, page_size=8, prefill_chunk=8).start()
+    try:
+        reply, _ = run(engine, first_turn, session="chat")
+        conversation = first_turn + reply + second_turn
+        fresh, fresh_steps = run(engine, conversation, client="nobody-else")
+        again, steps = run(engine, conversation, session="chat")
+        assert again == fresh
+        # the session holds 40 + 5 tokens (the last reply token is not in KV yet): 21 + 1 remain to prefill
+        assert steps == 3 + 5 < fresh_steps
+        assert engine.list_sessions() == [{"name": "chat", "tokens": len(conversation) + 5, "pages": 9, "hibernated": False}]
+    finally:
+        engine.stop()
+
+
+def test_fork_shares_pages_until_they_diverge(model):
+    base, left, right = prompts(3, seed=12, lengths=(43, 7, 9))
+    engine = Engine(model, batch_size=2, max_context=256, page_size=8, prefill_chunk=64).start()
+    try:
+        reply, _ = run(engine, base, n=1, session="a")
+        engine.fork_session("a", "b")
+        used = engine.pool.used()
+        want_left, _ = run(engine, base + reply + left, client="x")
+        want_right, _ = run(engine, base + reply + right, client="y")
+        got_left, _ = run(engine, base + reply + left, session="a")
+        got_right, _ = run(engine, base + reply + right, session="b")
+        assert (got_left, got_right) == (want_left, want_right)
+        sessions = {s["name"]: s for s in engine.list_sessions()}
+        assert sessions["a"]["tokens"] == sessions["b"]["tokens"] - 2
+    finally:
+        engine.stop()
+    assert used < 2 * 6 + len(engine.pool.cached)  # the fork took no pages of its own
+
+
+def test_hibernate_and_restore_across_restart(model, tmp_path):
+    first_turn, second_turn = prompts(2, seed=13, lengths=(30, 10))
+    engine = Engine(model, batch_size=1, max_context=256, page_size=8, prefill_chunk=8, session_store=tmp_path).start()
+    try:
+        reply, _ = run(engine, first_turn, session="s1")
+        conversation = first_turn + reply + second_turn
+        expected, _ = run(engine, conversation, client="fresh")
+        engine.hibernate("s1")
+        assert engine.list_sessions()[0]["hibernated"] and (tmp_path / "s1.npz").exists()
+    finally:
+        engine.stop()
+    restarted = Engine(model, batch_size=1, max_context=256, page_size=8, prefill_chunk=8, session_store=tmp_path).start()
+    try:
+        assert restarted.list_sessions() == [{"name": "s1", "tokens": 35, "pages": 0, "hibernated": True}]
+        got, steps = run(restarted, conversation, session="s1")
+        assert got == expected and steps == 2 + 5
+    finally:
+        restarted.stop()
+
+
+def test_idle_sessions_make_room_under_memory_pressure(model, tmp_path):
+    engine = Engine(model, batch_size=2, max_context=96, page_size=16, session_store=tmp_path)
+    engine.pool = type(engine.pool)(8, 16)
+    engine.start()
+    try:
+        for name, prompt in zip(("a", "b", "c"), prompts(3, seed=14, lengths=(40,))):
+            run(engine, prompt, n=10, session=name)  # each needs 4 pages: only two fit at once
+        states = {s["name"]: s["hibernated"] for s in engine.list_sessions()}
+        assert states["c"] is False and sum(states.values()) >= 1
+    finally:
+        engine.stop()
+
+
+def test_bad_session_name_is_refused(model):
+    engine = Engine(model, batch_size=1, max_context=64)
+    with pytest.raises(Exception, match="session name"):
+        engine.fork_session("../etc", "x")
