@@ -128,6 +128,7 @@ class _Running:
     pending_text: str = ""
     first_token_at: float | None = None
     prefix_keys: list[bytes] = field(default_factory=list)
+    cached: int = 0  # prompt tokens whose KV was reused, not computed
 
     @property
     def generated(self) -> int:
@@ -314,7 +315,7 @@ class Engine:
             for page in shared:
                 self.pool.drop(page)
             return False
-        item.pages, item.reserved, item.filled = shared, need, reuse
+        item.pages, item.reserved, item.filled, item.cached = shared, need, reuse, reuse
         return True
 
     def _make_room(self, need: int, keep) -> bool:
@@ -463,7 +464,11 @@ class Engine:
             self.sessions.save(session, self.backend.read_pages(self.kv, session.pages))
 
     def _usage(self, item: _Running) -> dict[str, int]:
-        return {"prompt_tokens": item.prompt_len, "completion_tokens": max(0, len(item.tokens) - item.prompt_len)}
+        return {
+            "prompt_tokens": item.prompt_len,
+            "completion_tokens": max(0, len(item.tokens) - item.prompt_len),
+            "cached_tokens": item.cached,
+        }
 
     def _finish(self, item: _Running, reason: str, error: str | None = None, flush: bool = True) -> None:
         if flush and reason in ("stop", "length"):

@@ -60,7 +60,11 @@ def choose_backend(name: str | None, host: plugins.PluginHost | None = None) -> 
         return cls
     reasons = []
     for entry in sorted(table.values(), key=lambda e: -int(e.options.get("priority", 0))):
-        cls = entry.load()
+        try:
+            cls = entry.load()
+        except LeatError as e:  # a broken backend plugin must not hide the working ones
+            reasons.append(f"{entry.name}: {e}")
+            continue
         reason = cls.probe()
         if reason is None:
             return cls
@@ -80,6 +84,7 @@ class Token:
 class Timings:
     prompt_tokens: int = 0
     prompt_seconds: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (not computed)
     generated_tokens: int = 0
     generate_seconds: float = 0.0
     finish_reason: str | None = None
@@ -89,7 +94,8 @@ class Timings:
         return {
             "prompt_tokens": self.prompt_tokens,
             "prompt_seconds": round(self.prompt_seconds, 6),
-            "prompt_tokens_per_second": _rate(self.prompt_tokens, self.prompt_seconds),
+            "cached_tokens": self.cached_tokens,
+            "prompt_tokens_per_second": _rate(self.prompt_tokens - self.cached_tokens, self.prompt_seconds),
             "generated_tokens": self.generated_tokens,
             "generate_seconds": round(self.generate_seconds, 6),
             # the first token comes with the prompt; the decode rate counts the ones after it
@@ -115,6 +121,7 @@ class Model:
         self.tokenizer = Tokenizer.from_metadata(file.metadata)
         self.chat_template = ChatTemplate.from_metadata(file.metadata)
         self.last_timings = Timings()
+        self._session_engine = None
 
     @property
     def context_length(self) -> int:
@@ -161,25 +168,33 @@ class Model:
         sampling: Any = None,
         stop: Sequence[str] = (),
         context: int | None = None,
+        session: str | None = None,
     ) -> Iterator[Token]:
         """Stream tokens after ``prompt`` (text is tokenized with BOS as the model wants).
 
-        Runs a private single-slot :class:`~leat.engine.Engine`, so this path and the server's share
-        one implementation.
+        Runs a single-slot :class:`~leat.engine.Engine`, so this path and the server's share one
+        implementation. With ``session``, the engine stays up between calls and a prompt that
+        extends the previous conversation prefills only what is new.
         """
         from leat.engine import Engine, GenerationRequest
 
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_tokens(np.asarray(ids))
+        if session is not None and self._session_engine is None:
+            self._session_engine = Engine(self, batch_size=1, prefill_chunk=PREFILL_CHUNK).start()
         limit = min(context or self.context_length, self.context_length)
+        if session is not None:
+            limit = min(limit, self._session_engine.max_context)
         if len(ids) >= limit:
             raise LeatError(f"prompt of {len(ids)} tokens does not fit the context of {limit} tokens")
         max_tokens = min(max_tokens, limit - len(ids))
-        engine = Engine(self, batch_size=1, max_context=len(ids) + max_tokens, prefill_chunk=PREFILL_CHUNK)
+        if session is not None:
+            engine = self._session_engine
+        else:
+            engine = Engine(self, batch_size=1, max_context=len(ids) + max_tokens, prefill_chunk=PREFILL_CHUNK).start()
         timings = self.last_timings = Timings(prompt_tokens=len(ids))
-        engine.start()
         try:
-            handle = engine.submit(GenerationRequest(ids, max_tokens, sampling, stop))
+            handle = engine.submit(GenerationRequest(ids, max_tokens, sampling, stop, session=session))
             try:
                 for event in handle:
                     if event.kind == "token":
@@ -190,12 +205,20 @@ class Model:
                     else:
                         timings.finish_reason = event.finish_reason
                         timings.generated_tokens = event.usage["completion_tokens"]
+                        timings.cached_tokens = event.usage["cached_tokens"]
                         timings.prompt_seconds = event.timings["ttft_seconds"]
                         timings.generate_seconds = event.timings["total_seconds"] - event.timings["ttft_seconds"]
             finally:
                 handle.cancel()
         finally:
-            engine.stop()
+            if engine is not self._session_engine:
+                engine.stop()
+
+    def close(self) -> None:
+        """Stop the engine that sessions keep running, if any."""
+        if self._session_engine is not None:
+            self._session_engine.stop()
+            self._session_engine = None
 
 
 def load(

@@ -18,7 +18,8 @@ HELP = """commands:
 def _stream(model, messages: list[dict[str, Any]], max_tokens: int, sampling: dict, verbose: bool) -> str:
     ids = model.chat_prompt(messages)
     parts = []
-    for token in model.generate(ids, max_tokens=max_tokens, sampling=sampling):
+    # one session for the whole chat: each turn prefills only the new messages
+    for token in model.generate(ids, max_tokens=max_tokens, sampling=sampling, session="terminal"):
         parts.append(token.text)
         click.echo(token.text, nl=False)
         sys.stdout.flush()
