@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +45,13 @@ def _get_json(url: str) -> dict:
 
 
 def release_files(package: str, version: str | None = None) -> tuple[str, list[dict]]:
-    """The version (latest when None) and its files as PyPI's JSON API lists them."""
+    """The version (latest when None) and its files as PyPI's JSON API lists them, with absolute URLs."""
+    found, files, source = _release_files(package, version)
+    # mirrors may list files relative to the JSON document (e.g. "../../packages/...")
+    return found, [{**f, "url": urllib.parse.urljoin(source, f["url"])} for f in files]
+
+
+def _release_files(package: str, version: str | None) -> tuple[str, list[dict], str]:
     what = f"{package}=={version}" if version else package
     project_url = f"{_index()}/{package}/json"
     if not version:
@@ -52,11 +59,11 @@ def release_files(package: str, version: str | None = None) -> tuple[str, list[d
             info = _get_json(project_url)
         except _NotFound:
             raise PullError(f"PyPI has no {what} (404 from {project_url})") from None
-        return info["info"]["version"], info["urls"]
+        return info["info"]["version"], info["urls"], project_url
     version_url = f"{_index()}/{package}/{version}/json"
     try:
         info = _get_json(version_url)
-        return info["info"]["version"], info["urls"]
+        return info["info"]["version"], info["urls"], version_url
     except _NotFound:
         pass
     # Some proxies and mirrors serve only the project route; its "releases" maps every version to its files.
@@ -66,7 +73,7 @@ def release_files(package: str, version: str | None = None) -> tuple[str, list[d
         raise PullError(f"PyPI has no {what} (404 from {version_url})") from None
     if version not in releases:
         raise PullError(f"PyPI has no {what} (404 from {version_url})")
-    return version, releases[version]
+    return version, releases[version], project_url
 
 
 def download(url: str, sha256: str, dest: Path, progress: Callable[[int, int], None] | None = None) -> Path:
