@@ -8,6 +8,7 @@ import pytest
 from leat.errors import ModelFileError, UnknownArchitecture
 from leat.model import architecture_class
 from leat.modelfile import ModelFile
+from leat.plugins import PluginHost
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
 
@@ -89,8 +90,9 @@ def test_unknown_architecture_names_installed_and_plugin(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    only_llama = PluginHost(["leat-arch-llama"])  # leat-arch-qwen3 may be installed: leave it out
     with pytest.raises(UnknownArchitecture, match=r"'qwen3'.*installed: llama.*leat-arch-qwen3"):
-        architecture_class(ModelFile(tmp_path / "q.gguf"))
+        architecture_class(ModelFile(tmp_path / "q.gguf"), only_llama)
 
 
 @pytest.mark.parametrize("content, message", [(b"garbage!", "not a GGUF file"), (None, "no such file")])
@@ -111,6 +113,6 @@ def test_cli_unknown_architecture_one_line(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    result = leat("doctor", "-m", str(tmp_path / "g.gguf"))
+    result = leat("doctor", "-m", str(tmp_path / "g.gguf"), "--plugins", "leat-arch-llama,leat-backend-cpu")
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "architecture 'gemma3' is not served" in result.stderr and "leat-arch-gemma" in result.stderr
