@@ -46,9 +46,17 @@ class KVLayout:
     head_dim: int
     value_dim: int | None = None
     window: int | None = None  # sliding-window layers attend to the last `window` positions only
+    # MLA (DeepSeek 2/3): each key is [latent, rope key] and the values are its first `value_dim`
+    # entries (the latent), so only keys are stored; see Backend.mla_attention
+    latent: bool = False
+
+    @property
+    def stored_value_dim(self) -> int:
+        """Entries per token and head that the V storage holds (0 for a latent layout)."""
+        return 0 if self.latent else (self.value_dim or self.head_dim)
 
     def bytes_per_token(self, element_bytes: int) -> int:
-        return self.kv_heads * (self.head_dim + (self.value_dim or self.head_dim)) * element_bytes
+        return self.kv_heads * (self.head_dim + self.stored_value_dim) * element_bytes
 
 
 @dataclass
@@ -248,6 +256,31 @@ class Backend:
         ``h = act(x @ gate[e].T + gate_bias[e], x @ up[e].T + up_bias[e])`` with ``spec.activation``
         (:func:`leat.moe.activate`), ``y_e = h @ down[e].T + down_bias[e]``; the output is the sum of
         the weighted ``y_e``. ``gate``/``up`` are [experts, ffn, d] and ``down`` [experts, d, ffn], as
-        stored (any quant type the backend supports); absent biases are zero.
+        stored (any quant type the backend supports); absent biases are zero. ``weights.selection_bias``
+        [experts] (DeepSeek V3's ``exp_probs_b``) and ``spec.groups`` (group-limited routing) change only
+        which experts are selected, never their weights.
+        """
+        raise NotImplementedError
+
+    def head_matmul(self, x: Any, weight: Any) -> Any:
+        """Per head h, x[:, h] [n, k] times the transpose of weight[h] [m, k]: x [n, heads, k] -> [n, heads, m].
+
+        ``weight`` is an uploaded 3-D tensor [heads, m, k] (GGUF's ``attn_k_b`` / ``attn_v_b``, any quant
+        type the backend supports): MLA's absorption of the key up-projection into the queries and its
+        per-head value up-projection.
+        """
+        raise NotImplementedError
+
+    def mla_attention(
+        self, q_latent: Any, q_rope: Any, latent: Any, k_rope: Any, kv: Any, layer: int, batch: Batch, scale: float
+    ) -> Any:
+        """Multi-head latent attention over a latent KV cache (DeepSeek 2/3, absorbed form), as MQA.
+
+        ``latent`` [n, rank] and ``k_rope`` [n, rope] are written at each row's positions as one key
+        ``[latent, k_rope]`` into ``kv``'s layer, whose layout is ``KVLayout(1, rank + rope, rank,
+        latent=True)``. Query i of head h, ``[q_latent[i, h], q_rope[i, h]]`` ([n, heads, rank] and
+        [n, heads, rope]), scores each cached key j with ``scale * (q_latent . latent_j + q_rope . k_rope_j)``;
+        causal and window masks and the softmax are as :meth:`attention`, and the values are the cached
+        latents: returns [n, heads, rank] (still latent; :meth:`head_matmul` with ``attn_v_b`` decompresses).
         """
         raise NotImplementedError

@@ -8,6 +8,7 @@ llama.cpp loads them too and can serve as the reference.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,11 @@ def add_tiny_tokenizer(writer: gguf.GGUFWriter, vocab_size: int, pre: str = "lla
     writer.add_chat_template(CHATML)
 
 
+# Matrices llama.cpp's converter and llama-quantize always keep in F32 (MoE routers); the converter
+# also keeps every tensor not named ``*.weight`` (biases, including 2-D expert biases) in F32.
+F32_MATRICES = tuple(gguf.TENSOR_NAMES[t].split(".")[-1] + ".weight" for t in (gguf.MODEL_TENSOR.FFN_GATE_INP,))
+
+
 def quantizable(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> bool:
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     return len(shape) >= 2 and shape[-1] % block == 0
@@ -98,11 +104,16 @@ def write_tiny_gguf(
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     seed: int = 0,
     params: Any = None,
+    types: Mapping[str, gguf.GGMLQuantizationType] | None = None,
+    dequantized: bool = False,
 ) -> Path:
     """Write a random-weight model of ``architecture`` (an Architecture class) to ``path``.
 
     Matrices are stored as ``qtype`` where their rows fit its block size; vectors (norms, biases)
-    stay F32 as llama.cpp's converter leaves them.
+    and MoE routers stay F32 as llama.cpp's converter leaves them. ``types`` overrides the type of
+    the tensors it names (e.g. MXFP4 experts in an otherwise F32 file). ``dequantized`` stores each
+    quantized tensor's exact values as F32 instead: the same weights with no quantized arithmetic,
+    which measures how far a reference's quantized kernels are from exact float.
     """
     path = Path(path)
     params = params if params is not None else architecture.tiny()
@@ -113,8 +124,15 @@ def write_tiny_gguf(
     add_tiny_tokenizer(writer, params.vocab)
     for name, shape in architecture.tensor_shapes(params).items():
         values = random_tensor(rng, shape, name)
-        if qtype != gguf.GGMLQuantizationType.F32 and quantizable(shape, qtype):
-            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        keep_f32 = name.endswith(F32_MATRICES) or not name.endswith(".weight")
+        kind = gguf.GGMLQuantizationType.F32 if keep_f32 else qtype
+        kind = (types or {}).get(name, kind)
+        if kind != gguf.GGMLQuantizationType.F32 and quantizable(shape, kind):
+            packed = gguf.quants.quantize(values, kind)
+            if dequantized:
+                writer.add_tensor(name, gguf.quants.dequantize(packed, kind).reshape(shape).astype(np.float32))
+            else:
+                writer.add_tensor(name, packed, raw_dtype=kind)
         else:
             writer.add_tensor(name, values)
     writer.write_header_to_file()

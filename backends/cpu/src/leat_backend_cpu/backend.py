@@ -91,7 +91,7 @@ class CPUBackend(Backend):
         for layout in layouts:
             shapes = [
                 (pages, page_size, layout.kv_heads, dim)
-                for dim in (layout.head_dim, layout.value_dim or layout.head_dim)
+                for dim in (layout.head_dim, layout.stored_value_dim)
             ]
             if dtype == "q8_0" and any(shape[-1] % 32 for shape in shapes):
                 raise ValueError(f"q8_0 KV needs head dimensions that are multiples of 32, not {shapes[0][-1]}")
@@ -286,7 +286,7 @@ class CPUBackend(Backend):
 
     def moe(self, x: np.ndarray, weights: MoEWeights, spec: MoESpec) -> np.ndarray:
         logits = self.matmul(x, weights.router, weights.router_bias)
-        ids, gains = route(logits, spec)
+        ids, gains = route(logits, spec, weights.selection_bias)
         out = np.zeros_like(x)
         for expert in np.unique(ids):
             rows, slot = np.nonzero(ids == expert)
@@ -301,4 +301,34 @@ class CPUBackend(Backend):
             if weights.down_bias is not None:
                 y = y + weights.down_bias[expert]
             out[rows] += y * gains[rows, slot][:, None]  # a token selects an expert at most once
+        return out
+
+    def head_matmul(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        return np.matmul(x.transpose(1, 0, 2), weight.transpose(0, 2, 1)).transpose(1, 0, 2)
+
+    def mla_attention(self, q_latent, q_rope, latent, k_rope, kv: KVCache, layer: int, batch: Batch, scale: float):
+        keys_all = kv.k[layer]
+        window = kv.layouts[layer].window
+        n, heads, rank = q_latent.shape
+        q = np.concatenate([q_latent, q_rope], axis=-1)
+        k = np.concatenate([latent, k_rope], axis=-1)[:, None, :]
+        out = np.empty((n, heads, rank), self.dtype)
+        size = kv.page_size
+        for row, offset in zip(batch.rows, batch.offsets):
+            length, start = len(row.tokens), row.start
+            span = slice(offset, offset + length)
+            table = kv.page_table[row.slot]
+            positions = np.arange(start, start + length)
+            where = (table[positions // size], positions % size)
+            used = table[: -(-(start + length) // size)]
+            if kv.dtype == "q8_0":
+                keys_all[where], kv.k_scale[layer][where] = _q8_0(k[span])
+                keys = _from_q8_0(keys_all[used], kv.k_scale[layer][used], self.dtype)
+            else:
+                keys_all[where] = k[span]
+                keys = keys_all[used].astype(self.dtype)
+            keys = keys.reshape(-1, k.shape[-1])[: start + length]
+            scores = np.matmul(q[span].transpose(1, 0, 2), keys.T) * scale  # [heads, queries, keys]
+            weights = self._softmax(scores, start, length, window)
+            out[span] = np.matmul(weights, keys[:, :rank]).transpose(1, 0, 2)
         return out
