@@ -27,6 +27,28 @@ backend_option = click.option("--backend", default=None, help="backend name (def
 precision_option = click.option("--precision", default="f32", show_default=True, help="compute precision: f32, f64")
 
 
+def speculate_options(command: Callable) -> Callable:
+    command = click.option("--draft", default=None, help="draft model for --speculate draft (same vocabulary)")(command)
+    return click.option(
+        "--speculate",
+        default=None,
+        help="speculative decoding: ngram (prompt lookup), draft (--draft MODEL), off [default: draft with --draft]",
+    )(command)
+
+
+def _speculate(model: Any, speculate: str | None, draft: str | None) -> None:
+    """Give ``model`` the speculation its engines use: a proposer plugin by name, checked before any decoding."""
+    from leat.speculative import Speculation, load_proposer
+
+    speculate = speculate or ("draft" if draft else "off")
+    if speculate == "off":
+        return
+    if speculate == "draft" and not draft:
+        raise click.BadParameter("--speculate draft needs --draft MODEL", param_hint="--draft")
+    options = {"draft": _load(draft, model.backend.name, model.backend.precision)} if draft else {}
+    model.speculation = Speculation(load_proposer(speculate, model, **options))
+
+
 def _progress() -> Callable[[int, int, str], None]:
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
@@ -118,10 +140,14 @@ def list_command() -> None:
 @backend_option
 @precision_option
 @plugins_option
-def generate(model_name, prompt, max_tokens, as_json, backend, precision, plugin_names, **sampling) -> None:
+@speculate_options
+def generate(
+    model_name, prompt, max_tokens, as_json, backend, precision, plugin_names, speculate, draft, **sampling
+) -> None:
     """Continue PROMPT with plain completion."""
     _select_plugins(plugin_names)
     model = _load(model_name, backend, precision)
+    _speculate(model, speculate, draft)
     sampling = {k: v for k, v in sampling.items() if v is not None}
     ids, text = [], []
     for token in model.generate(prompt, max_tokens=max_tokens, sampling=sampling):
@@ -150,7 +176,21 @@ def generate(model_name, prompt, max_tokens, as_json, backend, precision, plugin
 @backend_option
 @precision_option
 @plugins_option
-def run(model_name, prompt, max_tokens, system, temperature, seed, verbose, backend, precision, plugin_names) -> None:
+@speculate_options
+def run(
+    model_name,
+    prompt,
+    max_tokens,
+    system,
+    temperature,
+    seed,
+    verbose,
+    backend,
+    precision,
+    plugin_names,
+    speculate,
+    draft,
+) -> None:
     """Chat with MODEL; with PROMPT (or text on stdin) answer once and exit."""
     from leat.terminal import chat_loop, answer_once
 
@@ -158,6 +198,7 @@ def run(model_name, prompt, max_tokens, system, temperature, seed, verbose, back
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     model = _load(model_name, backend, precision)
+    _speculate(model, speculate, draft)
     sampling = {k: v for k, v in {"temperature": temperature, "seed": seed}.items() if v is not None}
     if model.chat_template.fallback_reason:
         click.echo(f"note: {model.chat_template.fallback_reason}", err=True)
@@ -180,6 +221,190 @@ def doctor(model_name, as_json, plugin_names) -> None:
     if model_name:
         report["model"] = describe_model(model_name)
     click.echo(json.dumps(report, indent=2) if as_json else render(report))
+
+
+@cli.command()
+@click.argument("model_name", metavar="MODEL", default="default")
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="address to listen on (non-loopback needs API keys)"
+)
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--api-key-file", default=None, help="keys file (default: the one `leat keys` writes, if it has keys)")
+@click.option(
+    "--allow-origin", "allow_origins", multiple=True, help="a browser origin allowed to call the server (* = any)"
+)
+@click.option("--batch-size", default=8, show_default=True, type=int, help="requests decoded together")
+@click.option(
+    "--max-context", default=None, type=int, help="tokens per request (default: what fits, up to the model's)"
+)
+@click.option("--kv", default="f32", show_default=True, help="KV cache storage: f32, f16, q8_0")
+@click.option("--max-queue", default=64, show_default=True, type=int, help="waiting requests before 429")
+@click.option("--receipts", is_flag=True, help="sign a receipt for every response (key in LEAT_HOME/receipts)")
+@click.option("--receipt-key", default=None, help="Ed25519 private key file for receipts (made if missing)")
+@click.option("--alias", default=None, help="model id clients see (default: the GGUF file name)")
+@click.option(
+    "--tool-parser", default=None, help="tool-call format: hermes, llama3, mistral, harmony, gemma, functiongemma"
+)
+@click.option("--log-level", default="warning", show_default=True, help="uvicorn log level")
+@backend_option
+@precision_option
+@plugins_option
+def serve(model_name, backend, precision, plugin_names, **options) -> None:
+    """Serve MODEL over HTTP: OpenAI and Anthropic APIs (see docs/api.md)."""
+    from leat.server import ServeOptions
+    from leat.server import serve as run_server
+    from leat.server.toolcalls import PARSERS
+
+    _select_plugins(plugin_names)
+    if options["tool_parser"] and options["tool_parser"] not in PARSERS:
+        raise click.BadParameter(f"choose one of {', '.join(PARSERS)}", param_hint="--tool-parser")
+    options["allow_origins"] = list(options["allow_origins"])
+    opts = ServeOptions(model=model_name, backend=backend, precision=precision, **options)
+    run_server(opts, lambda: _load(model_name, backend, precision))
+
+
+@cli.group()
+def keys() -> None:
+    """API keys for `leat serve` (stored as hashes in LEAT_HOME/keys.json, mode 0600)."""
+
+
+key_file_option = click.option("--file", "path", default=None, help="keys file (default: LEAT_HOME/keys.json)")
+
+
+@keys.command("add")
+@click.argument("name")
+@key_file_option
+def keys_add(name: str, path: str | None) -> None:
+    """Make a key called NAME and print it (shown this once; only its hash is kept)."""
+    from leat.keys import KeyStore
+
+    store = KeyStore(path)
+    key = store.add(name)
+    click.echo(key)
+    click.echo(f"key {name} saved (as a hash) in {store.path}; it is not shown again", err=True)
+
+
+@keys.command("list")
+@key_file_option
+def keys_list(path: str | None) -> None:
+    """List keys as JSON: name, first characters, when made."""
+    from leat.keys import KeyStore
+
+    click.echo(json.dumps(KeyStore(path).list(), indent=2))
+
+
+@keys.command("remove")
+@click.argument("name")
+@key_file_option
+def keys_remove(name: str, path: str | None) -> None:
+    """Remove the key called NAME."""
+    from leat.keys import KeyStore
+
+    store = KeyStore(path)
+    store.remove(name)
+    click.echo(f"key {name} removed from {store.path}", err=True)
+
+
+@cli.group()
+def receipts() -> None:
+    """Signed receipts of `leat serve --receipts` responses."""
+
+
+@receipts.command("verify")
+@click.argument("receipt", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
+@click.option(
+    "--public-key", required=True, type=click.Path(exists=True, dir_okay=False), help="the server's public key"
+)
+@click.option(
+    "--text",
+    "text_file",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="a file with the output text the receipt covers (streamed responses)",
+)
+def receipts_verify(receipt: str, public_key: str, text_file: str | None) -> None:
+    """Check RECEIPT (a receipt, or a response body carrying one) against the server's public key."""
+    from pathlib import Path
+
+    from leat.receipts import load_public_key, verify
+
+    with click.open_file(receipt, "r") as f:
+        try:
+            document = json.load(f)
+        except ValueError as e:
+            raise LeatError(f"{receipt} is not JSON: {e}") from None
+    text = Path(text_file).read_text(encoding="utf-8") if text_file else None
+    claims = verify(document, load_public_key(public_key), text)
+    click.echo(json.dumps({"valid": True, "claims": claims}, indent=2))
+
+
+def _int_list(ctx, param, value: str) -> list[int]:
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter("give comma-separated integers, e.g. 1,8,32") from None
+
+
+@cli.command()
+@click.argument("model_name", metavar="MODEL", default="default")
+@click.option("-p", "--n-prompt", "prompt", default="512", show_default=True, callback=_int_list,
+              help="prompt sizes to prefill (pp N), comma-separated")
+@click.option("-n", "--n-gen", "generate", default="128", show_default=True, callback=_int_list,
+              help="tokens to decode one at a time (tg N), comma-separated")
+@click.option("--concurrency", default="1,8", show_default=True, callback=_int_list,
+              help="requests decoded together through the engine (tg N x C), comma-separated; '' for none")
+@click.option("-r", "--repetitions", default=5, show_default=True, type=click.IntRange(1))
+@click.option("--json", "as_json", is_flag=True, help="print the rows as JSON")
+@backend_option
+@precision_option
+@plugins_option
+def bench(model_name, prompt, generate, concurrency, repetitions, as_json, backend, precision, plugin_names) -> None:
+    """Measure prefill (pp), decode (tg) and batched decode throughput of MODEL, as llama-bench does."""
+    from leat.bench import bench as run_bench
+    from leat.bench import render
+
+    _select_plugins(plugin_names)
+    model = _load(model_name, backend, precision)
+    rows = run_bench(model, model_name, prompt, generate, concurrency, repetitions)
+    click.echo(json.dumps(rows, indent=2) if as_json else render(rows))
+
+
+@cli.command()
+@click.argument("model_name", metavar="MODEL", default="default")
+@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False), help="text file to score")
+@click.option("--kl-base", "kl_base", type=click.Path(exists=True, dir_okay=False),
+              help="a `llama-perplexity --kl-divergence-base` file (gzip too): KL and top-1 against it")
+@click.option("-c", "--ctx", default=512, show_default=True, type=int, help="tokens per chunk (with --text)")
+@click.option("--chunks", default=None, type=int, help="score at most this many chunks")
+@click.option("--json", "as_json", is_flag=True, help="print the results as JSON")
+@backend_option
+@precision_option
+@plugins_option
+def perplexity(model_name, text_file, kl_base, ctx, chunks, as_json, backend, precision, plugin_names) -> None:
+    """Perplexity of MODEL over a text (the second half of each --ctx chunk scored, as llama-perplexity does)."""
+    from pathlib import Path
+
+    from leat import perplexity as ppl
+
+    if (text_file is None) == (kl_base is None):
+        raise click.UsageError("give one of --text FILE or --kl-base FILE")
+    _select_plugins(plugin_names)
+    model = _load(model_name, backend, precision)
+    if kl_base:
+        result = ppl.kl_divergence(model, ppl.read_kl_base(kl_base), chunks)
+    else:
+        tokens = model.tokenize(Path(text_file).read_text(encoding="utf-8"))
+        result = ppl.perplexity(model, tokens, ctx, chunks)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"perplexity: {result['perplexity']:.4f} ± {result['perplexity_stderr']:.4f} "
+               f"({result['tokens_scored']} tokens in {result['chunks']} chunks of {result['ctx']})")
+    if kl_base:
+        click.echo(f"llama.cpp's perplexity on the same tokens: {result['base_perplexity']:.4f}")
+        click.echo(f"KL divergence: mean {result['kl_divergence_mean']:.6f}, median "
+                   f"{result['kl_divergence_median']:.6f}, max {result['kl_divergence_max']:.6f}")
+        click.echo(f"top-1 agreement: {100 * result['top1_agreement']:.2f}%")
 
 
 def main() -> None:

@@ -1,0 +1,1 @@
+"""leat plugin: the gpt-oss architecture."""

@@ -1,0 +1,118 @@
+"""The tiny random-weight gpt-oss files llama.cpp's references were recorded on, and how to rebuild them.
+
+Shared by ``record_llamacpp.py`` (which records llama.cpp's logits on them) and
+``../test_llamacpp_agreement.py`` (which rebuilds each file, checks its SHA-256 against the recording and
+compares leat with the recorded logits). Files are written by :func:`leat.testing.write_tiny_gguf`,
+deterministically: the same configuration gives the same bytes. Configurations with MXFP4 experts also
+get a ``dequantized`` copy (every quantized tensor's exact values stored as F32), on which llama.cpp
+computes in plain float: the distance between its two runs is its own quantized arithmetic.
+
+Run as a script (in leat's environment) to build every file into a folder and print one JSON line,
+``{name: {"path", "sha256", "token_ids", ...configuration}}``::
+
+    uv run python architectures/gpt-oss/tests/references/tiny_models.py OUTDIR
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+Q = gguf.GGMLQuantizationType
+
+# name -> quant type, expert quant type (None: as the rest), seed, overrides of GptOss.tiny(), prompt length.
+# GptOss.tiny(): 2 layers (sliding window 8, then full), width 64, 4 heads of 16, 2 kv heads, 4 experts of
+# ffn 32 with top-2, YaRN factor 32 over 4096 positions, rope base 150000.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "f32": {"qtype": "F32", "experts": None, "seed": 0, "params": {}, "tokens": 64},
+    "f32-odd-heads-top3": {
+        "qtype": "F32",
+        "experts": None,
+        "seed": 1,
+        "params": {"layers": 3, "heads": 3, "kv_heads": 1, "window": 5, "experts": 8, "experts_used": 3},
+        "tokens": 64,
+    },
+    "f32-pattern-mha": {
+        "qtype": "F32",
+        "experts": None,
+        "seed": 2,
+        "params": {"layers": 3, "sliding": (False, True, True), "kv_heads": 4, "window": 16, "rope_base_swa": 1e4},
+        "tokens": 100,
+    },
+    "f16-gqa4-top4": {
+        "qtype": "F16",
+        "experts": None,
+        "seed": 3,
+        "params": {"heads": 8, "kv_heads": 2, "head_dim": 8, "experts": 8, "experts_used": 4},
+        "tokens": 64,
+    },
+    "mxfp4": {"qtype": "F32", "experts": "MXFP4", "seed": 4, "params": {}, "tokens": 64},
+    "mxfp4-f16": {
+        "qtype": "F16",
+        "experts": "MXFP4",
+        "seed": 5,
+        "params": {"layers": 3, "experts": 8, "experts_used": 2, "expert_ffn": 64},
+        "tokens": 64,
+    },
+}
+
+
+def architecture() -> Any:
+    from leat_arch_gpt_oss.gpt_oss import GptOss
+
+    return GptOss
+
+
+def params_for(config: dict[str, Any]) -> Any:
+    return architecture().tiny(**config["params"])
+
+
+def tokens(name: str) -> np.ndarray:
+    """The prompt fed to configuration ``name``: seeded random token ids (no tokenizer involved)."""
+    config = CONFIGS[name]
+    vocab = params_for(config).vocab
+    return np.random.default_rng(1000 + config["seed"]).integers(0, vocab, config["tokens"]).astype(np.int32)
+
+
+def build(name: str, path: str | Path, dequantized: bool = False) -> Path:
+    """Write the tiny file of configuration ``name`` to ``path`` (the same bytes every time)."""
+    from leat.testing import write_tiny_gguf
+
+    config = CONFIGS[name]
+    params = params_for(config)
+    types = {}
+    if config["experts"]:
+        shapes = architecture().tensor_shapes(params)
+        types = {n: Q[config["experts"]] for n in shapes if n.endswith("_exps.weight")}
+    return write_tiny_gguf(architecture(), path, Q[config["qtype"]], config["seed"], params, types, dequantized)
+
+
+def sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        sys.exit("usage: tiny_models.py OUTDIR")
+    out = Path(argv[0])
+    out.mkdir(parents=True, exist_ok=True)
+    built = {}
+    for name, config in CONFIGS.items():
+        path = build(name, out / f"tiny-{name}.gguf")
+        info = {**config, "path": str(path), "sha256": sha256(path), "token_ids": tokens(name).tolist()}
+        if config["experts"]:
+            copy = build(name, out / f"tiny-{name}-dequantized.gguf", dequantized=True)
+            info |= {"dequantized_path": str(copy), "dequantized_sha256": sha256(copy)}
+        built[name] = info | {"hyperparameters": dataclasses.asdict(params_for(config))}
+    print(json.dumps(built))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,114 @@
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+from leat.batch import Batch, Row
+from leat.compare import top2_gap
+from leat.errors import ModelFileError
+from leat.modelfile import ModelFile
+from leat.testing import write_tiny_gguf
+from leat_arch_gpt_oss.gpt_oss import GptOss
+from leat_backend_cpu.backend import CPUBackend
+
+# windows shorter than the chunks below, so chunk boundaries fall inside and across windows
+VARIANTS = {
+    "gpt-oss": (GptOss, {"window": 5}),
+    "odd-heads-top3": (GptOss, {"layers": 3, "heads": 3, "kv_heads": 1, "window": 3, "experts": 6, "experts_used": 3}),
+    "pattern-swa-base": (GptOss, {"layers": 3, "sliding": (False, True, True), "rope_base_swa": 1e4}),
+    "no-yarn": (GptOss, {"yarn_factor": 0.0, "yarn_context": 0}),
+}
+
+
+def build(tmp_path, variant, precision="f64", mxfp4=False):
+    cls, overrides = VARIANTS[variant]
+    params = cls.tiny(**overrides)
+    experts = {n: gguf.GGMLQuantizationType.MXFP4 for n in cls.tensor_shapes(params) if n.endswith("_exps.weight")}
+    path = write_tiny_gguf(cls, tmp_path / f"{variant}.gguf", params=params, types=experts if mxfp4 else None)
+    backend = CPUBackend(precision)
+    return cls(ModelFile(path), backend), backend, path
+
+
+def run(model, backend, rows, kv=None, slots=3, context=64):
+    kv = kv or backend.allocate_kv(model.kv_layouts(model.params), slots, context, page_size=8)
+    return backend.to_host(model.forward(Batch(rows), kv)), kv
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_metadata_round_trips(tmp_path, variant):
+    cls, overrides = VARIANTS[variant]
+    model, _, _ = build(tmp_path, variant)
+    want = cls.tiny(**overrides)
+    assert model.params.norm_eps == pytest.approx(want.norm_eps)  # stored as float32
+    assert dataclasses.replace(model.params, norm_eps=want.norm_eps) == want
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_chunked_and_batched_equal_whole(tmp_path, variant):
+    model, backend, _ = build(tmp_path, variant)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 300, 20), rng.integers(0, 300, 11)
+    whole_a, _ = run(model, backend, [Row(0, 0, a, all_logits=True)])
+    whole_b, _ = run(model, backend, [Row(0, 0, b, all_logits=True)])
+    # a in chunks of 7, 7, 6 while b prefills and then decodes token by token in the same batches
+    first, kv = run(model, backend, [Row(2, 0, a[:7], all_logits=True), Row(1, 0, b[:8], all_logits=True)])
+    np.testing.assert_allclose(first, np.concatenate([whole_a[:7], whole_b[:8]]), atol=1e-10)
+    second, kv = run(model, backend, [Row(1, 8, b[8:9]), Row(2, 7, a[7:14], all_logits=True)], kv=kv)
+    np.testing.assert_allclose(second, np.concatenate([whole_b[8:9], whole_a[7:14]]), atol=1e-10)
+    third, _ = run(model, backend, [Row(2, 14, a[14:]), Row(1, 9, b[9:11])], kv=kv)
+    np.testing.assert_allclose(third, np.stack([whole_a[-1], whole_b[-1]]), atol=1e-10)
+
+
+def test_sliding_window_key_is_required(tmp_path):
+    params = GptOss.tiny()
+    path = tmp_path / "no-window.gguf"
+    writer = gguf.GGUFWriter(path, "gpt-oss")
+    GptOss.write_metadata(writer, params)
+    writer.kv_data[0].pop(gguf.Keys.Attention.SLIDING_WINDOW.format(arch="gpt-oss"))
+    for name, shape in GptOss.tensor_shapes(params).items():
+        writer.add_tensor(name, np.ones(shape, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelFileError, match="missing metadata key gpt-oss.attention.sliding_window"):
+        GptOss(ModelFile(path), CPUBackend("f32"))
+
+
+def leat(*args):
+    env = dict(os.environ, LEAT_PLUGINS="leat-backend-cpu,leat-arch-gpt-oss,leat-samplers")
+    return subprocess.run(
+        [sys.executable, "-m", "leat", *args], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+
+
+def test_leat_plugins_lists_gpt_oss():
+    result = leat("plugins")
+    assert result.returncode == 0, result.stderr
+    (plugin,) = [p for p in json.loads(result.stdout) if p["name"] == "leat-arch-gpt-oss"]
+    assert plugin["status"] == "loaded"
+    assert plugin["provides"]["architectures"] == ["gpt-oss"]
+
+
+@pytest.mark.parametrize("variant", ["gpt-oss"])
+def test_cli_doctor_and_generate(tmp_path, variant):
+    model, _, path = build(tmp_path, variant, mxfp4=True)
+    doctor = leat("doctor", "-m", str(path), "--json")
+    assert doctor.returncode == 0, doctor.stderr
+    assert f'"{model.file.architecture}"' in doctor.stdout
+    result = leat(
+        "generate", "-m", str(path), "-p", "hi", "-n", "8", "--backend", "cpu", "--temperature", "0", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert len(out["ids"]) == 8 and out["timings"]["finish_reason"] == "length"
+    # greedy: each token is the oracle's argmax after the prompt and the tokens before it (unless near-tied)
+    ids = np.array(out["prompt_ids"] + out["ids"])
+    logits, _ = run(model, model.backend, [Row(0, 0, ids, all_logits=True)])
+    steps = logits[len(out["prompt_ids"]) - 1 : -1]
+    decided = top2_gap(steps) >= 1e-3
+    assert np.array_equal(np.argmax(steps, axis=-1)[decided], np.array(out["ids"])[decided])

@@ -1,0 +1,1 @@
+"""leat plugin: the Qwen architectures qwen3, qwen3moe and qwen2."""

@@ -1,0 +1,111 @@
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+from leat.batch import Batch, Row
+from leat.compare import top2_gap
+from leat.errors import ModelFileError
+from leat.modelfile import ModelFile
+from leat.testing import write_tiny_gguf
+from leat_arch_qwen3.qwen import Qwen2, Qwen3, Qwen3Moe
+from leat_backend_cpu.backend import CPUBackend
+
+VARIANTS = {
+    "qwen3": (Qwen3, {}),
+    "qwen3-odd-heads": (Qwen3, {"heads": 3, "kv_heads": 1, "tied": False}),
+    "qwen3moe-top3": (Qwen3Moe, {"experts_used": 3}),
+    "qwen2": (Qwen2, {}),
+    "qwen2-yarn": (Qwen2, {"yarn_factor": 4.0, "yarn_context": 16}),
+}
+
+
+def build(tmp_path, variant, precision="f64", qtype=gguf.GGMLQuantizationType.F32):
+    cls, overrides = VARIANTS[variant]
+    path = write_tiny_gguf(cls, tmp_path / f"{variant}.gguf", qtype, params=cls.tiny(**overrides))
+    backend = CPUBackend(precision)
+    return cls(ModelFile(path), backend), backend, path
+
+
+def run(model, backend, rows, kv=None, slots=3, context=64):
+    kv = kv or backend.allocate_kv(model.kv_layouts(model.params), slots, context, page_size=8)
+    return backend.to_host(model.forward(Batch(rows), kv)), kv
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_metadata_round_trips(tmp_path, variant):
+    cls, overrides = VARIANTS[variant]
+    model, _, _ = build(tmp_path, variant)
+    want = cls.tiny(**overrides)
+    assert model.params.norm_eps == pytest.approx(want.norm_eps)  # stored as float32
+    assert dataclasses.replace(model.params, norm_eps=want.norm_eps) == want
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_chunked_and_batched_equal_whole(tmp_path, variant):
+    model, backend, _ = build(tmp_path, variant)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 300, 20), rng.integers(0, 300, 11)
+    whole_a, _ = run(model, backend, [Row(0, 0, a, all_logits=True)])
+    whole_b, _ = run(model, backend, [Row(0, 0, b, all_logits=True)])
+    # a in chunks of 7, 7, 6 while b prefills and then decodes token by token in the same batches
+    first, kv = run(model, backend, [Row(2, 0, a[:7], all_logits=True), Row(1, 0, b[:8], all_logits=True)])
+    np.testing.assert_allclose(first, np.concatenate([whole_a[:7], whole_b[:8]]), atol=1e-10)
+    second, kv = run(model, backend, [Row(1, 8, b[8:9]), Row(2, 7, a[7:14], all_logits=True)], kv=kv)
+    np.testing.assert_allclose(second, np.concatenate([whole_b[8:9], whole_a[7:14]]), atol=1e-10)
+    third, _ = run(model, backend, [Row(2, 14, a[14:]), Row(1, 9, b[9:11])], kv=kv)
+    np.testing.assert_allclose(third, np.stack([whole_a[-1], whole_b[-1]]), atol=1e-10)
+
+
+def test_qwen3moe_requires_its_expert_keys(tmp_path):
+    params = Qwen3Moe.tiny()
+    path = tmp_path / "no-experts-key.gguf"
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    Qwen3.write_metadata(writer, Qwen3.tiny())  # the dense metadata: no expert_count / expert_used_count
+    for name, shape in Qwen3Moe.tensor_shapes(params).items():
+        writer.add_tensor(name, np.ones(shape, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelFileError, match="missing metadata key qwen3moe.expert_count"):
+        Qwen3Moe(ModelFile(path), CPUBackend("f32"))
+
+
+def leat(*args):
+    env = dict(os.environ, LEAT_PLUGINS="leat-backend-cpu,leat-arch-qwen3,leat-samplers")
+    return subprocess.run(
+        [sys.executable, "-m", "leat", *args], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+
+
+def test_leat_plugins_lists_the_qwen_architectures():
+    result = leat("plugins")
+    assert result.returncode == 0, result.stderr
+    (plugin,) = [p for p in json.loads(result.stdout) if p["name"] == "leat-arch-qwen3"]
+    assert plugin["status"] == "loaded"
+    assert sorted(plugin["provides"]["architectures"]) == ["qwen2", "qwen3", "qwen3moe"]
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "qwen3moe-top3", "qwen2"])
+def test_cli_doctor_and_generate(tmp_path, variant):
+    model, _, path = build(tmp_path, variant, qtype=gguf.GGMLQuantizationType.F16)
+    doctor = leat("doctor", "-m", str(path), "--json")
+    assert doctor.returncode == 0, doctor.stderr
+    assert f'"{model.file.architecture}"' in doctor.stdout
+    result = leat(
+        "generate", "-m", str(path), "-p", "hi", "-n", "8", "--backend", "cpu", "--temperature", "0", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert len(out["ids"]) == 8 and out["timings"]["finish_reason"] == "length"
+    # greedy: each token is the oracle's argmax after the prompt and the tokens before it (unless near-tied)
+    ids = np.array(out["prompt_ids"] + out["ids"])
+    logits, _ = run(model, model.backend, [Row(0, 0, ids, all_logits=True)])
+    steps = logits[len(out["prompt_ids"]) - 1 : -1]
+    decided = top2_gap(steps) >= 1e-3
+    assert np.array_equal(np.argmax(steps, axis=-1)[decided], np.array(out["ids"])[decided])

@@ -1,0 +1,113 @@
+"""``leat serve``: an OpenAI- and Anthropic-compatible HTTP server (Litestar under uvicorn) on the engine.
+
+Modules: :mod:`~leat.server.app` (routes), :mod:`~leat.server.schemas` (msgspec request bodies),
+:mod:`~leat.server.service` (prompts, jobs, output streams), :mod:`~leat.server.openai_api`,
+:mod:`~leat.server.anthropic_api`, :mod:`~leat.server.responses_api` (each API's shapes),
+:mod:`~leat.server.toolcalls` (tool-call and reasoning parsers), :mod:`~leat.server.constrained`
+(JSON-schema constrained decoding), :mod:`~leat.server.security` (Host/Origin checks, API keys),
+:mod:`~leat.server.metrics` (Prometheus). The endpoints and fields are documented in docs/api.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from leat.errors import LeatError
+
+
+@dataclass
+class ServeOptions:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    backend: str | None = None
+    precision: str = "f32"
+    api_key_file: str | None = None
+    allow_origins: list[str] = field(default_factory=list)
+    batch_size: int = 8
+    max_context: int | None = None
+    kv: str = "f32"
+    max_queue: int = 64
+    receipts: bool = False
+    receipt_key: str | None = None
+    alias: str | None = None
+    tool_parser: str | None = None
+    log_level: str = "warning"
+
+
+def check_bind(host: str, keys: Any) -> None:
+    from leat.server.security import is_loopback
+
+    if not is_loopback(host) and not keys:
+        raise LeatError(
+            f"refusing to serve on {host} without API keys: anyone who can reach it could use it. "
+            "Add a key with `leat keys add NAME` (or give --api-key-file FILE), or serve on 127.0.0.1"
+        )
+
+
+def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tuple[Any, Any]:
+    """The ASGI app and its (started) engine for a loaded ``model``."""
+    from leat.engine import Engine
+    from leat.server.app import create_app
+    from leat.server.metrics import Metrics
+    from leat.server.service import Service
+
+    engine = Engine(
+        model,
+        batch_size=options.batch_size,
+        max_context=options.max_context,
+        kv=options.kv,
+        max_queue=options.max_queue,
+    )
+    backend = model.backend.describe().get("backend", "")
+    receipts = None
+    if options.receipts or options.receipt_key:
+        from leat.receipts import Signer, default_key_path, load_or_create_key, public_key_path
+
+        key_path = Path(options.receipt_key).expanduser() if options.receipt_key else default_key_path()
+        receipts = Signer(load_or_create_key(key_path), model.file, backend)
+        log(f"leat: signing receipts; public key {public_key_path(key_path)}")
+    name = options.alias or Path(model.file.path).stem
+    metrics = Metrics(engine)
+    service = Service(
+        model, engine, name, metrics=metrics, receipts=receipts, tool_parser=options.tool_parser, backend_name=backend
+    )
+    app = create_app(service, keys, options.host, options.port, options.allow_origins)
+    return app, engine
+
+
+def serve(options: ServeOptions, load_model: Any) -> None:
+    import uvicorn
+
+    from leat.keys import KeyStore
+
+    keys = KeyStore(options.api_key_file)
+    if options.api_key_file and not Path(options.api_key_file).expanduser().exists():
+        raise LeatError(
+            f"--api-key-file {options.api_key_file} does not exist; make it with "
+            f"`leat keys add NAME --file {options.api_key_file}`"
+        )
+    check_bind(options.host, keys)
+    model = load_model()
+    app, engine = build(options, model, keys)
+    engine.start()
+    where = f"http://{'[' + options.host + ']' if ':' in options.host else options.host}:{options.port}"
+    print(
+        f"leat: serving {Path(model.file.path).name} on {where} ({engine.plan}; keys {'on' if keys else 'off'})",
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app,
+        host=options.host,
+        port=options.port,
+        log_level=options.log_level,
+        access_log=options.log_level in ("info", "debug"),
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        engine.stop()

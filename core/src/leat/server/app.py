@@ -1,0 +1,250 @@
+"""The Litestar application: routes, error mapping, and the guard in front of them."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+
+from leat.engine import Overloaded, TooLong
+from leat.errors import LeatError
+from leat.server import anthropic_api, openai_api, responses_api
+from leat.server.errors import APIError, bad_request, from_msgspec
+from leat.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    MessagesRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+)
+from leat.server.security import Guard
+from leat.server.service import Service
+
+log = logging.getLogger("leat.server")
+JSON = "application/json"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MAX_BODY = 32 << 20
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(content=msgspec.json.encode(body), media_type=JSON, status_code=status, headers=headers)
+
+
+async def _decode(request: Request, kind: type) -> Any:
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise APIError(413, f"request body over {MAX_BODY >> 20} MiB")
+    if not raw.strip():
+        raise bad_request("request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.DecodeError as e:
+        raise from_msgspec(e) from None
+
+
+def _client(request: Request) -> str | None:
+    return request.scope.get("leat.client")
+
+
+def as_api_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, Overloaded):
+        seconds = max(1, math.ceil(exc.retry_after))
+        return APIError(429, str(exc), code="overloaded", headers={"Retry-After": str(seconds)})
+    if isinstance(exc, TooLong):
+        message = str(exc) if str(exc.limit) in str(exc) else f"{exc} (the limit is {exc.limit} tokens)"
+        return APIError(400, message, code="context_length_exceeded")
+    if isinstance(exc, msgspec.DecodeError):
+        return from_msgspec(exc)
+    if isinstance(exc, LeatError):
+        return APIError(400, str(exc))
+    if isinstance(exc, HTTPException):
+        return APIError(exc.status_code, str(exc.detail))
+    return APIError(500, f"internal error: {type(exc).__name__}; see the server log", type="server_error")
+
+
+def _error_response(request: Request, exc: Exception) -> Response:
+    error = as_api_error(exc)
+    if error.status >= 500 and not isinstance(exc, APIError):
+        request.logger.exception("request failed", exc_info=exc)
+    body = error.anthropic_body() if request.url.path.startswith("/v1/messages") else error.body()
+    return _json(body, error.status, error.headers or None)
+
+
+async def _guarded(stream: AsyncIterator[bytes], anthropic: bool = False) -> AsyncIterator[bytes]:
+    """An SSE stream that ends with an error event instead of a dropped connection when something fails."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except Exception as e:  # the 200 is already sent: report in-band
+        error = as_api_error(e)
+        if error.status >= 500 and not isinstance(e, APIError):
+            log.exception("streamed request failed", exc_info=e)
+        if anthropic:
+            yield openai_api.sse(error.anthropic_body(), "error")
+        else:
+            yield openai_api.sse(error.body())
+            yield b"data: [DONE]\n\n"
+
+
+def _stream(content: AsyncIterator[bytes], anthropic: bool = False) -> Stream:
+    return Stream(_guarded(content, anthropic), media_type="text/event-stream", headers=SSE_HEADERS, status_code=200)
+
+
+def create_app(
+    service: Service,
+    keys: Any = None,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    allow_origins: list[str] = (),
+) -> Any:
+    """The ASGI application serving ``service``: Litestar routes behind the :class:`Guard`."""
+
+    @get("/health", sync_to_thread=False)
+    def health() -> Response:
+        stats = service.engine.stats()
+        return _json(
+            {
+                "status": "ok",
+                "model": service.name,
+                "queue_depth": stats.get("queue_depth", 0),
+                "running": stats.get("running", 0),
+            }
+        )
+
+    @get("/metrics", sync_to_thread=False)
+    def metrics() -> Response:
+        return Response(content=service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": service.name,
+            "object": "model",
+            "created": service.created,
+            "owned_by": "leat",
+            "context_length": service.max_context,
+            "architecture": service.model.file.architecture,
+            "backend": service.backend_name,
+        }
+
+    @get("/v1/models", sync_to_thread=False)
+    def models() -> Response:
+        return _json({"object": "list", "data": [model_card()]})
+
+    @get("/v1/models/{model_id:path}", sync_to_thread=False)
+    def model(model_id: str) -> Response:
+        if model_id.strip("/") != service.name:
+            raise APIError(
+                404,
+                f"model {model_id.strip('/')!r} is not served here; this server serves {service.name}",
+                param="model",
+                code="model_not_found",
+            )
+        return _json(model_card())
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat(request: Request) -> Response | Stream:
+        body = await _decode(request, ChatCompletionRequest)
+        job = openai_api.chat_job(service, body, _client(request))
+        handle = service.submit(job)
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return _stream(openai_api.chat_stream(service, job, handle, include))
+        await service.run(job, handle)
+        return _json(_signed(job, openai_api.chat_body(service, job)))
+
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request) -> Response | Stream:
+        body = await _decode(request, CompletionRequest)
+        job, echo = openai_api.completion_job(service, body, _client(request))
+        handle = service.submit(job)
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return _stream(openai_api.completion_stream(service, job, handle, echo, include))
+        await service.run(job, handle)
+        return _json(_signed(job, openai_api.completion_body(service, job, echo)))
+
+    @post("/v1/messages", status_code=200)
+    async def messages(request: Request) -> Response | Stream:
+        body = await _decode(request, MessagesRequest)
+        job = anthropic_api.messages_job(service, body, _client(request))
+        handle = service.submit(job)
+        if body.stream:
+            return _stream(anthropic_api.messages_stream(service, job, handle), anthropic=True)
+        await service.run(job, handle)
+        return _json(_signed(job, anthropic_api.messages_body(service, job)))
+
+    @post("/v1/messages/count_tokens", status_code=200)
+    async def count_tokens(request: Request) -> Response:
+        body = await _decode(request, anthropic_api.CountTokensRequest)
+        return _json({"input_tokens": anthropic_api.count_tokens(service, body)})
+
+    @post("/v1/responses", status_code=200)
+    async def responses(request: Request) -> Response | Stream:
+        body = await _decode(request, ResponsesRequest)
+        job, echo = responses_api.responses_job(service, body, _client(request))
+        handle = service.submit(job)
+        if body.stream:
+            return _stream(responses_api.responses_stream(service, job, handle, echo))
+        await service.run(job, handle)
+        return _json(_signed(job, responses_api.response_body(service, job, echo)))
+
+    @post("/tokenize", status_code=200)
+    async def tokenize(request: Request) -> Response:
+        body = await _decode(request, TokenizeRequest)
+        if body.messages is not None:
+            _, ids = service.render_chat(openai_api.template_messages(body.messages), None, {})
+        else:
+            text = body.content if body.content is not None else body.prompt
+            if text is None:
+                raise bad_request("send 'content' (text) or 'messages' to tokenize", "content")
+            add = body.add_special if body.add_special is not None else bool(body.add_special_tokens)
+            ids = service.tokenizer.encode(text, add_special=add, parse_special=body.parse_special)
+        tokens: list[Any] = ids
+        if body.with_pieces:
+            tokens = [{"id": i, "piece": service.tokenizer.decode([i], skip_special=False)} for i in ids]
+        return _json({"tokens": tokens, "count": len(ids), "max_context": service.max_context})
+
+    @post("/detokenize", status_code=200)
+    async def detokenize(request: Request) -> Response:
+        body = await _decode(request, DetokenizeRequest)
+        vocab = service.model.architecture.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids out of range for the vocabulary of {vocab}: {bad[:5]}", "tokens")
+        return _json({"content": service.tokenizer.decode(body.tokens)})
+
+    def _signed(job: Any, body: dict[str, Any]) -> dict[str, Any]:
+        receipt = service.receipt(job, body)
+        if receipt is not None:
+            body["receipt"] = receipt
+        return body
+
+    app = Litestar(
+        route_handlers=[
+            health,
+            metrics,
+            models,
+            model,
+            chat,
+            completions,
+            messages,
+            count_tokens,
+            responses,
+            tokenize,
+            detokenize,
+        ],
+        exception_handlers={Exception: _error_response},
+        openapi_config=None,
+        request_max_body_size=MAX_BODY,
+    )
+    app.state.service = service
+    return Guard(app, keys, host, port, list(allow_origins), service.metrics)

@@ -1,0 +1,499 @@
+"""Constrained decoding: at each step only tokens that keep the output a prefix of JSON matching a schema.
+
+A JSON schema is compiled to a small context-free grammar (rules of alternatives of element
+sequences, written right-recursively so nothing is left-recursive). The recognizer keeps the set of
+parse stacks alive after the text so far (an NFA over stacks, as llama.cpp's grammar sampler does);
+stacks drop finished frames, so repetition does not grow them and states recur, which makes the
+per-state token masks cacheable. A mask is found by walking a trie of the vocabulary's token texts
+with the state set, pruning a branch as soon as no stack survives it. End-of-generation tokens are
+allowed only where the JSON is complete.
+
+Enforced: type (and lists of types), properties / required (properties in schema order; no extra
+properties unless ``additionalProperties`` says so), additionalProperties as a schema, items,
+minItems / maxItems, enum, const, anyOf / oneOf, allOf of one schema, local ``$ref``,
+minLength / maxLength on strings. Accepted but not enforced: format, minimum / maximum,
+multipleOf, and annotations (title, description, default, examples). Refused (400): pattern,
+patternProperties, not, if / then / else, and anything else unknown.
+
+Tokens that are a fragment of a UTF-8 character are never allowed (a non-ASCII character can still
+be written whole, or as a ``\\u`` escape); control tokens are never allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from leat.server.errors import APIError
+
+Element = Any  # int (a rule) | tuple (a terminal: ("lit", c) | ("set", chars) | ("not", chars) | ("range", a, b))
+Stack = tuple  # of (rule, alternative, position) frames; the top frame's element is a terminal
+State = frozenset  # of stacks; the empty stack () means the text so far is complete
+
+ANNOTATIONS = {
+    "title",
+    "description",
+    "default",
+    "examples",
+    "$schema",
+    "$id",
+    "$comment",
+    "format",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "strict",
+    "name",
+    "$defs",
+    "definitions",
+    "nullable",
+    "contentEncoding",
+    "contentMediaType",
+    "uniqueItems",
+}
+KNOWN = ANNOTATIONS | {
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "items",
+    "minItems",
+    "maxItems",
+    "enum",
+    "const",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "$ref",
+    "minLength",
+    "maxLength",
+    "prefixItems",
+}
+MAX_BOUND = 256  # largest minLength / maxLength / minItems / maxItems written out as rules
+MAX_DIGITS = 16
+MAX_INDENT = 8
+
+
+class UnsupportedSchema(ValueError):
+    pass
+
+
+def _match(term: tuple, ch: str) -> bool:
+    kind = term[0]
+    if kind == "lit":
+        return ch == term[1]
+    if kind == "set":
+        return ch in term[1]
+    if kind == "not":
+        return ch not in term[1] and ch >= " "
+    return term[1] <= ch <= term[2]
+
+
+class Grammar:
+    def __init__(self) -> None:
+        self.rules: list[list[tuple[Element, ...]]] = []
+        self.root = -1
+        self._advance: dict[tuple[State, str], State] = {}
+
+    def add(self, *alternatives: Sequence[Any]) -> int:
+        self.rules.append([])
+        rule = len(self.rules) - 1
+        if alternatives:
+            self.define(rule, *alternatives)
+        return rule
+
+    def define(self, rule: int, *alternatives: Sequence[Any]) -> None:
+        self.rules[rule] = [self._elements(a) for a in alternatives]
+
+    @staticmethod
+    def _elements(parts: Sequence[Any]) -> tuple[Element, ...]:
+        out: list[Element] = []
+        for part in parts if isinstance(parts, (list, tuple)) and not _is_terminal(parts) else [parts]:
+            if isinstance(part, str):
+                out += [("lit", c) for c in part]
+            else:
+                out.append(part)
+        return tuple(out)
+
+    # -- recognizing ---------------------------------------------------------------------------------------------
+    def start(self) -> State:
+        return frozenset(s for a in range(len(self.rules[self.root])) for s in self._expand(((self.root, a, 0),)))
+
+    def _expand(self, stack: Stack) -> Iterator[Stack]:
+        while stack:
+            rule, alt, pos = stack[-1]
+            elements = self.rules[rule][alt]
+            if pos == len(elements):
+                stack = stack[:-1]
+                continue
+            element = elements[pos]
+            if isinstance(element, int):
+                base = stack[:-1] + (((rule, alt, pos + 1),) if pos + 1 < len(elements) else ())
+                for a in range(len(self.rules[element])):
+                    yield from self._expand(base + ((element, a, 0),))
+                return
+            yield stack
+            return
+        yield ()
+
+    def advance(self, state: State, ch: str) -> State:
+        key = (state, ch)
+        found = self._advance.get(key)
+        if found is None:
+            new: set[Stack] = set()
+            for stack in state:
+                if not stack:
+                    continue
+                rule, alt, pos = stack[-1]
+                elements = self.rules[rule][alt]
+                if _match(elements[pos], ch):
+                    rest = stack[:-1] + (((rule, alt, pos + 1),) if pos + 1 < len(elements) else ())
+                    new.update(self._expand(rest))
+            found = self._advance[key] = frozenset(new)
+            if len(self._advance) > 200_000:
+                self._advance.clear()
+        return found
+
+    def accepts(self, text: str) -> bool:
+        state = self.start()
+        for ch in text:
+            state = self.advance(state, ch)
+            if not state:
+                return False
+        return () in state
+
+
+def _is_terminal(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) >= 2 and x[0] in ("lit", "set", "not", "range")
+
+
+DIGIT = ("range", "0", "9")
+NONZERO = ("range", "1", "9")
+HEX = ("set", frozenset("0123456789abcdefABCDEF"))
+
+
+class SchemaCompiler:
+    """JSON schema -> :class:`Grammar` whose language is the JSON texts the schema accepts."""
+
+    def __init__(self, root: dict[str, Any]):
+        self.g = Grammar()
+        self.root_schema = root
+        self.refs: dict[str, int] = {}
+        g = self.g
+        indent = g.add([])
+        for _ in range(MAX_INDENT):
+            indent = g.add([], [("set", frozenset(" \t")), indent])
+        self.ws = g.add([], " ", ["\n", indent])
+        digits = g.add([])
+        for _ in range(MAX_DIGITS):
+            digits = g.add([], [DIGIT, digits])
+        self.digits = digits
+        self.integer = g.add(["-", "0"], "0", ["-", NONZERO, digits], [NONZERO, digits])
+        frac = g.add([], [".", DIGIT, digits])
+        exp = g.add(
+            [],
+            [("set", frozenset("eE")), ("set", frozenset("+-")), DIGIT, digits],
+            [("set", frozenset("eE")), DIGIT, digits],
+        )
+        self.number = g.add([self.integer, frac, exp])
+        escape = g.add([("set", frozenset('"\\/bfnrt'))], ["u", HEX, HEX, HEX, HEX])
+        self.char = g.add([("not", frozenset('"\\'))], ["\\", escape])
+        chars = g.add([])
+        g.define(chars, [], [self.char, chars])
+        self.string = g.add(['"', chars, '"'])
+        self.any = g.add()
+        self._define_any()
+        lead = g.add([], " ", "\n")
+        g.root = g.add([lead, self.compile(root), lead])
+
+    def _define_any(self) -> None:
+        g, ws = self.g, self.ws
+        member = g.add([self.string, ws, ":", ws, self.any])
+        members = g.add([])
+        g.define(members, [], [ws, ",", ws, member, members])
+        obj = g.add(["{", ws, "}"], ["{", ws, member, members, ws, "}"])
+        items = g.add([])
+        g.define(items, [], [ws, ",", ws, self.any, items])
+        arr = g.add(["[", ws, "]"], ["[", ws, self.any, items, ws, "]"])
+        g.define(self.any, [obj], [arr], [self.string], [self.number], "true", "false", "null")
+        self.any_object = obj
+
+    def literal(self, value: Any) -> int:
+        return self.g.add(json.dumps(value, ensure_ascii=True))
+
+    def compile(self, schema: Any) -> int:
+        if schema is True or schema == {}:
+            return self.any
+        if schema is False or not isinstance(schema, dict):
+            raise UnsupportedSchema(f"a schema must be an object or true, not {schema!r}")
+        unknown = sorted(set(schema) - KNOWN)
+        if unknown:
+            raise UnsupportedSchema(f"schema keyword {unknown[0]!r} is not supported")
+        if "$ref" in schema:
+            return self._ref(schema["$ref"])
+        if "const" in schema:
+            return self.literal(schema["const"])
+        if "enum" in schema:
+            return self.g.add(*[[self.literal(v)] for v in schema["enum"]])
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                rest = {k: v for k, v in schema.items() if k != key}
+                options = [
+                    self.compile({**rest, **option}) if isinstance(option, dict) else self.compile(option)
+                    for option in schema[key]
+                ]
+                return self.g.add(*[[o] for o in options])
+        if "allOf" in schema:
+            merged = {k: v for k, v in schema.items() if k != "allOf"}
+            for part in schema["allOf"]:
+                merged = _merge(merged, self._resolve(part))
+            return self.compile(merged)
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            return self.g.add(*[[self.compile({**schema, "type": k})] for k in kind])
+        if kind is None:
+            if "properties" in schema or "additionalProperties" in schema:
+                kind = "object"
+            elif "items" in schema or "prefixItems" in schema:
+                kind = "array"
+            else:
+                return self.any
+        if kind == "object":
+            return self._object(schema)
+        if kind == "array":
+            return self._array(schema)
+        if kind == "string":
+            return self._string(schema)
+        if kind == "number":
+            return self.number
+        if kind == "integer":
+            return self.integer
+        if kind == "boolean":
+            return self.g.add("true", "false")
+        if kind == "null":
+            return self.g.add("null")
+        raise UnsupportedSchema(f"unknown type {kind!r}")
+
+    def _resolve(self, schema: Any) -> Any:
+        if isinstance(schema, dict) and "$ref" in schema:
+            return self._lookup(schema["$ref"])
+        return schema
+
+    def _lookup(self, ref: str) -> Any:
+        if not ref.startswith("#"):
+            raise UnsupportedSchema(f"only local $ref ('#/...') is supported, not {ref!r}")
+        node: Any = self.root_schema
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                raise UnsupportedSchema(f"$ref {ref!r} points nowhere")
+            node = node[part]
+        return node
+
+    def _ref(self, ref: str) -> int:
+        if ref not in self.refs:
+            rule = self.refs[ref] = self.g.add()
+            target = self.compile(self._lookup(ref))
+            self.g.define(rule, [target])
+        return self.refs[ref]
+
+    def _object(self, schema: dict[str, Any]) -> int:
+        g, ws = self.g, self.ws
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties", not props)
+        if not props:
+            if extra is True or extra == {}:
+                return self.any_object
+            value = self.compile(extra) if extra else None
+            if value is None:
+                return g.add(["{", ws, "}"])
+            member = g.add([self.string, ws, ":", ws, value])
+            members = g.add([])
+            g.define(members, [], [ws, ",", ws, member, members])
+            return g.add(["{", ws, "}"], ["{", ws, member, members, ws, "}"])
+        if extra not in (False, None):
+            raise UnsupportedSchema("additionalProperties together with properties is not supported")
+        required = set(schema.get("required") or [])
+        names = list(props)
+        pairs = [g.add([json.dumps(n, ensure_ascii=True), ws, ":", ws, self.compile(props[n])]) for n in names]
+        # head[k]: properties k.. with none written yet; tail[k]: the same after at least one.
+        tail = g.add([])
+        head = g.add([])
+        for k in range(len(names) - 1, -1, -1):
+            new_tail = g.add([ws, ",", ws, pairs[k], tail], *([[tail]] if names[k] not in required else []))
+            new_head = g.add([pairs[k], tail], *([[head]] if names[k] not in required else []))
+            tail, head = new_tail, new_head
+        return g.add(["{", ws, head, ws, "}"])
+
+    def _array(self, schema: dict[str, Any]) -> int:
+        g, ws = self.g, self.ws
+        if "prefixItems" in schema:
+            raise UnsupportedSchema("prefixItems is not supported")
+        item = self.compile(schema.get("items", True))
+        low = int(schema.get("minItems", 0))
+        high = schema.get("maxItems")
+        if low > MAX_BOUND or (high is not None and int(high) > MAX_BOUND):
+            raise UnsupportedSchema(f"minItems / maxItems above {MAX_BOUND} are not supported")
+        # more[k]: zero or more further ", item" with k still allowed (None: unbounded)
+        if high is None:
+            more = g.add([])
+            g.define(more, [], [ws, ",", ws, item, more])
+        else:
+            more = g.add([])
+            for _ in range(max(0, int(high) - max(low, 1))):
+                more = g.add([], [ws, ",", ws, item, more])
+        body = more
+        for _ in range(max(0, low - 1)):
+            body = g.add([ws, ",", ws, item, body])
+        alternatives = [["[", ws, item, body, ws, "]"]]
+        if low == 0:
+            alternatives.append(["[", ws, "]"])
+        if high is not None and int(high) == 0:
+            alternatives = [["[", ws, "]"]]
+        return g.add(*alternatives)
+
+    def _string(self, schema: dict[str, Any]) -> int:
+        low = int(schema.get("minLength", 0))
+        high = schema.get("maxLength")
+        if low == 0 and high is None:
+            return self.string
+        if low > MAX_BOUND or (high is not None and int(high) > MAX_BOUND):
+            raise UnsupportedSchema(f"minLength / maxLength above {MAX_BOUND} are not supported")
+        g = self.g
+        if high is None:
+            rest = g.add([])
+            g.define(rest, [], [self.char, rest])
+        else:
+            rest = g.add([])
+            for _ in range(int(high) - low):
+                rest = g.add([], [self.char, rest])
+        for _ in range(low):
+            rest = g.add([self.char, rest])
+        return g.add(['"', rest, '"'])
+
+
+def _merge(a: dict[str, Any], b: Any) -> dict[str, Any]:
+    if not isinstance(b, dict):
+        raise UnsupportedSchema("allOf parts must be objects")
+    out = {**a}
+    for key, value in b.items():
+        if key == "properties":
+            out["properties"] = {**out.get("properties", {}), **value}
+        elif key == "required":
+            out["required"] = sorted(set(out.get("required", [])) | set(value))
+        elif key in out and out[key] != value and key not in ANNOTATIONS:
+            raise UnsupportedSchema(f"allOf parts disagree on {key!r}")
+        else:
+            out[key] = value
+    return out
+
+
+# --- tokens ----------------------------------------------------------------------------------------------------
+
+
+class TokenTrie:
+    """The vocabulary's token texts as a character trie; tokens with no whole-character text are left out."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.root: dict[str, Any] = {}
+        self.eog = [i for i in range(vocab_size) if tokenizer.is_eog(i)]
+        for i in range(vocab_size):
+            if tokenizer.is_eog(i) or tokenizer.is_control(i):
+                continue
+            try:
+                text = tokenizer.piece(i).decode("utf-8")
+            except (UnicodeDecodeError, ValueError):
+                continue
+            if not text:
+                continue
+            node = self.root
+            for ch in text:
+                node = node.setdefault(ch, {})
+            node.setdefault(None, []).append(i)
+
+
+class JSONConstraint:
+    """A logits processor: ``(logits, generated_ids) -> logits`` with every token that would break the JSON at -inf."""
+
+    def __init__(self, grammar: Grammar, trie: TokenTrie, tokenizer: Any):
+        self.grammar = grammar
+        self.trie = trie
+        self.tokenizer = tokenizer
+        self.state = grammar.start()
+        self.consumed = 0
+        self.masks: OrderedDict[State, np.ndarray] = OrderedDict()
+
+    def __call__(self, logits: np.ndarray, generated: Sequence[int]) -> np.ndarray:
+        for token in generated[self.consumed :]:
+            self.feed(token)
+        self.consumed = len(generated)
+        allowed = self.mask(self.state)
+        out = np.where(allowed[: logits.shape[-1]], logits, -np.inf)
+        return out
+
+    def feed(self, token: int) -> None:
+        if self.tokenizer.is_eog(token):
+            return
+        try:
+            text = self.tokenizer.piece(token).decode("utf-8")
+        except (UnicodeDecodeError, ValueError):
+            text = ""
+        for ch in text:
+            self.state = self.grammar.advance(self.state, ch)
+
+    def mask(self, state: State) -> np.ndarray:
+        found = self.masks.get(state)
+        if found is not None:
+            self.masks.move_to_end(state)
+            return found
+        allowed = np.zeros(self.trie.vocab_size, dtype=bool)
+        if () in state or not state:
+            allowed[self.trie.eog] = True
+        if state:
+            self._walk(self.trie.root, state, allowed)
+        self.masks[state] = allowed
+        if len(self.masks) > 256:
+            self.masks.popitem(last=False)
+        return allowed
+
+    def _walk(self, node: dict[str, Any], state: State, allowed: np.ndarray) -> None:
+        advance = self.grammar.advance
+        todo = [(node, state)]
+        while todo:
+            node, state = todo.pop()
+            for ch, child in node.items():
+                if ch is None:
+                    continue
+                after = advance(state, ch)
+                if after:
+                    ids = child.get(None)
+                    if ids:
+                        allowed[ids] = True
+                    if len(child) > (1 if ids else 0):
+                        todo.append((child, after))
+
+
+def compile_schema(schema: Any) -> Grammar:
+    return SchemaCompiler(schema if schema is not None else True).g
+
+
+def processor(service: Any, schema: Any, param: str) -> JSONConstraint:
+    """A constraint for one request; a schema this module cannot enforce is a 400 naming ``param``."""
+    try:
+        grammar = compile_schema(schema)
+    except (UnsupportedSchema, TypeError, ValueError, RecursionError) as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
+    trie = getattr(service, "_token_trie", None)
+    if trie is None:
+        trie = service._token_trie = TokenTrie(service.tokenizer, service.model.architecture.vocab_size)
+    return JSONConstraint(grammar, trie, service.tokenizer)

@@ -1,0 +1,456 @@
+"""OpenAI Chat Completions and Completions: request bodies to jobs, results to response bodies and SSE chunks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from leat.server import constrained
+from leat.server.errors import APIError, bad_request, unsupported
+from leat.server.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ImageURLPart,
+    JSONObjectFormat,
+    JSONSchemaResponseFormat,
+    NamedToolChoice,
+    RefusalPart,
+    Sampling,
+    TextPart,
+)
+from leat.server.service import Job, Service, TokenLogprob
+
+MAX_STOPS = 16
+
+
+def sampling_fields(body: Sampling) -> dict[str, Any]:
+    return {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repeat_penalty": body.repetition_penalty if body.repetition_penalty is not None else body.repeat_penalty,
+        "seed": body.seed,
+    }
+
+
+def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS:
+        raise bad_request(f"{param}: at most {MAX_STOPS} stop strings", param)
+    return [s for s in stops if s]
+
+
+def check_common(body: Sampling) -> None:
+    if body.n != 1:
+        raise unsupported("n", "only n=1 is supported; send separate requests for more choices")
+
+
+# --- messages -------------------------------------------------------------------------------------------------
+
+
+def message_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, TextPart):
+            parts.append(part.text)
+        elif isinstance(part, RefusalPart):
+            parts.append(part.refusal)
+        else:
+            kind = "image" if isinstance(part, ImageURLPart) else type(part).__name__.removesuffix("Part").lower()
+            raise unsupported(f"{where}.content[{j}]", f"{kind} input is not supported; this server takes text only")
+    return "".join(parts)
+
+
+def parse_arguments(arguments: str, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError as e:
+        raise bad_request(f"{where}: arguments are not valid JSON ({e})", where) from None
+    if not isinstance(value, dict):
+        raise bad_request(f"{where}: arguments must be a JSON object", where)
+    return value
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages as chat templates expect them: string content, tool-call arguments as objects."""
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        role = "system" if m.role == "developer" else m.role
+        entry: dict[str, Any] = {"role": role, "content": message_text(m.content, where)}
+        if m.name:
+            entry["name"] = m.name
+        if m.tool_calls:
+            if role != "assistant":
+                raise bad_request(f"{where}: only assistant messages carry tool_calls", f"{where}.tool_calls")
+            entry["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": parse_arguments(
+                            c.function.arguments, f"{where}.tool_calls[{j}].function.arguments"
+                        ),
+                    },
+                }
+                for j, c in enumerate(m.tool_calls)
+            ]
+        if role == "tool":
+            if not m.tool_call_id:
+                raise bad_request(f"{where}: a tool message needs tool_call_id", f"{where}.tool_call_id")
+            entry["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            entry["reasoning_content"] = m.reasoning_content
+        out.append(entry)
+    return out
+
+
+def template_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {k: v for k, v in t.items() if v is not None}} for t in tools]
+
+
+def plan_tools(
+    service: Service,
+    tools: list[dict[str, Any]] | None,
+    choice: str | dict[str, Any] | None,
+    param: str = "tool_choice",
+) -> tuple[list[dict[str, Any]] | None, str, str | None]:
+    """(tools for the template, mode, forced) where mode is none/auto/forced and forced is "any" or a tool name.
+
+    ``tools`` are ``{"name", "description", "parameters"}``; ``choice`` is "none"/"auto"/"required" or a tool name
+    wrapped as {"name": ...}.
+    """
+    if choice is not None and isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise bad_request(f"{param} must be 'none', 'auto', 'required' or a named function, not {choice!r}", param)
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request(f"{param} asks for a tool call but no tools were given", param)
+        return None, "none", None
+    names = [t["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: two tools share a name", "tools")
+    choice = choice or "auto"
+    if choice == "none":
+        return None, "none", None
+    if choice == "auto":
+        return template_tools(tools), "auto", None
+    if isinstance(choice, dict):
+        if choice["name"] not in names:
+            raise bad_request(f"{param}: no tool named {choice['name']!r} (tools: {', '.join(names)})", param)
+        forced = choice["name"]
+    else:
+        forced = "any"
+    if not service.supports("processors"):
+        raise unsupported(
+            param,
+            "forcing a tool call needs constrained decoding, which this engine does not offer "
+            "yet; use tool_choice 'auto'",
+        )
+    return template_tools(tools), "forced", forced
+
+
+def tool_constraint(service: Service, tools: list[dict[str, Any]], forced: str) -> list:
+    by_name = {t["name"]: t.get("parameters") or {"type": "object"} for t in tools}
+    if forced == "any":
+        schema = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "arguments": params},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for name, params in by_name.items()
+            ]
+        }
+    else:
+        schema = by_name[forced]
+    return [constrained.processor(service, schema, "tool_choice")]
+
+
+def format_constraint(service: Service, fmt: Any, param: str) -> list:
+    if fmt is None or type(fmt).__name__ in ("TextFormat", "RTextFormatText"):
+        return []
+    if not service.supports("processors"):
+        raise unsupported(param, "structured output needs constrained decoding, which this engine does not offer yet")
+    if isinstance(fmt, JSONObjectFormat) or type(fmt).__name__ == "RTextFormatJSONObject":
+        return [constrained.processor(service, {"type": "object"}, param)]
+    schema = fmt.json_schema.schema if isinstance(fmt, JSONSchemaResponseFormat) else fmt.schema
+    return [constrained.processor(service, schema or {}, param)]
+
+
+# --- chat -------------------------------------------------------------------------------------------------------
+
+
+def chat_job(service: Service, body: ChatCompletionRequest, client: str | None) -> Job:
+    check_common(body)
+    for name in ("audio", "prediction", "web_search_options"):
+        if getattr(body, name) is not None:
+            raise unsupported(name, "not supported by this server")
+    if body.modalities and set(body.modalities) - {"text"}:
+        raise unsupported("modalities", "only text output is supported")
+    if body.functions is not None or body.function_call is not None:
+        raise unsupported("functions", "the legacy functions API is not supported; use tools and tool_choice")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    if not body.messages:
+        raise bad_request("messages must hold at least one message", "messages")
+    tools = [
+        {"name": t.function.name, "description": t.function.description, "parameters": t.function.parameters}
+        for t in body.tools or []
+    ]
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        choice = {"name": choice.function.name}
+    if (
+        body.response_format is not None
+        and type(body.response_format).__name__ != "TextFormat"
+        and choice not in (None, "none", "auto")
+    ):
+        raise bad_request("response_format cannot be combined with a forced tool_choice", "response_format")
+    template_tools_, mode, forced = plan_tools(service, tools, choice)
+    extra = dict(body.chat_template_kwargs or {})
+    text, ids = service.render_chat(template_messages(body.messages), template_tools_, extra)
+    processors = service.logit_bias(body.logit_bias)
+    if forced:
+        processors += tool_constraint(service, tools, forced)
+    else:
+        processors += format_constraint(service, body.response_format, "response_format")
+    return Job(
+        endpoint="chat",
+        prompt_ids=ids,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        sampling=service.sampling(sampling_fields(body)),
+        stop=stop_list(body.stop),
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        ignore_eos=body.ignore_eos,
+        processors=processors,
+        parser=service.output_parser(mode == "auto", text),
+        forced_calls=forced,
+        skip_special=service.skip_special(mode == "auto"),
+        client=client or body.user,
+        session=body.session,
+    )
+
+
+def tool_call_json(call: Any, index: int | None = None) -> dict[str, Any]:
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    if index is not None:
+        out = {"index": index, **out}
+    return out
+
+
+def logprob_json(lp: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": lp.text,
+        "logprob": lp.logprob,
+        "bytes": list(lp.text.encode()),
+        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for _, t, v in lp.top],
+    }
+
+
+def usage_json(job: Job) -> dict[str, Any]:
+    r = job.result
+    return {
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "total_tokens": r.prompt_tokens + r.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
+    }
+
+
+def chat_body(service: Service, job: Job) -> dict[str, Any]:
+    r = job.result
+    message: dict[str, Any] = {"role": "assistant", "content": r.content if (r.content or not r.tool_calls) else None}
+    if r.reasoning:
+        message["reasoning_content"] = r.reasoning
+    if r.tool_calls:
+        message["tool_calls"] = [tool_call_json(c) for c in r.tool_calls]
+    logprobs = {"content": [logprob_json(lp) for lp in r.logprobs]} if job.logprobs is not None else None
+    return {
+        "id": f"chatcmpl-{job.id}",
+        "object": "chat.completion",
+        "created": job.created,
+        "model": service.name,
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": r.finish_reason}],
+        "usage": usage_json(job),
+        "system_fingerprint": service.fingerprint,
+    }
+
+
+async def chat_stream(service: Service, job: Job, handle: Any, include_usage: bool) -> AsyncIterator[bytes]:
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: list | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = {"content": [logprob_json(lp) for lp in logprobs]}
+        body = {
+            "id": f"chatcmpl-{job.id}",
+            "object": "chat.completion.chunk",
+            "created": job.created,
+            "model": service.name,
+            "system_fingerprint": service.fingerprint,
+            "choices": [choice],
+        }
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    yield chunk({"role": "assistant", "content": ""})
+    calls = 0
+    try:
+        async for piece in service.stream(job, handle):
+            logprobs = piece.logprobs if job.logprobs is not None else None
+            if piece.kind == "content":
+                yield chunk({"content": piece.text}, logprobs=logprobs)
+            elif piece.kind == "reasoning":
+                yield chunk({"reasoning_content": piece.text}, logprobs=logprobs)
+            else:
+                yield chunk({"tool_calls": [tool_call_json(piece.call, calls)]}, logprobs=logprobs)
+                calls += 1
+    except APIError as e:
+        yield sse(e.body())
+        yield b"data: [DONE]\n\n"
+        return
+    final = {
+        "id": f"chatcmpl-{job.id}",
+        "object": "chat.completion.chunk",
+        "created": job.created,
+        "model": service.name,
+        "system_fingerprint": service.fingerprint,
+        "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": job.result.finish_reason}],
+    }
+    receipt = service.receipt(job)
+    if include_usage:
+        final["usage"] = None
+        yield sse(final)
+        final = {**final, "choices": [], "usage": usage_json(job)}
+    if receipt is not None:
+        final["receipt"] = receipt
+    yield sse(final)
+    yield b"data: [DONE]\n\n"
+
+
+def sse(body: dict[str, Any], event: str | None = None) -> bytes:
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return (f"event: {event}\n" if event else "").encode() + b"data: " + data.encode() + b"\n\n"
+
+
+# --- completions --------------------------------------------------------------------------------------------------
+
+
+def completion_job(service: Service, body: CompletionRequest, client: str | None) -> tuple[Job, str]:
+    check_common(body)
+    if body.suffix:
+        raise unsupported("suffix", "fill-in-the-middle is not supported")
+    if body.best_of not in (None, 1):
+        raise unsupported("best_of", "only best_of=1 is supported")
+    if body.echo and body.logprobs is not None:
+        raise unsupported("echo", "echo with logprobs (prompt logprobs) is not supported")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise unsupported("prompt", "one prompt per request; send separate requests for a batch")
+        prompt = prompt[0]
+    elif isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
+        raise bad_request("prompt: give text, a list of token ids, or a list of one of those", "prompt")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
+        ids = service.tokenizer.encode(prompt, add_special=True, parse_special=True)
+        text = prompt
+    else:
+        ids = list(prompt)
+        if not ids:
+            raise bad_request("prompt is empty", "prompt")
+        vocab = service.model.architecture.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise bad_request(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+        text = service.tokenizer.decode(ids) if body.echo else ""
+    processors = service.logit_bias(body.logit_bias) + format_constraint(
+        service, body.response_format, "response_format"
+    )
+    job = Job(
+        endpoint="completions",
+        prompt_ids=ids,
+        max_tokens=body.max_tokens,
+        sampling=service.sampling(sampling_fields(body)),
+        stop=stop_list(body.stop),
+        logprobs=body.logprobs,
+        ignore_eos=body.ignore_eos,
+        processors=processors,
+        client=client or body.user,
+        session=body.session,
+    )
+    return job, text if body.echo else ""
+
+
+def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    offsets, at = [], offset
+    for lp in lps:
+        offsets.append(at)
+        at += len(lp.text)
+    return {
+        "tokens": [lp.text for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{t: v for _, t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def completion_body(service: Service, job: Job, echo: str) -> dict[str, Any]:
+    r = job.result
+    logprobs = completion_logprobs(r.logprobs, len(echo)) if job.logprobs is not None else None
+    return {
+        "id": f"cmpl-{job.id}",
+        "object": "text_completion",
+        "created": job.created,
+        "model": service.name,
+        "choices": [{"index": 0, "text": echo + r.content, "logprobs": logprobs, "finish_reason": r.finish_reason}],
+        "usage": usage_json(job),
+        "system_fingerprint": service.fingerprint,
+    }
+
+
+async def completion_stream(service: Service, job: Job, handle: Any, echo: str, include_usage: bool):
+    def chunk(text: str, finish: str | None = None, logprobs: dict | None = None) -> dict[str, Any]:
+        return {
+            "id": f"cmpl-{job.id}",
+            "object": "text_completion",
+            "created": job.created,
+            "model": service.name,
+            "system_fingerprint": service.fingerprint,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        }
+
+    if echo:
+        yield sse(chunk(echo))
+    offset = len(echo)
+    try:
+        async for piece in service.stream(job, handle):
+            lps = completion_logprobs(piece.logprobs, offset) if job.logprobs is not None else None
+            offset += len(piece.text)
+            if piece.text or lps:
+                yield sse(chunk(piece.text, logprobs=lps))
+    except APIError as e:
+        yield sse(e.body())
+        yield b"data: [DONE]\n\n"
+        return
+    final = chunk("", job.result.finish_reason)
+    receipt = service.receipt(job)
+    if include_usage:
+        yield sse(final)
+        final = {**final, "choices": [], "usage": usage_json(job)}
+    if receipt is not None:
+        final["receipt"] = receipt
+    yield sse(final)
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,355 @@
+"""What every endpoint shares: the model and engine, prompts from messages, and one generation's output stream.
+
+An endpoint turns its body into a :class:`Job` (prompt token ids, limits, sampling, how to read the
+output), :meth:`Service.submit` hands it to the engine (raising ``Overloaded`` / ``TooLong`` before
+anything is sent, so those become 429 / 400), and :meth:`Service.stream` yields :class:`Piece` items
+(content, reasoning, tool calls, with their logprobs) as tokens arrive, filling ``job.result`` at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from leat import __version__
+from leat.engine import GenerationRequest
+from leat.errors import LeatError, TemplateError
+from leat.sampling import SamplingParams
+from leat.server.errors import APIError, bad_request, unsupported
+from leat.server.toolcalls import (
+    Delta,
+    OutputParser,
+    ReasoningSplitter,
+    StopScanner,
+    ToolCall,
+    build_parser,
+    choose_parser,
+    has_reasoning,
+    json_calls,
+)
+from leat.tokenizer import IncrementalDecoder
+
+ENGINE_FIELDS = {f.name for f in dataclasses.fields(GenerationRequest)}
+
+
+@dataclass
+class TokenLogprob:
+    id: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Piece:
+    kind: str  # "content" | "reasoning" | "tool_call"
+    text: str = ""
+    call: ToolCall | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    finish_reason: str = "stop"
+    stop_sequence: str | None = None  # the stop string that ended the output
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (prefix cache or session)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # everything decoded, before parsing (stop strings removed)
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Job:
+    endpoint: str
+    prompt_ids: list[int]
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    processors: list[Callable] = field(default_factory=list)
+    parser: OutputParser | ReasoningSplitter = field(default_factory=OutputParser)
+    forced_calls: str | None = None  # the output is one JSON tool call: "any" {name, arguments}, or a tool's arguments
+    skip_special: bool = True
+    client: str | None = None
+    session: str | None = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+    result: Result = field(default_factory=Result)
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Service:
+    """The loaded model and its engine, as the endpoints see them."""
+
+    def __init__(
+        self,
+        model: Any,
+        engine: Any,
+        name: str,
+        metrics: Any = None,
+        receipts: Any = None,
+        tool_parser: str | None = None,
+        reasoning: bool | None = None,
+        backend_name: str = "",
+    ):
+        self.model = model
+        self.engine = engine
+        self.name = name
+        self.metrics = metrics
+        self.receipts = receipts
+        self.backend_name = backend_name
+        self.tokenizer = model.tokenizer
+        template = model.chat_template.source
+        vocab = model.file.metadata.get("tokenizer.ggml.tokens") or []
+        self.tool_family = tool_parser or choose_parser(template, vocab, model.file.architecture)
+        self.reasoning = has_reasoning(template, vocab) if reasoning is None else reasoning
+        self.created = int(time.time())
+        self.fingerprint = f"leat-{__version__}-{backend_name or 'unknown'}"
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.engine, "max_context", self.model.context_length))
+
+    def supports(self, feature: str) -> bool:
+        return feature in ENGINE_FIELDS
+
+    # -- prompts ---------------------------------------------------------------------------------------------
+    def render_chat(
+        self, messages: list[dict], tools: list[dict] | None, extra: dict[str, Any]
+    ) -> tuple[str, list[int]]:
+        try:
+            text = self.model.chat_template.render(messages, add_generation_prompt=True, tools=tools, **extra)
+        except TemplateError as e:
+            raise bad_request(str(e), param="messages") from None
+        # The template writes BOS itself when the model wants one, so only special tokens are parsed here.
+        return text, self.tokenizer.encode(text, add_special=False, parse_special=True)
+
+    def sampling(self, fields: dict[str, Any]) -> SamplingParams:
+        try:
+            return SamplingParams.resolve(fields, self.model.file.metadata)
+        except ValueError as e:
+            name = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), param=name if name in fields else None) from None
+
+    def output_parser(self, tools_active: bool, prompt_text: str) -> OutputParser | ReasoningSplitter:
+        # gpt-oss always writes channels, tools or not: its parser also splits off the reasoning.
+        family = self.tool_family if tools_active or self.tool_family == "harmony" else None
+        return build_parser(family, self.reasoning, prompt_text)
+
+    def skip_special(self, tools_active: bool) -> bool:
+        """Control tokens' text is dropped from the output unless a parser needs it (``<|python_tag|>``, channels)."""
+        return not (tools_active or self.tool_family == "harmony")
+
+    def logit_bias(self, bias: dict[str, float] | None) -> list[Callable]:
+        if not bias:
+            return []
+        if not self.supports("processors"):
+            raise unsupported("logit_bias", "this engine has no per-request logits processors yet")
+        vocab = self.model.architecture.vocab_size
+        table = {}
+        for key, value in bias.items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab:
+                raise bad_request(f"logit_bias: {key!r} is not a token id of this model (0..{vocab - 1})", "logit_bias")
+            table[int(key)] = value
+        ids = list(table)
+        values = list(table.values())
+
+        def apply(logits, history):
+            logits[ids] += values
+            return logits
+
+        return [apply]
+
+    # -- running ---------------------------------------------------------------------------------------------
+    def submit(self, job: Job) -> Any:
+        if job.session is not None:
+            from leat.sessions import check_name
+
+            try:
+                check_name(job.session)  # checked here: the engine reads it on its scheduler thread
+            except LeatError as e:
+                raise bad_request(str(e), param="session") from None
+        room = self.max_context - len(job.prompt_ids)
+        max_tokens = job.max_tokens if job.max_tokens is not None else max(room, 1)
+        request = {
+            "prompt_ids": job.prompt_ids,
+            "max_tokens": max_tokens,
+            "sampling": job.sampling,
+            "stop": list(job.stop),
+            "client": job.client,
+            "session": job.session,
+            "logprobs": job.logprobs,
+        }
+        if job.ignore_eos and "ignore_eos" in ENGINE_FIELDS:
+            request["ignore_eos"] = True
+        if job.processors:
+            request["processors"] = job.processors
+        try:
+            handle = self.engine.submit(GenerationRequest(**request))
+        except LeatError as e:
+            if type(e).__name__ in ("Overloaded", "TooLong"):
+                raise
+            raise bad_request(str(e), param="prompt") from None
+        if self.metrics:
+            self.metrics.submitted(job.endpoint, len(job.prompt_ids))
+        return handle
+
+    async def stream(self, job: Job, handle: Any) -> AsyncIterator[Piece]:
+        """The job's output as it is generated; ``job.result`` is complete once this is exhausted."""
+        result = job.result
+        result.prompt_tokens = len(job.prompt_ids)
+        decoder = IncrementalDecoder(self.tokenizer, skip_special=job.skip_special)
+        scanner = StopScanner(job.stop)
+        pending: list[TokenLogprob] = []
+        finished = False
+        first_token_at = None
+        try:
+            async for event in handle.aiter():
+                if event.kind == "token":
+                    if event.id < 0 or scanner.stopped:
+                        continue  # the engine's own flush of held text: this side decodes the ids itself
+                    if first_token_at is None:
+                        first_token_at = time.perf_counter()
+                        if self.metrics:
+                            self.metrics.first_token(job.endpoint, first_token_at - job.started)
+                    result.token_ids.append(event.id)
+                    if job.logprobs is not None and event.logprob is not None:
+                        pending.append(self._logprob(event))
+                        result.logprobs.append(pending[-1])
+                    text = scanner.feed(decoder.feed(event.id))
+                    if scanner.stopped:
+                        handle.cancel()
+                    for piece in self._parse(job, text, pending):
+                        yield piece
+                elif event.kind == "error":
+                    finished = True
+                    raise APIError(500, f"generation failed: {event.error}", type="server_error")
+                else:
+                    finished = True
+                    usage = event.usage or {}
+                    result.completion_tokens = int(usage.get("completion_tokens", len(result.token_ids)))
+                    result.cached_tokens = int(usage.get("cached_tokens", 0))
+                    result.timings = dict(event.timings or {})
+                    reason = event.finish_reason or "stop"
+                    if not scanner.stopped:
+                        tail = scanner.feed(decoder.flush()) + scanner.flush()
+                        for piece in self._parse(job, tail, pending):
+                            yield piece
+                    for piece in self._finish(job, pending):
+                        yield piece
+                    result.finish_reason = "stop" if scanner.stopped else reason
+                    result.stop_sequence = scanner.matched
+                    if result.tool_calls and result.finish_reason == "stop":
+                        result.finish_reason = "tool_calls"
+                    break
+        finally:
+            if not finished:
+                handle.cancel()
+                if self.metrics:
+                    self.metrics.cancelled(job.endpoint)
+            elif self.metrics:
+                self.metrics.finished(job.endpoint, result, time.perf_counter() - job.started)
+
+    async def run(self, job: Job, handle: Any) -> Result:
+        async for _ in self.stream(job, handle):
+            pass
+        return job.result
+
+    def _logprob(self, event: Any) -> TokenLogprob:
+        piece = self.tokenizer.decode([event.id], skip_special=False)
+        top = [(t, self.tokenizer.decode([t], skip_special=False), lp) for t, lp in (event.top_logprobs or [])]
+        return TokenLogprob(event.id, piece, event.logprob, top)
+
+    def _parse(self, job: Job, text: str, pending: list[TokenLogprob]) -> list[Piece]:
+        job.result.text += text
+        if job.forced_calls is not None:
+            return []  # the whole output is read as tool calls at the end
+        pieces = [self._record(job, d) for d in job.parser.feed(text)] if text else []
+        return self._attach(pieces, pending)
+
+    def _finish(self, job: Job, pending: list[TokenLogprob]) -> list[Piece]:
+        if job.forced_calls is None:
+            pieces = [self._record(job, d) for d in job.parser.finish()]
+        else:
+            calls = self._forced(job)
+            if calls is None:  # cut off by max_tokens: what there is goes back as content
+                pieces = [self._record(job, Delta("content", job.result.text))]
+            else:
+                pieces = [self._record(job, Delta("tool_call", call=c)) for c in calls]
+        pieces = self._attach(pieces, pending)
+        if pending:
+            pieces.append(Piece("content", logprobs=list(pending)))
+            pending.clear()
+        return pieces
+
+    def _forced(self, job: Job) -> list[ToolCall] | None:
+        text = job.result.text
+        if job.forced_calls == "any":
+            return json_calls(text)
+        try:
+            args = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return [ToolCall(job.forced_calls, json.dumps(args, ensure_ascii=False))] if isinstance(args, dict) else None
+
+    def _record(self, job: Job, delta: Delta) -> Piece:
+        result = job.result
+        if delta.kind == "content":
+            result.content += delta.text
+        elif delta.kind == "reasoning":
+            result.reasoning += delta.text
+        else:
+            result.tool_calls.append(delta.call)
+        return Piece(delta.kind, delta.text, delta.call)
+
+    @staticmethod
+    def _attach(pieces: list[Piece], pending: list[TokenLogprob]) -> list[Piece]:
+        if pending and pieces:
+            pieces[0].logprobs = list(pending)
+            pending.clear()
+        return pieces
+
+    # -- receipts ----------------------------------------------------------------------------------------------
+    def receipt(self, job: Job, body: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        if self.receipts is None:
+            return None
+        result = job.result
+        claims = {
+            "response_id": job.id,
+            "endpoint": job.endpoint,
+            "model": self.name,
+            "model_sha256": self.receipts.model_sha256(),
+            "backend": self.backend_name,
+            "sampling": dataclasses.asdict(job.sampling),
+            "max_tokens": job.max_tokens,
+            "stop": list(job.stop),
+            "prompt_tokens": len(job.prompt_ids),
+            "prompt_sha256": token_hash(job.prompt_ids),
+            "output_tokens": len(result.token_ids),
+            "output_sha256": token_hash(result.token_ids),
+            "output_text_sha256": hashlib.sha256(result.text.encode()).hexdigest(),
+            "finish_reason": result.finish_reason,
+            "timings": {k: round(float(v), 6) for k, v in result.timings.items() if isinstance(v, int | float)},
+            "created": job.created,
+        }
+        if body is not None:
+            claims["body_sha256"] = self.receipts.body_hash(body)
+        return self.receipts.sign(claims)
+
+
+def token_hash(ids: list[int]) -> str:
+    """SHA-256 of token ids as little-endian uint32, the form ``leat receipts verify`` recomputes."""
+    return hashlib.sha256(b"".join(int(i).to_bytes(4, "little") for i in ids)).hexdigest()

@@ -1,0 +1,383 @@
+"""``leat serve`` as a real process on 127.0.0.1, driven by the official openai and anthropic clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+from leat.keys import KeyStore
+from leat.server.testing import ServerProcess
+from leat.testing import write_tiny_gguf
+from leat_arch_llama.llama import Llama
+
+MODEL = "tiny"
+ALLOWED_ORIGIN = "http://app.example:3000"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("leat-home")
+    model = write_tiny_gguf(Llama, home / "tiny.gguf", params=Llama.tiny(context=1024))
+    store = KeyStore(home / "keys.json")
+    key = store.add("tests")
+    args = [
+        "--backend",
+        "cpu",
+        "--batch-size",
+        "4",
+        "--api-key-file",
+        str(store.path),
+        "--receipt-key",
+        str(home / "receipt.pem"),
+        "--allow-origin",
+        ALLOWED_ORIGIN,
+    ]
+    with ServerProcess(model, args, env={"LEAT_HOME": str(home)}) as proc:
+        proc.key = key
+        proc.home = home
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.key}"}, timeout=30) as c:
+        yield c
+
+
+def metric(http, name: str, **labels) -> float:
+    text = http.get("/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else "") + r" ([0-9.e+-]+)"
+    match = re.search(pattern, text)
+    return float(match.group(1)) if match else 0.0
+
+
+HELLO = [{"role": "user", "content": "hello there"}]
+
+
+def test_models_and_health(server, client, http):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"  # /health needs no key
+
+
+def test_chat_whole_and_streamed_agree(client):
+    whole = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0)
+    choice = whole.choices[0]
+    assert choice.finish_reason in ("length", "stop") and choice.message.role == "assistant"
+    assert whole.usage.completion_tokens <= 12 and whole.usage.prompt_tokens > 0
+    stream = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens and not chunks[-1].choices
+
+
+def test_seed_makes_sampling_repeatable(client):
+    def ask(seed):
+        r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=10, temperature=1.0, seed=seed)
+        return r.choices[0].message.content
+
+    assert ask(7) == ask(7)
+
+
+def test_stop_strings_and_logprobs(client):
+    full = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=20, temperature=0).choices[0]
+    text = full.message.content
+    assert len(text) > 6
+    stop = text[3:5]
+    cut = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    scored = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    entries = scored.choices[0].logprobs.content
+    assert len(entries) == scored.usage.completion_tokens
+    for entry in entries:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-9  # greedy: the chosen token is the likeliest
+
+
+def test_completions_text_and_token_ids(client):
+    text = client.completions.create(model=MODEL, prompt="the quick brown", max_tokens=6, temperature=0)
+    assert text.object == "text_completion" and text.usage.completion_tokens <= 6
+    ids = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=4, temperature=0)
+    assert ids.usage.prompt_tokens == 4
+    streamed = client.completions.create(
+        model=MODEL, prompt="the quick brown", max_tokens=6, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text.choices[0].text
+
+
+def test_bad_requests_are_400_in_openai_shape(server, client, http):
+    r = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=-3)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=HELLO, n=2)
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5000)
+    assert "1024" in info.value.body["message"] and info.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+        )
+    assert info.value.body["param"] == "messages[0].content[0]"
+    assert http.get("/nowhere").status_code == 404
+    assert server.process.poll() is None
+
+
+def test_keys_host_and_origin(server, http):
+    url = server.url + "/v1/models"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer leat_wrong"}).status_code == 401
+    assert httpx.get(url, headers={"x-api-key": server.key}).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="leat_wrong", max_retries=0).models.list()
+    foreign = http.get("/v1/models", headers={"Origin": "http://evil.example"})
+    assert foreign.status_code == 403 and "allow-origin" in foreign.json()["error"]["message"]
+    allowed = http.get("/v1/models", headers={"Origin": ALLOWED_ORIGIN})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    preflight = httpx.options(url, headers={"Origin": ALLOWED_ORIGIN, "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 204
+    rebound = http.get("/v1/models", headers={"Host": f"attacker.example:{server.port}"})
+    assert rebound.status_code == 403
+
+
+def test_tokenize_detokenize(http):
+    ids = http.post("/tokenize", json={"content": "hello world"}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": ids}).json()["content"] == "hello world"
+    chat = http.post("/tokenize", json={"messages": HELLO}).json()
+    assert chat["count"] == len(chat["tokens"]) > len(ids)
+
+
+def test_anthropic_messages_whole_and_streamed(server):
+    claude = anthropic.Anthropic(base_url=server.url, api_key=server.key, max_retries=0)
+    greedy = {"temperature": 0}  # newer clients no longer offer it as an argument; the API still takes it
+    whole = claude.messages.create(model=MODEL, max_tokens=10, messages=HELLO, extra_body=greedy)
+    assert whole.content[0].type == "text" and whole.stop_reason in ("max_tokens", "end_turn")
+    with claude.messages.stream(model=MODEL, max_tokens=10, messages=HELLO, extra_body=greedy) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text and final.usage.output_tokens == whole.usage.output_tokens
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="leat_wrong", max_retries=0).messages.create(
+            model=MODEL, max_tokens=5, messages=HELLO
+        )
+    count = claude.messages.count_tokens(model=MODEL, messages=HELLO)
+    assert count.input_tokens == whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0)
+
+
+def test_responses_whole_and_streamed(client):
+    whole = client.responses.create(model=MODEL, input="hello there", max_output_tokens=8, temperature=0)
+    assert whole.status in ("completed", "incomplete") and whole.usage.output_tokens <= 8
+    events = list(
+        client.responses.create(model=MODEL, input="hello there", max_output_tokens=8, temperature=0, stream=True)
+    )
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_receipts_verify_and_tampering_fails(server, http, tmp_path):
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 6, "temperature": 0})
+    body = r.json()
+    assert body["receipt"]["claims"]["output_tokens"] == body["usage"]["completion_tokens"]
+    public = server.home / "receipt.pub.pem"
+
+    def check(doc) -> subprocess.CompletedProcess:
+        path = tmp_path / "doc.json"
+        path.write_text(json.dumps(doc))
+        return subprocess.run(
+            [sys.executable, "-m", "leat", "receipts", "verify", str(path), "--public-key", str(public)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    ok = check(body)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["claims"]["model_sha256"] == _sha256(server.home / "tiny.gguf")
+    body["choices"][0]["message"]["content"] += "!"
+    bad = check(body)
+    assert bad.returncode != 0 and "altered" in bad.stderr
+
+
+def _sha256(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_concurrent_clients_are_batched(server, http):
+    async def one(c: openai.AsyncOpenAI, i: int) -> int:
+        r = await c.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=24, temperature=0)
+        return r.usage.completion_tokens
+
+    async def all_of_them() -> list[int]:
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.key, max_retries=0)
+        return await asyncio.gather(*(one(c, i) for i in range(4)))
+
+    steps = metric(http, "leat_engine_steps_total")
+    tokens = sum(asyncio.run(all_of_them()))
+    taken = metric(http, "leat_engine_steps_total") - steps
+    assert taken < tokens, f"{tokens} tokens in {taken} steps: requests were not decoded together"
+
+
+def test_disconnect_cancels_and_frees_the_slot(server, http):
+    before = metric(http, "leat_requests_cancelled_total", endpoint="chat")
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 900, "temperature": 0, "stream": True}
+    headers = {"Authorization": f"Bearer {server.key}"}
+    with (
+        httpx.Client(base_url=server.url, headers=headers) as c,
+        c.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:") and '"content":"' in line and '"content":""' not in line:
+                break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if (
+            metric(http, "leat_requests_cancelled_total", endpoint="chat") > before
+            and metric(http, "leat_running") == 0
+        ):
+            break
+        time.sleep(0.05)
+    assert metric(http, "leat_requests_cancelled_total", endpoint="chat") == before + 1
+    assert metric(http, "leat_running") == 0
+    # Its pages came back: whatever is still in use is only held by the prefix cache.
+    assert metric(http, "leat_kv_pages_used") == metric(http, "leat_kv_pages_cached")
+    metrics = http.get("/metrics").text
+    for name in (
+        "leat_queue_depth",
+        "leat_kv_pages_used",
+        "leat_kv_pages_free",
+        'leat_allocated_bytes{kind="weights"}',
+        "leat_time_to_first_token_seconds_bucket",
+        "leat_generated_tokens_total",
+    ):
+        assert name in metrics
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "forecast", "parameters": WEATHER}}]
+
+
+def constrained_decoding() -> bool:
+    from leat.server.service import ENGINE_FIELDS
+
+    return "processors" in ENGINE_FIELDS
+
+
+def test_tool_call_round_trip(client):
+    """tool_choice naming a function makes the model write that call (constrained decoding), then the result goes back."""
+    ask = [{"role": "user", "content": "weather in Paris?"}]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    if not constrained_decoding():
+        with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+            client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice=choice)
+        return
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask, tools=TOOLS, tool_choice=choice, max_tokens=60, seed=1
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    call = r.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["city"] in ("Paris", "Rome") and isinstance(args["days"], int)
+    back = ask + [
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    answer = client.chat.completions.create(model=MODEL, messages=back, tools=TOOLS, max_tokens=5, temperature=0)
+    assert answer.choices[0].message.role == "assistant"
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=ask, tools=TOOLS, tool_choice="required", max_tokens=150, seed=2, stream=True
+    )
+    deltas = [d for c in streamed if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather" and json.loads(deltas[0].function.arguments)["city"]
+
+
+def test_json_schema_output_parses_and_validates(client):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    if not constrained_decoding():
+        with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+            client.chat.completions.create(model=MODEL, messages=HELLO, response_format=fmt)
+        return
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, response_format=fmt, max_tokens=80, seed=3)
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int) and len(value["name"]) <= 10
+
+
+def test_messages_and_responses_stream_tool_use(server, client):
+    claude = anthropic.Anthropic(base_url=server.url, api_key=server.key, max_retries=0)
+    tools = [{"name": "get_weather", "input_schema": WEATHER}]
+    if not constrained_decoding():
+        with pytest.raises(anthropic.BadRequestError):
+            claude.messages.create(model=MODEL, max_tokens=60, messages=HELLO, tools=tools, tool_choice={"type": "any"})
+        return
+    with claude.messages.stream(
+        model=MODEL, max_tokens=60, messages=HELLO, tools=tools, tool_choice={"type": "tool", "name": "get_weather"}
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[-1].input["city"] in ("Paris", "Rome")
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input="weather?",
+            max_output_tokens=150,
+            stream=True,
+            tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER}],
+            tool_choice="required",
+        )
+    )
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done and json.loads(done[0].arguments)["city"] in ("Paris", "Rome")
+    assert events[-1].response.output[-1].type == "function_call"
+
+
+def test_sessions_reuse_the_conversation_kv(client):
+    first = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=4, temperature=0, extra_body={"session": "conversation-1"}
+    )
+    turn = HELLO + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "and then?"},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=turn, max_tokens=4, temperature=0, extra_body={"session": "conversation-1"}
+    )
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, extra_body={"session": "../../x"})

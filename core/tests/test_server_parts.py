@@ -1,0 +1,290 @@
+"""The server's pieces without a server: tool-call and reasoning parsers per family, stop strings, keys, receipts."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import msgspec
+import pytest
+from leat.errors import LeatError
+from leat.keys import KeyStore
+from leat.receipts import Signer, body_hash, load_or_create_key, load_public_key, public_key_path, verify
+from leat.server.errors import from_msgspec
+from leat.server.schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
+from leat.server.toolcalls import StopScanner, build_parser, choose_parser, held_prefix
+
+
+def run(parser, text: str, step: int) -> list[tuple[str, str]]:
+    """Feed ``text`` in pieces of ``step`` characters; merge neighbouring deltas of one kind."""
+    deltas = []
+    for i in range(0, len(text), step):
+        deltas += parser.feed(text[i : i + step])
+    deltas += parser.finish()
+    out: list[tuple[str, str]] = []
+    for d in deltas:
+        value = d.text if d.kind != "tool_call" else json.dumps([d.call.name, json.loads(d.call.arguments)])
+        if out and out[-1][0] == d.kind and d.kind != "tool_call":
+            out[-1] = (d.kind, out[-1][1] + value)
+        elif value or d.kind == "tool_call":
+            out.append((d.kind, value))
+    return out
+
+
+def call(name: str, **args) -> tuple[str, str]:
+    return ("tool_call", json.dumps([name, args]))
+
+
+CASES = [
+    (
+        "hermes",
+        'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        [("content", "Let me check."), call("get_weather", city="Paris")],
+    ),
+    (
+        "hermes",
+        (
+            '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": "{\\"x\\": 1}"}'
+            "</tool_call>"
+        ),
+        [call("a"), ("content", "\n"), call("b", x=1)],
+    ),
+    ("hermes", "<tool_call>not json</tool_call> ok", [("content", "<tool_call>not json</tool_call> ok")]),
+    ("hermes", "a < b and <tool", [("content", "a < b and <tool")]),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', [call("get_weather", city="Paris")]),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}',
+        [call("a", x=1), call("b")],
+    ),
+    ("llama3", "The answer is {42}.", [("content", "The answer is {42}.")]),
+    ("llama3", "{not a call}", [("content", "{not a call}")]),
+    ("mistral", 'Sure [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', [("content", "Sure "), call("f", a=1)]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}', [call("f", a=1), call("g")]),
+    (
+        "harmony",
+        (
+            "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}'
+        ),
+        [("reasoning", "Need the weather."), call("get_weather", city="Paris")],
+    ),
+    (
+        "harmony",
+        "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi there",
+        [("reasoning", "Think."), ("content", "Hi there")],
+    ),
+    (
+        "harmony",
+        '<|start|>assistant to=functions.lookup<|channel|>commentary json<|message|>{"q": "x"}<|call|>',
+        [call("lookup", q="x")],
+    ),
+    (
+        "gemma",
+        'Sure.\n```tool_code\nget_weather(city="Paris", days=2)\n```',
+        [("content", "Sure.\n"), call("get_weather", city="Paris", days=2)],
+    ),
+    ("gemma", "```python\nprint(1)\n```", [("content", "```python\nprint(1)\n```")]),
+    (
+        "functiongemma",
+        (
+            "<start_function_call>call:get_weather{city:<escape>Paris, FR<escape>,days:2,opts:{metric:true},"
+            "tags:[<escape>a<escape>,<escape>b<escape>]}<end_function_call>"
+        ),
+        [call("get_weather", city="Paris, FR", days=2, opts={"metric": True}, tags=["a", "b"])],
+    ),
+]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+@pytest.mark.parametrize(("family", "text", "expected"), CASES)
+def test_tool_call_parsers(family, text, expected, step):
+    assert run(build_parser(family, reasoning=False), text, step) == expected
+
+
+@pytest.mark.parametrize("step", [1, 2, 1000])
+def test_reasoning_is_split_off(step):
+    text = '<think>\nThe user wants weather.\n</think>\n\n<tool_call>{"name": "w", "arguments": {}}</tool_call>'
+    assert run(build_parser("hermes", reasoning=True), text, step) == [
+        ("reasoning", "The user wants weather.\n"),
+        call("w"),
+    ]
+    # A template that opened <think> itself: the output starts inside the reasoning.
+    parser = build_parser(None, reasoning=True, prompt_text="<|im_start|>assistant\n<think>\n")
+    assert run(parser, "plan</think>Answer", step) == [("reasoning", "plan"), ("content", "Answer")]
+    assert run(build_parser(None, reasoning=True), "No thinking here", step) == [("content", "No thinking here")]
+
+
+def test_parser_is_chosen_from_the_template_and_vocabulary():
+    assert choose_parser("{{ '<tool_call>' }}", []) == "hermes"
+    assert choose_parser("<|start_header_id|>ipython", []) == "llama3"
+    assert choose_parser("", ["<|channel|>", "<|message|>"]) == "harmony"
+    assert choose_parser("[TOOL_CALLS]", []) == "mistral"
+    assert choose_parser("<start_of_turn>", [], "gemma3") == "gemma"
+    assert choose_parser("start_function_call", [], "gemma3") == "functiongemma"
+    assert choose_parser("<|im_start|>", []) == "hermes"
+
+
+def test_stop_scanner_holds_back_a_possible_stop_and_cuts_at_the_first():
+    scanner = StopScanner(["STOP", "\n\n"])
+    assert scanner.feed("abc ST") == "abc "
+    assert scanner.feed("O") == ""
+    assert scanner.feed("X more\n") == "STOX more"
+    assert scanner.feed("\nafter") == ""
+    assert scanner.stopped and scanner.matched == "\n\n"
+    assert held_prefix("xx<tool_ca", ["<tool_call>"]) == len("<tool_ca")
+
+
+def test_bad_fields_name_the_field():
+    cases = [
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}', ChatCompletionRequest, "max_tokens"),
+        (b'{"messages": [{"role": "robot", "content": "x"}]}', ChatCompletionRequest, "messages[0].role"),
+        (b'{"messages": [{"role": "user"}], "temperature": 3}', ChatCompletionRequest, "temperature"),
+        (b'{"messages": [{"role": "user"}], "frobnicate": 1}', ChatCompletionRequest, "frobnicate"),
+        (b'{"prompt": {"text": "a"}}', CompletionRequest, "prompt"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}', MessagesRequest, "max_tokens"),
+    ]
+    for raw, kind, param in cases:
+        with pytest.raises(msgspec.DecodeError) as info:
+            msgspec.json.decode(raw, type=kind)
+        error = from_msgspec(info.value)
+        assert error.status == 400
+        if param:
+            assert error.param == param, error.message
+    assert from_msgspec(msgspec.DecodeError("JSON is malformed")).code == "invalid_json"
+
+
+def test_keys_are_shown_once_and_stored_as_hashes(tmp_path):
+    path = tmp_path / "keys.json"
+    store = KeyStore(path)
+    key = store.add("laptop")
+    assert key.startswith("leat_") and len(key) > 40
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert key not in path.read_text()
+    again = KeyStore(path)
+    assert again.check(key) == "laptop"
+    assert again.check(key + "x") is None and again.check(None) is None
+    assert [k["name"] for k in again.list()] == ["laptop"]
+    with pytest.raises(LeatError, match="exists"):
+        again.add("laptop")
+    again.remove("laptop")
+    assert not KeyStore(path)
+    with pytest.raises(LeatError, match="no key named"):
+        again.remove("laptop")
+
+
+class FakeFile:
+    def sha256(self) -> str:
+        return "ab" * 32
+
+
+def test_receipts_verify_and_fail_after_any_change(tmp_path):
+    key_path = tmp_path / "k.pem"
+    signer = Signer(load_or_create_key(key_path), FakeFile(), "cpu")
+    assert stat.S_IMODE(key_path.stat().st_mode) == 0o600
+    public = load_public_key(public_key_path(key_path))
+    body = {"id": "chatcmpl-1", "choices": [{"message": {"content": "Hello"}}], "usage": {"total_tokens": 3}}
+    body["receipt"] = signer.sign({"model_sha256": signer.model_sha256(), "body_sha256": body_hash(body)})
+    body = json.loads(json.dumps(body))  # as a client receives it
+    assert verify(body, public)["model_sha256"] == "ab" * 32
+    assert verify(body["receipt"], public)
+
+    changed = json.loads(json.dumps(body))
+    changed["choices"][0]["message"]["content"] = "Hellp"
+    with pytest.raises(LeatError, match="altered"):
+        verify(changed, public)
+    changed = json.loads(json.dumps(body))
+    changed["receipt"]["claims"]["model_sha256"] = "cd" * 32
+    with pytest.raises(LeatError, match="signature"):
+        verify(changed, public)
+    changed = json.loads(json.dumps(body))
+    sig = changed["receipt"]["signature"]
+    changed["receipt"]["signature"] = ("B" if sig[0] != "B" else "C") + sig[1:]
+    with pytest.raises(LeatError, match="signature"):
+        verify(changed, public)
+    other = (
+        load_public_key(public_key_path(tmp_path / "other.pem")) if load_or_create_key(tmp_path / "other.pem") else None
+    )
+    with pytest.raises(LeatError, match="not by this public key"):
+        verify(body, other)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome"]},
+        "days": {"type": "integer"},
+        "note": {"type": "string", "maxLength": 8},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+    },
+    "required": ["city", "days"],
+}
+
+
+def test_schema_grammar_accepts_exactly_the_matching_json():
+    from leat.server.constrained import UnsupportedSchema, compile_schema
+
+    g = compile_schema(SCHEMA)
+    good = [
+        '{"city": "Paris", "days": 3}',
+        '{"city":"Rome","days":-1,"note":"ok","tags":[true,false]}',
+        '{\n  "city": "Rome",\n  "days": 0\n}',
+    ]
+    bad = [
+        '{"days": 3}',
+        '{"city": "Oslo", "days": 3}',
+        '{"city": "Rome", "days": 1.5}',
+        '{"city": "Rome", "days": 1, "note": "far too long"}',
+        '{"city": "Rome", "days": 1, "tags": [true, true, true]}',
+        '{"city": "Rome", "days": 1, "extra": 1}',
+        '{"city": "Rome", "days": 1',
+    ]
+    assert all(g.accepts(t) for t in good)
+    assert not any(g.accepts(t) for t in bad)
+    anything = compile_schema({"type": "object"})
+    assert anything.accepts('{"a": [1, 2.5e3, {"b": null}], "c": "\\u00e9"}') and not anything.accepts("[1]")
+    linked = {
+        "$defs": {
+            "n": {
+                "type": "object",
+                "properties": {"next": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}},
+                "required": ["next"],
+            }
+        },
+        "$ref": "#/$defs/n",
+    }
+    assert compile_schema(linked).accepts('{"next": {"next": null}}')
+    with pytest.raises(UnsupportedSchema, match="pattern"):
+        compile_schema({"type": "string", "pattern": "^a"})
+
+
+def test_constrained_sampling_makes_a_random_model_write_valid_json(tmp_path):
+    """A random-weight model, sampled at temperature 1, writes JSON that parses and matches the schema."""
+    import numpy as np
+    from leat.batch import Batch, Row
+    from leat.model import load
+    from leat.sampling import Sampler, SamplingParams
+    from leat.server.constrained import JSONConstraint, TokenTrie, compile_schema
+    from leat.testing import write_tiny_gguf
+    from leat_arch_llama.llama import Llama
+
+    model = load(str(write_tiny_gguf(Llama, tmp_path / "tiny.gguf")), backend="cpu")
+    trie = TokenTrie(model.tokenizer, model.architecture.vocab_size)
+    prompt = model.chat_prompt([{"role": "user", "content": "weather?"}])
+    for seed in (0, 1):
+        constraint = JSONConstraint(compile_schema(SCHEMA), trie, model.tokenizer)
+        sampler = Sampler.build(SamplingParams(temperature=1.0, seed=seed))
+        kv = model.new_kv(len(prompt) + 120)
+        row = model.architecture.forward(Batch([Row(0, 0, np.asarray(prompt))]), kv)
+        out: list[int] = []
+        for _ in range(120):
+            logits = constraint(model.backend.to_host(row)[-1].astype(np.float64), out)
+            token = sampler.sample(logits, prompt + out)
+            if model.tokenizer.is_eog(token):
+                break
+            out.append(token)
+            row = model.architecture.forward(Batch([Row(0, len(prompt) + len(out) - 1, np.asarray([token]))]), kv)
+        value = json.loads(model.tokenizer.decode(out))
+        assert value["city"] in ("Paris", "Rome") and isinstance(value["days"], int)
+        assert set(value) <= set(SCHEMA["properties"])
+        assert len(value.get("note", "")) <= 8 and len(value.get("tags", [])) <= 2
