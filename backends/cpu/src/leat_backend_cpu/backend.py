@@ -13,6 +13,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from leat.backend import Allocations, Backend, KVLayout, KVPages, RopeSpec
 from leat.batch import Batch
@@ -21,6 +22,8 @@ from leat.modelfile import Tensor
 from leat.moe import MoESpec, MoEWeights, activate, route
 
 Q = gguf.GGMLQuantizationType
+SINGLE_THREAD_ROWS = 8
+_blas = ThreadpoolController()
 # The types gguf-py can dequantize (it raises NotImplementedError for the others).
 DEQUANTIZABLE = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
@@ -130,7 +133,13 @@ class CPUBackend(Backend):
         return weight[tokens]
 
     def matmul(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        y = x @ weight.T
+        if x.shape[0] <= SINGLE_THREAD_ROWS:
+            # A few rows are a memory-bound matrix-vector product: a second BLAS thread adds little, and
+            # when the cores are busy its spin-waits slowed decode 3x here (measured on 2 cores).
+            with _blas.limit(limits=1, user_api="blas"):
+                y = x @ weight.T
+        else:
+            y = x @ weight.T
         return y + bias if bias is not None else y
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
