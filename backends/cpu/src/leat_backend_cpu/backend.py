@@ -166,43 +166,7 @@ class CPUBackend(Backend):
         return out
 
     def attention(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float) -> np.ndarray:
-        keys_all, values_all = kv.k[layer], kv.v[layer]
-        window = kv.layouts[layer].window
-        n, heads, dim = q.shape
-        kv_heads, value_dim = v.shape[1], v.shape[2]
-        group = heads // kv_heads
-        out = np.empty((n, heads * value_dim), self.dtype)
-        size = kv.page_size
-        for row, offset in zip(batch.rows, batch.offsets):
-            length, start = len(row.tokens), row.start
-            span = slice(offset, offset + length)
-            table = kv.page_table[row.slot]
-            positions = np.arange(start, start + length)
-            where = (table[positions // size], positions % size)
-            used = table[: -(-(start + length) // size)]
-            if kv.dtype == "q8_0":
-                keys_all[where], kv.k_scale[layer][where] = _q8_0(k[span])
-                values_all[where], kv.v_scale[layer][where] = _q8_0(v[span])
-                keys = _from_q8_0(keys_all[used], kv.k_scale[layer][used], self.dtype)
-                values = _from_q8_0(values_all[used], kv.v_scale[layer][used], self.dtype)
-            else:
-                keys_all[where], values_all[where] = k[span], v[span]
-                keys, values = keys_all[used].astype(self.dtype), values_all[used].astype(self.dtype)
-            keys = keys.reshape(-1, kv_heads, dim)[: start + length]
-            values = values.reshape(-1, kv_heads, value_dim)[: start + length]
-            qs = q[span].reshape(length, kv_heads, group, dim)
-            scores = np.einsum("lkgd,tkd->kglt", qs, keys) * scale
-            query_pos = start + np.arange(length)[:, None]
-            key_pos = np.arange(start + length)[None, :]
-            masked = key_pos > query_pos
-            if window is not None:
-                masked |= key_pos <= query_pos - window
-            scores[..., masked] = -np.inf
-            scores -= scores.max(axis=-1, keepdims=True)
-            weights = np.exp(scores)
-            weights /= weights.sum(axis=-1, keepdims=True)
-            out[span] = np.einsum("kglt,tkd->lkgd", weights, values).reshape(length, heads * value_dim)
-        return out
+        return self._attend(q, k, v, kv, layer, batch, scale)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):  # exp overflow for very negative gates gives the right limit, 0
@@ -259,13 +223,14 @@ class CPUBackend(Backend):
                 keys, values = keys_all[used].astype(self.dtype), values_all[used].astype(self.dtype)
             keys = keys.reshape(-1, kv_heads, dim)[: start + length]
             values = values.reshape(-1, kv_heads, value_dim)[: start + length]
-            qs = q[span].reshape(length, kv_heads, group, dim)
-            scores = np.einsum("lkgd,tkd->kglt", qs, keys) * scale
+            # [kv_heads, group, queries, dim] @ [kv_heads, 1, dim, keys]: one BLAS product per head
+            qs = q[span].reshape(length, kv_heads, group, dim).transpose(1, 2, 0, 3)
+            scores = (qs @ keys.transpose(1, 2, 0)[:, None]) * scale
             if softcap is not None:
                 scores = softcap * np.tanh(scores / softcap)
-            out[span] = np.einsum("kglt,tkd->lkgd", self._softmax(scores, start, length, window, sinks), values).reshape(
-                length, heads * value_dim
-            )
+            weights = self._softmax(scores, start, length, window, sinks)
+            mixed = weights @ values.transpose(1, 0, 2)[:, None]  # [kv_heads, group, queries, value_dim]
+            out[span] = mixed.transpose(2, 0, 1, 3).reshape(length, heads * value_dim)
         return out
 
     @staticmethod
