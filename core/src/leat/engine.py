@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,8 @@ from leat.compare import log_softmax
 from leat.errors import LeatError
 from leat.kvpool import PagePool
 from leat.sampling import Sampler, SamplingParams
-from leat.sessions import SessionStore, common_prefix, model_fingerprint
+from leat.sessions import SessionStore, check_name, common_prefix, model_fingerprint
+from leat.speculative import Controller, Speculation, verify
 
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
 
@@ -56,6 +57,9 @@ class GenerationRequest:
     session: str | None = None
     client: str | None = None
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: also the top k
+    ignore_eos: bool = False
+    # logits processors (constrained decoding, logit bias): (float64 logits row, generated ids) -> logits
+    processors: Sequence[Callable[[np.ndarray, Sequence[int]], np.ndarray]] = ()
 
 
 @dataclass
@@ -129,6 +133,8 @@ class _Running:
     first_token_at: float | None = None
     prefix_keys: list[bytes] = field(default_factory=list)
     cached: int = 0  # prompt tokens whose KV was reused, not computed
+    speculation: Controller | None = None  # None: this request never drafts
+    draft: list[int] = field(default_factory=list)  # tokens proposed for the row in flight
 
     @property
     def generated(self) -> int:
@@ -147,6 +153,7 @@ class Engine:
         max_queue: int = 64,
         kv_budget_bytes: int | None = None,
         session_store: str | None = None,
+        speculation: Speculation | None = None,
     ):
         if kv not in KV_BYTES:
             raise LeatError(f"--kv must be one of {', '.join(KV_BYTES)}, not {kv!r}")
@@ -172,6 +179,8 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.speculation = speculation
+        self._finished_speculation = {"proposed": 0, "accepted": 0, "verifications": 0}
 
     def _size(self, max_context: int | None, per_token: float, budget: int | None) -> tuple[int, int, str]:
         """Context and page count: the largest context whose KV for every slot fits the budget."""
@@ -222,6 +231,8 @@ class Engine:
                 f"of {self.max_context} tokens",
                 limit=self.max_context,
             )
+        if request.session is not None:
+            check_name(request.session)
         params = request.sampling
         if not isinstance(params, SamplingParams):
             params = SamplingParams.resolve(params or {}, self.model.file.metadata)
@@ -230,6 +241,8 @@ class Engine:
         handle = RequestHandle(next(self._ids))
         item = _Running(request, handle, Sampler.build(params), prompt, len(prompt),
                         IncrementalDecoder(self.model.tokenizer), time.perf_counter())
+        if self.speculation is not None:
+            item.speculation = self.speculation.controller(item.sampler)
         with self._wake:
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded(f"{len(self.waiting)} requests are already waiting; retry shortly", retry_after=1.0)
@@ -250,6 +263,7 @@ class Engine:
             "max_context": self.max_context,
             "batch_size": self.batch_size,
             "steps": self.steps,
+            **({"speculation": self._speculation_stats()} if self.speculation is not None else {}),
             "allocations": {"weights": a.weights, "kv": a.kv, "scratch": a.scratch},
         }
 
@@ -413,23 +427,67 @@ class Engine:
                 prefill_done = True
             else:
                 end = item.filled + 1
-            self._pages_for(item, end)
-            rows.append((item, Row(item.slot, item.filled, np.asarray(item.tokens[item.filled : end]))))
+                item.draft = self._propose(item)
+            self._pages_for(item, end + len(item.draft))
+            span = np.asarray(item.tokens[item.filled : end] + item.draft)
+            rows.append((item, Row(item.slot, item.filled, span, all_logits=bool(item.draft))))
+        began = time.perf_counter()
         logits = self.backend.to_host(self.model.architecture.forward(Batch([r for _, r in rows]), self.kv))
+        if self.speculation is not None and all(row.start >= item.prompt_len for item, row in rows):
+            self.speculation.observe(sum(len(row.tokens) for _, row in rows), time.perf_counter() - began)
         self.steps += 1
-        for (item, row), row_logits in zip(rows, logits):
+        first = np.cumsum([0] + [len(row.tokens) if row.all_logits else 1 for _, row in rows])
+        for (item, row), at in zip(rows, first):
+            if item.draft:
+                self._verify(item, row, logits[at : at + len(row.tokens)])
+                continue
             item.filled = row.start + len(row.tokens)
             if item.filled == len(item.tokens):
-                self._sample(item, row_logits)
+                self._sample(item, logits[at])
 
-    def _sample(self, item: _Running, logits: np.ndarray) -> None:
-        token = item.sampler.sample(logits, item.tokens)
+    # -- speculation: a decoding row carries draft tokens, verified against every position's logits --
+    def _propose(self, item: _Running) -> list[int]:
+        if item.speculation is None or item.request.processors:  # verification knows no processors
+            return []
+        # the draft never runs past max_tokens, so the pages reserved at admission always cover it
+        decoding = sum(1 for other in self.running if other.filled >= other.prompt_len)
+        k = item.speculation.draft_length(lambda extra: self.speculation.cost(decoding, extra))
+        k = min(k, item.request.max_tokens - item.generated - 1)
+        if k <= 0:
+            return []
+        return [int(t) for t in self.speculation.proposer.propose(item.handle.id, item.tokens, k)[:k]]
+
+    def _verify(self, item: _Running, row: Row, logits: np.ndarray) -> None:
+        new = verify(item.sampler, item.tokens, item.draft, logits)
+        item.speculation.record(len(item.draft), len(new) - 1)
+        item.draft = []
+        for i, (token, token_logits) in enumerate(zip(new, logits)):
+            item.filled = row.start + 1 + i  # the accepted draft tokens before this one are in the KV
+            self._sample(item, token_logits, token)
+            if item not in self.running:
+                return
+
+    def _speculation_stats(self) -> dict[str, int]:
+        totals = dict(self._finished_speculation)
+        for item in self.running:
+            if item.speculation is not None:
+                for key in totals:
+                    totals[key] += getattr(item.speculation, key)
+        return totals
+
+    def _sample(self, item: _Running, logits: np.ndarray, token: int | None = None) -> None:
+        if token is None:
+            if item.request.processors:
+                logits = np.asarray(logits, dtype=np.float64)
+                for process in item.request.processors:
+                    logits = process(logits, item.tokens[item.prompt_len :])
+            token = item.sampler.sample(logits, item.tokens)
         item.tokens.append(token)
         now = time.perf_counter()
         if item.first_token_at is None:
             item.first_token_at = now
         tokenizer = self.model.tokenizer
-        if tokenizer.is_eog(token):
+        if tokenizer.is_eog(token) and not item.request.ignore_eos:
             self._finish(item, "stop")
             return
         event = Event("token", id=token)
@@ -483,6 +541,10 @@ class Engine:
             self.pool.drop(page)
         self.pool.release(item.reserved)
         item.pages, item.reserved = [], 0
+        if item.speculation is not None:
+            self.speculation.proposer.forget(item.handle.id)
+            for key, total in self._finished_speculation.items():
+                self._finished_speculation[key] = total + getattr(item.speculation, key)
         self.running.remove(item)
         self.free_slots.append(item.slot)
         now = time.perf_counter()

@@ -68,3 +68,20 @@ def register_samplers(register: Callable[..., None]) -> None:
 
     The return value is ignored. Registering a name twice is an error naming both plugins.
     """
+
+
+@hookspec
+def register_proposers(register: Callable[..., None]) -> None:
+    """Register speculative-decoding proposers: cheap guesses of a request's next tokens.
+
+    Called once, when an engine is first built with speculation (``--speculate NAME``).
+
+    :param register: call ``register(name, ref)`` once per proposer. ``name`` is what users
+        pass to ``--speculate`` (e.g. ``"ngram"``, ``"draft"``). ``ref`` is a ``"module:Class"``
+        string naming a subclass of :class:`leat.speculative.Proposer`; the engine builds it as
+        ``Class(model, **options)`` (``options`` from the CLI, e.g. ``draft=PATH``) and calls
+        its ``propose(key, tokens, k)`` on the scheduler thread. The target model verifies every
+        proposed token, so a proposer affects speed only, never the output.
+
+    The return value is ignored. Registering a name twice is an error naming both plugins.
+    """

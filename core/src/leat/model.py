@@ -122,6 +122,7 @@ class Model:
         self.chat_template = ChatTemplate.from_metadata(file.metadata)
         self.last_timings = Timings()
         self._session_engine = None
+        self.speculation = None  # a leat.speculative.Speculation the engines of generate() use (--speculate)
 
     @property
     def context_length(self) -> int:
@@ -181,7 +182,9 @@ class Model:
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_tokens(np.asarray(ids))
         if session is not None and self._session_engine is None:
-            self._session_engine = Engine(self, batch_size=1, prefill_chunk=PREFILL_CHUNK).start()
+            self._session_engine = Engine(
+                self, batch_size=1, prefill_chunk=PREFILL_CHUNK, speculation=self.speculation
+            ).start()
         limit = min(context or self.context_length, self.context_length)
         if session is not None:
             limit = min(limit, self._session_engine.max_context)
@@ -191,7 +194,13 @@ class Model:
         if session is not None:
             engine = self._session_engine
         else:
-            engine = Engine(self, batch_size=1, max_context=len(ids) + max_tokens, prefill_chunk=PREFILL_CHUNK).start()
+            engine = Engine(
+                self,
+                batch_size=1,
+                max_context=len(ids) + max_tokens,
+                prefill_chunk=PREFILL_CHUNK,
+                speculation=self.speculation,
+            ).start()
         timings = self.last_timings = Timings(prompt_tokens=len(ids))
         try:
             handle = engine.submit(GenerationRequest(ids, max_tokens, sampling, stop, session=session))

@@ -21,7 +21,7 @@ from leat import hookspecs
 from leat.errors import PluginError
 
 ENTRY_POINT_GROUP = "leat"
-KINDS = ("backends", "architectures", "samplers")
+KINDS = ("backends", "architectures", "samplers", "proposers")
 
 
 @dataclass

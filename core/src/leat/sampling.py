@@ -156,11 +156,29 @@ class Sampler:
         selector = _load(host, "greedy" if greedy else "categorical", Selector)(params)
         return cls(stages, selector, params.seed)
 
+    @property
+    def greedy(self) -> bool:
+        return self.selector.name == "greedy"
+
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """The next token id from one row of logits, given the ids generated (and prompted) so far."""
+        return self.selector.select(self._chain(logits, history), self.rng)
+
+    def probabilities(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """The distribution a ``categorical`` selector draws from: softmax of the chain's final logits.
+
+        Speculative verification needs this distribution itself, not one sample of it.
+        """
+        x = self._chain(logits, history)
+        p = np.zeros_like(x)
+        live = x > -np.inf
+        p[live] = np.exp(x[live] - x[live].max())
+        return p / p.sum()
+
+    def _chain(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         x = np.array(logits, dtype=np.float64)  # a copy, so stages may work in place
         if x.ndim != 1:
             raise ValueError(f"logits must be one row (vocab,), got shape {x.shape}")
         for stage in self.stages:
             x = stage.apply(x, history)
-        return self.selector.select(x, self.rng)
+        return x

@@ -1,0 +1,1 @@
+"""leat-speculative: proposers for speculative decoding (see :mod:`leat.speculative`)."""

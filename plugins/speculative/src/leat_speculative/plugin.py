@@ -1,0 +1,13 @@
+"""leat-speculative: registers the proposers; their code loads only when an engine speculates."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from leat import hookimpl
+
+
+@hookimpl
+def register_proposers(register: Callable[..., None]) -> None:
+    register("ngram", "leat_speculative.proposers:PromptLookup")
+    register("draft", "leat_speculative.proposers:DraftModel")

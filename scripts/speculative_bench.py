@@ -1,0 +1,110 @@
+"""Speculative decoding on one workload at a time: the same requests with and without a proposer.
+
+    uv run python scripts/speculative_bench.py [MODEL] [--speculate ngram|draft] [--draft MODEL]
+        [--backend cpu] [--max-tokens 48] [--repeats 3] [--workloads quote,code,story]
+
+Runs each workload (greedy, one request alone, so both modes produce the same tokens) with plain
+decoding and with speculation, interleaved repeat by repeat so a noisy machine slows both alike.
+Prints one JSON line per workload: median decode tokens per second of each mode, the speed-up
+(ratio of medians, and the median of each adjacent pair's ratio), acceptance (accepted / proposed draft tokens) and tokens per verification step.
+Decode time is from the first token to the last, so the prompt's prefill is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import leat
+from leat.engine import Engine, GenerationRequest
+from leat.speculative import Speculation, load_proposer
+
+DOCUMENT = (
+    "The Rayleigh scattering of sunlight in the atmosphere causes diffuse sky radiation, which is the reason "
+    "for the blue color of the daytime and twilight sky, as well as the yellowish to reddish hue of the low Sun. "
+    "Sunlight is also subject to Raman scattering, which changes the rotational state of the molecules."
+)
+CODE = """def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+"""
+WORKLOADS = {
+    # repetitive: the answer quotes the prompt back
+    "quote": f"Here is a paragraph:\n\n{DOCUMENT}\n\nRepeat the paragraph above word for word.",
+    "code": f"{CODE}\nRewrite this Python function with the variable `subtotal` renamed to `net`. Reply with code only.",
+    # not repetitive: the answer is new text
+    "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def decode(model, prompt: list[int], max_tokens: int, speculation: Speculation | None) -> dict:
+    engine = Engine(model, batch_size=1, max_context=len(prompt) + max_tokens, speculation=speculation).start()
+    try:
+        events = list(engine.submit(GenerationRequest(prompt, max_tokens, {"temperature": 0})))
+        stats = engine.stats()
+    finally:
+        engine.stop()
+    done = events[-1]
+    seconds = done.timings["total_seconds"] - done.timings["ttft_seconds"]
+    out = {"ids": [e.id for e in events if e.kind == "token" and e.id >= 0], "seconds": seconds}
+    out["tokens_per_second"] = (done.usage["completion_tokens"] - 1) / seconds
+    out["speculation"] = stats.get("speculation")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="default")
+    parser.add_argument("--speculate", default="ngram")
+    parser.add_argument("--draft", default=None)
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    args = parser.parse_args()
+    model = leat.load(args.model, backend=args.backend)
+    options = {"draft": leat.load(args.draft, backend=args.backend)} if args.draft else {}
+    # one proposer and cost table for the whole run, as a server keeps them; each request has its own controller
+    speculation = Speculation(load_proposer(args.speculate, model, **options))
+    for name in args.workloads.split(","):
+        prompt = model.chat_prompt([{"role": "user", "content": WORKLOADS[name]}])
+        runs: dict[str, list[dict]] = {"plain": [], "speculative": []}
+        for _ in range(args.repeats):
+            runs["plain"].append(decode(model, prompt, args.max_tokens, None))
+            runs["speculative"].append(decode(model, prompt, args.max_tokens, speculation))
+        pairs = list(zip(runs["plain"], runs["speculative"]))
+        same = all(r["ids"] == runs["plain"][0]["ids"] for r in runs["plain"] + runs["speculative"])
+        plain = statistics.median(r["tokens_per_second"] for r in runs["plain"])
+        spec = statistics.median(r["tokens_per_second"] for r in runs["speculative"])
+        proposed = sum(r["speculation"]["proposed"] for r in runs["speculative"])
+        accepted = sum(r["speculation"]["accepted"] for r in runs["speculative"])
+        verifications = sum(r["speculation"]["verifications"] for r in runs["speculative"])
+        report = {
+            "workload": name,
+            "proposer": args.speculate,
+            "backend": args.backend,
+            "generated_tokens": len(runs["plain"][0]["ids"]),
+            "plain_tokens_per_second": round(plain, 3),
+            "speculative_tokens_per_second": round(spec, 3),
+            "speedup": round(spec / plain, 3),
+            # each speculative run against the plain run just before it: both saw about the same machine load
+            "paired_speedup": round(
+                statistics.median(s["tokens_per_second"] / p["tokens_per_second"] for p, s in pairs), 3
+            ),
+            "acceptance": round(accepted / proposed, 3) if proposed else None,
+            "tokens_per_verification": round((accepted + verifications) / verifications, 3) if verifications else None,
+            "plain_runs": [round(r["tokens_per_second"], 3) for r in runs["plain"]],
+            "speculative_runs": [round(r["tokens_per_second"], 3) for r in runs["speculative"]],
+            "identical_output": same,
+            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
