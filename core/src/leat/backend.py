@@ -8,6 +8,7 @@ Activations are opaque backend arrays (numpy arrays on the CPU, device buffers e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -167,6 +168,20 @@ class Backend:
 
     def to_host(self, x: Any) -> np.ndarray:
         raise NotImplementedError
+
+    def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any) -> Any:
+        """One step of ``forward`` (an architecture's ``forward``) on ``batch``: its logits.
+
+        Callers that step a model call this rather than ``forward`` itself, so that a backend can
+        freeze a step and replay it: the CUDA backend captures a CUDA graph per (forward, KV cache,
+        batch-size bucket) the first time a decode batch (one token per row) of that size comes,
+        with the batch's tokens, positions and slots bound to static device buffers, and replays it
+        afterwards. So a forward must be a function of what it hands to ops (the batch's arrays,
+        ``len(batch)``, the batch passed to ``attention``), never branching on their values on the
+        host. Logits from a replay stay valid until the next step of the same bucket. The default
+        calls ``forward``.
+        """
+        return forward(batch, kv)
 
     # -- ops -----------------------------------------------------------------------------------------
     def embed(self, weight: Any, tokens: np.ndarray) -> Any:

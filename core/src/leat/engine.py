@@ -239,8 +239,15 @@ class Engine:
         from leat.tokenizer import IncrementalDecoder
 
         handle = RequestHandle(next(self._ids))
-        item = _Running(request, handle, Sampler.build(params), prompt, len(prompt),
-                        IncrementalDecoder(self.model.tokenizer), time.perf_counter())
+        item = _Running(
+            request,
+            handle,
+            Sampler.build(params),
+            prompt,
+            len(prompt),
+            IncrementalDecoder(self.model.tokenizer),
+            time.perf_counter(),
+        )
         if self.speculation is not None:
             item.speculation = self.speculation.controller(item.sampler)
         with self._wake:
@@ -432,7 +439,9 @@ class Engine:
             span = np.asarray(item.tokens[item.filled : end] + item.draft)
             rows.append((item, Row(item.slot, item.filled, span, all_logits=bool(item.draft))))
         began = time.perf_counter()
-        logits = self.backend.to_host(self.model.architecture.forward(Batch([r for _, r in rows]), self.kv))
+        logits = self.backend.to_host(
+            self.backend.run(self.model.architecture.forward, Batch([r for _, r in rows]), self.kv)
+        )
         if self.speculation is not None and all(row.start >= item.prompt_len for item, row in rows):
             self.speculation.observe(sum(len(row.tokens) for _, row in rows), time.perf_counter() - began)
         self.steps += 1

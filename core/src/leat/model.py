@@ -146,7 +146,7 @@ class Model:
         for start in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[start : start + PREFILL_CHUNK]
             batch = Batch([Row(0, start, chunk, all_logits=True)])
-            out.append(self.backend.to_host(self.architecture.forward(batch, kv)))
+            out.append(self.backend.to_host(self.backend.run(self.architecture.forward, batch, kv)))
         logits = np.concatenate(out)
         return logits if native else logits.astype(np.float32)
 

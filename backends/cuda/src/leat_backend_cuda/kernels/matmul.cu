@@ -1,0 +1,406 @@
+// Kernels over quantized weights, instantiated once per GGUF type (the type struct T from
+// quants.cuh): matrix-vector products for a few tokens, a tensor-core GEMM for many, embedding
+// rows, and a plain dequantization (the one tested bit for bit against gguf-py).
+//
+// Weights W are [M, K] row-major (GGUF order), activations X [N, K] float32, outputs Y [N, M].
+#include "quants.cuh"
+
+// Y = X W^T (+ bias) for N = NC tokens. Each warp computes R output rows; its lanes stride over
+// the units of the row, issuing the loads of U units (per row) before decoding any. Accumulation
+// is float32 throughout; a weight is decoded once and used for all NC tokens.
+template <class T, int NC, int R, int U>
+__global__ void __launch_bounds__(128) gemv(const u8* __restrict__ w, i64 nb, const float* __restrict__ x,
+                                            float* __restrict__ y, const float* __restrict__ bias, int M, int K) {
+    const int lane = threadIdx.x & 31;
+    const int row0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * R;
+    if (row0 >= M) return;
+    const int bpr = K / T::BLOCK, upr = bpr * T::UNITS;
+    i64 first[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) first[r] = (i64)min(row0 + r, M - 1) * bpr;
+    float acc[R][NC];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
+
+    for (int base = lane; base < upr; base += 32 * U) {
+        typename T::Raw raw[U][R];
+#pragma unroll
+        for (int s = 0; s < U; ++s) {
+            const int u = min(base + 32 * s, upr - 1);
+#pragma unroll
+            for (int r = 0; r < R; ++r) raw[s][r] = T::load(w, nb, first[r] + u / T::UNITS, u % T::UNITS);
+        }
+#pragma unroll
+        for (int s = 0; s < U; ++s) {
+            const int u = base + 32 * s;
+            if (u < upr) {
+                const int unit = u % T::UNITS;
+                const float* xb = x + (i64)(u / T::UNITS) * T::BLOCK;
+                float v[R][T::UV];
+#pragma unroll
+                for (int r = 0; r < R; ++r) T::template decode<false>(raw[s][r], unit, v[r]);
+#pragma unroll
+                for (int run = 0; run < T::NR; ++run) {
+                    const int off = T::run_offset(unit, run);
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+                        const float4* xp = (const float4*)(xb + (i64)c * K + off);
+#pragma unroll
+                        for (int q = 0; q < T::RL / 4; ++q) {
+                            const float4 xv = __ldg(xp + q);
+#pragma unroll
+                            for (int r = 0; r < R; ++r) {
+                                const float* vr = v[r] + run * T::RL + 4 * q;
+                                acc[r][c] = fmaf(vr[0], xv.x, acc[r][c]);
+                                acc[r][c] = fmaf(vr[1], xv.y, acc[r][c]);
+                                acc[r][c] = fmaf(vr[2], xv.z, acc[r][c]);
+                                acc[r][c] = fmaf(vr[3], xv.w, acc[r][c]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const float total = warp_sum(acc[r][c]);
+            if (lane == 0 && row0 + r < M) y[(i64)c * M + row0 + r] = total + (bias ? bias[row0 + r] : 0.0f);
+        }
+    }
+}
+
+
+// The matrix-vector product with integer dot products, for quantized weights. First the block
+// rounds its NC rows of x to int16 in shared memory, each run of each unit with its own scale
+// (x = xq * scale; 16 bits relative to the run's largest value), laid out so that lane l finds
+// the x of its k-th unit at 16-byte group (k * QG + g) * 32 + l: loads without bank conflicts.
+// Then as gemv, with T::dot (dp2a) in place of decode-and-FMA.
+//
+// MODE fuses neighbours into the product: with NORM, x is RMS-normalized first (x * rsqrt(mean(x^2)
+// + eps) * nw, as rms_norm): the block quantizes x * nw, sums x^2 in the same pass, and scales each
+// row's dot products by the rsqrt at the end, which is exact in the scales (they are linear in x).
+// With GLU it multiplies x by two matrices, w (gate) and w2 (up), and writes silu(gate) * up.
+// `res` (or null) is added to the output (a residual connection), after the bias.
+//
+// Without GLU, up to three matrices of the same type and row length (q, k and v) are done in one
+// launch: segment s is (w, nb, y, bias, M) for s = 0 and the numbered parameters for s = 1, 2
+// (M2 = M3 = 0 when unused). The grid is persistent: each block loops over groups of 4R rows of
+// every segment, so x is quantized once per block, not once per 4R rows.
+#define NORM 1
+#define GLU 2
+template <class T, int NC, int R, int U, int MODE>
+__global__ void __launch_bounds__(128) gemv_q(
+    const u8* __restrict__ w, const u8* __restrict__ w2, const u8* __restrict__ w3, i64 nb, i64 nb2, i64 nb3,
+    const float* __restrict__ x, float* __restrict__ y, float* __restrict__ y2, float* __restrict__ y3,
+    const float* __restrict__ bias, const float* __restrict__ bias2, const float* __restrict__ bias3,
+    const float* __restrict__ res, const float* __restrict__ nw, float eps, int M, int M2, int M3, int K) {
+    constexpr int QG = T::UV / 8, NR = T::NR, RL = T::RL, RR = (MODE & GLU) ? 2 * R : R;
+    extern __shared__ uint4 xsh[];
+    const int bpr = K / T::BLOCK, upr = bpr * T::UNITS, lines = (upr + 31) >> 5;
+    uint4* xg = xsh;                                   // [NC][lines][QG][32]
+    float* xs = (float*)(xsh + NC * lines * QG * 32);  // [NC][lines][NR][32]
+    float* xsum = xs + NC * lines * NR * 32;           // [NC][lines][NR][32]
+    float squares[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) squares[c] = 0.0f;
+    for (int item = threadIdx.x; item < NC * upr * NR; item += blockDim.x) {
+        const int c = item / (upr * NR), u = (item / NR) % upr, run = item % NR, unit = u % T::UNITS;
+        const int k0 = (u / T::UNITS) * T::BLOCK + T::run_offset(unit, run);
+        const float* xr = x + (i64)c * K + k0;
+        float v[RL];
+#pragma unroll
+        for (int q = 0; q < RL / 4; ++q) {
+            const float4 f = *(const float4*)(xr + 4 * q);
+            v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
+        }
+        if (MODE & NORM) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int i = 0; i < RL; ++i) {
+                ss = fmaf(v[i], v[i], ss);
+                if (nw) v[i] *= nw[k0 + i];
+            }
+#pragma unroll
+            for (int cc = 0; cc < NC; ++cc)
+                if (cc == c) squares[cc] += ss;
+        }
+        float amax = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < RL; ++i) {
+            amax = fmaxf(amax, fabsf(v[i]));
+            sum += v[i];
+        }
+        const float f = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        u32 words[RL / 2];
+#pragma unroll
+        for (int i = 0; i < RL / 2; ++i) {  // round to nearest: 1.5 * 2^23 leaves the integer in the low bits
+            const u32 a = __float_as_uint(fmaf(v[2 * i], f, 12582912.0f)) - 0x4B400000u;
+            const u32 b = __float_as_uint(fmaf(v[2 * i + 1], f, 12582912.0f)) - 0x4B400000u;
+            words[i] = (a & 0xFFFF) | (b << 16);
+        }
+        const int line = c * lines + (u >> 5), lane = u & 31;
+#pragma unroll
+        for (int g = 0; g < RL / 8; ++g)
+            xg[(line * QG + run * (RL / 8) + g) * 32 + lane] =
+                make_uint4(words[4 * g], words[4 * g + 1], words[4 * g + 2], words[4 * g + 3]);
+        xs[(line * NR + run) * 32 + lane] = amax / 32767.0f;
+        xsum[(line * NR + run) * 32 + lane] = sum;
+    }
+    float rnorm[NC];
+    if (MODE & NORM) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) rnorm[c] = 1.0f / sqrtf(block_sum(squares[c]) / K + eps);
+    }
+    __syncthreads();
+
+    const int lane = threadIdx.x & 31;
+    const int g1 = (M + 4 * R - 1) / (4 * R), g2 = g1 + (M2 + 4 * R - 1) / (4 * R), groups = g2 + (M3 + 4 * R - 1) / (4 * R);
+    for (int group = blockIdx.x; group < groups; group += gridDim.x) {
+        const int seg = group < g1 ? 0 : group < g2 ? 1 : 2;
+        const u8* ws = seg == 0 ? w : seg == 1 ? w2 : w3;
+        const u8* wu = (MODE & GLU) ? w2 : ws;  // the up matrix of the gated unit
+        const i64 nbs = seg == 0 ? nb : seg == 1 ? nb2 : nb3;
+        float* ys = seg == 0 ? y : seg == 1 ? y2 : y3;
+        const float* bs = seg == 0 ? bias : seg == 1 ? bias2 : bias3;
+        const int Ms = seg == 0 ? M : seg == 1 ? M2 : M3;
+        const int row0 = ((group - (seg == 0 ? 0 : seg == 1 ? g1 : g2)) * 4 + (threadIdx.x >> 5)) * R;
+        if (row0 >= Ms) continue;
+        i64 first[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) first[r] = (i64)min(row0 + r, Ms - 1) * bpr;
+        float acc[RR][NC];
+#pragma unroll
+        for (int r = 0; r < RR; ++r)
+#pragma unroll
+            for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
+
+        for (int base = lane; base < upr; base += 32 * U) {
+            typename T::Raw raw[U][RR];
+#pragma unroll
+            for (int s = 0; s < U; ++s) {
+                const int u = min(base + 32 * s, upr - 1);
+#pragma unroll
+                for (int r = 0; r < RR; ++r)
+                    raw[s][r] = T::load(r < R ? ws : wu, nbs, first[r % R] + u / T::UNITS, u % T::UNITS);
+            }
+#pragma unroll
+            for (int s = 0; s < U; ++s) {
+                const int u = base + 32 * s;
+                if (u < upr) {
+                    const int unit = u % T::UNITS;
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+                        const int line = c * lines + (u >> 5);
+                        u32 xw[T::UV / 2];
+                        float xsr[NR], xsumr[NR];
+#pragma unroll
+                        for (int g = 0; g < QG; ++g) {
+                            const uint4 t = xg[(line * QG + g) * 32 + lane];
+                            xw[4 * g] = t.x; xw[4 * g + 1] = t.y; xw[4 * g + 2] = t.z; xw[4 * g + 3] = t.w;
+                        }
+#pragma unroll
+                        for (int run = 0; run < NR; ++run) {
+                            xsr[run] = xs[(line * NR + run) * 32 + lane];
+                            xsumr[run] = xsum[(line * NR + run) * 32 + lane];
+                        }
+#pragma unroll
+                        for (int r = 0; r < RR; ++r) acc[r][c] += T::dot(raw[s][r], unit, xw, xsr, xsumr);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                float total = warp_sum(acc[r][c]);
+                if (MODE & NORM) total *= rnorm[c];
+                if (MODE & GLU) {
+                    float up = warp_sum(acc[r + R][c]);
+                    if (MODE & NORM) up *= rnorm[c];
+                    total = total / (1.0f + expf(-total)) * up;
+                }
+                const i64 at = (i64)c * Ms + row0 + r;
+                if (lane == 0 && row0 + r < Ms)
+                    ys[at] = total + (bs ? bs[row0 + r] : 0.0f) + (res && seg == 0 ? res[at] : 0.0f);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core GEMM for many tokens: Y = X W^T (+ bias), X given as f16 rows scaled by powers of
+// two (x_to_f16 in ops.cu; `xscale` undoes the scaling). Each block computes 128 weight rows x 64
+// tokens, stepping K by KT: the weight tile is decoded to f16 in shared memory, the token tile
+// copied there, and 8 warps (4 x 2) each multiply a 32 x 32 piece with mma.sync m16n8k16
+// (f16 inputs, f32 accumulation). Shared-memory rows are padded by 16 bytes so ldmatrix's eight
+// row addresses fall in distinct banks. Split K: block z covers K from z * kchunk and writes its
+// partial sums to y + z * N * M (bias in part 0 only) for splitk_sum to add up.
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <class T, int KT>
+__global__ void __launch_bounds__(256, 2) gemm(const u8* __restrict__ w, i64 nb, const u16* __restrict__ xh,
+                                            const float* __restrict__ xscale, float* __restrict__ y,
+                                            const float* __restrict__ bias, int M, int N, int K, int kchunk) {
+    constexpr int BM = 128, BN = 64, LD = KT + 8;
+    constexpr int TB = KT / T::BLOCK, UPR = TB * T::UNITS;  // quant blocks, units per tile row
+    extern __shared__ __align__(16) u16 smem[];
+    u16* ws = smem;
+    u16* xs = smem + BM * LD;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wn = warp >> 2;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int bpr = K / T::BLOCK;
+    float acc[2][4][4];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.0f;
+
+    const int kbegin = blockIdx.z * kchunk, kend = min(K, kbegin + kchunk);
+    if (blockIdx.z > 0) {
+        y += (i64)blockIdx.z * N * M;
+        bias = nullptr;
+    }
+    // The weight units this thread stages per K step. When they fit in a few registers, the next
+    // step's are fetched (from DRAM) before the current step's products, so the latency overlaps
+    // them; the token rows (small, in L2) are read when staged.
+    constexpr int UPT = BM * UPR / 256;
+    constexpr bool PREFETCH = UPT > 0 && BM * UPR % 256 == 0 && UPT * sizeof(typename T::Raw) <= 160;
+    typename T::Raw raw[PREFETCH ? UPT : 1];
+    auto fetch = [&](int k0) {
+#pragma unroll
+        for (int i = 0; i < UPT; ++i) {
+            const int idx = tid + 256 * i, r = idx / UPR, b = (idx % UPR) / T::UNITS, unit = idx % T::UNITS;
+            raw[i] = T::load(w, nb, (i64)min(m0 + r, M - 1) * bpr + k0 / T::BLOCK + b, unit);
+        }
+    };
+    auto stage_unit = [&](int idx, const typename T::Raw& rw) {
+        const int r = idx / UPR, b = (idx % UPR) / T::UNITS, unit = idx % T::UNITS;
+        float v[T::UV];
+        T::template decode<false>(rw, unit, v);
+        u16* dst = ws + r * LD + b * T::BLOCK;
+#pragma unroll
+        for (int run = 0; run < T::NR; ++run) {
+            const int off = T::run_offset(unit, run);
+#pragma unroll
+            for (int i = 0; i < T::RL; i += 8) {
+                const float* s = v + run * T::RL + i;
+                *(uint4*)(dst + off + i) = make_uint4(pack_f16x2(s[0], s[1]), pack_f16x2(s[2], s[3]),
+                                                      pack_f16x2(s[4], s[5]), pack_f16x2(s[6], s[7]));
+            }
+        }
+    };
+    if (PREFETCH && kbegin < kend) fetch(kbegin);
+    for (int k0 = kbegin; k0 < kend; k0 += KT) {
+        if constexpr (PREFETCH) {
+#pragma unroll
+            for (int i = 0; i < UPT; ++i) stage_unit(tid + 256 * i, raw[i]);
+        } else {
+            for (int idx = tid; idx < BM * UPR; idx += 256) {
+                const int r = idx / UPR, b = (idx % UPR) / T::UNITS, unit = idx % T::UNITS;
+                stage_unit(idx, T::load(w, nb, (i64)min(m0 + r, M - 1) * bpr + k0 / T::BLOCK + b, unit));
+            }
+        }
+        for (int idx = tid; idx < BN * (KT / 8); idx += 256) {
+            const int t = idx / (KT / 8), c = idx % (KT / 8);
+            uint4 val = make_uint4(0, 0, 0, 0);
+            if (n0 + t < N) val = __ldg((const uint4*)(xh + (i64)(n0 + t) * K + k0) + c);
+            *(uint4*)(xs + t * LD + c * 8) = val;
+        }
+        __syncthreads();
+        if constexpr (PREFETCH) {
+            if (k0 + KT < kend) fetch(k0 + KT);
+        }
+#pragma unroll 4
+        for (int kk = 0; kk < KT; kk += 16) {
+            u32 a[2][4], b[4][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], ws + (wm * 32 + mt * 16 + (lane & 15)) * LD + kk + (lane >> 4) * 8);
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+                u32 t4[4];
+                ldmatrix_x4(t4, xs + (wn * 32 + np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk + ((lane >> 3) & 1) * 8);
+                b[2 * np][0] = t4[0];
+                b[2 * np][1] = t4[1];
+                b[2 * np + 1][0] = t4[2];
+                b[2 * np + 1][1] = t4[3];
+            }
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) mma_f16(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = m0 + wm * 32 + mt * 16 + (lane >> 2) + 8 * h;
+                if (m >= M) continue;
+                const float b = bias ? bias[m] : 0.0f;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int t = n0 + wn * 32 + nt * 8 + 2 * (lane & 3) + e;
+                    if (t < N) y[(i64)t * M + m] = acc[mt][nt][2 * h + e] * xscale[t] + b;
+                }
+            }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+// All nb blocks as float32 values in order, rounded exactly as gguf-py's dequantize.
+template <class T>
+__global__ void dequantize(const u8* __restrict__ w, i64 nb, float* __restrict__ out) {
+    const i64 gid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (gid >= nb * T::UNITS) return;
+    const i64 blk = gid / T::UNITS;
+    const int unit = gid % T::UNITS;
+    float v[T::UV];
+    T::template decode<true>(T::load(w, nb, blk, unit), unit, v);
+    float* dst = out + blk * T::BLOCK;
+#pragma unroll
+    for (int run = 0; run < T::NR; ++run)
+#pragma unroll
+        for (int i = 0; i < T::RL; ++i) dst[T::run_offset(unit, run) + i] = v[run * T::RL + i];
+}
+
+// Rows `tokens` of an embedding table [vocab, cols]: out [n, cols]; grid (units of a row / 128, n).
+template <class T>
+__global__ void embed(const u8* __restrict__ w, i64 nb, const int* __restrict__ tokens, float* __restrict__ out, int cols) {
+    const int u = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    const int bpr = cols / T::BLOCK;
+    if (u >= bpr * T::UNITS) return;
+    const i64 blk = (i64)tokens[t] * bpr + u / T::UNITS;
+    const int unit = u % T::UNITS;
+    float v[T::UV];
+    T::template decode<true>(T::load(w, nb, blk, unit), unit, v);
+    float* dst = out + (i64)t * cols + (u / T::UNITS) * T::BLOCK;
+#pragma unroll
+    for (int run = 0; run < T::NR; ++run)
+#pragma unroll
+        for (int i = 0; i < T::RL; ++i) dst[T::run_offset(unit, run) + i] = v[run * T::RL + i];
+}

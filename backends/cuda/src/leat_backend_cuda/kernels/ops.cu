@@ -1,0 +1,389 @@
+// Activation ops: norms, RoPE, the KV cache and attention, elementwise, gathers. float32
+// activations; the KV cache in float32 or f16 (KV = float or u16).
+#include "common.cuh"
+
+__device__ __forceinline__ float load_f32(const float* p) { return *p; }
+__device__ __forceinline__ float load_f32(const u16* p) { return f16_to_f32(*p); }
+__device__ __forceinline__ void store_f32(float* p, float v) { *p = v; }
+// Eight consecutive values (16-byte aligned) as floats.
+__device__ __forceinline__ void load8(const float* p, float (&k)[8]) {
+    const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+    k[0] = a.x; k[1] = a.y; k[2] = a.z; k[3] = a.w; k[4] = b.x; k[5] = b.y; k[6] = b.z; k[7] = b.w;
+}
+__device__ __forceinline__ void load8(const u16* p, float (&k)[8]) {
+    const uint4 a = *(const uint4*)p;
+    const u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        k[2 * i] = f16_to_f32((u16)(w[i] & 0xFFFF));
+        k[2 * i + 1] = f16_to_f32((u16)(w[i] >> 16));
+    }
+}
+__device__ __forceinline__ void store_f32(u16* p, float v) { *p = f32_to_f16(v); }
+
+// y = x / sqrt(mean(x^2) + eps) * w over rows of `cols` (w null: no scale). One block per row.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+                                    int cols, float eps) {
+    const float* xr = x + (i64)blockIdx.x * cols;
+    float* yr = y + (i64)blockIdx.x * cols;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
+    const float r = 1.0f / sqrtf(block_sum(ss) / cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = w ? xr[c] * r * w[c] : xr[c] * r;
+}
+
+// RoPE on x [n, heads, head_dim]: pair i < dims/2 is (i, i + dims/2) with neox, else (2i, 2i+1),
+// rotated by angle pos * inv_freq[i] (inv_freq from the host in float64, position scaling and
+// frequency factors folded in). Angles and their sines are computed in float64, as the oracle
+// does; elements past `dims` are copied. One block per (token, head).
+extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__ y, const int* __restrict__ pos,
+                                const double* __restrict__ inv_freq, int heads, int head_dim, int dims, int neox) {
+    const i64 base = (i64)blockIdx.x * head_dim;
+    const double p = (double)pos[blockIdx.x / heads];
+    const int half = dims / 2;
+    for (int i = threadIdx.x; i < head_dim / 2; i += blockDim.x) {
+        if (i < half) {
+            const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            double s, c;
+            sincos(p * inv_freq[i], &s, &c);
+            const float cf = (float)c, sf = (float)s, xa = x[base + a], xb = x[base + b];
+            y[base + a] = xa * cf - xb * sf;
+            y[base + b] = xa * sf + xb * cf;
+        } else {
+            y[base + 2 * i] = x[base + 2 * i];
+            y[base + 2 * i + 1] = x[base + 2 * i + 1];
+        }
+    }
+    if ((head_dim & 1) && threadIdx.x == 0) y[base + head_dim - 1] = x[base + head_dim - 1];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paged KV cache: per layer K [pages, page_size, kv_heads, dk] and V [..., dv]. Position p of slot
+// s lives in page page_table[s * pages_per_slot + p / page_size] at offset p % page_size. Tokens
+// carry their slot and position; slot -1 marks a padding token (a replayed graph's spare rows),
+// which neither writes the cache nor attends.
+
+template <typename KV>
+__global__ void kv_write(const float* __restrict__ k, const float* __restrict__ v, KV* __restrict__ kc,
+                         KV* __restrict__ vc, const int* __restrict__ page_table, const int* __restrict__ tok_slot,
+                         const int* __restrict__ tok_pos, int kv_heads, int dk, int dv, int pages_per_slot,
+                         int page_size) {
+    const int t = blockIdx.x, slot = tok_slot[t], pos = tok_pos[t];
+    if (slot < 0) return;
+    const int page = page_table[(i64)slot * pages_per_slot + pos / page_size];
+    if (page < 0) return;
+    const i64 row = ((i64)page * page_size + pos % page_size) * kv_heads;
+    for (int i = threadIdx.x; i < kv_heads * dk; i += blockDim.x) store_f32(kc + row * dk + i, k[(i64)t * kv_heads * dk + i]);
+    for (int i = threadIdx.x; i < kv_heads * dv; i += blockDim.x) store_f32(vc + row * dv + i, v[(i64)t * kv_heads * dv + i]);
+}
+
+// Causal (optionally windowed, soft-capped) attention of each token's query heads over its slot's
+// cached positions, grouped-query: a block serves one token, one KV head and up to GB of the query
+// heads that share it, over positions [z * split, (z + 1) * split) of its range (grid.z = splits).
+// Its 4 warps take turns over runs of 8 positions; a lane holds dims lane, lane + 32, ... (DL of them) of q,
+// k, v and the output; online softmax per head in float32. With one split the normalized output
+// is written; with several, (max, sum) and the unnormalized sums go to `part_*` for
+// attention_combine.
+template <typename KV, int DL, int GB>
+__global__ void __launch_bounds__(128) attention(
+    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const int* __restrict__ page_table,
+    const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
+    float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
+    int pages_per_slot, int page_size, int window, int split, float scale, float softcap) {
+    __shared__ float sm_m[4][GB], sm_l[4][GB], sm_acc[4][GB][DL * 32];
+    const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
+    const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int slot = tok_slot[t], pos = tok_pos[t];
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    const int begin = max(lo, z * split), end = slot < 0 ? 0 : min(pos + 1, (z + 1) * split);
+
+    float qv[GB][DL], m[GB], l[GB], acc[GB][DL];
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        const i64 h = (i64)kvh * group + g0 + g;
+#pragma unroll
+        for (int i = 0; i < DL; ++i) {
+            const int d = lane + 32 * i;
+            qv[g][i] = (g0 + g < group && d < dk) ? q[((i64)t * heads + h) * dk + d] * scale : 0.0f;
+            acc[g][i] = 0.0f;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+    }
+    const int* table = page_table + (i64)max(slot, 0) * pages_per_slot;
+    // Each warp takes KB consecutive keys per step (positions begin + 4 * KB * step + KB * warp + j),
+    // loading all of them before any arithmetic so their latencies overlap.
+    constexpr int KB = 8;
+    for (int p0 = begin + KB * warp; p0 < end; p0 += 4 * KB) {
+        float kd[KB][DL], vd[KB][DL];
+#pragma unroll
+        for (int j = 0; j < KB; ++j) {
+            const int p = min(p0 + j, end - 1);
+            const i64 row = ((i64)table[p / page_size] * page_size + p % page_size) * kv_heads + kvh;
+#pragma unroll
+            for (int i = 0; i < DL; ++i) {
+                const int d = lane + 32 * i;
+                kd[j][i] = d < dk ? load_f32(kc + row * dk + d) : 0.0f;
+                vd[j][i] = d < dv ? load_f32(vc + row * dv + d) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < KB; ++j) {
+            if (p0 + j >= end) break;
+#pragma unroll
+            for (int g = 0; g < GB; ++g) {
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < DL; ++i) s = fmaf(qv[g][i], kd[j][i], s);
+                s = warp_sum(s);
+                if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+                const float mn = fmaxf(m[g], s), corr = expf(m[g] - mn), e = expf(s - mn);
+                l[g] = l[g] * corr + e;
+#pragma unroll
+                for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(acc[g][i], corr, e * vd[j][i]);
+                m[g] = mn;
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        if (lane == 0) {
+            sm_m[warp][g] = m[g];
+            sm_l[warp][g] = l[g];
+        }
+#pragma unroll
+        for (int i = 0; i < DL; ++i) sm_acc[warp][g][lane + 32 * i] = acc[g][i];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < GB * dv; idx += blockDim.x) {
+        const int g = idx / dv, d = idx % dv;
+        if (g0 + g >= group) continue;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sm_m[w][g]);
+        float sum = 0.0f, a = 0.0f;
+        if (mx != NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const float f = expf(sm_m[w][g] - mx);
+                sum += sm_l[w][g] * f;
+                a += sm_acc[w][g][d] * f;
+            }
+        }
+        const i64 th = (i64)t * heads + (i64)kvh * group + g0 + g;
+        if (nsplit == 1) {
+            out[th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
+        } else {
+            part_acc[(th * nsplit + z) * dv + d] = a;
+            if (d == 0) {
+                part_ml[2 * (th * nsplit + z)] = mx;
+                part_ml[2 * (th * nsplit + z) + 1] = sum;
+            }
+        }
+    }
+}
+
+
+// The same attention with one key per lane: each warp takes 32 consecutive keys at a time, every
+// lane computing its key's full dot products with the GB query heads (q in shared memory), then a
+// warp-wide online-softmax update, then the weighted sum of the 32 value rows with each lane
+// holding dims lane, lane + 32, ... of the output. No reduction per key: many independent loads and
+// FMAs in flight (the per-key warp reductions of `attention` leave it waiting on latency when the
+// keys are many, as in a prefill).
+template <typename KV, int DL, int GB>
+__global__ void __launch_bounds__(128) attention_wide(
+    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const int* __restrict__ page_table,
+    const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
+    float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
+    int pages_per_slot, int page_size, int window, int split, float scale, float softcap) {
+    __shared__ __align__(16) float sq[GB][DL * 32];
+    __shared__ float sm_m[4][GB], sm_l[4][GB], sm_acc[4][GB][DL * 32];
+    const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
+    const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int slot = tok_slot[t], pos = tok_pos[t];
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    const int begin = max(lo, z * split), end = slot < 0 ? 0 : min(pos + 1, (z + 1) * split);
+    for (int idx = threadIdx.x; idx < GB * DL * 32; idx += blockDim.x) {
+        const int g = idx / (DL * 32), d = idx % (DL * 32);
+        sq[g][d] = (g0 + g < group && d < dk) ? q[((i64)t * heads + (i64)kvh * group + g0 + g) * dk + d] * scale : 0.0f;
+    }
+    __syncthreads();
+    float m[GB], l[GB], acc[GB][DL];
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DL; ++i) acc[g][i] = 0.0f;
+    }
+    const int* table = page_table + (i64)max(slot, 0) * pages_per_slot;
+    for (int p0 = begin + 32 * warp; p0 < end; p0 += 128) {
+        const int p = min(p0 + lane, end - 1);
+        const i64 row = ((i64)table[p / page_size] * page_size + p % page_size) * kv_heads + kvh;
+        float s[GB];
+#pragma unroll
+        for (int g = 0; g < GB; ++g) s[g] = 0.0f;
+        const KV* kr = kc + row * dk;  // dk is a multiple of 8
+        for (int d = 0; d < dk; d += 8) {
+            float k8[8];
+            load8(kr + d, k8);
+#pragma unroll
+            for (int g = 0; g < GB; ++g) {
+                const float4 qa = *(const float4*)&sq[g][d], qb = *(const float4*)&sq[g][d + 4];
+                s[g] = fmaf(qa.x, k8[0], fmaf(qa.y, k8[1], fmaf(qa.z, k8[2], fmaf(qa.w, k8[3], s[g]))));
+                s[g] = fmaf(qb.x, k8[4], fmaf(qb.y, k8[5], fmaf(qb.z, k8[6], fmaf(qb.w, k8[7], s[g]))));
+            }
+        }
+        const bool valid = p0 + lane < end;
+#pragma unroll
+        for (int g = 0; g < GB; ++g) {
+            if (softcap > 0.0f) s[g] = softcap * tanhf(s[g] / softcap);
+            const float mn = fmaxf(m[g], warp_max(valid ? s[g] : NEG_INF)), corr = expf(m[g] - mn);
+            s[g] = valid ? expf(s[g] - mn) : 0.0f;
+            l[g] = l[g] * corr + warp_sum(s[g]);
+            m[g] = mn;
+#pragma unroll
+            for (int i = 0; i < DL; ++i) acc[g][i] *= corr;
+        }
+        const int count = min(32, end - p0);
+        for (int j = 0; j < count; ++j) {
+            const i64 rj = ((i64)__shfl_sync(FULL_MASK, (int)(row >> 32), j) << 32) | (u32)__shfl_sync(FULL_MASK, (int)row, j);
+            float vd[DL];
+#pragma unroll
+            for (int i = 0; i < DL; ++i) {
+                const int d = lane + 32 * i;
+                vd[i] = d < dv ? load_f32(vc + rj * dv + d) : 0.0f;
+            }
+#pragma unroll
+            for (int g = 0; g < GB; ++g) {
+                const float pj = __shfl_sync(FULL_MASK, s[g], j);
+#pragma unroll
+                for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(pj, vd[i], acc[g][i]);
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        if (lane == 0) {
+            sm_m[warp][g] = m[g];
+            sm_l[warp][g] = l[g];
+        }
+#pragma unroll
+        for (int i = 0; i < DL; ++i) sm_acc[warp][g][lane + 32 * i] = acc[g][i];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < GB * dv; idx += blockDim.x) {
+        const int g = idx / dv, d = idx % dv;
+        if (g0 + g >= group) continue;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sm_m[w][g]);
+        float sum = 0.0f, a = 0.0f;
+        if (mx != NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const float f = expf(sm_m[w][g] - mx);
+                sum += sm_l[w][g] * f;
+                a += sm_acc[w][g][d] * f;
+            }
+        }
+        const i64 th = (i64)t * heads + (i64)kvh * group + g0 + g;
+        if (nsplit == 1) {
+            out[th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
+        } else {
+            part_acc[(th * nsplit + z) * dv + d] = a;
+            if (d == 0) {
+                part_ml[2 * (th * nsplit + z)] = mx;
+                part_ml[2 * (th * nsplit + z) + 1] = sum;
+            }
+        }
+    }
+}
+
+// Merges the splits of attention: one block per (token, head).
+extern "C" __global__ void attention_combine(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+                                             float* __restrict__ out, int nsplit, int dv) {
+    const i64 th = blockIdx.x;
+    const float* ml = part_ml + th * nsplit * 2;
+    float mx = NEG_INF;
+    for (int z = 0; z < nsplit; ++z) mx = fmaxf(mx, ml[2 * z]);
+    for (int d = threadIdx.x; d < dv; d += blockDim.x) {
+        float sum = 0.0f, a = 0.0f;
+        for (int z = 0; z < nsplit; ++z) {
+            if (ml[2 * z + 1] > 0.0f) {
+                const float f = expf(ml[2 * z] - mx);
+                sum += ml[2 * z + 1] * f;
+                a += part_acc[(th * nsplit + z) * dv + d] * f;
+            }
+        }
+        out[th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise, over n values.
+
+#define ELEMENTWISE(name, params, expr)                                                           \
+    extern "C" __global__ void name params {                                                      \
+        for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) \
+            y[i] = expr;                                                                          \
+    }
+
+ELEMENTWISE(silu_mul, (const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ y, i64 n),
+            g[i] / (1.0f + expf(-g[i])) * u[i])
+ELEMENTWISE(add, (const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y, i64 n), a[i] + b[i])
+ELEMENTWISE(scale, (const float* __restrict__ x, float f, float* __restrict__ y, i64 n), x[i] * f)
+ELEMENTWISE(softcap, (const float* __restrict__ x, float cap, float* __restrict__ y, i64 n), cap * tanhf(x[i] / cap))
+// ggml's tanh approximation of gelu, times up.
+ELEMENTWISE(gelu_mul, (const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ y, i64 n),
+            0.5f * g[i] * (1.0f + tanhf(0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i])
+
+// y = the sum of S partial results part[z] (split-K GEMMs).
+extern "C" __global__ void splitk_sum(const float* __restrict__ part, float* __restrict__ y, i64 n, int S) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float s = part[i];
+        for (int z = 1; z < S; ++z) s += part[z * n + i];
+        y[i] = s;
+    }
+}
+
+// y[r] = x[index[r]] for rows of `cols` values; one block per output row.
+extern "C" __global__ void take_rows(const float* __restrict__ x, const int* __restrict__ index, float* __restrict__ y,
+                                     int cols) {
+    const float* src = x + (i64)index[blockIdx.x] * cols;
+    float* dst = y + (i64)blockIdx.x * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
+}
+
+// Rows of x [n, cols] as f16 for the tensor-core GEMM, each scaled by a power of two that puts its
+// largest magnitude in [2^14, 2^15): no f16 overflow, and small rows keep their precision.
+// `xscale` gets the inverse factor. One block per row.
+extern "C" __global__ void x_to_f16(const float* __restrict__ x, u16* __restrict__ xh, float* __restrict__ xscale,
+                                    int cols) {
+    const float* xr = x + (i64)blockIdx.x * cols;
+    u16* hr = xh + (i64)blockIdx.x * cols;
+    float mx = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) mx = fmaxf(mx, fabsf(xr[c]));
+    mx = block_max(mx);
+    int e = 0;
+    if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);
+    const float f = ldexpf(1.0f, 15 - e);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) hr[c] = f32_to_f16(xr[c] * f);
+    if (threadIdx.x == 0) xscale[blockIdx.x] = ldexpf(1.0f, e - 15);
+}
+
+// The simple fallback product for float32 weights whose rows are not a multiple of 8 long:
+// one warp per output element.
+extern "C" __global__ void matmul_f32_naive(const float* __restrict__ w, const float* __restrict__ x,
+                                            float* __restrict__ y, const float* __restrict__ bias, int M, int N, int K) {
+    const i64 item = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (item >= (i64)M * N) return;
+    const int m = item % M, t = item / M;
+    float s = 0.0f;
+    for (int k = lane; k < K; k += 32) s = fmaf(w[(i64)m * K + k], x[(i64)t * K + k], s);
+    s = warp_sum(s);
+    if (lane == 0) y[(i64)t * M + m] = s + (bias ? bias[m] : 0.0f);
+}

@@ -1,0 +1,157 @@
+"""How GGUF tensors are laid out on the device, and which kernels each type gets.
+
+Types with kernels keep their GGUF bytes. Blocks whose size is a multiple of 16 bytes (Q4_K,
+Q5_K, and rows of F32/F16/BF16) are stored as they are; the others are stored as *planes*: field
+f of every block together, each plane 16-byte aligned, so that every load is aligned (a Q6_K
+block is 210 bytes, a Q8_0 block 34). The fields are GGUF's, in GGUF's order; ``kernels/quants.cuh``
+decodes each layout. Types without kernels are dequantized on the host to float32 at upload
+(the dequantize-then-multiply fallback).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+
+Q = gguf.GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class Layout:
+    struct: str  # decoder struct in kernels/quants.cuh
+    block: int  # values per device block (8 for the float types)
+    units: int  # pieces a block is decoded in (one thread each): the struct's UNITS
+    planes: tuple[int, ...] | None = None  # GGUF field sizes in bytes; None = raw blocks
+
+    @property
+    def integer(self) -> bool:
+        """Quantized (not a float type): has the integer dot product of gemv_q."""
+        return self.struct not in ("TF32", "TF16", "TBF16")
+
+    @property
+    def small_block(self) -> bool:
+        """Blocks of at most 32 values: the GEMM can step K by 32 for rows not a multiple of 256."""
+        return self.block <= 32
+
+
+LAYOUTS: dict[Q, Layout] = {
+    Q.F32: Layout("TF32", 8, 1),
+    Q.F16: Layout("TF16", 8, 1),
+    Q.BF16: Layout("TBF16", 8, 1),
+    Q.Q8_0: Layout("TQ8_0", 32, 2, (2, 32)),
+    Q.Q4_0: Layout("TQ4_0", 32, 1, (2, 16)),
+    Q.Q4_1: Layout("TQ4_1", 32, 1, (4, 16)),
+    Q.Q5_0: Layout("TQ5_0", 32, 1, (2, 4, 16)),
+    Q.Q5_1: Layout("TQ5_1", 32, 1, (4, 4, 16)),
+    Q.MXFP4: Layout("TMXFP4", 32, 1, (1, 16)),
+    Q.Q2_K: Layout("TQ2_K", 256, 8, (16, 64, 4)),
+    Q.Q3_K: Layout("TQ3_K", 256, 8, (32, 64, 12, 2)),
+    Q.Q4_K: Layout("TQ4_K", 256, 8),
+    Q.Q5_K: Layout("TQ5_K", 256, 8),
+    Q.Q6_K: Layout("TQ6_K", 256, 8, (128, 64, 16, 2)),
+}
+
+#: tokens per launch of the float matrix-vector kernel (float weights, or no tensor cores)
+GEMV_MAX_TOKENS = 8
+#: tokens per launch of the integer matrix-vector kernel (quantized weights); more go to the GEMM
+GEMV_Q_MAX_TOKENS = 4
+GEMV_Q_MAX_SMEM = 100 * 1024
+#: (rows per warp, units in flight per lane) of the matrix-vector kernels, by token count
+GEMV_SHAPES = {1: (2, 2), 2: (2, 2), 3: (2, 1), 4: (2, 1), 5: (1, 2), 6: (1, 2), 7: (1, 2), 8: (1, 2)}
+#: fusion modes of gemv_q (kernels/matmul.cu): 1 normalizes x first, 2 multiplies by gate and up
+GEMV_Q_NORM, GEMV_Q_GLU = 1, 2
+#: tokens up to which gemv_q is instantiated with fusion modes
+GEMV_Q_FUSED_TOKENS = 2
+#: (tokens, rows per warp, units per lane, mode) of every gemv_q instantiation
+GEMV_Q_VARIANTS = (
+    [(1, r, u, m) for r, u in ((8, 1), (4, 1), (2, 2)) for m in (0, 1)]
+    + [(1, r, u, m) for r, u in ((4, 1), (2, 2)) for m in (2, 3)]
+    + [(2, 2, 2, m) for m in (0, 1, 2, 3)]
+    + [(3, 2, 1, 0), (4, 2, 1, 0)]
+)
+
+
+def gemv_q_shape(tokens: int, mode: int, rows: int, cols: int) -> tuple[int, int]:
+    """Rows per warp and units in flight per lane for a product of this shape (measured on an H200:
+    many short rows favour more rows per warp, long rows two units in flight)."""
+    if tokens > 2:
+        return 2, 1
+    if tokens == 2:
+        return 2, 2
+    if mode & GEMV_Q_GLU:
+        return (4, 1) if rows >= 8192 else (2, 2)
+    if rows >= 65536:
+        return 4, 1
+    return (8, 1) if rows >= 8192 and cols <= 8192 else (2, 2)
+
+
+GEMM_SMEM = {32: (128 + 64) * (32 + 8) * 2, 256: (128 + 64) * (256 + 8) * 2}
+#: units per block, values per unit, runs per unit of each decoder struct (mirrors quants.cuh)
+UNIT_SHAPES = {
+    "TQ8_0": (16, 1),
+    "TQ4_K": (32, 2),
+    "TQ5_K": (32, 2),
+    "TQ6_K": (32, 4),
+    "TQ2_K": (32, 4),
+    "TQ3_K": (32, 4),
+}
+
+
+def gemv_name(qtype: Q, tokens: int, shape: tuple[int, int] | None = None) -> str:
+    rows, units = shape or GEMV_SHAPES[tokens]
+    return f"gemv<{LAYOUTS[qtype].struct}, {tokens}, {rows}, {units}>"
+
+
+def gemv_q_name(qtype: Q, tokens: int, shape: tuple[int, int], mode: int = 0) -> str:
+    rows, units = shape
+    return f"gemv_q<{LAYOUTS[qtype].struct}, {tokens}, {rows}, {units}, {mode}>"
+
+
+def gemv_q_smem(qtype: Q, tokens: int, cols: int) -> int:
+    """Shared memory of gemv_q: per token and unit (padded to 32), int16 x plus a scale and a sum per run."""
+    layout = LAYOUTS[qtype]
+    values, runs = UNIT_SHAPES.get(layout.struct, (32, 2))
+    units = -(-(cols // layout.block * layout.units) // 32) * 32
+    return tokens * units * (values * 2 + runs * 8)
+
+
+def gemm_name(qtype: Q, kt: int) -> str:
+    return f"gemm<{LAYOUTS[qtype].struct}, {kt}>"
+
+
+def kernel_names(qtype: Q, extra_gemv: tuple[tuple[int, int, int], ...] = ()) -> list[str]:
+    """Every kernel the backend instantiates for ``qtype`` (``extra_gemv``: more (tokens, rows, units))."""
+    layout = LAYOUTS[qtype]
+    names = [f"dequantize<{layout.struct}>", f"embed<{layout.struct}>"]
+    names += [gemv_name(qtype, n) for n in range(1, GEMV_MAX_TOKENS + 1)]
+    names += [gemv_name(qtype, n, (r, u)) for n, r, u in extra_gemv]
+    if layout.integer:
+        names += [gemv_q_name(qtype, n, (r, u), m) for n, r, u, m in GEMV_Q_VARIANTS]
+    names += [gemm_name(qtype, kt) for kt in ((32, 256) if layout.small_block else (256,))]
+    return list(dict.fromkeys(names))
+
+
+def device_bytes(qtype: Q, data: np.ndarray) -> np.ndarray:
+    """The bytes to upload for a tensor's raw GGUF data (uint8, 1-D)."""
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    planes = LAYOUTS[qtype].planes
+    if planes is None:
+        return raw
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    assert sum(planes) == block_bytes, qtype
+    blocks = raw.reshape(-1, block_bytes)
+    parts, start = [], 0
+    for size in planes:
+        field = blocks[:, start : start + size].reshape(-1)
+        start += size
+        parts.append(field)
+        if field.size % 16:
+            parts.append(np.zeros(16 - field.size % 16, np.uint8))
+    return np.concatenate(parts)
+
+
+def blocks_of(qtype: Q, rows: int, cols: int) -> int:
+    """Device blocks in a [rows, cols] tensor (the ``nb`` kernel argument)."""
+    return rows * cols // LAYOUTS[qtype].block

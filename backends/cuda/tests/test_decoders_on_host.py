@@ -1,0 +1,144 @@
+"""The GGUF block decoders of kernels/quants.cuh, compiled for the host with g++ through a shim of the
+CUDA builtins they use, equal gguf-py's dequantize bit for bit (and their fused fast path is within
+float rounding of it). Needs no GPU; skipped where g++ is missing."""
+
+import ctypes
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from leat_backend_cuda import quants
+
+Q = gguf.GGMLQuantizationType
+HARNESS = """
+#include "quants.cuh"
+// Rows of W times x: each unit's runs quantized to int16 with a per-run scale, then T::dot (as gemv_q).
+template <class T> void dots(const u8* w, i64 nb, const float* x, int rows, int K, float* out) {
+    const int bpr = K / T::BLOCK;
+    for (int row = 0; row < rows; ++row) {
+        float total = 0.0f;
+        for (int b = 0; b < bpr; ++b)
+            for (int unit = 0; unit < T::UNITS; ++unit) {
+                u32 xw[T::UV / 2];
+                float xs[T::NR], xsum[T::NR];
+                for (int run = 0; run < T::NR; ++run) {
+                    const float* xr = x + b * T::BLOCK + T::run_offset(unit, run);
+                    float amax = 0.0f, sum = 0.0f;
+                    for (int i = 0; i < T::RL; ++i) { amax = fmaxf(amax, fabsf(xr[i])); sum += xr[i]; }
+                    const float f = amax > 0.0f ? 32767.0f / amax : 0.0f;
+                    for (int i = 0; i < T::RL; i += 2) {
+                        const int a = (int)rintf(xr[i] * f), c = (int)rintf(xr[i + 1] * f);
+                        xw[(run * T::RL + i) / 2] = (u32)(a & 0xFFFF) | ((u32)c << 16);
+                    }
+                    xs[run] = amax / 32767.0f;
+                    xsum[run] = sum;
+                }
+                total += T::dot(T::load(w, nb, (i64)row * bpr + b, unit), unit, xw, xs, xsum);
+            }
+        out[row] = total;
+    }
+}
+
+template <class T, bool EXACT> void run(const u8* w, i64 nb, float* out) {
+    for (i64 blk = 0; blk < nb; ++blk)
+        for (int unit = 0; unit < T::UNITS; ++unit) {
+            float v[T::UV];
+            T::template decode<EXACT>(T::load(w, nb, blk, unit), unit, v);
+            for (int run = 0; run < T::NR; ++run)
+                for (int i = 0; i < T::RL; ++i) out[blk * T::BLOCK + T::run_offset(unit, run) + i] = v[run * T::RL + i];
+        }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def decoders(tmp_path_factory):
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("g++ not found")
+    folder = tmp_path_factory.mktemp("decoders")
+    shutil.copy(Path(__file__).parent / "host" / "common.cuh", folder / "common.cuh")
+    (folder / "quants.cuh").write_text(
+        resources.files("leat_backend_cuda").joinpath("kernels", "quants.cuh").read_text()
+    )
+    structs = sorted({layout.struct for layout in quants.LAYOUTS.values()})
+    exports = "".join(
+        f'extern "C" void dots_{s}(const u8* w, i64 nb, const float* x, int rows, int k, float* o) '
+        f"{{ dots<{s}>(w, nb, x, rows, k, o); }}\n"
+        for s in structs
+        if s not in ("TF32", "TF16", "TBF16")
+    )
+    exports += "".join(
+        f'extern "C" void exact_{s}(const u8* w, i64 nb, float* o) {{ run<{s}, true>(w, nb, o); }}\n'
+        f'extern "C" void fast_{s}(const u8* w, i64 nb, float* o) {{ run<{s}, false>(w, nb, o); }}\n'
+        for s in structs
+    )
+    (folder / "harness.cpp").write_text(HARNESS + exports)
+    library = folder / "libdecoders.so"
+    subprocess.run(
+        [compiler, "-O1", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-o", library, folder / "harness.cpp"],
+        check=True,
+    )
+    return ctypes.CDLL(str(library))
+
+
+@pytest.mark.parametrize("qtype", sorted(quants.LAYOUTS, key=int), ids=lambda q: q.name)
+def test_decoder_equals_gguf(decoders, qtype):
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 6, 512
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if qtype in (Q.F32, Q.F16):
+        data = rng.standard_normal((rows, cols)).astype(np.float32 if qtype == Q.F32 else np.float16).view(np.uint8)
+    else:  # any bytes are a valid block (NaN and inf scales included)
+        data = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        want = gguf.quants.dequantize(data, qtype).reshape(-1)
+    stored = quants.device_bytes(qtype, data)
+    nb = quants.blocks_of(qtype, rows, cols)
+    struct = quants.LAYOUTS[qtype].struct
+    results = {}
+    for mode in ("exact", "fast"):
+        out = np.full(rows * cols, np.nan, np.float32)
+        getattr(decoders, f"{mode}_{struct}")(
+            ctypes.c_void_p(stored.ctypes.data), ctypes.c_longlong(nb), ctypes.c_void_p(out.ctypes.data)
+        )
+        results[mode] = out
+    np.testing.assert_array_equal(results["exact"], want)
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(results["fast"][finite], want[finite], rtol=1e-6, atol=1e-6 * np.abs(want[finite]).max())
+
+
+@pytest.mark.parametrize("qtype", sorted(set(quants.LAYOUTS) - {Q.F32, Q.F16, Q.BF16}, key=int), ids=lambda q: q.name)
+def test_integer_dot_products(decoders, qtype):
+    """dp2a dot products with int16 activations (one scale per run) are within 1e-4 of the float64 product."""
+    rng = np.random.default_rng(50 + int(qtype))
+    rows, cols = 8, 1024
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype).view(np.uint8)
+    except NotImplementedError:  # random blocks with small f16 scales
+        data = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+        scales = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}[qtype]
+        for offset in scales:
+            data[:, offset : offset + 2] = (
+                rng.uniform(0.002, 0.02, len(data)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            )
+    data = data.reshape(rows, -1)
+    x = (rng.standard_normal(cols) * np.exp(rng.standard_normal(cols))).astype(np.float32)  # uneven magnitudes
+    want = gguf.quants.dequantize(data, qtype).reshape(rows, cols).astype(np.float64) @ x.astype(np.float64)
+    stored = quants.device_bytes(qtype, data)
+    got = np.zeros(rows, np.float32)
+    getattr(decoders, f"dots_{quants.LAYOUTS[qtype].struct}")(
+        ctypes.c_void_p(stored.ctypes.data),
+        ctypes.c_longlong(quants.blocks_of(qtype, rows, cols)),
+        ctypes.c_void_p(x.ctypes.data),
+        ctypes.c_int(rows),
+        ctypes.c_int(cols),
+        ctypes.c_void_p(got.ctypes.data),
+    )
+    scale = np.abs(gguf.quants.dequantize(data, qtype).reshape(rows, cols)).astype(np.float64) @ np.abs(x)
+    assert np.all(np.abs(got - want) <= 1e-4 * scale), (got, want)

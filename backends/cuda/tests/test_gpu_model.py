@@ -1,0 +1,178 @@
+"""Tiny llama models on the CUDA backend against the CPU float64 oracle: logits agree (top-1 >= 99%,
+mean KL < 1e-3), greedy continuations match for 64 tokens, batched decode equals unbatched, and a
+replayed graph equals the eager step."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+from leat.batch import Batch, Row
+from leat.compare import compare, first_near_tie, top2_gap
+from leat.modelfile import ModelFile
+from leat.testing import write_tiny_gguf
+from leat_arch_llama.llama import Llama
+from leat_backend_cpu.backend import CPUBackend
+
+pytestmark = pytest.mark.gpu
+TINY_MODELS = Path(__file__).parents[3] / "tests" / "references" / "tiny_models.py"
+CONFIGS = [
+    "f32",
+    "f32-gqa4-llama3",
+    "f16",
+    "q8_0",
+    "q8_0-untied-odd-heads",
+    "q4_0",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+    "q6_k",
+    "q5_k",
+    "q4_k-llama3",
+]
+
+
+def _tiny_models():
+    spec = importlib.util.spec_from_file_location("tiny_models", TINY_MODELS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    if not TINY_MODELS.exists():
+        import gguf
+
+        return {
+            "f32": write_tiny_gguf(Llama, folder / "f32.gguf"),
+            "q8_0": write_tiny_gguf(Llama, folder / "q8_0.gguf", gguf.GGMLQuantizationType.Q8_0),
+        }
+    tiny = _tiny_models()
+    return {name: tiny.build(name, folder / f"{name}.gguf") for name in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    from leat_backend_cuda.backend import CUDABackend
+
+    return CUDABackend(poison=True)
+
+
+def load(path, backend):
+    return Llama(ModelFile(path), backend)
+
+
+def prompt(model, n, seed=0):
+    return np.random.default_rng(seed).integers(0, model.params.vocab, n)
+
+
+def prefill_logits(model, tokens, kv_dtype="f32"):
+    kv = model.backend.allocate_kv(Llama.kv_layouts(model.params), 1, len(tokens), dtype=kv_dtype)
+    logits = model.forward(Batch([Row(0, 0, tokens, all_logits=True)]), kv)
+    return model.backend.to_host(logits) if not isinstance(logits, np.ndarray) else logits
+
+
+def decode_logits(model, tokens, kv_dtype="f32"):
+    """Logits of every position, one decode step at a time (through the backend's graph replay)."""
+    backend = model.backend
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), 1, len(tokens), dtype=kv_dtype)
+    out = []
+    for position, token in enumerate(tokens):
+        logits = backend.run(model.forward, Batch([Row(0, position, np.array([token]))]), kv)
+        out.append(backend.to_host(logits)[0])
+    return np.stack(out)
+
+
+def agreement_failures(oracle_logits, logits, label):
+    result = compare(oracle_logits, logits, label=label)
+    return result, result.failures(top1=0.99, kl=1e-3)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_logits_agree_with_the_oracle(files, cuda, name, kv_dtype):
+    if name not in files:
+        pytest.skip(f"{TINY_MODELS} not found")
+    oracle = load(files[name], CPUBackend("f64"))
+    model = load(files[name], cuda)
+    tokens = prompt(model, 200)  # 200 positions: one top-1 difference is half a percent
+    want = prefill_logits(oracle, tokens)
+    result, failures = agreement_failures(want, prefill_logits(model, tokens, kv_dtype), f"{name} prefill")
+    assert not failures, str(result)
+    result, failures = agreement_failures(want, decode_logits(model, tokens, kv_dtype), f"{name} decode")
+    assert not failures, str(result)
+    assert not cuda.graph_failures
+
+
+def greedy(model, tokens, steps, run):
+    kv = model.backend.allocate_kv(Llama.kv_layouts(model.params), 1, len(tokens) + steps)
+    logits = model.forward(Batch([Row(0, 0, tokens)]), kv)
+    out, gaps = [], []
+    for step in range(steps):
+        row = np.asarray(model.backend.to_host(logits), np.float64)[-1]
+        out.append(int(np.argmax(row)))
+        gaps.append(float(top2_gap(row[None])[0]))
+        batch = Batch([Row(0, len(tokens) + step, np.array([out[-1]]))])
+        logits = run(model, batch, kv)
+    return out, gaps
+
+
+@pytest.mark.parametrize("name", ["f32", "q8_0", "q4_1", "q4_k-llama3", "q6_k"])
+def test_greedy_continuation_matches_the_oracle(files, cuda, name):
+    if name not in files:
+        pytest.skip(f"{TINY_MODELS} not found")
+    oracle = load(files[name], CPUBackend("f64"))
+    model = load(files[name], cuda)
+    tokens = prompt(model, 12, seed=1)
+    want, gaps = greedy(oracle, tokens, 64, lambda m, b, kv: m.forward(b, kv))
+    got, _ = greedy(model, tokens, 64, lambda m, b, kv: m.backend.run(m.forward, b, kv))
+    tie = first_near_tie(gaps)
+    upto = 64 if tie is None else tie + 1  # the step whose choice is a near tie may go either way
+    assert got[:upto] == want[:upto], f"first difference at {next(i for i in range(upto) if got[i] != want[i])}"
+
+
+def test_batched_decode_equals_unbatched_and_graphs_equal_eager(files, cuda):
+    model = load(files["q8_0"], cuda)
+    layouts = Llama.kv_layouts(model.params)
+    prompts = [prompt(model, n, seed=n) for n in (5, 17, 9)]
+    together = cuda.allocate_kv(layouts, 3, 64)
+    alone = [cuda.allocate_kv(layouts, 1, 64) for _ in prompts]
+    for s, (p, kv) in enumerate(zip(prompts, alone)):  # the same prefill kernels for both caches
+        model.forward(Batch([Row(s, 0, p)]), together)
+        model.forward(Batch([Row(0, 0, p)]), kv)
+    tokens = [int(p[-1]) for p in prompts]
+    for step in range(10):
+        batch = Batch([Row(s, len(p) + step, np.array([t])) for s, (p, t) in enumerate(zip(prompts, tokens))])
+        batched = cuda.to_host(cuda.run(model.forward, batch, together))
+        for s, (p, kv) in enumerate(zip(prompts, alone)):
+            single = Batch([Row(0, len(p) + step, np.array([tokens[s]]))])
+            if step == 3:  # the same step eagerly, on a scratch copy of the cache state: equal bit for bit
+                eager = cuda.to_host(model.forward(single, kv))
+                replay = cuda.to_host(cuda.run(model.forward, single, kv))
+                np.testing.assert_array_equal(eager, replay)
+                row = replay[0]
+            else:
+                row = cuda.to_host(cuda.run(model.forward, single, kv))[0]
+            # three rows go through the unfused kernels, one row through the fused ones: equal up to
+            # where x's int16 rounding falls (see test_fused_decode_equals_unfused)
+            np.testing.assert_allclose(batched[s], row, rtol=0, atol=5e-3)
+        tokens = [int(np.argmax(r)) for r in batched]
+    assert not cuda.graph_failures
+
+
+@pytest.mark.parametrize("name", ["q4_k-llama3", "q8_0-untied-odd-heads"])
+def test_fused_decode_equals_unfused(files, name):
+    """Norms applied inside the products, residual adds and the gated unit fused into them: the same
+    logits as one op per kernel, up to where x's int16 rounding falls (a norm summed in another order
+    can move a value across a rounding boundary)."""
+    from leat_backend_cuda.backend import CUDABackend
+
+    logits = []
+    for fuse in (True, False):
+        model = load(files[name], CUDABackend(fuse=fuse, poison=True))
+        logits.append(decode_logits(model, prompt(model, 24, seed=3)))
+    result = compare(logits[1], logits[0], label=f"{name} fused vs unfused")
+    assert not result.failures(top1=0.99, kl=1e-5), str(result)
+    assert result.max_abs_logit_diff < 5e-3, str(result)

@@ -1,0 +1,261 @@
+"""Every CUDA op against the float64 oracle (the CPU backend in f64), on fresh random inputs.
+
+The device backend runs with ``poison=True``: every activation buffer starts as NaN, so an
+element a kernel fails to write shows up as a NaN in the comparison.
+"""
+
+import gguf
+import numpy as np
+import pytest
+from leat.backend import KVLayout, RopeSpec
+from leat.batch import Batch, Row
+from leat.modelfile import Tensor
+from leat_backend_cpu.backend import CPUBackend
+from leat_backend_cuda import quants
+
+pytestmark = pytest.mark.gpu
+Q = gguf.GGMLQuantizationType
+KERNEL_TYPES = sorted(quants.LAYOUTS, key=int)
+# byte offset of the f16 scale fields (d, and dmin where present) of types gguf-py cannot quantize
+SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    from leat_backend_cuda.backend import CUDABackend
+
+    return CUDABackend(poison=True)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return CPUBackend("f64")
+
+
+def stored(qtype: Q, rows: int, cols: int, rng, sane: bool = True) -> np.ndarray:
+    """GGUF bytes of a [rows, cols] tensor: quantized random data, or random blocks with small scales."""
+    values = rng.standard_normal((rows, cols)).astype(np.float32)
+    if qtype == Q.F32:
+        return values.view(np.uint8)
+    if qtype == Q.BF16:
+        return gguf.quants.quantize(values, qtype).view(np.uint8).reshape(rows, -1)
+    try:
+        return gguf.quants.quantize(values, qtype).view(np.uint8).reshape(rows, -1)
+    except NotImplementedError:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+        if sane:
+            for offset in SCALES[qtype]:
+                scale = rng.uniform(0.002, 0.02, len(data)).astype(np.float16)
+                data[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+        return data.reshape(rows, -1)
+
+
+def relative_error(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert np.isfinite(got).all(), "non-finite values (an element not written?)"
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+def test_dequantize_equals_gguf_bit_for_bit(cuda, qtype):
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 5, 512
+    data = stored(qtype, rows, cols, rng, sane=False)
+    weight = cuda.upload(Tensor("w", qtype, (rows, cols), data))
+    want = gguf.quants.dequantize(data, qtype).reshape(rows, cols)
+    got = cuda.to_host(cuda.dequantize(weight))
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+def test_embed_rows_equal_gguf(cuda, qtype):
+    rng = np.random.default_rng(100 + int(qtype))
+    data = stored(qtype, 40, 256, rng, sane=False)
+    weight = cuda.upload(Tensor("token_embd.weight", qtype, (40, 256), data))
+    tokens = np.array([3, 39, 0, 3, 17])
+    want = gguf.quants.dequantize(data, qtype).reshape(40, 256)[tokens]
+    np.testing.assert_array_equal(cuda.to_host(cuda.embed(weight, tokens)), want)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9, 70])
+def test_matmul(cuda, oracle, qtype, n):
+    rng = np.random.default_rng(1000 * int(qtype) + n)
+    cols = 768 if quants.LAYOUTS[qtype].block == 256 else 96  # 96: the GEMM's 32-wide K steps
+    rows = 75  # not a multiple of any tile
+    data = stored(qtype, rows, cols, rng)
+    weight = cuda.upload(Tensor("w", qtype, (rows, cols), data))
+    bias = rng.standard_normal(rows)
+    x = rng.standard_normal((n, cols))
+    want = oracle.matmul(x, oracle.upload(Tensor("w", qtype, (rows, cols), data)), bias)
+    got = cuda.to_host(cuda.matmul(cuda_array(cuda, x), weight, cuda_array(cuda, bias)))
+    # float weights, few tokens: float32 throughout; quantized weights, few tokens: x rounded to int16
+    # per run of 8 or 16 values; otherwise the GEMM: f16 operands, float32 accumulation
+    if not quants.LAYOUTS[qtype].integer and n <= quants.GEMV_MAX_TOKENS:
+        bound = 2e-6
+    elif quants.LAYOUTS[qtype].integer and n <= quants.GEMV_Q_MAX_TOKENS:
+        bound = 2e-4  # the types with mins subtract two sums: the rounding of x shows a little more
+    else:
+        bound = 2e-3
+    assert relative_error(got, want) < bound
+
+
+def test_matmul_without_tensor_cores_is_float32(oracle):
+    from leat_backend_cuda.backend import CUDABackend
+
+    cuda = CUDABackend(tensor_cores=False, poison=True)  # quantized weights, 21 tokens: the float kernel
+    rng = np.random.default_rng(7)
+    data = stored(Q.Q4_K, 33, 512, rng)
+    x = rng.standard_normal((21, 512))
+    want = oracle.matmul(x, oracle.upload(Tensor("w", Q.Q4_K, (33, 512), data)))
+    got = cuda.to_host(cuda.matmul(cuda_array(cuda, x), cuda.upload(Tensor("w", Q.Q4_K, (33, 512), data))))
+    assert relative_error(got, want) < 2e-6
+
+
+def test_large_activations_do_not_overflow_the_f16_gemm(cuda, oracle):
+    rng = np.random.default_rng(8)
+    data = stored(Q.Q8_0, 64, 256, rng)
+    x = rng.standard_normal((40, 256)) * np.logspace(-6, 6, 40)[:, None]  # rows from 1e-6 to 1e6
+    want = oracle.matmul(x, oracle.upload(Tensor("w", Q.Q8_0, (64, 256), data)))
+    got = cuda.to_host(cuda.matmul(cuda_array(cuda, x), cuda.upload(Tensor("w", Q.Q8_0, (64, 256), data))))
+    for row in range(40):
+        assert relative_error(got[row], want[row]) < 2e-3
+
+
+def cuda_array(cuda, values):
+    return cuda.from_host(values)
+
+
+def test_rms_norm(cuda, oracle):
+    rng = np.random.default_rng(2)
+    for shape, eps in (((4, 3, 16), 1e-6), ((5, 4096), 1e-5), ((2, 80), 1e-6)):
+        x, w = rng.standard_normal(shape), rng.standard_normal(shape[-1])
+        want = oracle.rms_norm(x, w, eps)
+        assert relative_error(cuda.to_host(cuda.rms_norm(cuda_array(cuda, x), cuda_array(cuda, w), eps)), want) < 1e-6
+        assert (
+            relative_error(cuda.to_host(cuda.rms_norm(cuda_array(cuda, x), None, eps)), oracle.rms_norm(x, None, eps))
+            < 1e-6
+        )
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("dims,head_dim", [(16, 16), (8, 16), (128, 128), (64, 256)])
+def test_rope(cuda, oracle, neox, dims, head_dim):
+    rng = np.random.default_rng(3)
+    x, positions = rng.standard_normal((6, 3, head_dim)), np.array([0, 1, 7, 100, 4000, 131071])
+    spec = RopeSpec(dims, 500000.0, neox, 0.5, np.linspace(1, 8, dims // 2))
+    want = oracle.rope(x, positions, spec)
+    assert relative_error(cuda.to_host(cuda.rope(cuda_array(cuda, x), positions, spec)), want) < 1e-6
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 16), (32, 8, 128), (9, 3, 64), (8, 1, 256)])
+def test_attention_prefill_then_decode(cuda, oracle, kv_dtype, window, heads, kv_heads, dim):
+    rng = np.random.default_rng(4)
+    layouts = [KVLayout(kv_heads, dim, window=window), KVLayout(kv_heads, dim)]
+    kvs = [b.allocate_kv(layouts, slots=3, context=80, page_size=16, dtype=kv_dtype) for b in (cuda, oracle)]
+    # the engine's page tables need not be in order: give slot 1 pages in reverse
+    for b, kv in zip((cuda, oracle), kvs):
+        b.set_pages(kv, 1, kv.page_table[1][::-1].copy())
+    seqs = {s: [rng.standard_normal((40, h, dim)) for h in (heads, kv_heads, kv_heads)] for s in (0, 1)}
+    steps = [[(0, 0, 23), (1, 0, 9)], [(1, 9, 1), (0, 23, 3)], [(0, 26, 1), (1, 10, 1)]]
+    for step in steps:
+        batch = Batch([Row(s, start, np.zeros(n, int), all_logits=True) for s, start, n in step])
+        q, k, v = (np.concatenate([seqs[s][i][a : a + n] for s, a, n in step]) for i in range(3))
+        for layer in (0, 1):
+            want = oracle.attention(q, k, v, kvs[1], layer, batch, 0.3)
+            got = cuda.attention(*(cuda_array(cuda, t) for t in (q, k, v)), kvs[0], layer, batch, 0.3)
+            # f16 KV rounds k and v to 11 bits
+            assert relative_error(cuda.to_host(got), want) < (1e-5 if kv_dtype == "f32" else 2e-3)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_attention_long_context_splits(cuda, oracle, kv_dtype):
+    """A 700-token prefill (one split per token), decode steps split over the sequence, and decode past
+    1024 positions (the one-key-per-lane kernel, split)."""
+    rng = np.random.default_rng(5)
+    heads, kv_heads, dim = 8, 2, 64
+    layouts = [KVLayout(kv_heads, dim)]
+    kvs = [b.allocate_kv(layouts, slots=1, context=1280, dtype=kv_dtype) for b in (cuda, oracle)]
+    q, k, v = (rng.standard_normal((1203, h, dim)) for h in (heads, kv_heads, kv_heads))
+    for start, n in ((0, 700), (700, 1), (701, 2), (703, 497), (1200, 1), (1201, 2)):
+        batch = Batch([Row(0, start, np.zeros(n, int), all_logits=True)])
+        args = [t[start : start + n] for t in (q, k, v)]
+        want = oracle.attention(*args, kvs[1], 0, batch, 0.125)
+        got = cuda.attention(*(cuda_array(cuda, t) for t in args), kvs[0], 0, batch, 0.125)
+        assert relative_error(cuda.to_host(got), want) < (1e-5 if kv_dtype == "f32" else 2e-3)
+
+
+def test_attention_softcap(cuda, oracle):
+    rng = np.random.default_rng(6)
+    kvs = [b.allocate_kv([KVLayout(2, 32)], slots=1, context=32, dtype="f32") for b in (cuda, oracle)]
+    q, k, v = (rng.standard_normal((12, h, 32)) * 3 for h in (4, 2, 2))
+    batch = Batch([Row(0, 0, np.zeros(12, int), all_logits=True)])
+    want = oracle.attention_softcap(q, k, v, kvs[1], 0, batch, 1.0, 5.0)
+    got = cuda.attention_softcap(*(cuda_array(cuda, t) for t in (q, k, v)), kvs[0], 0, batch, 1.0, 5.0)
+    assert relative_error(cuda.to_host(got), want) < 1e-5
+
+
+def test_copy_page(cuda, oracle):
+    rng = np.random.default_rng(9)
+    kvs = [b.allocate_kv([KVLayout(2, 16)], slots=2, context=32, pages=6, page_size=16) for b in (cuda, oracle)]
+    for b, kv in zip((cuda, oracle), kvs):
+        b.set_pages(kv, 0, np.array([4, 1]))
+    q, k, v = (rng.standard_normal((20, h, 16)) for h in (2, 2, 2))
+    prefill = Batch([Row(0, 0, np.zeros(20, int), all_logits=True)])
+    for b, kv in zip((cuda, oracle), kvs):
+        b.attention(*(cuda_array(cuda, t) if b is cuda else t for t in (q, k, v)), kv, 0, prefill, 0.25)
+        b.copy_page(kv, 4, 2)  # slot 1 shares the first page copy-on-write
+        b.set_pages(kv, 1, np.array([2, 5]))
+    q2, k2, v2 = (rng.standard_normal((1, 2, 16)) for _ in range(3))
+    step = Batch([Row(1, 16, np.zeros(1, int))])
+    want = oracle.attention(q2, k2, v2, kvs[1], 0, step, 0.25)
+    got = cuda.attention(*(cuda_array(cuda, t) for t in (q2, k2, v2)), kvs[0], 0, step, 0.25)
+    assert relative_error(cuda.to_host(got), want) < 1e-5
+
+
+def test_read_and_write_pages(cuda, oracle):
+    """Pages read out (a hibernated session) and written back into other page ids attend the same."""
+    rng = np.random.default_rng(11)
+    kv = cuda.allocate_kv([KVLayout(2, 16), KVLayout(2, 16)], slots=2, context=32, pages=6, page_size=16, dtype="f16")
+    cuda.set_pages(kv, 0, np.array([0, 1]))
+    q, k, v = (rng.standard_normal((20, 2, 16)) for _ in range(3))
+    batch = Batch([Row(0, 0, np.zeros(20, int), all_logits=True)])
+    for layer in (0, 1):
+        want = cuda.to_host(cuda.attention(*(cuda_array(cuda, t) for t in (q, k, v)), kv, layer, batch, 0.25))
+    contents = cuda.read_pages(kv, [0, 1])
+    assert len(contents) == 4 and contents[0].shape == (2, 16 * 2 * 16 * 2)
+    cuda.write_pages(kv, [4, 3], contents)
+    cuda.set_pages(kv, 1, np.array([4, 3]))
+    step = Batch([Row(1, 19, np.zeros(1, int))])  # slot 1 re-attends position 19 over the copied pages
+    got = cuda.attention(*(cuda_array(cuda, t[19:20]) for t in (q, k, v)), kv, 1, step, 0.25)
+    np.testing.assert_allclose(cuda.to_host(got)[0], want[19], rtol=1e-6, atol=1e-6)
+
+
+def test_elementwise_and_rows(cuda, oracle):
+    rng = np.random.default_rng(10)
+    g, u = np.linspace(-100, 30, 1001), rng.standard_normal(1001)
+    dg, du = cuda_array(cuda, g), cuda_array(cuda, u)
+    assert relative_error(cuda.to_host(cuda.silu_mul(dg, du)), oracle.silu_mul(g, u)) < 1e-6
+    assert relative_error(cuda.to_host(cuda.gelu_mul(dg, du)), oracle.gelu_mul(g, u)) < 1e-6
+    assert relative_error(cuda.to_host(cuda.add(dg, du)), oracle.add(g, u)) < 1e-7
+    assert relative_error(cuda.to_host(cuda.scale(dg, 0.3)), oracle.scale(g, 0.3)) < 1e-7
+    assert relative_error(cuda.to_host(cuda.softcap(dg, 30.0)), oracle.softcap(g, 30.0)) < 1e-6
+    table = rng.standard_normal((7, 3, 5))
+    index = np.array([6, 0, 6, 2])
+    np.testing.assert_array_equal(
+        cuda.to_host(cuda.take_rows(cuda_array(cuda, table), index)), table[index].astype(np.float32)
+    )
+    assert cuda.reshape(cuda_array(cuda, table), (7, -1)).shape == (7, 15)
+
+
+def test_allocations_are_counted(cuda):
+    cuda.from_host(np.ones(4))
+    before = cuda.allocations.weights
+    cuda.upload(Tensor("w", Q.Q6_K, (4, 256), stored(Q.Q6_K, 4, 256, np.random.default_rng(0))))
+    # the GGUF bytes (4 blocks of 210), no dequantized copy; each of the 4 planes padded to 16 bytes
+    assert 0 <= cuda.allocations.weights - before - 4 * 210 < 4 * 16
+    assert cuda.allocations.kv > 0 and cuda.allocations.scratch > 0

@@ -1,0 +1,209 @@
+"""The backend's host side against a fake CUDA driver: no GPU needed.
+
+Kernels really compile (NVRTC), but the driver calls are recorded instead of run, and every
+launch is checked against the kernel's PTX signature: argument count, and float, integer or
+pointer in each slot. This catches plumbing mistakes (argument order, shapes, graph capture
+flow) on machines without a GPU; the GPU tests check the numbers.
+"""
+
+import types
+
+import gguf
+import numpy as np
+import pytest
+from leat.batch import Batch, Row
+from leat.modelfile import ModelFile
+from leat.testing import write_tiny_gguf
+from leat_arch_llama.llama import Llama
+from leat_backend_cuda import driver
+from leat_backend_cuda.backend import CUDABackend, KVCache
+
+Q = gguf.GGMLQuantizationType
+
+
+class FakeDriver:
+    """The cu* functions the backend calls, recording launches; enums come from cuda.bindings."""
+
+    def __init__(self):
+        from cuda.bindings import driver as real
+
+        self.real = real
+        self.launches: list[tuple[str, tuple, int]] = []
+        self.capturing = False
+        self.captured: list[list[str]] = []
+        self.next_ptr = 1 << 32
+        self.allocated = 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    ok = property(lambda self: self.real.CUresult.CUDA_SUCCESS)
+
+    def cuInit(self, flags):
+        return (self.ok,)
+
+    def cuDeviceGetCount(self):
+        return self.ok, 1
+
+    def cuDeviceGet(self, ordinal):
+        return self.ok, 0
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        return self.ok, object()
+
+    def cuCtxSetCurrent(self, ctx):
+        return (self.ok,)
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        a = self.real.CUdevice_attribute
+        values = {
+            a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9,
+            a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
+            a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132,
+            a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 232448,
+        }
+        return self.ok, values[attr]
+
+    def cuDeviceGetName(self, length, dev):
+        return self.ok, b"Fake H200\0"
+
+    def cuDriverGetVersion(self):
+        return self.ok, 13000
+
+    def cuStreamCreate(self, flags):
+        return self.ok, "stream"
+
+    def cuMemAlloc(self, size):
+        ptr = self.next_ptr
+        self.next_ptr += -(-size // 4096) * 4096
+        self.allocated += size
+        return self.ok, ptr
+
+    def cuMemFree(self, ptr):
+        return (self.ok,)
+
+    def cuMemGetInfo(self):
+        return self.ok, 100 << 30, 140 << 30
+
+    def cuMemcpyHtoDAsync(self, dst, src, size, stream):
+        assert not self.capturing, "host-to-device copy inside a graph capture"
+        return (self.ok,)
+
+    def cuMemcpyDtoHAsync(self, dst, src, size, stream):
+        return (self.ok,)
+
+    def cuMemcpyDtoDAsync(self, dst, src, size, stream):
+        return (self.ok,)
+
+    def cuMemsetD8Async(self, dst, value, size, stream):
+        return (self.ok,)
+
+    def cuStreamSynchronize(self, stream):
+        assert not self.capturing, "synchronize inside a graph capture"
+        return (self.ok,)
+
+    def cuModuleLoadData(self, image):
+        assert image[:4] == b"\x7fELF"
+        return self.ok, "module"
+
+    def cuModuleGetFunction(self, module, name):
+        return self.ok, name.decode()
+
+    def cuFuncSetAttribute(self, function, attr, value):
+        assert value <= 232448
+        return (self.ok,)
+
+    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        assert min(gx, gy, gz) >= 1 and gy < 65536 and gz < 65536 and 32 <= bx <= 1024 and bx % 32 == 0, (
+            f,
+            gx,
+            gy,
+            gz,
+            bx,
+        )
+        self.launches.append((f, (gx, gy, gz), bx))
+        if self.capturing:
+            self.captured[-1].append(f)
+        return (self.ok,)
+
+    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, function, block, smem):
+        return self.ok, 4
+
+    def cuStreamBeginCapture(self, stream, mode):
+        self.capturing = True
+        self.captured.append([])
+        return (self.ok,)
+
+    def cuStreamEndCapture(self, stream):
+        self.capturing = False
+        return self.ok, "graph"
+
+    def cuGraphInstantiate(self, graph, flags):
+        return self.ok, "exec"
+
+    def cuGraphLaunch(self, exec_, stream):
+        self.launches.append(("graph", (1, 1, 1), 0))
+        return (self.ok,)
+
+
+def _check_types(kernel, args):
+    for kind, arg in zip(kernel.params, args):
+        if kind == ".f32":
+            assert isinstance(arg, float), (kernel.name, kernel.params, args)
+        elif kind in (".u32", ".s32"):
+            assert isinstance(arg, int | np.integer) and not isinstance(arg, bool), (kernel.name, kind, arg)
+        else:
+            assert not isinstance(arg, float), (kernel.name, kind, arg)
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("LEAT_HOME", str(tmp_path_factory.getbasetemp() / "leat-home"))
+    fake = FakeDriver()
+    monkeypatch.setattr(driver, "_cu", lambda: fake)
+    monkeypatch.setattr(driver, "_local", types.SimpleNamespace())
+    original = driver.Kernel.__call__
+
+    def checked(self, grid, block, *args, smem=0):
+        _check_types(self, args)
+        return original(self, grid, block, *args, smem=smem)
+
+    monkeypatch.setattr(driver.Kernel, "__call__", checked)
+    return fake
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.F32])
+def test_forward_prefill_decode_and_graph(fake, tmp_path, qtype):
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", qtype)
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=3, context=64, dtype="f16")
+    assert isinstance(kv, KVCache) and backend.allocations.kv > 0 and backend.allocations.weights > 0
+
+    prefill = Batch([Row(0, 0, np.arange(20) % 300), Row(1, 0, np.arange(3))])
+    logits = model.forward(prefill, kv)
+    assert logits.shape == (2, model.params.vocab)
+    names = {f for f, _, _ in fake.launches}
+    assert any(n.startswith("_Z4gemm") for n in names)  # 23 tokens: the tensor-core path
+
+    fake.launches.clear()
+    decode = Batch([Row(0, 20, np.array([5])), Row(1, 3, np.array([7]))])
+    eager = model.forward(decode, kv)
+    backend.to_host(eager)
+    steps = [f for f, _, _ in fake.launches if f != "attention_combine"]
+    # quantized weights: norms, residual adds and the gated unit run inside the matrix-vector products
+    if qtype != Q.F32:
+        assert not {"rms_norm", "add", "silu_mul"} & {f for f, _, _ in fake.launches}
+        # per layer one launch each for q+k+v, o (+ residual), gate+up (+ norm), down (+ residual)
+        products = [f for f, _, _ in fake.launches if f.startswith("_Z6gemv_q")]
+        assert len(products) == 4 * model.params.layers + 1
+    out = backend.run(model.forward, decode, kv)
+    assert not backend.graph_failures
+    assert out.shape == eager.shape == (2, model.params.vocab)
+    # the same launches (a graph splits attention over the cache's whole capacity, so it may combine)
+    assert len(fake.captured) == 1 and [f for f in fake.captured[0] if f != "attention_combine"] == steps
+    fake.launches.clear()
+    backend.run(model.forward, Batch([Row(1, 4, np.array([1])), Row(0, 21, np.array([2]))]), kv)
+    assert [f for f, _, _ in fake.launches] == ["graph"]  # replayed: one launch, no capture
+    assert len(fake.captured) == 1
+    backend.to_host(out)

@@ -1,0 +1,115 @@
+"""Checks every architecture passes, on tiny random-weight files written from its own ``tiny()`` and
+``tensor_shapes()``: the file loads with every tensor consumed, chunked and batched forwards equal the whole one,
+and float32 follows the float64 oracle."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+from leat.architecture import Architecture
+from leat.batch import Batch, Row
+from leat.conformance.backend import cpu_oracle
+
+
+class ArchitectureConformance:
+    """Subclass and provide an ``architecture`` fixture returning your Architecture class.
+
+    The checks run on the CPU backend (leat-backend-cpu), in float64 unless said otherwise; ``tokens`` sets how
+    many positions are compared, ``qtypes`` which storage types the tiny files are written in.
+    """
+
+    tokens: ClassVar[int] = 40
+    qtypes: ClassVar[tuple[str, ...]] = ("F32", "Q8_0")
+
+    @pytest.fixture
+    def architecture(self) -> type[Architecture]:
+        raise NotImplementedError("define an `architecture` fixture returning your Architecture class")
+
+    @pytest.fixture
+    def tiny_file(self, architecture, tmp_path):
+        import gguf
+
+        from leat.testing import write_tiny_gguf
+
+        return write_tiny_gguf(architecture, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.F32)
+
+    def load(self, architecture: type[Architecture], path, precision: str = "f64") -> Any:
+        from leat.model import Model
+        from leat.modelfile import ModelFile
+
+        backend = cpu_oracle()(precision)
+        file = ModelFile(path)
+        return Model(file, architecture(file, backend), backend)
+
+    def ids(self, architecture: type[Architecture], n: int, seed: int = 0) -> np.ndarray:
+        return np.random.default_rng(seed).integers(0, architecture.tiny().vocab, n)
+
+    def test_declares_names_and_tiny(self, architecture):
+        assert architecture.names and all(isinstance(n, str) for n in architecture.names)
+        params = architecture.tiny()
+        shapes = architecture.tensor_shapes(params)
+        assert shapes and all(all(d > 0 for d in shape) for shape in shapes.values())
+        assert architecture.kv_layouts(params), "kv_layouts() must describe at least one layer"
+
+    @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+    def test_tiny_file_writes_and_loads(self, architecture, qtype, tmp_path):
+        import gguf
+
+        from leat.modelfile import ModelFile
+        from leat.testing import write_tiny_gguf
+
+        if qtype not in self.qtypes:
+            pytest.skip(f"{qtype} is not in this architecture's qtypes")
+        path = write_tiny_gguf(architecture, tmp_path / f"tiny-{qtype}.gguf", gguf.GGMLQuantizationType[qtype])
+        file = ModelFile(path)
+        assert file.architecture in architecture.names
+        model = self.load(architecture, path)  # Architecture.__init__ fails on any tensor it did not consume
+        assert model.architecture.vocab_size == architecture.tiny().vocab
+        logits = model.logits(self.ids(architecture, 8))
+        assert logits.shape == (8, model.architecture.vocab_size) and np.all(np.isfinite(logits))
+
+    def test_chunked_forward_equals_whole(self, architecture, tiny_file):
+        model = self.load(architecture, tiny_file)
+        ids = self.ids(architecture, self.tokens)
+        whole = model.logits(ids, native=True)
+        kv = model.new_kv(len(ids))
+        parts, start = [], 0
+        for size in (1, 7, 3, len(ids)):  # uneven chunks, the last one the rest
+            chunk = ids[start : start + size]
+            if len(chunk) == 0:
+                break
+            out = model.architecture.forward(Batch([Row(0, start, chunk, all_logits=True)]), kv)
+            parts.append(model.backend.to_host(out))
+            start += len(chunk)
+        np.testing.assert_allclose(np.concatenate(parts), whole, rtol=1e-9, atol=1e-9)
+
+    def test_batched_forward_equals_single(self, architecture, tiny_file):
+        model = self.load(architecture, tiny_file)
+        a, b = self.ids(architecture, 12, seed=1), self.ids(architecture, 9, seed=2)
+        alone = [model.logits(a, native=True), model.logits(b, native=True)]
+        kv = model.new_kv(16, slots=2)
+        # two prefills in one batch, then the two decode steps of the last tokens together
+        out = model.backend.to_host(
+            model.architecture.forward(
+                Batch([Row(0, 0, a[:-1], all_logits=True), Row(1, 0, b[:-1], all_logits=True)]), kv
+            )
+        )
+        np.testing.assert_allclose(out[: len(a) - 1], alone[0][:-1], rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(out[len(a) - 1 :], alone[1][:-1], rtol=1e-9, atol=1e-9)
+        step = model.backend.to_host(
+            model.architecture.forward(Batch([Row(1, len(b) - 1, b[-1:]), Row(0, len(a) - 1, a[-1:])]), kv)
+        )
+        np.testing.assert_allclose(step, np.stack([alone[1][-1], alone[0][-1]]), rtol=1e-9, atol=1e-9)
+
+    def test_f32_follows_the_float64_oracle(self, architecture, tiny_file):
+        from leat.compare import compare
+
+        ids = self.ids(architecture, self.tokens)
+        reference = self.load(architecture, tiny_file, "f64").logits(ids, native=True)
+        other = self.load(architecture, tiny_file, "f32").logits(ids)
+        agreement = compare(reference, other, label="cpu f32 vs f64")
+        failures = agreement.failures(top1=0.99, kl=1e-3)
+        assert not failures, f"{agreement}: {'; '.join(failures)}"

@@ -1,0 +1,183 @@
+"""Checks every backend passes: ops against float64 references, quantized uploads against gguf-py, and whole
+tiny models against the CPU backend's float64 oracle."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import gguf
+import numpy as np
+import pytest
+
+from leat.backend import Backend, KVLayout, RopeSpec
+from leat.batch import Batch, Row
+from leat.modelfile import Tensor
+
+F32 = gguf.GGMLQuantizationType.F32
+
+
+def cpu_oracle() -> type[Backend]:
+    """The CPU backend class (the float64 oracle); skips the test when leat-backend-cpu is not installed."""
+    module = pytest.importorskip("leat_backend_cpu.backend", reason="the float64 oracle needs leat-backend-cpu")
+    return module.CPUBackend
+
+
+class BackendConformance:
+    """Subclass and provide a ``backend`` fixture (an instance; parametrize it over the precisions you support).
+
+    Override :meth:`to_device` when your ops do not take what ``backend.upload`` of an F32 tensor returns,
+    ``tolerance`` to state your precision's bounds, and ``agreement_models`` to choose the tiny model files.
+    """
+
+    tolerance: ClassVar[dict[str, float]] = {"f16": 2e-3, "bf16": 2e-2, "f32": 5e-5, "f64": 1e-12}
+    agreement_types: ClassVar[tuple[str, ...]] = ("F32", "F16", "Q8_0", "Q4_K")
+    agreement_bars: ClassVar[dict[str, float]] = {"top1": 0.99, "kl": 1e-3}
+
+    @pytest.fixture
+    def backend(self) -> Backend:
+        raise NotImplementedError("define a `backend` fixture returning an instance of your backend")
+
+    # -- helpers a subclass may override --------------------------------------------------------------
+    def to_device(self, backend: Backend, array: np.ndarray) -> Any:
+        """An activation on the device: by default what ``backend.upload`` makes of an F32 tensor."""
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        return backend.upload(Tensor("activation", F32, array.shape, array))
+
+    def check(self, backend: Backend, got: Any, want: np.ndarray) -> None:
+        tol = self.tolerance.get(backend.precision, 1e-4)
+        host = np.asarray(backend.to_host(got), dtype=np.float64)
+        np.testing.assert_allclose(host.reshape(want.shape), want, rtol=tol, atol=tol)
+
+    def inputs(self, *shapes: tuple[int, ...], seed: int = 0) -> list[np.ndarray]:
+        rng = np.random.default_rng(seed)
+        return [rng.standard_normal(shape).astype(np.float32).astype(np.float64) for shape in shapes]
+
+    # -- ops ------------------------------------------------------------------------------------------
+    def test_matmul_with_bias(self, backend):
+        x, w, b = self.inputs((5, 64), (7, 64), (7,), seed=1)
+        weight = backend.upload(Tensor("w", F32, w.shape, w.astype(np.float32)))
+        got = backend.matmul(
+            self.to_device(backend, x), weight, backend.upload(Tensor("b", F32, b.shape, b.astype(np.float32)))
+        )
+        self.check(backend, got, x @ w.T + b)
+
+    def test_rms_norm(self, backend):
+        x, w = self.inputs((4, 3, 32), (32,), seed=2)
+        want = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + 1e-6) * w
+        weight = backend.upload(Tensor("norm", F32, w.shape, w.astype(np.float32)))
+        self.check(backend, backend.rms_norm(self.to_device(backend, x), weight, 1e-6), want)
+
+    @pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])
+    def test_rope(self, backend, neox):
+        (x,) = self.inputs((5, 2, 16), seed=3)
+        positions = np.array([0, 1, 7, 100, 4000])
+        dims = 16
+        spec = RopeSpec(dims, 10000.0, neox, 1.0, None)
+        want = x.copy()
+        for i in range(dims // 2):
+            angle = positions[:, None] * 10000.0 ** (-2 * i / dims)
+            a, b = (i, i + dims // 2) if neox else (2 * i, 2 * i + 1)
+            xa, xb = x[:, :, a], x[:, :, b]
+            want[:, :, a] = xa * np.cos(angle) - xb * np.sin(angle)
+            want[:, :, b] = xa * np.sin(angle) + xb * np.cos(angle)
+        self.check(backend, backend.rope(self.to_device(backend, x), positions, spec), want)
+
+    def test_attention_prefill_then_decode_two_sequences(self, backend):
+        heads, kv_heads, dim, scale = 4, 2, 8, 0.3
+        kv = backend.allocate_kv([KVLayout(kv_heads, dim)], slots=2, context=16)
+        seqs = {s: self.inputs((9, heads, dim), (9, kv_heads, dim), (9, kv_heads, dim), seed=10 + s) for s in (0, 1)}
+        steps = [[(0, 0, 6), (1, 0, 4)], [(1, 4, 1), (0, 6, 3)]]  # (slot, start, n): a prefill, then mixed
+        for spans in steps:
+            batch = Batch([Row(s, a, np.zeros(n, np.int64), all_logits=True) for s, a, n in spans])
+            q, k, v = (np.concatenate([seqs[s][i][a : a + n] for s, a, n in spans]) for i in range(3))
+            out = backend.to_host(
+                backend.attention(*(self.to_device(backend, t) for t in (q, k, v)), kv, 0, batch, scale)
+            )
+            out = np.asarray(out, np.float64).reshape(len(q), heads * dim)
+            offset = 0
+            for s, a, n in spans:
+                sq, sk, sv = seqs[s]
+                want = _attention(sq[a : a + n], sk[: a + n], sv[: a + n], a, scale)
+                tol = self.tolerance.get(backend.precision, 1e-4)
+                np.testing.assert_allclose(out[offset : offset + n], want, rtol=tol, atol=tol)
+                offset += n
+
+    def test_silu_mul_and_add(self, backend):
+        x, y = np.linspace(-30, 30, 64), np.linspace(2, -3, 64)
+        xd, yd = self.to_device(backend, x), self.to_device(backend, y)
+        x, y = x.astype(np.float32).astype(np.float64), y.astype(np.float32).astype(np.float64)
+        self.check(backend, backend.silu_mul(xd, yd), x / (1 + np.exp(-x)) * y)
+        self.check(backend, backend.add(xd, yd), x + y)
+
+    def test_embed(self, backend):
+        (table,) = self.inputs((10, 32), seed=4)
+        weight = backend.upload(Tensor("token_embd.weight", F32, table.shape, table.astype(np.float32)))
+        self.check(backend, backend.embed(weight, np.array([4, 0, 9, 4])), table[[4, 0, 9, 4]])
+
+    # -- quantized weights ------------------------------------------------------------------------------
+    def test_quant_upload_equals_gguf_dequantize(self, backend):
+        """Each of the backend's ``quant_types``, uploaded and multiplied by the identity, gives gguf-py's values."""
+        checked = []
+        for qtype in sorted(type(backend).quant_types, key=int):
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            rows, cols = 4, max(256, block)
+            rng = np.random.default_rng(int(qtype))
+            try:
+                data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+            except NotImplementedError:
+                data = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+            stored = data if data.dtype == np.uint8 else data.view(np.uint8).reshape(rows, -1)
+            try:
+                with np.errstate(all="ignore"):  # random bytes may encode inf/nan scales
+                    expected = gguf.quants.dequantize(stored, qtype).reshape(rows, cols).astype(np.float64)
+            except NotImplementedError:
+                continue
+            if not np.all(np.isfinite(expected)):  # random bytes may encode inf/nan scales
+                continue
+            weight = backend.upload(Tensor("w", qtype, (rows, cols), stored))
+            got = backend.to_host(backend.matmul(self.to_device(backend, np.eye(cols)), weight))
+            got = np.asarray(got, np.float64).reshape(cols, rows).T
+            tol = self.tolerance.get(backend.precision, 1e-4)
+            scale = np.abs(expected).max() or 1.0
+            np.testing.assert_allclose(got, expected, rtol=tol, atol=tol * scale, err_msg=qtype.name)
+            checked.append(qtype.name)
+        assert checked or not type(backend).quant_types, "no quant type could be checked"
+
+    # -- whole models -------------------------------------------------------------------------------------
+    @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+    def test_tiny_llama_agrees_with_the_float64_oracle(self, backend, qtype, tmp_path):
+        """A tiny random llama: this backend's logits against the CPU backend's float64 ones (top-1, mean KL)."""
+        from leat.compare import compare
+        from leat.testing import write_tiny_gguf
+
+        arch_module = pytest.importorskip("leat_arch_llama.llama", reason="the agreement models need leat-arch-llama")
+        kind = gguf.GGMLQuantizationType[qtype]
+        if kind != F32 and kind not in type(backend).quant_types:
+            pytest.skip(f"{type(backend).__name__} does not take {qtype}")
+        path = write_tiny_gguf(arch_module.Llama, tmp_path / f"tiny-{qtype}.gguf", kind)
+        tokens = np.random.default_rng(0).integers(0, arch_module.Llama.tiny().vocab, 48)
+        reference = _logits(arch_module.Llama, path, cpu_oracle()("f64"), tokens)
+        other = _logits(arch_module.Llama, path, backend, tokens)
+        agreement = compare(reference, other, label=f"{backend.name} {backend.precision} vs cpu f64 on {qtype}")
+        failures = agreement.failures(top1=self.agreement_bars["top1"], kl=self.agreement_bars["kl"])
+        assert not failures, f"{agreement}: {'; '.join(failures)}"
+
+
+def _attention(q, k, v, start, scale):
+    n, heads, _ = q.shape
+    group = heads // k.shape[1]
+    out = np.zeros((n, heads, v.shape[2]))
+    for t in range(n):
+        for h in range(heads):
+            scores = k[: start + t + 1, h // group] @ q[t, h] * scale
+            p = np.exp(scores - scores.max())
+            out[t, h] = (p / p.sum()) @ v[: start + t + 1, h // group]
+    return out.reshape(n, -1)
+
+
+def _logits(arch_cls, path, backend: Backend, tokens: np.ndarray) -> np.ndarray:
+    from leat.model import Model
+    from leat.modelfile import ModelFile
+
+    file = ModelFile(path)
+    return Model(file, arch_cls(file, backend), backend).logits(tokens, native=True).astype(np.float64)

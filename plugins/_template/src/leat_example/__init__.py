@@ -1,0 +1,1 @@
+"""leat-example: a template leat plugin."""
