@@ -1,0 +1,448 @@
+"""The tinygrad backend: every op as tinygrad Tensor operations, on whichever device tinygrad picks.
+
+The device is tinygrad's own choice: its ``DEV`` setting (``DEV=AMD``, ``DEV=NV``, ``DEV=CUDA``,
+``DEV=CPU``...) or, unset, the first device that opens. Weights stay in their GGUF form on the device:
+F32/F16 as float arrays, the block types of :mod:`leat_backend_tinygrad.quants` as their raw bytes,
+dequantized inside each matmul's kernel; other types are dequantized to float32 at load.
+
+Activations are float32 Tensors, left lazy between ops so tinygrad fuses them; only ``to_host``, the
+KV writes and MoE routing force computation. Compiled kernels go to tinygrad's cache
+(``CACHEDB``, by default ~/.cache/tinygrad/cache.db), so a second start skips compilation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+import gguf
+import numpy as np
+from leat.backend import Backend, KVLayout, KVPages, RopeSpec
+from leat.batch import Batch
+from leat.errors import UnsupportedQuantType
+from leat.modelfile import Tensor as FileTensor
+from leat.moe import MoESpec, MoEWeights, route
+from tinygrad import Device, Tensor, UOp, dtypes
+
+from leat_backend_tinygrad.quants import DEQUANTIZERS
+
+Q = gguf.GGMLQuantizationType
+# Types gguf-py can dequantize: those without a kernel here are dequantized to float32 at load.
+LOAD_DEQUANTIZED = frozenset(
+    {Q.BF16, Q.Q2_K, Q.Q3_K, Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S}
+    | {Q.IQ1_S, Q.IQ1_M, Q.IQ4_NL, Q.IQ4_XS}
+)
+
+
+def probe_reason() -> str | None:
+    """Why tinygrad's default device cannot run here, or None."""
+    try:
+        dev = Device.DEFAULT
+    except Exception as error:  # noqa: BLE001 - a device's failure to open can be any error; probe reports it
+        return f"tinygrad finds no usable device: {error}"
+    if dev.split(":")[0] == "CPU" and shutil.which(os.environ.get("CC", "clang")) is None:
+        return "tinygrad's CPU device needs clang: apt-get install clang (or pick another device with DEV=...)"
+    try:
+        Device[dev]
+    except Exception as error:  # noqa: BLE001
+        return f"tinygrad's {dev} device does not open: {error}"
+    return None
+
+
+def _share_kernel_cache_across_threads() -> None:
+    """Open tinygrad's kernel cache (sqlite) usable from any thread: the engine runs the model on its
+    scheduler thread, while loading (and tests) run on the caller's; tinygrad's own connection is bound
+    to the thread that opened it."""
+    import contextlib
+    import sqlite3
+
+    from tinygrad import helpers
+
+    if getattr(helpers, "_leat_shared", False):
+        return
+    os.makedirs(os.path.dirname(helpers.CACHEDB), exist_ok=True)
+    connection = sqlite3.connect(helpers.CACHEDB, timeout=60, isolation_level="IMMEDIATE", check_same_thread=False)
+    with contextlib.suppress(sqlite3.OperationalError):
+        connection.execute("PRAGMA journal_mode=WAL").fetchone()
+    connection.execute("PRAGMA synchronous=NORMAL")
+    helpers._db_connection, helpers._leat_shared = connection, True
+
+
+@dataclass
+class Weight:
+    """One uploaded GGUF tensor: ``data`` on the device (float values, or uint8 blocks
+    [..., blocks, block_bytes] for a type in DEQUANTIZERS), ``host`` the stored bytes (the file's map)."""
+
+    data: Tensor
+    qtype: Q
+    shape: tuple[int, ...]
+    host: np.ndarray
+
+    def values(self, index: int | None = None) -> Tensor:
+        """float32 values [*shape] (lazy: fused into the op that uses them); ``index`` picks one matrix of a 3-D tensor."""
+        if index is None:
+            return self._values(self.data, self.shape)
+        return self._values(self.data[index], self.shape[1:])
+
+    def _values(self, data: Tensor, shape: tuple[int, ...]) -> Tensor:
+        if self.qtype in DEQUANTIZERS:
+            return DEQUANTIZERS[self.qtype](data).reshape(shape)
+        return data.cast(dtypes.float32) if data.dtype != dtypes.float32 else data
+
+
+@dataclass
+class KVCache(KVPages):
+    # per layer: [pages * page_size, kv_heads, dim] (float32, float16, or int8 for q8_0)
+    k: list[Tensor] = field(default_factory=list)
+    v: list[Tensor] = field(default_factory=list)
+    dtype: str = "f32"
+    k_scale: list[Tensor] = field(default_factory=list)  # q8_0: one f16 scale per 32 values
+    v_scale: list[Tensor] = field(default_factory=list)
+
+    def storages(self) -> list[Tensor]:
+        return self.k + self.v + self.k_scale + self.v_scale
+
+
+def _q8_0(x: Tensor) -> tuple[Tensor, Tensor]:
+    """GGUF Q8_0 of the last axis in blocks of 32: d = max|x| / 127 (stored f16), q = round(x / d) half away from 0."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().max(axis=-1, keepdim=True) / 127
+    scaled = (d > 0).where(blocks / d.maximum(1e-30), 0)
+    q = scaled.sign() * (scaled.abs() + 0.5).floor()
+    return q.cast(dtypes.int8).reshape(x.shape), d[..., 0].cast(dtypes.float16)
+
+
+def _from_q8_0(q: Tensor, d: Tensor) -> Tensor:
+    blocks = q.reshape(*q.shape[:-1], -1, 32).cast(dtypes.float32) * d.cast(dtypes.float32).unsqueeze(-1)
+    return blocks.reshape(q.shape)
+
+
+class TinygradBackend(Backend):
+    name = "tinygrad"
+    quant_types = frozenset(DEQUANTIZERS) | {Q.F32, Q.F16} | LOAD_DEQUANTIZED
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return probe_reason()
+
+    def __init__(self, precision: str = "f32", **options: Any):
+        if precision != "f32":
+            raise ValueError(f"tinygrad backend precision must be f32, not {precision!r}")
+        super().__init__(precision, **options)
+        _share_kernel_cache_across_threads()
+        self.device = Device.DEFAULT
+        self._kv_at = UOp.variable("kv_at", 0, 1 << 30)
+
+    def describe(self) -> dict[str, Any]:
+        from tinygrad.helpers import CACHEDB
+
+        return {
+            "backend": self.name,
+            "precision": self.precision,
+            "device": self.device,
+            "DEV": os.environ.get("DEV", "(unset: tinygrad's first working device)"),
+            "compiler": type(Device[self.device].compiler).__name__,
+            "kernel_cache": CACHEDB,
+        }
+
+    # -- memory -------------------------------------------------------------------------------------
+    def _tensor(self, array: np.ndarray) -> Tensor:
+        return Tensor(np.ascontiguousarray(array), device=self.device)
+
+    def upload(self, tensor: FileTensor) -> Weight:
+        qtype, host = tensor.qtype, np.asarray(tensor.data)
+        if qtype in DEQUANTIZERS:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            stored = host.view(np.uint8).reshape(*tensor.shape[:-1], tensor.shape[-1] // block, size)
+        elif qtype in (Q.F32, Q.F16):
+            stored = host.view(np.float32 if qtype == Q.F32 else np.float16).reshape(tensor.shape)
+        elif qtype in LOAD_DEQUANTIZED:
+            stored = gguf.quants.dequantize(host, qtype).reshape(tensor.shape).astype(np.float32)
+        else:
+            raise UnsupportedQuantType(f"tensor {tensor.name} is {qtype.name}, which the tinygrad backend cannot use")
+        data = self._tensor(stored).realize()
+        self.allocations.weights += stored.nbytes
+        kind = qtype.name if qtype not in LOAD_DEQUANTIZED else f"{qtype.name} (as F32)"
+        self.allocations.by_type[kind] = self.allocations.by_type.get(kind, 0) + stored.nbytes
+        return Weight(data, qtype, tuple(tensor.shape), host)
+
+    def _values(self, x: Any) -> Tensor:
+        """float32 Tensor of an op argument: a Weight, a Tensor, or a host array (tests, small tables)."""
+        if isinstance(x, Weight):
+            return x.values()
+        if isinstance(x, Tensor):
+            return x
+        return self._tensor(np.asarray(x, dtype=np.float32))
+
+    def allocate_kv(self, layouts, slots, context, pages=None, page_size=16, dtype="f32") -> KVCache:
+        if dtype not in ("f32", "f16", "q8_0"):
+            raise ValueError(f"KV dtype must be f32, f16 or q8_0, not {dtype!r}")
+        pages, table = KVPages.plan(slots, context, pages, page_size)
+        kv = KVCache(layouts, slots, pages, page_size, table, dtype=dtype)
+        storage = {"f32": dtypes.float32, "f16": dtypes.float16, "q8_0": dtypes.int8}[dtype]
+        for layout in layouts:
+            dims = (layout.head_dim, layout.stored_value_dim)
+            if dtype == "q8_0" and any(d % 32 for d in dims):
+                raise ValueError(f"q8_0 KV needs head dimensions that are multiples of 32, not {dims[0]}")
+            shapes = [(pages * page_size, layout.kv_heads, d) for d in dims]
+            kv.k.append(Tensor.zeros(*shapes[0], dtype=storage, device=self.device).contiguous().realize())
+            kv.v.append(Tensor.zeros(*shapes[1], dtype=storage, device=self.device).contiguous().realize())
+            if dtype == "q8_0":
+                for scales, (rows, heads, d) in ((kv.k_scale, shapes[0]), (kv.v_scale, shapes[1])):
+                    scales.append(
+                        Tensor.zeros(rows, heads, d // 32, dtype=dtypes.float16, device=self.device)
+                        .contiguous()
+                        .realize()
+                    )
+        self.allocations.kv += sum(t.nbytes() for t in kv.storages())
+        return kv
+
+    def kv_budget_bytes(self) -> int:
+        if self.device.split(":")[0] in ("CPU", "PYTHON"):
+            try:
+                with open("/proc/meminfo") as f:
+                    info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+                return info["MemAvailable"] // 4
+            except (OSError, KeyError, ValueError):
+                pass
+        return 2 << 30
+
+    def _page_rows(self, kv: KVCache, pages: list[int]) -> np.ndarray:
+        return (np.asarray(pages)[:, None] * kv.page_size + np.arange(kv.page_size)[None, :]).reshape(-1)
+
+    def copy_page(self, kv: KVCache, source: int, target: int) -> None:
+        size = kv.page_size
+        for storage in kv.storages():
+            if storage.shape[-1]:
+                storage[target * size : (target + 1) * size].assign(
+                    storage[source * size : (source + 1) * size].contiguous()
+                ).realize()
+
+    def read_pages(self, kv: KVCache, pages: list[int]) -> list[np.ndarray]:
+        rows = self._page_rows(kv, pages)
+        out = []
+        for storage in kv.storages():
+            host = storage.numpy()
+            out.append(host[rows].reshape(len(pages), kv.page_size, *host.shape[1:]))
+        return out
+
+    def write_pages(self, kv: KVCache, pages: list[int], contents: list[np.ndarray]) -> None:
+        size = kv.page_size
+        for storage, values in zip(kv.storages(), contents, strict=True):
+            if not storage.shape[-1]:
+                continue
+            for page, block in zip(pages, values):
+                storage[page * size : (page + 1) * size].assign(self._tensor(block).cast(storage.dtype)).realize()
+
+    def to_host(self, x: Tensor) -> np.ndarray:
+        return x.numpy()
+
+    # -- ops -----------------------------------------------------------------------------------------
+    def embed(self, weight: Weight, tokens: np.ndarray) -> Tensor:
+        # The rows are taken from the host copy of the stored bytes and dequantized there (as llama.cpp's
+        # get_rows): a gather from a [vocab, d] table on the device would read the whole table.
+        rows = np.asarray(weight.host).reshape(weight.shape[0], -1)[np.asarray(tokens)]
+        values = gguf.quants.dequantize(rows, weight.qtype).reshape(len(tokens), *weight.shape[1:])
+        return self._tensor(values.astype(np.float32))
+
+    def matmul(self, x: Tensor, weight: Any, bias: Any = None) -> Tensor:
+        y = self._values(x) @ self._values(weight).T
+        return y + self._values(bias) if bias is not None else y
+
+    def rms_norm(self, x: Tensor, weight: Any, eps: float) -> Tensor:
+        x = self._values(x)
+        y = x * ((x * x).mean(axis=-1, keepdim=True) + eps).rsqrt()
+        return y * self._values(weight) if weight is not None else y
+
+    def rope(self, x: Tensor, positions: np.ndarray, spec: RopeSpec) -> Tensor:
+        x = self._values(x)
+        half = spec.dims // 2
+        inv_freq = spec.base ** (-np.arange(half, dtype=np.float64) * 2 / spec.dims)
+        if spec.freq_factors is not None:
+            inv_freq = inv_freq / spec.freq_factors[:half]
+        angles = (np.asarray(positions, np.float64) * spec.scale)[:, None] * inv_freq[None, :]
+        cos = self._tensor((np.cos(angles) * spec.attn_factor).astype(np.float32)[:, None, :])
+        sin = self._tensor((np.sin(angles) * spec.attn_factor).astype(np.float32)[:, None, :])
+        n, heads = x.shape[0], x.shape[1]
+        rotated = x[..., : spec.dims]
+        if spec.neox:
+            a, b = rotated[..., :half], rotated[..., half:]
+            out = (a * cos - b * sin).cat(a * sin + b * cos, dim=-1)
+        else:
+            pairs = rotated.reshape(n, heads, half, 2)
+            a, b = pairs[..., 0], pairs[..., 1]
+            out = (
+                (a * cos - b * sin)
+                .unsqueeze(-1)
+                .cat((a * sin + b * cos).unsqueeze(-1), dim=-1)
+                .reshape(n, heads, spec.dims)
+            )
+        return out.cat(x[..., spec.dims :], dim=-1) if spec.dims < x.shape[-1] else out
+
+    def _write(self, storage: Tensor, at: int, values: Tensor) -> None:
+        """values into storage rows at..at+len (one kernel for every ``at``: it is a bound variable)."""
+        start = self._kv_at.bind(at)
+        storage[start : start + values.shape[0]].assign(values.cast(storage.dtype)).realize()
+
+    def _store(self, kv: KVCache, layer: int, which: str, row, span: slice, values: Tensor) -> None:
+        """Write one row's keys or values at its positions, page run by page run."""
+        storage = (kv.k if which == "k" else kv.v)[layer]
+        scales = (kv.k_scale if which == "k" else kv.v_scale)[layer] if kv.dtype == "q8_0" else None
+        size, table = kv.page_size, kv.page_table[row.slot]
+        position, end, done = row.start, row.start + len(row.tokens), 0
+        while position < end:
+            run = min(size - position % size, end - position)
+            page = int(table[position // size])
+            if page < 0:
+                raise ValueError(f"slot {row.slot} has no page for position {position}")
+            chunk = values[span.start + done : span.start + done + run]
+            at = page * size + position % size
+            if scales is None:
+                self._write(storage, at, chunk)
+            else:
+                q, d = _q8_0(chunk)
+                self._write(storage, at, q)
+                self._write(scales, at, d)
+            position, done = position + run, done + run
+
+    def _gather(self, kv: KVCache, layer: int, which: str, slot: int) -> Tensor:
+        """The slot's cached keys or values in position order, all its pages: [pages_per_slot * page_size, heads, dim]."""
+        storage = (kv.k if which == "k" else kv.v)[layer]
+        table = self._tensor(np.maximum(kv.page_table[slot], 0).astype(np.int32))
+        size, rows, heads, dim = kv.page_size, *storage.shape
+        pages = storage.reshape(rows // size, size * heads * dim)[table]
+        if kv.dtype == "q8_0":
+            scales = (kv.k_scale if which == "k" else kv.v_scale)[layer]
+            s = scales.reshape(rows // size, size * heads * dim // 32)[table]
+            return _from_q8_0(pages.reshape(-1, heads, dim), s.reshape(-1, heads, dim // 32))
+        return pages.reshape(-1, heads, dim).cast(dtypes.float32)
+
+    def _attend(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap=None, sinks=None):
+        """Paged, causal, windowed GQA attention (see Backend.attention); scores soft-capped when
+        ``softcap`` is given, each head's ``sinks`` logit in its softmax denominator when given.
+        A latent layout (MLA) stores only keys; its values are the keys' first ``value_dim`` entries."""
+        layout: KVLayout = kv.layouts[layer]
+        q, k = self._values(q), self._values(k)
+        v = self._values(v) if v is not None else None
+        Tensor.realize(*(t for t in (q, k, v) if t is not None))  # computed once, not once per KV write
+        _, heads, dim = q.shape
+        kv_heads = layout.kv_heads
+        value_dim = layout.value_dim or layout.head_dim
+        group = heads // kv_heads
+        sink = self._values(sinks).reshape(kv_heads, group, 1, 1) if sinks is not None else None
+        outs = []
+        for row, offset in zip(batch.rows, batch.offsets):
+            length, start = len(row.tokens), row.start
+            span = slice(int(offset), int(offset) + length)
+            self._store(kv, layer, "k", row, span, k)
+            if not layout.latent:
+                self._store(kv, layer, "v", row, span, v)
+            keys = self._gather(kv, layer, "k", row.slot)
+            values = keys[..., :value_dim] if layout.latent else self._gather(kv, layer, "v", row.slot)
+            total = keys.shape[0]
+            qs = q[span].reshape(length, kv_heads, group, dim).permute(1, 2, 0, 3)
+            scores = (qs @ keys.permute(1, 2, 0).unsqueeze(1)) * scale  # [kv_heads, group, length, total]
+            if softcap is not None:
+                scores = (scores / softcap).tanh() * softcap
+            query_pos = start + np.arange(length)[:, None]
+            key_pos = np.arange(total)[None, :]
+            masked = key_pos > query_pos
+            if layout.window is not None:
+                masked |= key_pos <= query_pos - layout.window
+            scores = self._tensor(masked).where(-math.inf, scores)
+            peak = scores.max(axis=-1, keepdim=True)
+            if sink is not None:
+                peak = peak.maximum(sink)
+            weights = (scores - peak).exp()
+            denominator = weights.sum(axis=-1, keepdim=True)
+            if sink is not None:
+                denominator = denominator + (sink - peak).exp()
+            out = (weights / denominator) @ values.permute(1, 0, 2).unsqueeze(1)  # [kv_heads, group, length, value_dim]
+            outs.append(out.permute(2, 0, 1, 3).reshape(length, heads * value_dim))
+        return outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:], dim=0)
+
+    def attention(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float) -> Tensor:
+        return self._attend(q, k, v, kv, layer, batch, scale)
+
+    def attention_softcap(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float):
+        return self._attend(q, k, v, kv, layer, batch, scale, softcap=softcap)
+
+    def attention_sinks(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, sinks: Any):
+        return self._attend(q, k, v, kv, layer, batch, scale, sinks=sinks)
+
+    def mla_attention(self, q_latent, q_rope, latent, k_rope, kv: KVCache, layer: int, batch: Batch, scale: float):
+        q = self._values(q_latent).cat(self._values(q_rope), dim=-1)
+        key = self._values(latent).cat(self._values(k_rope), dim=-1).unsqueeze(1)
+        n, heads, rank = q_latent.shape
+        return self._attend(q, key, None, kv, layer, batch, scale).reshape(n, heads, rank)
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        return self._values(gate).silu() * self._values(up)
+
+    def gelu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        g = self._values(gate)
+        inner = math.sqrt(2 / math.pi) * (g + 0.044715 * g * g * g)
+        return 0.5 * g * (1 + inner.tanh()) * self._values(up)
+
+    def softcap(self, x: Tensor, cap: float) -> Tensor:
+        return (self._values(x) / cap).tanh() * cap
+
+    def scale(self, x: Tensor, factor: float) -> Tensor:
+        return self._values(x) * factor
+
+    def add(self, a: Tensor, b: Tensor) -> Tensor:
+        # The residual stream is realized at each add: a lazy tensor is recomputed by every later
+        # realize that needs it (the KV writes realize once per layer), which would make depth quadratic.
+        return (self._values(a) + self._values(b)).realize()
+
+    def reshape(self, x: Tensor, shape: tuple[int, ...]) -> Tensor:
+        return self._values(x).reshape(shape)
+
+    def take_rows(self, x: Tensor, index: np.ndarray) -> Tensor:
+        x, index = self._values(x), np.asarray(index)
+        if len(index) and np.array_equal(index, np.arange(index[0], index[0] + len(index))):
+            return x[int(index[0]) : int(index[0]) + len(index)]
+        return x[self._tensor(index.astype(np.int32))]
+
+    def head_matmul(self, x: Tensor, weight: Any) -> Tensor:
+        return (self._values(x).permute(1, 0, 2) @ self._values(weight).permute(0, 2, 1)).permute(1, 0, 2)
+
+    def _expert(self, w: Any, e: int) -> Tensor:
+        return w.values(e) if isinstance(w, Weight) else self._values(w)[e]
+
+    def moe(self, x: Tensor, weights: MoEWeights, spec: MoESpec) -> Tensor:
+        # Routing runs on the host (leat.moe.route, the reference): one small [n, experts] transfer per layer.
+        x = self._values(x)
+        logits = self.matmul(x, weights.router, weights.router_bias).numpy()
+        selection_bias = weights.selection_bias
+        if selection_bias is not None and not isinstance(selection_bias, np.ndarray):
+            selection_bias = self._values(selection_bias).numpy()
+        ids, gains = route(logits, spec, selection_bias)
+        n = x.shape[0]
+        out = None
+        for expert in (int(e) for e in np.unique(ids)):
+            rows, slot = np.nonzero(ids == expert)
+            h = x[self._tensor(rows.astype(np.int32))]
+            gate = h @ self._expert(weights.gate, expert).T
+            up = h @ self._expert(weights.up, expert).T
+            if weights.gate_bias is not None:
+                gate = gate + self._expert(weights.gate_bias, expert)
+            if weights.up_bias is not None:
+                up = up + self._expert(weights.up_bias, expert)
+            if spec.activation == "silu":
+                act = gate.silu() * up
+            else:  # gpt-oss's clamped SwiGLU
+                g, u = gate.minimum(spec.limit), up.clip(-spec.limit, spec.limit)
+                act = g * (g * spec.alpha).sigmoid() * (u + 1)
+            y = act @ self._expert(weights.down, expert).T
+            if weights.down_bias is not None:
+                y = y + self._expert(weights.down_bias, expert)
+            # scatter back: a [n, rows] matrix holding each row's gain where it belongs
+            place = np.zeros((n, len(rows)), np.float32)
+            place[rows, np.arange(len(rows))] = gains[rows, slot]
+            contribution = self._tensor(place) @ y
+            out = contribution if out is None else out + contribution
+        return out.realize()

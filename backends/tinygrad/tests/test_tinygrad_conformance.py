@@ -1,0 +1,17 @@
+"""The tinygrad backend through leat's conformance kit, as a third-party plugin would use it."""
+
+import pytest
+from leat.conformance import BackendConformance
+from leat_backend_tinygrad.backend import TinygradBackend, probe_reason
+
+if probe_reason() is not None:
+    pytest.skip(f"tinygrad cannot run here: {probe_reason()}", allow_module_level=True)
+
+
+class TestTinygradBackendConformance(BackendConformance):
+    @pytest.fixture
+    def backend(self):
+        from tinygrad.helpers import NOOPT
+
+        NOOPT.value = 1  # as in test_tinygrad_backend.py: a cold run is mostly tinygrad's kernel optimizer
+        return TinygradBackend()
