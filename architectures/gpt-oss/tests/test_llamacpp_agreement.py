@@ -1,7 +1,7 @@
 """leat against llama.cpp on tiny gpt-oss files: the CPU float64 oracle matches llama.cpp's recorded logits,
 and the float32 path matches the oracle.
 
-The references (``references/llamacpp.npz``, written by ``references/record_llamacpp.py`` with
+The references (``references/llamacpp.npz``, written by ``scripts/record_llamacpp_tiny.py`` with
 llama-cpp-python, which CI does not have) hold llama.cpp's logits at every position. Each file is rebuilt
 here from its configuration and must hash as it did when recorded, so the comparison is on the very file
 llama.cpp ran. Bars (leat's design, "what agrees means"): top-1 >= 99% over positions where llama.cpp's
@@ -38,7 +38,7 @@ LOGPROB_ERROR = {"F32": 0.02, "F16": 0.05}
 # these KL bars sit a bit above, to catch a regression long before it would cross the design's bars.
 KL = {"F32": 1e-6, "F16": 3e-6}
 ROUTER_MIN_MARGIN = 1e-3
-RERECORD = "re-record with references/record_llamacpp.py (see its docstring) and commit the new references"
+RERECORD = "re-record with scripts/record_llamacpp_tiny.py (see its docstring) and commit the new references"
 
 
 def _tiny_models():

@@ -1,6 +1,6 @@
 """The tiny random-weight Qwen files llama.cpp's references were recorded on, and how to rebuild them.
 
-Shared by ``record_llamacpp.py`` (which records llama.cpp's logits on them) and
+Shared by ``scripts/record_llamacpp_tiny.py`` (which records llama.cpp's logits on them) and
 ``../test_llamacpp_agreement.py`` (which rebuilds each file, checks its SHA-256 against the recording and
 compares leat with the recorded logits). Files are written by :func:`leat.testing.write_tiny_gguf`,
 deterministically: the same configuration gives the same bytes.

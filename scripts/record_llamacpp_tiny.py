@@ -1,15 +1,18 @@
-"""Record llama.cpp's logits on the tiny files of ``tiny_models.py``: the references the agreement test checks.
+"""Record llama.cpp's logits on a plugin's tiny files: the references its agreement test checks.
 
-Run it with a Python that has llama-cpp-python (CPU build) installed, from the repository root, e.g.::
+``REFERENCES`` is a plugin's ``tests/references`` folder holding a ``tiny_models.py`` whose
+``python tiny_models.py OUTDIR`` writes the files and prints one JSON line describing them. Run it with a
+Python that has llama-cpp-python (CPU build) installed, from the repository root, e.g.::
 
-    /work/llref/.venv/bin/python architectures/gpt-oss/tests/references/record_llamacpp.py
+    /path/to/python-with-llama_cpp scripts/record_llamacpp_tiny.py architectures/qwen3/tests/references
+    /path/to/python-with-llama_cpp scripts/record_llamacpp_tiny.py architectures/gpt-oss/tests/references
 
 That Python needs only ``llama_cpp`` and ``numpy``. The files are built by leat's own environment, through
 ``uv run python tiny_models.py OUTDIR`` (set ``LEAT_PYTHON`` to another command if ``uv`` is not how leat
 runs here), so they are exactly the files the test rebuilds. llama.cpp runs with its defaults (F16 KV
 cache, no flash attention) on the CPU, one batch per prompt, every position's logits kept.
 
-Writes next to this script (committed):
+Writes into ``REFERENCES`` (committed):
 
 * ``llamacpp.npz``: per configuration ``NAME``: ``NAME/tokens`` (int32) and ``NAME/logits`` (llama.cpp's
   float32 logits at every position, ``[n, vocab]``); for configurations built with a ``dequantized`` copy
@@ -31,16 +34,15 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[3]
+REPO = Path(__file__).resolve().parents[1]
 THREADS = 2
 
 
-def build_models(out: Path) -> dict:
+def build_models(references: Path, out: Path) -> dict:
     command = os.environ.get("LEAT_PYTHON")
     python = shlex.split(command) if command else ["uv", "run", "--project", str(REPO), "python"]
     result = subprocess.run(
-        [*python, str(HERE / "tiny_models.py"), str(out)], cwd=REPO, check=True, capture_output=True, text=True
+        [*python, str(references / "tiny_models.py"), str(out)], cwd=REPO, check=True, capture_output=True, text=True
     )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -62,6 +64,10 @@ def evaluate(path: str, tokens: list[int]) -> np.ndarray:
 def main() -> None:
     import llama_cpp
 
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: {sys.argv[0]} PLUGIN/tests/references")
+    references = Path(sys.argv[1]).resolve()
+
     manifest: dict = {
         "llama_cpp_python": llama_cpp.__version__,
         "settings": {"backend": "cpu", "n_threads": THREADS, "kv_cache": "llama.cpp default (F16)", "n_ctx": 256},
@@ -71,7 +77,7 @@ def main() -> None:
     }
     arrays: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, info in build_models(Path(tmp)).items():
+        for name, info in build_models(references, Path(tmp)).items():
             tokens = [int(t) for t in info.pop("token_ids")]
             arrays[f"{name}/tokens"] = np.asarray(tokens, dtype=np.int32)
             arrays[f"{name}/logits"] = evaluate(info.pop("path"), tokens)
@@ -79,8 +85,8 @@ def main() -> None:
                 arrays[f"{name}/logits_dequantized"] = evaluate(info.pop("dequantized_path"), tokens)
             manifest["tiny"][name] = info
             print(f"{name}: {len(tokens)} tokens", file=sys.stderr)
-    np.savez_compressed(HERE / "llamacpp.npz", **arrays)
-    (HERE / "llamacpp.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    np.savez_compressed(references / "llamacpp.npz", **arrays)
+    (references / "llamacpp.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 if __name__ == "__main__":
