@@ -204,7 +204,9 @@ def test_session_continues_without_reprefill(model):
         assert again == fresh
         # the session holds 40 + 5 tokens (the last reply token is not in KV yet): 21 + 1 remain to prefill
         assert steps == 3 + 5 < fresh_steps
-        assert engine.list_sessions() == [{"name": "chat", "tokens": len(conversation) + 5, "pages": 9, "hibernated": False}]
+        assert engine.list_sessions() == [
+            {"name": "chat", "tokens": len(conversation) + 5, "pages": 9, "hibernated": False}
+        ]
     finally:
         engine.stop()
 
@@ -239,7 +241,9 @@ def test_hibernate_and_restore_across_restart(model, tmp_path):
         assert engine.list_sessions()[0]["hibernated"] and (tmp_path / "s1.npz").exists()
     finally:
         engine.stop()
-    restarted = Engine(model, batch_size=1, max_context=256, page_size=8, prefill_chunk=8, session_store=tmp_path).start()
+    restarted = Engine(
+        model, batch_size=1, max_context=256, page_size=8, prefill_chunk=8, session_store=tmp_path
+    ).start()
     try:
         assert restarted.list_sessions() == [{"name": "s1", "tokens": 35, "pages": 0, "hibernated": True}]
         got, steps = run(restarted, conversation, session="s1")
@@ -265,3 +269,41 @@ def test_bad_session_name_is_refused(model):
     engine = Engine(model, batch_size=1, max_context=64)
     with pytest.raises(Exception, match="session name"):
         engine.fork_session("../etc", "x")
+
+
+def test_burst_with_random_cancellations_returns_every_page(model):
+    rng = np.random.default_rng(21)
+    engine = Engine(model, batch_size=3, max_context=128, page_size=8, prefill_chunk=8, max_queue=40).start()
+    try:
+        handles = [
+            engine.submit(GenerationRequest(p, 30, GREEDY, client=f"c{i % 3}"))
+            for i, p in enumerate(prompts(24, seed=22))
+        ]
+        doomed = set(rng.choice(len(handles), 10, replace=False).tolist())
+        for i in sorted(doomed):
+            handles[i].cancel()
+        reasons = [list(h)[-1].finish_reason for h in handles]
+    finally:
+        engine.stop()
+    assert all(reasons[i] in ("stop", "length") for i in range(len(handles)) if i not in doomed)
+    assert sum(reasons[i] == "cancelled" for i in doomed) >= 5  # most were still waiting or running
+    # checked, not assumed: every page not held by the prefix cache is on the free list, once
+    assert engine.pool.reserved == 0 and not engine.running and not engine.waiting
+    assert sorted(engine.pool.free + list(engine.pool.cached.values())) == list(range(engine.pool.pages))
+    assert all(engine.pool.refs[p] == 1 for p in engine.pool.cached.values())
+    assert engine.free_slots and sorted(engine.free_slots) == list(range(engine.batch_size))
+
+
+def test_reused_prompt_tokens_are_reported_as_cached(model):
+    shared = prompts(1, seed=23, lengths=(40,))[0]
+    engine = Engine(model, batch_size=1, max_context=128, page_size=8).start()
+    try:
+        cold_tokens, cold = tokens(engine.submit(GenerationRequest(shared + [3], 4, GREEDY)))
+        warm_tokens, warm = tokens(engine.submit(GenerationRequest(shared + [3], 4, GREEDY)))
+        turn, turn_done = tokens(engine.submit(GenerationRequest(shared, 4, GREEDY, session="s")))
+        second, second_done = tokens(engine.submit(GenerationRequest(shared + turn + [9], 4, GREEDY, session="s")))
+        fresh, _ = tokens(engine.submit(GenerationRequest(shared + turn + [9], 4, GREEDY, client="other")))
+    finally:
+        engine.stop()
+    assert cold.usage["cached_tokens"] == 0 and warm.usage["cached_tokens"] == 40 and warm_tokens == cold_tokens
+    assert second_done.usage["cached_tokens"] == 40 + 3 and second == fresh

@@ -244,6 +244,10 @@ def doctor(model_name, as_json, plugin_names) -> None:
 )
 @click.option("--kv", default="f32", show_default=True, help="KV cache storage: f32, f16, q8_0")
 @click.option("--max-queue", default=64, show_default=True, type=int, help="waiting requests before 429")
+@click.option("--prefill-chunk", default=512, show_default=True, type=int, help="prompt tokens per scheduler step")
+@click.option(
+    "--session-store", default=None, help="directory where sessions are hibernated and kept across restarts"
+)
 @click.option("--receipts", is_flag=True, help="sign a receipt for every response (key in LEAT_HOME/receipts)")
 @click.option("--receipt-key", default=None, help="Ed25519 private key file for receipts (made if missing)")
 @click.option("--alias", default=None, help="model id clients see (default: the GGUF file name)")
@@ -254,7 +258,8 @@ def doctor(model_name, as_json, plugin_names) -> None:
 @backend_option
 @precision_option
 @plugins_option
-def serve(model_name, backend, precision, plugin_names, **options) -> None:
+@speculate_options
+def serve(model_name, backend, precision, plugin_names, speculate, draft, **options) -> None:
     """Serve MODEL over HTTP: OpenAI and Anthropic APIs (see docs/api.md)."""
     from leat.server import ServeOptions
     from leat.server import serve as run_server
@@ -265,7 +270,13 @@ def serve(model_name, backend, precision, plugin_names, **options) -> None:
         raise click.BadParameter(f"choose one of {', '.join(PARSERS)}", param_hint="--tool-parser")
     options["allow_origins"] = list(options["allow_origins"])
     opts = ServeOptions(model=model_name, backend=backend, precision=precision, **options)
-    run_server(opts, lambda: _load(model_name, backend, precision))
+
+    def load():
+        model = _load(model_name, backend, precision)
+        _speculate(model, speculate, draft)
+        return model
+
+    run_server(opts, load)
 
 
 @cli.group()

@@ -30,6 +30,10 @@ class ServeOptions:
     max_context: int | None = None
     kv: str = "f32"
     max_queue: int = 64
+    prefill_chunk: int = 512
+    session_store: str | None = None
+    speculate: str | None = None
+    draft: str | None = None
     receipts: bool = False
     receipt_key: str | None = None
     alias: str | None = None
@@ -60,6 +64,9 @@ def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tup
         max_context=options.max_context,
         kv=options.kv,
         max_queue=options.max_queue,
+        prefill_chunk=options.prefill_chunk,
+        session_store=options.session_store,
+        speculation=getattr(model, "speculation", None),
     )
     backend = model.backend.describe().get("backend", "")
     receipts = None
