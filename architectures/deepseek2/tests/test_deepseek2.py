@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from leat.backend import KVLayout
 from leat.batch import Batch, Row
+from leat.conformance.architecture import assert_chunked_and_batched_equal_whole
 from leat.modelfile import ModelFile
 from leat.testing import write_tiny_gguf
 from leat_arch_deepseek2.deepseek2 import DeepSeek2
@@ -44,16 +45,7 @@ def run(model, backend, rows, kv=None):
 @pytest.mark.parametrize("overrides", list(VARIANTS.values()), ids=list(VARIANTS))
 def test_chunked_and_batched_equal_whole(tmp_path, overrides):
     model, backend, _ = build(tmp_path, **overrides)
-    rng = np.random.default_rng(0)
-    a, b = rng.integers(0, 300, 20), rng.integers(0, 300, 11)
-    whole_a, _ = run(model, backend, [Row(0, 0, a, all_logits=True)])
-    whole_b, _ = run(model, backend, [Row(0, 0, b, all_logits=True)])
-    first, kv = run(model, backend, [Row(2, 0, a[:7], all_logits=True), Row(1, 0, b[:8], all_logits=True)])
-    np.testing.assert_allclose(first, np.concatenate([whole_a[:7], whole_b[:8]]), atol=1e-10)
-    second, kv = run(model, backend, [Row(1, 8, b[8:9]), Row(2, 7, a[7:14], all_logits=True)], kv=kv)
-    np.testing.assert_allclose(second, np.concatenate([whole_b[8:9], whole_a[7:14]]), atol=1e-10)
-    third, _ = run(model, backend, [Row(2, 14, a[14:]), Row(1, 9, b[9:11])], kv=kv)
-    np.testing.assert_allclose(third, np.stack([whole_a[-1], whole_b[-1]]), atol=1e-10)
+    assert_chunked_and_batched_equal_whole(model, backend)
 
 
 def test_kv_cache_holds_the_latent_only():

@@ -3,9 +3,9 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-from leat.batch import Batch, Row
+from leat.batch import Batch
+from leat.conformance.architecture import assert_chunked_and_batched_equal_whole
 from leat.modelfile import ModelFile
 from leat.testing import write_tiny_gguf
 from leat_arch_gemma.gemma import Gemma, Gemma2, Gemma3
@@ -36,17 +36,7 @@ def run(model, backend, rows, kv=None):
 )
 def test_chunked_and_batched_equal_whole(tmp_path, arch, overrides):
     model, backend, _ = build(tmp_path, arch, **overrides)
-    rng = np.random.default_rng(0)
-    a, b = rng.integers(0, 300, 20), rng.integers(0, 300, 11)
-    whole_a, _ = run(model, backend, [Row(0, 0, a, all_logits=True)])
-    whole_b, _ = run(model, backend, [Row(0, 0, b, all_logits=True)])
-    # a in chunks of 7, 7, 6 (past the window) while b prefills and then decodes in the same batches
-    first, kv = run(model, backend, [Row(2, 0, a[:7], all_logits=True), Row(1, 0, b[:8], all_logits=True)])
-    np.testing.assert_allclose(first, np.concatenate([whole_a[:7], whole_b[:8]]), atol=1e-10)
-    second, kv = run(model, backend, [Row(1, 8, b[8:9]), Row(2, 7, a[7:14], all_logits=True)], kv=kv)
-    np.testing.assert_allclose(second, np.concatenate([whole_b[8:9], whole_a[7:14]]), atol=1e-10)
-    third, _ = run(model, backend, [Row(2, 14, a[14:]), Row(1, 9, b[9:11])], kv=kv)
-    np.testing.assert_allclose(third, np.stack([whole_a[-1], whole_b[-1]]), atol=1e-10)
+    assert_chunked_and_batched_equal_whole(model, backend)
 
 
 def test_sliding_layers_as_llamacpp_computes_them():

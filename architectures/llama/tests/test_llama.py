@@ -1,8 +1,8 @@
 import gguf
 import numpy as np
 import pytest
-
 from leat.batch import Batch, Row
+from leat.conformance.architecture import assert_chunked_and_batched_equal_whole
 from leat.errors import ModelFileError
 from leat.modelfile import ModelFile
 from leat.testing import write_tiny_gguf
@@ -28,19 +28,7 @@ def run(model, backend, rows, slots=3, context=64, kv=None):
 )
 def test_chunked_and_batched_equal_whole(tmp_path, overrides):
     model, backend = build(tmp_path, **overrides)
-    rng = np.random.default_rng(0)
-    a, b = rng.integers(0, 300, 20), rng.integers(0, 300, 11)
-    whole_a, _ = run(model, backend, [Row(0, 0, a, all_logits=True)])
-    whole_b, _ = run(model, backend, [Row(0, 0, b, all_logits=True)])
-    # a in chunks of 7, 7, 6 while b prefills and then decodes token by token in the same batches
-    first, kv = run(model, backend, [Row(2, 0, a[:7], all_logits=True), Row(1, 0, b[:8], all_logits=True)])
-    np.testing.assert_allclose(first[:7], whole_a[:7], atol=1e-10)
-    np.testing.assert_allclose(first[7:], whole_b[:8], atol=1e-10)
-    second, kv = run(model, backend, [Row(1, 8, b[8:9]), Row(2, 7, a[7:14], all_logits=True)], kv=kv)
-    np.testing.assert_allclose(second[0], whole_b[8], atol=1e-10)
-    np.testing.assert_allclose(second[1:], whole_a[7:14], atol=1e-10)
-    third, _ = run(model, backend, [Row(2, 14, a[14:]), Row(1, 9, b[9:11])], kv=kv)
-    np.testing.assert_allclose(third, whole_a[[-1]].tolist() + whole_b[[-1]].tolist(), atol=1e-10)
+    assert_chunked_and_batched_equal_whole(model, backend)
 
 
 def test_f32_follows_f64(tmp_path):
