@@ -62,7 +62,11 @@ def main() -> None:
         start = int(rng.integers(0, len(text_ids) - args.prompt_tokens))
         prompts.append(text_ids[start : start + args.prompt_tokens])
     for size in (int(s) for s in args.batch_sizes.split(",")):
-        print(json.dumps({"model": args.model, **model.backend.describe(), **serve(model, size, prompts, args.max_tokens)}))
+        print(
+            json.dumps(
+                {"model": args.model, **model.backend.describe(), **serve(model, size, prompts, args.max_tokens)}
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ from leat.pull import resolve
 def llama_bench(binary: str, path: str, threads: int) -> dict[str, float]:
     out = subprocess.run(
         [binary, "-m", path, "-p", "128", "-n", "64", "-t", str(threads), "-r", "3", "-o", "json"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     rows = json.loads(out)
     return {("pp128" if r["n_prompt"] else "tg64"): r["avg_ts"] for r in rows}
@@ -58,7 +60,11 @@ def main() -> None:
     model = leat.load(path, backend="cpu")
     results = []
     for round_ in range(args.rounds):
-        row = {"round": round_, "llama.cpp": llama_bench(args.llama_bench, path, args.threads), "leat": leat_bench(model)}
+        row = {
+            "round": round_,
+            "llama.cpp": llama_bench(args.llama_bench, path, args.threads),
+            "leat": leat_bench(model),
+        }
         results.append(row)
         print(json.dumps(row))
     summary = {}

@@ -1,10 +1,8 @@
 import threading
 
+import leat
 import numpy as np
 import pytest
-
-import leat
-from leat.backend import KVLayout
 from leat.batch import Batch, Row
 from leat.compare import compare
 from leat.engine import Engine, GenerationRequest, Overloaded, TooLong

@@ -4,7 +4,6 @@ import sys
 import gguf
 import numpy as np
 import pytest
-
 from leat.errors import ModelFileError, UnknownArchitecture
 from leat.model import architecture_class
 from leat.modelfile import ModelFile

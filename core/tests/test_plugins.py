@@ -4,7 +4,6 @@ import sys
 import types
 
 import pytest
-
 from leat import hookimpl
 from leat.errors import PluginError
 from leat.plugins import PluginHost
@@ -32,7 +31,11 @@ def test_registration_is_lazy():
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(None, {"leat-backend-cpu", "leat-arch-llama", "leat-samplers"}), ("", set()), ("leat-backend-cpu", {"leat-backend-cpu"})],
+    [
+        (None, {"leat-backend-cpu", "leat-arch-llama", "leat-samplers"}),
+        ("", set()),
+        ("leat-backend-cpu", {"leat-backend-cpu"}),
+    ],
 )
 def test_leat_plugins_variable_selects(value, expected, monkeypatch):
     import os

@@ -3,11 +3,10 @@
 import itertools
 import json
 
+import leat
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
-import leat
 from leat.cli import cli
 from leat.engine import Engine, GenerationRequest
 from leat.errors import LeatError
@@ -308,7 +307,7 @@ def test_measured_step_costs_steer_the_draft_length():
     speculation = Speculation(Proposer(None), max_draft=8)
     controller = speculation.controller(Sampler.build(SamplingParams(temperature=0)))
     controller.acceptance = 0.95
-    cost = lambda k: speculation.cost(1, k)  # noqa: E731
+    cost = lambda k: speculation.cost(1, k)
     assert controller.draft_length(cost) == 8  # nothing measured: the prior prices drafts cheaply
     for tokens, seconds in ((1, 0.3), (5, 0.6), (8, 0.7), (9, 10.0)):
         speculation.observe(tokens, seconds)

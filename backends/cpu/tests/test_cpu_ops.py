@@ -4,7 +4,6 @@ import math
 
 import numpy as np
 import pytest
-
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch, Row
 from leat_backend_cpu.backend import CPUBackend
@@ -18,7 +17,9 @@ def backend(request):
 
 
 def close(backend, got, want):
-    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=TOL[backend.precision], atol=TOL[backend.precision])
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), want, rtol=TOL[backend.precision], atol=TOL[backend.precision]
+    )
 
 
 def test_matmul_with_bias(backend):
@@ -70,7 +71,11 @@ def attention_reference(q, keys, values, positions, key_positions, scale, window
     out = np.zeros((n, heads, values.shape[2]))
     for t in range(n):
         for h in range(heads):
-            allowed = [j for j, kp in enumerate(key_positions) if kp <= positions[t] and (window is None or kp > positions[t] - window)]
+            allowed = [
+                j
+                for j, kp in enumerate(key_positions)
+                if kp <= positions[t] and (window is None or kp > positions[t] - window)
+            ]
             scores = np.array([q[t, h] @ keys[j, h // group] * scale for j in allowed])
             p = np.exp(scores - scores.max())
             p /= p.sum()
@@ -87,14 +92,19 @@ def test_attention_prefill_then_decode_two_sequences(backend, window):
     # step 1: sequence 0 prefills 6 tokens, sequence 1 prefills 4
     rows = [Row(0, 0, np.zeros(6, int), all_logits=True), Row(1, 0, np.zeros(4, int), all_logits=True)]
     spans = [(0, 0, 6), (1, 0, 4)]
-    for step_rows, step_spans in ([rows, spans], [[Row(1, 4, np.zeros(1, int)), Row(0, 6, np.zeros(3, int))], [(1, 4, 1), (0, 6, 3)]]):
+    for step_rows, step_spans in (
+        [rows, spans],
+        [[Row(1, 4, np.zeros(1, int)), Row(0, 6, np.zeros(3, int))], [(1, 4, 1), (0, 6, 3)]],
+    ):
         batch = Batch(step_rows)
         q, k, v = (np.concatenate([seqs[s][i][a : a + n] for s, a, n in step_spans]) for i in range(3))
         out = backend.attention(q.astype(dt), k.astype(dt), v.astype(dt), kv, 0, batch, 0.3)
         offset = 0
         for s, a, n in step_spans:
             sq, sk, sv = seqs[s]
-            want = attention_reference(sq[a : a + n], sk[: a + n], sv[: a + n], range(a, a + n), range(a + n), 0.3, window)
+            want = attention_reference(
+                sq[a : a + n], sk[: a + n], sv[: a + n], range(a, a + n), range(a + n), 0.3, window
+            )
             close(backend, out[offset : offset + n], want)
             offset += n
 
@@ -142,7 +152,10 @@ def test_kv_storage_types_round_trip_as_gguf_does(backend, kv_dtype):
     if kv_dtype == "f16":
         np.testing.assert_array_equal(stored, k.astype(dt).astype(np.float16))
     else:
-        want = gguf.quants.dequantize(gguf.quants.quantize(k.astype(np.float32).reshape(5, 32), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+        want = gguf.quants.dequantize(
+            gguf.quants.quantize(k.astype(np.float32).reshape(5, 32), gguf.GGMLQuantizationType.Q8_0),
+            gguf.GGMLQuantizationType.Q8_0,
+        )
         scale = kv.k_scale[0].reshape(-1, 1, 1)[:5]
         got = stored.astype(np.float32) * scale.astype(np.float32)
         np.testing.assert_allclose(got.reshape(5, 32), want, atol=float(np.abs(want).max()) / 127 + 1e-6)
@@ -166,7 +179,11 @@ def sinks_reference(q, keys, values, positions, key_positions, scale, sinks, win
     out = np.zeros((n, heads, values.shape[2]))
     for t in range(n):
         for h in range(heads):
-            allowed = [j for j, kp in enumerate(key_positions) if kp <= positions[t] and (window is None or kp > positions[t] - window)]
+            allowed = [
+                j
+                for j, kp in enumerate(key_positions)
+                if kp <= positions[t] and (window is None or kp > positions[t] - window)
+            ]
             scores = [float(q[t, h] @ keys[j, h // group]) * scale for j in allowed]
             denominator = math.exp(sinks[h]) + sum(math.exp(s) for s in scores)
             out[t, h] = sum(math.exp(s) / denominator * values[j, h // group] for s, j in zip(scores, allowed))
@@ -181,16 +198,23 @@ def test_attention_sinks_prefill_then_decode_two_sequences(backend, window):
     kv = backend.allocate_kv([KVLayout(kv_heads, dim, window=window)], slots=2, context=16, page_size=4)
     seqs = {s: [rng.standard_normal((9, h, dim)) for h in (heads, kv_heads, kv_heads)] for s in (0, 1)}
     steps = [
-        ([Row(0, 0, np.zeros(6, int), all_logits=True), Row(1, 0, np.zeros(4, int), all_logits=True)], [(0, 0, 6), (1, 0, 4)]),
+        (
+            [Row(0, 0, np.zeros(6, int), all_logits=True), Row(1, 0, np.zeros(4, int), all_logits=True)],
+            [(0, 0, 6), (1, 0, 4)],
+        ),
         ([Row(1, 4, np.zeros(1, int)), Row(0, 6, np.zeros(3, int), all_logits=True)], [(1, 4, 1), (0, 6, 3)]),
     ]
     for rows, spans in steps:
         q, k, v = (np.concatenate([seqs[s][i][a : a + n] for s, a, n in spans]) for i in range(3))
-        out = backend.attention_sinks(q.astype(dt), k.astype(dt), v.astype(dt), kv, 0, Batch(rows), 0.3, sinks.astype(dt))
+        out = backend.attention_sinks(
+            q.astype(dt), k.astype(dt), v.astype(dt), kv, 0, Batch(rows), 0.3, sinks.astype(dt)
+        )
         offset = 0
         for s, a, n in spans:
             sq, sk, sv = seqs[s]
-            want = sinks_reference(sq[a : a + n], sk[: a + n], sv[: a + n], range(a, a + n), range(a + n), 0.3, sinks, window)
+            want = sinks_reference(
+                sq[a : a + n], sk[: a + n], sv[: a + n], range(a, a + n), range(a + n), 0.3, sinks, window
+            )
             close(backend, out[offset : offset + n], want)
             offset += n
 
@@ -242,9 +266,15 @@ def test_moe(backend, options, with_biases):
     experts, d, ffn, n = 6, 8, 5, 7
     spec = MoESpec(**{"experts": experts, "experts_used": 3, **options})
     x = rng.standard_normal((n, d))
-    router, gate, up = rng.standard_normal((experts, d)), 3 * rng.standard_normal((experts, ffn, d)), 3 * rng.standard_normal((experts, ffn, d))
+    router, gate, up = (
+        rng.standard_normal((experts, d)),
+        3 * rng.standard_normal((experts, ffn, d)),
+        3 * rng.standard_normal((experts, ffn, d)),
+    )
     down = rng.standard_normal((experts, d, ffn))
-    biases = [rng.standard_normal(s) if with_biases else np.zeros(s) for s in [(experts, ffn), (experts, ffn), (experts, d)]]
+    biases = [
+        rng.standard_normal(s) if with_biases else np.zeros(s) for s in [(experts, ffn), (experts, ffn), (experts, d)]
+    ]
     router_bias = rng.standard_normal(experts) if with_biases else np.zeros(experts)
     want = moe_reference(x, router, router_bias, gate, up, down, biases, spec)
     if spec.activation == "swiglu_oai":  # the clamps must be exercised on both sides
@@ -252,7 +282,10 @@ def test_moe(backend, options, with_biases):
         assert (g > spec.limit).any() and (g < -spec.limit).any()
     dt = backend.dtype
     handles = MoEWeights(
-        router.astype(dt), gate.astype(dt), up.astype(dt), down.astype(dt),
+        router.astype(dt),
+        gate.astype(dt),
+        up.astype(dt),
+        down.astype(dt),
         *((router_bias.astype(dt), *(b.astype(dt) for b in biases)) if with_biases else ()),
     )
     got = backend.moe(x.astype(dt), handles, spec)
@@ -276,7 +309,11 @@ def softcap_reference(q, keys, values, positions, key_positions, scale, cap, win
     out = np.zeros((n, heads, values.shape[2]))
     for t in range(n):
         for h in range(heads):
-            allowed = [j for j, kp in enumerate(key_positions) if kp <= positions[t] and (window is None or kp > positions[t] - window)]
+            allowed = [
+                j
+                for j, kp in enumerate(key_positions)
+                if kp <= positions[t] and (window is None or kp > positions[t] - window)
+            ]
             scores = [cap * math.tanh(float(q[t, h] @ keys[j, h // group]) * scale / cap) for j in allowed]
             total = sum(math.exp(s) for s in scores)
             out[t, h] = sum(math.exp(s) / total * values[j, h // group] for s, j in zip(scores, allowed))
@@ -290,7 +327,10 @@ def test_attention_softcap_prefill_then_decode_two_sequences(backend, window):
     kv = backend.allocate_kv([KVLayout(kv_heads, dim, window=window)], slots=2, context=16, page_size=4)
     seqs = {s: [2 * rng.standard_normal((9, h, dim)) for h in (heads, kv_heads, kv_heads)] for s in (0, 1)}
     steps = [
-        ([Row(0, 0, np.zeros(6, int), all_logits=True), Row(1, 0, np.zeros(4, int), all_logits=True)], [(0, 0, 6), (1, 0, 4)]),
+        (
+            [Row(0, 0, np.zeros(6, int), all_logits=True), Row(1, 0, np.zeros(4, int), all_logits=True)],
+            [(0, 0, 6), (1, 0, 4)],
+        ),
         ([Row(1, 4, np.zeros(1, int)), Row(0, 6, np.zeros(3, int), all_logits=True)], [(1, 4, 1), (0, 6, 3)]),
     ]
     for rows, spans in steps:
@@ -299,7 +339,9 @@ def test_attention_softcap_prefill_then_decode_two_sequences(backend, window):
         offset = 0
         for s, a, n in spans:
             sq, sk, sv = seqs[s]
-            want = softcap_reference(sq[a : a + n], sk[: a + n], sv[: a + n], range(a, a + n), range(a + n), 0.3, 1.5, window)
+            want = softcap_reference(
+                sq[a : a + n], sk[: a + n], sv[: a + n], range(a, a + n), range(a + n), 0.3, 1.5, window
+            )
             close(backend, out[offset : offset + n], want)
             offset += n
 
@@ -307,7 +349,9 @@ def test_attention_softcap_prefill_then_decode_two_sequences(backend, window):
 def test_head_matmul(backend):
     rng = np.random.default_rng(10)
     x, w = rng.standard_normal((5, 3, 8)), rng.standard_normal((3, 6, 8))
-    want = np.array([[[sum(x[t, h, k] * w[h, m, k] for k in range(8)) for m in range(6)] for h in range(3)] for t in range(5)])
+    want = np.array(
+        [[[sum(x[t, h, k] * w[h, m, k] for k in range(8)) for m in range(6)] for h in range(3)] for t in range(5)]
+    )
     dt = backend.dtype
     close(backend, backend.head_matmul(x.astype(dt), w.astype(dt)), want)
 
@@ -318,7 +362,11 @@ def mla_reference(q_latent, q_rope, latents, k_ropes, positions, key_positions, 
     out = np.zeros((n, heads, rank))
     for t in range(n):
         for h in range(heads):
-            allowed = [j for j, kp in enumerate(key_positions) if kp <= positions[t] and (window is None or kp > positions[t] - window)]
+            allowed = [
+                j
+                for j, kp in enumerate(key_positions)
+                if kp <= positions[t] and (window is None or kp > positions[t] - window)
+            ]
             scores = [scale * (float(q_latent[t, h] @ latents[j]) + float(q_rope[t, h] @ k_ropes[j])) for j in allowed]
             top = max(scores)
             total = sum(math.exp(s - top) for s in scores)
@@ -330,11 +378,19 @@ def mla_reference(q_latent, q_rope, latents, k_ropes, positions, key_positions, 
 def test_mla_attention_prefill_then_decode_two_sequences(backend, window):
     rng = np.random.default_rng(11)
     heads, rank, rope, dt = 3, 8, 4, backend.dtype
-    kv = backend.allocate_kv([KVLayout(1, rank + rope, rank, window=window, latent=True)], slots=2, context=16, page_size=4)
+    kv = backend.allocate_kv(
+        [KVLayout(1, rank + rope, rank, window=window, latent=True)], slots=2, context=16, page_size=4
+    )
     assert kv.v[0].size == 0
-    seqs = {s: [rng.standard_normal(shape) for shape in ((9, heads, rank), (9, heads, rope), (9, rank), (9, rope))] for s in (0, 1)}
+    seqs = {
+        s: [rng.standard_normal(shape) for shape in ((9, heads, rank), (9, heads, rope), (9, rank), (9, rope))]
+        for s in (0, 1)
+    }
     steps = [
-        ([Row(0, 0, np.zeros(6, int), all_logits=True), Row(1, 0, np.zeros(4, int), all_logits=True)], [(0, 0, 6), (1, 0, 4)]),
+        (
+            [Row(0, 0, np.zeros(6, int), all_logits=True), Row(1, 0, np.zeros(4, int), all_logits=True)],
+            [(0, 0, 6), (1, 0, 4)],
+        ),
         ([Row(1, 4, np.zeros(1, int)), Row(0, 6, np.zeros(3, int), all_logits=True)], [(1, 4, 1), (0, 6, 3)]),
     ]
     for rows, spans in steps:
@@ -343,7 +399,9 @@ def test_mla_attention_prefill_then_decode_two_sequences(backend, window):
         offset = 0
         for s, a, n in spans:
             ql, qr, c, kr = seqs[s]
-            want = mla_reference(ql[a : a + n], qr[a : a + n], c[: a + n], kr[: a + n], range(a, a + n), range(a + n), 0.4, window)
+            want = mla_reference(
+                ql[a : a + n], qr[a : a + n], c[: a + n], kr[: a + n], range(a, a + n), range(a + n), 0.4, window
+            )
             close(backend, out[offset : offset + n], want)
             offset += n
 
@@ -354,7 +412,11 @@ def test_moe_routes_with_sigmoid_bias_and_groups(backend):
     rng = np.random.default_rng(12)
     experts, width, ffn, dt = 8, 6, 5, backend.dtype
     spec = MoESpec(experts, 3, "sigmoid", normalize=True, scale=2.5, groups=4, groups_used=2)
-    x, router, bias = rng.standard_normal((7, width)), rng.standard_normal((experts, width)), rng.standard_normal(experts)
+    x, router, bias = (
+        rng.standard_normal((7, width)),
+        rng.standard_normal((experts, width)),
+        rng.standard_normal(experts),
+    )
     gate, up = rng.standard_normal((experts, ffn, width)), rng.standard_normal((experts, ffn, width))
     down = rng.standard_normal((experts, width, ffn))
     want = np.zeros_like(x)
@@ -369,6 +431,8 @@ def test_moe_routes_with_sigmoid_bias_and_groups(backend):
         for e in top:
             g, u = gate[e] @ x[t], up[e] @ x[t]
             want[t] += 2.5 * probs[e] / total * (down[e] @ (g / (1 + np.exp(-g)) * u))
-    weights = MoEWeights(router.astype(dt), gate.astype(dt), up.astype(dt), down.astype(dt), selection_bias=bias.astype(dt))
+    weights = MoEWeights(
+        router.astype(dt), gate.astype(dt), up.astype(dt), down.astype(dt), selection_bias=bias.astype(dt)
+    )
     close(backend, backend.moe(x.astype(dt), weights, spec), want)
     assert np.all(selection_margin(x @ router.T, spec, bias) > 1e-3)  # no near-tie decides this test

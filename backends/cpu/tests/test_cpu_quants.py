@@ -3,7 +3,6 @@
 import gguf
 import numpy as np
 import pytest
-
 from leat.errors import UnsupportedQuantType
 from leat.modelfile import Tensor
 from leat_backend_cpu.backend import DEQUANTIZABLE, CPUBackend

@@ -32,7 +32,9 @@ def prefill(model: Any, n: int) -> Callable[[], int]:
     def run() -> int:
         kv = model.new_kv(n)
         for start in range(0, n, PREFILL_CHUNK):
-            out = model.backend.run(model.architecture.forward, Batch([Row(0, start, ids[start : start + PREFILL_CHUNK])]), kv)
+            out = model.backend.run(
+                model.architecture.forward, Batch([Row(0, start, ids[start : start + PREFILL_CHUNK])]), kv
+            )
         model.backend.to_host(out)
         return n
 

@@ -197,7 +197,7 @@ def run(
     draft,
 ) -> None:
     """Chat with MODEL; with PROMPT (or text on stdin) answer once and exit."""
-    from leat.terminal import chat_loop, answer_once
+    from leat.terminal import answer_once, chat_loop
 
     _select_plugins(plugin_names)
     if prompt is None and not sys.stdin.isatty():
@@ -245,9 +245,7 @@ def doctor(model_name, as_json, plugin_names) -> None:
 @click.option("--kv", default="f32", show_default=True, help="KV cache storage: f32, f16, q8_0")
 @click.option("--max-queue", default=64, show_default=True, type=int, help="waiting requests before 429")
 @click.option("--prefill-chunk", default=512, show_default=True, type=int, help="prompt tokens per scheduler step")
-@click.option(
-    "--session-store", default=None, help="directory where sessions are hibernated and kept across restarts"
-)
+@click.option("--session-store", default=None, help="directory where sessions are hibernated and kept across restarts")
 @click.option("--receipts", is_flag=True, help="sign a receipt for every response (key in LEAT_HOME/receipts)")
 @click.option("--receipt-key", default=None, help="Ed25519 private key file for receipts (made if missing)")
 @click.option("--alias", default=None, help="model id clients see (default: the GGUF file name)")
@@ -363,12 +361,31 @@ def _int_list(ctx, param, value: str) -> list[int]:
 
 @cli.command()
 @click.argument("model_name", metavar="MODEL", default="default")
-@click.option("-p", "--n-prompt", "prompt", default="512", show_default=True, callback=_int_list,
-              help="prompt sizes to prefill (pp N), comma-separated")
-@click.option("-n", "--n-gen", "generate", default="128", show_default=True, callback=_int_list,
-              help="tokens to decode one at a time (tg N), comma-separated")
-@click.option("--concurrency", default="1,8", show_default=True, callback=_int_list,
-              help="requests decoded together through the engine (tg N x C), comma-separated; '' for none")
+@click.option(
+    "-p",
+    "--n-prompt",
+    "prompt",
+    default="512",
+    show_default=True,
+    callback=_int_list,
+    help="prompt sizes to prefill (pp N), comma-separated",
+)
+@click.option(
+    "-n",
+    "--n-gen",
+    "generate",
+    default="128",
+    show_default=True,
+    callback=_int_list,
+    help="tokens to decode one at a time (tg N), comma-separated",
+)
+@click.option(
+    "--concurrency",
+    default="1,8",
+    show_default=True,
+    callback=_int_list,
+    help="requests decoded together through the engine (tg N x C), comma-separated; '' for none",
+)
 @click.option("-r", "--repetitions", default=5, show_default=True, type=click.IntRange(1))
 @click.option("--json", "as_json", is_flag=True, help="print the rows as JSON")
 @backend_option
@@ -388,8 +405,12 @@ def bench(model_name, prompt, generate, concurrency, repetitions, as_json, backe
 @cli.command()
 @click.argument("model_name", metavar="MODEL", default="default")
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False), help="text file to score")
-@click.option("--kl-base", "kl_base", type=click.Path(exists=True, dir_okay=False),
-              help="a `llama-perplexity --kl-divergence-base` file (gzip too): KL and top-1 against it")
+@click.option(
+    "--kl-base",
+    "kl_base",
+    type=click.Path(exists=True, dir_okay=False),
+    help="a `llama-perplexity --kl-divergence-base` file (gzip too): KL and top-1 against it",
+)
 @click.option("-c", "--ctx", default=512, show_default=True, type=int, help="tokens per chunk (with --text)")
 @click.option("--chunks", default=None, type=int, help="score at most this many chunks")
 @click.option("--json", "as_json", is_flag=True, help="print the results as JSON")
@@ -414,12 +435,16 @@ def perplexity(model_name, text_file, kl_base, ctx, chunks, as_json, backend, pr
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
-    click.echo(f"perplexity: {result['perplexity']:.4f} ± {result['perplexity_stderr']:.4f} "
-               f"({result['tokens_scored']} tokens in {result['chunks']} chunks of {result['ctx']})")
+    click.echo(
+        f"perplexity: {result['perplexity']:.4f} ± {result['perplexity_stderr']:.4f} "
+        f"({result['tokens_scored']} tokens in {result['chunks']} chunks of {result['ctx']})"
+    )
     if kl_base:
         click.echo(f"llama.cpp's perplexity on the same tokens: {result['base_perplexity']:.4f}")
-        click.echo(f"KL divergence: mean {result['kl_divergence_mean']:.6f}, median "
-                   f"{result['kl_divergence_median']:.6f}, max {result['kl_divergence_max']:.6f}")
+        click.echo(
+            f"KL divergence: mean {result['kl_divergence_mean']:.6f}, median "
+            f"{result['kl_divergence_median']:.6f}, max {result['kl_divergence_max']:.6f}"
+        )
         click.echo(f"top-1 agreement: {100 * result['top1_agreement']:.2f}%")
 
 

@@ -77,7 +77,8 @@ def describe_model(name: str) -> dict[str, Any]:
     layouts = arch.kv_layouts(params)
     out["context_length"] = int(file.get("{arch}.context_length", 0)) or None
     out["kv_bytes_per_token"] = {
-        kind: int(sum(layout.bytes_per_token(1) for layout in layouts) * size) for kind, size in KV_ELEMENT_BYTES.items()
+        kind: int(sum(layout.bytes_per_token(1) for layout in layouts) * size)
+        for kind, size in KV_ELEMENT_BYTES.items()
     }
     host = plugins.host()
     support = {}

@@ -125,9 +125,7 @@ def moe_shapes(
     return shapes
 
 
-def route(
-    logits: np.ndarray, spec: MoESpec, selection_bias: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
+def route(logits: np.ndarray, spec: MoESpec, selection_bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Router logits [n, experts] -> (selected expert ids [n, k], their weights [n, k]), in logits' dtype.
 
     The reference the CPU backend runs; ids are ordered by descending selection score (ties: lower id

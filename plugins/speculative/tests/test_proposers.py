@@ -1,6 +1,5 @@
-import pytest
-
 import leat
+import pytest
 from leat import plugins
 from leat.errors import LeatError, PluginError
 from leat.speculative import load_proposer

@@ -156,4 +156,3 @@ class Llama(Architecture):
         writer.add_rope_freq_base(p.rope_base)
         writer.add_rope_dimension_count(p.rope_dims or p.head_dim)
         writer.add_vocab_size(p.vocab)
-

@@ -13,13 +13,12 @@ from typing import Any
 
 import gguf
 import numpy as np
-from threadpoolctl import ThreadpoolController
-
-from leat.backend import Allocations, Backend, KVLayout, KVPages, RopeSpec
+from leat.backend import Allocations, Backend, KVPages, RopeSpec
 from leat.batch import Batch
 from leat.errors import UnsupportedQuantType
 from leat.modelfile import Tensor
 from leat.moe import MoESpec, MoEWeights, activate, route
+from threadpoolctl import ThreadpoolController
 
 Q = gguf.GGMLQuantizationType
 SINGLE_THREAD_ROWS = 8
@@ -92,10 +91,7 @@ class CPUBackend(Backend):
         kv = KVCache(layouts, slots, pages, page_size, table, dtype=dtype)
         storage = {"f32": self.dtype, "f16": np.float16, "q8_0": np.int8}[dtype]
         for layout in layouts:
-            shapes = [
-                (pages, page_size, layout.kv_heads, dim)
-                for dim in (layout.head_dim, layout.stored_value_dim)
-            ]
+            shapes = [(pages, page_size, layout.kv_heads, dim) for dim in (layout.head_dim, layout.stored_value_dim)]
             if dtype == "q8_0" and any(shape[-1] % 32 for shape in shapes):
                 raise ValueError(f"q8_0 KV needs head dimensions that are multiples of 32, not {shapes[0][-1]}")
             kv.k.append(np.zeros(shapes[0], storage))
