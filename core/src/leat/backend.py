@@ -8,6 +8,7 @@ Activations are opaque backend arrays (numpy arrays on the CPU, device buffers e
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -16,6 +17,7 @@ import gguf
 import numpy as np
 
 from leat.batch import Batch
+from leat.errors import BackendUnavailable, LeatError
 from leat.modelfile import Tensor
 
 if TYPE_CHECKING:
@@ -117,6 +119,11 @@ class Backend:
         self.options = options
         self.allocations = Allocations()
 
+    def _missing(self) -> LeatError:
+        """The error for an op this backend does not implement, naming the op (the caller's name)."""
+        op = sys._getframe(1).f_code.co_name
+        return BackendUnavailable(f"the {self.name} backend has no {op} op yet: run this model with --backend cpu")
+
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "precision": self.precision}
 
@@ -127,7 +134,7 @@ class Backend:
     # -- memory -------------------------------------------------------------------------------------
     def upload(self, tensor: Tensor) -> Any:
         """Place one GGUF tensor on the device and return the handle ops take as ``weight``."""
-        raise NotImplementedError
+        raise self._missing()
 
     def allocate_kv(
         self,
@@ -147,7 +154,7 @@ class Backend:
         and assigns pages with :meth:`set_pages`. ``dtype`` is the storage: "f32" (the compute
         precision), "f16", or "q8_0" (blocks of 32 along the head dimension, as GGUF's Q8_0).
         """
-        raise NotImplementedError
+        raise self._missing()
 
     def set_pages(self, kv: KVPages, slot: int, pages: np.ndarray) -> None:
         """Give ``slot`` the page ids ``pages`` (in position order; the rest of its row becomes -1)."""
@@ -156,18 +163,18 @@ class Backend:
 
     def copy_page(self, kv: KVPages, source: int, target: int) -> None:
         """Copy one page's K/V in every layer (copy-on-write of a shared prefix page)."""
-        raise NotImplementedError
+        raise self._missing()
 
     def read_pages(self, kv: KVPages, pages: list[int]) -> list[np.ndarray]:
         """The contents of ``pages`` in every layer, as host arrays (to hibernate a session)."""
-        raise NotImplementedError
+        raise self._missing()
 
     def write_pages(self, kv: KVPages, pages: list[int], contents: list[np.ndarray]) -> None:
         """Put back what :meth:`read_pages` returned, into (possibly other) page ids."""
-        raise NotImplementedError
+        raise self._missing()
 
     def to_host(self, x: Any) -> np.ndarray:
-        raise NotImplementedError
+        raise self._missing()
 
     def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any) -> Any:
         """One step of ``forward`` (an architecture's ``forward``) on ``batch``: its logits.
@@ -186,19 +193,19 @@ class Backend:
     # -- ops -----------------------------------------------------------------------------------------
     def embed(self, weight: Any, tokens: np.ndarray) -> Any:
         """Rows of an embedding table: [n] token ids -> [n, d]."""
-        raise NotImplementedError
+        raise self._missing()
 
     def matmul(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """x [n, k] times the transpose of weight [m, k] (GGUF row-major), plus bias [m]: -> [n, m]."""
-        raise NotImplementedError
+        raise self._missing()
 
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         """x / sqrt(mean(x^2) + eps) * weight over the last axis (weight None: no scale)."""
-        raise NotImplementedError
+        raise self._missing()
 
     def rope(self, x: Any, positions: np.ndarray, spec: RopeSpec) -> Any:
         """Rotate x [n, heads, head_dim] by each token's position."""
-        raise NotImplementedError
+        raise self._missing()
 
     def attention(self, q: Any, k: Any, v: Any, kv: Any, layer: int, batch: Batch, scale: float) -> Any:
         """Write k, v [n, kv_heads, dim] into ``kv`` at each row's positions, then attend causally.
@@ -207,25 +214,25 @@ class Backend:
         attends to its own slot's cached positions up to and including each query's position.
         Returns [n, heads * value_dim].
         """
-        raise NotImplementedError
+        raise self._missing()
 
     def silu_mul(self, gate: Any, up: Any) -> Any:
         """silu(gate) * up, elementwise."""
-        raise NotImplementedError
+        raise self._missing()
 
     def add(self, a: Any, b: Any) -> Any:
-        raise NotImplementedError
+        raise self._missing()
 
     def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
-        raise NotImplementedError
+        raise self._missing()
 
     def take_rows(self, x: Any, index: np.ndarray) -> Any:
         """The rows ``index`` of x [n, ...] (the positions whose logits are wanted)."""
-        raise NotImplementedError
+        raise self._missing()
 
     def scale(self, x: Any, factor: float) -> Any:
         """x * factor, elementwise (Gemma's sqrt(d) embedding scale)."""
-        raise NotImplementedError
+        raise self._missing()
 
     def gelu_mul(self, gate: Any, up: Any) -> Any:
         """gelu(gate) * up, elementwise (GeGLU), gelu in ggml's tanh approximation:
@@ -234,11 +241,11 @@ class Backend:
         (ggml's CPU kernel looks gelu up in a table indexed by g rounded to f16, for |g| < 10; the
         formula is the reference, the table is one of ggml's roundings.)
         """
-        raise NotImplementedError
+        raise self._missing()
 
     def softcap(self, x: Any, cap: float) -> Any:
         """cap * tanh(x / cap), elementwise (Gemma 2's final logit soft-capping)."""
-        raise NotImplementedError
+        raise self._missing()
 
     def attention_softcap(
         self, q: Any, k: Any, v: Any, kv: Any, layer: int, batch: Batch, scale: float, softcap: float
@@ -248,7 +255,7 @@ class Backend:
         The score of query i and key j is ``softcap * tanh(scale * (q_i . k_j) / softcap)``; all else
         (cache writes, GQA, causal and window masks, output shape) is as :meth:`attention`.
         """
-        raise NotImplementedError
+        raise self._missing()
 
     def attention_sinks(
         self, q: Any, k: Any, v: Any, kv: Any, layer: int, batch: Batch, scale: float, sinks: Any
@@ -260,7 +267,7 @@ class Backend:
         unmasked keys: the sink takes probability mass and contributes no value. All else (cache
         writes, GQA, causal and window masks, output shape) is as :meth:`attention`.
         """
-        raise NotImplementedError
+        raise self._missing()
 
     def moe(self, x: Any, weights: MoEWeights, spec: MoESpec) -> Any:
         """A mixture-of-experts feed-forward over x [n, d] -> [n, d], routing included (see leat.moe).
@@ -275,7 +282,7 @@ class Backend:
         [experts] (DeepSeek V3's ``exp_probs_b``) and ``spec.groups`` (group-limited routing) change only
         which experts are selected, never their weights.
         """
-        raise NotImplementedError
+        raise self._missing()
 
     def head_matmul(self, x: Any, weight: Any) -> Any:
         """Per head h, x[:, h] [n, k] times the transpose of weight[h] [m, k]: x [n, heads, k] -> [n, heads, m].
@@ -284,7 +291,7 @@ class Backend:
         type the backend supports): MLA's absorption of the key up-projection into the queries and its
         per-head value up-projection.
         """
-        raise NotImplementedError
+        raise self._missing()
 
     def mla_attention(
         self, q_latent: Any, q_rope: Any, latent: Any, k_rope: Any, kv: Any, layer: int, batch: Batch, scale: float
@@ -298,4 +305,4 @@ class Backend:
         causal and window masks and the softmax are as :meth:`attention`, and the values are the cached
         latents: returns [n, heads, rank] (still latent; :meth:`head_matmul` with ``attn_v_b`` decompresses).
         """
-        raise NotImplementedError
+        raise self._missing()
