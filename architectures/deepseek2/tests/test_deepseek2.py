@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from leat.backend import KVLayout
 from leat.batch import Batch, Row
-from leat.conformance.architecture import assert_chunked_and_batched_equal_whole
+from leat.conformance.architecture import assert_chunked_and_batched_equal_whole, assert_metadata_round_trips
 from leat.modelfile import ModelFile
 from leat.testing import write_tiny_gguf
 from leat_arch_deepseek2.deepseek2 import DeepSeek2
@@ -93,10 +93,7 @@ def test_split_and_unsplit_kv_b_are_the_same_model(tmp_path):
 
 @pytest.mark.parametrize("overrides", list(VARIANTS.values()), ids=list(VARIANTS))
 def test_metadata_round_trips(tmp_path, overrides):
-    params = DeepSeek2.tiny(**overrides)
-    read = DeepSeek2.read_params(ModelFile(write_tiny_gguf(DeepSeek2, tmp_path / "m.gguf", params=params)))
-    assert read.norm_eps == pytest.approx(params.norm_eps) and read.yarn_log_mul == pytest.approx(params.yarn_log_mul)
-    assert dataclasses.replace(read, norm_eps=params.norm_eps, yarn_log_mul=params.yarn_log_mul) == params
+    assert_metadata_round_trips(DeepSeek2, DeepSeek2.tiny(**overrides), tmp_path, ("norm_eps", "yarn_log_mul"))
 
 
 def test_yarn_scale_as_llamacpp():

@@ -1,11 +1,9 @@
-import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
-from leat.batch import Batch
-from leat.conformance.architecture import assert_chunked_and_batched_equal_whole
+from leat.conformance.architecture import assert_chunked_and_batched_equal_whole, assert_metadata_round_trips
 from leat.modelfile import ModelFile
 from leat.testing import write_tiny_gguf
 from leat_arch_gemma.gemma import Gemma, Gemma2, Gemma3
@@ -18,11 +16,6 @@ def build(tmp_path, arch, precision="f64", **overrides):
     path = write_tiny_gguf(arch, tmp_path / f"{arch.names[0]}.gguf", params=arch.tiny(**overrides))
     backend = CPUBackend(precision)
     return arch(ModelFile(path), backend), backend, path
-
-
-def run(model, backend, rows, kv=None):
-    kv = kv or backend.allocate_kv(model.kv_layouts(model.params), 3, 64, page_size=4)
-    return backend.to_host(model.forward(Batch(rows), kv)), kv
 
 
 @pytest.mark.parametrize(
@@ -77,11 +70,7 @@ def test_query_scale_and_caps_follow_llamacpp():
     ids=["gemma", "gemma2", "gemma3"],
 )
 def test_metadata_round_trips(tmp_path, arch, overrides):
-    params = arch.tiny(**overrides)
-    path = write_tiny_gguf(arch, tmp_path / "m.gguf", params=params)
-    read = arch.read_params(ModelFile(path))
-    assert read.norm_eps == pytest.approx(params.norm_eps)
-    assert dataclasses.replace(read, norm_eps=params.norm_eps) == params
+    assert_metadata_round_trips(arch, arch.tiny(**overrides), tmp_path)
 
 
 def test_file_of_another_family_member_is_refused(tmp_path):

@@ -1,4 +1,3 @@
-import dataclasses
 import json
 import os
 import subprocess
@@ -9,7 +8,7 @@ import numpy as np
 import pytest
 from leat.batch import Batch, Row
 from leat.compare import top2_gap
-from leat.conformance.architecture import assert_chunked_and_batched_equal_whole
+from leat.conformance.architecture import assert_chunked_and_batched_equal_whole, assert_metadata_round_trips
 from leat.errors import ModelFileError
 from leat.modelfile import ModelFile
 from leat.testing import write_tiny_gguf
@@ -40,10 +39,7 @@ def run(model, backend, rows, kv=None, slots=3, context=64):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_metadata_round_trips(tmp_path, variant):
     cls, overrides = VARIANTS[variant]
-    model, _, _ = build(tmp_path, variant)
-    want = cls.tiny(**overrides)
-    assert model.params.norm_eps == pytest.approx(want.norm_eps)  # stored as float32
-    assert dataclasses.replace(model.params, norm_eps=want.norm_eps) == want
+    assert_metadata_round_trips(cls, cls.tiny(**overrides), tmp_path)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

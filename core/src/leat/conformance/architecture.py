@@ -136,3 +136,18 @@ def assert_chunked_and_batched_equal_whole(model: Any, backend: Any, vocab: int 
     np.testing.assert_allclose(second, np.concatenate([whole_b[8:9], whole_a[7:14]]), atol=atol)
     third, _ = run([Row(2, 14, a[14:]), Row(1, 9, b[9:11])], kv=kv)
     np.testing.assert_allclose(third, np.stack([whole_a[-1], whole_b[-1]]), atol=atol)
+
+
+def assert_metadata_round_trips(architecture: Any, params: Any, tmp_path: Any, floats: tuple[str, ...] = ("norm_eps",)):
+    """A tiny file written from ``params`` reads back as ``params``; ``floats`` are stored as float32, so approximately."""
+    import dataclasses
+
+    from leat.modelfile import ModelFile
+    from leat.testing import write_tiny_gguf
+
+    read = architecture.read_params(
+        ModelFile(write_tiny_gguf(architecture, tmp_path / "round-trip.gguf", params=params))
+    )
+    for name in floats:
+        assert getattr(read, name) == pytest.approx(getattr(params, name)), name
+    assert dataclasses.replace(read, **{name: getattr(params, name) for name in floats}) == params
