@@ -1,6 +1,7 @@
-"""A third-party architecture plugin built from plugins/_template, installed from wheels into a fresh environment
-beside core (built from core/, not the workspace): `leat plugins` lists it, `leat generate` runs a tiny file of its
-architecture, and its own tests (the conformance kit) pass there."""
+"""Third-party plugins built from the templates, installed from wheels into a fresh environment beside core (built
+from core/, not the workspace): an architecture from plugins/_template and a backend from plugins/_template_backend.
+`leat plugins` lists both, `leat generate` / `leat run` use them on tiny files, and each template's own tests (the
+conformance kit) pass there. One environment holds both, so the wheels are built and installed once."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = ["core", "backends/cpu", "plugins/samplers", "plugins/_template"]
+# the backend kit's model checks need the CPU backend (the float64 oracle) and the llama architecture (tiny files)
+DISTRIBUTIONS = ["core", "backends/cpu", "architectures/llama", "plugins/samplers", "plugins/_template"]
+DISTRIBUTIONS += ["plugins/_template_backend"]
 
 pytestmark = pytest.mark.slow
 
@@ -44,21 +47,35 @@ def venv(tmp_path_factory):
     return env
 
 
-def test_plugins_lists_the_template(venv):
+def write_tiny(venv, architecture: str, path: Path) -> Path:
+    """A tiny random-weight GGUF of ``architecture`` ("module:Class"), written by the environment's own leat."""
+    module, cls = architecture.split(":")
+    script = f"import sys; from leat.testing import write_tiny_gguf; from {module} import {cls}; "
+    run(venv / "bin" / "python", "-c", script + f"write_tiny_gguf({cls}, sys.argv[1])", path)
+    return path
+
+
+def run_template_tests(venv, template: str, tmp_path: Path) -> None:
+    """A template's tests, copied out of the work tree so that they import the installed wheel: all must pass."""
+    shutil.copytree(ROOT / "plugins" / template / "tests", tmp_path / "tests")
+    out = run(venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", cwd=tmp_path)
+    assert "passed" in out and "skipped" not in out and "failed" not in out
+
+
+def test_plugins_lists_the_templates(venv):
     rows = json.loads(run(venv / "bin" / "leat", "plugins"))
     by_name = {row["name"]: row for row in rows}
     assert by_name["leat-example"]["status"] == "loaded", by_name["leat-example"]
     assert by_name["leat-example"]["provides"]["architectures"] == ["example"]
+    assert by_name["leat-backend-example"]["status"] == "loaded", by_name["leat-backend-example"]
+    assert by_name["leat-backend-example"]["provides"]["backends"] == ["example"]
     assert Path(
         json.loads(run(venv / "bin" / "python", "-c", "import json, leat; print(json.dumps(leat.__file__))"))
     ).is_relative_to(venv)
 
 
 def test_generate_uses_the_template_architecture(venv, tmp_path):
-    path = tmp_path / "tiny-example.gguf"
-    script = "import sys; from leat.testing import write_tiny_gguf; from leat_example.architecture import Example; "
-    script += "write_tiny_gguf(Example, sys.argv[1])"
-    run(venv / "bin" / "python", "-c", script, path)
+    path = write_tiny(venv, "leat_example.architecture:Example", tmp_path / "tiny-example.gguf")
     out = json.loads(
         run(venv / "bin" / "leat", "generate", "-m", path, "-p", "hello", "-n", "5", "--temperature", "0", "--json")
     )
@@ -69,6 +86,18 @@ def test_generate_uses_the_template_architecture(venv, tmp_path):
 
 
 def test_template_tests_pass_with_the_kit(venv, tmp_path):
-    shutil.copytree(ROOT / "plugins" / "_template" / "tests", tmp_path / "tests")
-    out = run(venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", cwd=tmp_path)
-    assert "passed" in out and "skipped" not in out and "failed" not in out
+    run_template_tests(venv, "_template", tmp_path)
+
+
+def test_run_uses_the_template_backend(venv, tmp_path):
+    path = write_tiny(venv, "leat_arch_llama.llama:Llama", tmp_path / "tiny-llama.gguf")
+    leat = venv / "bin" / "leat"
+    args = ["-m", path, "-p", "hello", "-n", "5", "--temperature", "0", "--json"]
+    out = json.loads(run(leat, "generate", *args, "--backend", "example"))
+    assert out["backend"] == "example" and len(out["ids"]) == 5
+    assert out["ids"] == json.loads(run(leat, "generate", *args, "--backend", "cpu"))["ids"]
+    assert run(leat, "run", path, "hello", "-n", "3", "--temperature", "0", "--backend", "example").strip()
+
+
+def test_template_backend_passes_the_kit(venv, tmp_path):
+    run_template_tests(venv, "_template_backend", tmp_path)

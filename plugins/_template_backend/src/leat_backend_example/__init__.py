@@ -1,0 +1,1 @@
+"""leat-backend-example: a template leat backend plugin."""
