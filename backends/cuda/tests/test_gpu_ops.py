@@ -199,6 +199,31 @@ def test_attention_softcap(cuda, oracle):
     assert relative_error(cuda.to_host(got), want) < 1e-5
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (9, 3, 64), (8, 8, 64), (4, 2, 128), (20, 4, 64)])
+@pytest.mark.parametrize("window,softcap", [(None, 0.0), (37, 0.0), (None, 4.0)])
+def test_flash_prefill_attention(cuda, oracle, heads, kv_heads, dim, window, softcap):
+    """The tensor-core prefill kernel (f16 cache, n > 8 tokens): rows of one, several and many tiles,
+    decode rows in the same batch, a second chunk over cached positions, windows and soft-capping."""
+    rng = np.random.default_rng(12)
+    layouts = [KVLayout(kv_heads, dim, window=window)]
+    kvs = [b.allocate_kv(layouts, slots=3, context=320, page_size=16, dtype="f16") for b in (cuda, oracle)]
+    for b, kv in zip((cuda, oracle), kvs):
+        b.set_pages(kv, 2, kv.page_table[2][::-1].copy())
+    seqs = {s: [rng.standard_normal((300, h, dim)) for h in (heads, kv_heads, kv_heads)] for s in (0, 1, 2)}
+    steps = [[(0, 0, 150), (1, 0, 3)], [(2, 0, 70), (1, 3, 1), (0, 150, 1)], [(2, 70, 230), (0, 151, 20)]]
+    for step in steps:
+        batch = Batch([Row(s, start, np.zeros(n, int), all_logits=True) for s, start, n in step])
+        q, k, v = (np.concatenate([seqs[s][i][a : a + n] for s, a, n in step]) for i in range(3))
+        if softcap:
+            want = oracle.attention_softcap(q, k, v, kvs[1], 0, batch, dim**-0.5, softcap)
+            got = cuda.attention_softcap(*(cuda_array(cuda, t) for t in (q, k, v)), kvs[0], 0, batch, dim**-0.5, softcap)
+        else:
+            want = oracle.attention(q, k, v, kvs[1], 0, batch, dim**-0.5)
+            got = cuda.attention(*(cuda_array(cuda, t) for t in (q, k, v)), kvs[0], 0, batch, dim**-0.5)
+        # f16 keys, values, queries and probabilities (as llama.cpp's flash attention)
+        assert relative_error(cuda.to_host(got), want) < 3e-3
+
+
 def test_copy_page(cuda, oracle):
     rng = np.random.default_rng(9)
     kvs = [b.allocate_kv([KVLayout(2, 16)], slots=2, context=32, pages=6, page_size=16) for b in (cuda, oracle)]

@@ -89,7 +89,7 @@ class KVCache(KVPages):
     k: list[Memory] = field(default_factory=list)
     v: list[Memory] = field(default_factory=list)
     dtype: str = "f32"
-    table: Memory | None = None  # the device copy of page_table
+    device_tables: list[Memory] = field(default_factory=list)  # per group: the device copy of tables[g]
     dirty: bool = True
 
 
@@ -276,57 +276,60 @@ class CUDABackend(Backend):
         self._count(kind, values.nbytes)
         return DeviceArray(memory.ptr, values.shape, F32, memory)
 
-    def allocate_kv(self, layouts, slots, context, pages=None, page_size=16, dtype="f32") -> KVCache:
+    def allocate_kv(self, layouts, slots, context, pages=None, page_size=16, dtype="f32", groups=None) -> KVCache:
         self.device.activate()
         if dtype not in KV_DTYPES:
             raise LeatError(f"the cuda backend stores KV as {' or '.join(KV_DTYPES)}, not {dtype!r}")
         element = KV_DTYPES[dtype][1]
-        pages, table = KVPages.plan(slots, context, pages, page_size)
-        kv = KVCache(layouts, slots, pages, page_size, table, dtype=dtype)
-        for layout in layouts:
+        kv = KVCache.create(layouts, slots, context, pages, page_size, groups, dtype=dtype)
+        for layer, layout in enumerate(layouts):
             for dim, store in ((layout.head_dim, kv.k), (layout.value_dim or layout.head_dim, kv.v)):
-                memory = Memory(pages * page_size * layout.kv_heads * dim * element.itemsize)
+                memory = Memory(kv.layer_pages(layer) * page_size * layout.kv_heads * dim * element.itemsize)
                 self.device.fill(memory.ptr, 0, memory.nbytes)
                 store.append(memory)
                 self.allocations.kv += memory.nbytes
-        kv.table = Memory(table.nbytes)
+        kv.device_tables = [Memory(table.nbytes) for table in kv.tables]
         self._sync_pages(kv)
         return kv
 
-    def set_pages(self, kv: KVCache, slot: int, pages: np.ndarray) -> None:
-        super().set_pages(kv, slot, pages)
+    def set_pages(self, kv: KVCache, slot: int, pages: np.ndarray, group: int = 0) -> None:
+        super().set_pages(kv, slot, pages, group)
         kv.dirty = True
 
     def _sync_pages(self, kv: KVCache) -> None:
         if kv.dirty:
             if self._capturing:
                 raise LeatError("page table changed during graph capture")
-            self.device.upload(kv.table.ptr, np.ascontiguousarray(kv.page_table, np.int32))
+            for memory, table in zip(kv.device_tables, kv.tables):
+                self.device.upload(memory.ptr, np.ascontiguousarray(table, np.int32))
             kv.dirty = False
 
-    def copy_page(self, kv: KVCache, source: int, target: int) -> None:
-        self.device.activate()
-        for layout, k, v in zip(kv.layouts, kv.k, kv.v):
-            for memory in (k, v):
-                page = memory.nbytes // kv.pages
-                self.device.copy(memory.ptr + target * page, memory.ptr + source * page, page)
+    def _group_memory(self, kv: KVCache, group: int) -> list[Memory]:
+        layers = kv.layers_of(group)
+        return [kv.k[layer] for layer in layers] + [kv.v[layer] for layer in layers]
 
-    def read_pages(self, kv: KVCache, pages: list[int]) -> list[np.ndarray]:
-        """Each layer's K then V pages as host bytes, [len(pages), page bytes] each."""
+    def copy_page(self, kv: KVCache, source: int, target: int, group: int = 0) -> None:
+        self.device.activate()
+        for memory in self._group_memory(kv, group):
+            page = memory.nbytes // kv.pages[group]
+            self.device.copy(memory.ptr + target * page, memory.ptr + source * page, page)
+
+    def read_pages(self, kv: KVCache, pages: list[int], group: int = 0) -> list[np.ndarray]:
+        """K then V pages of each of ``group``'s layers as host bytes, [len(pages), page bytes] each."""
         self.device.activate()
         out = []
-        for memory in kv.k + kv.v:
-            size = memory.nbytes // kv.pages
+        for memory in self._group_memory(kv, group):
+            size = memory.nbytes // kv.pages[group]
             host = np.empty((len(pages), size), np.uint8)
             for i, page in enumerate(pages):
                 self.device.download(host[i], memory.ptr + page * size)
             out.append(host)
         return out
 
-    def write_pages(self, kv: KVCache, pages: list[int], contents: list[np.ndarray]) -> None:
+    def write_pages(self, kv: KVCache, pages: list[int], contents: list[np.ndarray], group: int = 0) -> None:
         self.device.activate()
-        for memory, host in zip(kv.k + kv.v, contents, strict=True):
-            size = memory.nbytes // kv.pages
+        for memory, host in zip(self._group_memory(kv, group), contents, strict=True):
+            size = memory.nbytes // kv.pages[group]
             for i, page in enumerate(pages):
                 self.device.upload(memory.ptr + page * size, np.ascontiguousarray(host[i]))
         self.device.synchronize()
@@ -605,7 +608,8 @@ class CUDABackend(Backend):
         slots, positions, span = self._token_rows(batch)
         self._sync_pages(kv)
         kind = KV_DTYPES[kv.dtype][0]
-        per_slot = kv.page_table.shape[1]
+        table = kv.device_tables[kv.group_of[layer]]  # a windowed group's entries behind the window are -1
+        per_slot = kv.tables[0].shape[1]
         self.ops[f"kv_write<{kind}>"](
             (n,),
             128,
@@ -613,7 +617,7 @@ class CUDABackend(Backend):
             v,
             kv.k[layer],
             kv.v[layer],
-            kv.table,
+            table,
             slots,
             positions,
             kv_heads,
@@ -652,7 +656,7 @@ class CUDABackend(Backend):
             q,
             kv.k[layer],
             kv.v[layer],
-            kv.table,
+            table,
             slots,
             positions,
             target,

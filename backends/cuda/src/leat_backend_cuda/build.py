@@ -16,9 +16,9 @@ from leat_backend_cuda import compiler, quants
 
 
 def programs() -> list[tuple[str, list[str]]]:
-    from leat_backend_cuda.backend import OPS_KERNELS
+    from leat_backend_cuda.backend import FLASH_KERNELS, OPS_KERNELS
 
-    return [("ops.cu", OPS_KERNELS)] + [("matmul.cu", quants.kernel_names(q)) for q in quants.LAYOUTS]
+    return [("ops.cu", OPS_KERNELS), ("flash.cu", FLASH_KERNELS)] + [("matmul.cu", quants.kernel_names(q)) for q in quants.LAYOUTS]
 
 
 def _build(job: tuple[str, list[str], str, bool]) -> tuple[str, float, int, bool]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from leat.errors import LeatError
 
-HEADERS = ("common.cuh", "quants.cuh")
+HEADERS = ("common.cuh", "quants.cuh", "mma.cuh")
 OPTIONS = ("-std=c++17", "--fmad=true")
 
 

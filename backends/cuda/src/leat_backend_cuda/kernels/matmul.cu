@@ -4,6 +4,7 @@
 //
 // Weights W are [M, K] row-major (GGUF order), activations X [N, K] float32, outputs Y [N, M].
 #include "quants.cuh"
+#include "mma.cuh"
 
 // Y = X W^T (+ bias) for N = NC tokens. Each warp computes R output rows; its lanes stride over
 // the units of the row, issuing the loads of U units (per row) before decoding any. Accumulation
@@ -241,20 +242,6 @@ __global__ void __launch_bounds__(128) gemv_q(
 // (f16 inputs, f32 accumulation). Shared-memory rows are padded by 16 bytes so ldmatrix's eight
 // row addresses fall in distinct banks. Split K: block z covers K from z * kchunk and writes its
 // partial sums to y + z * N * M (bias in part 0 only) for splitk_sum to add up.
-
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* p) {
-    const u32 a = (u32)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
-__device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 template <class T, int KT>
 __global__ void __launch_bounds__(256, 2) gemm(const u8* __restrict__ w, i64 nb, const u16* __restrict__ xh,
