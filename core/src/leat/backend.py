@@ -9,9 +9,9 @@ Activations are opaque backend arrays (numpy arrays on the CPU, device buffers e
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import gguf
 import numpy as np
@@ -64,32 +64,81 @@ class KVLayout:
 
 @dataclass
 class KVPages:
-    """What every backend's KV storage shares: shape facts and the host copy of the page table.
+    """What every backend's KV storage shares: shape facts and the host copies of the page tables.
 
-    Backends subclass it to add their storage (numpy arrays, device buffers).
+    Layers are split into page groups (``group_of``); each group has its own page count and page
+    table, so a sliding-window group can hold only the pages its window still needs while a
+    full-attention group holds whole sequences. Backends subclass it to add their storage (numpy
+    arrays, device buffers): layer ``l`` holds ``pages[group_of[l]]`` pages.
     """
 
     layouts: list[KVLayout]
     slots: int
-    pages: int
     page_size: int
-    page_table: np.ndarray  # [slots, pages_per_slot] int32, -1 = no page
+    group_of: list[int]  # per layer: the index of its page group
+    pages: list[int]  # per group: how many pages its layers' storage holds
+    tables: list[np.ndarray]  # per group: [slots, pages_per_slot] int32, -1 = no page
+
+    @classmethod
+    def create(
+        cls,
+        layouts: list[KVLayout],
+        slots: int,
+        context: int,
+        pages: int | Sequence[int] | None,
+        page_size: int,
+        groups: Sequence[int] | None = None,
+        **storage: Any,
+    ) -> Self:
+        """The cache :meth:`Backend.allocate_kv` describes, tables filled, before any storage is added
+        (``storage`` sets the subclass's own fields)."""
+        group_of = list(groups) if groups is not None else [0] * len(layouts)
+        count = max(group_of, default=0) + 1
+        if sorted(set(group_of)) != list(range(count)) or len(group_of) != len(layouts):
+            raise ValueError(f"groups must give each of the {len(layouts)} layers a group 0, 1, ...: {group_of}")
+        per_slot = -(-context // page_size)
+        if pages is None:
+            numbered = np.arange(slots * per_slot, dtype=np.int32).reshape(slots, per_slot)
+            sizes, tables = [slots * per_slot] * count, [numbered.copy() for _ in range(count)]
+        else:
+            sizes = [pages] * count if isinstance(pages, int) else [int(p) for p in pages]
+            if len(sizes) != count:
+                raise ValueError(f"{len(sizes)} page counts for {count} page groups")
+            tables = [np.full((slots, per_slot), -1, dtype=np.int32) for _ in range(count)]
+        return cls(list(layouts), slots, page_size, group_of, sizes, tables, **storage)
 
     @property
     def context(self) -> int:
         """The most positions one slot can hold."""
-        return self.page_table.shape[1] * self.page_size
+        return self.tables[0].shape[1] * self.page_size
 
-    @staticmethod
-    def plan(slots: int, context: int, pages: int | None, page_size: int) -> tuple[int, np.ndarray]:
-        """Page count and initial page table for :meth:`Backend.allocate_kv`'s arguments."""
-        per_slot = -(-context // page_size)
-        if pages is None:
-            pages = slots * per_slot
-            table = np.arange(pages, dtype=np.int32).reshape(slots, per_slot)
-        else:
-            table = np.full((slots, per_slot), -1, dtype=np.int32)
-        return pages, table
+    def table(self, layer: int) -> np.ndarray:
+        """The page table [slots, pages_per_slot] that ``layer`` reads and writes through."""
+        return self.tables[self.group_of[layer]]
+
+    def layer_pages(self, layer: int) -> int:
+        """How many pages ``layer``'s storage holds."""
+        return self.pages[self.group_of[layer]]
+
+    def layers_of(self, group: int) -> list[int]:
+        return [layer for layer, g in enumerate(self.group_of) if g == group]
+
+    @property
+    def page_table(self) -> np.ndarray:
+        """The page table of a cache whose layers are one group."""
+        if len(self.tables) != 1:
+            raise ValueError("this KV cache has a page table per layer group: use table(layer)")
+        return self.tables[0]
+
+
+def window_groups(layouts: list[KVLayout]) -> tuple[list[int], list[int | None]]:
+    """Page groups by window: each layer's group, and each group's window (full attention first, as None).
+
+    Layers of one window share a group, so a sliding-window group's pages can be released once every
+    query still to come is past them.
+    """
+    windows = sorted({layout.window for layout in layouts}, key=lambda w: -1 if w is None else w)
+    return [windows.index(layout.window) for layout in layouts], windows
 
 
 @dataclass
@@ -141,36 +190,47 @@ class Backend:
         layouts: list[KVLayout],
         slots: int,
         context: int,
-        pages: int | None = None,
+        pages: int | Sequence[int] | None = None,
         page_size: int = 16,
         dtype: str = "f32",
+        groups: Sequence[int] | None = None,
     ) -> KVPages:
-        """Paged KV storage: ``pages`` pages of ``page_size`` tokens per layer, and a page table of
-        ``slots`` rows that maps each sequence's positions to pages (position p of slot s lives in
-        page ``page_table[s, p // page_size]`` at offset ``p % page_size``).
+        """Paged KV storage for ``slots`` sequences of up to ``context`` positions each.
 
-        With ``pages`` None every slot gets its own ``ceil(context / page_size)`` pages in order, so
-        a caller that needs no sharing can ignore paging. The engine passes a page budget instead
-        and assigns pages with :meth:`set_pages`. ``dtype`` is the storage: "f32" (the compute
-        precision), "f16", or "q8_0" (blocks of 32 along the head dimension, as GGUF's Q8_0).
+        ``groups`` puts each layer in a page group (default: one group of every layer; the engine
+        groups by window, see :func:`window_groups`). Each group ``g`` has its own page table
+        ``kv.tables[g]`` of ``slots`` rows that maps each sequence's positions to pages: position p
+        of slot s in layer l lives in page ``kv.table(l)[s, p // page_size]`` at offset
+        ``p % page_size``, and that layer's storage holds ``pages[g]`` pages of ``page_size`` tokens
+        (an int ``pages`` is every group's count). A table entry may be -1 (no page) for positions
+        that no query will read again: a windowed layer's attention reads only positions inside its
+        window, so the engine releases the pages behind it.
+
+        With ``pages`` None every slot gets its own ``ceil(context / page_size)`` pages in order in
+        every group, so a caller that needs no sharing can ignore paging. The engine passes page
+        budgets instead and assigns pages with :meth:`set_pages`. ``dtype`` is the storage: "f32"
+        (the compute precision), "f16", or "q8_0" (blocks of 32 along the head dimension, as GGUF's
+        Q8_0). :meth:`KVPages.create` builds the tables.
         """
         raise self._missing()
 
-    def set_pages(self, kv: KVPages, slot: int, pages: np.ndarray) -> None:
-        """Give ``slot`` the page ids ``pages`` (in position order; the rest of its row becomes -1)."""
-        kv.page_table[slot] = -1
-        kv.page_table[slot, : len(pages)] = pages
+    def set_pages(self, kv: KVPages, slot: int, pages: np.ndarray, group: int = 0) -> None:
+        """Give ``slot`` the page ids ``pages`` in ``group``'s table (in position order, -1 for a position
+        without a page; the rest of its row becomes -1)."""
+        table = kv.tables[group]
+        table[slot] = -1
+        table[slot, : len(pages)] = pages
 
-    def copy_page(self, kv: KVPages, source: int, target: int) -> None:
-        """Copy one page's K/V in every layer (copy-on-write of a shared prefix page)."""
+    def copy_page(self, kv: KVPages, source: int, target: int, group: int = 0) -> None:
+        """Copy one page's K/V in every layer of ``group`` (copy-on-write of a shared prefix page)."""
         raise self._missing()
 
-    def read_pages(self, kv: KVPages, pages: list[int]) -> list[np.ndarray]:
-        """The contents of ``pages`` in every layer, as host arrays (to hibernate a session)."""
+    def read_pages(self, kv: KVPages, pages: list[int], group: int = 0) -> list[np.ndarray]:
+        """The contents of ``pages`` in every layer of ``group``, as host arrays (to hibernate a session)."""
         raise self._missing()
 
-    def write_pages(self, kv: KVPages, pages: list[int], contents: list[np.ndarray]) -> None:
-        """Put back what :meth:`read_pages` returned, into (possibly other) page ids."""
+    def write_pages(self, kv: KVPages, pages: list[int], contents: list[np.ndarray], group: int = 0) -> None:
+        """Put back what :meth:`read_pages` returned for ``group``, into (possibly other) page ids of it."""
         raise self._missing()
 
     def to_host(self, x: Any) -> np.ndarray:
@@ -211,8 +271,10 @@ class Backend:
         """Write k, v [n, kv_heads, dim] into ``kv`` at each row's positions, then attend causally.
 
         q is [n, heads, dim]; heads is a multiple of kv_heads (grouped-query attention). Each row
-        attends to its own slot's cached positions up to and including each query's position.
-        Returns [n, heads * value_dim].
+        attends to its own slot's cached positions up to and including each query's position (through
+        ``kv.table(layer)``); a layer with a window sees only the last ``window`` of them, and its table
+        entries behind the window may be -1: such positions are masked, never read from a page -1 (skip
+        them, or clamp the id). Returns [n, heads * value_dim].
         """
         raise self._missing()
 

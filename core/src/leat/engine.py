@@ -3,7 +3,9 @@
 Each step batches the decode rows of the running requests (one token each) with one prefill chunk
 of an admitted prompt, so long prompts never stall the others' decoding. KV lives in fixed-size
 pages (:mod:`leat.kvpool`); a request is admitted only when its page-rounded worst case
-(prompt + max_tokens) fits, so nothing runs out of memory mid-request. The asyncio side talks to
+(prompt + max_tokens) fits, so nothing runs out of memory mid-request. Layers are grouped by their
+sliding window, each group with its own pages: a windowed group gives a page back once every query
+still to come is past it, so it holds only about a window's worth per request. The asyncio side talks to
 the scheduler through :class:`RequestHandle` queues.
 """
 
@@ -21,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from leat.backend import window_groups
 from leat.batch import Batch, Row
 from leat.compare import log_softmax
 from leat.errors import LeatError
@@ -127,8 +130,8 @@ class _Running:
     submitted: float
     slot: int = -1
     filled: int = 0  # positions already in the KV cache
-    pages: list[int] = field(default_factory=list)
-    reserved: int = 0
+    pages: list[list[int]] = field(default_factory=list)  # per group, in position order; -1: behind the window
+    reserved: list[int] = field(default_factory=list)  # per group: pages promised but not yet taken
     pending_text: str = ""
     first_token_at: float | None = None
     prefix_keys: list[bytes] = field(default_factory=list)
@@ -154,7 +157,10 @@ class Engine:
         kv_budget_bytes: int | None = None,
         session_store: str | None = None,
         speculation: Speculation | None = None,
+        window_pages: bool = True,
     ):
+        """``window_pages`` False gives sliding-window layers pages for the whole context, as the others
+        (llama.cpp's --swa-full); by default they hold only what their window still needs."""
         if kv not in KV_BYTES:
             raise LeatError(f"--kv must be one of {', '.join(KV_BYTES)}, not {kv!r}")
         self.model = model
@@ -164,16 +170,24 @@ class Engine:
         self.page_size = page_size
         self.max_queue = max_queue
         layouts = model.architecture.kv_layouts(model.architecture.params)
-        per_token = sum(layout.bytes_per_token(1) for layout in layouts) * KV_BYTES[kv]
-        self.max_context, pages, self.plan = self._size(max_context, per_token, kv_budget_bytes)
+        groups, self.windows = window_groups(layouts) if window_pages else ([0] * len(layouts), [None])
+        group_bytes = [
+            sum(layout.bytes_per_token(1) for layout, g in zip(layouts, groups) if g == group) * KV_BYTES[kv]
+            for group in range(len(self.windows))
+        ]
+        # the most positions one step writes for a row: a prefill chunk, or a decode token and its draft
+        self.span = max(prefill_chunk, 1 + (speculation.max_draft if speculation is not None else 0))
+        self.max_context, pages, self.plan = self._size(max_context, group_bytes, kv_budget_bytes)
         self.kv_dtype = kv
-        self.kv = self.backend.allocate_kv(layouts, batch_size, self.max_context, pages, page_size, dtype=kv)
-        self.pool = PagePool(pages, page_size)
+        self.kv = self.backend.allocate_kv(
+            layouts, batch_size, self.max_context, pages, page_size, dtype=kv, groups=groups
+        )
+        self.pools = [PagePool(count, page_size) for count in pages]
         self.free_slots = list(range(batch_size - 1, -1, -1))
         self.waiting: deque[_Running] = deque()
         self.running: list[_Running] = []
         self._ids = itertools.count(1)
-        self.sessions = SessionStore(session_store, model_fingerprint(model, kv, page_size))
+        self.sessions = SessionStore(session_store, model_fingerprint(model, kv, page_size, self.windows))
         self._wake = threading.Condition()
         self._state = threading.RLock()  # pool, slots, running and sessions: the scheduler's, or a session call's
         self._stop = False
@@ -182,25 +196,48 @@ class Engine:
         self.speculation = speculation
         self._finished_speculation = {"proposed": 0, "accepted": 0, "verifications": 0}
 
-    def _size(self, max_context: int | None, per_token: float, budget: int | None) -> tuple[int, int, str]:
-        """Context and page count: the largest context whose KV for every slot fits the budget."""
+    @property
+    def pool(self) -> PagePool:
+        """The page pool of the first group: full attention, and the only group without windowed layers."""
+        return self.pools[0]
+
+    @pool.setter
+    def pool(self, pool: PagePool) -> None:
+        self.pools[0] = pool
+
+    def _window_pages(self, window: int) -> int:
+        """The most pages a row holds at once in a group of this window: those its window reaches behind a
+        step's first position, and those of the step's own positions."""
+        return -(-(window - 1 + self.span) // self.page_size) + 1
+
+    def _size(
+        self, max_context: int | None, group_bytes: list[float], budget: int | None
+    ) -> tuple[int, list[int], str]:
+        """Context and page counts: the largest context whose KV for every slot fits the budget, windowed
+        groups counted at the pages their window needs, whatever the context."""
         model_context = self.model.context_length
         if budget is None:
             budget = self.backend.kv_budget_bytes()
-        fits = int(budget // (per_token * self.batch_size)) if per_token else model_context
-        fits -= fits % self.page_size
+        size = self.page_size
+        full = sum(b for b, window in zip(group_bytes, self.windows) if window is None)
+        windowed = sum(b * self._window_pages(w) * size for b, w in zip(group_bytes, self.windows) if w is not None)
+        room = budget / self.batch_size - windowed  # bytes per slot left for the full-attention groups
+        fits = (int(room // full) if full else model_context) if room >= 0 else 0
+        fits -= fits % size
         context = min(max_context or model_context, model_context)
         if max_context is None:
             context = min(context, fits)
-        if fits < min(context, self.page_size):
+        if fits < min(context, size):
             raise LeatError(
                 f"KV for {self.batch_size} slots does not fit in {budget / 2**30:.2f} GiB "
-                f"({per_token:.0f} bytes per token); lower --batch-size"
+                f"({sum(group_bytes):.0f} bytes per token); lower --batch-size"
             )
-        pages = self.batch_size * -(-context // self.page_size)
+        per_slot = -(-context // size)
+        pages = [self.batch_size * (per_slot if w is None else min(per_slot, self._window_pages(w))) for w in self.windows]
+        kinds = ", ".join(f"{n} for {'full attention' if w is None else f'window {w}'}" for n, w in zip(pages, self.windows))
+        mib = sum(n * size * b for n, b in zip(pages, group_bytes)) / 2**20
         plan = (
-            f"context {context} tokens x {self.batch_size} slots, {pages} KV pages of {self.page_size} tokens "
-            f"({pages * self.page_size * per_token / 2**20:.1f} MiB)"
+            f"context {context} tokens x {self.batch_size} slots, KV pages of {size} tokens: {kinds} ({mib:.1f} MiB)"
         )
         return context, pages, plan
 
@@ -262,10 +299,14 @@ class Engine:
         return {
             "queue_depth": len(self.waiting),
             "running": len(self.running),
-            "kv_pages_total": self.pool.pages,
-            "kv_pages_used": self.pool.used(),
-            "kv_pages_free": len(self.pool.free),
-            "kv_pages_cached": len(self.pool.cached),
+            "kv_pages_total": sum(pool.pages for pool in self.pools),
+            "kv_pages_used": sum(pool.used() for pool in self.pools),
+            "kv_pages_free": sum(len(pool.free) for pool in self.pools),
+            "kv_pages_cached": sum(len(pool.cached) for pool in self.pools),
+            "kv_groups": [
+                {"window": w, "pages_total": pool.pages, "pages_used": pool.used(), "pages_cached": len(pool.cached)}
+                for pool, w in zip(self.pools, self.windows)
+            ],
             "kv": self.kv_dtype,
             "max_context": self.max_context,
             "batch_size": self.batch_size,
@@ -323,50 +364,102 @@ class Engine:
         total = -(-(item.prompt_len + item.request.max_tokens) // size)
         if session is not None and session.hibernated and not self._restore(session):
             return False
-        if session is not None and session.pages:
-            reuse = common_prefix(session.tokens, item.tokens[: item.prompt_len - 1])
-            shared = [self.pool.share(page) for page in session.pages[: -(-reuse // size)]]
+        prompt = item.tokens[: item.prompt_len - 1]
+        reuse = common_prefix(session.tokens, prompt) if session is not None and session.pages else 0
+        if reuse and self._reusable(reuse, lambda g, i: session.pages[g][i] >= 0):
+            shared = self._share([held[: -(-reuse // size)] for held in session.pages])
             copy = 1 if reuse % size else 0  # the partly filled last page is copied before writing
         else:
-            keys = self.pool.prefix_keys(item.request.client, item.tokens[: item.prompt_len - 1])
-            shared = self.pool.lookup(keys)
-            reuse, copy = len(shared) * size, 0
-        need = total - len(shared) + copy
-        if not self.pool.reserve(need) and not (self._make_room(need, session) and self.pool.reserve(need)):
-            for page in shared:
-                self.pool.drop(page)
+            reuse, shared = self._lookup(self.pool.prefix_keys(item.request.client, prompt))
+            copy = 0
+        needs = [total - len(held) + copy for held in shared]
+        # a windowed group holds at most a window's pages at once: those behind it go back as it moves
+        needs = [need if w is None else min(need, self._window_pages(w)) for need, w in zip(needs, self.windows)]
+        if not self._reserve_pages(needs, session):
+            self._drop(shared)
             return False
-        item.pages, item.reserved, item.filled, item.cached = shared, need, reuse, reuse
+        item.pages, item.reserved, item.filled, item.cached = shared, needs, reuse, reuse
         return True
 
-    def _make_room(self, need: int, keep) -> bool:
-        """Hibernate (with a store) or forget idle sessions, least recently used first, until ``need`` pages fit."""
+    def _reusable(self, length: int, has: Callable[[int, int], bool]) -> bool:
+        """Whether a row can continue at position ``length`` with the pages ``has(group, index)`` says are
+        held: a full-attention group needs every page before it, a windowed group those under its window."""
+        size = self.page_size
+        for group, window in enumerate(self.windows):
+            first = 0 if window is None else max(0, length - window + 1) // size
+            if not all(has(group, i) for i in range(first, -(-length // size))):
+                return False
+        return True
+
+    def _lookup(self, keys: list[bytes]) -> tuple[int, list[list[int]]]:
+        """The longest cached prefix of whole pages that every group can continue from (windowed groups cache
+        only the pages they still held), and each group's pages of it, shared to the caller."""
+        size = self.page_size
+        count = min((p.cached_prefix(keys) for p, w in zip(self.pools, self.windows) if w is None), default=len(keys))
+        while count and not self._reusable(count * size, lambda g, i: keys[i] in self.pools[g].cached):
+            count -= 1
+        shared = []
+        for pool, window in zip(self.pools, self.windows):
+            first = 0 if window is None else max(0, count * size - window + 1) // size
+            shared.append([-1] * first + pool.lookup(keys[first:count]))
+        return count * size, shared
+
+    def _share(self, pages: list[list[int]]) -> list[list[int]]:
+        """Another reference to each group's pages (-1 stays -1)."""
+        return [[pool.share(p) if p >= 0 else -1 for p in held] for pool, held in zip(self.pools, pages)]
+
+    def _drop(self, pages: list[list[int]]) -> None:
+        for pool, held in zip(self.pools, pages):
+            for page in held:
+                if page >= 0:
+                    pool.drop(page)
+
+    def _reserve_pages(self, needs: list[int], keep) -> bool:
+        """Reserve ``needs[g]`` pages of each group, hibernating or forgetting idle sessions (but ``keep``) for room."""
+        if not self._fits(needs) and not self._make_room(needs, keep):
+            return False
+        for pool, need in zip(self.pools, needs):
+            pool.reserve(need)
+        return True
+
+    def _fits(self, needs: list[int]) -> bool:
+        return all(pool.available() >= need for pool, need in zip(self.pools, needs))
+
+    def _make_room(self, needs: list[int], keep) -> bool:
+        """Hibernate (with a store) or forget idle sessions, least recently used first, until ``needs`` fit."""
         idle = sorted(
             (s for s in self.sessions.live.values() if s.pages and not s.busy and s is not keep),
             key=lambda s: s.last_used,
         )
         for session in idle:
-            if self.pool.available() >= need:
+            if self._fits(needs):
                 break
             self._release_session(session, to_disk=self.sessions.directory is not None)
-        return self.pool.available() >= need
+        return self._fits(needs)
 
     def _release_session(self, session, to_disk: bool) -> None:
         if to_disk:
-            self.sessions.save(session, self.backend.read_pages(self.kv, session.pages))
+            self.sessions.save(session, self._read_session(session))
         else:
             session.tokens = []
-        for page in session.pages:
-            self.pool.drop(page)
-        session.pages = []
+        self._drop_session_pages(session)
+
+    def _read_session(self, session) -> list[tuple[list[int], list[np.ndarray]]]:
+        """Per group: the session's page list and the contents of its held pages."""
+        return [
+            (held, self.backend.read_pages(self.kv, [p for p in held if p >= 0], group=group))
+            for group, held in enumerate(session.pages)
+        ]
 
     def _restore(self, session) -> bool:
-        contents = self.sessions.load(session)
-        count = len(contents[0]) if contents else 0
-        if not self.pool.reserve(count) and not (self._make_room(count, session) and self.pool.reserve(count)):
+        stored = self.sessions.load(session)
+        if not self._reserve_pages([int(np.count_nonzero(held)) for held, _ in stored], session):
             return False
-        session.pages = [self.pool.take() for _ in range(count)]
-        self.backend.write_pages(self.kv, session.pages, contents)
+        session.pages = []
+        for group, (pool, (held, contents)) in enumerate(zip(self.pools, stored)):
+            pages = [pool.take() if kept else -1 for kept in held]
+            self.backend.write_pages(self.kv, [p for p in pages if p >= 0], contents, group=group)
+            session.pages.append(pages)
         return True
 
     # -- sessions (callable from any thread) ---------------------------------------------------------
@@ -377,7 +470,7 @@ class Engine:
             if src.hibernated and not self._restore(src):
                 raise Overloaded("no KV pages free to restore the session being forked", retry_after=1.0)
             self._drop_session_pages(dst)
-            dst.tokens, dst.pages = list(src.tokens), [self.pool.share(p) for p in src.pages]
+            dst.tokens, dst.pages = list(src.tokens), self._share(src.pages)
 
     def hibernate(self, name: str) -> None:
         with self._state:
@@ -398,29 +491,46 @@ class Engine:
     def list_sessions(self) -> list[dict[str, Any]]:
         with self._state:
             return [
-                {"name": s.name, "tokens": len(s.tokens), "pages": len(s.pages), "hibernated": s.hibernated}
+                {
+                    "name": s.name,
+                    "tokens": len(s.tokens),
+                    "pages": sum(p >= 0 for held in s.pages for p in held),
+                    "hibernated": s.hibernated,
+                }
                 for s in self.sessions.live.values()
             ]
 
     def _drop_session_pages(self, session) -> None:
-        for page in session.pages:
-            self.pool.drop(page)
+        self._drop(session.pages)
         session.pages = []
 
     def _pages_for(self, item: _Running, end: int) -> None:
-        """Give ``item`` pages up to position ``end`` (exclusive), copying a shared page before writing."""
+        """Give ``item`` pages up to position ``end`` (exclusive), copying a shared page before writing, and
+        give back windowed pages that no query from position ``item.filled`` on reads."""
         size = self.page_size
-        first = item.filled // size
-        if first < len(item.pages) and self.pool.refs[item.pages[first]] > 1:
-            copy = self.pool.take()
-            item.reserved -= 1
-            self.backend.copy_page(self.kv, item.pages[first], copy)
-            self.pool.drop(item.pages[first])
-            item.pages[first] = copy
-        while len(item.pages) * size < end:
-            item.pages.append(self.pool.take())
-            item.reserved -= 1
-        self.backend.set_pages(self.kv, item.slot, np.asarray(item.pages, dtype=np.int32))
+        for group, (pool, window, pages) in enumerate(zip(self.pools, self.windows, item.pages)):
+            if window is not None:
+                # a rejected draft rewinds no further back than item.filled, so these stay unread
+                i = max(0, item.filled - window + 1) // size - 1
+                while i >= 0 and pages[i] >= 0:
+                    if pool.refs[pages[i]] == 1:  # the request's own page: back into its reservation
+                        pool.put_back(pages[i])
+                        item.reserved[group] += 1
+                    else:
+                        pool.drop(pages[i])
+                    pages[i] = -1
+                    i -= 1
+            first = item.filled // size
+            if first < len(pages) and pool.refs[pages[first]] > 1:
+                copy = pool.take()
+                item.reserved[group] -= 1
+                self.backend.copy_page(self.kv, pages[first], copy, group=group)
+                pool.drop(pages[first])
+                pages[first] = copy
+            while len(pages) * size < end:
+                pages.append(pool.take())
+                item.reserved[group] -= 1
+            self.backend.set_pages(self.kv, item.slot, np.asarray(pages, dtype=np.int32), group=group)
 
     def step(self) -> None:
         """One forward pass: every decoding request's next token plus one prefill chunk."""
@@ -526,9 +636,12 @@ class Engine:
             return
         self._drop_session_pages(session)
         session.tokens = item.tokens[: item.filled]
-        session.pages = [self.pool.share(p) for p in item.pages[: -(-item.filled // self.page_size)]]
+        size, count = self.page_size, -(-item.filled // self.page_size)
+        # a windowed group keeps only what a continuation at item.filled reads
+        behind = [0 if w is None else max(0, item.filled - w + 1) // size for w in self.windows]
+        session.pages = self._share([[-1] * b + held[b:count] for b, held in zip(behind, item.pages)])
         if self.sessions.directory is not None:
-            self.sessions.save(session, self.backend.read_pages(self.kv, session.pages))
+            self.sessions.save(session, self._read_session(session))
 
     def _usage(self, item: _Running) -> dict[str, int]:
         return {
@@ -543,13 +656,14 @@ class Engine:
             if tail:
                 item.handle.emit(Event("token", text=tail))
         full = item.filled // self.page_size
-        self.pool.remember(item.prefix_keys[:full], item.pages[:full])
+        for pool, pages in zip(self.pools, item.pages):
+            pool.remember(item.prefix_keys[:full], pages[:full])
         if item.request.session:
             self._keep_session(item, reason)
-        for page in item.pages:
-            self.pool.drop(page)
-        self.pool.release(item.reserved)
-        item.pages, item.reserved = [], 0
+        self._drop(item.pages)
+        for pool, reserved in zip(self.pools, item.reserved):
+            pool.release(reserved)
+        item.pages, item.reserved = [], []
         if item.speculation is not None:
             self.speculation.proposer.forget(item.handle.id)
             for key, total in self._finished_speculation.items():

@@ -53,6 +53,13 @@ class PagePool:
         self.refs[page] = 1
         return page
 
+    def put_back(self, page: int) -> None:
+        """Free a page its only holder took from a reservation, and keep that page reserved: the holder
+        may take one again without reserving anew (a sliding window moving past a page)."""
+        assert self.refs[page] == 1, "put_back of a page that others hold"
+        self.drop(page)
+        self.reserved += 1
+
     def share(self, page: int) -> int:
         self.refs[page] += 1
         return page
@@ -84,21 +91,25 @@ class PagePool:
             keys.append(digest.copy().digest())
         return keys
 
+    def cached_prefix(self, keys: list[bytes]) -> int:
+        """How many of ``keys``, from the first on, have a cached page."""
+        for i, key in enumerate(keys):
+            if key not in self.cached:
+                return i
+        return len(keys)
+
     def lookup(self, keys: list[bytes]) -> list[int]:
-        """The cached pages of the longest prefix of ``keys``, each shared to the caller."""
+        """The cached pages of ``keys`` (every one cached), each shared to the caller."""
         pages = []
         for key in keys:
-            page = self.cached.get(key)
-            if page is None:
-                break
             self.cached.move_to_end(key)
-            pages.append(self.share(page))
+            pages.append(self.share(self.cached[key]))
         return pages
 
     def remember(self, keys: list[bytes], pages: list[int]) -> None:
-        """Offer full pages to the prefix cache (the cache holds one reference to each)."""
+        """Offer full pages to the prefix cache (the cache holds one reference to each; -1: no page)."""
         for key, page in zip(keys, pages):
-            if key in self.cached or page in self.cache_key:
+            if page < 0 or key in self.cached or page in self.cache_key:
                 continue
             self.cached[key] = self.share(page)
             self.cache_key[page] = key

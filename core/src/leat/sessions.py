@@ -1,6 +1,7 @@
 """Named sessions: a conversation's KV kept between requests, hibernated to disk, forked.
 
-A session holds the tokens whose K/V are in its pages and a reference to each page. A request
+A session holds the tokens whose K/V are in its pages and a reference to each page, per page group
+(a sliding-window group keeps only the pages its window still reads). A request
 naming the session reuses the longest common prefix of those tokens and its own prompt, so a
 multi-turn chat prefills only the new turn. Forking shares every page; the first write into a
 shared page copies it (copy-on-write). With a store directory, an idle session can be written to
@@ -13,6 +14,7 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,13 +24,14 @@ import numpy as np
 from leat.errors import LeatError
 
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+FORMAT = 2  # of a stored session: 2 = pages per layer group (1 had one page list for every layer)
 
 
 @dataclass
 class Session:
     name: str
     tokens: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
+    pages: list[list[int]] = field(default_factory=list)  # per group, in position order (-1: none); [] when none held
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a running request is extending it
 
@@ -43,11 +46,13 @@ def check_name(name: str) -> str:
     return name
 
 
-def model_fingerprint(model: Any, kv_dtype: str, page_size: int) -> str:
-    """What a stored session's KV depends on: the weights, the backend's precision, the KV format."""
+def model_fingerprint(model: Any, kv_dtype: str, page_size: int, windows: Sequence[int | None] = (None,)) -> str:
+    """What a stored session's KV depends on: the weights, the backend's precision, the KV format (its page
+    groups' ``windows`` included)."""
     f = model.file
     digest = hashlib.sha256()
-    digest.update(json.dumps([str(f.architecture), f.weight_bytes(), len(f.tensors), kv_dtype, page_size]).encode())
+    layout = [FORMAT, str(f.architecture), f.weight_bytes(), len(f.tensors), kv_dtype, page_size, list(windows)]
+    digest.update(json.dumps(layout).encode())
     digest.update(json.dumps(model.backend.describe(), sort_keys=True, default=str).encode())
     with open(f.parts[0], "rb") as handle:
         digest.update(handle.read(1 << 20))
@@ -82,19 +87,27 @@ class SessionStore:
     def get(self, name: str) -> Session:
         return self.live.setdefault(check_name(name), Session(name))
 
-    def save(self, session: Session, pages: list[np.ndarray]) -> None:
-        """Write a session's tokens and page contents to disk."""
+    def save(self, session: Session, groups: list[tuple[list[int], list[np.ndarray]]]) -> None:
+        """Write a session's tokens and, per page group, which pages it holds (-1: none) and their contents
+        (:meth:`Backend.read_pages` of the held ones)."""
         if self.directory is None:
             raise LeatError("no session store: start with --session-store DIR to hibernate sessions")
-        arrays = {f"page{i}": a for i, a in enumerate(pages)}
+        arrays = {}
+        for g, (pages, contents) in enumerate(groups):
+            arrays[f"held{g}"] = np.asarray(pages, np.int64) >= 0
+            arrays |= {f"group{g}_{i}": a for i, a in enumerate(contents)}
         partial = self._path(session.name).with_suffix(".partial.npz")
         np.savez(partial, tokens=np.asarray(session.tokens, np.int64), fingerprint=self.fingerprint, **arrays)
         partial.replace(self._path(session.name))
 
-    def load(self, session: Session) -> list[np.ndarray]:
+    def load(self, session: Session) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+        """Per page group: which pages the session held (a bool per page) and their contents, as saved."""
         with np.load(self._path(session.name)) as data:
-            count = len([k for k in data.files if k.startswith("page")])
-            return [data[f"page{i}"] for i in range(count)]
+            out = []
+            for g in range(len([k for k in data.files if k.startswith("held")])):
+                count = len([k for k in data.files if k.startswith(f"group{g}_")])
+                out.append((data[f"held{g}"], [data[f"group{g}_{i}"] for i in range(count)]))
+            return out
 
     def delete(self, name: str) -> None:
         self.live.pop(name, None)

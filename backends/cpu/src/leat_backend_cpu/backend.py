@@ -2,6 +2,10 @@
 
 Weights are dequantized once at upload with ``gguf.quants.dequantize`` (numpy has no quantized
 matmul, so a dequantized copy is the fast path here) and kept in the compute dtype.
+
+With the option ``activations="ggml"`` each product with a quantized weight first rounds the activations as
+llama.cpp's CPU backend does (to 8 bits per block, or to f16/bf16; see :mod:`leat_backend_cpu.ggml_activations`),
+so that its logits follow llama.cpp's on quantized files, not only the exact float result.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from leat.errors import UnsupportedQuantType
 from leat.modelfile import Tensor
 from leat.moe import MoESpec, MoEWeights, activate, route
 from threadpoolctl import ThreadpoolController
+
+from leat_backend_cpu import ggml_activations
 
 Q = gguf.GGMLQuantizationType
 SINGLE_THREAD_ROWS = 8
@@ -67,9 +73,15 @@ class CPUBackend(Backend):
         super().__init__(precision, **options)
         self.dtype = np.float64 if precision == "f64" else np.float32
         self.allocations = Allocations()
+        self.activations = options.get("activations", "f32")
+        if self.activations not in ("f32", "ggml") or (self.activations == "ggml" and precision != "f32"):
+            raise ValueError(f"cpu backend activations must be f32, or ggml at precision f32, not {self.activations!r}")
+        # activations="ggml": id(uploaded weight) -> (the weight, its activation rounding, Q4_1/Q5_1 block minimums)
+        self._ggml_products: dict[int, tuple[np.ndarray, Any, np.ndarray | None]] = {}
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "precision": self.precision, "threads": os.cpu_count()}
+        described = {"backend": self.name, "precision": self.precision, "threads": os.cpu_count()}
+        return described | ({"activations": "ggml"} if self.activations == "ggml" else {})
 
     # -- memory -------------------------------------------------------------------------------------
     def upload(self, tensor: Tensor) -> np.ndarray:
@@ -79,19 +91,25 @@ class CPUBackend(Backend):
             )
         values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.qtype).reshape(tensor.shape)
         values = np.ascontiguousarray(values, dtype=self.dtype)
+        rounding = ggml_activations.rounding_for(tensor.qtype)
+        if self.activations == "ggml" and rounding is not None and len(tensor.shape) == 2:
+            minimums = None
+            if rounding is ggml_activations.q8_1:
+                minimums = ggml_activations.block_minimums(tensor.data, tensor.qtype, tensor.shape)
+            self._ggml_products[id(values)] = (values, rounding, minimums)
         self.allocations.weights += values.nbytes
         kind = tensor.qtype.name
         self.allocations.by_type[kind] = self.allocations.by_type.get(kind, 0) + values.nbytes
         return values
 
-    def allocate_kv(self, layouts, slots, context, pages=None, page_size=16, dtype="f32") -> KVCache:
+    def allocate_kv(self, layouts, slots, context, pages=None, page_size=16, dtype="f32", groups=None) -> KVCache:
         if dtype not in ("f32", "f16", "q8_0"):
             raise ValueError(f"KV dtype must be f32, f16 or q8_0, not {dtype!r}")
-        pages, table = KVPages.plan(slots, context, pages, page_size)
-        kv = KVCache(layouts, slots, pages, page_size, table, dtype=dtype)
+        kv = KVCache.create(layouts, slots, context, pages, page_size, groups, dtype=dtype)
         storage = {"f32": self.dtype, "f16": np.float16, "q8_0": np.int8}[dtype]
-        for layout in layouts:
-            shapes = [(pages, page_size, layout.kv_heads, dim) for dim in (layout.head_dim, layout.stored_value_dim)]
+        for layer, layout in enumerate(layouts):
+            count = kv.layer_pages(layer)
+            shapes = [(count, page_size, layout.kv_heads, dim) for dim in (layout.head_dim, layout.stored_value_dim)]
             if dtype == "q8_0" and any(shape[-1] % 32 for shape in shapes):
                 raise ValueError(f"q8_0 KV needs head dimensions that are multiples of 32, not {shapes[0][-1]}")
             kv.k.append(np.zeros(shapes[0], storage))
@@ -102,11 +120,15 @@ class CPUBackend(Backend):
         self.allocations.kv += sum(a.nbytes for a in kv.k + kv.v + kv.k_scale + kv.v_scale)
         return kv
 
-    def read_pages(self, kv: KVCache, pages: list[int]) -> list[np.ndarray]:
-        return [storage[pages] for storage in kv.k + kv.v + kv.k_scale + kv.v_scale]
+    def _storages(self, kv: KVCache, group: int) -> list[np.ndarray]:
+        layers = kv.layers_of(group)
+        return [kind[layer] for kind in (kv.k, kv.v, kv.k_scale, kv.v_scale) if kind for layer in layers]
 
-    def write_pages(self, kv: KVCache, pages: list[int], contents: list[np.ndarray]) -> None:
-        for storage, values in zip(kv.k + kv.v + kv.k_scale + kv.v_scale, contents, strict=True):
+    def read_pages(self, kv: KVCache, pages: list[int], group: int = 0) -> list[np.ndarray]:
+        return [storage[pages] for storage in self._storages(kv, group)]
+
+    def write_pages(self, kv: KVCache, pages: list[int], contents: list[np.ndarray], group: int = 0) -> None:
+        for storage, values in zip(self._storages(kv, group), contents, strict=True):
             storage[pages] = values
 
     def kv_budget_bytes(self) -> int:
@@ -117,8 +139,8 @@ class CPUBackend(Backend):
         except (OSError, KeyError, ValueError):
             return 2 << 30
 
-    def copy_page(self, kv: KVCache, source: int, target: int) -> None:
-        for storage in kv.k + kv.v + kv.k_scale + kv.v_scale:
+    def copy_page(self, kv: KVCache, source: int, target: int, group: int = 0) -> None:
+        for storage in self._storages(kv, group):
             storage[target] = storage[source]
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
@@ -129,6 +151,15 @@ class CPUBackend(Backend):
         return weight[tokens]
 
     def matmul(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        ggml = self._ggml_products.get(id(weight))
+        if ggml is not None and ggml[0] is weight:
+            # as ggml's CPU matmul: x rounded to the weight's vec_dot_type, then the product in float
+            _, rounding, minimums = ggml
+            if minimums is None:
+                x = rounding(x)
+            else:  # Q4_1/Q5_1: the dot takes each block's minimum times Q8_1's fp16-stored sum
+                x, sum_error = rounding(x)
+                bias = sum_error @ minimums.T + (bias if bias is not None else 0)
         if x.shape[0] <= SINGLE_THREAD_ROWS:
             # A few rows are a memory-bound matrix-vector product: a second BLAS thread adds little, and
             # when the cores are busy its spin-waits slowed decode 3x here (measured on 2 cores).
@@ -205,7 +236,7 @@ class CPUBackend(Backend):
         for row, offset in zip(batch.rows, batch.offsets):
             length, start = len(row.tokens), row.start
             span = slice(offset, offset + length)
-            table = kv.page_table[row.slot]
+            table = kv.table(layer)[row.slot]
             positions = np.arange(start, start + length)
             where = (table[positions // size], positions % size)
             used = table[: -(-(start + length) // size)]
@@ -287,7 +318,7 @@ class CPUBackend(Backend):
         for row, offset in zip(batch.rows, batch.offsets):
             length, start = len(row.tokens), row.start
             span = slice(offset, offset + length)
-            table = kv.page_table[row.slot]
+            table = kv.table(layer)[row.slot]
             positions = np.arange(start, start + length)
             where = (table[positions // size], positions % size)
             used = table[: -(-(start + length) // size)]

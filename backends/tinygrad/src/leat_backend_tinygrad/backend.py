@@ -8,6 +8,9 @@ dequantized inside each matmul's kernel; other types are dequantized to float32 
 Activations are float32 Tensors, left lazy between ops so tinygrad fuses them; only ``to_host``, the
 KV writes and MoE routing force computation. Compiled kernels go to tinygrad's cache
 (``CACHEDB``, by default ~/.cache/tinygrad/cache.db), so a second start skips compilation.
+
+Decode steps (one token per row) run under TinyJit, one per (forward, KV cache, batch-size bucket):
+see :meth:`TinygradBackend.run`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +30,7 @@ from leat.batch import Batch
 from leat.errors import UnsupportedQuantType
 from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
-from tinygrad import Device, Tensor, UOp, dtypes
+from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
 from leat_backend_tinygrad.quants import DEQUANTIZERS
 
@@ -35,6 +40,7 @@ LOAD_DEQUANTIZED = frozenset(
     {Q.BF16, Q.Q2_K, Q.Q3_K, Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S}
     | {Q.IQ1_S, Q.IQ1_M, Q.IQ4_NL, Q.IQ4_XS}
 )
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode batches are padded up to one of these, each jitted once
 
 
 def probe_reason() -> str | None:
@@ -102,8 +108,39 @@ class KVCache(KVPages):
     k_scale: list[Tensor] = field(default_factory=list)  # q8_0: one f16 scale per 32 values
     v_scale: list[Tensor] = field(default_factory=list)
 
-    def storages(self) -> list[Tensor]:
-        return self.k + self.v + self.k_scale + self.v_scale
+    def storages(self, group: int | None = None) -> list[Tensor]:
+        """Every layer's storage, or only that of ``group``'s layers."""
+        layers = range(len(self.k)) if group is None else self.layers_of(group)
+        return [kind[layer] for kind in (self.k, self.v, self.k_scale, self.v_scale) if kind for layer in layers]
+
+
+@dataclass
+class _Step:
+    """A decode step under TinyJit: the padded batch its forward is given, and the device inputs that ops
+    read in place of that batch's host arrays (TinyJit replays kernels; host values would stay frozen)."""
+
+    forward: Callable[[Batch, Any], Any]
+    kv: KVCache
+    batch: Batch
+    tokens: Tensor | None = None  # [rows] int32
+    positions: Tensor | None = None  # [rows] int32
+    pages: list[Tensor] = field(default_factory=list)  # per page group: [rows, pages_per_slot] int32, -1 as 0
+    at: list[list[UOp]] = field(default_factory=list)  # per page group, per row: bound storage row of its token
+
+
+class _NotJittable(Exception):
+    """An op of the forward needs host values of the step (MoE routing): the step runs eagerly."""
+
+
+def _cos_sin(spec: RopeSpec, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 cos and sin [n, dims / 2] of each position's angles, computed in float64."""
+    half = spec.dims // 2
+    inv_freq = spec.base ** (-np.arange(half, dtype=np.float64) * 2 / spec.dims)
+    if spec.freq_factors is not None:
+        inv_freq = inv_freq / spec.freq_factors[:half]
+    angles = (np.asarray(positions, np.float64) * spec.scale)[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(angles) * spec.attn_factor, np.sin(angles) * spec.attn_factor
+    return cos.astype(np.float32), sin.astype(np.float32)
 
 
 def _q8_0(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -135,6 +172,11 @@ class TinygradBackend(Backend):
         _share_kernel_cache_across_threads()
         self.device = Device.DEFAULT
         self._kv_at = UOp.variable("kv_at", 0, 1 << 30)
+        self.jit = os.environ.get("LEAT_TINYGRAD_JIT", "1") != "0"
+        self._jits: dict[tuple[Callable, int, int], TinyJit] = {}
+        self._eager: set[Callable] = set()  # forwards that cannot be jitted
+        self._step: _Step | None = None
+        self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def describe(self) -> dict[str, Any]:
         from tinygrad.helpers import CACHEDB
@@ -177,17 +219,16 @@ class TinygradBackend(Backend):
             return x
         return self._tensor(np.asarray(x, dtype=np.float32))
 
-    def allocate_kv(self, layouts, slots, context, pages=None, page_size=16, dtype="f32") -> KVCache:
+    def allocate_kv(self, layouts, slots, context, pages=None, page_size=16, dtype="f32", groups=None) -> KVCache:
         if dtype not in ("f32", "f16", "q8_0"):
             raise ValueError(f"KV dtype must be f32, f16 or q8_0, not {dtype!r}")
-        pages, table = KVPages.plan(slots, context, pages, page_size)
-        kv = KVCache(layouts, slots, pages, page_size, table, dtype=dtype)
+        kv = KVCache.create(layouts, slots, context, pages, page_size, groups, dtype=dtype)
         storage = {"f32": dtypes.float32, "f16": dtypes.float16, "q8_0": dtypes.int8}[dtype]
-        for layout in layouts:
+        for layer, layout in enumerate(layouts):
             dims = (layout.head_dim, layout.stored_value_dim)
             if dtype == "q8_0" and any(d % 32 for d in dims):
                 raise ValueError(f"q8_0 KV needs head dimensions that are multiples of 32, not {dims[0]}")
-            shapes = [(pages * page_size, layout.kv_heads, d) for d in dims]
+            shapes = [(kv.layer_pages(layer) * page_size, layout.kv_heads, d) for d in dims]
             kv.k.append(Tensor.zeros(*shapes[0], dtype=storage, device=self.device).contiguous().realize())
             kv.v.append(Tensor.zeros(*shapes[1], dtype=storage, device=self.device).contiguous().realize())
             if dtype == "q8_0":
@@ -213,25 +254,25 @@ class TinygradBackend(Backend):
     def _page_rows(self, kv: KVCache, pages: list[int]) -> np.ndarray:
         return (np.asarray(pages)[:, None] * kv.page_size + np.arange(kv.page_size)[None, :]).reshape(-1)
 
-    def copy_page(self, kv: KVCache, source: int, target: int) -> None:
+    def copy_page(self, kv: KVCache, source: int, target: int, group: int = 0) -> None:
         size = kv.page_size
-        for storage in kv.storages():
+        for storage in kv.storages(group):
             if storage.shape[-1]:
                 storage[target * size : (target + 1) * size].assign(
                     storage[source * size : (source + 1) * size].contiguous()
                 ).realize()
 
-    def read_pages(self, kv: KVCache, pages: list[int]) -> list[np.ndarray]:
+    def read_pages(self, kv: KVCache, pages: list[int], group: int = 0) -> list[np.ndarray]:
         rows = self._page_rows(kv, pages)
         out = []
-        for storage in kv.storages():
+        for storage in kv.storages(group):
             host = storage.numpy()
             out.append(host[rows].reshape(len(pages), kv.page_size, *host.shape[1:]))
         return out
 
-    def write_pages(self, kv: KVCache, pages: list[int], contents: list[np.ndarray]) -> None:
+    def write_pages(self, kv: KVCache, pages: list[int], contents: list[np.ndarray], group: int = 0) -> None:
         size = kv.page_size
-        for storage, values in zip(kv.storages(), contents, strict=True):
+        for storage, values in zip(kv.storages(group), contents, strict=True):
             if not storage.shape[-1]:
                 continue
             for page, block in zip(pages, values):
@@ -240,8 +281,93 @@ class TinygradBackend(Backend):
     def to_host(self, x: Tensor) -> np.ndarray:
         return x.numpy()
 
+    # -- decode steps under TinyJit ------------------------------------------------------------------
+    def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any) -> Any:
+        """One forward step; a decode batch (one token per row) runs under TinyJit.
+
+        The batch is padded to a bucket of DECODE_BUCKETS with copies of its first row (which write the
+        same K/V to the same place); each (forward, KV cache, bucket) has its own TinyJit. Its inputs are
+        the step's tokens, positions and page-table rows as Tensors, and each row's KV storage row per
+        page group as bound Variables; ops read those in place of the batch's host arrays (embed gathers
+        the stored rows on the device, rope gathers rows of a cos/sin table made on the host). TinyJit's
+        first call runs eagerly, the second captures the kernels, later ones replay them: no graph
+        building or scheduling in Python. A forward that needs host values inside the step (MoE routing)
+        runs eagerly from then on. ``LEAT_TINYGRAD_JIT=0`` turns the JIT off. The logits of a replay
+        stay valid until the next step of the same bucket.
+        """
+        n = len(batch)
+        if (
+            not self.jit
+            or forward in self._eager
+            or not isinstance(kv, KVCache)
+            or n != len(batch.rows)
+            or n > DECODE_BUCKETS[-1]
+        ):
+            return forward(batch, kv)
+        bucket = next(b for b in DECODE_BUCKETS if b >= n)
+        key = (forward, id(kv), bucket)
+        jit = self._jits.get(key)
+        if jit is None:
+            if not any(k[1] == id(kv) for k in self._jits):
+                weakref.finalize(kv, self._forget, id(kv))  # a cache's jits go with it
+            jit = self._jits[key] = TinyJit(self._jitted_step)
+        padded = Batch(batch.rows + [batch.rows[0]] * (bucket - n))
+        positions = padded.positions.astype(np.int32)
+        pages, at = [], []
+        for table in kv.tables:
+            rows = table[[row.slot for row in padded.rows]]
+            page = rows[np.arange(bucket), positions // kv.page_size]
+            if (page < 0).any():
+                raise ValueError(f"a decoding slot has no page for position {positions[int(np.argmin(page))]}")
+            pages.append(self._tensor(np.maximum(rows, 0).astype(np.int32)))
+            at.extend(self._at_variable(len(at)).bind(int(a)) for a in page * kv.page_size + positions % kv.page_size)
+        self._step = _Step(forward, kv, padded)
+        try:
+            logits = jit(self._tensor(padded.tokens.astype(np.int32)), self._tensor(positions), *pages, *at)
+        except _NotJittable:
+            self._eager.add(forward)
+            self._forget(id(kv))
+            return forward(batch, kv)
+        finally:
+            self._step = None
+        return logits[:n] if n < bucket else logits
+
+    def _jitted_step(self, tokens: Tensor, positions: Tensor, *inputs: Any) -> Tensor:
+        step = self._step
+        groups = len(step.kv.tables)
+        step.tokens, step.positions, step.pages = tokens, positions, list(inputs[:groups])
+        rows = len(step.batch.rows)
+        step.at = [list(inputs[groups + g * rows : groups + (g + 1) * rows]) for g in range(groups)]
+        return step.forward(step.batch, step.kv).contiguous()
+
+    def _at_variable(self, index: int) -> UOp:
+        return UOp.variable(f"kv_at_{index}", 0, 1 << 30)
+
+    def _forget(self, kv_id: int) -> None:
+        for key in [k for k in self._jits if k[1] == kv_id]:
+            del self._jits[key]
+
+    def _stepping(self, host: Any) -> _Step | None:
+        """The jitted step whose batch ``host`` (its tokens, its positions, or itself) belongs to, if any."""
+        step = self._step
+        if step is not None and any(host is x for x in (step.batch, step.batch.tokens, step.batch.positions)):
+            return step
+        return None
+
+    def _rope_table(self, spec: RopeSpec, capacity: int) -> tuple[Tensor, Tensor]:
+        """cos and sin [capacity, dims / 2] of positions 0 .. capacity - 1, made on the host once per spec."""
+        factors = None if spec.freq_factors is None else np.asarray(spec.freq_factors).tobytes()
+        key = (spec.dims, spec.base, spec.neox, spec.scale, spec.attn_factor, factors, capacity)
+        if key not in self._rope_tables:
+            cos, sin = _cos_sin(spec, np.arange(capacity))
+            self._rope_tables[key] = (self._tensor(cos).realize(), self._tensor(sin).realize())
+        return self._rope_tables[key]
+
     # -- ops -----------------------------------------------------------------------------------------
     def embed(self, weight: Weight, tokens: np.ndarray) -> Tensor:
+        step = self._stepping(tokens)
+        if step is not None:  # a gather of the stored rows on the device, dequantized there
+            return weight._values(weight.data[step.tokens], (len(tokens), *weight.shape[1:]))
         # The rows are taken from the host copy of the stored bytes and dequantized there (as llama.cpp's
         # get_rows): a gather from a [vocab, d] table on the device would read the whole table.
         rows = np.asarray(weight.host).reshape(weight.shape[0], -1)[np.asarray(tokens)]
@@ -260,12 +386,11 @@ class TinygradBackend(Backend):
     def rope(self, x: Tensor, positions: np.ndarray, spec: RopeSpec) -> Tensor:
         x = self._values(x)
         half = spec.dims // 2
-        inv_freq = spec.base ** (-np.arange(half, dtype=np.float64) * 2 / spec.dims)
-        if spec.freq_factors is not None:
-            inv_freq = inv_freq / spec.freq_factors[:half]
-        angles = (np.asarray(positions, np.float64) * spec.scale)[:, None] * inv_freq[None, :]
-        cos = self._tensor((np.cos(angles) * spec.attn_factor).astype(np.float32)[:, None, :])
-        sin = self._tensor((np.sin(angles) * spec.attn_factor).astype(np.float32)[:, None, :])
+        step = self._stepping(positions)
+        if step is not None:
+            cos, sin = (t[step.positions].reshape(-1, 1, half) for t in self._rope_table(spec, step.kv.context))
+        else:
+            cos, sin = (self._tensor(t[:, None, :]) for t in _cos_sin(spec, positions))
         n, heads = x.shape[0], x.shape[1]
         rotated = x[..., : spec.dims]
         if spec.neox:
@@ -282,16 +407,26 @@ class TinygradBackend(Backend):
             )
         return out.cat(x[..., spec.dims :], dim=-1) if spec.dims < x.shape[-1] else out
 
-    def _write(self, storage: Tensor, at: int, values: Tensor) -> None:
+    def _write(self, storage: Tensor, at: int | UOp, values: Tensor) -> None:
         """values into storage rows at..at+len (one kernel for every ``at``: it is a bound variable)."""
-        start = self._kv_at.bind(at)
+        start = self._kv_at.bind(at) if isinstance(at, int) else at
         storage[start : start + values.shape[0]].assign(values.cast(storage.dtype)).realize()
 
-    def _store(self, kv: KVCache, layer: int, which: str, row, span: slice, values: Tensor) -> None:
-        """Write one row's keys or values at its positions, page run by page run."""
+    def _store(self, kv: KVCache, layer: int, which: str, row, span: slice, values: Tensor, at=None) -> None:
+        """Write one row's keys or values at its positions, page run by page run (a jitted decode row: its
+        one token at ``at``, a bound Variable)."""
         storage = (kv.k if which == "k" else kv.v)[layer]
         scales = (kv.k_scale if which == "k" else kv.v_scale)[layer] if kv.dtype == "q8_0" else None
-        size, table = kv.page_size, kv.page_table[row.slot]
+        if at is not None:
+            chunk = values[span]
+            if scales is None:
+                self._write(storage, at, chunk)
+            else:
+                q, d = _q8_0(chunk)
+                self._write(storage, at, q)
+                self._write(scales, at, d)
+            return
+        size, table = kv.page_size, kv.table(layer)[row.slot]
         position, end, done = row.start, row.start + len(row.tokens), 0
         while position < end:
             run = min(size - position % size, end - position)
@@ -308,10 +443,12 @@ class TinygradBackend(Backend):
                 self._write(scales, at, d)
             position, done = position + run, done + run
 
-    def _gather(self, kv: KVCache, layer: int, which: str, slot: int) -> Tensor:
-        """The slot's cached keys or values in position order, all its pages: [pages_per_slot * page_size, heads, dim]."""
+    def _gather(self, kv: KVCache, layer: int, which: str, slot: int, table: Tensor | None = None) -> Tensor:
+        """The slot's cached keys or values in position order, all its pages: [pages_per_slot * page_size, heads, dim]
+        (through ``table``, its page-table row on the device, when given)."""
         storage = (kv.k if which == "k" else kv.v)[layer]
-        table = self._tensor(np.maximum(kv.page_table[slot], 0).astype(np.int32))
+        if table is None:
+            table = self._tensor(np.maximum(kv.table(layer)[slot], 0).astype(np.int32))
         size, rows, heads, dim = kv.page_size, *storage.shape
         pages = storage.reshape(rows // size, size * heads * dim)[table]
         if kv.dtype == "q8_0":
@@ -333,26 +470,31 @@ class TinygradBackend(Backend):
         value_dim = layout.value_dim or layout.head_dim
         group = heads // kv_heads
         sink = self._values(sinks).reshape(kv_heads, group, 1, 1) if sinks is not None else None
+        step = self._stepping(batch)
+        page_group = kv.group_of[layer]
         outs = []
-        for row, offset in zip(batch.rows, batch.offsets):
+        for i, (row, offset) in enumerate(zip(batch.rows, batch.offsets)):
             length, start = len(row.tokens), row.start
             span = slice(int(offset), int(offset) + length)
-            self._store(kv, layer, "k", row, span, k)
+            at, table = (step.at[page_group][i], step.pages[page_group][i]) if step else (None, None)
+            self._store(kv, layer, "k", row, span, k, at)
             if not layout.latent:
-                self._store(kv, layer, "v", row, span, v)
-            keys = self._gather(kv, layer, "k", row.slot)
-            values = keys[..., :value_dim] if layout.latent else self._gather(kv, layer, "v", row.slot)
+                self._store(kv, layer, "v", row, span, v, at)
+            keys = self._gather(kv, layer, "k", row.slot, table)
+            values = keys[..., :value_dim] if layout.latent else self._gather(kv, layer, "v", row.slot, table)
             total = keys.shape[0]
             qs = q[span].reshape(length, kv_heads, group, dim).permute(1, 2, 0, 3)
             scores = (qs @ keys.permute(1, 2, 0).unsqueeze(1)) * scale  # [kv_heads, group, length, total]
             if softcap is not None:
                 scores = (scores / softcap).tanh() * softcap
-            query_pos = start + np.arange(length)[:, None]
-            key_pos = np.arange(total)[None, :]
+            if step is None:
+                query_pos, key_pos = start + np.arange(length)[:, None], np.arange(total)[None, :]
+            else:  # one query, at the position the step's input holds
+                query_pos, key_pos = step.positions[i : i + 1].reshape(1, 1), Tensor.arange(total).reshape(1, total)
             masked = key_pos > query_pos
             if layout.window is not None:
-                masked |= key_pos <= query_pos - layout.window
-            scores = self._tensor(masked).where(-math.inf, scores)
+                masked = masked | (key_pos <= query_pos - layout.window)
+            scores = (masked if step else self._tensor(masked)).where(-math.inf, scores)
             peak = scores.max(axis=-1, keepdim=True)
             if sink is not None:
                 peak = peak.maximum(sink)
@@ -415,6 +557,8 @@ class TinygradBackend(Backend):
 
     def moe(self, x: Tensor, weights: MoEWeights, spec: MoESpec) -> Tensor:
         # Routing runs on the host (leat.moe.route, the reference): one small [n, experts] transfer per layer.
+        if self._step is not None:
+            raise _NotJittable("MoE routing reads the router's logits on the host")
         x = self._values(x)
         logits = self.matmul(x, weights.router, weights.router_bias).numpy()
         selection_bias = weights.selection_bias

@@ -102,6 +102,62 @@ class BackendConformance:
                 np.testing.assert_allclose(out[offset : offset + n], want, rtol=tol, atol=tol)
                 offset += n
 
+    def test_attention_through_page_groups(self, backend):
+        """A full-attention layer and a windowed one in their own page groups; the windowed group has too few
+        pages for the sequence, so pages behind the window go back (-1) and come again with stale contents.
+        Then every group's pages are read, written to other ids of a fresh cache (a hibernated session's
+        restore), and decoding goes on there."""
+        heads, kv_heads, dim, scale, size, window = 4, 2, 8, 0.3, 4, 5
+        layouts = [KVLayout(kv_heads, dim), KVLayout(kv_heads, dim, window=window)]
+        steps = [(0, 6)] + [(p, 1) for p in range(6, 15)]  # (start, n): a prefill, then decoding
+
+        def fresh():
+            kv = backend.allocate_kv(layouts, slots=2, context=20, pages=[6, 4], page_size=size, groups=[0, 1])
+            assert kv.pages == [6, 4] and kv.table(1) is kv.tables[1]
+            return kv
+
+        kv = fresh()
+        q, k, v = self.inputs((16, heads, dim), (16, kv_heads, dim), (16, kv_heads, dim), seed=20)
+        tables, free = [[], []], [list(range(6)), list(range(4))]
+
+        def attend(kv, start, n):
+            batch = Batch([Row(1, start, np.zeros(n, np.int64), all_logits=True)])
+            span = slice(start, start + n)
+            for layer, layout in enumerate(layouts):
+                got = backend.attention(*(self.to_device(backend, t[span]) for t in (q, k, v)), kv, layer, batch, scale)
+                want = _attention(q[span], k[: start + n], v[: start + n], start, scale, layout.window)
+                tol = self.tolerance.get(backend.precision, 1e-4)
+                np.testing.assert_allclose(
+                    np.asarray(backend.to_host(got), np.float64).reshape(n, -1), want, rtol=tol, atol=tol
+                )
+
+        for start, n in steps:
+            behind = max(0, start - window + 1) // size  # pages no query from `start` on reads
+            for i in range(behind):
+                if tables[1][i] >= 0:
+                    free[1].append(tables[1][i])
+                    tables[1][i] = -1
+            for group in (0, 1):
+                while len(tables[group]) * size < start + n:
+                    tables[group].append(free[group].pop(0 if group == 0 else -1))
+                backend.set_pages(kv, 1, np.array(tables[group]), group=group)
+            attend(kv, start, n)
+        assert -1 in tables[1], "the windowed group never gave a page back"
+        restored = fresh()
+        for group, ids in ((0, [5, 4, 3, 2]), (1, [3, 2, 1, 0])):
+            held = [p for p in tables[group] if p >= 0]
+            contents = backend.read_pages(kv, held, group=group)
+            backend.write_pages(restored, ids[: len(held)], contents, group=group)
+            moved = iter(ids)
+            backend.set_pages(restored, 1, np.array([next(moved) if p >= 0 else -1 for p in tables[group]]), group=group)
+        attend(restored, 15, 1)
+        row = restored.tables[1][1, :4].copy()  # copy-on-write of the page at positions 12..15 into free page 0
+        assert 0 not in row
+        backend.copy_page(restored, int(row[3]), 0, group=1)
+        row[3] = 0
+        backend.set_pages(restored, 1, row, group=1)
+        attend(restored, 15, 1)
+
     def test_silu_mul_and_add(self, backend):
         x, y = np.linspace(-30, 30, 64), np.linspace(2, -3, 64)
         xd, yd = self.to_device(backend, x), self.to_device(backend, y)
@@ -163,15 +219,16 @@ class BackendConformance:
         assert not failures, f"{agreement}: {'; '.join(failures)}"
 
 
-def _attention(q, k, v, start, scale):
+def _attention(q, k, v, start, scale, window=None):
     n, heads, _ = q.shape
     group = heads // k.shape[1]
     out = np.zeros((n, heads, v.shape[2]))
     for t in range(n):
+        first = 0 if window is None else max(0, start + t - window + 1)
         for h in range(heads):
-            scores = k[: start + t + 1, h // group] @ q[t, h] * scale
+            scores = k[first : start + t + 1, h // group] @ q[t, h] * scale
             p = np.exp(scores - scores.max())
-            out[t, h] = (p / p.sum()) @ v[: start + t + 1, h // group]
+            out[t, h] = (p / p.sum()) @ v[first : start + t + 1, h // group]
     return out.reshape(n, -1)
 
 

@@ -10,6 +10,7 @@ error names the missing op and what to run instead.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -25,8 +26,9 @@ Q = gguf.GGMLQuantizationType
 
 @dataclass
 class ExampleKV(KVPages):
-    """The page table (from :class:`KVPages`) and, per layer, keys [pages, page_size, kv_heads, head_dim] and
-    values [pages, page_size, kv_heads, value_dim]."""
+    """The page tables (from :class:`KVPages`, one per layer group) and, per layer, keys
+    [pages, page_size, kv_heads, head_dim] and values [pages, page_size, kv_heads, value_dim], ``pages`` being
+    the count of the layer's group."""
 
     k: list[np.ndarray] = field(default_factory=list)
     v: list[np.ndarray] = field(default_factory=list)
@@ -66,33 +68,37 @@ class ExampleBackend(Backend):
         layouts: list[KVLayout],
         slots: int,
         context: int,
-        pages: int | None = None,
+        pages: int | Sequence[int] | None = None,
         page_size: int = 16,
         dtype: str = "f32",
+        groups: Sequence[int] | None = None,
     ) -> ExampleKV:
         if dtype not in self.kv_storage:
             raise ValueError(f"the example backend stores KV as f32 or f16, not {dtype!r}: pass --kv f32 or --kv f16")
-        pages, table = KVPages.plan(slots, context, pages, page_size)
-        kv = ExampleKV(layouts, slots, pages, page_size, table)
-        for layout in layouts:
-            shape = (pages, page_size, layout.kv_heads)
+        kv = ExampleKV.create(layouts, slots, context, pages, page_size, groups)
+        for layer, layout in enumerate(layouts):
+            shape = (kv.layer_pages(layer), page_size, layout.kv_heads)
             kv.k.append(np.zeros((*shape, layout.head_dim), self.kv_storage[dtype]))
             kv.v.append(np.zeros((*shape, layout.stored_value_dim), self.kv_storage[dtype]))
         self.allocations.kv += sum(a.nbytes for a in kv.k + kv.v)
         return kv
 
-    # set_pages is the base class's: it edits the host page table, which attention reads on every call. A device
-    # backend that keeps a copy of the table on the device updates that copy there too.
+    # set_pages is the base class's: it edits the host page tables, which attention reads on every call. A device
+    # backend that keeps a copy of the tables on the device updates that copy there too.
 
-    def copy_page(self, kv: ExampleKV, source: int, target: int) -> None:
-        for storage in kv.k + kv.v:
+    def _storages(self, kv: ExampleKV, group: int) -> list[np.ndarray]:
+        layers = kv.layers_of(group)
+        return [kv.k[layer] for layer in layers] + [kv.v[layer] for layer in layers]
+
+    def copy_page(self, kv: ExampleKV, source: int, target: int, group: int = 0) -> None:
+        for storage in self._storages(kv, group):
             storage[target] = storage[source]
 
-    def read_pages(self, kv: ExampleKV, pages: list[int]) -> list[np.ndarray]:
-        return [storage[pages] for storage in kv.k + kv.v]  # indexing with a list copies
+    def read_pages(self, kv: ExampleKV, pages: list[int], group: int = 0) -> list[np.ndarray]:
+        return [storage[pages] for storage in self._storages(kv, group)]  # indexing with a list copies
 
-    def write_pages(self, kv: ExampleKV, pages: list[int], contents: list[np.ndarray]) -> None:
-        for storage, values in zip(kv.k + kv.v, contents, strict=True):
+    def write_pages(self, kv: ExampleKV, pages: list[int], contents: list[np.ndarray], group: int = 0) -> None:
+        for storage, values in zip(self._storages(kv, group), contents, strict=True):
             storage[pages] = values
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
@@ -139,11 +145,13 @@ class ExampleBackend(Backend):
         out = np.empty((n, heads, v.shape[2]), np.float32)
         for row, offset in zip(batch.rows, batch.offsets):
             span = slice(offset, offset + len(row.tokens))
-            table = kv.page_table[row.slot]
+            table = kv.table(layer)[row.slot]
             positions = np.arange(row.start, row.start + len(row.tokens))
             kv.k[layer][table[positions // kv.page_size], positions % kv.page_size] = k[span]
             kv.v[layer][table[positions // kv.page_size], positions % kv.page_size] = v[span]
-            cached = np.arange(positions[-1] + 1)
+            # a windowed layer's pages behind the first query's window may be gone (-1): never read there
+            first = max(0, row.start - window + 1) if window is not None else 0
+            cached = np.arange(first, positions[-1] + 1)
             where = table[cached // kv.page_size], cached % kv.page_size
             keys = np.repeat(kv.k[layer][where].astype(np.float32), group, axis=1)  # [cached, heads, dim]
             values = np.repeat(kv.v[layer][where].astype(np.float32), group, axis=1)
