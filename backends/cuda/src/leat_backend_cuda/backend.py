@@ -29,6 +29,8 @@ from leat.modelfile import Tensor
 
 from leat_backend_cuda import compiler, driver, quants
 from leat_backend_cuda.driver import DeviceArray, Memory
+from leat_backend_cuda.mla import LatentAttentionOps
+from leat_backend_cuda.moe import ExpertOps
 
 Q = gguf.GGMLQuantizationType
 F32, I32, U16 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint16)
@@ -140,7 +142,7 @@ def _ready(x: Any) -> Any:
     return x.materialize() if isinstance(x, Pending) else x
 
 
-class CUDABackend(Backend):
+class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
     name = "cuda"
     quant_types = frozenset(quants.LAYOUTS) | _host_dequantizable()
 
@@ -283,7 +285,7 @@ class CUDABackend(Backend):
         element = KV_DTYPES[dtype][1]
         kv = KVCache.create(layouts, slots, context, pages, page_size, groups, dtype=dtype)
         for layer, layout in enumerate(layouts):
-            for dim, store in ((layout.head_dim, kv.k), (layout.value_dim or layout.head_dim, kv.v)):
+            for dim, store in ((layout.head_dim, kv.k), (layout.stored_value_dim, kv.v)):
                 memory = Memory(kv.layer_pages(layer) * page_size * layout.kv_heads * dim * element.itemsize)
                 self.device.fill(memory.ptr, 0, memory.nbytes)
                 store.append(memory)
@@ -426,7 +428,7 @@ class CUDABackend(Backend):
                 return self._gemv_q(x, [(weight, bias)], out=out)[0]
         if (n > quants.GEMV_MAX_TOKENS or layout.integer) and self.tensor_cores:
             kt = 256 if k % 256 == 0 else 32
-            if kt == 256 or layout.small_block:
+            if kt == 256 or (layout.small_block and k % 32 == 0):  # else the float kernel
                 self._gemm(x, weight, bias, out, n, m, k, kt)
                 return out
         for start in range(0, n, quants.GEMV_MAX_TOKENS):
@@ -592,6 +594,7 @@ class CUDABackend(Backend):
             head_dim,
             spec.dims,
             int(spec.neox),
+            float(spec.attn_factor),
         )
         return out
 
@@ -601,7 +604,12 @@ class CUDABackend(Backend):
     def attention_softcap(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float):
         return self._attend(q, k, v, kv, layer, batch, scale, softcap)
 
-    def _attend(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float) -> DeviceArray:
+    def attention_sinks(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, sinks: DeviceArray):
+        return self._attend(q, k, v, kv, layer, batch, scale, 0.0, sinks)
+
+    def _attend(
+        self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float, sinks=None
+    ) -> DeviceArray:
         q, k, v = _ready(q), _ready(k), _ready(v)
         n, heads, dk = q.shape
         kv_heads, dv = v.shape[1], v.shape[2]
@@ -672,9 +680,10 @@ class CUDABackend(Backend):
             split,
             float(scale),
             float(softcap),
+            sinks,
         )
         if splits > 1:
-            self.ops["attention_combine"]((n * heads,), _threads(dv), part_ml, part_acc, out, splits, dv)
+            self.ops["attention_combine"]((n * heads,), _threads(dv), part_ml, part_acc, out, splits, dv, sinks, heads)
         return out
 
     def _elementwise(self, kernel: str, *args: Any, like: DeviceArray) -> DeviceArray:

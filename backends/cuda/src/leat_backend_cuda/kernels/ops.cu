@@ -34,10 +34,12 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 
 // RoPE on x [n, heads, head_dim]: pair i < dims/2 is (i, i + dims/2) with neox, else (2i, 2i+1),
 // rotated by angle pos * inv_freq[i] (inv_freq from the host in float64, position scaling and
-// frequency factors folded in). Angles and their sines are computed in float64, as the oracle
-// does; elements past `dims` are copied. One block per (token, head).
+// frequency factors folded in), cos and sin times `magnitude` (RopeSpec.attn_factor). Angles and
+// their sines are computed in float64, as the oracle does; elements past `dims` are copied. One
+// block per (token, head).
 extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__ y, const int* __restrict__ pos,
-                                const double* __restrict__ inv_freq, int heads, int head_dim, int dims, int neox) {
+                                const double* __restrict__ inv_freq, int heads, int head_dim, int dims, int neox,
+                                float magnitude) {
     const i64 base = (i64)blockIdx.x * head_dim;
     const double p = (double)pos[blockIdx.x / heads];
     const int half = dims / 2;
@@ -46,6 +48,8 @@ extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__
             const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
             double s, c;
             sincos(p * inv_freq[i], &s, &c);
+            s *= magnitude;
+            c *= magnitude;
             const float cf = (float)c, sf = (float)s, xa = x[base + a], xb = x[base + b];
             y[base + a] = xa * cf - xb * sf;
             y[base + b] = xa * sf + xb * cf;
@@ -77,6 +81,14 @@ __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ 
     for (int i = threadIdx.x; i < kv_heads * dv; i += blockDim.x) store_f32(vc + row * dv + i, v[(i64)t * kv_heads * dv + i]);
 }
 
+// An attention sink (gpt-oss): the head's learned logit s joins the softmax denominator and adds no
+// value. Rescales the running (max mx, sum, weighted values a) to max(mx, s) and adds exp(s - max).
+__device__ __forceinline__ void sink_join(float s, float mx, float& sum, float& a) {
+    const float top = fmaxf(mx, s), f = expf(mx - top);
+    sum = sum * f + expf(s - top);
+    a *= f;
+}
+
 // Causal (optionally windowed, soft-capped) attention of each token's query heads over its slot's
 // cached positions, grouped-query: a block serves one token, one KV head and up to GB of the query
 // heads that share it, over positions [z * split, (z + 1) * split) of its range (grid.z = splits).
@@ -89,7 +101,8 @@ __global__ void __launch_bounds__(128) attention(
     const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const int* __restrict__ page_table,
     const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
     float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
-    int pages_per_slot, int page_size, int window, int split, float scale, float softcap) {
+    int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
+    const float* __restrict__ sinks) {
     __shared__ float sm_m[4][GB], sm_l[4][GB], sm_acc[4][GB][DL * 32];
     const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
     const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
@@ -173,6 +186,7 @@ __global__ void __launch_bounds__(128) attention(
         }
         const i64 th = (i64)t * heads + (i64)kvh * group + g0 + g;
         if (nsplit == 1) {
+            if (sinks) sink_join(sinks[th % heads], mx, sum, a);
             out[th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
         } else {
             part_acc[(th * nsplit + z) * dv + d] = a;
@@ -196,7 +210,8 @@ __global__ void __launch_bounds__(128) attention_wide(
     const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const int* __restrict__ page_table,
     const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
     float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
-    int pages_per_slot, int page_size, int window, int split, float scale, float softcap) {
+    int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
+    const float* __restrict__ sinks) {
     __shared__ __align__(16) float sq[GB][DL * 32];
     __shared__ float sm_m[4][GB], sm_l[4][GB], sm_acc[4][GB][DL * 32];
     const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
@@ -291,6 +306,7 @@ __global__ void __launch_bounds__(128) attention_wide(
         }
         const i64 th = (i64)t * heads + (i64)kvh * group + g0 + g;
         if (nsplit == 1) {
+            if (sinks) sink_join(sinks[th % heads], mx, sum, a);
             out[th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
         } else {
             part_acc[(th * nsplit + z) * dv + d] = a;
@@ -302,9 +318,10 @@ __global__ void __launch_bounds__(128) attention_wide(
     }
 }
 
-// Merges the splits of attention: one block per (token, head).
+// Merges the splits of attention: one block per (token, head); `sinks` (or null) as in attention.
 extern "C" __global__ void attention_combine(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
-                                             float* __restrict__ out, int nsplit, int dv) {
+                                             float* __restrict__ out, int nsplit, int dv,
+                                             const float* __restrict__ sinks, int heads) {
     const i64 th = blockIdx.x;
     const float* ml = part_ml + th * nsplit * 2;
     float mx = NEG_INF;
@@ -318,6 +335,7 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_ml, 
                 a += part_acc[(th * nsplit + z) * dv + d] * f;
             }
         }
+        if (sinks) sink_join(sinks[th % heads], mx, sum, a);
         out[th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
     }
 }

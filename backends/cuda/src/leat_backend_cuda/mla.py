@@ -1,0 +1,103 @@
+"""Multi-head latent attention on the CUDA backend (``kernels/mla.cu``): DeepSeek 2/3's absorbed MLA.
+
+The layer's K pages hold one key ``[latent, k_rope]`` per token (``KVLayout(1, rank + rope, rank,
+latent=True)``; no V storage), and attention runs as MQA whose values are each key's first ``rank``
+entries, split over the sequence and merged by ops.cu's ``attention_combine`` like the GQA kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from leat.batch import Batch
+from leat.errors import LeatError
+
+from leat_backend_cuda.driver import DeviceArray, Module
+from leat_backend_cuda.moe import _ready
+
+MLA_HEADS = 4  # query heads per block (the GB template argument)
+MLA_LANES = (1, 2, 4, 8, 12, 18)  # dims per lane instantiated (DL): up to 576 = DeepSeek's 512 + 64
+MLA_KERNELS = [f"mla_kv_write<{kv}>" for kv in ("float", "u16")] + [
+    f"mla_attention<{kv}, {dl}, {MLA_HEADS}>" for kv in ("float", "u16") for dl in MLA_LANES
+]
+KV_TYPES = {"f32": "float", "f16": "u16"}
+
+
+def programs() -> list[tuple[str, list[str]]]:
+    return [("mla.cu", MLA_KERNELS)]
+
+
+def layer_table(kv: Any, layer: int) -> tuple[Any, int]:
+    """The device page table ``layer`` reads and writes through, and its pages per slot.
+
+    (Caches with one table per page group carry ``device_tables``; older ones one ``table``.)
+    """
+    if hasattr(kv, "device_tables"):
+        return kv.device_tables[kv.group_of[layer]], kv.tables[kv.group_of[layer]].shape[1]
+    return kv.table, kv.page_table.shape[1]
+
+
+class LatentAttentionOps:
+    """``mla_attention`` for :class:`~leat_backend_cuda.backend.CUDABackend` (a mixin)."""
+
+    def _mla_module(self) -> Module:
+        return self._module("mla", "mla.cu", MLA_KERNELS, {})
+
+    def mla_attention(
+        self, q_latent: Any, q_rope: Any, latent: Any, k_rope: Any, kv: Any, layer: int, batch: Batch, scale: float
+    ) -> DeviceArray:
+        q_latent, q_rope, latent, k_rope = (_ready(a) for a in (q_latent, q_rope, latent, k_rope))
+        n, heads, rank = q_latent.shape
+        rope = q_rope.shape[-1]
+        layout = kv.layouts[layer]
+        if not layout.latent or layout.head_dim != rank + rope or layout.kv_heads != 1:
+            raise LeatError(f"layer {layer}'s KV layout {layout} is not the latent layout of rank {rank} + rope {rope}")
+        dl = next((d for d in MLA_LANES if 32 * d >= rank + rope), None)
+        if dl is None:
+            raise LeatError(f"latent keys of {rank + rope} dimensions exceed the MLA kernel's {32 * MLA_LANES[-1]}")
+        ops = self._mla_module()
+        kind = KV_TYPES.get(kv.dtype)
+        if kind is None:
+            raise LeatError(f"the cuda backend stores a latent KV cache as f32 or f16, not {kv.dtype!r}")
+        slots, positions, span = self._token_rows(batch)
+        self._sync_pages(kv)
+        table, per_slot = layer_table(kv, layer)
+        ops[f"mla_kv_write<{kind}>"](
+            (n,), 128, latent, k_rope, kv.k[layer], table, slots, positions, rank, rope, per_slot, kv.page_size
+        )
+        chunks = -(-heads // MLA_HEADS)
+        # about two blocks per multiprocessor, splits of at least 64 positions (as the GQA kernels)
+        splits = max(1, min(-(-2 * self.device.sm_count // (n * chunks)), -(-span // 64)))
+        split = -(-span // splits)
+        split = -(-split // 64) * 64
+        splits = -(-span // split)
+        out = self._empty((n, heads, rank))
+        parts = (
+            (None, None)
+            if splits == 1
+            else (self._empty((n * heads * splits * 2,)), self._empty((n * heads * splits * rank,)))
+        )
+        ops[f"mla_attention<{kind}, {dl}, {MLA_HEADS}>"](
+            (n, chunks, splits),
+            128,
+            q_latent,
+            q_rope,
+            kv.k[layer],
+            table,
+            slots,
+            positions,
+            out if splits == 1 else None,
+            *parts,
+            heads,
+            rank,
+            rope,
+            per_slot,
+            kv.page_size,
+            layout.window or 0,
+            split,
+            float(scale),
+        )
+        if splits > 1:
+            threads = max(32, min(256, -(-rank // 32) * 32))
+            self.ops["attention_combine"]((n * heads,), threads, *parts, out, splits, rank, None, heads)
+        return out

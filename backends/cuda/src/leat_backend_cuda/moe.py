@@ -1,0 +1,161 @@
+"""Mixture-of-experts and per-head products on the CUDA backend (``kernels/moe.cu``, ``kernels/experts.cu``).
+
+A MoE layer is, as llama.cpp's ``mul_mat_id``: the router product, a routing kernel that writes the
+selected expert ids and weights [n, k] on the device, the gate and up products of only the selected
+experts (``gemv_id``: pair (token, j) multiplies expert ``ids[token, j]``), the gated activation, the
+down product of the same experts, and the weighted sum. Nothing is read back to the host, so the
+layer is captured in decode graphs like any other op.
+
+First version, correct rather than fast: the expert products decode and multiply in float32 (no int16
+activations, no tensor cores). Up to GROUPED_TOKENS tokens, ``gemv_id`` runs one (token, expert) pair
+per block row; more tokens are first grouped by expert on the device (``moe_group``) and
+``gemv_grouped`` decodes each weight once per GROUPED_PAIRS pairs of the same expert. A grouped
+tensor-core GEMM is the next step for prefill.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gguf
+import numpy as np
+from leat.errors import LeatError
+from leat.moe import MoESpec, MoEWeights
+
+from leat_backend_cuda import quants
+from leat_backend_cuda.driver import DeviceArray, Module
+
+Q = gguf.GGMLQuantizationType
+F32, I32 = np.dtype(np.float32), np.dtype(np.int32)
+MOE_KERNELS = ["moe_route", "moe_group", "head_group", "moe_glu", "moe_combine", "gemv_id_f32"]
+GROUPED_PAIRS = 8  # pairs per block of gemv_grouped (its NC)
+GROUPED_TOKENS = 8  # more tokens than this: expert products grouped by expert
+GATING = {"softmax": 0, "softmax_selected": 1, "sigmoid": 2}
+ACTIVATION = {"silu": 0, "swiglu_oai": 1}
+
+
+def expert_kernels(qtype: Q) -> list[str]:
+    """gemv_id and gemv_grouped for ``qtype`` (experts.cu)."""
+    struct = quants.LAYOUTS[qtype].struct
+    return [f"gemv_id<{struct}>", f"gemv_grouped<{struct}, {GROUPED_PAIRS}>"]
+
+
+def programs() -> list[tuple[str, list[str]]]:
+    """The kernel programs of this module (for build.py: every one compiles ahead of time)."""
+    return [("moe.cu", MOE_KERNELS)] + [("experts.cu", expert_kernels(q)) for q in quants.LAYOUTS]
+
+
+def _ready(x: Any) -> Any:
+    """A pending array (backend.Pending) launched; anything else as it is."""
+    return x.materialize() if hasattr(x, "materialize") else x
+
+
+class ExpertOps:
+    """``moe`` and ``head_matmul`` for :class:`~leat_backend_cuda.backend.CUDABackend` (a mixin: it uses
+    the backend's device, pool and module cache)."""
+
+    def _moe_module(self) -> Module:
+        return self._module("moe", "moe.cu", MOE_KERNELS, {})
+
+    def _product_id(
+        self,
+        x: DeviceArray,
+        weight: Any,
+        pairs: int,
+        ids: DeviceArray | None,
+        x_div: int,
+        bias: Any = None,
+        groups: tuple[DeviceArray, DeviceArray, DeviceArray] | None = None,
+    ) -> DeviceArray:
+        """y [pairs, M]: pair p times matrix ``ids[p]`` (or ``p % E`` without ids) of the stacked
+        ``weight`` [E, M, K] by row ``p // x_div`` of x, plus ``bias[e]`` ([E, M] or [M] when E is 1).
+        ``groups`` (moe_group's start, chunk_start, order of ``ids``): each weight decoded once per
+        GROUPED_PAIRS pairs."""
+        shape = weight.shape
+        experts, m, k = (shape[0], shape[1], shape[2]) if len(shape) == 3 else (1, shape[0], shape[1])
+        if x.shape[-1] != k:
+            raise ValueError(f"{weight.name}: rows of {k} values, but x has {x.shape[-1]} columns")
+        out = self._empty((pairs, m))
+        bias = self._dense(bias)
+        grid_y = -(-m // 4) if weight.kernels is None else -(-m // 8)
+        if weight.kernels is None:  # float32 rows not a multiple of 8 long
+            kernel = self._moe_module()["gemv_id_f32"]
+            kernel((pairs, grid_y), 128, weight.ptr, ids, experts, x, x_div, out, bias, m, k)
+        else:
+            names = expert_kernels(weight.qtype)
+            module = self._module(f"experts-{weight.qtype.name}", "experts.cu", names, {})
+            if groups is None:
+                module[names[0]](
+                    (pairs, grid_y), 128, weight.ptr, weight.blocks, ids, experts, x, x_div, out, bias, m, k
+                )
+            else:
+                blocks = -(-pairs // GROUPED_PAIRS) + experts
+                module[names[1]](
+                    (blocks, grid_y), 128, weight.ptr, weight.blocks, *groups, experts, x, x_div, out, bias, m, k
+                )
+        return out
+
+    def _dense(self, bias: Any) -> DeviceArray | None:
+        """A bias as float32 on the device: vectors are uploaded so; 2-D biases must be F32 (as GGUF
+        converters store them)."""
+        if bias is None or isinstance(bias, DeviceArray):
+            return bias
+        if bias.qtype != Q.F32:
+            raise LeatError(f"{bias.name} is {bias.qtype.name}; the cuda backend takes expert biases in F32 only")
+        return DeviceArray(bias.ptr, bias.shape, F32, bias.memory)
+
+    def moe(self, x: Any, weights: MoEWeights, spec: MoESpec) -> DeviceArray:
+        x = _ready(x)
+        n, d = x.size // x.shape[-1], x.shape[-1]
+        k, experts = spec.experts_used, spec.experts
+        ops = self._moe_module()
+        # router logits in float32 (gemv_id with one matrix), not the f16 GEMM: routing follows logit order
+        logits = self._product_id(x, weights.router, n, None, 1, weights.router_bias)
+        ids, gains = self._empty((n, k), I32), self._empty((n, k))
+        limited = spec.groups if spec.groups > 1 else 0
+        smem = 4 * (2 * experts + limited) + experts + limited + 4
+        ops["moe_route"](
+            (n,),
+            32,
+            logits,
+            self._dense(weights.selection_bias),
+            ids,
+            gains,
+            experts,
+            k,
+            GATING[spec.gating],
+            int(spec.normalize),
+            float(spec.scale),
+            limited,
+            spec.groups_used if limited else 0,
+            smem=smem,
+        )
+        groups = None
+        if n > GROUPED_TOKENS:
+            groups = (self._empty((experts + 1,), I32), self._empty((experts + 1,), I32), self._empty((n * k,), I32))
+            threads = max(32, min(1024, -(-experts // 32) * 32))
+            ops["moe_group"]((1,), threads, ids, n * k, experts, GROUPED_PAIRS, *groups)
+        gate = self._product_id(x, weights.gate, n * k, ids, k, weights.gate_bias, groups)
+        up = self._product_id(x, weights.up, n * k, ids, k, weights.up_bias, groups)
+        h = self._empty(gate.shape)
+        total = gate.size
+        grid = max(1, min(-(-total // 256), 8 * self.device.sm_count))
+        ops["moe_glu"](
+            (grid,), 256, gate, up, h, total, ACTIVATION[spec.activation], float(spec.alpha), float(spec.limit)
+        )
+        y = self._product_id(h, weights.down, n * k, ids, 1, weights.down_bias, groups)
+        out = self._empty(x.shape)
+        ops["moe_combine"]((n,), max(32, min(256, -(-d // 32) * 32)), y, gains, out, k, d)
+        return out
+
+    def head_matmul(self, x: Any, weight: Any) -> DeviceArray:
+        x = _ready(x)
+        n, heads, _ = x.shape
+        if len(weight.shape) != 3 or weight.shape[0] != heads:
+            raise ValueError(f"head_matmul: x has {heads} heads but {weight.name} is {weight.shape}")
+        groups = None
+        if n > GROUPED_TOKENS:  # each head's matrix decoded once per GROUPED_PAIRS tokens
+            groups = (self._empty((heads + 1,), I32), self._empty((heads + 1,), I32), self._empty((n * heads,), I32))
+            self._moe_module()["head_group"]((1,), 256, n, heads, GROUPED_PAIRS, *groups)
+        out = self._product_id(x, weight, n * heads, None, 1, groups=groups)
+        return out.view((n, heads, weight.shape[1]))
