@@ -50,6 +50,8 @@ OPS_KERNELS = [
     "kv_write<float>",
     "kv_write<u16>",
 ] + [f"{k}<{kv}, {dl}, 4>" for k in ("attention", "attention_wide") for kv in ("float", "u16") for dl in (1, 2, 4, 8)]
+FLASH_DIMS = (64, 128)  # head dimensions of the tensor-core prefill attention
+FLASH_KERNELS = [f"flash_attention<{d}>" for d in FLASH_DIMS]
 GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
 KV_DTYPES = {"f32": ("float", F32), "f16": ("u16", U16)}
 TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
@@ -174,6 +176,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         self._tokens_meta: OrderedDict[int, tuple[Batch, DeviceArray, DeviceArray, int]] = OrderedDict()
         self._rope: dict[int, tuple[RopeSpec, DeviceArray]] = {}
         self._by_input: OrderedDict[int, tuple[DeviceArray, list[Pending]]] = OrderedDict()
+        self._tiles: OrderedDict[tuple[int, int], tuple[Batch, DeviceArray]] = OrderedDict()
         self._halves: OrderedDict[int, tuple[DeviceArray, DeviceArray, DeviceArray]] = OrderedDict()
         self._captured: dict[tuple, _Captured] = {}
         self._capturing = False
@@ -634,6 +637,10 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             per_slot,
             kv.page_size,
         )
+        # a prefill (some row has several tokens; never a captured decode step): tensor cores
+        flash = n > quants.GEMV_MAX_TOKENS and n > len(batch.rows) and kind == "u16" and dk == dv
+        if flash and dk in FLASH_DIMS and sinks is None:
+            return self._flash(q, kv, layer, batch, table, slots, positions, scale, softcap)
         lanes = -(-max(dk, dv) // 32)
         dl = next((d for d in (1, 2, 4, 8) if d >= lanes), None)
         if dl is None:
@@ -685,6 +692,53 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         if splits > 1:
             self.ops["attention_combine"]((n * heads,), _threads(dv), part_ml, part_acc, out, splits, dv, sinks, heads)
         return out
+
+    def _flash(self, q, kv: KVCache, layer: int, batch: Batch, table, slots, positions, scale: float, softcap: float):
+        """Tensor-core attention for a prefill over an f16 cache (kernels/flash.cu): the batch's rows cut
+        into tiles of consecutive tokens, one block per tile, KV head and chunk of its query heads."""
+        n, heads, dim = q.shape
+        kv_heads = kv.layouts[layer].kv_heads
+        group = heads // kv_heads
+        per_block = 4 if group >= 3 else group  # query heads per block; its 4 warps split the tile's tokens
+        tiles = self._flash_tiles(batch, 16 * 4 // per_block)
+        out = self._empty((n, heads * dim))
+        self._module("flash", "flash.cu", FLASH_KERNELS, {})[f"flash_attention<{dim}>"](
+            (tiles.size // 2, kv_heads * -(-group // per_block)),
+            128,
+            q,
+            kv.k[layer],
+            kv.v[layer],
+            table,
+            slots,
+            positions,
+            tiles,
+            out,
+            heads,
+            kv_heads,
+            kv.tables[0].shape[1],
+            kv.page_size,
+            kv.layouts[layer].window or 0,
+            float(scale),
+            float(softcap),
+            per_block,
+        )
+        return out
+
+    def _flash_tiles(self, batch: Batch, tile: int) -> DeviceArray:
+        """(first token, count) of each run of up to ``tile`` consecutive tokens of one row, on the device."""
+        hit = self._tiles.get((id(batch), tile))
+        if hit is not None and hit[0] is batch:
+            return hit[1]
+        tiles, first = [], 0
+        for row in batch.rows:
+            count = len(row.tokens)
+            tiles += [(start, min(tile, first + count - start)) for start in range(first, first + count, tile)]
+            first += count
+        host = np.asarray(tiles, np.int32).reshape(-1)
+        array = self._empty(host.shape, I32)
+        self.device.upload(array.ptr, host)
+        self._remember(self._tiles, (id(batch), tile), (batch, array))
+        return array
 
     def _elementwise(self, kernel: str, *args: Any, like: DeviceArray) -> DeviceArray:
         args = tuple(_ready(a) for a in args)
