@@ -277,6 +277,18 @@ def test_elementwise_and_rows(cuda, oracle):
     assert cuda.reshape(cuda_array(cuda, table), (7, -1)).shape == (7, 15)
 
 
+def test_argmax(cuda):
+    """Row-wise argmax on the device equals numpy's, ties (first index), -inf rows and a vocabulary-sized row."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((5, 128256)).astype(np.float32)
+    x[1, [7, 90000]] = 50.0  # a tie: the first wins
+    x[2] = -np.inf
+    x[3, -1] = 99.0
+    np.testing.assert_array_equal(cuda.argmax(cuda_array(cuda, x)), np.argmax(x, axis=-1))
+    small = rng.standard_normal((3, 33)).astype(np.float32)
+    np.testing.assert_array_equal(cuda.argmax(cuda_array(cuda, small)), np.argmax(small, axis=-1))
+
+
 def test_allocations_are_counted(cuda):
     cuda.from_host(np.ones(4))
     before = cuda.allocations.weights

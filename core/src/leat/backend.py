@@ -236,6 +236,14 @@ class Backend:
     def to_host(self, x: Any) -> np.ndarray:
         raise self._missing()
 
+    def argmax(self, x: Any) -> np.ndarray:
+        """The index of each row's largest entry (the first of equals): x [n, m] -> host int64 [n].
+
+        Greedy decoding asks for this rather than :meth:`to_host` of the logits, so that a device
+        backend can send n token ids to the host instead of n x vocabulary floats.
+        """
+        return np.argmax(self.to_host(x), axis=-1)
+
     def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any) -> Any:
         """One step of ``forward`` (an architecture's ``forward``) on ``batch``: its logits.
 

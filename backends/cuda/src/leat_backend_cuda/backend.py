@@ -47,6 +47,7 @@ OPS_KERNELS = [
     "x_to_f16",
     "matmul_f32_naive",
     "splitk_sum",
+    "argmax_rows",
     "kv_write<float>",
     "kv_write<u16>",
 ] + [f"{k}<{kv}, {dl}, 4>" for k in ("attention", "attention_wide") for kv in ("float", "u16") for dl in (1, 2, 4, 8)]
@@ -353,6 +354,13 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         out = np.empty(x.shape, x.dtype)
         self.device.download(out, x.ptr)
         return out
+
+    def argmax(self, x: DeviceArray) -> np.ndarray:
+        x = _ready(x)
+        cols = x.shape[-1]
+        out = self._empty((x.size // cols,), I32)
+        self.ops["argmax_rows"]((x.size // cols,), 256, x, out, cols)
+        return self.to_host(out).astype(np.int64)
 
     # -- host inputs ---------------------------------------------------------------------------------
     def _ints(self, values: np.ndarray) -> DeviceArray:

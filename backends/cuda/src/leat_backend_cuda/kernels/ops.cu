@@ -359,6 +359,37 @@ ELEMENTWISE(gelu_mul, (const float* __restrict__ g, const float* __restrict__ u,
             0.5f * g[i] * (1.0f + tanhf(0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i])
 
 // y = the sum of S partial results part[z] (split-K GEMMs).
+// The index of each row's largest value, the first of equals (numpy's argmax): one block per row.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int* __restrict__ out, int cols) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    const float* xr = x + (i64)blockIdx.x * cols;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float v = NEG_INF;
+    int at = cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float y = xr[c];
+        if (y > v) v = y, at = c;
+    }
+    auto reduce = [&]() {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(FULL_MASK, v, o);
+            const int oi = __shfl_xor_sync(FULL_MASK, at, o);
+            if (ov > v || (ov == v && oi < at)) v = ov, at = oi;
+        }
+    };
+    reduce();
+    if (lane == 0) best_v[warp] = v, best_i[warp] = at;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? best_v[lane] : NEG_INF;
+        at = lane < (int)(blockDim.x >> 5) ? best_i[lane] : cols;
+        reduce();
+        if (lane == 0) out[blockIdx.x] = at < cols ? at : 0;
+    }
+}
+
 extern "C" __global__ void splitk_sum(const float* __restrict__ part, float* __restrict__ y, i64 n, int S) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float s = part[i];
