@@ -37,10 +37,22 @@ def relative_error(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-def both(cuda, oracle, name, qtype, values):
-    """One tensor uploaded to both backends, quantized to ``qtype`` where it is not F32."""
+# byte offset of the f16 scale fields (d, and dmin where present) of K types gguf-py cannot quantize
+K_SCALES = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def both(cuda, oracle, name, qtype, values, rng=None):
+    """One tensor uploaded to both backends, quantized to ``qtype`` where it is not F32 (K types: random
+    blocks with small scales, as gguf-py cannot quantize them)."""
     values = np.asarray(values, np.float32)
-    data = values if qtype == Q.F32 else gguf.quants.quantize(values.reshape(-1, values.shape[-1]), qtype)
+    if qtype in K_SCALES:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (values.size // block, size), dtype=np.uint8)
+        for offset in K_SCALES[qtype]:
+            scale = rng.uniform(0.0005, 0.002, len(data)).astype(np.float16)
+            data[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    else:
+        data = values if qtype == Q.F32 else gguf.quants.quantize(values.reshape(-1, values.shape[-1]), qtype)
     tensor = Tensor(name, qtype, values.shape, data)
     return cuda.upload(tensor), oracle.upload(tensor)
 
@@ -54,6 +66,8 @@ MOE_CASES = {
     # DeepSeek V3: sigmoid, selection bias, 2 of 4 groups, normalized and scaled
     "deepseek-v3-q4_0": (MoESpec(16, 4, "sigmoid", True, 2.5, groups=4, groups_used=2), Q.Q4_0, False, True),
     "deepseek-v2-f16": (MoESpec(8, 3, "softmax", scale=1.5), Q.F16, False, False),
+    "qwen3moe-q4_k": (MoESpec(8, 2, "softmax", normalize=True), Q.Q4_K, False, False),
+    "qwen3moe-q6_k": (MoESpec(8, 2, "softmax", normalize=True), Q.Q6_K, False, False),
 }
 
 
@@ -62,12 +76,12 @@ MOE_CASES = {
 def test_moe(cuda, oracle, case, n):
     spec, qtype, biases, selection_bias = MOE_CASES[case]
     rng = np.random.default_rng(n + 100 * list(MOE_CASES).index(case))
-    d, ffn, e = 256, 64, spec.experts
+    d, ffn, e = 256, 256 if qtype in K_SCALES else 64, spec.experts
     pair = {
         "router": both(cuda, oracle, "router", Q.F32, rng.standard_normal((e, d)) / 4),
-        "gate": both(cuda, oracle, "gate", qtype, rng.standard_normal((e, ffn, d)) / 8),
-        "up": both(cuda, oracle, "up", qtype, rng.standard_normal((e, ffn, d)) / 8),
-        "down": both(cuda, oracle, "down", qtype, rng.standard_normal((e, d, ffn)) / 8),
+        "gate": both(cuda, oracle, "gate", qtype, rng.standard_normal((e, ffn, d)) / 8, rng),
+        "up": both(cuda, oracle, "up", qtype, rng.standard_normal((e, ffn, d)) / 8, rng),
+        "down": both(cuda, oracle, "down", qtype, rng.standard_normal((e, d, ffn)) / 8, rng),
     }
     if biases:
         pair["router_bias"] = both(cuda, oracle, "router_bias", Q.F32, rng.standard_normal(e))

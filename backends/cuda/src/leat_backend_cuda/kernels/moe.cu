@@ -84,14 +84,14 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(
     float total = 0.0f, top = NEG_INF;
     for (int j = 0; j < k; ++j) {
         const int e = warp_argmax(sel, taken, E);
-        if (lane == 0) taken[e] = 1;
+        if (lane == 0) {
+            taken[e] = 1;
+            out_ids[j] = e;
+            out_w[j] = score[e];
+        }
+        top = fmaxf(top, score[e]);
         __syncwarp();
-        const float w = score[e];
-        out_ids[j] = e;  // every lane writes the same value
-        out_w[j] = w;
-        top = fmaxf(top, w);
     }
-    __syncwarp();
     if (lane != 0) return;
     if (gating == GATING_SOFTMAX_SELECTED) {
         for (int j = 0; j < k; ++j) total += (out_w[j] = expf(out_w[j] - top));

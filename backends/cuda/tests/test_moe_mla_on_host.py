@@ -1,0 +1,516 @@
+"""The MoE and MLA kernels (kernels/moe.cu, experts.cu, mla.cu) compiled for the host with g++ and run with one
+host thread per CUDA thread (shuffles and barriers emulated with std::barrier), against leat's float64
+references: routing of every gating, the grouped and ungrouped expert products, a whole MoE layer, and
+latent attention. No GPU needed; skipped where g++ is missing. Slow-ish (threads per block), so sizes are small.
+"""
+
+import ctypes
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from leat.backend import KVLayout
+from leat.batch import Batch, Row
+from leat.modelfile import Tensor
+from leat.moe import MoESpec, MoEWeights, route, selection_margin
+from leat_backend_cpu.backend import CPUBackend
+from leat_backend_cuda import quants
+
+Q = gguf.GGMLQuantizationType
+SHIM = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <vector>
+using std::isfinite;
+using std::max;
+using std::min;
+#define __global__
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+#define FULL_MASK 0xffffffffu
+inline float __int_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+#define NEG_INF __int_as_float(0xff800000u)
+inline unsigned short f32_to_f16(float f) { _Float16 h = (_Float16)f; unsigned short u; memcpy(&u, &h, 2); return u; }
+
+struct Dim { unsigned x = 0, y = 0, z = 0; };
+inline thread_local Dim threadIdx, blockIdx;
+inline Dim blockDim, gridDim;
+struct HostBlock {
+    std::barrier<>* block;
+    std::vector<std::barrier<>*> warps;
+    std::vector<long long> exchange;
+};
+inline HostBlock* current;
+inline float host_smem[1 << 16];
+inline void __syncthreads() { current->block->arrive_and_wait(); }
+inline void __syncwarp(unsigned = FULL_MASK) { current->warps[threadIdx.x / 32]->arrive_and_wait(); }
+template <class T> T exchange(T v, int from) {
+    long long bits = 0;
+    memcpy(&bits, &v, sizeof(T));
+    current->exchange[threadIdx.x] = bits;
+    __syncwarp();
+    bits = current->exchange[(threadIdx.x & ~31u) + from];
+    __syncwarp();
+    T r;
+    memcpy(&r, &bits, sizeof(T));
+    return r;
+}
+template <class T> T __shfl_xor_sync(unsigned, T v, int o) { return exchange(v, (threadIdx.x & 31) ^ o); }
+template <class T> T __shfl_sync(unsigned, T v, int src) { return exchange(v, src); }
+inline float warp_sum(float v) { for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o); return v; }
+inline float warp_max(float v) { for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o)); return v; }
+inline float block_reduce(float v, bool max) {
+    static float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = max ? warp_max(v) : warp_sum(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < warps ? partial[lane] : (max ? NEG_INF : 0.0f);
+    return max ? warp_max(v) : warp_sum(v);
+}
+inline float block_sum(float v) { return block_reduce(v, false); }
+inline float block_max(float v) { return block_reduce(v, true); }
+inline unsigned pack_f16x2(float lo, float hi) { return f32_to_f16(lo) | ((unsigned)f32_to_f16(hi) << 16); }
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+// Runs kernel() for every block of `grid`, one host thread per CUDA thread; blocks one after another.
+template <class F> void launch(Dim grid, unsigned threads, F kernel) {
+    blockDim = {threads, 1, 1};
+    gridDim = grid;
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                HostBlock b{new std::barrier<>(threads), {}, std::vector<long long>(threads)};
+                for (unsigned w = 0; w < (threads + 31) / 32; ++w) b.warps.push_back(new std::barrier<>(32));
+                current = &b;
+                std::vector<std::thread> lanes;
+                for (unsigned t = 0; t < threads; ++t)
+                    lanes.emplace_back([&, t] {
+                        threadIdx = {t, 0, 0};
+                        blockIdx = {x, y, z};
+                        kernel();
+                        b.block->arrive_and_drop();  // an exited thread no longer holds the others up
+                        b.warps[t / 32]->arrive_and_drop();
+                    });
+                for (auto& lane : lanes) lane.join();
+                delete b.block;
+                for (auto* w : b.warps) delete w;
+            }
+}
+"""
+
+EXPORTS = r"""
+extern "C" void route(const float* logits, const float* bias, int* ids, float* w, int n, int E, int k, int gating,
+                      int normalize, float scale, int groups, int used) {
+    launch({(unsigned)n, 1, 1}, 32, [=] { moe_route(logits, bias, ids, w, E, k, gating, normalize, scale, groups, used); });
+}
+extern "C" void group(const int* ids, int P, int E, int NC, int* start, int* chunk_start, int* order) {
+    launch({1, 1, 1}, 64, [=] { moe_group(ids, P, E, NC, start, chunk_start, order); });
+}
+extern "C" void heads(int n, int h, int NC, int* start, int* chunk_start, int* order) {
+    launch({1, 1, 1}, 64, [=] { head_group(n, h, NC, start, chunk_start, order); });
+}
+extern "C" void glu(const float* g, const float* u, float* y, long long n, int kind, float alpha, float limit) {
+    launch({1, 1, 1}, 64, [=] { moe_glu(g, u, y, n, kind, alpha, limit); });
+}
+extern "C" void combine(const float* y, const float* w, float* out, int n, int k, int d) {
+    launch({(unsigned)n, 1, 1}, 64, [=] { moe_combine(y, w, out, k, d); });
+}
+#define PRODUCTS(T)                                                                                                   \
+    extern "C" void id_##T(const u8* w, i64 nb, const int* ids, int mod, const float* x, int x_div, float* y,        \
+                           const float* bias, int M, int K, int pairs) {                                              \
+        launch({(unsigned)pairs, (unsigned)((M + 7) / 8), 1}, 128, [=] { gemv_id<T>(w, nb, ids, mod, x, x_div, y, bias, M, K); }); \
+    }                                                                                                                 \
+    extern "C" void grouped_##T(const u8* w, i64 nb, const int* start, const int* chunk_start, const int* order,     \
+                                int E, const float* x, int x_div, float* y, const float* bias, int M, int K, int blocks) { \
+        launch({(unsigned)blocks, (unsigned)((M + 7) / 8), 1}, 128,                                                    \
+               [=] { gemv_grouped<T, 8>(w, nb, start, chunk_start, order, E, x, x_div, y, bias, M, K); });          \
+    }
+PRODUCTS(TF32)
+PRODUCTS(TQ8_0)
+PRODUCTS(TMXFP4)
+PRODUCTS(TQ4_K)
+extern "C" void mla(const float* ql, const float* qr, const float* latent, const float* kr, float* kc, const int* table,
+                    const int* slots, const int* pos, float* out, float* ml, float* acc, int n, int heads, int rank,
+                    int rope, int per_slot, int page_size, int window, int split, int splits, float scale) {
+    launch({(unsigned)n, 1, 1}, 128, [=] { mla_kv_write<float>(latent, kr, kc, table, slots, pos, rank, rope, per_slot, page_size); });
+    launch({(unsigned)n, (unsigned)((heads + 3) / 4), (unsigned)splits}, 128, [=] {
+        mla_attention<float, 2, 4>(ql, qr, kc, table, slots, pos, out, ml, acc, heads, rank, rope, per_slot, page_size,
+                                   window, split, scale);
+    });
+}
+"""
+
+
+ATTENTION = r"""
+extern "C" void attend(const float* q, const float* k, const float* v, float* kc, float* vc, const int* table,
+                       const int* slots, const int* pos, float* out, float* ml, float* acc, int n, int heads,
+                       int kv_heads, int dim, int per_slot, int page_size, int window, int split, int splits,
+                       float scale, const float* sinks, int wide) {
+    launch({(unsigned)n, 1, 1}, 128, [=] { kv_write<float>(k, v, kc, vc, table, slots, pos, kv_heads, dim, dim, per_slot, page_size); });
+    const unsigned chunks = (heads / kv_heads + 3) / 4;
+    auto body = [=] {
+        float* target = splits == 1 ? out : nullptr;
+        if (wide)
+            attention_wide<float, 1, 4>(q, kc, vc, table, slots, pos, target, ml, acc, heads, kv_heads, dim, dim, per_slot,
+                                        page_size, window, split, scale, 0.0f, sinks);
+        else
+            attention<float, 1, 4>(q, kc, vc, table, slots, pos, target, ml, acc, heads, kv_heads, dim, dim, per_slot,
+                                   page_size, window, split, scale, 0.0f, sinks);
+    };
+    launch({(unsigned)n, (unsigned)(kv_heads * chunks), (unsigned)splits}, 128, body);
+    if (splits > 1) launch({(unsigned)(n * heads), 1, 1}, 32, [=] { attention_combine(ml, acc, out, splits, dim, sinks, heads); });
+}
+extern "C" void rotate(const float* x, float* y, const int* pos, const double* inv_freq, int n, int heads, int head_dim,
+                       int dims, int neox, float magnitude) {
+    launch({(unsigned)(n * heads), 1, 1}, 32, [=] { rope(x, y, pos, inv_freq, heads, head_dim, dims, neox, magnitude); });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def ops_kernels(tmp_path_factory):
+    """ops.cu's kv_write, attention, attention_wide and attention_combine on the host (the sink paths)."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("g++ not found")
+    folder = tmp_path_factory.mktemp("ops-host")
+    host_common = (Path(__file__).parent / "host" / "common.cuh").read_text().replace("#pragma once", "")
+    (folder / "common.cuh").write_text("#pragma once\n" + host_common + SHIM)
+    ops = resources.files("leat_backend_cuda").joinpath("kernels", "ops.cu").read_text()
+    (folder / "harness.cpp").write_text(ops + ATTENTION)
+    library = folder / "libops.so"
+    subprocess.run(
+        [compiler, "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w", "-o", library, folder / "harness.cpp"],
+        check=True,
+    )
+    return ctypes.CDLL(str(library))
+
+
+@pytest.mark.parametrize("wide", [0, 1])
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_sinks(ops_kernels, wide, splits, window):
+    rng = np.random.default_rng(wide + 2 * splits + window)
+    heads, kv_heads, dim, n, page_size = 6, 2, 16, 11, 4
+    cpu = CPUBackend("f64")
+    kv = cpu.allocate_kv([KVLayout(kv_heads, dim, window=window or None)], 1, 12, page_size=page_size)
+    q, k, v = (f32(rng.standard_normal((n, h, dim))) for h in (heads, kv_heads, kv_heads))
+    sinks = f32(np.linspace(-3, 4, heads))
+    batch = Batch([Row(0, 0, np.zeros(n, int), all_logits=True)])
+    want = cpu.attention_sinks(*(a.astype(np.float64) for a in (q, k, v)), kv, 0, batch, 0.4, sinks.astype(np.float64))
+    kc, vc = (np.full(3 * page_size * kv_heads * dim, np.nan, np.float32) for _ in range(2))
+    table = np.ascontiguousarray(kv.page_table, np.int32)
+    slots, pos = np.zeros(n, np.int32), np.arange(n, dtype=np.int32)
+    out = np.full((n, heads * dim), np.nan, np.float32)
+    ml, acc = np.zeros(n * heads * splits * 2, np.float32), np.zeros(n * heads * splits * dim, np.float32)
+    ops_kernels.attend(
+        ptr(q),
+        ptr(k),
+        ptr(v),
+        ptr(kc),
+        ptr(vc),
+        ptr(table),
+        ptr(slots),
+        ptr(pos),
+        ptr(out),
+        ptr(ml),
+        ptr(acc),
+        n,
+        heads,
+        kv_heads,
+        dim,
+        table.shape[1],
+        page_size,
+        window,
+        64 if splits == 1 else 8,
+        splits,
+        ctypes.c_float(0.4),
+        ptr(sinks),
+        wide,
+    )
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("g++ not found")
+    folder = tmp_path_factory.mktemp("moe-mla-host")
+    host_common = (Path(__file__).parent / "host" / "common.cuh").read_text().replace("#pragma once", "")
+    (folder / "common.cuh").write_text("#pragma once\n" + host_common + SHIM)
+    source = {
+        name: resources.files("leat_backend_cuda").joinpath("kernels", name).read_text()
+        for name in ("quants.cuh", "moe.cu", "experts.cu", "mla.cu")
+    }
+    (folder / "quants.cuh").write_text(source["quants.cuh"])
+    moe = source["moe.cu"].replace("extern __shared__ float sm[];", "float* sm = host_smem;")
+    harness = "\n".join(
+        [
+            moe,
+            source["experts.cu"].replace('#include "quants.cuh"', ""),
+            source["mla.cu"].replace('#include "common.cuh"', ""),
+            EXPORTS,
+        ]
+    )
+    (folder / "harness.cpp").write_text('#include "quants.cuh"\n' + harness)
+    library = folder / "libmoemla.so"
+    subprocess.run(
+        [compiler, "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w", "-o", library, folder / "harness.cpp"],
+        check=True,
+    )
+    return ctypes.CDLL(str(library))
+
+
+def ptr(a):
+    return ctypes.c_void_p(a.ctypes.data) if a is not None else ctypes.c_void_p(0)
+
+
+def f32(x):
+    return np.ascontiguousarray(x, np.float32)
+
+
+SPECS = [
+    MoESpec(8, 2, "softmax", normalize=True),
+    MoESpec(6, 3, "softmax_selected", activation="swiglu_oai"),
+    MoESpec(16, 4, "sigmoid", True, 2.5, groups=4, groups_used=2),
+    MoESpec(40, 6, "softmax", scale=1.5),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.gating}-{s.experts}")
+def test_route(kernels, spec):
+    rng = np.random.default_rng(spec.experts)
+    n, e, k = 9, spec.experts, spec.experts_used
+    logits = f32(rng.standard_normal((n, e)) * 2)  # float32 arrays kept alive while the kernels read them
+    bias = f32(rng.standard_normal(e) / 4) if spec.groups else None
+    want_ids, want_w = route(logits, spec, bias)
+    ids, w = np.full((n, k), -1, np.int32), np.full((n, k), np.nan, np.float32)
+    kernels.route(
+        ptr(logits),
+        ptr(bias),
+        ptr(ids),
+        ptr(w),
+        n,
+        e,
+        k,
+        {"softmax": 0, "softmax_selected": 1, "sigmoid": 2}[spec.gating],
+        int(spec.normalize),
+        ctypes.c_float(spec.scale),
+        spec.groups if spec.groups > 1 else 0,
+        spec.groups_used,
+    )
+    decided = selection_margin(logits, spec, bias) > 1e-5
+    assert decided.sum() >= n - 2
+    np.testing.assert_array_equal(ids[decided], want_ids[decided])
+    np.testing.assert_allclose(w[decided], want_w[decided], rtol=2e-6, atol=1e-7)
+
+
+def upload(qtype, values, rng):
+    values = f32(values)
+    if qtype == Q.Q4_K:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (values.size // block, size), dtype=np.uint8)
+        data[:, 0:4] = rng.uniform(0.0005, 0.002, (len(data), 2)).astype(np.float16).view(np.uint8)
+    else:
+        data = values if qtype == Q.F32 else gguf.quants.quantize(values.reshape(-1, values.shape[-1]), qtype)
+    exact = CPUBackend("f64").upload(Tensor("w", qtype, values.shape, data))
+    return (
+        quants.device_bytes(qtype, data),
+        quants.blocks_of(qtype, values.size // values.shape[-1], values.shape[-1]),
+        exact,
+    )
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.MXFP4, Q.Q4_K])
+def test_expert_products_ungrouped_and_grouped(kernels, qtype):
+    rng = np.random.default_rng(int(qtype))
+    e, m, k, n, used = 5, 12, 256, 11, 2
+    stored, nb, exact = upload(qtype, rng.standard_normal((e, m, k)) / 8, rng)
+    x = f32(rng.standard_normal((n, k)))
+    ids = np.stack([rng.choice(e, used, replace=False) for _ in range(n)]).astype(np.int32)
+    bias = f32(rng.standard_normal((e, m)))
+    want = np.einsum("pmk,pk->pm", exact[ids.reshape(-1)], np.repeat(x.astype(np.float64), used, axis=0))
+    want += bias[ids.reshape(-1)]
+    struct = quants.LAYOUTS[qtype].struct
+    got = np.full((n * used, m), np.nan, np.float32)
+    getattr(kernels, f"id_{struct}")(
+        ptr(stored), ctypes.c_longlong(nb), ptr(ids), e, ptr(x), used, ptr(got), ptr(bias), m, k, n * used
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    start, chunk_start, order = (np.full(s, -7, np.int32) for s in (e + 1, e + 1, n * used))
+    kernels.group(ptr(ids), n * used, e, 8, ptr(start), ptr(chunk_start), ptr(order))
+    counts = np.bincount(ids.reshape(-1), minlength=e)
+    np.testing.assert_array_equal(np.diff(start), counts)
+    np.testing.assert_array_equal(np.diff(chunk_start), -(-counts // 8))
+    np.testing.assert_array_equal(order, np.argsort(ids.reshape(-1), kind="stable"))
+    grouped = np.full((n * used, m), np.nan, np.float32)
+    getattr(kernels, f"grouped_{struct}")(
+        ptr(stored),
+        ctypes.c_longlong(nb),
+        ptr(start),
+        ptr(chunk_start),
+        ptr(order),
+        e,
+        ptr(x),
+        used,
+        ptr(grouped),
+        ptr(bias),
+        m,
+        k,
+        -(-n * used // 8) + e,
+    )
+    np.testing.assert_allclose(grouped, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_head_groups(kernels):
+    n, heads = 11, 3
+    start, chunk_start, order = (np.full(s, -7, np.int32) for s in (heads + 1, heads + 1, n * heads))
+    kernels.heads(n, heads, 8, ptr(start), ptr(chunk_start), ptr(order))
+    np.testing.assert_array_equal(start, np.arange(heads + 1) * n)
+    np.testing.assert_array_equal(chunk_start, np.arange(heads + 1) * 2)
+    np.testing.assert_array_equal(order, (np.arange(n)[None, :] * heads + np.arange(heads)[:, None]).reshape(-1))
+
+
+@pytest.mark.parametrize("spec", SPECS[:3], ids=lambda s: s.gating)
+def test_whole_moe_layer(kernels, spec):
+    """route -> group -> grouped gate/up -> activation -> grouped down -> weighted sum, against CPUBackend.moe."""
+    rng = np.random.default_rng(3)
+    n, d, ffn, e, k = 10, 64, 16, spec.experts, spec.experts_used
+    cpu = CPUBackend("f64")
+    router, gate, up, down = (f32(rng.standard_normal(s) / 4) for s in ((e, d), (e, ffn, d), (e, ffn, d), (e, d, ffn)))
+    biases = [f32(rng.standard_normal(s)) for s in ((e, ffn), (e, ffn), (e, d))]
+    x = f32(rng.standard_normal((n, d)))
+    weights = MoEWeights(router, gate, up, down, None, *biases)
+    want = cpu.moe(x.astype(np.float64), weights, spec)
+    logits = f32(x @ router.T)
+    ids, w = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
+    kernels.route(
+        ptr(logits),
+        ptr(None),
+        ptr(ids),
+        ptr(w),
+        n,
+        e,
+        k,
+        {"softmax": 0, "softmax_selected": 1, "sigmoid": 2}[spec.gating],
+        int(spec.normalize),
+        ctypes.c_float(spec.scale),
+        spec.groups if spec.groups > 1 else 0,
+        spec.groups_used,
+    )
+    start, chunk_start, order = (np.zeros(s, np.int32) for s in (e + 1, e + 1, n * k))
+    kernels.group(ptr(ids), n * k, e, 8, ptr(start), ptr(chunk_start), ptr(order))
+    blocks = -(-n * k // 8) + e
+
+    def product(matrix, bias, inputs, x_div):
+        out = np.full((n * k, matrix.shape[1]), np.nan, np.float32)
+        kernels.grouped_TF32(
+            ptr(matrix),
+            ctypes.c_longlong(matrix.size // 8),
+            ptr(start),
+            ptr(chunk_start),
+            ptr(order),
+            e,
+            ptr(inputs),
+            x_div,
+            ptr(out),
+            ptr(bias),
+            matrix.shape[1],
+            matrix.shape[2],
+            blocks,
+        )
+        return out
+
+    g, u = product(gate, biases[0], x, k), product(up, biases[1], x, k)
+    h = np.full_like(g, np.nan)
+    kernels.glu(
+        ptr(g),
+        ptr(u),
+        ptr(h),
+        ctypes.c_longlong(g.size),
+        int(spec.activation == "swiglu_oai"),
+        ctypes.c_float(spec.alpha),
+        ctypes.c_float(spec.limit),
+    )
+    y = product(down, biases[2], h, 1)
+    out = np.full((n, d), np.nan, np.float32)
+    kernels.combine(ptr(y), ptr(w), ptr(out), n, k, d)
+    decided = selection_margin(logits, spec) > 1e-4
+    np.testing.assert_allclose(out[decided], want[decided], rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_mla_attention(kernels, window):
+    rng = np.random.default_rng(5 + window)
+    heads, rank, rope, n, page_size = 5, 32, 8, 13, 4
+    cpu = CPUBackend("f64")
+    layout = KVLayout(1, rank + rope, rank, window=window or None, latent=True)
+    kv = cpu.allocate_kv([layout], 1, 16, page_size=page_size)
+    cpu.set_pages(kv, 0, kv.page_table[0][::-1].copy())
+    args = [f32(rng.standard_normal(s)) for s in ((n, heads, rank), (n, heads, rope), (n, rank), (n, rope))]
+    batch = Batch([Row(0, 0, np.zeros(n, int), all_logits=True)])
+    want = cpu.mla_attention(*(a.astype(np.float64) for a in args), kv, 0, batch, 0.3)
+    cache = np.full(4 * page_size * (rank + rope), np.nan, np.float32)
+    table = np.ascontiguousarray(kv.page_table, np.int32)
+    slots, pos = np.zeros(n, np.int32), np.arange(n, dtype=np.int32)
+    for splits, split in ((1, 64), (2, 8)):
+        out = np.full((n, heads, rank), np.nan, np.float32)
+        ml, acc = np.zeros(n * heads * splits * 2, np.float32), np.zeros(n * heads * splits * rank, np.float32)
+        kernels.mla(
+            *(ptr(a) for a in args),
+            ptr(cache),
+            ptr(table),
+            ptr(slots),
+            ptr(pos),
+            ptr(out),
+            ptr(ml),
+            ptr(acc),
+            n,
+            heads,
+            rank,
+            rope,
+            table.shape[1],
+            page_size,
+            window,
+            split,
+            splits,
+            ctypes.c_float(0.3),
+        )
+        if splits == 1:
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+        else:  # the partial results merged as ops.cu's attention_combine does
+            ml = ml.reshape(n * heads, splits, 2)
+            acc = acc.reshape(n * heads, splits, rank)
+            top = ml[..., 0].max(axis=1, keepdims=True)
+            f = np.where(ml[..., 1] > 0, np.exp(ml[..., 0] - top), 0.0)
+            merged = (acc * f[..., None]).sum(axis=1) / (ml[..., 1] * f).sum(axis=1)[:, None]
+            np.testing.assert_allclose(merged.reshape(n, heads, rank), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("neox", [0, 1])
+def test_rope_magnitude(ops_kernels, neox):
+    from leat.backend import RopeSpec
+
+    rng = np.random.default_rng(9)
+    spec = RopeSpec(16, 10000.0, bool(neox), 1.0, np.linspace(1, 4, 8), attn_factor=1.3465735902799727)
+    x, positions = f32(rng.standard_normal((3, 2, 16))), np.array([0, 5, 300], np.int32)
+    want = CPUBackend("f64").rope(x.astype(np.float64), positions, spec)
+    inv_freq = np.ascontiguousarray(spec.base ** (-np.arange(8, dtype=np.float64) * 2 / 16) / spec.freq_factors)
+    got = np.full_like(x, np.nan)
+    ops_kernels.rotate(
+        ptr(x), ptr(got), ptr(positions), ptr(inv_freq), 3, 2, 16, 16, neox, ctypes.c_float(spec.attn_factor)
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
