@@ -28,13 +28,9 @@ def programs() -> list[tuple[str, list[str]]]:
 
 
 def layer_table(kv: Any, layer: int) -> tuple[Any, int]:
-    """The device page table ``layer`` reads and writes through, and its pages per slot.
-
-    (Caches with one table per page group carry ``device_tables``; older ones one ``table``.)
-    """
-    if hasattr(kv, "device_tables"):
-        return kv.device_tables[kv.group_of[layer]], kv.tables[kv.group_of[layer]].shape[1]
-    return kv.table, kv.page_table.shape[1]
+    """The device page table ``layer`` reads and writes through (its page group's), and its pages per slot."""
+    group = kv.group_of[layer]
+    return kv.device_tables[group], kv.tables[group].shape[1]
 
 
 class LatentAttentionOps:
