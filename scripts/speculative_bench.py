@@ -8,6 +8,7 @@ decoding and with speculation, interleaved repeat by repeat so a noisy machine s
 Prints one JSON line per workload: median decode tokens per second of each mode, the speed-up
 (ratio of medians, and the median of each adjacent pair's ratio), acceptance (accepted / proposed draft tokens) and tokens per verification step.
 Decode time is from the first token to the last, so the prompt's prefill is not counted.
+`leat bench --speculate ngram|draft` runs the same workloads (from leat.bench) with means and a table.
 """
 
 from __future__ import annotations
@@ -18,43 +19,9 @@ import statistics
 import time
 
 import leat
-from leat.engine import Engine, GenerationRequest
+from leat.bench import WORKLOADS
+from leat.bench import engine_decode as decode
 from leat.speculative import Speculation, load_proposer
-
-DOCUMENT = (
-    "The Rayleigh scattering of sunlight in the atmosphere causes diffuse sky radiation, which is the reason "
-    "for the blue color of the daytime and twilight sky, as well as the yellowish to reddish hue of the low Sun. "
-    "Sunlight is also subject to Raman scattering, which changes the rotational state of the molecules."
-)
-CODE = """def total_price(items, tax_rate):
-    subtotal = 0
-    for item in items:
-        subtotal += item.price * item.quantity
-    tax = subtotal * tax_rate
-    return subtotal + tax
-"""
-WORKLOADS = {
-    # repetitive: the answer quotes the prompt back
-    "quote": f"Here is a paragraph:\n\n{DOCUMENT}\n\nRepeat the paragraph above word for word.",
-    "code": f"{CODE}\nRewrite this Python function with the variable `subtotal` renamed to `net`. Reply with code only.",
-    # not repetitive: the answer is new text
-    "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-}
-
-
-def decode(model, prompt: list[int], max_tokens: int, speculation: Speculation | None) -> dict:
-    engine = Engine(model, batch_size=1, max_context=len(prompt) + max_tokens, speculation=speculation).start()
-    try:
-        events = list(engine.submit(GenerationRequest(prompt, max_tokens, {"temperature": 0})))
-        stats = engine.stats()
-    finally:
-        engine.stop()
-    done = events[-1]
-    seconds = done.timings["total_seconds"] - done.timings["ttft_seconds"]
-    out = {"ids": [e.id for e in events if e.kind == "token" and e.id >= 0], "seconds": seconds}
-    out["tokens_per_second"] = (done.usage["completion_tokens"] - 1) / seconds
-    out["speculation"] = stats.get("speculation")
-    return out
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ def test_bench_json(tmp_path):
     for row in rows:
         assert row["model"] == str(path) and row["architecture"] == "llama" and row["backend"] == "cpu"
         assert row["size"] == path.stat().st_size and row["repetitions"] == 2 and len(row["rates"]) == 2
-        assert row["tokens_per_second"] > 0 and row["stdev"] >= 0
+        assert row["tokens_per_second"] > 0 and row["stdev"] >= 0 and row["warmup_seconds"] > 0
     assert rows[0]["n_tokens"] == 16 and rows[-1]["n_tokens"] == 32
 
 
@@ -54,3 +54,44 @@ def test_bench_table(tmp_path):
     assert lines[0] == "| model | size | backend | precision | test | t/s |"
     assert [line.split("|")[5].strip() for line in lines[2:]] == ["pp8", "tg4"]
     assert "±" in lines[2]
+
+
+@pytest.mark.parametrize("speculate", [["--speculate", "ngram"], ["--draft", "DRAFT"]])
+def test_bench_speculative_json(tmp_path, speculate):
+    from leat_arch_llama.llama import Llama
+
+    pytest.importorskip("leat_speculative")
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", params=Llama.tiny(context=512))
+    draft = write_tiny_gguf(Llama, tmp_path / "draft.gguf", params=Llama.tiny(context=512, layers=1), seed=7)
+    speculate = [str(draft) if arg == "DRAFT" else arg for arg in speculate]
+    args = ["bench", str(path), "-n", "24", "-r", "2", "--workloads", "quote,story", "--json", "--backend", "cpu"]
+    result = CliRunner().invoke(cli, args + speculate, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert [row["test"] for row in rows] == ["quote tg24", "story tg24"]
+    for row in rows:
+        assert row["proposer"] == ("ngram" if "ngram" in speculate else "draft") and row["backend"] == "cpu"
+        assert row["identical_output"] is True and 2 <= row["n_tokens"] <= 24
+        assert len(row["rates"]) == len(row["plain_rates"]) == 2
+        assert row["tokens_per_second"] > 0 and row["plain_tokens_per_second"] > 0
+        assert row["speedup"] == pytest.approx(row["tokens_per_second"] / row["plain_tokens_per_second"])
+        assert 0 <= row["accepted"] <= row["proposed"] and row["verifications"] <= row["proposed"]
+        assert 0 <= row["acceptance"] <= 1 and row["tokens_per_verification"] >= 1
+        if row["verifications"]:
+            steps = (row["accepted"] + row["verifications"]) / row["verifications"]
+            assert row["tokens_per_verification"] == pytest.approx(steps)
+
+
+def test_bench_speculative_table(tmp_path):
+    from leat_arch_llama.llama import Llama
+
+    pytest.importorskip("leat_speculative")
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", params=Llama.tiny(context=512))
+    args = ["bench", str(path), "--speculate", "ngram", "-n", "16", "-r", "1", "--workloads", "code"]
+    result = CliRunner().invoke(cli, args + ["--backend", "cpu"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[0].startswith("| model | size | backend | precision | test | proposer | plain t/s |")
+    assert lines[2].split("|")[5].strip() == "code tg16" and lines[2].split("|")[-2].strip() == "yes"
+    bad = CliRunner().invoke(cli, args[:-1] + ["poem", "--backend", "cpu"])
+    assert bad.exit_code != 0 and "choose from quote, code, story" in str(bad.exception)

@@ -4,6 +4,9 @@
 * ``tg N``: N single-token decode steps into an empty cache, one forward pass each (no sampling), as llama-bench.
 * ``decode cC``: C requests of ``tg`` tokens each, decoded together by :class:`~leat.engine.Engine` (greedy
   sampling, a short prompt each); the rate is every request's generated tokens over the wall time of the run.
+* ``WORKLOAD tgN`` with a :class:`~leat.speculative.Speculation` (:func:`speculative`): one greedy chat request
+  of up to N tokens through the engine, decoded with plain decoding and with speculation, taking turns; the rate
+  is decode tokens per second (first token to last, so the prompt's prefill is not counted).
 
 Each test runs once untimed (warm-up), then ``repetitions`` times; a row reports tokens per second as mean and
 standard deviation over the repetitions, like llama-bench's ``t/s`` column.
@@ -19,7 +22,29 @@ from typing import Any
 import numpy as np
 
 from leat.batch import Batch, Row
+from leat.errors import LeatError
 from leat.model import PREFILL_CHUNK
+
+DOCUMENT = (
+    "The Rayleigh scattering of sunlight in the atmosphere causes diffuse sky radiation, which is the reason "
+    "for the blue color of the daytime and twilight sky, as well as the yellowish to reddish hue of the low Sun. "
+    "Sunlight is also subject to Raman scattering, which changes the rotational state of the molecules."
+)
+CODE = """def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+"""
+# chat prompts for the speculative test
+WORKLOADS = {
+    # repetitive: the answer quotes the prompt back
+    "quote": f"Here is a paragraph:\n\n{DOCUMENT}\n\nRepeat the paragraph above word for word.",
+    "code": f"{CODE}\nRewrite this Python function with the variable `subtotal` renamed to `net`. Reply with code only.",
+    # not repetitive: the answer is new text
+    "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
 
 
 def _tokens(model: Any, n: int, seed: int = 0) -> np.ndarray:
@@ -28,9 +53,9 @@ def _tokens(model: Any, n: int, seed: int = 0) -> np.ndarray:
 
 def prefill(model: Any, n: int) -> Callable[[], int]:
     ids = _tokens(model, n)
+    kv = model.new_kv(n)  # one cache for every run, as llama-bench keeps its context: each run overwrites it
 
     def run() -> int:
-        kv = model.new_kv(n)
         for start in range(0, n, PREFILL_CHUNK):
             out = model.backend.run(
                 model.architecture.forward, Batch([Row(0, start, ids[start : start + PREFILL_CHUNK])]), kv
@@ -43,9 +68,9 @@ def prefill(model: Any, n: int) -> Callable[[], int]:
 
 def decode(model: Any, n: int) -> Callable[[], int]:
     ids = _tokens(model, n)
+    kv = model.new_kv(n)
 
     def run() -> int:
-        kv = model.new_kv(n)
         for pos in range(n):
             out = model.backend.run(model.architecture.forward, Batch([Row(0, pos, ids[pos : pos + 1])]), kv)
             model.backend.to_host(out)  # each step's logits come back, as a sampler needs them
@@ -77,14 +102,115 @@ def batched_decode(model: Any, concurrency: int, n: int, prompt_tokens: int = 8)
     return run
 
 
-def measure(run: Callable[[], int], repetitions: int) -> list[float]:
+def engine_decode(model: Any, prompt: list[int], max_tokens: int, speculation: Any = None) -> dict[str, Any]:
+    """One greedy request alone in a fresh engine: its token ids, decode seconds (first token to last), decode
+    tokens per second, and the engine's speculation counters (None without speculation)."""
+    from leat.engine import Engine, GenerationRequest
+
+    engine = Engine(model, batch_size=1, max_context=len(prompt) + max_tokens, speculation=speculation).start()
+    try:
+        events = list(engine.submit(GenerationRequest(prompt, max_tokens, {"temperature": 0})))
+        stats = engine.stats()
+    finally:
+        engine.stop()
+    done = events[-1]
+    if done.kind == "error":
+        raise RuntimeError(done.error)
+    seconds = done.timings["total_seconds"] - done.timings["ttft_seconds"]
+    generated = done.usage["completion_tokens"]
+    if generated < 2 or seconds <= 0:
+        raise LeatError(f"the request stopped after {generated} token(s): no decode to time; raise --n-gen")
+    out = {"ids": [e.id for e in events if e.kind == "token" and e.id >= 0], "seconds": seconds}
+    out["tokens_per_second"] = (generated - 1) / seconds
+    out["speculation"] = stats.get("speculation")
+    return out
+
+
+def speculative(
+    model: Any,
+    model_name: str,
+    speculation: Any,
+    workloads: list[str],
+    max_tokens: int,
+    repetitions: int = 5,
+) -> list[dict[str, Any]]:
+    """One row per workload: the same greedy request decoded plainly and with ``speculation`` (a
+    :class:`~leat.speculative.Speculation`), taking turns repetition by repetition so a noisy machine slows both
+    alike, after one untimed run of each. One proposer and step-cost table serve every run, as in a server.
+
+    A row has the fields of :func:`bench`'s rows (``tokens_per_second``, ``stdev`` and ``rates`` are the
+    speculative runs'), and ``workload``, ``proposer``, ``plain_tokens_per_second``, ``plain_stdev``,
+    ``plain_rates``, ``speedup`` (ratio of the means), ``paired_speedup`` (median of each plain/speculative
+    pair's ratio), ``proposed``, ``accepted`` and ``verifications`` (summed over the timed speculative runs),
+    ``acceptance`` (accepted / proposed), ``tokens_per_verification`` (tokens a verifying step yields: its
+    accepted drafts plus one) and ``identical_output`` (every run, plain or speculative, gave the same tokens).
+    """
+    unknown = [name for name in workloads if name not in WORKLOADS]
+    if unknown:
+        raise LeatError(f"unknown workload {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+    rows = []
+    for name in workloads:
+        prompt = model.chat_prompt([{"role": "user", "content": WORKLOADS[name]}])
+        warm = [engine_decode(model, prompt, max_tokens), engine_decode(model, prompt, max_tokens, speculation)]
+        plain, spec = [], []
+        for _ in range(repetitions):
+            plain.append(engine_decode(model, prompt, max_tokens))
+            spec.append(engine_decode(model, prompt, max_tokens, speculation))
+        counts = {
+            key: sum(run["speculation"][key] for run in spec) for key in ("proposed", "accepted", "verifications")
+        }
+        plain_rates = [run["tokens_per_second"] for run in plain]
+        rates = [run["tokens_per_second"] for run in spec]
+        rows.append(
+            _describe(model, model_name)
+            | {
+                "test": f"{name} tg{max_tokens}",
+                "workload": name,
+                "proposer": speculation.proposer.name,
+                "n_tokens": len(plain[0]["ids"]),
+                "repetitions": repetitions,
+                "tokens_per_second": statistics.fmean(rates),
+                "stdev": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+                "rates": rates,
+                "plain_tokens_per_second": statistics.fmean(plain_rates),
+                "plain_stdev": statistics.stdev(plain_rates) if len(plain_rates) > 1 else 0.0,
+                "plain_rates": plain_rates,
+                "speedup": statistics.fmean(rates) / statistics.fmean(plain_rates),
+                "paired_speedup": statistics.median(s / p for s, p in zip(rates, plain_rates)),
+                **counts,
+                "acceptance": counts["accepted"] / counts["proposed"] if counts["proposed"] else 0.0,
+                "tokens_per_verification": (
+                    (counts["accepted"] + counts["verifications"]) / counts["verifications"]
+                    if counts["verifications"]
+                    else 1.0
+                ),
+                "identical_output": all(run["ids"] == warm[0]["ids"] for run in warm + plain + spec),
+            }
+        )
+    return rows
+
+
+def _describe(model: Any, model_name: str) -> dict[str, Any]:
+    return {
+        "model": model_name,
+        "architecture": model.file.architecture,
+        "size": model.file.path.stat().st_size,
+        **model.backend.describe(),
+    }
+
+
+def measure(run: Callable[[], int], repetitions: int) -> tuple[list[float], float]:
+    """Tokens per second of each of ``repetitions`` runs, and the seconds of the untimed warm-up run before them
+    (where a backend compiles its kernels: tinygrad's second start finds them in its cache)."""
+    start = time.perf_counter()
     run()
+    warmup = time.perf_counter() - start
     rates = []
     for _ in range(repetitions):
         start = time.perf_counter()
         n = run()
         rates.append(n / (time.perf_counter() - start))
-    return rates
+    return rates, warmup
 
 
 def bench(
@@ -96,13 +222,9 @@ def bench(
     repetitions: int = 5,
 ) -> list[dict[str, Any]]:
     """One row per test: ``model``, ``size`` (bytes), ``params``, ``backend``, ``precision``, ``test``,
-    ``n_tokens``, ``repetitions``, ``rates`` and ``tokens_per_second`` with ``stdev``."""
-    base = {
-        "model": model_name,
-        "architecture": model.file.architecture,
-        "size": model.file.path.stat().st_size,
-        **model.backend.describe(),
-    }
+    ``n_tokens``, ``repetitions``, ``rates`` and ``tokens_per_second`` with ``stdev``, and ``warmup_seconds``
+    (the untimed first run)."""
+    base = _describe(model, model_name)
     tests: list[tuple[str, int, Callable[[], int]]] = []
     tests += [(f"pp{n}", n, prefill(model, n)) for n in prompt if n > 0]
     tests += [(f"tg{n}", n, decode(model, n)) for n in generate if n > 0]
@@ -111,7 +233,7 @@ def bench(
     rows = []
     for name, n, run in tests:
         try:
-            rates = measure(run, repetitions)
+            rates, warmup = measure(run, repetitions)
         finally:
             getattr(run, "close", lambda: None)()
         rows.append(
@@ -123,18 +245,43 @@ def bench(
                 "tokens_per_second": statistics.fmean(rates),
                 "stdev": statistics.stdev(rates) if len(rates) > 1 else 0.0,
                 "rates": rates,
+                "warmup_seconds": warmup,
             }
         )
     return rows
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    """A llama-bench-style markdown table."""
-    head = ["model", "size", "backend", "precision", "test", "t/s"]
-    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---:" if h == "t/s" else "---" for h in head) + " |"]
-    for row in rows:
-        size = f"{row['size'] / 2**20:.2f} MiB"
-        rate = f"{row['tokens_per_second']:.2f} ± {row['stdev']:.2f}"
-        cells = [row["model"], size, row["backend"], row["precision"], row["test"], rate]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """A llama-bench-style markdown table; speculative rows (:func:`speculative`) get a table of their own."""
+    plain = [row for row in rows if "speedup" not in row]
+    spec = [row for row in rows if "speedup" in row]
+    tables = []
+    if plain or not spec:
+        head = ["model", "size", "backend", "precision", "test", "t/s"]
+        lines = [_row(head), _row("---:" if h == "t/s" else "---" for h in head)]
+        for row in plain:
+            rate = f"{row['tokens_per_second']:.2f} ± {row['stdev']:.2f}"
+            lines.append(_row([row["model"], _size(row), row["backend"], row["precision"], row["test"], rate]))
+        tables.append("\n".join(lines))
+    if spec:
+        head = ["model", "size", "backend", "precision", "test", "proposer", "plain t/s", "speculative t/s"]
+        head += ["speed-up", "acceptance", "tokens/step", "same output"]
+        numeric = head[6:-1]
+        lines = [_row(head), _row("---:" if h in numeric else "---" for h in head)]
+        for row in spec:
+            cells = [row["model"], _size(row), row["backend"], row["precision"], row["test"], row["proposer"]]
+            cells += [f"{row['plain_tokens_per_second']:.2f} ± {row['plain_stdev']:.2f}"]
+            cells += [f"{row['tokens_per_second']:.2f} ± {row['stdev']:.2f}", f"{row['speedup']:.2f}x"]
+            cells += [f"{row['acceptance']:.2f}", f"{row['tokens_per_verification']:.2f}"]
+            cells += ["yes" if row["identical_output"] else "NO"]
+            lines.append(_row(cells))
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
+
+
+def _row(cells: Any) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _size(row: dict[str, Any]) -> str:
+    return f"{row['size'] / 2**20:.2f} MiB"

@@ -387,18 +387,48 @@ def _int_list(ctx, param, value: str) -> list[int]:
     help="requests decoded together through the engine (tg N x C), comma-separated; '' for none",
 )
 @click.option("-r", "--repetitions", default=5, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--workloads",
+    default="quote,code,story",
+    show_default=True,
+    help="with --speculate: chat prompts to decode (quote and code are repetitive, story is not)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the rows as JSON")
 @backend_option
 @precision_option
 @plugins_option
-def bench(model_name, prompt, generate, concurrency, repetitions, as_json, backend, precision, plugin_names) -> None:
-    """Measure prefill (pp), decode (tg) and batched decode throughput of MODEL, as llama-bench does."""
+@speculate_options
+def bench(
+    model_name,
+    prompt,
+    generate,
+    concurrency,
+    repetitions,
+    workloads,
+    as_json,
+    backend,
+    precision,
+    plugin_names,
+    speculate,
+    draft,
+) -> None:
+    """Measure prefill (pp), decode (tg) and batched decode throughput of MODEL, as llama-bench does.
+
+    With --speculate (or --draft) it measures speculative decoding instead: each workload is one greedy chat
+    request of up to max(--n-gen) tokens, decoded with and without speculation in turns; it reports both decode
+    rates, the speed-up, the acceptance rate, tokens per verification step, and whether the outputs were identical.
+    """
     from leat.bench import bench as run_bench
-    from leat.bench import render
+    from leat.bench import render, speculative
 
     _select_plugins(plugin_names)
     model = _load(model_name, backend, precision)
-    rows = run_bench(model, model_name, prompt, generate, concurrency, repetitions)
+    _speculate(model, speculate, draft)
+    if model.speculation is not None:
+        names = [name.strip() for name in workloads.split(",") if name.strip()]
+        rows = speculative(model, model_name, model.speculation, names, max(generate, default=128), repetitions)
+    else:
+        rows = run_bench(model, model_name, prompt, generate, concurrency, repetitions)
     click.echo(json.dumps(rows, indent=2) if as_json else render(rows))
 
 
