@@ -62,7 +62,7 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, name):
     path = write_tiny_gguf(cls, tmp_path / f"{name}.gguf", Q.Q8_0, params=params, types=types_)
     backend = CUDABackend()
     model = cls(ModelFile(path), backend)
-    kv = backend.allocate_kv(cls.kv_layouts(model.params), slots=3, context=64, dtype="f16")
+    kv = backend.allocate_kv(cls.kv_layouts(model.params), slots=10, context=64, dtype="f16")
     logits = model.forward(Batch([Row(0, 0, np.arange(20) % 300), Row(1, 0, np.arange(3))]), kv)
     assert logits.shape == (2, model.params.vocab)
     launched = {f for f, _, _ in fake.launches}
@@ -75,3 +75,10 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, name):
     fake.launches.clear()
     backend.run(model.forward, Batch([Row(1, 4, np.array([1])), Row(0, 21, np.array([2]))]), kv)
     assert [f for f, _, _ in fake.launches] == ["graph"]
+    # ten rows (bucket 12): the grouped expert products, grouping kernel included, inside a graph
+    wide = Batch(
+        [Row(s, 0, np.array([s])) for s in range(2, 10)] + [Row(0, 22, np.array([3])), Row(1, 5, np.array([4]))]
+    )
+    backend.run(model.forward, wide, kv)
+    assert not backend.graph_failures and len(fake.captured) == 2
+    assert any("gemv_grouped" in f for f in fake.captured[1]) and "moe_group" in fake.captured[1]
