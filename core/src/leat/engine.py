@@ -370,11 +370,19 @@ class Engine:
             shared = self._share([held[: -(-reuse // size)] for held in session.pages])
             copy = 1 if reuse % size else 0  # the partly filled last page is copied before writing
         else:
+            if session is not None and session.pages:
+                # none of the session serves this prompt: its pages would only take room until it is replaced
+                self._drop_session_pages(session)
+                session.tokens = []
             reuse, shared = self._lookup(self.pool.prefix_keys(item.request.client, prompt))
             copy = 0
         needs = [total - len(held) + copy for held in shared]
-        # a windowed group holds at most a window's pages at once: those behind it go back as it moves
-        needs = [need if w is None else min(need, self._window_pages(w)) for need, w in zip(needs, self.windows)]
+        for group, (pool, window, held) in enumerate(zip(self.pools, self.windows, shared)):
+            if window is not None:
+                # at most a window's pages are held at once (those behind it go back as it moves), the cached
+                # pages shared here among them: they were available, and are again when the window passes them
+                pinned = sum(p >= 0 and pool.refs[p] == 2 and p in pool.cache_key for p in held)
+                needs[group] = min(needs[group], self._window_pages(window) - pinned)
         if not self._reserve_pages(needs, session):
             self._drop(shared)
             return False
@@ -513,24 +521,30 @@ class Engine:
                 # a rejected draft rewinds no further back than item.filled, so these stay unread
                 i = max(0, item.filled - window + 1) // size - 1
                 while i >= 0 and pages[i] >= 0:
-                    if pool.refs[pages[i]] == 1:  # the request's own page: back into its reservation
-                        pool.put_back(pages[i])
-                        item.reserved[group] += 1
-                    else:
-                        pool.drop(pages[i])
+                    pool.remember(item.prefix_keys[i : i + 1], pages[i : i + 1])  # a prompt page stays reusable
+                    item.reserved[group] += pool.give_back(pages[i])
                     pages[i] = -1
                     i -= 1
             first = item.filled // size
             if first < len(pages) and pool.refs[pages[first]] > 1:
-                copy = pool.take()
-                item.reserved[group] -= 1
+                copy = self._take(item, group)
                 self.backend.copy_page(self.kv, pages[first], copy, group=group)
                 pool.drop(pages[first])
                 pages[first] = copy
             while len(pages) * size < end:
-                pages.append(pool.take())
-                item.reserved[group] -= 1
+                pages.append(self._take(item, group))
             self.backend.set_pages(self.kv, item.slot, np.asarray(pages, dtype=np.int32), group=group)
+
+    def _take(self, item: _Running, group: int) -> int:
+        if item.reserved[group] <= 0:
+            # a windowed prefix page it counted as its own went on to be shared, so its window's worth of pages
+            # is short by one: reserve another now
+            needs = [int(g == group) for g in range(len(self.pools))]
+            if not self._reserve_pages(needs, None):
+                raise LeatError("KV pages ran out: lower --batch-size or start with --kv-full-windows")
+            item.reserved[group] += 1
+        item.reserved[group] -= 1
+        return self.pools[group].take()
 
     def step(self) -> None:
         """One forward pass: every decoding request's next token plus one prefill chunk."""
@@ -549,9 +563,12 @@ class Engine:
             span = np.asarray(item.tokens[item.filled : end] + item.draft)
             rows.append((item, Row(item.slot, item.filled, span, all_logits=bool(item.draft))))
         began = time.perf_counter()
-        logits = self.backend.to_host(
-            self.backend.run(self.model.architecture.forward, Batch([r for _, r in rows]), self.kv)
-        )
+        out = self.backend.run(self.model.architecture.forward, Batch([r for _, r in rows]), self.kv)
+        if all(self._plain_greedy(item, row) for item, row in rows):
+            # only token ids cross to the host (a device backend's argmax), not rows x vocabulary logits
+            chosen, logits = self.backend.argmax(out), None
+        else:
+            chosen, logits = None, self.backend.to_host(out)
         if self.speculation is not None and all(row.start >= item.prompt_len for item, row in rows):
             self.speculation.observe(sum(len(row.tokens) for _, row in rows), time.perf_counter() - began)
         self.steps += 1
@@ -562,7 +579,22 @@ class Engine:
                 continue
             item.filled = row.start + len(row.tokens)
             if item.filled == len(item.tokens):
-                self._sample(item, logits[at])
+                if chosen is not None:
+                    self._sample(item, None, int(chosen[at]))
+                else:
+                    self._sample(item, logits[at])
+
+    @staticmethod
+    def _plain_greedy(item: _Running, row: Row) -> bool:
+        """Whether the row's token is the argmax of its logits and nothing else reads them."""
+        sampler, request = item.sampler, item.request
+        return (
+            sampler.greedy
+            and not sampler.stages
+            and not request.processors
+            and request.logprobs is None
+            and not row.all_logits
+        )
 
     # -- speculation: a decoding row carries draft tokens, verified against every position's logits --
     def _propose(self, item: _Running) -> list[int]:
@@ -594,7 +626,7 @@ class Engine:
                     totals[key] += getattr(item.speculation, key)
         return totals
 
-    def _sample(self, item: _Running, logits: np.ndarray, token: int | None = None) -> None:
+    def _sample(self, item: _Running, logits: np.ndarray | None, token: int | None = None) -> None:
         if token is None:
             if item.request.processors:
                 logits = np.asarray(logits, dtype=np.float64)

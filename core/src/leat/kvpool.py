@@ -53,12 +53,15 @@ class PagePool:
         self.refs[page] = 1
         return page
 
-    def put_back(self, page: int) -> None:
-        """Free a page its only holder took from a reservation, and keep that page reserved: the holder
-        may take one again without reserving anew (a sliding window moving past a page)."""
-        assert self.refs[page] == 1, "put_back of a page that others hold"
+    def give_back(self, page: int) -> bool:
+        """Drop a holder's reference to a page (a sliding window moving past it). When that makes a page
+        available (free, or held by the prefix cache alone), keep one reserved in its place, and say so: the
+        holder may take a page again without reserving anew."""
         self.drop(page)
-        self.reserved += 1
+        if self.refs[page] == 0 or (self.refs[page] == 1 and page in self.cache_key):
+            self.reserved += 1
+            return True
+        return False
 
     def share(self, page: int) -> int:
         self.refs[page] += 1
