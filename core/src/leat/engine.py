@@ -233,12 +233,14 @@ class Engine:
                 f"({sum(group_bytes):.0f} bytes per token); lower --batch-size"
             )
         per_slot = -(-context // size)
-        pages = [self.batch_size * (per_slot if w is None else min(per_slot, self._window_pages(w))) for w in self.windows]
-        kinds = ", ".join(f"{n} for {'full attention' if w is None else f'window {w}'}" for n, w in zip(pages, self.windows))
-        mib = sum(n * size * b for n, b in zip(pages, group_bytes)) / 2**20
-        plan = (
-            f"context {context} tokens x {self.batch_size} slots, KV pages of {size} tokens: {kinds} ({mib:.1f} MiB)"
+        pages = [
+            self.batch_size * (per_slot if w is None else min(per_slot, self._window_pages(w))) for w in self.windows
+        ]
+        kinds = ", ".join(
+            f"{n} for {'full attention' if w is None else f'window {w}'}" for n, w in zip(pages, self.windows)
         )
+        mib = sum(n * size * b for n, b in zip(pages, group_bytes)) / 2**20
+        plan = f"context {context} tokens x {self.batch_size} slots, KV pages of {size} tokens: {kinds} ({mib:.1f} MiB)"
         return context, pages, plan
 
     # -- the asyncio / caller side -------------------------------------------------------------------

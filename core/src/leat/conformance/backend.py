@@ -149,7 +149,9 @@ class BackendConformance:
             contents = backend.read_pages(kv, held, group=group)
             backend.write_pages(restored, ids[: len(held)], contents, group=group)
             moved = iter(ids)
-            backend.set_pages(restored, 1, np.array([next(moved) if p >= 0 else -1 for p in tables[group]]), group=group)
+            backend.set_pages(
+                restored, 1, np.array([next(moved) if p >= 0 else -1 for p in tables[group]]), group=group
+            )
         attend(restored, 15, 1)
         row = restored.tables[1][1, :4].copy()  # copy-on-write of the page at positions 12..15 into free page 0
         assert 0 not in row

@@ -29,6 +29,7 @@ class ServeOptions:
     batch_size: int = 8
     max_context: int | None = None
     kv: str = "f32"
+    kv_full_windows: bool = False
     max_queue: int = 64
     prefill_chunk: int = 512
     session_store: str | None = None
@@ -63,6 +64,7 @@ def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tup
         batch_size=options.batch_size,
         max_context=options.max_context,
         kv=options.kv,
+        window_pages=not options.kv_full_windows,
         max_queue=options.max_queue,
         prefill_chunk=options.prefill_chunk,
         session_store=options.session_store,
