@@ -16,7 +16,7 @@ import pytest
 from leat.backend import KVLayout
 from leat.batch import Batch, Row
 from leat.modelfile import Tensor
-from leat.moe import MoESpec, MoEWeights, route, selection_margin
+from leat.moe import MoESpec, MoEWeights, activate, route, selection_margin
 from leat_backend_cpu.backend import CPUBackend
 from leat_backend_cuda import quants
 
@@ -127,15 +127,23 @@ extern "C" void glu(const float* g, const float* u, float* y, long long n, int k
 extern "C" void combine(const float* y, const float* w, float* out, int n, int k, int d) {
     launch({(unsigned)n, 1, 1}, 64, [=] { moe_combine(y, w, out, k, d); });
 }
-#define PRODUCTS(T)                                                                                                   \
-    extern "C" void id_##T(const u8* w, i64 nb, const int* ids, int mod, const float* x, int x_div, float* y,        \
-                           const float* bias, int M, int K, int pairs) {                                              \
-        launch({(unsigned)pairs, (unsigned)((M + 7) / 8), 1}, 128, [=] { gemv_id<T>(w, nb, ids, mod, x, x_div, y, bias, M, K); }); \
-    }                                                                                                                 \
-    extern "C" void grouped_##T(const u8* w, i64 nb, const int* start, const int* chunk_start, const int* order,     \
-                                int E, const float* x, int x_div, float* y, const float* bias, int M, int K, int blocks) { \
-        launch({(unsigned)blocks, (unsigned)((M + 7) / 8), 1}, 128,                                                    \
-               [=] { gemv_grouped<T, 8>(w, nb, start, chunk_start, order, E, x, x_div, y, bias, M, K); });          \
+#define PRODUCTS(T)                                                                                              \
+    extern "C" void id_##T(const u8* w, i64 nb, const int* ids, int mod, const float* x, int x_div, float* y,   \
+                           const float* bias, int M, int K, int pairs, const u8* w2, const float* bias2, int act) { \
+        launch({(unsigned)pairs, (unsigned)((M + 7) / 8), 1}, 128, [=] {                                         \
+            if (w2) gemv_id<T, true>(w, nb, ids, mod, x, x_div, y, bias, M, K, w2, bias2, act, 1.702f, 7.0f);  \
+            else gemv_id<T, false>(w, nb, ids, mod, x, x_div, y, bias, M, K, w2, bias2, act, 1.702f, 7.0f);    \
+        });                                                                                                      \
+    }                                                                                                            \
+    extern "C" void grouped_##T(const u8* w, i64 nb, const int* start, const int* chunk_start, const int* order, \
+                                int E, const float* x, int x_div, float* y, const float* bias, int M, int K,      \
+                                int blocks, const u8* w2, const float* bias2, int act) {                         \
+        launch({(unsigned)blocks, (unsigned)((M + 7) / 8), 1}, 128, [=] {                                        \
+            if (w2) gemv_grouped<T, 8, true>(w, nb, start, chunk_start, order, E, x, x_div, y, bias, M, K, w2,   \
+                                             bias2, act, 1.702f, 7.0f);                                          \
+            else gemv_grouped<T, 8, false>(w, nb, start, chunk_start, order, E, x, x_div, y, bias, M, K, w2,     \
+                                           bias2, act, 1.702f, 7.0f);                                            \
+        });                                                                                                      \
     }
 PRODUCTS(TF32)
 PRODUCTS(TQ8_0)
@@ -347,7 +355,20 @@ def test_expert_products_ungrouped_and_grouped(kernels, qtype):
     struct = quants.LAYOUTS[qtype].struct
     got = np.full((n * used, m), np.nan, np.float32)
     getattr(kernels, f"id_{struct}")(
-        ptr(stored), ctypes.c_longlong(nb), ptr(ids), e, ptr(x), used, ptr(got), ptr(bias), m, k, n * used
+        ptr(stored),
+        ctypes.c_longlong(nb),
+        ptr(ids),
+        e,
+        ptr(x),
+        used,
+        ptr(got),
+        ptr(bias),
+        m,
+        k,
+        n * used,
+        ptr(None),
+        ptr(None),
+        0,
     )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     start, chunk_start, order = (np.full(s, -7, np.int32) for s in (e + 1, e + 1, n * used))
@@ -371,8 +392,56 @@ def test_expert_products_ungrouped_and_grouped(kernels, qtype):
         m,
         k,
         -(-n * used // 8) + e,
+        ptr(None),
+        ptr(None),
+        0,
     )
     np.testing.assert_allclose(grouped, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # gate and up in one launch, with the gated activation (both kinds), ungrouped and grouped
+    stored_up, _, exact_up = upload(qtype, rng.standard_normal((e, m, k)) / 8, rng)
+    bias_up = f32(rng.standard_normal((e, m)))
+    want_up = np.einsum("pmk,pk->pm", exact_up[ids.reshape(-1)], np.repeat(x.astype(np.float64), used, axis=0))
+    want_up += bias_up[ids.reshape(-1)]
+    for act, activation in ((0, "silu"), (1, "swiglu_oai")):
+        want_h = activate(want, want_up, MoESpec(e, used, activation=activation))
+        fused = np.full((n * used, m), np.nan, np.float32)
+        getattr(kernels, f"id_{struct}")(
+            ptr(stored),
+            ctypes.c_longlong(nb),
+            ptr(ids),
+            e,
+            ptr(x),
+            used,
+            ptr(fused),
+            ptr(bias),
+            m,
+            k,
+            n * used,
+            ptr(stored_up),
+            ptr(bias_up),
+            act,
+        )
+        np.testing.assert_allclose(fused, want_h, rtol=1e-5, atol=1e-5 * np.abs(want_h).max())
+        fused[:] = np.nan
+        getattr(kernels, f"grouped_{struct}")(
+            ptr(stored),
+            ctypes.c_longlong(nb),
+            ptr(start),
+            ptr(chunk_start),
+            ptr(order),
+            e,
+            ptr(x),
+            used,
+            ptr(fused),
+            ptr(bias),
+            m,
+            k,
+            -(-n * used // 8) + e,
+            ptr(stored_up),
+            ptr(bias_up),
+            act,
+        )
+        np.testing.assert_allclose(fused, want_h, rtol=1e-5, atol=1e-5 * np.abs(want_h).max())
 
 
 def test_head_groups(kernels):
@@ -415,7 +484,7 @@ def test_whole_moe_layer(kernels, spec):
     kernels.group(ptr(ids), n * k, e, 8, ptr(start), ptr(chunk_start), ptr(order))
     blocks = -(-n * k // 8) + e
 
-    def product(matrix, bias, inputs, x_div):
+    def product(matrix, bias, inputs, x_div, up=None, up_bias=None):
         out = np.full((n * k, matrix.shape[1]), np.nan, np.float32)
         kernels.grouped_TF32(
             ptr(matrix),
@@ -431,6 +500,9 @@ def test_whole_moe_layer(kernels, spec):
             matrix.shape[1],
             matrix.shape[2],
             blocks,
+            ptr(up),
+            ptr(up_bias),
+            int(spec.activation == "swiglu_oai"),
         )
         return out
 
@@ -445,6 +517,7 @@ def test_whole_moe_layer(kernels, spec):
         ctypes.c_float(spec.alpha),
         ctypes.c_float(spec.limit),
     )
+    np.testing.assert_allclose(product(gate, biases[0], x, k, up, biases[1]), h, rtol=1e-5, atol=1e-6)  # fused
     y = product(down, biases[2], h, 1)
     out = np.full((n, d), np.nan, np.float32)
     kernels.combine(ptr(y), ptr(w), ptr(out), n, k, d)

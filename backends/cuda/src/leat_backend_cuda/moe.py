@@ -2,9 +2,9 @@
 
 A MoE layer is, as llama.cpp's ``mul_mat_id``: the router product, a routing kernel that writes the
 selected expert ids and weights [n, k] on the device, the gate and up products of only the selected
-experts (``gemv_id``: pair (token, j) multiplies expert ``ids[token, j]``), the gated activation, the
-down product of the same experts, and the weighted sum. Nothing is read back to the host, so the
-layer is captured in decode graphs like any other op.
+experts with the gated activation in one launch (``gemv_id``: pair (token, j) multiplies expert
+``ids[token, j]``), the down product of the same experts, and the weighted sum: five launches. Nothing
+is read back to the host, so the layer is captured in decode graphs like any other op.
 
 First version, correct rather than fast: the expert products decode and multiply in float32 (no int16
 activations, no tensor cores). Up to GROUPED_TOKENS tokens, ``gemv_id`` runs one (token, expert) pair
@@ -35,9 +35,11 @@ ACTIVATION = {"silu": 0, "swiglu_oai": 1}
 
 
 def expert_kernels(qtype: Q) -> list[str]:
-    """gemv_id and gemv_grouped for ``qtype`` (experts.cu)."""
+    """gemv_id and gemv_grouped for ``qtype`` (experts.cu), plain and with the gated activation."""
     struct = quants.LAYOUTS[qtype].struct
-    return [f"gemv_id<{struct}>", f"gemv_grouped<{struct}, {GROUPED_PAIRS}>"]
+    return [f"gemv_id<{struct}, {glu}>" for glu in ("false", "true")] + [
+        f"gemv_grouped<{struct}, {GROUPED_PAIRS}, {glu}>" for glu in ("false", "true")
+    ]
 
 
 def programs() -> list[tuple[str, list[str]]]:
@@ -66,11 +68,15 @@ class ExpertOps:
         x_div: int,
         bias: Any = None,
         groups: tuple[DeviceArray, DeviceArray, DeviceArray] | None = None,
+        up: Any = None,
+        up_bias: Any = None,
+        spec: MoESpec | None = None,
     ) -> DeviceArray:
         """y [pairs, M]: pair p times matrix ``ids[p]`` (or ``p % E`` without ids) of the stacked
         ``weight`` [E, M, K] by row ``p // x_div`` of x, plus ``bias[e]`` ([E, M] or [M] when E is 1).
         ``groups`` (moe_group's start, chunk_start, order of ``ids``): each weight decoded once per
-        GROUPED_PAIRS pairs."""
+        GROUPED_PAIRS pairs. With ``up`` (of weight's type and shape), ``spec``'s gated activation of
+        the two products (plus ``up_bias``)."""
         shape = weight.shape
         experts, m, k = (shape[0], shape[1], shape[2]) if len(shape) == 3 else (1, shape[0], shape[1])
         if x.shape[-1] != k:
@@ -84,14 +90,18 @@ class ExpertOps:
         else:
             names = expert_kernels(weight.qtype)
             module = self._module(f"experts-{weight.qtype.name}", "experts.cu", names, {})
+            fused = int(up is not None)
+            glu = (None, None, 0, 0.0, 0.0)
+            if fused:
+                glu = (up, self._dense(up_bias), ACTIVATION[spec.activation], float(spec.alpha), float(spec.limit))
             if groups is None:
-                module[names[0]](
-                    (pairs, grid_y), 128, weight.ptr, weight.blocks, ids, experts, x, x_div, out, bias, m, k
+                module[names[fused]](
+                    (pairs, grid_y), 128, weight.ptr, weight.blocks, ids, experts, x, x_div, out, bias, m, k, *glu
                 )
             else:
                 blocks = -(-pairs // GROUPED_PAIRS) + experts
-                module[names[1]](
-                    (blocks, grid_y), 128, weight.ptr, weight.blocks, *groups, experts, x, x_div, out, bias, m, k
+                module[names[2 + fused]](
+                    (blocks, grid_y), 128, weight.ptr, weight.blocks, *groups, experts, x, x_div, out, bias, m, k, *glu
                 )
         return out
 
@@ -135,14 +145,18 @@ class ExpertOps:
             groups = (self._empty((experts + 1,), I32), self._empty((experts + 1,), I32), self._empty((n * k,), I32))
             threads = max(32, min(1024, -(-experts // 32) * 32))
             ops["moe_group"]((1,), threads, ids, n * k, experts, GROUPED_PAIRS, *groups)
-        gate = self._product_id(x, weights.gate, n * k, ids, k, weights.gate_bias, groups)
-        up = self._product_id(x, weights.up, n * k, ids, k, weights.up_bias, groups)
-        h = self._empty(gate.shape)
-        total = gate.size
-        grid = max(1, min(-(-total // 256), 8 * self.device.sm_count))
-        ops["moe_glu"](
-            (grid,), 256, gate, up, h, total, ACTIVATION[spec.activation], float(spec.alpha), float(spec.limit)
-        )
+        gate, up = weights.gate, weights.up
+        if gate.kernels is not None and (gate.qtype, gate.shape) == (up.qtype, up.shape):  # one launch for both
+            h = self._product_id(x, gate, n * k, ids, k, weights.gate_bias, groups, up, weights.up_bias, spec)
+        else:
+            g = self._product_id(x, gate, n * k, ids, k, weights.gate_bias, groups)
+            u = self._product_id(x, up, n * k, ids, k, weights.up_bias, groups)
+            h = self._empty(g.shape)
+            total = g.size
+            grid = max(1, min(-(-total // 256), 8 * self.device.sm_count))
+            ops["moe_glu"](
+                (grid,), 256, g, u, h, total, ACTIVATION[spec.activation], float(spec.alpha), float(spec.limit)
+            )
         y = self._product_id(h, weights.down, n * k, ids, 1, weights.down_bias, groups)
         out = self._empty(x.shape)
         ops["moe_combine"]((n,), max(32, min(256, -(-d // 32) * 32)), y, gains, out, k, d)
