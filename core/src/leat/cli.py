@@ -67,12 +67,12 @@ def _progress() -> Callable[[int, int, str], None]:
     return update
 
 
-def _load(model: str, backend: str | None, precision: str):
+def _load(model: str, backend: str | None, precision: str, **backend_options: Any):
     from leat.model import load
     from leat.pull import resolve
 
     resolve(model, progress=_progress() if sys.stderr.isatty() else None)
-    return load(model, backend=backend, precision=precision)
+    return load(model, backend=backend, precision=precision, backend_options=backend_options)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -448,12 +448,26 @@ def bench(
 )
 @click.option("-c", "--ctx", default=512, show_default=True, type=int, help="tokens per chunk (with --text)")
 @click.option("--chunks", default=None, type=int, help="score at most this many chunks")
+@click.option(
+    "--activations",
+    type=click.Choice(["f32", "ggml"]),
+    default="f32",
+    show_default=True,
+    help="cpu backend: ggml rounds activations before each quantized product as llama.cpp's CPU backend does",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the results as JSON")
 @backend_option
 @precision_option
 @plugins_option
-def perplexity(model_name, text_file, kl_base, ctx, chunks, as_json, backend, precision, plugin_names) -> None:
-    """Perplexity of MODEL over a text (the second half of each --ctx chunk scored, as llama-perplexity does)."""
+def perplexity(
+    model_name, text_file, kl_base, ctx, chunks, activations, as_json, backend, precision, plugin_names
+) -> None:
+    """Perplexity of MODEL over a text (the second half of each --ctx chunk scored, as llama-perplexity does).
+
+    --activations ggml reproduces llama.cpp's 8-bit rounding of activations, not its logits: the rounding makes
+    logits on a quantized file depend chaotically on float summation order, so llama.cpp with flash attention on
+    and off differs from itself by as much KL as leat with either setting differs from llama.cpp.
+    """
     from pathlib import Path
 
     from leat import perplexity as ppl
@@ -461,7 +475,9 @@ def perplexity(model_name, text_file, kl_base, ctx, chunks, as_json, backend, pr
     if (text_file is None) == (kl_base is None):
         raise click.UsageError("give one of --text FILE or --kl-base FILE")
     _select_plugins(plugin_names)
-    model = _load(model_name, backend, precision)
+    model = _load(model_name, backend, precision, **({"activations": activations} if activations != "f32" else {}))
+    if model.backend.describe().get("activations", "f32") != activations:
+        raise click.UsageError(f"--activations {activations} is a cpu backend option: add --backend cpu")
     if kl_base:
         result = ppl.kl_divergence(model, ppl.read_kl_base(kl_base), chunks)
     else:

@@ -236,12 +236,14 @@ def load(
     precision: str = "f32",
     pull: bool = True,
     host: plugins.PluginHost | None = None,
+    backend_options: dict[str, Any] | None = None,
 ) -> Model:
-    """Load ``model`` (a path, or a name ``leat pull`` understands) on ``backend`` (None: best usable)."""
+    """Load ``model`` (a path, or a name ``leat pull`` understands) on ``backend`` (None: best usable), whose
+    constructor also gets ``backend_options`` (e.g. the cpu backend's ``activations="ggml"``)."""
     from leat.pull import resolve
 
     path = resolve(model, pull=pull)
     file = ModelFile(path)
     arch_cls = architecture_class(file, host)
-    backend_obj = choose_backend(backend, host)(precision=precision)
+    backend_obj = choose_backend(backend, host)(precision=precision, **(backend_options or {}))
     return Model(file, arch_cls(file, backend_obj), backend_obj)
