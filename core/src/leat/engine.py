@@ -402,8 +402,8 @@ class Engine:
         return True
 
     def _lookup(self, keys: list[bytes]) -> tuple[int, list[list[int]]]:
-        """The longest cached prefix of whole pages that every group can continue from (windowed groups cache
-        only the pages they still held), and each group's pages of it, shared to the caller."""
+        """The longest cached prefix of whole pages that every group can continue from (a windowed group's pages
+        may be evicted while the full group's stay), and each group's pages of it, shared to the caller."""
         size = self.page_size
         count = min((p.cached_prefix(keys) for p, w in zip(self.pools, self.windows) if w is None), default=len(keys))
         while count and not self._reusable(count * size, lambda g, i: keys[i] in self.pools[g].cached):
