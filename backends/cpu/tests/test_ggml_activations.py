@@ -1,7 +1,9 @@
 """The CPU backend's activations="ggml": llama.cpp's activation rounding against float64 references, and products
-with quantized weights against ggml's integer dot product written out from the blocks."""
+with quantized weights against ggml's integer dot product written out from the blocks and against ggml_mul_mat's
+own results (recorded)."""
 
 import struct
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -119,3 +121,19 @@ def test_the_option():
     for bad in ({"activations": "q8"}, {"activations": "ggml", "precision": "f64"}):
         with pytest.raises(ValueError, match="activations must be"):
             CPUBackend(**bad)
+
+
+GGML = np.load(Path(__file__).parent / "references" / "ggml_matmul.npz")
+
+
+@pytest.mark.parametrize("name", sorted({key.split("/")[0] for key in GGML.files if "/" in key}))
+def test_product_equals_ggmls_own_matmul(name):
+    """Against ggml_mul_mat itself (references/record_ggml_matmul.py): equal up to float summation order, where the
+    float32 product is measurably off."""
+    x, stored, want = GGML["x"], GGML[f"{name}/weight"], GGML[f"{name}/y"].astype(np.float64)
+    tensor = Tensor("w", Q[name], (want.shape[1], x.shape[1]), stored)
+    ggml = CPUBackend("f32", activations="ggml")
+    error = np.abs(ggml.matmul(x, ggml.upload(tensor)) - want).max() / np.abs(want).max()
+    plain = CPUBackend("f32")
+    float_error = np.abs(plain.matmul(x, plain.upload(tensor)) - want).max() / np.abs(want).max()
+    assert error < 2e-6 and float_error > 50 * error, (error, float_error)
