@@ -4,8 +4,9 @@ Weights are dequantized once at upload with ``gguf.quants.dequantize`` (numpy ha
 matmul, so a dequantized copy is the fast path here) and kept in the compute dtype.
 
 With the option ``activations="ggml"`` each product with a quantized weight first rounds the activations as
-llama.cpp's CPU backend does (to 8 bits per block, or to f16/bf16; see :mod:`leat_backend_cpu.ggml_activations`),
-so that its logits follow llama.cpp's on quantized files, not only the exact float result.
+llama.cpp's CPU backend does (to 8 bits per block, or to f16/bf16; see :mod:`leat_backend_cpu.ggml_activations`);
+``matmul`` only, the products inside ``moe`` and ``head_matmul`` stay unrounded. It reproduces ggml's products to
+float summation order, not llama.cpp's logits (see the notes in core/tests/test_perplexity.py).
 """
 
 from __future__ import annotations
