@@ -143,6 +143,11 @@ def _cos_sin(spec: RopeSpec, positions: np.ndarray) -> tuple[np.ndarray, np.ndar
     return cos.astype(np.float32), sin.astype(np.float32)
 
 
+def _rope_key(spec: RopeSpec) -> tuple:
+    factors = None if spec.freq_factors is None else np.asarray(spec.freq_factors).tobytes()
+    return spec.dims, spec.base, spec.neox, spec.scale, spec.attn_factor, factors
+
+
 def _q8_0(x: Tensor) -> tuple[Tensor, Tensor]:
     """GGUF Q8_0 of the last axis in blocks of 32: d = max|x| / 127 (stored f16), q = round(x / d) half away from 0."""
     blocks = x.reshape(*x.shape[:-1], -1, 32)
@@ -177,6 +182,7 @@ class TinygradBackend(Backend):
         self._eager: set[Callable] = set()  # forwards that cannot be jitted
         self._step: _Step | None = None
         self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._rope_specs: dict[tuple, RopeSpec] = {}  # every spec rope has seen, by _rope_key
 
     def describe(self) -> dict[str, Any]:
         from tinygrad.helpers import CACHEDB
@@ -289,11 +295,12 @@ class TinygradBackend(Backend):
         same K/V to the same place); each (forward, KV cache, bucket) has its own TinyJit. Its inputs are
         the step's tokens, positions and page-table rows as Tensors, and each row's KV storage row per
         page group as bound Variables; ops read those in place of the batch's host arrays (embed gathers
-        the stored rows on the device, rope gathers rows of a cos/sin table made on the host). TinyJit's
-        first call runs eagerly, the second captures the kernels, later ones replay them: no graph
-        building or scheduling in Python. A forward that needs host values inside the step (MoE routing)
-        runs eagerly from then on. ``LEAT_TINYGRAD_JIT=0`` turns the JIT off. The logits of a replay
-        stay valid until the next step of the same bucket.
+        the stored rows on the device, rope gathers rows of a cos/sin table made on the host). The first
+        call captures the kernels (TinyJit's usual eager first call is skipped: everything it would
+        initialise is realized already), later ones replay them: no graph building or scheduling in
+        Python. A forward that needs host values inside the step (MoE routing) runs eagerly from then on.
+        ``LEAT_TINYGRAD_JIT=0`` turns the JIT off. The logits of a replay stay valid until the next step of
+        the same bucket.
         """
         n = len(batch)
         if (
@@ -311,6 +318,9 @@ class TinygradBackend(Backend):
             if not any(k[1] == id(kv) for k in self._jits):
                 weakref.finalize(kv, self._forget, id(kv))  # a cache's jits go with it
             jit = self._jits[key] = TinyJit(self._jitted_step)
+            jit.cnt = 1  # capture on the first call: weights, KV storage and rope tables are realized already
+        for spec in self._rope_specs.values():  # tables made inside a capture would be copied again at each replay
+            self._rope_table(spec, kv.context)
         padded = Batch(batch.rows + [batch.rows[0]] * (bucket - n))
         positions = padded.positions.astype(np.int32)
         pages, at = [], []
@@ -327,9 +337,11 @@ class TinygradBackend(Backend):
         except _NotJittable:
             self._eager.add(forward)
             self._forget(id(kv))
-            return forward(batch, kv)
+            logits = None
         finally:
             self._step = None
+        if logits is None:
+            return forward(batch, kv)
         return logits[:n] if n < bucket else logits
 
     def _jitted_step(self, tokens: Tensor, positions: Tensor, *inputs: Any) -> Tensor:
@@ -356,8 +368,7 @@ class TinygradBackend(Backend):
 
     def _rope_table(self, spec: RopeSpec, capacity: int) -> tuple[Tensor, Tensor]:
         """cos and sin [capacity, dims / 2] of positions 0 .. capacity - 1, made on the host once per spec."""
-        factors = None if spec.freq_factors is None else np.asarray(spec.freq_factors).tobytes()
-        key = (spec.dims, spec.base, spec.neox, spec.scale, spec.attn_factor, factors, capacity)
+        key = (*_rope_key(spec), capacity)
         if key not in self._rope_tables:
             cos, sin = _cos_sin(spec, np.arange(capacity))
             self._rope_tables[key] = (self._tensor(cos).realize(), self._tensor(sin).realize())
@@ -390,6 +401,7 @@ class TinygradBackend(Backend):
         if step is not None:
             cos, sin = (t[step.positions].reshape(-1, 1, half) for t in self._rope_table(spec, step.kv.context))
         else:
+            self._rope_specs.setdefault(_rope_key(spec), spec)
             cos, sin = (self._tensor(t[:, None, :]) for t in _cos_sin(spec, positions))
         n, heads = x.shape[0], x.shape[1]
         rotated = x[..., : spec.dims]
