@@ -205,6 +205,24 @@ def test_windowed_session_keeps_only_its_window(model):
     assert sum(p >= 0 for p in held[1]) <= -(-WINDOW // 4) + 1
 
 
+def test_one_slot_session_continues(model):
+    # one slot has room for one window's worth of windowed pages: the session's and the request's must be the same
+    first, second = prompts(2, seed=10, lengths=(30, 9))
+    results = []
+    for window_pages in (True, False):
+        e = engine(model, window_pages, batch_size=1).start()
+        try:
+            reply, _ = generate(e, first, session="s", ignore_eos=True)
+            again, usage = generate(e, first + reply + second, session="s", ignore_eos=True)
+            third, third_usage = generate(e, first + reply + second + again + [4], session="s", ignore_eos=True)
+            e.drop_session("s")
+        finally:
+            e.stop()
+        settled(e)
+        results.append((reply, again, third, usage["cached_tokens"], third_usage["cached_tokens"]))
+    assert results[0] == results[1] and results[0][3:] == (30 + 19, 30 + 20 + 9 + 19)
+
+
 def test_ngram_speculation_equals_full_pages(model):
     rng = np.random.default_rng(6)
     batch = [(rng.integers(0, 290, 3 + i).tolist() * 5)[: 12 + 5 * i] for i in range(4)]

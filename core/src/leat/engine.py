@@ -368,9 +368,11 @@ class Engine:
             return False
         prompt = item.tokens[: item.prompt_len - 1]
         reuse = common_prefix(session.tokens, prompt) if session is not None and session.pages else 0
+        from_session = [set() for _ in self.pools]
         if reuse and self._reusable(reuse, lambda g, i: session.pages[g][i] >= 0):
             shared = self._share([held[: -(-reuse // size)] for held in session.pages])
             copy = 1 if reuse % size else 0  # the partly filled last page is copied before writing
+            from_session = [set(held) if w is not None else set() for held, w in zip(session.pages, self.windows)]
         else:
             if session is not None and session.pages:
                 # none of the session serves this prompt: its pages would only take room until it is replaced
@@ -381,13 +383,25 @@ class Engine:
         needs = [total - len(held) + copy for held in shared]
         for group, (pool, window, held) in enumerate(zip(self.pools, self.windows, shared)):
             if window is not None:
-                # at most a window's pages are held at once (those behind it go back as it moves), the cached
-                # pages shared here among them: they were available, and are again when the window passes them
-                pinned = sum(p >= 0 and pool.refs[p] == 2 and p in pool.cache_key for p in held)
-                needs[group] = min(needs[group], self._window_pages(window) - pinned)
+                # At most a window's pages are held at once (those behind it go back as it moves), the shared
+                # ones among them. Those only it holds (a session lets go of its windowed pages below) or the
+                # prefix cache besides were available, and are again when the window passes them.
+                alone = [
+                    p for p in held if p >= 0 and pool.refs[p] - (p in from_session[group]) - (p in pool.cache_key) == 1
+                ]
+                needs[group] = min(needs[group], self._window_pages(window) - len(alone))
         if not self._reserve_pages(needs, session):
             self._drop(shared)
             return False
+        if any(from_session):
+            # the session's windowed pages: this request holds those it needs and replaces them when it ends, and a
+            # slot has room for one window's worth only
+            for group, window in enumerate(self.windows):
+                if window is not None:
+                    for page in session.pages[group]:
+                        if page >= 0:
+                            self.pools[group].drop(page)
+                    session.pages[group] = [-1] * len(session.pages[group])
         item.pages, item.reserved, item.filled, item.cached = shared, needs, reuse, reuse
         return True
 
@@ -531,7 +545,7 @@ class Engine:
             if first < len(pages) and pool.refs[pages[first]] > 1:
                 copy = self._take(item, group)
                 self.backend.copy_page(self.kv, pages[first], copy, group=group)
-                pool.drop(pages[first])
+                item.reserved[group] += pool.give_back(pages[first])
                 pages[first] = copy
             while len(pages) * size < end:
                 pages.append(self._take(item, group))
