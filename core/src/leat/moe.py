@@ -207,6 +207,10 @@ def selection_margin(logits: np.ndarray, spec: MoESpec, selection_bias: np.ndarr
     selection bias and group limits (DeepSeek V3), where those decide.
     """
     x = np.asarray(logits, dtype=np.float64)
+    if spec.gating == "softmax" and selection_bias is None and spec.groups <= 1:
+        # softmax keeps the logits' order, and a peaked softmax puts every unselected probability
+        # within 1e-10 of the next: the distance from a tie is the logits' gap
+        return router_margin(x, spec.experts_used)
     scores = _softmax(x) if spec.gating == "softmax" else _sigmoid(x) if spec.gating == "sigmoid" else x
     bias = None if selection_bias is None else np.asarray(selection_bias, dtype=np.float64)
     selection, group_scores = _selection(scores, spec, bias)
