@@ -538,7 +538,9 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             self._remember(self._halves, id(x), (x, xh, xscale), size=2)
         tiles = -(-m // 128) * -(-n // 64)
         steps = k // kt
-        splits = min(steps, max(1, -(-2 * self.device.sm_count // tiles)))
+        # split only when the tiles leave multiprocessors without a block (H200, pp512: the Q4_K
+        # products and split sums took 41.4 ms split in two, 40.1 ms whole; see NOTES.md)
+        splits = min(steps, -(-2 * self.device.sm_count // tiles)) if tiles < self.device.sm_count else 1
         chunk = -(-steps // splits) * kt
         splits = -(-k // chunk)
         target = out if splits == 1 else self._empty((splits, n, m))
