@@ -176,3 +176,41 @@ def test_fused_decode_equals_unfused(files, name):
     result = compare(logits[1], logits[0], label=f"{name} fused vs unfused")
     assert not result.failures(top1=0.99, kl=1e-5), str(result)
     assert result.max_abs_logit_diff < 5e-3, str(result)
+
+
+def test_speculative_rows_replay_a_graph_and_equal_eager(files, cuda):
+    """Rows that want every token's logits (a token and its draft) run as a captured graph, each token a
+    row of its own: the logits equal the eager step's, and the engine's greedy speculative output equals
+    plain decoding."""
+    from leat.engine import Engine, GenerationRequest
+    from leat.model import Model
+    from leat.speculative import Speculation, load_proposer
+
+    model = load(files["q8_0"], cuda)
+    layouts = Llama.kv_layouts(model.params)
+    p = prompt(model, 20, seed=3)
+    kv_graph, kv_eager = cuda.allocate_kv(layouts, 2, 64), cuda.allocate_kv(layouts, 2, 64)
+    for kv in (kv_graph, kv_eager):
+        model.forward(Batch([Row(1, 0, p)]), kv)
+    # slot 1 verifies a draft of 3 at position 20, slot 0 is empty padding-free decode of one token
+    step = Batch([Row(1, 20, np.array([5, 9, 9, 2]), all_logits=True)])
+    replay = cuda.to_host(cuda.run(model.forward, step, kv_graph))
+    eager = cuda.to_host(model.forward(step, kv_eager))
+    assert replay.shape == eager.shape == (4, model.params.vocab)
+    np.testing.assert_allclose(replay, eager, rtol=0, atol=5e-3)
+    assert any(key[0] == model.forward for key in cuda._captured) and not cuda.graph_failures
+
+    file = ModelFile(files["q8_0"])
+    served = Model(file, Llama(file, cuda), cuda)
+    text = np.tile(prompt(model, 12, seed=4), 4).tolist()  # a repetitive prompt: the n-gram proposer drafts
+    outputs = []
+    for speculation in (None, Speculation(load_proposer("ngram", served))):
+        served.speculation = speculation
+        engine = Engine(served, batch_size=2, max_context=160, speculation=speculation).start()
+        handles = [engine.submit(GenerationRequest(text, 48, {"temperature": 0})) for _ in range(2)]
+        outputs.append([[e.id for e in h if e.kind == "token" and e.id >= 0] for h in handles])
+        stats = engine.stats()
+        engine.stop()
+    assert outputs[0] == outputs[1]
+    assert stats["speculation"]["verifications"] > 0, stats
+    assert not cuda.graph_failures

@@ -249,7 +249,8 @@ class Backend:
 
         Callers that step a model call this rather than ``forward`` itself, so that a backend can
         freeze a step and replay it: the CUDA backend captures a CUDA graph per (forward, KV cache,
-        batch-size bucket) the first time a decode batch (one token per row) of that size comes,
+        batch-size bucket) the first time a decode batch (one token per row, or rows that want every
+        token's logits, as speculative verification does) of that size comes,
         with the batch's tokens, positions and slots bound to static device buffers, and replays it
         afterwards. So a forward must be a function of what it hands to ops (the batch's arrays,
         ``len(batch)``, the batch passed to ``attention``), never branching on their values on the

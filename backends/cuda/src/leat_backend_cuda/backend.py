@@ -812,10 +812,17 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
 
     # -- graphs --------------------------------------------------------------------------------------
     def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any) -> Any:
-        """One forward step; decode batches (one token per row) replay a captured graph."""
+        """One forward step; decode batches replay a captured graph.
+
+        A graph treats every token as a row of its own (its slot, its position), which is exact for any
+        batch whose rows want every token's logits: one-token decode rows, and speculative rows (a
+        token plus its draft, verified at each position) whose tokens attend like consecutive decode
+        steps of one slot. Prefill chunks (logits of the last token only) run eagerly.
+        """
         self.device.activate()
         n = len(batch)
-        if not self.graphs or not isinstance(kv, KVCache) or n != len(batch.rows) or n > TOKEN_BUCKETS[-1]:
+        flat = all(len(row.tokens) == 1 or row.all_logits for row in batch.rows)
+        if not self.graphs or not isinstance(kv, KVCache) or not flat or n > TOKEN_BUCKETS[-1]:
             return forward(batch, kv)
         bucket = next(b for b in TOKEN_BUCKETS if b >= n)
         key = (forward, id(kv), bucket)
@@ -833,8 +840,8 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         inputs[0, :n] = batch.tokens
         inputs[1, :n] = batch.positions
         inputs[2, :] = -1
-        inputs[2, :n] = [r.slot for r in batch.rows]
-        inputs[3] = np.arange(bucket)  # one token per row: every row's logits, in order
+        inputs[2, :n] = np.repeat([r.slot for r in batch.rows], [len(r.tokens) for r in batch.rows])
+        inputs[3] = np.arange(bucket)  # every token's logits, in order
         self._sync_pages(kv)
         self.device.upload(captured.inputs.ptr, inputs)
         captured.graph.replay()
