@@ -51,8 +51,9 @@ def test_bench_table(tmp_path):
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     lines = result.output.strip().splitlines()
-    assert lines[0] == "| model | size | backend | precision | test | t/s |"
-    assert [line.split("|")[5].strip() for line in lines[2:]] == ["pp8", "tg4"]
+    assert lines[0] == "| model | size | backend | precision | kv | test | t/s |"
+    assert [line.split("|")[5].strip() for line in lines[2:]] == ["f16", "f16"]  # llama-bench's default cache
+    assert [line.split("|")[6].strip() for line in lines[2:]] == ["pp8", "tg4"]
     assert "±" in lines[2]
 
 

@@ -51,9 +51,9 @@ def _tokens(model: Any, n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, model.architecture.vocab_size, n, dtype=np.int64)
 
 
-def prefill(model: Any, n: int) -> Callable[[], int]:
+def prefill(model: Any, n: int, kv: str = "f16") -> Callable[[], int]:
     ids = _tokens(model, n)
-    kv = model.new_kv(n)  # one cache for every run, as llama-bench keeps its context: each run overwrites it
+    kv = model.new_kv(n, dtype=kv)  # one cache for every run, as llama-bench keeps its context: each run overwrites it
 
     def run() -> int:
         for start in range(0, n, PREFILL_CHUNK):
@@ -66,9 +66,9 @@ def prefill(model: Any, n: int) -> Callable[[], int]:
     return run
 
 
-def decode(model: Any, n: int) -> Callable[[], int]:
+def decode(model: Any, n: int, kv: str = "f16") -> Callable[[], int]:
     ids = _tokens(model, n)
-    kv = model.new_kv(n)
+    kv = model.new_kv(n, dtype=kv)
 
     def run() -> int:
         for pos in range(n):
@@ -79,10 +79,10 @@ def decode(model: Any, n: int) -> Callable[[], int]:
     return run
 
 
-def batched_decode(model: Any, concurrency: int, n: int, prompt_tokens: int = 8) -> Callable[[], int]:
+def batched_decode(model: Any, concurrency: int, n: int, prompt_tokens: int = 8, kv: str = "f16") -> Callable[[], int]:
     from leat.engine import Engine, GenerationRequest
 
-    engine = Engine(model, batch_size=concurrency, max_context=prompt_tokens + n + 1).start()
+    engine = Engine(model, batch_size=concurrency, max_context=prompt_tokens + n + 1, kv=kv).start()
 
     def run() -> int:
         handles = [
@@ -220,16 +220,17 @@ def bench(
     generate: list[int],
     concurrency: list[int],
     repetitions: int = 5,
+    kv: str = "f16",
 ) -> list[dict[str, Any]]:
     """One row per test: ``model``, ``size`` (bytes), ``params``, ``backend``, ``precision``, ``test``,
     ``n_tokens``, ``repetitions``, ``rates`` and ``tokens_per_second`` with ``stdev``, and ``warmup_seconds``
     (the untimed first run)."""
-    base = _describe(model, model_name)
+    base = _describe(model, model_name) | {"kv": kv}
     tests: list[tuple[str, int, Callable[[], int]]] = []
-    tests += [(f"pp{n}", n, prefill(model, n)) for n in prompt if n > 0]
-    tests += [(f"tg{n}", n, decode(model, n)) for n in generate if n > 0]
+    tests += [(f"pp{n}", n, prefill(model, n, kv)) for n in prompt if n > 0]
+    tests += [(f"tg{n}", n, decode(model, n, kv)) for n in generate if n > 0]
     tg = max(generate) if generate else 16
-    tests += [(f"tg{tg} x{c}", c * tg, batched_decode(model, c, tg)) for c in concurrency if c > 0]
+    tests += [(f"tg{tg} x{c}", c * tg, batched_decode(model, c, tg, kv=kv)) for c in concurrency if c > 0]
     rows = []
     for name, n, run in tests:
         try:
@@ -257,11 +258,12 @@ def render(rows: list[dict[str, Any]]) -> str:
     spec = [row for row in rows if "speedup" in row]
     tables = []
     if plain or not spec:
-        head = ["model", "size", "backend", "precision", "test", "t/s"]
+        head = ["model", "size", "backend", "precision", "kv", "test", "t/s"]
         lines = [_row(head), _row("---:" if h == "t/s" else "---" for h in head)]
         for row in plain:
             rate = f"{row['tokens_per_second']:.2f} ± {row['stdev']:.2f}"
-            lines.append(_row([row["model"], _size(row), row["backend"], row["precision"], row["test"], rate]))
+            cells = [row["model"], _size(row), row["backend"], row["precision"], row.get("kv", ""), row["test"], rate]
+            lines.append(_row(cells))
         tables.append("\n".join(lines))
     if spec:
         head = ["model", "size", "backend", "precision", "test", "proposer", "plain t/s", "speculative t/s"]

@@ -398,6 +398,7 @@ def _int_list(ctx, param, value: str) -> list[int]:
     show_default=True,
     help="with --speculate: chat prompts to decode (quote and code are repetitive, story is not)",
 )
+@click.option("--kv", default="f16", show_default=True, help="KV cache storage: f32, f16, q8_0 (llama-bench's default is f16)")
 @click.option("--json", "as_json", is_flag=True, help="print the rows as JSON")
 @backend_option
 @precision_option
@@ -410,6 +411,7 @@ def bench(
     concurrency,
     repetitions,
     workloads,
+    kv,
     as_json,
     backend,
     precision,
@@ -433,7 +435,7 @@ def bench(
         names = [name.strip() for name in workloads.split(",") if name.strip()]
         rows = speculative(model, model_name, model.speculation, names, max(generate, default=128), repetitions)
     else:
-        rows = run_bench(model, model_name, prompt, generate, concurrency, repetitions)
+        rows = run_bench(model, model_name, prompt, generate, concurrency, repetitions, kv)
     click.echo(json.dumps(rows, indent=2) if as_json else render(rows))
 
 

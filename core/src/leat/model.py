@@ -134,8 +134,9 @@ class Model:
     def detokenize(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special=skip_special)
 
-    def new_kv(self, context: int, slots: int = 1) -> Any:
-        return self.backend.allocate_kv(self.architecture.kv_layouts(self.architecture.params), slots, context)
+    def new_kv(self, context: int, slots: int = 1, dtype: str = "f32") -> Any:
+        layouts = self.architecture.kv_layouts(self.architecture.params)
+        return self.backend.allocate_kv(layouts, slots, context, dtype=dtype)
 
     def logits(self, token_ids: Sequence[int], native: bool = False) -> np.ndarray:
         """Logits at every position of a fresh sequence: [len(token_ids), vocab], float32 unless ``native``."""
