@@ -198,7 +198,8 @@ class TinygradBackend(Backend):
 
     # -- memory -------------------------------------------------------------------------------------
     def _tensor(self, array: np.ndarray) -> Tensor:
-        return Tensor(np.ascontiguousarray(array), device=self.device)
+        # GPU devices copy in from a writable buffer: GGUF's memory-mapped tensors are read-only
+        return Tensor(np.require(array, requirements=("C", "W")), device=self.device)
 
     def upload(self, tensor: FileTensor) -> Weight:
         qtype, host = tensor.qtype, np.asarray(tensor.data)
