@@ -162,23 +162,44 @@ extern "C" void mla(const float* ql, const float* qr, const float* latent, const
 
 
 ATTENTION = r"""
-extern "C" void attend(const float* q, const float* k, const float* v, float* kc, float* vc, const int* table,
-                       const int* slots, const int* pos, float* out, float* ml, float* acc, int n, int heads,
-                       int kv_heads, int dim, int per_slot, int page_size, int window, int split, int splits,
-                       float scale, const float* sinks, int wide) {
-    launch({(unsigned)n, 1, 1}, 128, [=] { kv_write<float>(k, v, kc, vc, table, slots, pos, kv_heads, dim, dim, per_slot, page_size); });
+template <typename KV>
+void attend_kv(const float* q, const float* k, const float* v, KV* kc, KV* vc, u16* ks, u16* vs, const int* table,
+               const int* slots, const int* pos, float* out, float* ml, float* acc, int n, int heads, int kv_heads,
+               int dim, int per_slot, int page_size, int window, int split, int splits, float scale,
+               const float* sinks, int wide) {
+    launch({(unsigned)n, 1, 1}, 128, [=] {
+        kv_write<KV>(k, v, kc, vc, ks, vs, table, slots, pos, kv_heads, dim, dim, per_slot, page_size);
+    });
     const unsigned chunks = (heads / kv_heads + 3) / 4;
     auto body = [=] {
         float* target = splits == 1 ? out : nullptr;
         if (wide)
-            attention_wide<float, 1, 4>(q, kc, vc, table, slots, pos, target, ml, acc, heads, kv_heads, dim, dim, per_slot,
-                                        page_size, window, split, scale, 0.0f, sinks);
+            attention_wide<KV, 1, 4>(q, kc, vc, ks, vs, table, slots, pos, target, ml, acc, heads, kv_heads, dim, dim,
+                                     per_slot, page_size, window, split, scale, 0.0f, sinks);
         else
-            attention<float, 1, 4>(q, kc, vc, table, slots, pos, target, ml, acc, heads, kv_heads, dim, dim, per_slot,
-                                   page_size, window, split, scale, 0.0f, sinks);
+            attention<KV, 1, 4>(q, kc, vc, ks, vs, table, slots, pos, target, ml, acc, heads, kv_heads, dim, dim,
+                                per_slot, page_size, window, split, scale, 0.0f, sinks);
     };
     launch({(unsigned)n, (unsigned)(kv_heads * chunks), (unsigned)splits}, 128, body);
     if (splits > 1) launch({(unsigned)(n * heads), 1, 1}, 32, [=] { attention_combine(ml, acc, out, splits, dim, sinks, heads); });
+}
+extern "C" void attend(const float* q, const float* k, const float* v, float* kc, float* vc, const int* table,
+                       const int* slots, const int* pos, float* out, float* ml, float* acc, int n, int heads,
+                       int kv_heads, int dim, int per_slot, int page_size, int window, int split, int splits,
+                       float scale, const float* sinks, int wide) {
+    attend_kv<float>(q, k, v, kc, vc, nullptr, nullptr, table, slots, pos, out, ml, acc, n, heads, kv_heads, dim, per_slot,
+                     page_size, window, split, splits, scale, sinks, wide);
+}
+// q8_0 KV: quants kc/vc, f16 scales ks/vs (the CUDA backend's two planes); dim 32 (one dim per lane)
+extern "C" void attend_q8_0(const float* q, const float* k, const float* v, i8* kc, i8* vc, u16* ks, u16* vs,
+                            const int* table, const int* slots, const int* pos, float* out, float* ml, float* acc, int n,
+                            int heads, int kv_heads, int dim, int per_slot, int page_size, int window, int split,
+                            int splits, float scale, int wide) {
+    attend_kv<i8>(q, k, v, kc, vc, ks, vs, table, slots, pos, out, ml, acc, n, heads, kv_heads, dim, per_slot, page_size,
+                  window, split, splits, scale, nullptr, wide);
+}
+extern "C" void top_k(const float* x, float* values, int* ids, int rows, int cols, int k) {
+    launch({(unsigned)rows, 1, 1}, 1024, [=] { top_k_rows(x, values, ids, cols, k); });
 }
 extern "C" void rotate(const float* x, float* y, const int* pos, const double* inv_freq, int n, int heads, int head_dim,
                        int dims, int neox, float magnitude) {
@@ -249,6 +270,70 @@ def test_attention_sinks(ops_kernels, wide, splits, window):
         wide,
     )
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("wide", [0, 1])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_q8_0_cache_and_attention(ops_kernels, wide, splits):
+    """kv_write<i8> stores the CPU backend's q8_0 quants and scales bit for bit (pages out of order, a
+    half-rounding case planted), and attention over them equals the CPU's over its q8_0 cache."""
+    rng = np.random.default_rng(20 + wide + 2 * splits)
+    heads, kv_heads, dim, n, page_size = 6, 2, 32, 11, 4
+    cpu = CPUBackend("f64")
+    kv = cpu.allocate_kv([KVLayout(kv_heads, dim)], 1, 12, page_size=page_size, dtype="q8_0")
+    cpu.set_pages(kv, 0, np.array([2, 0, 1]))
+    q, k, v = (f32(rng.standard_normal((n, h, dim))) for h in (heads, kv_heads, kv_heads))
+    k[3, 1, :] = np.arange(32) - 15.5  # with the 127 below, d = 1: the other 31 are halves, rounded away from 0
+    k[3, 1, 0] = 127.0
+    k[4, 0, :] = 0.0  # an all-zero block: scale 0
+    batch = Batch([Row(0, 0, np.zeros(n, int), all_logits=True)])
+    want = cpu.attention(*(a.astype(np.float64) for a in (q, k, v)), kv, 0, batch, 0.4)
+    kc, vc = (np.zeros(3 * page_size * kv_heads * dim, np.int8) for _ in range(2))
+    ks, vs = (np.zeros(3 * page_size * kv_heads * dim // 32, np.uint16) for _ in range(2))
+    table = np.ascontiguousarray(kv.page_table, np.int32)
+    slots, pos = np.zeros(n, np.int32), np.arange(n, dtype=np.int32)
+    out = np.full((n, heads * dim), np.nan, np.float32)
+    ml, acc = np.zeros(n * heads * splits * 2, np.float32), np.zeros(n * heads * splits * dim, np.float32)
+    ops_kernels.attend_q8_0(
+        *map(ptr, (q, k, v, kc, vc, ks, vs, table, slots, pos, out, ml, acc)),
+        n,
+        heads,
+        kv_heads,
+        dim,
+        table.shape[1],
+        page_size,
+        0,
+        64 if splits == 1 else 8,
+        splits,
+        ctypes.c_float(0.4),
+        wide,
+    )
+    written = table[0, : -(-n // page_size)]
+    for got, stored in ((kc, kv.k[0]), (vc, kv.v[0]), (ks, kv.k_scale[0]), (vs, kv.v_scale[0])):
+        got = got.reshape(3, page_size, -1)[written].reshape(-1)[: n * stored[0, 0].size]
+        np.testing.assert_array_equal(got, stored[written].reshape(-1).view(got.dtype)[: got.size])
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)  # float32 sums; the 127 makes scores of ~50
+
+
+def test_top_k_rows(ops_kernels):
+    """top_k_rows equals numpy's stable sort of -x: ties to the lower index, -inf rows, k past a thread's
+    share of the row, a row shorter than the block."""
+    rng = np.random.default_rng(30)
+    rows, cols = 4, 5000
+    x = f32(rng.integers(-40, 40, (rows, cols)) / 4)  # many ties
+    x[1] = -np.inf
+    x[2, : cols - 3] = -np.inf  # three finite values, then -inf ones by index
+    x[3, 1234] = np.inf
+    for k in (1, 9, 64):
+        values, ids = np.full((rows, k), np.nan, np.float32), np.full((rows, k), -1, np.int32)
+        ops_kernels.top_k(ptr(x), ptr(values), ptr(ids), rows, cols, k)
+        order = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(ids, order)
+        np.testing.assert_array_equal(values, np.take_along_axis(x, order, -1))
+    short = f32(rng.standard_normal((1, 70)))
+    values, ids = np.zeros((1, 64), np.float32), np.zeros((1, 64), np.int32)
+    ops_kernels.top_k(ptr(short), ptr(values), ptr(ids), 1, 70, 64)
+    np.testing.assert_array_equal(ids, np.argsort(-short, axis=-1, kind="stable")[:, :64])
 
 
 @pytest.fixture(scope="module")

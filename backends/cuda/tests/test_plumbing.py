@@ -207,3 +207,25 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, qtype):
     assert [f for f, _, _ in fake.launches] == ["graph"]  # replayed: one launch, no capture
     assert len(fake.captured) == 1
     backend.to_host(out)
+
+
+def test_q8_0_kv_and_top_k(fake, tmp_path):
+    """A q8_0 cache: scale planes beside the quants, its kernels (a prefill takes attention_wide, not the f16
+    tensor-core kernel), a replayed decode step; top_k's launch and host arrays."""
+    path = write_tiny_gguf(Llama, tmp_path / "hd32.gguf", Q.Q8_0, params=Llama.tiny(head_dim=32))
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=2, context=64, pages=6, dtype="q8_0")
+    assert len(kv.k) == len(kv.k_scale) == len(kv.v_scale) == model.params.layers
+    assert kv.k_scale[0].nbytes * 16 == kv.k[0].nbytes == 6 * 16 * model.params.kv_heads * 32
+    backend.set_pages(kv, 0, np.array([3, 1]))
+    model.forward(Batch([Row(0, 0, np.arange(20) % 300)]), kv)
+    names = {f for f, _, _ in fake.launches}
+    assert any("kv_writeIa" in n for n in names) and any("attention_wideIa" in n for n in names)  # a: signed char
+    assert not any("flash" in n for n in names)
+    out = backend.run(model.forward, Batch([Row(0, 20, np.array([5]))]), kv)
+    assert not backend.graph_failures
+    values, ids = backend.top_k(out, 40)
+    assert values.shape == ids.shape == (1, 40) and ids.dtype == np.int64
+    assert "top_k_rows" in {f for f, _, _ in fake.launches}
+    assert len(backend.read_pages(kv, [3])) == 4 * model.params.layers

@@ -244,6 +244,26 @@ class Backend:
         """
         return np.argmax(self.to_host(x), axis=-1)
 
+    def top_k(self, x: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` largest entries of each row and their indices: x [n, m] -> host (values [n, k], ids [n, k]).
+
+        Rows are sorted by value, largest first; of equal values the lower index comes first (the order of
+        numpy's stable argsort of -x), -inf entries included. Values keep the dtype :meth:`to_host` gives
+        (float32 for float32 activations); ids are int64. A k above m gives m columns. Sampled decoding asks
+        for this rather than :meth:`to_host` when its candidates are enough (see ``Engine.step``): n x k
+        values cross to the host instead of n x vocabulary.
+        """
+        x = self.to_host(x)
+        rows = x.reshape(-1, x.shape[-1])
+        k = min(int(k), rows.shape[-1])
+        ids = np.empty((len(rows), k), np.int64)
+        for i, row in enumerate(rows):
+            kth = np.partition(row, -k)[-k]
+            above = np.flatnonzero(row > kth)
+            candidates = np.concatenate([above, np.flatnonzero(row == kth)[: k - len(above)]])
+            ids[i] = candidates[np.lexsort((candidates, -row[candidates]))]
+        return np.take_along_axis(rows, ids, -1), ids
+
     def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any) -> Any:
         """One step of ``forward`` (an architecture's ``forward``) on ``batch``: its logits.
 

@@ -33,6 +33,7 @@ from leat.sessions import SessionStore, check_name, common_prefix, model_fingerp
 from leat.speculative import Controller, Speculation, verify
 
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+MAX_CANDIDATES = 64  # the most top-k candidates per row a step fetches instead of whole logit rows
 
 
 class Overloaded(LeatError):
@@ -158,9 +159,11 @@ class Engine:
         session_store: str | None = None,
         speculation: Speculation | None = None,
         window_pages: bool = True,
+        top_k_candidates: bool = True,
     ):
         """``window_pages`` False gives sliding-window layers pages for the whole context, as the others
-        (llama.cpp's --swa-full); by default they hold only what their window still needs."""
+        (llama.cpp's --swa-full); by default they hold only what their window still needs.
+        ``top_k_candidates`` False makes sampled requests always fetch whole logit rows (see :meth:`step`)."""
         if kv not in KV_BYTES:
             raise LeatError(f"--kv must be one of {', '.join(KV_BYTES)}, not {kv!r}")
         self.model = model
@@ -194,6 +197,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.speculation = speculation
+        self.top_k_candidates = top_k_candidates
         self._finished_speculation = {"proposed": 0, "accepted": 0, "verifications": 0}
 
     @property
@@ -580,9 +584,15 @@ class Engine:
             rows.append((item, Row(item.slot, item.filled, span, all_logits=bool(item.draft))))
         began = time.perf_counter()
         out = self.backend.run(self.model.architecture.forward, Batch([r for _, r in rows]), self.kv)
-        if all(self._plain_greedy(item, row) for item, row in rows):
+        wants = [self._candidates(item, row) for item, row in rows]
+        candidates = None
+        if all(want == 0 or self._plain_greedy(item, row) for want, (item, row) in zip(wants, rows)):
             # only token ids cross to the host (a device backend's argmax), not rows x vocabulary logits
             chosen, logits = self.backend.argmax(out), None
+        elif self.top_k_candidates and all(want is not None for want in wants):
+            # rows x K candidates cross to the host instead of rows x vocabulary logits
+            chosen, logits = None, None
+            candidates = self.backend.top_k(out, max(wants))
         else:
             chosen, logits = None, self.backend.to_host(out)
         if self.speculation is not None and all(row.start >= item.prompt_len for item, row in rows):
@@ -597,8 +607,47 @@ class Engine:
             if item.filled == len(item.tokens):
                 if chosen is not None:
                     self._sample(item, None, int(chosen[at]))
+                elif candidates is not None and self._plain_greedy(item, row):
+                    self._sample(item, None, int(candidates[1][at, 0]))
+                elif candidates is not None:
+                    self._sample(item, self._candidate_row(candidates, at, out.shape[-1]))
                 else:
                     self._sample(item, logits[at])
+
+    def _candidates(self, item: _Running, row: Row) -> int | None:
+        """How many of the row's top logits (by value, ties to the lower id) give exactly the token a whole
+        row would: 0 when the row samples nothing this step (a prefill chunk before the prompt's last), 1
+        for plain greedy, the sampler's top_k when its chain begins with a top_k stage of at most
+        MAX_CANDIDATES and nothing else reads the logits; None when it needs the whole row.
+
+        Why top_k candidates are exact: the chain's stages run in order on the float64 row and the first
+        one here is top_k, which keeps the row's top_k largest logits (equal ones by lower id) and sets the
+        rest to -inf. A row that is -inf outside a candidate set of the K >= top_k largest, chosen by the
+        same rule, has the same top_k largest with the same values, so top_k leaves the two rows equal;
+        every later stage (top_p, min_p, temperature) and the selector then see the same row and draw the
+        same random numbers. Penalties (which may lift a token from outside the top k) come before top_k
+        in the chain, so a chain with them does not begin with top_k; processors and logprobs read the
+        whole row, and speculative verification every position's.
+        """
+        if not item.draft and row.start + len(row.tokens) < len(item.tokens):
+            return 0
+        if self._plain_greedy(item, row):
+            return 1
+        sampler, request = item.sampler, item.request
+        if sampler.greedy or request.processors or request.logprobs is not None or row.all_logits:
+            return None
+        first = sampler.stages[0] if sampler.stages else None
+        if first is None or first.name != "top_k" or not 1 <= first.params.top_k <= MAX_CANDIDATES:
+            return None
+        return first.params.top_k
+
+    @staticmethod
+    def _candidate_row(candidates: tuple[np.ndarray, np.ndarray], at: int, vocab: int) -> np.ndarray:
+        """A logits row that is the candidates' values at their ids and -inf elsewhere."""
+        values, ids = candidates
+        row = np.full(vocab, -np.inf, values.dtype)
+        row[ids[at]] = values[at]
+        return row
 
     @staticmethod
     def _plain_greedy(item: _Running, row: Row) -> bool:

@@ -48,13 +48,27 @@ OPS_KERNELS = [
     "matmul_f32_naive",
     "splitk_sum",
     "argmax_rows",
+    "top_k_rows",
     "kv_write<float>",
     "kv_write<u16>",
-] + [f"{k}<{kv}, {dl}, 4>" for k in ("attention", "attention_wide") for kv in ("float", "u16") for dl in (1, 2, 4, 8)]
+    "kv_write<i8>",
+] + [
+    f"{k}<{kv}, {dl}, 4>"
+    for k in ("attention", "attention_wide")
+    for kv in ("float", "u16", "i8")
+    for dl in (1, 2, 4, 8)
+]
 FLASH_DIMS = (64, 128)  # head dimensions of the tensor-core prefill attention
 FLASH_KERNELS = [f"flash_attention<{d}>" for d in FLASH_DIMS]
 GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
-KV_DTYPES = {"f32": ("float", F32), "f16": ("u16", U16)}
+# KV storage: (the kernels' KV type, the element). q8_0 keeps GGUF's Q8_0 blocks (an f16 scale and 32 int8
+# along the head dimension) split into two allocations per layer and kind: the quants laid out as a float
+# cache would be, and the scales [pages, page_size, kv_heads, dim / 32]. A 34-byte block would leave rows
+# at 2-byte alignment; split, each row's quants start at a multiple of 32 bytes (8-byte loads of 8 quants,
+# as the f16 cache's 16-byte loads), and a page is still one contiguous range of each allocation, so
+# copy_page and read/write_pages copy pages as they do for f32 and f16.
+KV_DTYPES = {"f32": ("float", F32), "f16": ("u16", U16), "q8_0": ("i8", np.dtype(np.int8))}
+TOP_K_MAX = 64  # top_k on the device: at most this many per row
 TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 
 
@@ -94,6 +108,8 @@ class KVCache(KVPages):
     k: list[Memory] = field(default_factory=list)
     v: list[Memory] = field(default_factory=list)
     dtype: str = "f32"
+    k_scale: list[Memory] = field(default_factory=list)  # q8_0: per layer, the f16 scale planes (see KV_DTYPES)
+    v_scale: list[Memory] = field(default_factory=list)
     device_tables: list[Memory] = field(default_factory=list)  # per group: the device copy of tables[g]
     dirty: bool = True
 
@@ -287,13 +303,24 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         if dtype not in KV_DTYPES:
             raise LeatError(f"the cuda backend stores KV as {' or '.join(KV_DTYPES)}, not {dtype!r}")
         element = KV_DTYPES[dtype][1]
+        if dtype == "q8_0":
+            if any(layout.latent for layout in layouts):
+                raise LeatError("the cuda backend has no q8_0 latent (MLA) KV cache yet: use --kv f16")
+            dims = {d for layout in layouts for d in (layout.head_dim, layout.stored_value_dim)}
+            if any(d % 32 for d in dims):
+                raise LeatError(f"q8_0 KV needs head dimensions that are multiples of 32, not {sorted(dims)}")
         kv = KVCache.create(layouts, slots, context, pages, page_size, groups, dtype=dtype)
         for layer, layout in enumerate(layouts):
-            for dim, store in ((layout.head_dim, kv.k), (layout.stored_value_dim, kv.v)):
-                memory = Memory(kv.layer_pages(layer) * page_size * layout.kv_heads * dim * element.itemsize)
-                self.device.fill(memory.ptr, 0, memory.nbytes)
-                store.append(memory)
-                self.allocations.kv += memory.nbytes
+            for dim, kind in ((layout.head_dim, "k"), (layout.stored_value_dim, "v")):
+                values = kv.layer_pages(layer) * page_size * layout.kv_heads * dim
+                planes = [(getattr(kv, kind), values * element.itemsize)]
+                if dtype == "q8_0":
+                    planes.append((getattr(kv, f"{kind}_scale"), values // 16))  # an f16 scale per 32 values
+                for store, nbytes in planes:
+                    memory = Memory(nbytes)
+                    self.device.fill(memory.ptr, 0, memory.nbytes)
+                    store.append(memory)
+                    self.allocations.kv += memory.nbytes
         kv.device_tables = [Memory(table.nbytes) for table in kv.tables]
         self._sync_pages(kv)
         return kv
@@ -311,8 +338,9 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             kv.dirty = False
 
     def _group_memory(self, kv: KVCache, group: int) -> list[Memory]:
+        """K, V (then q8_0's K and V scales) of each of ``group``'s layers: the CPU backend's order."""
         layers = kv.layers_of(group)
-        return [kv.k[layer] for layer in layers] + [kv.v[layer] for layer in layers]
+        return [kind[layer] for kind in (kv.k, kv.v, kv.k_scale, kv.v_scale) if kind for layer in layers]
 
     def copy_page(self, kv: KVCache, source: int, target: int, group: int = 0) -> None:
         self.device.activate()
@@ -321,7 +349,8 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             self.device.copy(memory.ptr + target * page, memory.ptr + source * page, page)
 
     def read_pages(self, kv: KVCache, pages: list[int], group: int = 0) -> list[np.ndarray]:
-        """K then V pages of each of ``group``'s layers as host bytes, [len(pages), page bytes] each."""
+        """K then V pages of each of ``group``'s layers (then q8_0's scale planes, K then V) as host bytes,
+        [len(pages), page bytes] each."""
         self.device.activate()
         out = []
         for memory in self._group_memory(kv, group):
@@ -361,6 +390,16 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         out = self._empty((x.size // cols,), I32)
         self.ops["argmax_rows"]((x.size // cols,), 256, x, out, cols)
         return self.to_host(out).astype(np.int64)
+
+    def top_k(self, x: DeviceArray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        x = _ready(x)
+        cols = x.shape[-1]
+        rows, k = x.size // cols, min(int(k), cols)
+        if not 1 <= k <= TOP_K_MAX:
+            return super().top_k(x, k)
+        values, ids = self._empty((rows, k)), self._empty((rows, k), I32)
+        self.ops["top_k_rows"]((rows,), 1024, x, values, ids, cols, k)
+        return self.to_host(values), self.to_host(ids).astype(np.int64)
 
     # -- host inputs ---------------------------------------------------------------------------------
     def _ints(self, values: np.ndarray) -> DeviceArray:
@@ -629,6 +668,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         slots, positions, span = self._token_rows(batch)
         self._sync_pages(kv)
         kind = KV_DTYPES[kv.dtype][0]
+        k_scale, v_scale = (kv.k_scale[layer], kv.v_scale[layer]) if kv.dtype == "q8_0" else (None, None)
         table = kv.device_tables[kv.group_of[layer]]  # a windowed group's entries behind the window are -1
         per_slot = kv.tables[0].shape[1]
         self.ops[f"kv_write<{kind}>"](
@@ -638,6 +678,8 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             v,
             kv.k[layer],
             kv.v[layer],
+            k_scale,
+            v_scale,
             table,
             slots,
             positions,
@@ -647,7 +689,8 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             per_slot,
             kv.page_size,
         )
-        # a prefill (some row has several tokens; never a captured decode step): tensor cores
+        # a prefill (some row has several tokens; never a captured decode step): tensor cores over an f16
+        # cache; a q8_0 cache's prefill takes attention_wide below (flash.cu reads f16 tiles only)
         flash = n > quants.GEMV_MAX_TOKENS and n > len(batch.rows) and kind == "u16" and dk == dv
         if flash and dk in FLASH_DIMS and sinks is None:
             return self._flash(q, kv, layer, batch, table, slots, positions, scale, softcap)
@@ -681,6 +724,8 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             q,
             kv.k[layer],
             kv.v[layer],
+            k_scale,
+            v_scale,
             table,
             slots,
             positions,

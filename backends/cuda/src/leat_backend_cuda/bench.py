@@ -299,7 +299,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, nargs="*", default=[], help="also decode after this many tokens")
     parser.add_argument("--batch", type=int, nargs="*", default=[], help="also decode this many sequences at once")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--kv", default="f16", choices=["f16", "f32"])
+    parser.add_argument("--kv", default="f16", choices=["f16", "f32", "q8_0"])
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--no-tensor-cores", action="store_true")
     parser.add_argument("--micro", action="store_true")

@@ -53,6 +53,19 @@ class BackendConformance:
         return [rng.standard_normal(shape).astype(np.float32).astype(np.float64) for shape in shapes]
 
     # -- ops ------------------------------------------------------------------------------------------
+    def test_argmax_and_top_k(self, backend):
+        """Rows' argmax and top k as numpy's stable sort of -x: equal values by lower index, -inf rows and entries."""
+        x = (np.random.default_rng(14).integers(-20, 20, (4, 1000)) / 4).astype(np.float32)  # many ties
+        x[1] = -np.inf
+        x[2, :995] = -np.inf  # five finite values: a top 8 takes three -inf ones
+        device = backend.scale(self.to_device(backend, x), 1.0)  # logits: an op's output
+        np.testing.assert_array_equal(np.asarray(backend.argmax(device)), np.argmax(x, axis=-1))
+        for k in (1, 8, 64):
+            values, ids = backend.top_k(device, k)
+            order = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+            np.testing.assert_array_equal(np.asarray(ids), order)
+            np.testing.assert_array_equal(np.asarray(values, np.float64), np.take_along_axis(x, order, -1))
+
     def test_matmul_with_bias(self, backend):
         x, w, b = self.inputs((5, 64), (7, 64), (7,), seed=1)
         weight = backend.upload(Tensor("w", F32, w.shape, w.astype(np.float32)))

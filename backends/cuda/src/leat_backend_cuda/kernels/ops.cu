@@ -1,10 +1,7 @@
 // Activation ops: norms, RoPE, the KV cache and attention, elementwise, gathers. float32
-// activations; the KV cache in float32 or f16 (KV = float or u16).
+// activations; the KV cache in float32, f16 or q8_0 (KV = float, u16 or i8).
 #include "common.cuh"
 
-__device__ __forceinline__ float load_f32(const float* p) { return *p; }
-__device__ __forceinline__ float load_f32(const u16* p) { return f16_to_f32(*p); }
-__device__ __forceinline__ void store_f32(float* p, float v) { *p = v; }
 // Eight consecutive values (16-byte aligned) as floats.
 __device__ __forceinline__ void load8(const float* p, float (&k)[8]) {
     const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
@@ -19,7 +16,54 @@ __device__ __forceinline__ void load8(const u16* p, float (&k)[8]) {
         k[2 * i + 1] = f16_to_f32((u16)(w[i] >> 16));
     }
 }
-__device__ __forceinline__ void store_f32(u16* p, float v) { *p = f32_to_f16(v); }
+
+// Element d of cache row `row` (rows of `dim` values). q8_0 (KV = i8, GGUF's Q8_0 split in two planes):
+// the int8 quants in one allocation laid out as a float cache, and one f16 scale per 32 values in
+// another, [..., dim / 32]; `s` is that scale plane (unused, null, for float and f16 caches).
+typedef signed char i8;
+__device__ __forceinline__ float kv_load(const float* c, const u16*, i64 row, int dim, int d) { return c[row * dim + d]; }
+__device__ __forceinline__ float kv_load(const u16* c, const u16*, i64 row, int dim, int d) {
+    return f16_to_f32(c[row * dim + d]);
+}
+__device__ __forceinline__ float kv_load(const i8* c, const u16* s, i64 row, int dim, int d) {
+    return (float)c[row * dim + d] * f16_to_f32(s[row * (dim >> 5) + (d >> 5)]);  // exact: 8 x 11 bits
+}
+// Elements d ... d + 7 of row `row` (d a multiple of 8, dim of 8 for float and f16, of 32 for q8_0).
+__device__ __forceinline__ void kv_load8(const float* c, const u16*, i64 row, int dim, int d, float (&k)[8]) {
+    load8(c + row * dim + d, k);
+}
+__device__ __forceinline__ void kv_load8(const u16* c, const u16*, i64 row, int dim, int d, float (&k)[8]) {
+    load8(c + row * dim + d, k);
+}
+__device__ __forceinline__ void kv_load8(const i8* c, const u16* s, i64 row, int dim, int d, float (&k)[8]) {
+    const uint2 w = *(const uint2*)(c + row * dim + d);  // 8-byte aligned: rows are 32-byte multiples
+    const float scale = f16_to_f32(s[row * (dim >> 5) + (d >> 5)]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // int8 -> float exactly: flip the sign bit, read as unsigned, less 128
+        k[i] = byte_f32(w.x ^ 0x80808080u, i, 128.0f) * scale;
+        k[4 + i] = byte_f32(w.y ^ 0x80808080u, i, 128.0f) * scale;
+    }
+}
+// Stores x[0 .. n) at elements at ... at + n - 1 of a cache; all threads of the block take part.
+__device__ __forceinline__ void kv_put(float* c, u16*, i64 at, int n, const float* x) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) c[at + i] = x[i];
+}
+__device__ __forceinline__ void kv_put(u16* c, u16*, i64 at, int n, const float* x) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) c[at + i] = f32_to_f16(x[i]);
+}
+// q8_0 (at and n multiples of 32): one warp per block of 32, rounded as the CPU backend's _q8_0 does:
+// d = max|x| / 127 in float32, q = x / d (a true division, not x * (1 / d)), then floor(|q| + 0.5)
+// with q's sign (ggml's roundf but for |q| = 0.5 - 2^-25, which this rounds up as numpy does); the
+// scale is d rounded to f16 (q uses the unrounded d, as ggml's quantize_row_q8_0).
+__device__ __forceinline__ void kv_put(i8* c, u16* s, i64 at, int n, const float* x) {
+    const int lane = threadIdx.x & 31;
+    for (int b = threadIdx.x >> 5; b < n >> 5; b += blockDim.x >> 5) {  // warp-uniform: full-warp shuffles
+        const float v = x[32 * b + lane], d = warp_max(fabsf(v)) / 127.0f;
+        const float q = d > 0.0f ? v / d : 0.0f;
+        c[at + 32 * b + lane] = (i8)copysignf(floorf(fabsf(q) + 0.5f), q);
+        if (lane == 0) s[(at >> 5) + b] = f32_to_f16(d);
+    }
+}
 
 // y = x / sqrt(mean(x^2) + eps) * w over rows of `cols` (w null: no scale). One block per row.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
@@ -69,16 +113,17 @@ extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__
 
 template <typename KV>
 __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ v, KV* __restrict__ kc,
-                         KV* __restrict__ vc, const int* __restrict__ page_table, const int* __restrict__ tok_slot,
+                         KV* __restrict__ vc, u16* __restrict__ ks, u16* __restrict__ vs,
+                         const int* __restrict__ page_table, const int* __restrict__ tok_slot,
                          const int* __restrict__ tok_pos, int kv_heads, int dk, int dv, int pages_per_slot,
                          int page_size) {
     const int t = blockIdx.x, slot = tok_slot[t], pos = tok_pos[t];
     if (slot < 0) return;
     const int page = page_table[(i64)slot * pages_per_slot + pos / page_size];
     if (page < 0) return;
-    const i64 row = ((i64)page * page_size + pos % page_size) * kv_heads;
-    for (int i = threadIdx.x; i < kv_heads * dk; i += blockDim.x) store_f32(kc + row * dk + i, k[(i64)t * kv_heads * dk + i]);
-    for (int i = threadIdx.x; i < kv_heads * dv; i += blockDim.x) store_f32(vc + row * dv + i, v[(i64)t * kv_heads * dv + i]);
+    const i64 row = ((i64)page * page_size + pos % page_size) * kv_heads;  // the token's heads are consecutive rows
+    kv_put(kc, ks, row * dk, kv_heads * dk, k + (i64)t * kv_heads * dk);
+    kv_put(vc, vs, row * dv, kv_heads * dv, v + (i64)t * kv_heads * dv);
 }
 
 // An attention sink (gpt-oss): the head's learned logit s joins the softmax denominator and adds no
@@ -98,7 +143,8 @@ __device__ __forceinline__ void sink_join(float s, float mx, float& sum, float& 
 // attention_combine.
 template <typename KV, int DL, int GB>
 __global__ void __launch_bounds__(128) attention(
-    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const int* __restrict__ page_table,
+    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const u16* __restrict__ ks,
+    const u16* __restrict__ vs, const int* __restrict__ page_table,
     const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
     float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
     int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
@@ -137,8 +183,8 @@ __global__ void __launch_bounds__(128) attention(
 #pragma unroll
             for (int i = 0; i < DL; ++i) {
                 const int d = lane + 32 * i;
-                kd[j][i] = d < dk ? load_f32(kc + row * dk + d) : 0.0f;
-                vd[j][i] = d < dv ? load_f32(vc + row * dv + d) : 0.0f;
+                kd[j][i] = d < dk ? kv_load(kc, ks, row, dk, d) : 0.0f;
+                vd[j][i] = d < dv ? kv_load(vc, vs, row, dv, d) : 0.0f;
             }
         }
 #pragma unroll
@@ -207,7 +253,8 @@ __global__ void __launch_bounds__(128) attention(
 // keys are many, as in a prefill).
 template <typename KV, int DL, int GB>
 __global__ void __launch_bounds__(128) attention_wide(
-    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const int* __restrict__ page_table,
+    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const u16* __restrict__ ks,
+    const u16* __restrict__ vs, const int* __restrict__ page_table,
     const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
     float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
     int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
@@ -240,10 +287,9 @@ __global__ void __launch_bounds__(128) attention_wide(
         float s[GB];
 #pragma unroll
         for (int g = 0; g < GB; ++g) s[g] = 0.0f;
-        const KV* kr = kc + row * dk;  // dk is a multiple of 8
-        for (int d = 0; d < dk; d += 8) {
+        for (int d = 0; d < dk; d += 8) {  // dk is a multiple of 8 (of 32 for q8_0)
             float k8[8];
-            load8(kr + d, k8);
+            kv_load8(kc, ks, row, dk, d, k8);
 #pragma unroll
             for (int g = 0; g < GB; ++g) {
                 const float4 qa = *(const float4*)&sq[g][d], qb = *(const float4*)&sq[g][d + 4];
@@ -269,7 +315,7 @@ __global__ void __launch_bounds__(128) attention_wide(
 #pragma unroll
             for (int i = 0; i < DL; ++i) {
                 const int d = lane + 32 * i;
-                vd[i] = d < dv ? load_f32(vc + rj * dv + d) : 0.0f;
+                vd[i] = d < dv ? kv_load(vc, vs, rj, dv, d) : 0.0f;
             }
 #pragma unroll
             for (int g = 0; g < GB; ++g) {
@@ -387,6 +433,86 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int* __restr
         at = lane < (int)(blockDim.x >> 5) ? best_i[lane] : cols;
         reduce();
         if (lane == 0) out[blockIdx.x] = at < cols ? at : 0;
+    }
+}
+
+// Order of top_k_rows: a larger value first, of equal values the lower index (numpy's stable argsort of -x).
+// NaN is never better than anything, so it is never chosen.
+__device__ __forceinline__ bool topk_better(float av, int ai, float bv, int bi) {
+    return av > bv || (av == bv && ai < bi);
+}
+
+// The k (<= 64) largest values of each row of x [rows, cols] and their indices, best first (ties: lower
+// index first; -inf entries rank by index like any other value): one block of 1024 threads per row.
+// Each pass over the row, every thread keeps its own TOPK_T best entries that come after the last one
+// chosen (in registers, sorted), then the block draws the next TOPK_T of the row from those lists, one
+// block-wide arg-best at a time: any of the row's next TOPK_T is among its thread's TOPK_T. So k needs
+// ceil(k / TOPK_T) passes over the row.
+#define TOPK_T 8
+extern "C" __global__ void __launch_bounds__(1024) top_k_rows(const float* __restrict__ x, float* __restrict__ values,
+                                                              int* __restrict__ ids, int cols, int k) {
+    __shared__ float warp_v[32];
+    __shared__ int warp_i[32];
+    __shared__ float chosen_v;
+    __shared__ int chosen_i;
+    const float* xr = x + (i64)blockIdx.x * cols;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float last_v = __int_as_float(0x7f800000u);  // +inf at index -1: everything comes after it
+    int last_i = -1;
+    for (int done = 0; done < k;) {
+        float lv[TOPK_T];
+        int li[TOPK_T];
+#pragma unroll
+        for (int j = 0; j < TOPK_T; ++j) lv[j] = NEG_INF, li[j] = cols;  // empty: after every real entry
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            const float v = xr[c];
+            if (topk_better(last_v, last_i, v, c) && topk_better(v, c, lv[TOPK_T - 1], li[TOPK_T - 1])) {
+                lv[TOPK_T - 1] = v, li[TOPK_T - 1] = c;
+#pragma unroll
+                for (int j = TOPK_T - 1; j > 0; --j) {
+                    if (topk_better(lv[j], li[j], lv[j - 1], li[j - 1])) {
+                        const float tv = lv[j];
+                        const int ti = li[j];
+                        lv[j] = lv[j - 1], li[j] = li[j - 1], lv[j - 1] = tv, li[j - 1] = ti;
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < TOPK_T && done < k; ++r, ++done) {
+            float v = lv[0];
+            int at = li[0];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(FULL_MASK, v, o);
+                const int oi = __shfl_xor_sync(FULL_MASK, at, o);
+                if (topk_better(ov, oi, v, at)) v = ov, at = oi;
+            }
+            if (lane == 0) warp_v[warp] = v, warp_i[warp] = at;
+            __syncthreads();
+            if (warp == 0) {
+                v = lane < warps ? warp_v[lane] : NEG_INF;
+                at = lane < warps ? warp_i[lane] : cols;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    const float ov = __shfl_xor_sync(FULL_MASK, v, o);
+                    const int oi = __shfl_xor_sync(FULL_MASK, at, o);
+                    if (topk_better(ov, oi, v, at)) v = ov, at = oi;
+                }
+                if (lane == 0) {
+                    chosen_v = v, chosen_i = at;
+                    values[(i64)blockIdx.x * k + done] = v;
+                    ids[(i64)blockIdx.x * k + done] = at;
+                }
+            }
+            __syncthreads();
+            if (li[0] == chosen_i && chosen_i < cols) {  // this thread's head was chosen: drop it
+#pragma unroll
+                for (int j = 0; j < TOPK_T - 1; ++j) lv[j] = lv[j + 1], li[j] = li[j + 1];
+                lv[TOPK_T - 1] = NEG_INF, li[TOPK_T - 1] = cols;
+            }
+            last_v = chosen_v, last_i = chosen_i;
+            __syncthreads();  // chosen_* are written again next round
+        }
     }
 }
 
