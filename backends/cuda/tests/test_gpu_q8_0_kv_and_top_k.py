@@ -1,8 +1,9 @@
 """The q8_0 KV cache and top_k on the device, against the CPU float64 oracle (poisoned activations, as
 test_gpu_ops.py): the cache's bytes equal the oracle's q8_0 cache bit for bit, attention over it (decode,
-the one-key-per-lane prefill, splits) follows the oracle, pages copy, read and write; top_k equals numpy's
-stable sort; tiny llama models through the engine: kv q8_0 agrees with the oracle's q8_0 cache in top-1,
-and sampled requests drawn from top-k candidates equal those drawn from whole rows.
+the one-key-per-lane prefill, splits; latent MLA caches too) follows the oracle, pages copy, read and
+write; top_k equals numpy's stable sort; tiny llama models through the engine: kv q8_0 agrees with the
+oracle's q8_0 cache in top-1, and sampled requests drawn from top-k candidates equal those drawn from
+whole rows.
 """
 
 import numpy as np
@@ -122,8 +123,30 @@ def test_q8_0_copy_read_and_write_pages(cuda, oracle):
 def test_q8_0_refuses_what_it_cannot_store(cuda):
     with pytest.raises(LeatError, match="multiples of 32"):
         cuda.allocate_kv([KVLayout(2, 16)], slots=1, context=16, dtype="q8_0")
-    with pytest.raises(LeatError, match="latent"):
-        cuda.allocate_kv([KVLayout(1, 96, 64, latent=True)], slots=1, context=16, dtype="q8_0")
+    with pytest.raises(LeatError, match="multiples of 32"):
+        cuda.allocate_kv([KVLayout(1, 72, 64, latent=True)], slots=1, context=16, dtype="q8_0")
+
+
+@pytest.mark.parametrize("heads,rank,rope", [(4, 56, 8), (16, 512, 64)])
+def test_q8_0_mla_attention(cuda, oracle, heads, rank, rope):
+    """A q8_0 latent cache ([latent, k_rope] quantized together in blocks of 32): the oracle's bytes, and
+    latent attention over it, through a prefill, a long chunk (splits) and decode steps."""
+    rng = np.random.default_rng(heads)
+    layouts = [KVLayout(1, rank + rope, rank, latent=True), KVLayout(1, rank + rope, rank, window=5, latent=True)]
+    kvs = [b.allocate_kv(layouts, slots=2, context=400, page_size=16, dtype="q8_0") for b in (cuda, oracle)]
+    for b, kv in zip((cuda, oracle), kvs):
+        b.set_pages(kv, 1, kv.page_table[1][::-1].copy())
+    shapes = ((300, heads, rank), (300, heads, rope), (300, rank), (300, rope))
+    seqs = {s: [rng.standard_normal(shape) for shape in shapes] for s in (0, 1)}
+    steps = [[(0, 0, 23), (1, 0, 9)], [(1, 9, 200), (0, 23, 1)], [(0, 24, 1), (1, 209, 1)]]
+    for step in steps:
+        batch = Batch([Row(s, start, np.zeros(n, int), all_logits=True) for s, start, n in step])
+        args = [np.concatenate([seqs[s][i][a : a + n] for s, a, n in step]) for i in range(4)]
+        for layer in (0, 1):
+            want = oracle.mla_attention(*args, kvs[1], layer, batch, 0.1)
+            got = cuda.mla_attention(*(cuda.from_host(a) for a in args), kvs[0], layer, batch, 0.1)
+            assert relative_error(cuda.to_host(got), want) < 2e-3
+    same_bytes(cuda, oracle, kvs)
 
 
 def test_top_k_equals_a_stable_sort(cuda):

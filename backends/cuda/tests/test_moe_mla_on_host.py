@@ -149,14 +149,28 @@ PRODUCTS(TF32)
 PRODUCTS(TQ8_0)
 PRODUCTS(TMXFP4)
 PRODUCTS(TQ4_K)
+template <typename KV>
+void mla_kv(const float* ql, const float* qr, const float* latent, const float* kr, KV* kc, u16* ks, const int* table,
+            const int* slots, const int* pos, float* out, float* ml, float* acc, int n, int heads, int rank, int rope,
+            int per_slot, int page_size, int window, int split, int splits, float scale) {
+    launch({(unsigned)n, 1, 1}, 128, [=] { mla_kv_write<KV>(latent, kr, kc, ks, table, slots, pos, rank, rope, per_slot, page_size); });
+    launch({(unsigned)n, (unsigned)((heads + 3) / 4), (unsigned)splits}, 128, [=] {
+        mla_attention<KV, 2, 4>(ql, qr, kc, ks, table, slots, pos, out, ml, acc, heads, rank, rope, per_slot, page_size,
+                                window, split, scale);
+    });
+}
 extern "C" void mla(const float* ql, const float* qr, const float* latent, const float* kr, float* kc, const int* table,
                     const int* slots, const int* pos, float* out, float* ml, float* acc, int n, int heads, int rank,
                     int rope, int per_slot, int page_size, int window, int split, int splits, float scale) {
-    launch({(unsigned)n, 1, 1}, 128, [=] { mla_kv_write<float>(latent, kr, kc, table, slots, pos, rank, rope, per_slot, page_size); });
-    launch({(unsigned)n, (unsigned)((heads + 3) / 4), (unsigned)splits}, 128, [=] {
-        mla_attention<float, 2, 4>(ql, qr, kc, table, slots, pos, out, ml, acc, heads, rank, rope, per_slot, page_size,
-                                   window, split, scale);
-    });
+    mla_kv<float>(ql, qr, latent, kr, kc, nullptr, table, slots, pos, out, ml, acc, n, heads, rank, rope, per_slot,
+                  page_size, window, split, splits, scale);
+}
+extern "C" void mla_q8_0(const float* ql, const float* qr, const float* latent, const float* kr, i8* kc, u16* ks,
+                         const int* table, const int* slots, const int* pos, float* out, float* ml, float* acc, int n,
+                         int heads, int rank, int rope, int per_slot, int page_size, int window, int split, int splits,
+                         float scale) {
+    mla_kv<i8>(ql, qr, latent, kr, kc, ks, table, slots, pos, out, ml, acc, n, heads, rank, rope, per_slot, page_size,
+               window, split, splits, scale);
 }
 """
 
@@ -217,6 +231,7 @@ def ops_kernels(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ops-host")
     host_common = (Path(__file__).parent / "host" / "common.cuh").read_text().replace("#pragma once", "")
     (folder / "common.cuh").write_text("#pragma once\n" + host_common + SHIM)
+    (folder / "kv.cuh").write_text(resources.files("leat_backend_cuda").joinpath("kernels", "kv.cuh").read_text())
     ops = resources.files("leat_backend_cuda").joinpath("kernels", "ops.cu").read_text()
     (folder / "harness.cpp").write_text(ops + ATTENTION)
     library = folder / "libops.so"
@@ -344,6 +359,7 @@ def kernels(tmp_path_factory):
     folder = tmp_path_factory.mktemp("moe-mla-host")
     host_common = (Path(__file__).parent / "host" / "common.cuh").read_text().replace("#pragma once", "")
     (folder / "common.cuh").write_text("#pragma once\n" + host_common + SHIM)
+    (folder / "kv.cuh").write_text(resources.files("leat_backend_cuda").joinpath("kernels", "kv.cuh").read_text())
     source = {
         name: resources.files("leat_backend_cuda").joinpath("kernels", name).read_text()
         for name in ("quants.cuh", "moe.cu", "experts.cu", "mla.cu")
@@ -354,7 +370,7 @@ def kernels(tmp_path_factory):
         [
             moe,
             source["experts.cu"].replace('#include "quants.cuh"', ""),
-            source["mla.cu"].replace('#include "common.cuh"', ""),
+            source["mla.cu"],
             EXPORTS,
         ]
     )
@@ -650,6 +666,49 @@ def test_mla_attention(kernels, window):
         if splits == 1:
             np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
         else:  # the partial results merged as ops.cu's attention_combine does
+            ml = ml.reshape(n * heads, splits, 2)
+            acc = acc.reshape(n * heads, splits, rank)
+            top = ml[..., 0].max(axis=1, keepdims=True)
+            f = np.where(ml[..., 1] > 0, np.exp(ml[..., 0] - top), 0.0)
+            merged = (acc * f[..., None]).sum(axis=1) / (ml[..., 1] * f).sum(axis=1)[:, None]
+            np.testing.assert_allclose(merged.reshape(n, heads, rank), want, rtol=1e-5, atol=1e-6)
+
+
+def test_mla_attention_q8_0(kernels):
+    """mla_kv_write<i8> stores [latent, k_rope] as the CPU's q8_0 latent cache does, bit for bit, and attention
+    over it (one split and two) equals the CPU's."""
+    rng = np.random.default_rng(40)
+    heads, rank, rope, n, page_size = 5, 56, 8, 13, 4
+    cpu = CPUBackend("f64")
+    kv = cpu.allocate_kv([KVLayout(1, rank + rope, rank, latent=True)], 1, 16, page_size=page_size, dtype="q8_0")
+    cpu.set_pages(kv, 0, kv.page_table[0][::-1].copy())
+    args = [f32(rng.standard_normal(s)) for s in ((n, heads, rank), (n, heads, rope), (n, rank), (n, rope))]
+    batch = Batch([Row(0, 0, np.zeros(n, int), all_logits=True)])
+    want = cpu.mla_attention(*(a.astype(np.float64) for a in args), kv, 0, batch, 0.3)
+    table = np.ascontiguousarray(kv.page_table, np.int32)
+    slots, pos = np.zeros(n, np.int32), np.arange(n, dtype=np.int32)
+    for splits, split in ((1, 64), (2, 8)):
+        cache, scales = np.zeros(4 * page_size * (rank + rope), np.int8), np.zeros(4 * page_size * 2, np.uint16)
+        out = np.full((n, heads, rank), np.nan, np.float32)
+        ml, acc = np.zeros(n * heads * splits * 2, np.float32), np.zeros(n * heads * splits * rank, np.float32)
+        kernels.mla_q8_0(
+            *map(ptr, (*args, cache, scales, table, slots, pos, out, ml, acc)),
+            n,
+            heads,
+            rank,
+            rope,
+            table.shape[1],
+            page_size,
+            0,
+            split,
+            splits,
+            ctypes.c_float(0.3),
+        )
+        np.testing.assert_array_equal(cache.reshape(kv.k[0].shape), kv.k[0])
+        np.testing.assert_array_equal(scales, kv.k_scale[0].reshape(-1).view(np.uint16))
+        if splits == 1:
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+        else:
             ml = ml.reshape(n * heads, splits, 2)
             acc = acc.reshape(n * heads, splits, rank)
             top = ml[..., 0].max(axis=1, keepdims=True)

@@ -304,8 +304,6 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             raise LeatError(f"the cuda backend stores KV as {' or '.join(KV_DTYPES)}, not {dtype!r}")
         element = KV_DTYPES[dtype][1]
         if dtype == "q8_0":
-            if any(layout.latent for layout in layouts):
-                raise LeatError("the cuda backend has no q8_0 latent (MLA) KV cache yet: use --kv f16")
             dims = {d for layout in layouts for d in (layout.head_dim, layout.stored_value_dim)}
             if any(d % 32 for d in dims):
                 raise LeatError(f"q8_0 KV needs head dimensions that are multiples of 32, not {sorted(dims)}")

@@ -17,10 +17,10 @@ from leat_backend_cuda.moe import _ready
 
 MLA_HEADS = 4  # query heads per block (the GB template argument)
 MLA_LANES = (1, 2, 4, 8, 12, 18)  # dims per lane instantiated (DL): up to 576 = DeepSeek's 512 + 64
-MLA_KERNELS = [f"mla_kv_write<{kv}>" for kv in ("float", "u16")] + [
-    f"mla_attention<{kv}, {dl}, {MLA_HEADS}>" for kv in ("float", "u16") for dl in MLA_LANES
+KV_TYPES = {"f32": "float", "f16": "u16", "q8_0": "i8"}  # q8_0: quants and scale planes as backend.KV_DTYPES
+MLA_KERNELS = [f"mla_kv_write<{kv}>" for kv in KV_TYPES.values()] + [
+    f"mla_attention<{kv}, {dl}, {MLA_HEADS}>" for kv in KV_TYPES.values() for dl in MLA_LANES
 ]
-KV_TYPES = {"f32": "float", "f16": "u16"}
 
 
 def programs() -> list[tuple[str, list[str]]]:
@@ -54,12 +54,13 @@ class LatentAttentionOps:
         ops = self._mla_module()
         kind = KV_TYPES.get(kv.dtype)
         if kind is None:
-            raise LeatError(f"the cuda backend stores a latent KV cache as f32 or f16, not {kv.dtype!r}")
+            raise LeatError(f"the cuda backend stores a latent KV cache as f32, f16 or q8_0, not {kv.dtype!r}")
+        scales = kv.k_scale[layer] if kv.dtype == "q8_0" else None
         slots, positions, span = self._token_rows(batch)
         self._sync_pages(kv)
         table, per_slot = layer_table(kv, layer)
         ops[f"mla_kv_write<{kind}>"](
-            (n,), 128, latent, k_rope, kv.k[layer], table, slots, positions, rank, rope, per_slot, kv.page_size
+            (n,), 128, latent, k_rope, kv.k[layer], scales, table, slots, positions, rank, rope, per_slot, kv.page_size
         )
         chunks = -(-heads // MLA_HEADS)
         # about two blocks per multiprocessor, splits of at least 64 positions (as the GQA kernels)
@@ -79,6 +80,7 @@ class LatentAttentionOps:
             q_latent,
             q_rope,
             kv.k[layer],
+            scales,
             table,
             slots,
             positions,

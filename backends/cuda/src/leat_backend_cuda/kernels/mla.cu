@@ -1,26 +1,22 @@
 // Multi-head latent attention (DeepSeek 2/3, absorbed form) over a paged latent cache: each cached
 // key is [latent (rank), k_rope (rope)], one shared KV head, and the values are the keys' first
 // `rank` entries (leat.mla; Backend.mla_attention). The page layout and the token arrays (slot -1:
-// a padding token) are those of ops.cu's kv_write with kv_heads 1 and dk = rank + rope.
-#include "common.cuh"
-
-__device__ __forceinline__ float kv_load(const float* p) { return *p; }
-__device__ __forceinline__ float kv_load(const u16* p) { return f16_to_f32(*p); }
-__device__ __forceinline__ void kv_store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void kv_store(u16* p, float v) { *p = f32_to_f16(v); }
+// a padding token) are those of ops.cu's kv_write with kv_heads 1 and dk = rank + rope; KV as there
+// (a q8_0 cache, KV = i8, has its scales in `ks`, and rank + rope a multiple of 32).
+#include "kv.cuh"
 
 // Writes [latent[t], k_rope[t]] at each token's position; one block per token.
 template <typename KV>
 __global__ void mla_kv_write(const float* __restrict__ latent, const float* __restrict__ k_rope, KV* __restrict__ kc,
-                             const int* __restrict__ page_table, const int* __restrict__ tok_slot,
+                             u16* __restrict__ ks, const int* __restrict__ page_table, const int* __restrict__ tok_slot,
                              const int* __restrict__ tok_pos, int rank, int rope, int pages_per_slot, int page_size) {
     const int t = blockIdx.x, slot = tok_slot[t], pos = tok_pos[t];
     if (slot < 0) return;
     const int page = page_table[(i64)slot * pages_per_slot + pos / page_size];
     if (page < 0) return;
-    KV* row = kc + ((i64)page * page_size + pos % page_size) * (rank + rope);
-    for (int i = threadIdx.x; i < rank + rope; i += blockDim.x)
-        kv_store(row + i, i < rank ? latent[(i64)t * rank + i] : k_rope[(i64)t * rope + i - rank]);
+    const i64 row = (i64)page * page_size + pos % page_size;
+    const float *lt = latent + (i64)t * rank, *rt = k_rope + (i64)t * rope - rank;
+    kv_put(kc, ks, row * (rank + rope), rank + rope, [=](int i) { return i < rank ? lt[i] : rt[i]; });
 }
 
 // Causal (optionally windowed) attention of query heads [q_latent, q_rope] over the cached keys, as
@@ -33,7 +29,7 @@ __global__ void mla_kv_write(const float* __restrict__ latent, const float* __re
 template <typename KV, int DL, int GB>
 __global__ void __launch_bounds__(128) mla_attention(
     const float* __restrict__ q_latent, const float* __restrict__ q_rope, const KV* __restrict__ kc,
-    const int* __restrict__ page_table, const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
+    const u16* __restrict__ ks, const int* __restrict__ page_table, const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
     float* __restrict__ out, float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int rank, int rope,
     int pages_per_slot, int page_size, int window, int split, float scale) {
     __shared__ float sm_m[4][GB], sm_l[4][GB], sm_acc[4][GB][DL * 32];
@@ -65,11 +61,11 @@ __global__ void __launch_bounds__(128) mla_attention(
 #pragma unroll
         for (int j = 0; j < KB; ++j) {
             const int p = min(p0 + j, end - 1);
-            const KV* row = kc + ((i64)table[p / page_size] * page_size + p % page_size) * dk;
+            const i64 row = (i64)table[p / page_size] * page_size + p % page_size;
 #pragma unroll
             for (int i = 0; i < DL; ++i) {
                 const int d = lane + 32 * i;
-                kd[j][i] = d < dk ? kv_load(row + d) : 0.0f;
+                kd[j][i] = d < dk ? kv_load(kc, ks, row, dk, d) : 0.0f;
             }
         }
 #pragma unroll

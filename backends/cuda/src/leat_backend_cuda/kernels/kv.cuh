@@ -1,0 +1,67 @@
+// The KV cache's element types for the attention kernels (ops.cu, mla.cu): float32, f16 (u16) or q8_0
+// (i8), read as floats and written from floats.
+#pragma once
+#include "common.cuh"
+
+// Eight consecutive values (16-byte aligned) as floats.
+__device__ __forceinline__ void load8(const float* p, float (&k)[8]) {
+    const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+    k[0] = a.x; k[1] = a.y; k[2] = a.z; k[3] = a.w; k[4] = b.x; k[5] = b.y; k[6] = b.z; k[7] = b.w;
+}
+__device__ __forceinline__ void load8(const u16* p, float (&k)[8]) {
+    const uint4 a = *(const uint4*)p;
+    const u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        k[2 * i] = f16_to_f32((u16)(w[i] & 0xFFFF));
+        k[2 * i + 1] = f16_to_f32((u16)(w[i] >> 16));
+    }
+}
+
+// Element d of cache row `row` (rows of `dim` values). q8_0 (KV = i8, GGUF's Q8_0 split in two planes):
+// the int8 quants in one allocation laid out as a float cache, and one f16 scale per 32 values in
+// another, [..., dim / 32]; `s` is that scale plane (unused, null, for float and f16 caches).
+typedef signed char i8;
+__device__ __forceinline__ float kv_load(const float* c, const u16*, i64 row, int dim, int d) { return c[row * dim + d]; }
+__device__ __forceinline__ float kv_load(const u16* c, const u16*, i64 row, int dim, int d) {
+    return f16_to_f32(c[row * dim + d]);
+}
+__device__ __forceinline__ float kv_load(const i8* c, const u16* s, i64 row, int dim, int d) {
+    return (float)c[row * dim + d] * f16_to_f32(s[row * (dim >> 5) + (d >> 5)]);  // exact: 8 x 11 bits
+}
+// Elements d ... d + 7 of row `row` (d a multiple of 8, dim of 8 for float and f16, of 32 for q8_0).
+__device__ __forceinline__ void kv_load8(const float* c, const u16*, i64 row, int dim, int d, float (&k)[8]) {
+    load8(c + row * dim + d, k);
+}
+__device__ __forceinline__ void kv_load8(const u16* c, const u16*, i64 row, int dim, int d, float (&k)[8]) {
+    load8(c + row * dim + d, k);
+}
+__device__ __forceinline__ void kv_load8(const i8* c, const u16* s, i64 row, int dim, int d, float (&k)[8]) {
+    const uint2 w = *(const uint2*)(c + row * dim + d);  // 8-byte aligned: rows are 32-byte multiples
+    const float scale = f16_to_f32(s[row * (dim >> 5) + (d >> 5)]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // int8 -> float exactly: flip the sign bit, read as unsigned, less 128
+        k[i] = byte_f32(w.x ^ 0x80808080u, i, 128.0f) * scale;
+        k[4 + i] = byte_f32(w.y ^ 0x80808080u, i, 128.0f) * scale;
+    }
+}
+// Stores x(0) ... x(n - 1) at elements at ... at + n - 1 of a cache; all threads of the block take part.
+template <typename F> __device__ __forceinline__ void kv_put(float* c, u16*, i64 at, int n, F x) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) c[at + i] = x(i);
+}
+template <typename F> __device__ __forceinline__ void kv_put(u16* c, u16*, i64 at, int n, F x) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) c[at + i] = f32_to_f16(x(i));
+}
+// q8_0 (at and n multiples of 32): one warp per block of 32, rounded as the CPU backend's _q8_0 does:
+// d = max|x| / 127 in float32, q = x / d (a true division, not x * (1 / d)), then floor(|q| + 0.5)
+// with q's sign (ggml's roundf but for |q| = 0.5 - 2^-25, which this rounds up as numpy does); the
+// scale is d rounded to f16 (q uses the unrounded d, as ggml's quantize_row_q8_0).
+template <typename F> __device__ __forceinline__ void kv_put(i8* c, u16* s, i64 at, int n, F x) {
+    const int lane = threadIdx.x & 31;
+    for (int b = threadIdx.x >> 5; b < n >> 5; b += blockDim.x >> 5) {  // warp-uniform: full-warp shuffles
+        const float v = x(32 * b + lane), d = warp_max(fabsf(v)) / 127.0f;
+        const float q = d > 0.0f ? v / d : 0.0f;
+        c[at + 32 * b + lane] = (i8)copysignf(floorf(fabsf(q) + 0.5f), q);
+        if (lane == 0) s[(at >> 5) + b] = f32_to_f16(d);
+    }
+}
