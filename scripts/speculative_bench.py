@@ -19,7 +19,7 @@ import statistics
 import time
 
 import leat
-from leat.bench import WORKLOADS
+from leat.bench import WORKLOADS, engines
 from leat.bench import engine_decode as decode
 from leat.speculative import Speculation, load_proposer
 
@@ -38,39 +38,46 @@ def main() -> None:
     options = {"draft": leat.load(args.draft, backend=args.backend)} if args.draft else {}
     # one proposer and cost table for the whole run, as a server keeps them; each request has its own controller
     speculation = Speculation(load_proposer(args.speculate, model, **options))
-    for name in args.workloads.split(","):
-        prompt = model.chat_prompt([{"role": "user", "content": WORKLOADS[name]}])
-        runs: dict[str, list[dict]] = {"plain": [], "speculative": []}
-        for _ in range(args.repeats):
-            runs["plain"].append(decode(model, prompt, args.max_tokens, None))
-            runs["speculative"].append(decode(model, prompt, args.max_tokens, speculation))
-        pairs = list(zip(runs["plain"], runs["speculative"]))
-        same = all(r["ids"] == runs["plain"][0]["ids"] for r in runs["plain"] + runs["speculative"])
-        plain = statistics.median(r["tokens_per_second"] for r in runs["plain"])
-        spec = statistics.median(r["tokens_per_second"] for r in runs["speculative"])
-        proposed = sum(r["speculation"]["proposed"] for r in runs["speculative"])
-        accepted = sum(r["speculation"]["accepted"] for r in runs["speculative"])
-        verifications = sum(r["speculation"]["verifications"] for r in runs["speculative"])
-        report = {
-            "workload": name,
-            "proposer": args.speculate,
-            "backend": args.backend,
-            "generated_tokens": len(runs["plain"][0]["ids"]),
-            "plain_tokens_per_second": round(plain, 3),
-            "speculative_tokens_per_second": round(spec, 3),
-            "speedup": round(spec / plain, 3),
-            # each speculative run against the plain run just before it: both saw about the same machine load
-            "paired_speedup": round(
-                statistics.median(s["tokens_per_second"] / p["tokens_per_second"] for p, s in pairs), 3
-            ),
-            "acceptance": round(accepted / proposed, 3) if proposed else None,
-            "tokens_per_verification": round((accepted + verifications) / verifications, 3) if verifications else None,
-            "plain_runs": [round(r["tokens_per_second"], 3) for r in runs["plain"]],
-            "speculative_runs": [round(r["tokens_per_second"], 3) for r in runs["speculative"]],
-            "identical_output": same,
-            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        }
-        print(json.dumps(report), flush=True)
+    names = args.workloads.split(",")
+    prompts = {name: model.chat_prompt([{"role": "user", "content": WORKLOADS[name]}]) for name in names}
+    with engines(model, max(map(len, prompts.values())) + args.max_tokens, speculation) as (plain_engine, spec_engine):
+        for name, prompt in prompts.items():
+            measure(args, name, prompt, plain_engine, spec_engine)
+
+
+def measure(args, name: str, prompt: list[int], plain_engine, spec_engine) -> None:
+    """Plain and speculative runs of one workload, taking turns; prints one JSON line."""
+    runs: dict[str, list[dict]] = {"plain": [], "speculative": []}
+    for _ in range(args.repeats):
+        runs["plain"].append(decode(plain_engine, prompt, args.max_tokens))
+        runs["speculative"].append(decode(spec_engine, prompt, args.max_tokens))
+    pairs = list(zip(runs["plain"], runs["speculative"]))
+    same = all(r["ids"] == runs["plain"][0]["ids"] for r in runs["plain"] + runs["speculative"])
+    plain = statistics.median(r["tokens_per_second"] for r in runs["plain"])
+    spec = statistics.median(r["tokens_per_second"] for r in runs["speculative"])
+    proposed = sum(r["speculation"]["proposed"] for r in runs["speculative"])
+    accepted = sum(r["speculation"]["accepted"] for r in runs["speculative"])
+    verifications = sum(r["speculation"]["verifications"] for r in runs["speculative"])
+    line = {
+        "workload": name,
+        "proposer": args.speculate,
+        "backend": args.backend,
+        "generated_tokens": len(runs["plain"][0]["ids"]),
+        "plain_tokens_per_second": round(plain, 3),
+        "speculative_tokens_per_second": round(spec, 3),
+        "speedup": round(spec / plain, 3),
+        # each speculative run against the plain run just before it: both saw about the same machine load
+        "paired_speedup": round(
+            statistics.median(s["tokens_per_second"] / p["tokens_per_second"] for p, s in pairs), 3
+        ),
+        "acceptance": round(accepted / proposed, 3) if proposed else None,
+        "tokens_per_verification": round((accepted + verifications) / verifications, 3) if verifications else None,
+        "plain_runs": [round(r["tokens_per_second"], 3) for r in runs["plain"]],
+        "speculative_runs": [round(r["tokens_per_second"], 3) for r in runs["speculative"]],
+        "identical_output": same,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -102,17 +103,31 @@ def batched_decode(model: Any, concurrency: int, n: int, prompt_tokens: int = 8,
     return run
 
 
-def engine_decode(model: Any, prompt: list[int], max_tokens: int, speculation: Any = None) -> dict[str, Any]:
-    """One greedy request alone in a fresh engine: its token ids, decode seconds (first token to last), decode
-    tokens per second, and the engine's speculation counters (None without speculation)."""
-    from leat.engine import Engine, GenerationRequest
+@contextmanager
+def engines(model: Any, context: int, speculation: Any) -> Iterator[tuple[Any, Any]]:
+    """A plain engine and a speculative one (one slot each, ``context`` tokens), kept for a whole measurement as
+    a server keeps its engine: a backend's captured steps and the step-cost table are made once, not per run."""
+    from leat.engine import Engine
 
-    engine = Engine(model, batch_size=1, max_context=len(prompt) + max_tokens, speculation=speculation).start()
+    plain = Engine(model, batch_size=1, max_context=context).start()
     try:
-        events = list(engine.submit(GenerationRequest(prompt, max_tokens, {"temperature": 0})))
-        stats = engine.stats()
+        spec = Engine(model, batch_size=1, max_context=context, speculation=speculation).start()
+        try:
+            yield plain, spec
+        finally:
+            spec.stop()
     finally:
-        engine.stop()
+        plain.stop()
+
+
+def engine_decode(engine: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One greedy request alone in ``engine``: its token ids, decode seconds (first token to last), decode
+    tokens per second, and the speculation counters of this request (None for an engine without speculation)."""
+    from leat.engine import GenerationRequest
+
+    before = engine.stats().get("speculation") or {}
+    events = list(engine.submit(GenerationRequest(prompt, max_tokens, {"temperature": 0})))
+    after = engine.stats().get("speculation")
     done = events[-1]
     if done.kind == "error":
         raise RuntimeError(done.error)
@@ -122,7 +137,7 @@ def engine_decode(model: Any, prompt: list[int], max_tokens: int, speculation: A
         raise LeatError(f"the request stopped after {generated} token(s): no decode to time; raise --n-gen")
     out = {"ids": [e.id for e in events if e.kind == "token" and e.id >= 0], "seconds": seconds}
     out["tokens_per_second"] = (generated - 1) / seconds
-    out["speculation"] = stats.get("speculation")
+    out["speculation"] = None if after is None else {key: after[key] - before.get(key, 0) for key in after}
     return out
 
 
@@ -149,45 +164,49 @@ def speculative(
     if unknown:
         raise LeatError(f"unknown workload {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
     rows = []
-    for name in workloads:
-        prompt = model.chat_prompt([{"role": "user", "content": WORKLOADS[name]}])
-        warm = [engine_decode(model, prompt, max_tokens), engine_decode(model, prompt, max_tokens, speculation)]
-        plain, spec = [], []
-        for _ in range(repetitions):
-            plain.append(engine_decode(model, prompt, max_tokens))
-            spec.append(engine_decode(model, prompt, max_tokens, speculation))
-        counts = {
-            key: sum(run["speculation"][key] for run in spec) for key in ("proposed", "accepted", "verifications")
-        }
-        plain_rates = [run["tokens_per_second"] for run in plain]
-        rates = [run["tokens_per_second"] for run in spec]
-        rows.append(
-            _describe(model, model_name)
-            | {
-                "test": f"{name} tg{max_tokens}",
-                "workload": name,
-                "proposer": speculation.proposer.name,
-                "n_tokens": len(plain[0]["ids"]),
-                "repetitions": repetitions,
-                "tokens_per_second": statistics.fmean(rates),
-                "stdev": statistics.stdev(rates) if len(rates) > 1 else 0.0,
-                "rates": rates,
-                "plain_tokens_per_second": statistics.fmean(plain_rates),
-                "plain_stdev": statistics.stdev(plain_rates) if len(plain_rates) > 1 else 0.0,
-                "plain_rates": plain_rates,
-                "speedup": statistics.fmean(rates) / statistics.fmean(plain_rates),
-                "paired_speedup": statistics.median(s / p for s, p in zip(rates, plain_rates)),
-                **counts,
-                "acceptance": counts["accepted"] / counts["proposed"] if counts["proposed"] else 0.0,
-                "tokens_per_verification": (
-                    (counts["accepted"] + counts["verifications"]) / counts["verifications"]
-                    if counts["verifications"]
-                    else 1.0
-                ),
-                "identical_output": all(run["ids"] == warm[0]["ids"] for run in warm + plain + spec),
-            }
-        )
+    prompts = {name: model.chat_prompt([{"role": "user", "content": WORKLOADS[name]}]) for name in workloads}
+    with engines(model, max(map(len, prompts.values())) + max_tokens, speculation) as (plain_engine, spec_engine):
+        for name, prompt in prompts.items():
+            row = _speculative_row(speculation, prompt, max_tokens, repetitions, plain_engine, spec_engine)
+            rows.append(_describe(model, model_name) | {"test": f"{name} tg{max_tokens}", "workload": name} | row)
     return rows
+
+
+def _speculative_row(
+    speculation: Any,
+    prompt: list[int],
+    max_tokens: int,
+    repetitions: int,
+    plain_engine: Any,
+    spec_engine: Any,
+) -> dict[str, Any]:
+    warm = [engine_decode(plain_engine, prompt, max_tokens), engine_decode(spec_engine, prompt, max_tokens)]
+    plain, spec = [], []
+    for _ in range(repetitions):
+        plain.append(engine_decode(plain_engine, prompt, max_tokens))
+        spec.append(engine_decode(spec_engine, prompt, max_tokens))
+    counts = {key: sum(run["speculation"][key] for run in spec) for key in ("proposed", "accepted", "verifications")}
+    plain_rates = [run["tokens_per_second"] for run in plain]
+    rates = [run["tokens_per_second"] for run in spec]
+    return {
+        "proposer": speculation.proposer.name,
+        "n_tokens": len(plain[0]["ids"]),
+        "repetitions": repetitions,
+        "tokens_per_second": statistics.fmean(rates),
+        "stdev": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+        "rates": rates,
+        "plain_tokens_per_second": statistics.fmean(plain_rates),
+        "plain_stdev": statistics.stdev(plain_rates) if len(plain_rates) > 1 else 0.0,
+        "plain_rates": plain_rates,
+        "speedup": statistics.fmean(rates) / statistics.fmean(plain_rates),
+        "paired_speedup": statistics.median(s / p for s, p in zip(rates, plain_rates)),
+        **counts,
+        "acceptance": counts["accepted"] / counts["proposed"] if counts["proposed"] else 0.0,
+        "tokens_per_verification": (
+            (counts["accepted"] + counts["verifications"]) / counts["verifications"] if counts["verifications"] else 1.0
+        ),
+        "identical_output": all(run["ids"] == warm[0]["ids"] for run in warm + plain + spec),
+    }
 
 
 def _describe(model: Any, model_name: str) -> dict[str, Any]:
