@@ -11,7 +11,7 @@ from leat.cli import cli
 from leat.engine import Engine, GenerationRequest
 from leat.errors import LeatError
 from leat.sampling import Sampler, SamplingParams
-from leat.speculative import Controller, Proposer, Speculation, load_proposer, verify
+from leat.speculative import Controller, Proposer, Speculation, accept_greedy, load_proposer, verify
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
 
@@ -89,6 +89,33 @@ def test_greedy_equals_plain_decoding_in_a_shared_batch(model, tmp_path, propose
     if proposer == "draft-self":
         assert stats["accepted"] == stats["proposed"] and engine.steps < plain.steps / 2
     assert engine.pool.reserved == 0 and not engine.running
+
+
+def test_accept_greedy_from_ids_equals_verify():
+    """The engine verifies plain greedy rows from the backend's argmax ids alone: the same tokens as verify()."""
+    rng = np.random.default_rng(3)
+    sampler = Sampler.build(SamplingParams(temperature=0))
+    for _ in range(200):
+        k = int(rng.integers(1, 6))
+        logits = rng.standard_normal((k + 1, 12))
+        picks = np.argmax(logits, axis=-1)
+        draft = [int(picks[i]) if rng.random() < 0.7 else int(rng.integers(0, 12)) for i in range(k)]
+        assert accept_greedy(draft, picks) == verify(sampler, [1, 2], draft, logits)
+
+
+def test_greedy_logprobs_through_verification(model):
+    """A speculating greedy request that asks for logprobs still gets one per token (the whole rows come back)."""
+    speculation = Speculation(load_proposer("ngram", model))
+    engine = Engine(model, batch_size=1, max_context=200, speculation=speculation).start()
+    try:
+        prompt = list(range(5, 17)) * 4
+        events = [
+            e for e in engine.submit(GenerationRequest(prompt, 24, {"temperature": 0}, logprobs=0)) if e.kind == "token"
+        ]
+        assert len(events) == 24 and all(e.logprob is not None and e.logprob <= 0 for e in events)
+        assert engine.stats()["speculation"]["verifications"] > 0
+    finally:
+        engine.stop()
 
 
 def test_greedy_with_penalties_stops_and_rejections(model):

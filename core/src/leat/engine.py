@@ -30,7 +30,7 @@ from leat.errors import LeatError
 from leat.kvpool import PagePool
 from leat.sampling import Sampler, SamplingParams
 from leat.sessions import SessionStore, check_name, common_prefix, model_fingerprint
-from leat.speculative import Controller, Speculation, verify
+from leat.speculative import Controller, Speculation, accept_greedy, verify
 
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
 MAX_CANDIDATES = 64  # the most top-k candidates per row a step fetches instead of whole logit rows
@@ -601,7 +601,12 @@ class Engine:
         first = np.cumsum([0] + [len(row.tokens) if row.all_logits else 1 for _, row in rows])
         for (item, row), at in zip(rows, first):
             if item.draft:
-                self._verify(item, row, logits[at : at + len(row.tokens)])
+                if logits is not None:
+                    span = logits[at : at + len(row.tokens)]
+                    self._verify(item, row, verify(item.sampler, item.tokens, item.draft, span), span)
+                else:  # plain greedy: the argmax at every position is all verification needs
+                    ids = chosen if chosen is not None else candidates[1][:, 0]
+                    self._verify(item, row, accept_greedy(item.draft, ids[at : at + len(row.tokens)]))
                 continue
             item.filled = row.start + len(row.tokens)
             if item.filled == len(item.tokens):
@@ -653,13 +658,7 @@ class Engine:
     def _plain_greedy(item: _Running, row: Row) -> bool:
         """Whether the row's token is the argmax of its logits and nothing else reads them."""
         sampler, request = item.sampler, item.request
-        return (
-            sampler.greedy
-            and not sampler.stages
-            and not request.processors
-            and request.logprobs is None
-            and not row.all_logits
-        )
+        return sampler.greedy and not sampler.stages and not request.processors and request.logprobs is None
 
     # -- speculation: a decoding row carries draft tokens, verified against every position's logits --
     def _propose(self, item: _Running) -> list[int]:
@@ -673,13 +672,14 @@ class Engine:
             return []
         return [int(t) for t in self.speculation.proposer.propose(item.handle.id, item.tokens, k)[:k]]
 
-    def _verify(self, item: _Running, row: Row, logits: np.ndarray) -> None:
-        new = verify(item.sampler, item.tokens, item.draft, logits)
+    def _verify(self, item: _Running, row: Row, new: list[int], logits: np.ndarray | None = None) -> None:
+        """Take the tokens one verification gained (the accepted draft prefix and one more); ``logits``, every
+        position's, where the request reads them (logprobs)."""
         item.speculation.record(len(item.draft), len(new) - 1)
         item.draft = []
-        for i, (token, token_logits) in enumerate(zip(new, logits)):
+        for i, token in enumerate(new):
             item.filled = row.start + 1 + i  # the accepted draft tokens before this one are in the KV
-            self._sample(item, token_logits, token)
+            self._sample(item, None if logits is None else logits[i], token)
             if item not in self.running:
                 return
 

@@ -57,6 +57,17 @@ def load_proposer(name: str, model: Any, host: plugins.PluginHost | None = None,
     return cls(model, **options)
 
 
+def accept_greedy(draft: Sequence[int], picks: Sequence[int]) -> list[int]:
+    """Greedy verification from the target's pick at each position (``len(draft) + 1`` of them, the argmax
+    after ``history + draft[:i]``): the draft's prefix that matches, then the pick where it first differs
+    (or the bonus pick after a fully accepted draft). The same tokens :func:`verify` gives a greedy sampler
+    with no stages, from ids alone."""
+    for i, x in enumerate(draft):
+        if int(picks[i]) != int(x):
+            return [int(t) for t in draft[:i]] + [int(picks[i])]
+    return [int(t) for t in draft] + [int(picks[len(draft)])]
+
+
 def verify(
     sampler: Sampler,
     history: Sequence[int],
