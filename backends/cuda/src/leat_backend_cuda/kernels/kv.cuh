@@ -1,5 +1,5 @@
-// The KV cache's element types for the attention kernels (ops.cu, mla.cu): float32, f16 (u16) or q8_0
-// (i8), read as floats and written from floats.
+// What the attention kernels (ops.cu, mla.cu) share: the KV cache's element types, float32, f16 (u16)
+// or q8_0 (i8), read as floats and written from floats; and the merge of a block's warps at the end.
 #pragma once
 #include "common.cuh"
 
@@ -63,5 +63,64 @@ template <typename F> __device__ __forceinline__ void kv_put(i8* c, u16* s, i64 
         const float q = d > 0.0f ? v / d : 0.0f;
         c[at + 32 * b + lane] = (i8)copysignf(floorf(fabsf(q) + 0.5f), q);
         if (lane == 0) s[(at >> 5) + b] = f32_to_f16(d);
+    }
+}
+
+// An attention sink (gpt-oss): the head's learned logit s joins the softmax denominator and adds no
+// value. Rescales the running (max mx, sum, weighted values a) to max(mx, s) and adds exp(s - max).
+__device__ __forceinline__ void sink_join(float s, float mx, float& sum, float& a) {
+    const float top = fmaxf(mx, s), f = expf(mx - top);
+    sum = sum * f + expf(s - top);
+    a *= f;
+}
+
+// The end of an attention block whose 4 warps each ran an online softmax over their share of the keys
+// for GB query heads (m, l: running max and sum; acc: the lane's DL value dims, lane + 32 i): merges
+// the warps' states per head and writes, for the block's first `live` heads, rows th0 + g, g < live, of
+// [tokens * heads, dv]. One split: the normalized output (with `sinks`, a logit per head th % heads, or
+// null); several: this split z's (max, sum) and unnormalized sums for attention_combine.
+template <int GB, int DL>
+__device__ __forceinline__ void attention_store(const float (&m)[GB], const float (&l)[GB], const float (&acc)[GB][DL],
+                                                int live, i64 th0, int heads, int dv, int z, int nsplit,
+                                                const float* __restrict__ sinks, float* __restrict__ out,
+                                                float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    __shared__ float sm_m[4][GB], sm_l[4][GB], sm_acc[4][GB][DL * 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        if (lane == 0) {
+            sm_m[warp][g] = m[g];
+            sm_l[warp][g] = l[g];
+        }
+#pragma unroll
+        for (int i = 0; i < DL; ++i) sm_acc[warp][g][lane + 32 * i] = acc[g][i];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < GB * dv; idx += blockDim.x) {
+        const int g = idx / dv, d = idx % dv;
+        if (g >= live) continue;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sm_m[w][g]);
+        float sum = 0.0f, a = 0.0f;
+        if (mx != NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const float f = expf(sm_m[w][g] - mx);
+                sum += sm_l[w][g] * f;
+                a += sm_acc[w][g][d] * f;
+            }
+        }
+        const i64 th = th0 + g;
+        if (nsplit == 1) {
+            if (sinks) sink_join(sinks[th % heads], mx, sum, a);
+            out[th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
+        } else {
+            part_acc[(th * nsplit + z) * dv + d] = a;
+            if (d == 0) {
+                part_ml[2 * (th * nsplit + z)] = mx;
+                part_ml[2 * (th * nsplit + z) + 1] = sum;
+            }
+        }
     }
 }

@@ -32,7 +32,6 @@ __global__ void __launch_bounds__(128) mla_attention(
     const u16* __restrict__ ks, const int* __restrict__ page_table, const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
     float* __restrict__ out, float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int rank, int rope,
     int pages_per_slot, int page_size, int window, int split, float scale) {
-    __shared__ float sm_m[4][GB], sm_l[4][GB], sm_acc[4][GB][DL * 32];
     const int t = blockIdx.x, h0 = blockIdx.y * GB, z = blockIdx.z, nsplit = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, dk = rank + rope;
     const int slot = tok_slot[t], pos = tok_pos[t];
@@ -85,40 +84,6 @@ __global__ void __launch_bounds__(128) mla_attention(
             }
         }
     }
-#pragma unroll
-    for (int g = 0; g < GB; ++g) {
-        if (lane == 0) {
-            sm_m[warp][g] = m[g];
-            sm_l[warp][g] = l[g];
-        }
-#pragma unroll
-        for (int i = 0; i < DL; ++i) sm_acc[warp][g][lane + 32 * i] = acc[g][i];
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < GB * rank; idx += blockDim.x) {
-        const int g = idx / rank, d = idx % rank;
-        if (h0 + g >= heads) continue;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sm_m[w][g]);
-        float sum = 0.0f, a = 0.0f;
-        if (mx != NEG_INF) {
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                const float f = expf(sm_m[w][g] - mx);
-                sum += sm_l[w][g] * f;
-                a += sm_acc[w][g][d] * f;
-            }
-        }
-        const i64 th = (i64)t * heads + h0 + g;
-        if (nsplit == 1) {
-            out[th * rank + d] = sum > 0.0f ? a / sum : 0.0f;
-        } else {
-            part_acc[(th * nsplit + z) * rank + d] = a;
-            if (d == 0) {
-                part_ml[2 * (th * nsplit + z)] = mx;
-                part_ml[2 * (th * nsplit + z) + 1] = sum;
-            }
-        }
-    }
+    attention_store<GB, DL>(m, l, acc, min(GB, heads - h0), (i64)t * heads + h0, heads, rank, z, nsplit, nullptr, out,
+                            part_ml, part_acc);
 }

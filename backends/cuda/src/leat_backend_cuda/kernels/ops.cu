@@ -64,14 +64,6 @@ __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ 
     kv_put(vc, vs, row * dv, kv_heads * dv, [=](int i) { return vt[i]; });
 }
 
-// An attention sink (gpt-oss): the head's learned logit s joins the softmax denominator and adds no
-// value. Rescales the running (max mx, sum, weighted values a) to max(mx, s) and adds exp(s - max).
-__device__ __forceinline__ void sink_join(float s, float mx, float& sum, float& a) {
-    const float top = fmaxf(mx, s), f = expf(mx - top);
-    sum = sum * f + expf(s - top);
-    a *= f;
-}
-
 // Causal (optionally windowed, soft-capped) attention of each token's query heads over its slot's
 // cached positions, grouped-query: a block serves one token, one KV head and up to GB of the query
 // heads that share it, over positions [z * split, (z + 1) * split) of its range (grid.z = splits).
@@ -87,7 +79,6 @@ __global__ void __launch_bounds__(128) attention(
     float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
     int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
     const float* __restrict__ sinks) {
-    __shared__ float sm_m[4][GB], sm_l[4][GB], sm_acc[4][GB][DL * 32];
     const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
     const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -143,43 +134,8 @@ __global__ void __launch_bounds__(128) attention(
             }
         }
     }
-#pragma unroll
-    for (int g = 0; g < GB; ++g) {
-        if (lane == 0) {
-            sm_m[warp][g] = m[g];
-            sm_l[warp][g] = l[g];
-        }
-#pragma unroll
-        for (int i = 0; i < DL; ++i) sm_acc[warp][g][lane + 32 * i] = acc[g][i];
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < GB * dv; idx += blockDim.x) {
-        const int g = idx / dv, d = idx % dv;
-        if (g0 + g >= group) continue;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sm_m[w][g]);
-        float sum = 0.0f, a = 0.0f;
-        if (mx != NEG_INF) {
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                const float f = expf(sm_m[w][g] - mx);
-                sum += sm_l[w][g] * f;
-                a += sm_acc[w][g][d] * f;
-            }
-        }
-        const i64 th = (i64)t * heads + (i64)kvh * group + g0 + g;
-        if (nsplit == 1) {
-            if (sinks) sink_join(sinks[th % heads], mx, sum, a);
-            out[th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
-        } else {
-            part_acc[(th * nsplit + z) * dv + d] = a;
-            if (d == 0) {
-                part_ml[2 * (th * nsplit + z)] = mx;
-                part_ml[2 * (th * nsplit + z) + 1] = sum;
-            }
-        }
-    }
+    attention_store<GB, DL>(m, l, acc, min(GB, group - g0), (i64)t * heads + (i64)kvh * group + g0, heads, dv, z,
+                            nsplit, sinks, out, part_ml, part_acc);
 }
 
 
@@ -198,7 +154,6 @@ __global__ void __launch_bounds__(128) attention_wide(
     int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
     const float* __restrict__ sinks) {
     __shared__ __align__(16) float sq[GB][DL * 32];
-    __shared__ float sm_m[4][GB], sm_l[4][GB], sm_acc[4][GB][DL * 32];
     const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
     const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -263,43 +218,8 @@ __global__ void __launch_bounds__(128) attention_wide(
             }
         }
     }
-#pragma unroll
-    for (int g = 0; g < GB; ++g) {
-        if (lane == 0) {
-            sm_m[warp][g] = m[g];
-            sm_l[warp][g] = l[g];
-        }
-#pragma unroll
-        for (int i = 0; i < DL; ++i) sm_acc[warp][g][lane + 32 * i] = acc[g][i];
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < GB * dv; idx += blockDim.x) {
-        const int g = idx / dv, d = idx % dv;
-        if (g0 + g >= group) continue;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sm_m[w][g]);
-        float sum = 0.0f, a = 0.0f;
-        if (mx != NEG_INF) {
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                const float f = expf(sm_m[w][g] - mx);
-                sum += sm_l[w][g] * f;
-                a += sm_acc[w][g][d] * f;
-            }
-        }
-        const i64 th = (i64)t * heads + (i64)kvh * group + g0 + g;
-        if (nsplit == 1) {
-            if (sinks) sink_join(sinks[th % heads], mx, sum, a);
-            out[th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
-        } else {
-            part_acc[(th * nsplit + z) * dv + d] = a;
-            if (d == 0) {
-                part_ml[2 * (th * nsplit + z)] = mx;
-                part_ml[2 * (th * nsplit + z) + 1] = sum;
-            }
-        }
-    }
+    attention_store<GB, DL>(m, l, acc, min(GB, group - g0), (i64)t * heads + (i64)kvh * group + g0, heads, dv, z,
+                            nsplit, sinks, out, part_ml, part_acc);
 }
 
 // Merges the splits of attention: one block per (token, head); `sinks` (or null) as in attention.
