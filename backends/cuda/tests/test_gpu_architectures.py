@@ -84,13 +84,6 @@ def files(tmp_path_factory):
     return build
 
 
-@pytest.fixture(scope="module")
-def cuda():
-    from leat_backend_cuda.backend import CUDABackend
-
-    return CUDABackend(poison=True)
-
-
 def load(name, path, backend):
     cls = architecture(name)[0]
     return cls(ModelFile(path), backend)

@@ -53,13 +53,6 @@ def files(tmp_path_factory):
     return {name: tiny.build(name, folder / f"{name}.gguf") for name in CONFIGS}
 
 
-@pytest.fixture(scope="module")
-def cuda():
-    from leat_backend_cuda.backend import CUDABackend
-
-    return CUDABackend(poison=True)
-
-
 def load(path, backend):
     return Llama(ModelFile(path), backend)
 

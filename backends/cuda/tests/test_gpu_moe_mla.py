@@ -12,29 +12,10 @@ from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch, Row
 from leat.modelfile import Tensor
 from leat.moe import MoESpec, MoEWeights, selection_margin
-from leat_backend_cpu.backend import CPUBackend
+from leat.testing import relative_error
 
 pytestmark = pytest.mark.gpu
 Q = gguf.GGMLQuantizationType
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    from leat_backend_cuda.backend import CUDABackend
-
-    return CUDABackend(poison=True)
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    return CPUBackend("f64")
-
-
-def relative_error(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.isfinite(got).all(), "non-finite values (an element not written?)"
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 # byte offset of the f16 scale fields (d, and dmin where present) of K types gguf-py cannot quantize

@@ -10,7 +10,7 @@ import pytest
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch, Row
 from leat.modelfile import Tensor
-from leat_backend_cpu.backend import CPUBackend
+from leat.testing import relative_error
 from leat_backend_cuda import quants
 
 pytestmark = pytest.mark.gpu
@@ -18,18 +18,6 @@ Q = gguf.GGMLQuantizationType
 KERNEL_TYPES = sorted(quants.LAYOUTS, key=int)
 # byte offset of the f16 scale fields (d, and dmin where present) of types gguf-py cannot quantize
 SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    from leat_backend_cuda.backend import CUDABackend
-
-    return CUDABackend(poison=True)
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    return CPUBackend("f64")
 
 
 def stored(qtype: Q, rows: int, cols: int, rng, sane: bool = True) -> np.ndarray:
@@ -49,13 +37,6 @@ def stored(qtype: Q, rows: int, cols: int, rng, sane: bool = True) -> np.ndarray
                 scale = rng.uniform(0.002, 0.02, len(data)).astype(np.float16)
                 data[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
         return data.reshape(rows, -1)
-
-
-def relative_error(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.isfinite(got).all(), "non-finite values (an element not written?)"
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
@@ -216,7 +197,9 @@ def test_flash_prefill_attention(cuda, oracle, heads, kv_heads, dim, window, sof
         q, k, v = (np.concatenate([seqs[s][i][a : a + n] for s, a, n in step]) for i in range(3))
         if softcap:
             want = oracle.attention_softcap(q, k, v, kvs[1], 0, batch, dim**-0.5, softcap)
-            got = cuda.attention_softcap(*(cuda_array(cuda, t) for t in (q, k, v)), kvs[0], 0, batch, dim**-0.5, softcap)
+            got = cuda.attention_softcap(
+                *(cuda_array(cuda, t) for t in (q, k, v)), kvs[0], 0, batch, dim**-0.5, softcap
+            )
         else:
             want = oracle.attention(q, k, v, kvs[1], 0, batch, dim**-0.5)
             got = cuda.attention(*(cuda_array(cuda, t) for t in (q, k, v)), kvs[0], 0, batch, dim**-0.5)

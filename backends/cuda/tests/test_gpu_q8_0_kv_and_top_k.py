@@ -14,30 +14,11 @@ from leat.engine import Engine, GenerationRequest
 from leat.errors import LeatError
 from leat.model import Model
 from leat.modelfile import ModelFile
-from leat.testing import write_tiny_gguf
+from leat.testing import relative_error, write_tiny_gguf
 from leat_arch_llama.llama import Llama
 from leat_backend_cpu.backend import CPUBackend
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    from leat_backend_cuda.backend import CUDABackend
-
-    return CUDABackend(poison=True)
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    return CPUBackend("f64")
-
-
-def relative_error(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.isfinite(got).all(), "non-finite values (an element not written?)"
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def same_bytes(cuda, oracle, kvs, group=0):

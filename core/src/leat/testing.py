@@ -140,3 +140,12 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def relative_error(got: Any, want: Any) -> float:
+    """||got - want|| / ||want|| in float64, after checking that the shapes match and every value of ``got`` is
+    finite (an element a kernel never wrote stays NaN in a poisoned output)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert np.isfinite(got).all(), "non-finite values (an element not written?)"
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
