@@ -102,6 +102,37 @@ def test_dequantization_equals_gguf(backend, qtype):
     close(backend.matmul(f32(x), weight), x @ want.astype(np.float64).T, 1e-4)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_many_row_products_dequantize_once_and_multiply_in_float16(qtype, monkeypatch):
+    # GPU devices take this path from 16 rows (prefill): the weight dequantized into a float16 copy, a
+    # float16 product accumulated in float32. Its error is float16 rounding of weights and activations.
+    monkeypatch.setenv("LEAT_TINYGRAD_GEMM_ROWS", "4")
+    backend = TinygradBackend()
+    assert backend.gemm_rows == 4
+    rng = np.random.default_rng(int(qtype) + 7)
+    rows, cols = 24, 512
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    stored = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = np.array([0.01], np.float16).view(np.uint8)
+    if qtype == Q.Q8_0:
+        stored[..., :2] = scale
+    elif qtype == Q.Q6_K:
+        stored[..., -2:] = scale
+    else:
+        stored[..., :4] = np.array([0.02, 0.01], np.float16).view(np.uint8)
+    stored = stored.reshape(rows, -1)
+    w = gguf.quants.dequantize(stored, qtype).reshape(rows, cols).astype(np.float64)
+    weight = backend.upload(FileTensor("w", qtype, (rows, cols), stored))
+    for n in (3, 8):  # below the threshold (fused, float32) and at or above it (float16 product)
+        x = rng.standard_normal((n, cols))
+        got = np.asarray(backend.matmul(f32(x), weight).numpy(), np.float64)
+        want = x @ w.T
+        error = np.abs(got - want).max() / np.abs(want).max()
+        assert error < (1e-5 if n < 4 else 2e-3), (n, error)
+        if n >= 4:  # and float16 rounding is visible: this is not the float32 path
+            assert error > 1e-6, error
+
+
 def test_matmul_with_bias(backend):
     rng = np.random.default_rng(1)
     x, w, b = rng.standard_normal((5, 32)), rng.standard_normal((7, 32)), rng.standard_normal(7)

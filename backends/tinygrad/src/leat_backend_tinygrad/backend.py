@@ -178,6 +178,10 @@ class TinygradBackend(Backend):
         self.device = Device.DEFAULT
         self._kv_at = UOp.variable("kv_at", 0, 1 << 30)
         self.jit = os.environ.get("LEAT_TINYGRAD_JIT", "1") != "0"
+        # products with this many rows or more dequantize the weight first and multiply in float16 (0: never);
+        # GPU devices only: tinygrad's CPU device has no float16 arithmetic worth it
+        cpu = self.device.split(":")[0] in ("CPU", "PYTHON")
+        self.gemm_rows = int(os.environ.get("LEAT_TINYGRAD_GEMM_ROWS", "0" if cpu else "16"))
         self._jits: dict[tuple[Callable, int, int], TinyJit] = {}
         self._eager: set[Callable] = set()  # forwards that cannot be jitted
         self._step: _Step | None = None
@@ -387,7 +391,16 @@ class TinygradBackend(Backend):
         return self._tensor(values.astype(np.float32))
 
     def matmul(self, x: Tensor, weight: Any, bias: Any = None) -> Tensor:
-        y = self._values(x) @ self._values(weight).T
+        x = self._values(x)
+        if self.gemm_rows and isinstance(weight, Weight) and weight.qtype in DEQUANTIZERS and x.shape[0] >= self.gemm_rows:
+            # Many rows (prefill): dequantize the blocks once into a float16 copy, then a float16 product
+            # with float32 accumulation (tensor cores where the device has them), as llama.cpp's GPU
+            # backends do. Fused into the product, the dequantization would be repeated for every tile
+            # of rows.
+            w = weight.values().cast(dtypes.float16).contiguous()
+            y = x.cast(dtypes.float16).matmul(w.T, dtype=dtypes.float32).cast(dtypes.float32)
+        else:
+            y = x @ self._values(weight).T
         return y + self._values(bias) if bias is not None else y
 
     def rms_norm(self, x: Tensor, weight: Any, eps: float) -> Tensor:
@@ -442,10 +455,15 @@ class TinygradBackend(Backend):
         size, table = kv.page_size, kv.table(layer)[row.slot]
         position, end, done = row.start, row.start + len(row.tokens), 0
         while position < end:
-            run = min(size - position % size, end - position)
             page = int(table[position // size])
             if page < 0:
                 raise ValueError(f"slot {row.slot} has no page for position {position}")
+            # one write for a run of pages that lie next to each other in storage (a fresh pool hands
+            # them out in order): each write is a realize, scheduled in Python
+            run, last = min(size - position % size, end - position), page
+            while position + run < end and int(table[(position + run) // size]) == last + 1:
+                last += 1
+                run = min(run + size, end - position)
             chunk = values[span.start + done : span.start + done + run]
             at = page * size + position % size
             if scales is None:
