@@ -178,8 +178,8 @@ class TinygradBackend(Backend):
         self.device = Device.DEFAULT
         self._kv_at = UOp.variable("kv_at", 0, 1 << 30)
         self.jit = os.environ.get("LEAT_TINYGRAD_JIT", "1") != "0"
-        # products with this many rows or more dequantize the weight first and multiply in float16 (0: never);
-        # GPU devices only: tinygrad's CPU device has no float16 arithmetic worth it
+        # products with this many rows or more dequantize the weight into a temporary copy first (0: never);
+        # GPU devices only: on tinygrad's CPU device the fused product is as fast
         cpu = self.device.split(":")[0] in ("CPU", "PYTHON")
         self.gemm_rows = int(os.environ.get("LEAT_TINYGRAD_GEMM_ROWS", "0" if cpu else "16"))
         self._jits: dict[tuple[Callable, int, int], TinyJit] = {}
@@ -393,12 +393,10 @@ class TinygradBackend(Backend):
     def matmul(self, x: Tensor, weight: Any, bias: Any = None) -> Tensor:
         x = self._values(x)
         if self.gemm_rows and isinstance(weight, Weight) and weight.qtype in DEQUANTIZERS and x.shape[0] >= self.gemm_rows:
-            # Many rows (prefill): dequantize the blocks once into a float16 copy, then a float16 product
-            # with float32 accumulation (tensor cores where the device has them), as llama.cpp's GPU
-            # backends do. Fused into the product, the dequantization would be repeated for every tile
-            # of rows.
-            w = weight.values().cast(dtypes.float16).contiguous()
-            y = x.cast(dtypes.float16).matmul(w.T, dtype=dtypes.float32).cast(dtypes.float32)
+            # Many rows (prefill): dequantize the blocks once into a float32 copy, then a plain product.
+            # Fused into the product, the dequantization would be repeated for every tile of rows (the 8B
+            # file's first pp512 did not finish in minutes that way). float32 keeps prefill equal to decode.
+            y = x @ weight.values().contiguous().T
         else:
             y = x @ self._values(weight).T
         return y + self._values(bias) if bias is not None else y
