@@ -127,6 +127,7 @@ class Speculation:
     threshold: float = 1.05
     probe_every: int = 16
     step_seconds: dict[int, float] = field(default_factory=dict)  # tokens in a decode-only step -> seconds
+    _seen: set[int] = field(default_factory=set, repr=False)  # step sizes met once (their first step not counted)
 
     def controller(self, sampler: Sampler) -> Controller | None:
         """A new request's controller; None when its selector has no distribution to verify against."""
@@ -135,7 +136,13 @@ class Speculation:
         return Controller(self.max_draft, self.threshold, self.probe_every)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """A decode-only step of ``tokens`` positions took ``seconds``."""
+        """A decode-only step of ``tokens`` positions took ``seconds``. The first step of each size is not
+        counted: a backend compiles or captures a step shape when it first meets it (CUDA graphs, TinyJit),
+        a one-off cost that is not the step's. Counted, one capture priced a verification at fifty plain
+        steps and paused drafting for the rest of the request on CUDA."""
+        if tokens not in self._seen:
+            self._seen.add(tokens)
+            return
         before = self.step_seconds.get(tokens)
         self.step_seconds[tokens] = seconds if before is None else 0.8 * before + 0.2 * seconds
 
