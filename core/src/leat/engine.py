@@ -568,6 +568,7 @@ class Engine:
 
     def step(self) -> None:
         """One forward pass: every decoding request's next token plus one prefill chunk."""
+        began = time.perf_counter()  # the step-cost table times whole steps: proposing and verifying cost too
         rows: list[tuple[_Running, Row]] = []
         prefill_done = False
         for item in self.running:
@@ -582,7 +583,6 @@ class Engine:
             self._pages_for(item, end + len(item.draft))
             span = np.asarray(item.tokens[item.filled : end] + item.draft)
             rows.append((item, Row(item.slot, item.filled, span, all_logits=bool(item.draft))))
-        began = time.perf_counter()
         out = self.backend.run(self.model.architecture.forward, Batch([r for _, r in rows]), self.kv)
         wants = [self._candidates(item, row) for item, row in rows]
         candidates = None
@@ -595,8 +595,7 @@ class Engine:
             candidates = self.backend.top_k(out, max(wants))
         else:
             chosen, logits = None, self.backend.to_host(out)
-        if self.speculation is not None and all(row.start >= item.prompt_len for item, row in rows):
-            self.speculation.observe(sum(len(row.tokens) for _, row in rows), time.perf_counter() - began)
+        decode_only = all(row.start >= item.prompt_len for item, row in rows)
         self.steps += 1
         first = np.cumsum([0] + [len(row.tokens) if row.all_logits else 1 for _, row in rows])
         for (item, row), at in zip(rows, first):
@@ -618,6 +617,8 @@ class Engine:
                     self._sample(item, self._candidate_row(candidates, at, out.shape[-1]))
                 else:
                     self._sample(item, logits[at])
+        if self.speculation is not None and decode_only:
+            self.speculation.observe(sum(len(row.tokens) for _, row in rows), time.perf_counter() - began)
 
     def _candidates(self, item: _Running, row: Row) -> int | None:
         """How many of the row's top logits (by value, ties to the lower id) give exactly the token a whole
