@@ -401,8 +401,8 @@ class TinygradBackend(Backend):
         elif isinstance(weight, Weight) and weight.qtype in DEQUANTIZERS and weight.shape[-1] % SPLIT == 0:
             # Few rows (decode): the product in SPLIT partial sums per output, then their sum, as two kernels.
             # tinygrad gives a one-row product with the dequantization fused one thread per few outputs, each
-            # looping over the whole row: 4-7x slower on the H200 (a 4096 x 14336 Q6_K product 2.62 ms ->
-            # 0.18 ms, local/tg_matvec.py).
+            # looping over the whole row: 1.3-14x slower on the H200 (a 4096 x 14336 Q6_K product 2.62 ms ->
+            # 0.18 ms; the table is in the README).
             n, k = x.shape[0], weight.shape[-1]
             w = weight.values().reshape(1, weight.shape[0], SPLIT, k // SPLIT)
             y = (x.reshape(n, 1, SPLIT, k // SPLIT) * w).sum(-1).contiguous().sum(-1)
