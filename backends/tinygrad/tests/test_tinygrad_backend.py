@@ -431,7 +431,7 @@ def test_engine_decode_under_tinyjit_matches_the_f64_oracle(name, tmp_path):
     try:
         handles = [engine.submit(GenerationRequest(p, 6, GREEDY)) for p in prompts]
         outputs = [[e.id for e in handle if e.kind == "token" and e.id >= 0] for handle in handles]
-        buckets = sorted(key[2] for key in model.backend._jits)
+        buckets = sorted(key[2] for key in model.backend._jits if isinstance(key[2], int))
     finally:
         engine.stop()
     assert 4 in buckets and [len(got) for got in outputs] == [6, 6, 6], (buckets, outputs)
@@ -444,6 +444,34 @@ def test_engine_decode_under_tinyjit_matches_the_f64_oracle(name, tmp_path):
 
 
 GREEDY = {"temperature": 0}
+
+
+def test_prefill_chunks_of_a_jitted_length_replay_under_tinyjit(tmp_path, monkeypatch):
+    """One-row prefill chunks of a length in ``prefill_lengths`` (the engine's full chunk, 512, by default) run
+    under a TinyJit of their own: the first is captured, later ones at other positions and pages replay it.
+    Every position's logits equal the CPU float64 oracle's; a chunk whose pages are not adjacent in storage,
+    or of another length, runs eagerly."""
+    monkeypatch.setenv("LEAT_TINYGRAD_PREFILL_JIT", "8")
+    path = str(_tiny_models().build("q4_k-llama3", tmp_path / "tiny.gguf"))
+    ids = np.arange(1, 41)
+    want = leat.load(path, backend="cpu", precision="f64").logits(ids.tolist(), native=True)
+    model = leat.load(path, backend="tinygrad")
+    backend, forward = model.backend, model.architecture.forward
+    assert backend.prefill_lengths == {8}
+    layouts = model.architecture.kv_layouts(model.architecture.params)
+    kv = backend.allocate_kv(layouts, slots=1, context=40, pages=10, page_size=4)
+    backend.set_pages(kv, 0, np.array([0, 1, 2, 3, 4, 5, 7, 6, 8, 9]))  # positions 24-31 sit on pages 7 and 6
+    got = []
+    for start in range(0, 40, 8):
+        out = backend.run(forward, Batch([Row(0, start, ids[start : start + 8], all_logits=True)]), kv)
+        got.append(np.asarray(backend.to_host(out)))
+    jits = {key: jit for key, jit in backend._jits.items() if key[2] == "prefill"}
+    assert list(jits) == [(forward, id(kv), "prefill", 8, True)]
+    assert next(iter(jits.values())).cnt == 5  # from 1: captured at position 0, replayed at 8, 16, 32 (24: eager)
+    agreement = compare(want, np.concatenate(got), label="jitted prefill chunks vs cpu f64")
+    print(agreement)
+    assert not agreement.failures(**BARS) and agreement.mean_kl < 1e-9, f"{agreement}"
+    assert not backend._one_run(kv, Row(0, 20, ids[:8])) and backend._one_run(kv, Row(0, 8, ids[:16]))
 
 
 def test_a_decode_step_that_routes_experts_runs_eagerly(backend):

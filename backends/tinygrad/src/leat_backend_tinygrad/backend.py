@@ -28,6 +28,7 @@ import numpy as np
 from leat.backend import Backend, KVLayout, KVPages, RopeSpec
 from leat.batch import Batch
 from leat.errors import UnsupportedQuantType
+from leat.model import PREFILL_CHUNK
 from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
@@ -183,6 +184,9 @@ class TinygradBackend(Backend):
         # GPU devices only: on tinygrad's CPU device the fused product is as fast
         cpu = self.device.split(":")[0] in ("CPU", "PYTHON")
         self.gemm_rows = int(os.environ.get("LEAT_TINYGRAD_GEMM_ROWS", "0" if cpu else "16"))
+        # one-row prefill chunks of these lengths run under TinyJit too (the engine's full chunks)
+        lengths = os.environ.get("LEAT_TINYGRAD_PREFILL_JIT", str(PREFILL_CHUNK))
+        self.prefill_lengths = frozenset(int(x) for x in lengths.split(",") if x.strip())
         self._jits: dict[tuple[Callable, int, int], TinyJit] = {}
         self._eager: set[Callable] = set()  # forwards that cannot be jitted
         self._step: _Step | None = None
@@ -309,34 +313,39 @@ class TinygradBackend(Backend):
         the same bucket.
         """
         n = len(batch)
-        if (
-            not self.jit
-            or forward in self._eager
-            or not isinstance(kv, KVCache)
-            or n != len(batch.rows)
-            or n > DECODE_BUCKETS[-1]
-        ):
+        if not self.jit or forward in self._eager or not isinstance(kv, KVCache):
             return forward(batch, kv)
-        bucket = next(b for b in DECODE_BUCKETS if b >= n)
-        key = (forward, id(kv), bucket)
+        if n == len(batch.rows) and n <= DECODE_BUCKETS[-1]:
+            bucket = next(b for b in DECODE_BUCKETS if b >= n)
+            key: tuple = (forward, id(kv), bucket)
+        elif len(batch.rows) == 1 and n in self.prefill_lengths and self._one_run(kv, batch.rows[0]):
+            bucket = n
+            key = (forward, id(kv), "prefill", n, batch.rows[0].all_logits)
+        else:
+            return forward(batch, kv)
         jit = self._jits.get(key)
         if jit is None:
+            if key[2] == "prefill" and not self._rope_specs:
+                # rope tables are made on the host from the specs an eager step meets (a decode step comes after
+                # a prefill); this eager step writes the same K/V the capture below writes again
+                forward(batch, kv)
             if not any(k[1] == id(kv) for k in self._jits):
                 weakref.finalize(kv, self._forget, id(kv))  # a cache's jits go with it
             jit = self._jits[key] = TinyJit(self._jitted_step)
             jit.cnt = 1  # capture on the first call: weights, KV storage and rope tables are realized already
         for spec in self._rope_specs.values():  # tables made inside a capture would be copied again at each replay
             self._rope_table(spec, kv.context)
-        padded = Batch(batch.rows + [batch.rows[0]] * (bucket - n))
+        padded = Batch(batch.rows + [batch.rows[0]] * (bucket - n)) if bucket > len(batch.rows) else batch
         positions = padded.positions.astype(np.int32)
+        starts = np.asarray([row.start for row in padded.rows], np.int64)
         pages, at = [], []
         for table in kv.tables:
             rows = table[[row.slot for row in padded.rows]]
-            page = rows[np.arange(bucket), positions // kv.page_size]
+            page = rows[np.arange(len(padded.rows)), starts // kv.page_size]
             if (page < 0).any():
-                raise ValueError(f"a decoding slot has no page for position {positions[int(np.argmin(page))]}")
+                raise ValueError(f"a slot has no page for position {starts[int(np.argmin(page))]}")
             pages.append(self._tensor(np.maximum(rows, 0).astype(np.int32)))
-            at.extend(self._at_variable(len(at)).bind(int(a)) for a in page * kv.page_size + positions % kv.page_size)
+            at.extend(self._at_variable(len(at)).bind(int(a)) for a in page * kv.page_size + starts % kv.page_size)
         self._step = _Step(forward, kv, padded)
         try:
             logits = jit(self._tensor(padded.tokens.astype(np.int32)), self._tensor(positions), *pages, *at)
@@ -349,6 +358,16 @@ class TinygradBackend(Backend):
         if logits is None:
             return forward(batch, kv)
         return logits[:n] if n < bucket else logits
+
+    def _one_run(self, kv: KVCache, row) -> bool:
+        """Whether the row's tokens land on one run of adjacent storage rows in every page group (a prefill
+        chunk is jitted only then: its K/V is written by one assign at a bound row)."""
+        size, first, last = kv.page_size, row.start // kv.page_size, (row.start + len(row.tokens) - 1) // kv.page_size
+        for table in kv.tables:
+            pages = table[row.slot][first : last + 1]
+            if len(pages) != last - first + 1 or (pages < 0).any() or (np.diff(pages) != 1).any():
+                return False
+        return size > 0
 
     def _jitted_step(self, tokens: Tensor, positions: Tensor, *inputs: Any) -> Tensor:
         step = self._step
@@ -393,7 +412,12 @@ class TinygradBackend(Backend):
 
     def matmul(self, x: Tensor, weight: Any, bias: Any = None) -> Tensor:
         x = self._values(x)
-        if self.gemm_rows and isinstance(weight, Weight) and weight.qtype in DEQUANTIZERS and x.shape[0] >= self.gemm_rows:
+        if (
+            self.gemm_rows
+            and isinstance(weight, Weight)
+            and weight.qtype in DEQUANTIZERS
+            and x.shape[0] >= self.gemm_rows
+        ):
             # Many rows (prefill): dequantize the blocks once into a float32 copy, then a plain product.
             # Fused into the product, the dequantization would be repeated for every tile of rows (the 8B
             # file's first pp512 did not finish in minutes that way). float32 keeps prefill equal to decode.
@@ -527,8 +551,9 @@ class TinygradBackend(Backend):
                 scores = (scores / softcap).tanh() * softcap
             if step is None:
                 query_pos, key_pos = start + np.arange(length)[:, None], np.arange(total)[None, :]
-            else:  # one query, at the position the step's input holds
-                query_pos, key_pos = step.positions[i : i + 1].reshape(1, 1), Tensor.arange(total).reshape(1, total)
+            else:  # the queries at the positions the step's input holds
+                query_pos = step.positions[span].reshape(length, 1)
+                key_pos = Tensor.arange(total).reshape(1, total)
             masked = key_pos > query_pos
             if layout.window is not None:
                 masked = masked | (key_pos <= query_pos - layout.window)
