@@ -50,6 +50,33 @@ def test_concurrent_greedy_equals_one_at_a_time(model):
     assert got == expected
 
 
+def test_short_prompts_arriving_together_prefill_in_one_step(model):
+    # the step's prefill budget (prefill_chunk tokens) takes several prompts' chunks, not one prompt's
+    batch = prompts(4, seed=3, lengths=(5, 9, 3, 12))  # 29 tokens: one step of 32
+    expected = [alone(model, p, n=6) for p in batch]
+    engine = Engine(model, batch_size=4, prefill_chunk=32, page_size=8, max_context=256)
+    handles = [engine.submit(GenerationRequest(p, 6, GREEDY)) for p in batch]  # queued before the loop runs
+    engine.start()
+    try:
+        got = [tokens(h)[0] for h in handles]
+        assert engine.steps == 6, engine.steps  # one step prefills all four (their first tokens), five decode
+    finally:
+        engine.stop()
+    assert got == expected
+    # a prompt whose next chunk does not fit what is left waits for the next step: chunks stay as when alone
+    long = prompts(2, seed=4, lengths=(20, 20))
+    expected = [alone(model, p, n=4) for p in long]
+    engine = Engine(model, batch_size=2, prefill_chunk=32, page_size=8, max_context=256)
+    handles = [engine.submit(GenerationRequest(p, 4, GREEDY)) for p in long]
+    engine.start()
+    try:
+        got = [tokens(h)[0] for h in handles]
+        assert engine.steps == 5, engine.steps  # the second prompt's 20 tokens wait one step
+    finally:
+        engine.stop()
+    assert got == expected
+
+
 def test_submissions_from_many_threads(model):
     batch = prompts(6, seed=1)
     expected = [alone(model, p, n=10) for p in batch]

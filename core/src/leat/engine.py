@@ -567,16 +567,20 @@ class Engine:
         return self.pools[group].take()
 
     def step(self) -> None:
-        """One forward pass: every decoding request's next token plus one prefill chunk."""
+        """One forward pass: every decoding request's next token plus prefill chunks of up to ``prefill_chunk``
+        prompt tokens in all. The first prompt in line takes its next chunk; the prompts after it join while
+        their next chunk fits what is left, so short prompts arriving together start together (fewer, larger
+        steps), and a prompt's chunks are the same as when it is alone."""
         began = time.perf_counter()  # the step-cost table times whole steps: proposing and verifying cost too
         rows: list[tuple[_Running, Row]] = []
-        prefill_done = False
+        budget = self.prefill_chunk  # prompt tokens this step may still take
         for item in self.running:
             if item.filled < item.prompt_len:
-                if prefill_done:
+                chunk = min(item.prompt_len - item.filled, self.prefill_chunk)
+                if chunk > budget or budget <= 0:
                     continue
-                end = min(item.prompt_len, item.filled + self.prefill_chunk)
-                prefill_done = True
+                end = item.filled + chunk
+                budget -= chunk
             else:
                 end = item.filled + 1
                 item.draft = self._propose(item)
