@@ -9,8 +9,9 @@ Activations are float32 Tensors, left lazy between ops so tinygrad fuses them; o
 KV writes and MoE routing force computation. Compiled kernels go to tinygrad's cache
 (``CACHEDB``, by default ~/.cache/tinygrad/cache.db), so a second start skips compilation.
 
-Decode steps (one token per row) run under TinyJit, one per (forward, KV cache, batch-size bucket):
-see :meth:`TinygradBackend.run`.
+Decode steps (one token per row) run under TinyJit, one per (forward, KV cache, batch-size bucket), and so
+do full-length prefill chunks: see :meth:`TinygradBackend.run`. The paged KV cache is in
+:mod:`leat_backend_tinygrad.kv`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import gguf
 import numpy as np
-from leat.backend import Backend, KVLayout, KVPages, RopeSpec
+from leat.backend import Backend, KVLayout, RopeSpec
 from leat.batch import Batch
 from leat.errors import UnsupportedQuantType
 from leat.model import PREFILL_CHUNK
@@ -33,6 +34,7 @@ from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
+from leat_backend_tinygrad.kv import KVCache, PagedKV
 from leat_backend_tinygrad.quants import DEQUANTIZERS
 
 Q = gguf.GGMLQuantizationType
@@ -102,21 +104,6 @@ class Weight:
 
 
 @dataclass
-class KVCache(KVPages):
-    # per layer: [pages * page_size, kv_heads, dim] (float32, float16, or int8 for q8_0)
-    k: list[Tensor] = field(default_factory=list)
-    v: list[Tensor] = field(default_factory=list)
-    dtype: str = "f32"
-    k_scale: list[Tensor] = field(default_factory=list)  # q8_0: one f16 scale per 32 values
-    v_scale: list[Tensor] = field(default_factory=list)
-
-    def storages(self, group: int | None = None) -> list[Tensor]:
-        """Every layer's storage, or only that of ``group``'s layers."""
-        layers = range(len(self.k)) if group is None else self.layers_of(group)
-        return [kind[layer] for kind in (self.k, self.v, self.k_scale, self.v_scale) if kind for layer in layers]
-
-
-@dataclass
 class _Step:
     """A decode step under TinyJit: the padded batch its forward is given, and the device inputs that ops
     read in place of that batch's host arrays (TinyJit replays kernels; host values would stay frozen)."""
@@ -150,21 +137,7 @@ def _rope_key(spec: RopeSpec) -> tuple:
     return spec.dims, spec.base, spec.neox, spec.scale, spec.attn_factor, factors
 
 
-def _q8_0(x: Tensor) -> tuple[Tensor, Tensor]:
-    """GGUF Q8_0 of the last axis in blocks of 32: d = max|x| / 127 (stored f16), q = round(x / d) half away from 0."""
-    blocks = x.reshape(*x.shape[:-1], -1, 32)
-    d = blocks.abs().max(axis=-1, keepdim=True) / 127
-    scaled = (d > 0).where(blocks / d.maximum(1e-30), 0)
-    q = scaled.sign() * (scaled.abs() + 0.5).floor()
-    return q.cast(dtypes.int8).reshape(x.shape), d[..., 0].cast(dtypes.float16)
-
-
-def _from_q8_0(q: Tensor, d: Tensor) -> Tensor:
-    blocks = q.reshape(*q.shape[:-1], -1, 32).cast(dtypes.float32) * d.cast(dtypes.float32).unsqueeze(-1)
-    return blocks.reshape(q.shape)
-
-
-class TinygradBackend(Backend):
+class TinygradBackend(PagedKV, Backend):
     name = "tinygrad"
     quant_types = frozenset(DEQUANTIZERS) | {Q.F32, Q.F16} | LOAD_DEQUANTIZED
 
@@ -235,69 +208,10 @@ class TinygradBackend(Backend):
             return x
         return self._tensor(np.asarray(x, dtype=np.float32))
 
-    def allocate_kv(self, layouts, slots, context, pages=None, page_size=16, dtype="f32", groups=None) -> KVCache:
-        if dtype not in ("f32", "f16", "q8_0"):
-            raise ValueError(f"KV dtype must be f32, f16 or q8_0, not {dtype!r}")
-        kv = KVCache.create(layouts, slots, context, pages, page_size, groups, dtype=dtype)
-        storage = {"f32": dtypes.float32, "f16": dtypes.float16, "q8_0": dtypes.int8}[dtype]
-        for layer, layout in enumerate(layouts):
-            dims = (layout.head_dim, layout.stored_value_dim)
-            if dtype == "q8_0" and any(d % 32 for d in dims):
-                raise ValueError(f"q8_0 KV needs head dimensions that are multiples of 32, not {dims[0]}")
-            shapes = [(kv.layer_pages(layer) * page_size, layout.kv_heads, d) for d in dims]
-            kv.k.append(Tensor.zeros(*shapes[0], dtype=storage, device=self.device).contiguous().realize())
-            kv.v.append(Tensor.zeros(*shapes[1], dtype=storage, device=self.device).contiguous().realize())
-            if dtype == "q8_0":
-                for scales, (rows, heads, d) in ((kv.k_scale, shapes[0]), (kv.v_scale, shapes[1])):
-                    scales.append(
-                        Tensor.zeros(rows, heads, d // 32, dtype=dtypes.float16, device=self.device)
-                        .contiguous()
-                        .realize()
-                    )
-        self.allocations.kv += sum(t.nbytes() for t in kv.storages())
-        return kv
-
-    def kv_budget_bytes(self) -> int:
-        if self.device.split(":")[0] in ("CPU", "PYTHON"):
-            try:
-                with open("/proc/meminfo") as f:
-                    info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-                return info["MemAvailable"] // 4
-            except (OSError, KeyError, ValueError):
-                pass
-        return 2 << 30
-
-    def _page_rows(self, kv: KVCache, pages: list[int]) -> np.ndarray:
-        return (np.asarray(pages)[:, None] * kv.page_size + np.arange(kv.page_size)[None, :]).reshape(-1)
-
-    def copy_page(self, kv: KVCache, source: int, target: int, group: int = 0) -> None:
-        size = kv.page_size
-        for storage in kv.storages(group):
-            if storage.shape[-1]:
-                storage[target * size : (target + 1) * size].assign(
-                    storage[source * size : (source + 1) * size].contiguous()
-                ).realize()
-
-    def read_pages(self, kv: KVCache, pages: list[int], group: int = 0) -> list[np.ndarray]:
-        rows = self._page_rows(kv, pages)
-        out = []
-        for storage in kv.storages(group):
-            host = storage.numpy()
-            out.append(host[rows].reshape(len(pages), kv.page_size, *host.shape[1:]))
-        return out
-
-    def write_pages(self, kv: KVCache, pages: list[int], contents: list[np.ndarray], group: int = 0) -> None:
-        size = kv.page_size
-        for storage, values in zip(kv.storages(group), contents, strict=True):
-            if not storage.shape[-1]:
-                continue
-            for page, block in zip(pages, values):
-                storage[page * size : (page + 1) * size].assign(self._tensor(block).cast(storage.dtype)).realize()
-
     def to_host(self, x: Tensor) -> np.ndarray:
         return x.numpy()
 
-    # -- decode steps under TinyJit ------------------------------------------------------------------
+    # -- steps under TinyJit --------------------------------------------------------------------------
     def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any) -> Any:
         """One forward step; a decode batch (one token per row) runs under TinyJit.
 
@@ -463,61 +377,6 @@ class TinygradBackend(Backend):
                 .reshape(n, heads, spec.dims)
             )
         return out.cat(x[..., spec.dims :], dim=-1) if spec.dims < x.shape[-1] else out
-
-    def _write(self, storage: Tensor, at: int | UOp, values: Tensor) -> None:
-        """values into storage rows at..at+len (one kernel for every ``at``: it is a bound variable)."""
-        start = self._kv_at.bind(at) if isinstance(at, int) else at
-        storage[start : start + values.shape[0]].assign(values.cast(storage.dtype)).realize()
-
-    def _store(self, kv: KVCache, layer: int, which: str, row, span: slice, values: Tensor, at=None) -> None:
-        """Write one row's keys or values at its positions, page run by page run (a jitted decode row: its
-        one token at ``at``, a bound Variable)."""
-        storage = (kv.k if which == "k" else kv.v)[layer]
-        scales = (kv.k_scale if which == "k" else kv.v_scale)[layer] if kv.dtype == "q8_0" else None
-        if at is not None:
-            chunk = values[span]
-            if scales is None:
-                self._write(storage, at, chunk)
-            else:
-                q, d = _q8_0(chunk)
-                self._write(storage, at, q)
-                self._write(scales, at, d)
-            return
-        size, table = kv.page_size, kv.table(layer)[row.slot]
-        position, end, done = row.start, row.start + len(row.tokens), 0
-        while position < end:
-            page = int(table[position // size])
-            if page < 0:
-                raise ValueError(f"slot {row.slot} has no page for position {position}")
-            # one write for a run of pages that lie next to each other in storage (a fresh pool hands
-            # them out in order): each write is a realize, scheduled in Python
-            run, last = min(size - position % size, end - position), page
-            while position + run < end and int(table[(position + run) // size]) == last + 1:
-                last += 1
-                run = min(run + size, end - position)
-            chunk = values[span.start + done : span.start + done + run]
-            at = page * size + position % size
-            if scales is None:
-                self._write(storage, at, chunk)
-            else:
-                q, d = _q8_0(chunk)
-                self._write(storage, at, q)
-                self._write(scales, at, d)
-            position, done = position + run, done + run
-
-    def _gather(self, kv: KVCache, layer: int, which: str, slot: int, table: Tensor | None = None) -> Tensor:
-        """The slot's cached keys or values in position order, all its pages: [pages_per_slot * page_size, heads, dim]
-        (through ``table``, its page-table row on the device, when given)."""
-        storage = (kv.k if which == "k" else kv.v)[layer]
-        if table is None:
-            table = self._tensor(np.maximum(kv.table(layer)[slot], 0).astype(np.int32))
-        size, rows, heads, dim = kv.page_size, *storage.shape
-        pages = storage.reshape(rows // size, size * heads * dim)[table]
-        if kv.dtype == "q8_0":
-            scales = (kv.k_scale if which == "k" else kv.v_scale)[layer]
-            s = scales.reshape(rows // size, size * heads * dim // 32)[table]
-            return _from_q8_0(pages.reshape(-1, heads, dim), s.reshape(-1, heads, dim // 32))
-        return pages.reshape(-1, heads, dim).cast(dtypes.float32)
 
     def _attend(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap=None, sinks=None):
         """Paged, causal, windowed GQA attention (see Backend.attention); scores soft-capped when
