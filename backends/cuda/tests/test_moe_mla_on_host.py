@@ -399,6 +399,25 @@ SPECS = [
 ]
 
 
+def route_on_host(kernels, logits, bias, ids, w, spec):
+    """moe_route over [n, experts] logits into ids and weights [n, experts_used], as the backend launches it."""
+    n, e = logits.shape
+    kernels.route(
+        ptr(logits),
+        ptr(bias),
+        ptr(ids),
+        ptr(w),
+        n,
+        e,
+        spec.experts_used,
+        {"softmax": 0, "softmax_selected": 1, "sigmoid": 2}[spec.gating],
+        int(spec.normalize),
+        ctypes.c_float(spec.scale),
+        spec.groups if spec.groups > 1 else 0,
+        spec.groups_used,
+    )
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.gating}-{s.experts}")
 def test_route(kernels, spec):
     rng = np.random.default_rng(spec.experts)
@@ -407,20 +426,7 @@ def test_route(kernels, spec):
     bias = f32(rng.standard_normal(e) / 4) if spec.groups else None
     want_ids, want_w = route(logits, spec, bias)
     ids, w = np.full((n, k), -1, np.int32), np.full((n, k), np.nan, np.float32)
-    kernels.route(
-        ptr(logits),
-        ptr(bias),
-        ptr(ids),
-        ptr(w),
-        n,
-        e,
-        k,
-        {"softmax": 0, "softmax_selected": 1, "sigmoid": 2}[spec.gating],
-        int(spec.normalize),
-        ctypes.c_float(spec.scale),
-        spec.groups if spec.groups > 1 else 0,
-        spec.groups_used,
-    )
+    route_on_host(kernels, logits, bias, ids, w, spec)
     decided = selection_margin(logits, spec, bias) > 1e-5
     assert decided.sum() >= n - 2
     np.testing.assert_array_equal(ids[decided], want_ids[decided])
@@ -567,20 +573,7 @@ def test_whole_moe_layer(kernels, spec):
     want = cpu.moe(x.astype(np.float64), weights, spec)
     logits = f32(x @ router.T)
     ids, w = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
-    kernels.route(
-        ptr(logits),
-        ptr(None),
-        ptr(ids),
-        ptr(w),
-        n,
-        e,
-        k,
-        {"softmax": 0, "softmax_selected": 1, "sigmoid": 2}[spec.gating],
-        int(spec.normalize),
-        ctypes.c_float(spec.scale),
-        spec.groups if spec.groups > 1 else 0,
-        spec.groups_used,
-    )
+    route_on_host(kernels, logits, None, ids, w, spec)
     start, chunk_start, order = (np.zeros(s, np.int32) for s in (e + 1, e + 1, n * k))
     kernels.group(ptr(ids), n * k, e, 8, ptr(start), ptr(chunk_start), ptr(order))
     blocks = -(-n * k // 8) + e
