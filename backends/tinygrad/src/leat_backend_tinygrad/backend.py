@@ -326,17 +326,13 @@ class TinygradBackend(PagedKV, Backend):
 
     def matmul(self, x: Tensor, weight: Any, bias: Any = None) -> Tensor:
         x = self._values(x)
-        if (
-            self.gemm_rows
-            and isinstance(weight, Weight)
-            and weight.qtype in DEQUANTIZERS
-            and x.shape[0] >= self.gemm_rows
-        ):
+        quantized = isinstance(weight, Weight) and weight.qtype in DEQUANTIZERS
+        if quantized and self.gemm_rows and x.shape[0] >= self.gemm_rows:
             # Many rows (prefill): dequantize the blocks once into a float32 copy, then a plain product.
             # Fused into the product, the dequantization would be repeated for every tile of rows (the 8B
             # file's first pp512 did not finish in minutes that way). float32 keeps prefill equal to decode.
             y = x @ weight.values().contiguous().T
-        elif isinstance(weight, Weight) and weight.qtype in DEQUANTIZERS and weight.shape[-1] % SPLIT == 0:
+        elif quantized and weight.shape[-1] % SPLIT == 0:
             # Few rows (decode): the product in SPLIT partial sums per output, then their sum, as two kernels.
             # tinygrad gives a one-row product with the dequantization fused one thread per few outputs, each
             # looping over the whole row: 1.3-14x slower on the H200 (a 4096 x 14336 Q6_K product 2.62 ms ->

@@ -119,13 +119,7 @@ class PagedKV:
         storage = (kv.k if which == "k" else kv.v)[layer]
         scales = (kv.k_scale if which == "k" else kv.v_scale)[layer] if kv.dtype == "q8_0" else None
         if at is not None:
-            chunk = values[span]
-            if scales is None:
-                self._write(storage, at, chunk)
-            else:
-                q, d = _q8_0(chunk)
-                self._write(storage, at, q)
-                self._write(scales, at, d)
+            self._put(storage, scales, at, values[span])
             return
         size, table = kv.page_size, kv.table(layer)[row.slot]
         position, end, done = row.start, row.start + len(row.tokens), 0
@@ -140,14 +134,17 @@ class PagedKV:
                 last += 1
                 run = min(run + size, end - position)
             chunk = values[span.start + done : span.start + done + run]
-            at = page * size + position % size
-            if scales is None:
-                self._write(storage, at, chunk)
-            else:
-                q, d = _q8_0(chunk)
-                self._write(storage, at, q)
-                self._write(scales, at, d)
+            self._put(storage, scales, page * size + position % size, chunk)
             position, done = position + run, done + run
+
+    def _put(self, storage: Tensor, scales: Tensor | None, at, chunk: Tensor) -> None:
+        """Write rows at ``at``: the values, or a q8_0 cache's quants and their scales."""
+        if scales is None:
+            self._write(storage, at, chunk)
+        else:
+            q, d = _q8_0(chunk)
+            self._write(storage, at, q)
+            self._write(scales, at, d)
 
     def _gather(self, kv: KVCache, layer: int, which: str, slot: int, table: Tensor | None = None) -> Tensor:
         """The slot's cached keys or values in position order, all its pages: [pages_per_slot * page_size, heads, dim]
