@@ -577,7 +577,7 @@ class Engine:
         for item in self.running:
             if item.filled < item.prompt_len:
                 chunk = min(item.prompt_len - item.filled, self.prefill_chunk)
-                if chunk > budget or budget <= 0:
+                if chunk > budget:
                     continue
                 end = item.filled + chunk
                 budget -= chunk

@@ -115,9 +115,9 @@ class Speculation:
 
     What a longer row costs is measured as the engine runs: the time of decode-only steps (the whole
     step: proposing, the forward pass, verifying and emitting tokens; on a fast GPU the host work is
-    a large part of a step), by the number of tokens in the step (an average weighted to recent steps). Where a forward pass is
-    bound by reading weights (a GPU) extra positions are nearly free and long drafts pay; where
-    it is bound by arithmetic (numpy on a CPU) only well-accepted drafts do, and a backend may
+    a large part of a step), by the number of tokens in the step (an average weighted to recent
+    steps). Where a forward pass is bound by reading weights (a GPU) extra positions are nearly free
+    and long drafts pay; where it is bound by arithmetic (numpy on a CPU) only well-accepted drafts do, and a backend may
     have steps in cost (the CPU backend switches BLAS threading past 8 rows). Sizes not yet
     measured are priced at ``token_cost`` (a fraction of a one-token step) per extra position.
     """

@@ -276,12 +276,12 @@ class TinygradBackend(PagedKV, Backend):
     def _one_run(self, kv: KVCache, row) -> bool:
         """Whether the row's tokens land on one run of adjacent storage rows in every page group (a prefill
         chunk is jitted only then: its K/V is written by one assign at a bound row)."""
-        size, first, last = kv.page_size, row.start // kv.page_size, (row.start + len(row.tokens) - 1) // kv.page_size
+        first, last = row.start // kv.page_size, (row.start + len(row.tokens) - 1) // kv.page_size
         for table in kv.tables:
             pages = table[row.slot][first : last + 1]
             if len(pages) != last - first + 1 or (pages < 0).any() or (np.diff(pages) != 1).any():
                 return False
-        return size > 0
+        return True
 
     def _jitted_step(self, tokens: Tensor, positions: Tensor, *inputs: Any) -> Tensor:
         step = self._step
