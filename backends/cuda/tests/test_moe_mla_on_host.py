@@ -222,24 +222,34 @@ extern "C" void rotate(const float* x, float* y, const int* pos, const double* i
 """
 
 
-@pytest.fixture(scope="module")
-def ops_kernels(tmp_path_factory):
-    """ops.cu's kv_write, attention, attention_wide and attention_combine on the host (the sink paths)."""
+def _kernel(name: str) -> str:
+    return resources.files("leat_backend_cuda").joinpath("kernels", name).read_text()
+
+
+def host_library(tmp_path_factory, name: str, harness: str, headers: dict[str, str] | None = None) -> ctypes.CDLL:
+    """Kernel sources built for the host with g++ (common.cuh with the SHIM in place of CUDA's runtime, and kv.cuh
+    beside them), loaded as a shared library."""
     compiler = shutil.which("g++")
     if compiler is None:
         pytest.skip("g++ not found")
-    folder = tmp_path_factory.mktemp("ops-host")
+    folder = tmp_path_factory.mktemp(name)
     host_common = (Path(__file__).parent / "host" / "common.cuh").read_text().replace("#pragma once", "")
     (folder / "common.cuh").write_text("#pragma once\n" + host_common + SHIM)
-    (folder / "kv.cuh").write_text(resources.files("leat_backend_cuda").joinpath("kernels", "kv.cuh").read_text())
-    ops = resources.files("leat_backend_cuda").joinpath("kernels", "ops.cu").read_text()
-    (folder / "harness.cpp").write_text(ops + ATTENTION)
-    library = folder / "libops.so"
+    for header, text in {"kv.cuh": _kernel("kv.cuh"), **(headers or {})}.items():
+        (folder / header).write_text(text)
+    (folder / "harness.cpp").write_text(harness)
+    library = folder / f"lib{name}.so"
     subprocess.run(
         [compiler, "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w", "-o", library, folder / "harness.cpp"],
         check=True,
     )
     return ctypes.CDLL(str(library))
+
+
+@pytest.fixture(scope="module")
+def ops_kernels(tmp_path_factory):
+    """ops.cu's kv_write, attention, attention_wide and attention_combine on the host (the sink paths)."""
+    return host_library(tmp_path_factory, "ops-host", _kernel("ops.cu") + ATTENTION)
 
 
 @pytest.mark.parametrize("wide", [0, 1])
@@ -353,34 +363,10 @@ def test_top_k_rows(ops_kernels):
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("g++ not found")
-    folder = tmp_path_factory.mktemp("moe-mla-host")
-    host_common = (Path(__file__).parent / "host" / "common.cuh").read_text().replace("#pragma once", "")
-    (folder / "common.cuh").write_text("#pragma once\n" + host_common + SHIM)
-    (folder / "kv.cuh").write_text(resources.files("leat_backend_cuda").joinpath("kernels", "kv.cuh").read_text())
-    source = {
-        name: resources.files("leat_backend_cuda").joinpath("kernels", name).read_text()
-        for name in ("quants.cuh", "moe.cu", "experts.cu", "mla.cu")
-    }
-    (folder / "quants.cuh").write_text(source["quants.cuh"])
-    moe = source["moe.cu"].replace("extern __shared__ float sm[];", "float* sm = host_smem;")
-    harness = "\n".join(
-        [
-            moe,
-            source["experts.cu"].replace('#include "quants.cuh"', ""),
-            source["mla.cu"],
-            EXPORTS,
-        ]
-    )
-    (folder / "harness.cpp").write_text('#include "quants.cuh"\n' + harness)
-    library = folder / "libmoemla.so"
-    subprocess.run(
-        [compiler, "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w", "-o", library, folder / "harness.cpp"],
-        check=True,
-    )
-    return ctypes.CDLL(str(library))
+    moe = _kernel("moe.cu").replace("extern __shared__ float sm[];", "float* sm = host_smem;")
+    experts = _kernel("experts.cu").replace('#include "quants.cuh"', "")
+    harness = "\n".join(['#include "quants.cuh"', moe, experts, _kernel("mla.cu"), EXPORTS])
+    return host_library(tmp_path_factory, "moe-mla-host", harness, {"quants.cuh": _kernel("quants.cuh")})
 
 
 def ptr(a):
