@@ -171,6 +171,28 @@ def test_fused_decode_equals_unfused(files, name):
     assert result.max_abs_logit_diff < 5e-3, str(result)
 
 
+def test_steps_with_prefill_chunks_replay_a_graph_and_equal_eager(files, cuda):
+    """A step that carries prompt chunks beside decode rows runs as a captured graph (every token a row of its
+    own, the asked-for logits picked inside): its logits and the cache it leaves equal the eager step's."""
+    model = load(files["q8_0"], cuda)
+    layouts = Llama.kv_layouts(model.params)
+    first, second = prompt(model, 20, seed=5), prompt(model, 90, seed=6)
+    caches = [cuda.allocate_kv(layouts, 3, 256, dtype=dtype) for dtype in ("f16", "f16")]
+    for kv in caches:
+        model.forward(Batch([Row(0, 0, first)]), kv)
+    step = Batch([Row(0, 20, np.array([7])), Row(2, 0, second[:60]), Row(1, 0, second[:30])])
+    replay = cuda.to_host(cuda.run(model.forward, step, caches[0]))
+    eager = cuda.to_host(model.forward(step, caches[1]))
+    assert replay.shape == eager.shape == (3, model.params.vocab)
+    assert not cuda.graph_failures and any(key[2:] == (96, 3) for key in cuda._captured)
+    np.testing.assert_allclose(replay, eager, rtol=0, atol=5e-3)
+    # the next step reads what the graph wrote: a continuation of the chunk agrees too
+    after = Batch([Row(2, 60, second[60:]), Row(0, 21, np.array([3]))])
+    np.testing.assert_allclose(
+        cuda.to_host(model.forward(after, caches[0])), cuda.to_host(model.forward(after, caches[1])), rtol=0, atol=5e-3
+    )
+
+
 def test_speculative_rows_replay_a_graph_and_equal_eager(files, cuda):
     """Rows that want every token's logits (a token and its draft) run as a captured graph, each token a
     row of its own: the logits equal the eager step's, and the engine's greedy speculative output equals

@@ -209,6 +209,30 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, qtype):
     backend.to_host(out)
 
 
+def test_steps_with_prefill_chunks_replay_a_graph(fake, tmp_path):
+    """A step that carries a prompt's chunk beside decode rows is captured once per (tokens, logits) bucket and
+    replayed after; a chunk deep into a long prompt runs eagerly (its tile-wise attention is cheaper)."""
+    from leat_backend_cuda.backend import FLAT_ATTENTION_BUDGET
+
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=3, context=1024, dtype="f16")
+    mixed = Batch([Row(0, 20, np.array([5])), Row(1, 0, np.arange(70) % 300), Row(2, 9, np.array([3]))])
+    out = backend.run(model.forward, mixed, kv)
+    assert not backend.graph_failures and out.shape == (3, model.params.vocab)
+    assert [k[2:] for k in backend._captured] == [(96, 3)]  # 72 tokens, 3 logits rows
+    fake.launches.clear()
+    again = Batch([Row(2, 10, np.array([4])), Row(0, 21, np.array([6])), Row(1, 70, np.arange(80) % 300)])
+    backend.run(model.forward, again, kv)
+    assert [f for f, _, _ in fake.launches] == ["graph"]
+    fake.launches.clear()
+    start = FLAT_ATTENTION_BUDGET // 100
+    deep = Batch([Row(0, 22, np.array([7])), Row(1, start, np.arange(100) % 300)])
+    backend.run(model.forward, deep, kv)
+    assert "graph" not in [f for f, _, _ in fake.launches] and len(fake.captured) == 1
+
+
 def test_q8_0_kv_and_top_k(fake, tmp_path):
     """A q8_0 cache: scale planes beside the quants, its kernels (a prefill takes attention_wide, not the f16
     tensor-core kernel), a replayed decode step; top_k's launch and host arrays."""

@@ -69,7 +69,13 @@ GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
 # copy_page and read/write_pages copy pages as they do for f32 and f16.
 KV_DTYPES = {"f32": ("float", F32), "f16": ("u16", U16), "q8_0": ("i8", np.dtype(np.int8))}
 TOP_K_MAX = 64  # top_k on the device: at most this many per row
-TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
+# Token counts a graph is captured for: decode and speculative steps up to 64, then steps that carry prefill
+# chunks beside their decode rows (a 512-token prefill budget plus 64 rows).
+TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640)
+LOGIT_BUCKETS = TOKEN_BUCKETS[: TOKEN_BUCKETS.index(64) + 1]
+# A prefill chunk in a graph attends token by token (no flash tiles): sum over chunks of tokens x last position
+# up to which that costs less than the eager path's Python (a 512-token chunk from position 0)
+FLAT_ATTENTION_BUDGET = 512 * 512
 
 
 def _host_dequantizable() -> frozenset[Q]:
@@ -118,7 +124,7 @@ class KVCache(KVPages):
 class _Captured:
     graph: driver.Graph
     pool: driver.Pool
-    inputs: DeviceArray  # int32 [4, bucket]: tokens, positions, token slots, logit rows
+    inputs: DeviceArray  # int32 [3 x tokens + logits]: tokens, positions, token slots, then logit rows
     logits: DeviceArray
 
 
@@ -196,6 +202,8 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         self._tiles: OrderedDict[tuple[int, int], tuple[Batch, DeviceArray]] = OrderedDict()
         self._halves: OrderedDict[int, tuple[DeviceArray, DeviceArray, DeviceArray]] = OrderedDict()
         self._captured: dict[tuple, _Captured] = {}
+        self.flat_attention_budget = FLAT_ATTENTION_BUDGET
+        self._uncapturable: set[tuple] = set()  # graph keys whose capture failed: those shapes run eagerly
         self._capturing = False
         self.graph_failures: list[str] = []
         self.ops = self._module("ops", "ops.cu", OPS_KERNELS, {})
@@ -855,73 +863,100 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
 
     # -- graphs --------------------------------------------------------------------------------------
     def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any) -> Any:
-        """One forward step; decode batches replay a captured graph.
+        """One forward step, replaying a captured graph where the batch fits one.
 
-        A graph treats every token as a row of its own (its slot, its position), which is exact for any
-        batch whose rows want every token's logits: one-token decode rows, and speculative rows (a
-        token plus its draft, verified at each position) whose tokens attend like consecutive decode
-        steps of one slot. Prefill chunks (logits of the last token only) run eagerly.
+        A graph treats every token as a row of its own (its slot, its position): each writes its K/V,
+        then attends to its slot's cache up to its position. That is exact for any batch: decode rows,
+        speculative rows (a token and its draft), and prefill chunks, whose tokens attend like
+        consecutive decode steps of one slot. The logits rows the batch asks for are picked inside
+        the graph. A chunk deep into a long prompt is cheaper through the eager path's tile-wise
+        attention (``FLAT_ATTENTION_BUDGET``), and a batch over ``TOKEN_BUCKETS[-1]`` tokens runs eagerly.
         """
         self.device.activate()
-        n = len(batch)
-        flat = all(len(row.tokens) == 1 or row.all_logits for row in batch.rows)
-        if not self.graphs or not isinstance(kv, KVCache) or not flat or n > TOKEN_BUCKETS[-1]:
+        shape = self._graph_shape(batch, kv)
+        key = (forward, id(kv), *(shape or ()))
+        if shape is None or key in self._uncapturable:
             return forward(batch, kv)
-        bucket = next(b for b in TOKEN_BUCKETS if b >= n)
-        key = (forward, id(kv), bucket)
         captured = self._captured.get(key)
         if captured is None:
             try:
-                captured = self._captured[key] = self._capture(forward, kv, bucket)
+                captured = self._captured[key] = self._capture(forward, kv, *shape)
                 if not any(k[1] == id(kv) for k in self._captured if k != key):  # graphs go with their cache
                     weakref.finalize(kv, self._forget, id(kv))
-            except Exception as e:  # noqa: BLE001 - a graph is an optimization: record why, run eagerly
+            except Exception as e:  # noqa: BLE001 - a graph is an optimization: record why, run this shape eagerly
                 self.graph_failures.append(f"{type(e).__name__}: {e}")
-                self.graphs = False
+                self._uncapturable.add(key)
                 return forward(batch, kv)
-        inputs = np.zeros((4, bucket), np.int32)
-        inputs[0, :n] = batch.tokens
-        inputs[1, :n] = batch.positions
-        inputs[2, :] = -1
-        inputs[2, :n] = np.repeat([r.slot for r in batch.rows], [len(r.tokens) for r in batch.rows])
-        inputs[3] = np.arange(bucket)  # every token's logits, in order
+        tokens, logits = shape
+        n, picked = len(batch), len(batch.logit_index)
+        inputs = np.zeros(3 * tokens + logits, np.int32)
+        inputs[:n] = batch.tokens
+        inputs[tokens : tokens + n] = batch.positions
+        inputs[2 * tokens : 3 * tokens] = -1  # padding tokens belong to no slot: no KV write, no attention
+        inputs[2 * tokens : 2 * tokens + n] = np.repeat(
+            [r.slot for r in batch.rows], [len(r.tokens) for r in batch.rows]
+        )
+        inputs[3 * tokens : 3 * tokens + picked] = batch.logit_index
         self._sync_pages(kv)
         self.device.upload(captured.inputs.ptr, inputs)
         captured.graph.replay()
-        return captured.logits.view((n,) + captured.logits.shape[1:])
+        return captured.logits.view((picked,) + captured.logits.shape[1:])
 
-    def _capture(self, forward: Callable, kv: KVCache, bucket: int) -> _Captured:
+    def _graph_shape(self, batch: Batch, kv: Any) -> tuple[int, int] | None:
+        """(token bucket, logits bucket) of the graph that runs ``batch``, or None to run it eagerly. Up to 64
+        tokens a graph computes every token's logits (decode and speculative steps); past that, a bucket of
+        the rows the batch asks for."""
+        n = len(batch)
+        if not self.graphs or not isinstance(kv, KVCache) or n > TOKEN_BUCKETS[-1]:
+            return None
+        chunks = (r for r in batch.rows if len(r.tokens) > 1 and not r.all_logits)
+        if sum(len(r.tokens) * (r.start + len(r.tokens)) for r in chunks) > self.flat_attention_budget:
+            return None
+        tokens = next(b for b in TOKEN_BUCKETS if b >= n)
+        wanted = len(batch.logit_index)
+        logits = tokens if tokens <= LOGIT_BUCKETS[-1] else next((b for b in LOGIT_BUCKETS if b >= wanted), tokens)
+        return tokens, logits
+
+    def _capture(self, forward: Callable, kv: KVCache, tokens: int, logits: int) -> _Captured:
         self._sync_pages(kv)
         pool = driver.Pool(self.device, self._grew, self.pool.poison)
-        inputs_block = pool.take(4 * bucket * 4)
-        inputs = DeviceArray(inputs_block.ptr, (4, bucket), I32, inputs_block)
-        batch = Batch([Row(0, 0, np.zeros(1, np.int64)) for _ in range(bucket)])
-        view = lambda i: inputs.view((bucket,), i * bucket)
+        inputs_block = pool.take((3 * tokens + logits) * 4)
+        inputs = DeviceArray(inputs_block.ptr, (3 * tokens + logits,), I32, inputs_block)
+        batch = Batch([Row(0, 0, np.zeros(1, np.int64)) for _ in range(tokens)])
+        batch.logit_index = np.zeros(logits, np.int64)
+        view = lambda i, length=tokens: inputs.view((length,), i * tokens)
         self._inputs[id(batch.tokens)] = (batch.tokens, view(0))
         self._inputs[id(batch.positions)] = (batch.positions, view(1))
-        self._inputs[id(batch.logit_index)] = (batch.logit_index, view(3))
+        self._inputs[id(batch.logit_index)] = (batch.logit_index, view(3, logits))
         self._tokens_meta[id(batch)] = (batch, view(2), view(1), kv.context)
-        self.device.upload(inputs.ptr, np.zeros((4, bucket), np.int32) - np.array([[0], [0], [1], [0]], np.int32))
+        placeholder = np.zeros(3 * tokens + logits, np.int32)
+        placeholder[2 * tokens : 3 * tokens] = -1
+        self.device.upload(inputs.ptr, placeholder)
         self.device.synchronize()
-        saved, self._pool, self._capturing = self._pool, pool, True
+        saved, self._pool = self._pool, pool
         try:
+            _ready(forward(batch, kv))  # an eager run first, on padding only, builds what ops create lazily
+            self.device.synchronize()
+            self._capturing = True
             graph = driver.Graph(self.device, lambda: _ready(forward(batch, kv)))
         finally:
             self._pool, self._capturing = saved, False
             for key in (id(batch.tokens), id(batch.positions), id(batch.logit_index)):
                 self._inputs.pop(key, None)
             self._tokens_meta.pop(id(batch), None)
-        logits = graph.result
+        out = graph.result
         graph.result = None
-        return _Captured(graph, pool, inputs, logits)
+        return _Captured(graph, pool, inputs, out)
 
     def _forget(self, kv_id: int) -> None:
         for key in [k for k in self._captured if k[1] == kv_id]:
             del self._captured[key]
+        self._uncapturable = {k for k in self._uncapturable if k[1] != kv_id}
 
     def release_graphs(self) -> None:
         """Drop every captured graph and the memory it reserved."""
         self._captured.clear()
+        self._uncapturable.clear()
 
 
 def _threads(work: int) -> int:

@@ -18,7 +18,12 @@ from leat_backend_cuda import compiler, mla, moe, quants
 def programs() -> list[tuple[str, list[str]]]:
     from leat_backend_cuda.backend import FLASH_KERNELS, OPS_KERNELS
 
-    return [("ops.cu", OPS_KERNELS), ("flash.cu", FLASH_KERNELS)] + [("matmul.cu", quants.kernel_names(q)) for q in quants.LAYOUTS] + moe.programs() + mla.programs()
+    return (
+        [("ops.cu", OPS_KERNELS), ("flash.cu", FLASH_KERNELS)]
+        + [("matmul.cu", quants.kernel_names(q)) for q in quants.LAYOUTS]
+        + moe.programs()
+        + mla.programs()
+    )
 
 
 def _build(job: tuple[str, list[str], str, bool]) -> tuple[str, float, int, bool]:

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""The server against its own engine, in one run: what `leat serve` delivers under a streaming load, beside
+what `leat bench` decodes through the engine alone on the same file.
+
+    python scripts/serve_vs_engine.py MODEL --backend cuda --load ../shared/bench/load_openai.py \\
+        --serve "64:1,64" --serve "256:256" --bench "--concurrency 1,8,32,64 -n 128 --batch-prompt 128 -r 1"
+
+Each ``--serve BATCH:C1,C2`` starts ``leat serve MODEL --batch-size BATCH`` (with ``--serve-args``), times
+how long it takes to answer /health, runs the load script at each concurrency (``--requests-per-client``
+requests per client, prompts of ``--prompt-tokens`` token ids, ``--max-tokens`` each, greedy, streamed),
+then stops the server with SIGTERM and times that too. Prints one JSON line per measurement, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> float:
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited with {process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return time.perf_counter() - start
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"the server did not answer /health within {timeout:.0f} s")
+
+
+def stop(process: subprocess.Popen) -> float:
+    start = time.perf_counter()
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    return time.perf_counter() - start
+
+
+def serve_runs(args: argparse.Namespace, spec: str) -> list[dict]:
+    batch, concurrencies = spec.split(":")
+    port = args.port
+    command = [*shlex.split(args.leat), "serve", args.model, "--port", str(port), "--batch-size", batch]
+    command += shlex.split(args.serve_args)
+    log = f"{args.log_dir}/serve-{batch}.log" if args.log_dir else os.devnull
+    with open(log, "w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        ready = wait_ready(url, process, args.ready_timeout)
+        rows.append({"what": "serve ready", "batch_size": int(batch), "seconds": round(ready, 2)})
+        print(json.dumps(rows[-1]), flush=True)
+        for c in (int(x) for x in concurrencies.split(",")):
+            load = [sys.executable, args.load, "--url", url, "-c", str(c), "-n", str(c * args.requests_per_client)]
+            load += ["--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens)]
+            load += ["--vocab", str(args.vocab)]
+            out = subprocess.run(load, check=False, capture_output=True, text=True, timeout=args.load_timeout)
+            result = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {"error": out.stderr}
+            rows.append({"what": "serve", "batch_size": int(batch), **result})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        rows.append({"what": "serve stop", "batch_size": int(batch), "seconds": round(stop(process), 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_runs(args: argparse.Namespace) -> list[dict]:
+    command = [*shlex.split(args.leat), "bench", args.model, *shlex.split(args.serve_backend_args), "--json"]
+    command += shlex.split(args.bench)
+    out = subprocess.run(command, check=False, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"leat bench failed:\n{out.stderr[-3000:]}")
+    rows = [{"what": "bench", **row} for row in json.loads(out.stdout)]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| what | batch | c | requests | failed | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms |"]
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["what"] == "serve":
+            cells = [r.get(k) for k in ("requests", "failed", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99")]
+            lines.append(
+                f"| serve | {r['batch_size']} | {r.get('concurrency')} | "
+                + " | ".join(str(c) for c in cells)
+                + f" | {r.get('itl_ms_p50')} |"
+            )
+        elif r["what"] == "bench":
+            rate = r.get("tokens_per_second", r.get("tok_s", r.get("rate")))
+            lines.append(f"| bench {r.get('test', '')} | | | | | {rate} | | | |")
+        else:
+            lines.append(f"| {r['what']} | {r['batch_size']} | | | | {r['seconds']} s | | | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--leat", default="leat", help="how to run leat (e.g. 'uv run leat')")
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--kv", default="f16")
+    ap.add_argument("--load", required=True, help="path of load_openai.py")
+    ap.add_argument("--serve", action="append", default=[], help="BATCH:C1,C2,... (repeatable)")
+    ap.add_argument("--serve-args", default="", help="more `leat serve` options")
+    ap.add_argument("--bench", default=None, help="`leat bench` options; none: no engine run")
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--port", type=int, default=8181)
+    ap.add_argument("--ready-timeout", type=float, default=300)
+    ap.add_argument("--load-timeout", type=float, default=600)
+    ap.add_argument("--log-dir", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    backend = f"--backend {args.backend} " if args.backend else ""
+    args.serve_backend_args = f"{backend}--kv {args.kv}"
+    context = args.prompt_tokens + args.max_tokens + 64
+    args.serve_args = f"{args.serve_backend_args} --max-context {context} {args.serve_args}"
+    rows = bench_runs(args) if args.bench is not None else []
+    for spec in args.serve:
+        rows += serve_runs(args, spec)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
