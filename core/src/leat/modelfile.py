@@ -1,7 +1,9 @@
 """A GGUF model file: typed metadata and memory-mapped tensors, split files included.
 
-Reading goes through ``gguf.GGUFReader`` (mmap, no copy of the weights). Every way a file can be
-wrong (not GGUF, truncated, missing key) becomes a :class:`ModelFileError` naming the file.
+Reading goes through ``gguf.GGUFReader`` (mmap, no copy of the weights), with every count, string, tensor
+shape, type and offset checked by :mod:`leat.gguf_check` first, and each hyperparameter an architecture reads
+through :meth:`ModelFile.get` checked to be in range. Every way a file can be wrong (not GGUF, truncated, garbled,
+missing key) becomes a one-line :class:`ModelFileError` naming the file.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +20,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from leat import gguf_check
 from leat.errors import ModelFileError
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -62,13 +67,16 @@ class _MetadataField(gguf.ReaderField):
 
 
 class _Reader(gguf.GGUFReader):
-    """gguf-py's reader with metadata parsed by ``np.frombuffer`` and slicing instead of one numpy view
-    per array element: gguf-py takes about 10 s on a 262k-token vocabulary, this a fraction of one."""
+    """gguf-py's reader with metadata and tensor infos parsed by ``np.frombuffer`` and slicing instead of one numpy
+    view per array element (gguf-py takes about 10 s on a 262k-token vocabulary, this a fraction of one), every
+    count and length checked against the file's size, and every tensor checked by :mod:`leat.gguf_check` before
+    gguf-py maps its data."""
 
     def _build_fields(self, offs: int, count: int) -> int:
         if self.byte_order != "I" or sys.byteorder != "little":
-            return super()._build_fields(offs, count)
+            raise ModelFileError("a big-endian GGUF file: leat reads little-endian ones only")
         buf = self.data
+        gguf_check.check_count("metadata entries", int(count), gguf_check.MIN_KV_BYTES, len(buf) - offs)
         for _ in range(count):
             start = offs
             key, offs = self._string(buf, offs)
@@ -82,6 +90,8 @@ class _Reader(gguf.GGUFReader):
     def _string(buf: np.ndarray, offs: int) -> tuple[str, int]:
         length = int(np.frombuffer(buf, np.uint64, 1, offs)[0])
         end = offs + 8 + length
+        if end > len(buf):
+            raise ModelFileError(f"malformed or truncated: a string of {length} bytes at byte {offs} runs past the end")
         return bytes(buf[offs + 8 : end]).decode("utf-8", errors="replace"), end
 
     def _value(self, buf: np.ndarray, offs: int, vtype: V) -> tuple[Any, list[V], int]:
@@ -96,6 +106,7 @@ class _Reader(gguf.GGUFReader):
         item_type = V(int(np.frombuffer(buf, np.uint32, 1, offs)[0]))
         count = int(np.frombuffer(buf, np.uint64, 1, offs + 4)[0])
         offs += 12
+        gguf_check.check_count("array items", count, gguf_check.MIN_VALUE_BYTES[item_type], len(buf) - offs)
         if item_type in SCALARS:
             dtype = SCALARS[item_type]
             values = np.frombuffer(buf, dtype, count, offs).tolist()
@@ -107,6 +118,44 @@ class _Reader(gguf.GGUFReader):
             types = [vtype, *item_types]
         return values, types, offs
 
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[gguf.ReaderField]]:
+        gguf_check.check_count("tensors", int(count), gguf_check.MIN_TENSOR_INFO_BYTES, len(self.data) - offs)
+        alignment = self.fields.get(gguf.Keys.General.ALIGNMENT)
+        if alignment is not None:
+            gguf_check.check_alignment(alignment.contents(), alignment.types)
+        return super()._build_tensor_info(offs, count)
+
+    def _get_tensor_info_field(self, orig_offs: int) -> gguf.ReaderField:
+        buf = self.data
+        name, offs = self._string(buf, orig_offs)
+        gguf_check.check_tensor_name(name)
+        name_len = np.frombuffer(buf, np.uint64, 1, orig_offs)
+        name_data = np.frombuffer(buf, np.uint8, offs - orig_offs - 8, orig_offs + 8)
+        n_dims = np.frombuffer(buf, np.uint32, 1, offs)
+        if not 1 <= n_dims[0] <= gguf_check.MAX_DIMS:
+            raise ModelFileError(f"tensor {name}: {n_dims[0]} dimensions, not 1 to {gguf_check.MAX_DIMS}")
+        dims = np.frombuffer(buf, np.uint64, int(n_dims[0]), offs + 4)
+        offs += 4 + dims.nbytes
+        raw_type, offset = np.frombuffer(buf, np.uint32, 1, offs), np.frombuffer(buf, np.uint64, 1, offs + 4)
+        return gguf.ReaderField(orig_offs, name, [name_len, name_data, n_dims, dims, raw_type, offset], [1, 3, 4, 5])
+
+    def _build_tensors(self, start_offs: int, fields: list[gguf.ReaderField]) -> None:
+        infos = [
+            gguf_check.TensorInfo(f.name, tuple(int(d) for d in f.parts[3]), int(f.parts[4][0]), int(f.parts[5][0]))
+            for f in fields
+        ]
+        gguf_check.check_tensors(infos, int(start_offs), len(self.data), int(self.alignment))
+        super()._build_tensors(start_offs, fields)
+
+
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Put ``path`` in front of the ModelFileErrors raised inside."""
+    try:
+        yield
+    except ModelFileError as e:
+        raise ModelFileError(f"{path}: {e}") from None
+
 
 def _read(path: Path) -> gguf.GGUFReader:
     if not path.exists():
@@ -117,16 +166,14 @@ def _read(path: Path) -> gguf.GGUFReader:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelFileError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-    try:
-        reader = _Reader(path, "r")
-    except Exception as e:
-        raise ModelFileError(f"{path}: malformed or truncated GGUF ({type(e).__name__}: {e})") from None
-    size = path.stat().st_size
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise ModelFileError(f"{path}: truncated: tensor {t.name} ends at byte {end} but the file has {size}")
-    return reader
+    with _naming(path):
+        try:
+            return _Reader(path, "r")
+        except ModelFileError:
+            raise
+        except Exception as e:  # noqa: BLE001 - gguf-py and numpy raise anything on a garbled file
+            detail = " ".join(f"{type(e).__name__}: {e}".split())
+            raise ModelFileError(f"not a valid GGUF file, malformed or truncated ({detail})") from None
 
 
 class ModelFile:
@@ -146,7 +193,7 @@ class ModelFile:
                     continue
                 try:
                     self.metadata.setdefault(name, field.contents())
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - a garbled value can fail in any way
                     raise ModelFileError(f"{part}: metadata key {name} is unreadable ({e})") from None
             for t in reader.tensors:
                 if t.name in self.tensors:
@@ -168,6 +215,8 @@ class ModelFile:
         """A metadata value; ``{arch}`` in the key is the file's architecture. Missing without a default: error."""
         key = key.format(arch=self.architecture)
         if key in self.metadata:
+            with _naming(self.path):
+                gguf_check.check_value(self.architecture, key, self.metadata[key])
             return self.metadata[key]
         if default is _MISSING:
             raise ModelFileError(f"{self.path}: missing metadata key {key}")
