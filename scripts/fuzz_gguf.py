@@ -1,10 +1,11 @@
 """Mutation fuzzing of GGUF loading: how many damaged files load into garbage or fail with an untyped exception.
 
-    uv run python scripts/fuzz_gguf.py --mutants 500 --seed 0 [--strict]
+    uv run python scripts/fuzz_gguf.py --mutants 500 --seed 0
 
 Writes a tiny random-weight llama GGUF, computes its logits on the CPU backend, then loads mutants of it (truncations,
 byte flips in the header, metadata and tensor infos, huge counts, tensor offset and type rewrites, out-of-range
-hyperparameters; one to three per mutant) and counts how each load ends:
+hyperparameters, and in-range ones at odds with the tensor shapes or with each other; one to three per mutant) and
+counts how each load ends:
 
 * clean error: a LeatError with a one-line message
 * same logits: it loads and gives the unmutated file's logits bit for bit (e.g. a flip in a key nobody reads)
@@ -12,8 +13,7 @@ hyperparameters; one to three per mutant) and counts how each load ends:
 * garbage: it loads, but its logits are not finite, or differ although no metadata value changed
 * untyped: any other exception, or a LeatError whose message is not one line
 
-core/tests/test_gguf_validation.py drives the same mutations with Hypothesis, ``strict``: without integer
-hyperparameters set to in-range values that disagree with the tensor shapes, which the architectures do not check.
+core/tests/test_gguf_validation.py drives the same mutations with Hypothesis.
 """
 
 from __future__ import annotations
@@ -94,7 +94,6 @@ class Layout:
     tensors: list[TensorSpot]
     hyperparameters: dict[str, tuple[int, V]]  # key of HYPERPARAMETERS -> where its scalar value is, its type
     value_bytes: frozenset[int]  # where metadata values are (not keys, types or lengths)
-    integer_bytes: frozenset[int]  # where the integer HYPERPARAMETERS are
 
 
 def tiny_model(folder: Path) -> Path:
@@ -109,7 +108,7 @@ def layout(path: Path) -> Layout:
     def position(part: np.ndarray) -> int:
         return part.ctypes.data - base
 
-    value_bytes, integer_bytes, hyperparameters = set(), set(), {}
+    value_bytes, hyperparameters = set(), {}
     keys = {key.format(arch="llama") for key in HYPERPARAMETERS}
     for field in reader.fields.values():
         if field.name.startswith("GGUF."):
@@ -118,10 +117,7 @@ def layout(path: Path) -> Layout:
             start = position(field.parts[i])
             value_bytes.update(range(start, start + field.parts[i].nbytes))
         if field.name in keys:
-            at, vtype = position(field.parts[-1]), field.types[0]
-            hyperparameters[field.name] = (at, vtype)
-            if vtype != V.FLOAT32:
-                integer_bytes.update(range(at, at + field.parts[-1].nbytes))
+            hyperparameters[field.name] = (position(field.parts[-1]), field.types[0])
     tensors = [
         TensorSpot(t.name, position(t.field.parts[4]), position(t.field.parts[5]), int(t.field.parts[5][0]))
         for t in reader.tensors
@@ -134,19 +130,17 @@ def layout(path: Path) -> Layout:
         tensors,
         hyperparameters,
         frozenset(value_bytes),
-        frozenset(integer_bytes),
     )
 
 
-def mutations(where: Layout, below: Below, strict: bool = False) -> list[Mutation]:
-    """One to three mutations of a file laid out as ``where``; ``strict`` leaves integer hyperparameters alone but
-    for out-of-range values."""
-    return [mutation(where, below, strict) for _ in range(1 + below(3))]
+def mutations(where: Layout, below: Below) -> list[Mutation]:
+    """One to three mutations of a file laid out as ``where``."""
+    return [mutation(where, below) for _ in range(1 + below(3))]
 
 
-def mutation(where: Layout, below: Below, strict: bool = False) -> Mutation:
+def mutation(where: Layout, below: Below) -> Mutation:
     kinds = [_truncate, _flip, _count, _offset, _type_code, _hyperparameter]
-    return kinds[below(len(kinds))](where, below, strict)
+    return kinds[below(len(kinds))](where, below)
 
 
 def set_u64(kind: str, at: int, value: int) -> Mutation:
@@ -165,24 +159,22 @@ def _pick(below: Below, values: Sequence):
     return values[below(len(values))]
 
 
-def _truncate(where: Layout, below: Below, strict: bool) -> Mutation:
+def _truncate(where: Layout, below: Below) -> Mutation:
     end = where.infos_end if below(2) else where.size
     return Mutation("truncate", below(end))
 
 
-def _flip(where: Layout, below: Below, strict: bool) -> Mutation:
+def _flip(where: Layout, below: Below) -> Mutation:
     at = below(where.infos_end)
-    while strict and at in where.integer_bytes:
-        at = (at + 1) % where.infos_end
     mask = 1 << below(8) if below(2) else 1 + below(255)
     return Mutation("flip", at, bytes([mask]), semantic=at in where.value_bytes)
 
 
-def _count(where: Layout, below: Below, strict: bool) -> Mutation:
+def _count(where: Layout, below: Below) -> Mutation:
     return set_u64("count", _pick(below, [8, 16]), _pick(below, COUNT_VALUES))
 
 
-def _offset(where: Layout, below: Below, strict: bool) -> Mutation:
+def _offset(where: Layout, below: Below) -> Mutation:
     spot, other = _pick(below, where.tensors), _pick(below, where.tensors).offset
     at, offset = spot.offset_at, spot.offset
     choices = [
@@ -198,16 +190,16 @@ def _offset(where: Layout, below: Below, strict: bool) -> Mutation:
     return set_u64("offset", at, _pick(below, choices))
 
 
-def _type_code(where: Layout, below: Below, strict: bool) -> Mutation:
+def _type_code(where: Layout, below: Below) -> Mutation:
     at = _pick(below, where.tensors).type_at
     return set_u32("type", at, _pick(below, TYPE_VALUES))
 
 
-def _hyperparameter(where: Layout, below: Below, strict: bool) -> Mutation:
+def _hyperparameter(where: Layout, below: Below) -> Mutation:
     at, vtype = _pick(below, list(where.hyperparameters.values()))
     if vtype == V.FLOAT32:
         return set_f32("hyperparameter", at, _pick(below, FLOAT_VALUES))
-    return set_u32("hyperparameter", at, _pick(below, INT_VALUES if strict else INT_VALUES + IN_RANGE_INT_VALUES))
+    return set_u32("hyperparameter", at, _pick(below, INT_VALUES + IN_RANGE_INT_VALUES))
 
 
 def apply(blob: bytes, changes: Sequence[Mutation]) -> bytes:
@@ -249,7 +241,6 @@ def main() -> None:
     parser.add_argument("--mutants", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--show", type=int, default=10, help="print this many garbage and untyped cases")
-    parser.add_argument("--strict", action="store_true", help="the test's mutations: no in-range hyperparameters")
     args = parser.parse_args()
     # A mutant that asks for a huge allocation must fail with MemoryError, not swap the machine.
     resource.setrlimit(resource.RLIMIT_AS, (16 * 2**30, resource.RLIM_INFINITY))
@@ -259,7 +250,7 @@ def main() -> None:
     reference, where, blob = logits(original), layout(original), original.read_bytes()
     counts, shown = Counter(), 0
     for i in range(args.mutants):
-        changes = mutations(where, rng.randrange, args.strict)
+        changes = mutations(where, rng.randrange)
         path = folder / f"mutant-{i}.gguf"
         path.write_bytes(apply(blob, changes))
         category, detail = outcome(path, reference, any(m.semantic for m in changes))

@@ -6,6 +6,12 @@ hyperparameters (a missing key is a :class:`ModelFileError` naming it), uploads 
 file (a tensor it does not consume is an error too: it would mean a silent mapping bug), declares
 its KV layout per layer, and writes ``forward`` once against Backend ops.
 
+Before any tensor is uploaded, :meth:`Architecture.checked_params` holds the file to what every architecture
+gets checked for: hyperparameters consistent with one another (:func:`leat.gguf_check.check_consistency`), each
+tensor of the shape that :meth:`Architecture.tensor_shapes` gives it for these hyperparameters, and no sliding
+window of 0 positions, so that a head count at odds with the weights is a ModelFileError naming the tensor and the
+keys, not a failed reshape in the middle of ``forward``.
+
 For tests, each architecture also describes a tiny model: :meth:`tiny` hyperparameters,
 :meth:`tensor_shapes` and :meth:`write_metadata`, from which :func:`leat.testing.write_tiny_gguf`
 writes a random-weight GGUF with the real tensor names and metadata keys.
@@ -13,11 +19,13 @@ writes a random-weight GGUF with the real tensor names and metadata keys.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, ClassVar
 
 import gguf
 import numpy as np
 
+from leat import gguf_check
 from leat.backend import Backend, KVLayout
 from leat.batch import Batch
 from leat.errors import ModelFileError
@@ -64,7 +72,7 @@ class Architecture:
     def __init__(self, file: ModelFile, backend: Backend):
         self.file = file
         self.backend = backend
-        self.params = self.read_params(file)
+        self.params = self.checked_params(file)
         weights = Weights(file, backend)
         self.load_weights(weights)
         weights.check_all_used()
@@ -74,6 +82,28 @@ class Architecture:
     def read_params(cls, file: ModelFile) -> Any:
         """Hyperparameters from metadata; ``file.get(key)`` raises ModelFileError naming a missing key."""
         raise NotImplementedError
+
+    @classmethod
+    def checked_params(cls, file: ModelFile) -> Any:
+        """:meth:`read_params`, checked: the hyperparameters are consistent with one another, every tensor of the
+        file that :meth:`tensor_shapes` describes has the shape it gives for them (no check of shapes where the
+        architecture has no ``tensor_shapes``), and no layer slides over a window of no positions. Anything else is
+        a ModelFileError."""
+        try:
+            gguf_check.check_consistency(file.architecture, file.metadata)
+        except ModelFileError as e:
+            raise ModelFileError(f"{file.path}: {e}") from None
+        params = cls.read_params(file)
+        check_tensor_shapes(cls, file, params)
+        for layer, layout in enumerate(cls.kv_layouts(params)):
+            if layout.window is not None and layout.window < 1:
+                key = gguf.Keys.Attention.SLIDING_WINDOW.format(arch=file.architecture)
+                stated = f" (metadata key {key} is {file.metadata[key]})" if key in file.metadata else ""
+                raise ModelFileError(
+                    f"{file.path}: layer {layer} slides over a window of {layout.window} positions, "
+                    f"so it attends to nothing{stated}"
+                )
+        return params
 
     @classmethod
     def kv_layouts(cls, params: Any) -> list[KVLayout]:
@@ -111,3 +141,54 @@ class Architecture:
     def write_metadata(cls, writer: gguf.GGUFWriter, params: Any) -> None:
         """The architecture's metadata keys for these hyperparameters (tokenizer keys excluded)."""
         raise NotImplementedError
+
+
+def check_tensor_shapes(architecture: type[Architecture], file: ModelFile, params: Any) -> None:
+    """Every tensor of ``file`` that ``architecture.tensor_shapes(params)`` lists has the shape listed (leading
+    dimensions of 1 aside); else a ModelFileError naming the tensor, both shapes (numpy order) and the metadata keys
+    that set the expected one."""
+    try:
+        expected = architecture.tensor_shapes(params)
+    except NotImplementedError:
+        return
+    for name, tensor in file.tensors.items():
+        shape = _shape(expected.get(name))
+        if shape is None or _squeezed(tensor.shape) == _squeezed(shape):
+            continue
+        keys = ", ".join(_keys_behind(architecture, file, name, shape)) or "its metadata"
+        raise ModelFileError(
+            f"{file.path}: tensor {name} has shape {list(tensor.shape)} in the file, but the {file.architecture} "
+            f"hyperparameters ({keys}) make it {list(shape)}"
+        )
+
+
+def _shape(shape: Any) -> tuple[int, ...] | None:
+    return None if shape is None else tuple(int(d) for d in shape)
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def _keys_behind(architecture: type[Architecture], file: ModelFile, name: str, shape: tuple[int, ...]) -> list[str]:
+    """The file's integer ``{arch}.*`` keys, with their values, that set the shape of tensor ``name``: those for which
+    a neighbouring value gives the tensor another shape. Runs only on the way to an error."""
+    keys = []
+    for key, value in file.metadata.items():
+        if not key.startswith(f"{file.architecture}.") or not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if {_shape_if(architecture, file, key, v, name) for v in (value - 1, value + 1)} - {None, shape}:
+            keys.append(f"{key} = {value}")
+    return keys
+
+
+def _shape_if(architecture: type[Architecture], file: ModelFile, key: str, value: int, name: str) -> Any:
+    """The shape of tensor ``name`` were ``key`` ``value``; None where the architecture then has no such tensor."""
+    changed = copy.copy(file)
+    changed.metadata = {**file.metadata, key: value}
+    try:
+        return _shape(architecture.tensor_shapes(architecture.read_params(changed)).get(name))
+    except Exception:  # noqa: BLE001 - the value may be out of range, or make no model at all
+        return None

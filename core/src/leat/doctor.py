@@ -73,7 +73,7 @@ def describe_model(name: str) -> dict[str, Any]:
         "weight_bytes": file.weight_bytes(),
     }
     arch = architecture_class(file)
-    params = arch.read_params(file)
+    params = arch.checked_params(file)
     layouts = arch.kv_layouts(params)
     out["context_length"] = int(file.get("{arch}.context_length", 0)) or None
     out["kv_bytes_per_token"] = {

@@ -4,14 +4,15 @@ gguf-py trusts the file it reads: a tensor offset near 2**64 wraps around in its
 header as weights, and a count of 2**64 - 1 loops until memory runs out. These checks do their arithmetic on Python
 ints and raise a one-line :class:`ModelFileError` naming the tensor or metadata key at fault; callers put the file's
 path in front. :class:`leat.modelfile.ModelFile` runs the structural ones while it reads a file, and
-:func:`check_value` on each hyperparameter an architecture reads.
+:func:`check_value` on each hyperparameter an architecture reads; :class:`leat.architecture.Architecture` runs
+:func:`check_consistency` before it reads the hyperparameters.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -169,6 +170,52 @@ def check_value(architecture: str, key: str, value: Any) -> None:
         if not (math.isfinite(value) and 0 < value < high):
             bound = "" if math.isinf(high) else f" and below {high:g}"
             raise ModelFileError(f"metadata key {key} is {value:g}; it must be finite, above 0{bound}")
+
+
+def check_consistency(architecture: str, metadata: Mapping[str, Any]) -> None:
+    """Relations between hyperparameters that hold in every architecture (llama.cpp asserts most of them), checked
+    where the file states both sides as integers (a per-layer array is the architecture's own to check): query heads
+    shared evenly among the KV heads, RoPE on an even number of dimensions within a head, 1 to ``expert_count``
+    experts used per token, and expert groups of whole experts."""
+
+    def integer(template: str) -> tuple[str, int | None]:
+        key = template.format(arch=architecture)
+        value = metadata.get(key)
+        if not isinstance(value, int) or isinstance(value, bool):
+            return key, None
+        check_value(architecture, key, value)
+        return key, value
+
+    (heads_key, heads), (kv_key, kv) = integer(K.Attention.HEAD_COUNT), integer(K.Attention.HEAD_COUNT_KV)
+    if heads is not None and kv is not None and heads % kv:
+        raise ModelFileError(f"metadata key {kv_key} is {kv}, which does not divide {heads_key} {heads}")
+    rope_key, rope = integer(K.Rope.DIMENSION_COUNT)
+    if rope is not None:
+        if rope % 2:
+            raise ModelFileError(f"metadata key {rope_key} is {rope}, an odd number: RoPE turns pairs of dimensions")
+        head_key, head = integer(K.Attention.KEY_LENGTH)
+        width_key, width = integer(K.LLM.EMBEDDING_LENGTH)
+        if head is None and width is not None and heads is not None:
+            head_key, head = f"{width_key} / {heads_key}", width // heads
+        if head is not None and rope > head:
+            raise ModelFileError(f"metadata key {rope_key} is {rope}, more than the head size {head} ({head_key})")
+    (experts_key, experts), (used_key, used) = integer(K.LLM.EXPERT_COUNT), integer(K.LLM.EXPERT_USED_COUNT)
+    if experts is not None and used is not None and (used > experts or (experts and not used)):
+        allowed = f"1 to {experts}" if experts else "0"
+        raise ModelFileError(f"metadata key {used_key} is {used}; with {experts_key} {experts} it must be {allowed}")
+    (groups_key, groups), (groups_used_key, groups_used) = (
+        integer(K.LLM.EXPERT_GROUP_COUNT),
+        integer(K.LLM.EXPERT_GROUP_USED_COUNT),
+    )
+    if groups is not None and groups > 1:
+        if experts is not None and experts % groups:
+            raise ModelFileError(
+                f"metadata key {groups_key} is {groups}, which does not divide {experts_key} {experts}"
+            )
+        if groups_used is not None and not 0 < groups_used <= groups:
+            raise ModelFileError(
+                f"metadata key {groups_used_key} is {groups_used}; with {groups_key} {groups} it must be 1 to {groups}"
+            )
 
 
 @cache

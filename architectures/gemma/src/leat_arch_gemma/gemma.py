@@ -29,6 +29,7 @@ from leat import blocks
 from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch
+from leat.errors import ModelFileError
 from leat.modelfile import ModelFile
 
 K = gguf.Keys
@@ -116,10 +117,13 @@ class Gemma(Architecture):
 
         width = int(file.get(K.LLM.EMBEDDING_LENGTH))
         heads = int(file.get(K.Attention.HEAD_COUNT))
+        layers = int(file.get(K.LLM.BLOCK_COUNT))
         pattern = file.get(K.Attention.SLIDING_WINDOW_PATTERN, None)
+        if isinstance(pattern, list) and len(pattern) != layers:
+            raise ModelFileError(f"{file.path}: sliding_window_pattern has {len(pattern)} flags for {layers} layers")
         scaling = optional(K.Rope.SCALING_FACTOR, float)
         return GemmaParams(
-            layers=int(file.get(K.LLM.BLOCK_COUNT)),
+            layers=layers,
             width=width,
             ffn=int(file.get(K.LLM.FEED_FORWARD_LENGTH)),
             heads=heads,
