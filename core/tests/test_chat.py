@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from datetime import datetime
 
 import pytest
@@ -575,3 +577,52 @@ def test_fallback_without_any_tokenizer_metadata():
 
 def test_none_template_renders_chatml():
     assert render_chat(None, [user("Hi")], add_generation_prompt=False) == "<|im_start|>user\nHi<|im_end|>\n"
+
+
+RUNAWAY = {
+    "loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "doubling macro": "{% macro d(s) %}{{ d(s ~ s) }}{% endmacro %}{{ d('x') }}",
+    "doubling +": "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "multiplication": "{{ 'x' * 10 ** 10 }}",
+    "list multiplication": "{{ (['x'] * 10 ** 9) | length }}",
+    "integer growth": "{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}",
+    "power": "{{ 7 ** 1000000 }}",
+    "replace": "{{ ('x' * 5000).replace('', 'y' * 20000) }}",
+    "replace filter": "{{ ('x' * 5000) | replace('', 'y' * 20000) }}",
+    "padding": "{{ 'x'.center(10 ** 9) }}",
+    "padding filter": "{{ 'x' | center(10 ** 9) }}",
+    "printf width": "{{ '%1000000000s' % 'x' }}",
+    "format width": "{{ '{:>1000000000}'.format('x') }}",
+    "join": "{{ ('x' * 60000) ~ ((['y' * 60000] * 2000) | join) }}",
+}
+
+
+@pytest.mark.parametrize("name", RUNAWAY)
+def test_runaway_templates_stop_within_their_limits(name):
+    from leat.chat import RenderLimits
+
+    before = sys.gettrace()
+    started = time.monotonic()
+    with pytest.raises(TemplateError, match="stopped"):
+        render_chat(RUNAWAY[name], [], limits=RenderLimits(seconds=1, chars=1 << 20))
+    assert time.monotonic() - started < 3
+    assert sys.gettrace() is before
+
+
+def test_output_over_the_character_limit_stops():
+    from leat.chat import RenderLimits
+
+    template = "{% for i in range(1000) %}{{ messages[0]['content'] }}{% endfor %}"
+    with pytest.raises(TemplateError, match="output passed"):
+        render_chat(template, [{"role": "user", "content": "x" * 2000}], limits=RenderLimits(chars=1 << 20))
+
+
+def test_limits_leave_real_templates_alone():
+    messages = [{"role": "user", "content": "x" * 100_000}] * 50
+    text = render_chat(SMOLLM2, messages)
+    assert len(text) > 5_000_000 and text.count("<|im_start|>user") == 50
+
+
+def test_constant_runaway_is_refused_when_compiling():
+    with pytest.raises(TemplateError, match="1,000,000,000"):
+        render_chat("{{ 'x' | center(1000000000) }}", [])

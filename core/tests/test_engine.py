@@ -1,11 +1,12 @@
 import threading
 
 import leat
+import msgspec
 import numpy as np
 import pytest
 from leat.batch import Batch, Row
 from leat.compare import compare
-from leat.engine import Engine, GenerationRequest, Overloaded, TooLong
+from leat.engine import Engine, Event, GenerationRequest, Overloaded, TooLong
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
 
@@ -26,7 +27,7 @@ def prompts(count, seed=0, lengths=(5, 40, 17, 3, 64, 9, 33, 2)):
 def tokens(handle):
     events = list(handle)
     assert events[-1].kind == "done", events[-1]
-    return [e.id for e in events if e.kind == "token" and e.id >= 0], events[-1]
+    return [t for e in events for t in e.ids], events[-1]
 
 
 def alone(model, prompt, n=24, **request):
@@ -152,7 +153,7 @@ def test_cancel_frees_pages_at_once(model):
     try:
         handle = engine.submit(GenerationRequest(list(range(1, 50)), 200, GREEDY))
         first = next(iter(handle))
-        assert first.kind == "token"
+        assert first.kind == "tokens"
         handle.cancel()
         rest = list(handle)
         assert rest[-1].finish_reason == "cancelled"
@@ -183,38 +184,49 @@ def test_prefix_pages_are_reused_per_client(model):
 
 def test_stop_strings_end_generation_and_are_not_sent(model):
     prompt = prompts(1, seed=7)[0]
-    engine = Engine(model, batch_size=1, max_context=256).start()
-    try:
-        events = list(engine.submit(GenerationRequest(prompt, 30, GREEDY)))
-        text = "".join(e.text for e in events if e.kind == "token")
-        stop = text[10:13]
-        assert len(stop) == 3
-        events = list(engine.submit(GenerationRequest(prompt, 30, GREEDY, stop=[stop])))
-    finally:
-        engine.stop()
-    cut = "".join(e.text for e in events if e.kind == "token")
-    assert cut == text[: text.find(stop)] and events[-1].finish_reason == "stop"
+    whole = list(model.generate(prompt, 30, GREEDY))
+    text = "".join(t.text for t in whole)
+    stop = text[10:13]
+    assert len(stop) == 3 and model.detokenize([t.id for t in whole if t.id >= 0], skip_special=True) == text
+    cut = list(model.generate(prompt, 30, GREEDY, stop=[stop]))
+    assert "".join(t.text for t in cut) == text[: text.find(stop)]
+    assert model.last_timings.finish_reason == "stop" and model.last_timings.generated_tokens == len(cut)
+    assert [t.id for t in cut] == [t.id for t in whole[: len(cut)]]  # the last one completes the stop string
 
 
 def test_logprobs_match_the_models_logits(model):
     prompt = prompts(1, seed=8)[0]
     engine = Engine(model, batch_size=1, max_context=256).start()
     try:
-        events = [e for e in engine.submit(GenerationRequest(prompt, 4, GREEDY, logprobs=3)) if e.kind == "token"]
+        events = [e for e in engine.submit(GenerationRequest(prompt, 4, GREEDY, logprobs=3)) if e.kind == "tokens"]
     finally:
         engine.stop()
-    ids = [e.id for e in events]
+    ids = [t for e in events for t in e.ids]
+    chosen = [lp for e in events for lp in e.logprobs]
+    tops = [top for e in events for top in e.top_logprobs]
+    assert len(ids) == len(chosen) == len(tops) == 4 and len(events) == 4  # one event per step
     logits = model.logits(prompt + ids).astype(np.float64)
-    for i, event in enumerate(events):
+    for i, token in enumerate(ids):
         row = logits[len(prompt) - 1 + i]
         logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
-        assert event.logprob == pytest.approx(logp[event.id], abs=1e-4)
-        assert [t for t, _ in event.top_logprobs] == list(np.argsort(-logp)[:3])
+        assert chosen[i] == pytest.approx(logp[token], abs=1e-4)
+        assert [t for t, _ in tops[i]] == list(np.argsort(-logp)[:3])
+
+
+def test_events_cross_a_process_boundary_as_msgpack(model):
+    engine = Engine(model, batch_size=1, max_context=256).start()
+    try:
+        events = list(engine.submit(GenerationRequest(prompts(1, seed=9)[0], 3, GREEDY, logprobs=2)))
+    finally:
+        engine.stop()
+    wire = [msgspec.msgpack.encode(e) for e in events]
+    assert [msgspec.msgpack.decode(w, type=Event) for w in wire] == events
+    assert [e.kind for e in events] == ["tokens"] * 3 + ["done"]
 
 
 def run(engine, prompt, n=6, **request):
     before = engine.steps
-    out, done = tokens(engine.submit(GenerationRequest(prompt, n, GREEDY, **request)))
+    out, _ = tokens(engine.submit(GenerationRequest(prompt, n, GREEDY, **request)))
     return out, engine.steps - before
 
 
@@ -325,10 +337,124 @@ def test_reused_prompt_tokens_are_reported_as_cached(model):
     try:
         cold_tokens, cold = tokens(engine.submit(GenerationRequest(shared + [3], 4, GREEDY)))
         warm_tokens, warm = tokens(engine.submit(GenerationRequest(shared + [3], 4, GREEDY)))
-        turn, turn_done = tokens(engine.submit(GenerationRequest(shared, 4, GREEDY, session="s")))
+        turn, _ = tokens(engine.submit(GenerationRequest(shared, 4, GREEDY, session="s")))
         second, second_done = tokens(engine.submit(GenerationRequest(shared + turn + [9], 4, GREEDY, session="s")))
         fresh, _ = tokens(engine.submit(GenerationRequest(shared + turn + [9], 4, GREEDY, client="other")))
     finally:
         engine.stop()
     assert cold.usage["cached_tokens"] == 0 and warm.usage["cached_tokens"] == 40 and warm_tokens == cold_tokens
     assert second_done.usage["cached_tokens"] == 40 + 3 and second == fresh
+
+
+class FailsOnCall:
+    """A logits processor that leaves the logits alone, and raises on its ``n``-th call."""
+
+    label = "test constraint"
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def __call__(self, logits, generated):
+        self.calls += 1
+        if self.calls == self.n:
+            raise ValueError("poisoned")
+        return logits
+
+
+class FailingForward:
+    """The backend, but its ``n``-th forward pass raises."""
+
+    def __init__(self, backend, n):
+        self.backend, self.n, self.calls = backend, n, 0
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def run(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.n:
+            raise RuntimeError("device lost")
+        return self.backend.run(*args, **kwargs)
+
+
+def run_together(model, requests, batch_size=4):
+    """Every request's events, all submitted before the engine starts; and the stopped engine."""
+    engine = Engine(model, batch_size=batch_size, max_context=128, page_size=8, prefill_chunk=16)
+    handles = [engine.submit(r) for r in requests]
+    engine.start()
+    try:
+        return [list(h) for h in handles], engine
+    finally:
+        engine.stop()
+
+
+def assert_all_pages_back(engine):
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["kv_pages_used"] == stats["kv_pages_cached"], stats
+    assert engine.pool.reserved == 0 and sorted(engine.free_slots) == list(range(engine.batch_size))
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, {"temperature": 0.8, "top_k": 20, "seed": 3}])
+def test_a_request_whose_processor_fails_ends_alone(model, sampling):
+    batch = prompts(3, seed=30)
+    clean = [GenerationRequest(p, 12, sampling, ignore_eos=True) for p in batch]
+    expected, _ = run_together(model, clean)
+    poisoned = GenerationRequest(prompts(1, seed=31)[0], 12, GREEDY, processors=[FailsOnCall(3)])
+    got, engine = run_together(model, [clean[0], poisoned, clean[1], clean[2]])
+    error = got[1][-1]
+    assert error.kind == "error" and error.fault == "request", error
+    assert error.error == "test constraint failed: ValueError: poisoned"
+    assert sum(len(e.ids) for e in got[1]) == 2  # its two tokens before the third call failed
+    others = [got[0], got[2], got[3]]
+    assert [e[-1].kind for e in others] == ["done"] * 3
+    assert [[t for e in events for t in e.ids] for events in others] == [
+        [t for e in events for t in e.ids] for events in expected
+    ]
+    assert_all_pages_back(engine)
+
+
+def test_a_failing_sampler_or_logprobs_ends_only_its_request(model, monkeypatch):
+    def broken(*args):
+        raise FloatingPointError("nan")
+
+    batch = prompts(3, seed=32)
+    sampled = {"temperature": 0.8, "top_k": 20, "seed": 1}
+    clean = [GenerationRequest(batch[0], 10, GREEDY), GenerationRequest(batch[2], 10, sampled)]
+    expected, _ = run_together(model, clean)
+    monkeypatch.setattr("leat.engine.log_softmax", broken)
+    engine = Engine(model, batch_size=4, max_context=128, page_size=8, prefill_chunk=16)
+    requests = [
+        clean[0],
+        GenerationRequest(batch[1], 10, GREEDY, logprobs=0),
+        clean[1],
+        GenerationRequest(batch[1], 10, sampled),
+    ]
+    handles = [engine.submit(r) for r in requests]
+    engine.waiting[3].sampler.sample = broken
+    engine.start()
+    try:
+        got = [list(h) for h in handles]
+    finally:
+        engine.stop()
+    assert [events[-1].kind for events in got] == ["done", "error", "done", "error"]
+    assert got[1][-1].error == "logprobs failed: FloatingPointError: nan" and got[1][-1].fault == "request"
+    assert got[3][-1].error == "sampling failed: FloatingPointError: nan" and got[3][-1].fault == "request"
+    assert [[t for e in got[i] for t in e.ids] for i in (0, 2)] == [[t for e in x for t in e.ids] for x in expected]
+    assert_all_pages_back(engine)
+
+
+def test_a_failed_forward_pass_ends_every_running_request_and_the_engine_goes_on(model):
+    batch = prompts(3, seed=33)
+    engine = Engine(model, batch_size=4, max_context=128, page_size=8, prefill_chunk=16)
+    engine.backend = FailingForward(engine.backend, 4)
+    handles = [engine.submit(GenerationRequest(p, 10, GREEDY)) for p in batch]
+    engine.start()
+    try:
+        ends = [list(h)[-1] for h in handles]
+        assert all(e.kind == "error" and e.fault == "engine" for e in ends), ends
+        assert ends[0].error == "engine step failed: RuntimeError: device lost"
+        assert_all_pages_back(engine)
+        after, _ = tokens(engine.submit(GenerationRequest(batch[0], 10, GREEDY)))
+    finally:
+        engine.stop()
+    assert after == alone(model, batch[0], n=10)

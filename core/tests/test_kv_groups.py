@@ -37,7 +37,7 @@ def prompts(count, seed=0, lengths=(5, 30, 17, 45, 3, 26)):
 def generate(engine, prompt, n=20, **request):
     events = list(engine.submit(GenerationRequest(prompt, n, GREEDY, **request)))
     assert events[-1].kind == "done", events[-1]
-    return [e.id for e in events if e.kind == "token" and e.id >= 0], events[-1].usage
+    return [t for e in events for t in e.ids], events[-1].usage
 
 
 def concurrently(engine, batch, n=20, **request):
@@ -46,7 +46,7 @@ def concurrently(engine, batch, n=20, **request):
     for handle in handles:
         events = list(handle)
         assert events[-1].kind == "done", events[-1]
-        out.append([e.id for e in events if e.kind == "token" and e.id >= 0])
+        out.append([t for e in events for t in e.ids])
     return out
 
 

@@ -59,7 +59,7 @@ def generate(model, requests, candidates):
         for handle in handles:
             events = list(handle)
             assert events[-1].kind == "done", events[-1]
-            out.append([e.id for e in events if e.kind == "token"])
+            out.append([t for e in events for t in e.ids])
         return out
     finally:
         engine.stop()

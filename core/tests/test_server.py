@@ -204,6 +204,7 @@ def test_receipts_verify_and_tampering_fails(server, http, tmp_path):
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 6, "temperature": 0})
     body = r.json()
     assert body["receipt"]["claims"]["output_tokens"] == body["usage"]["completion_tokens"]
+    assert re.fullmatch(r"[0-9a-f]{16}", body["receipt"]["claims"]["owner"])  # the key that asked
     public = server.home / "receipt.pub.pem"
 
     def check(doc) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ from leat.keys import KeyStore
 from leat.receipts import Signer, body_hash, load_or_create_key, load_public_key, public_key_path, verify
 from leat.server.errors import from_msgspec
 from leat.server.schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
-from leat.server.toolcalls import StopScanner, build_parser, choose_parser, held_prefix
+from leat.server.toolcalls import build_parser, choose_parser
 
 
 def run(parser, text: str, step: int) -> list[tuple[str, str]]:
@@ -123,16 +123,6 @@ def test_parser_is_chosen_from_the_template_and_vocabulary():
     assert choose_parser("<start_of_turn>", [], "gemma3") == "gemma"
     assert choose_parser("start_function_call", [], "gemma3") == "functiongemma"
     assert choose_parser("<|im_start|>", []) == "hermes"
-
-
-def test_stop_scanner_holds_back_a_possible_stop_and_cuts_at_the_first():
-    scanner = StopScanner(["STOP", "\n\n"])
-    assert scanner.feed("abc ST") == "abc "
-    assert scanner.feed("O") == ""
-    assert scanner.feed("X more\n") == "STOX more"
-    assert scanner.feed("\nafter") == ""
-    assert scanner.stopped and scanner.matched == "\n\n"
-    assert held_prefix("xx<tool_ca", ["<tool_call>"]) == len("<tool_ca")
 
 
 def test_bad_fields_name_the_field():

@@ -48,7 +48,7 @@ def run(model, batch, speculation=None, n=24, sampling=GREEDY, batch_size=4, **r
         for handle in handles:
             events = list(handle)
             assert events[-1].kind == "done", events[-1]
-            out.append([e.id for e in events if e.kind == "token" and e.id >= 0])
+            out.append([t for e in events for t in e.ids])
         return out, engine
     finally:
         engine.stop()
@@ -109,10 +109,11 @@ def test_greedy_logprobs_through_verification(model):
     engine = Engine(model, batch_size=1, max_context=200, speculation=speculation).start()
     try:
         prompt = list(range(5, 17)) * 4
-        events = [
-            e for e in engine.submit(GenerationRequest(prompt, 24, {"temperature": 0}, logprobs=0)) if e.kind == "token"
-        ]
-        assert len(events) == 24 and all(e.logprob is not None and e.logprob <= 0 for e in events)
+        handle = engine.submit(GenerationRequest(prompt, 24, {"temperature": 0}, logprobs=0))
+        events = [e for e in handle if e.kind == "tokens"]
+        logprobs = [lp for e in events for lp in e.logprobs]
+        assert len(logprobs) == sum(len(e.ids) for e in events) == 24 and all(lp <= 0 for lp in logprobs)
+        assert len(events) < 24  # a verification's accepted tokens come in one event
         assert engine.stats()["speculation"]["verifications"] > 0
     finally:
         engine.stop()
@@ -126,12 +127,16 @@ def test_greedy_with_penalties_stops_and_rejections(model):
     assert got == expected
     stats = engine.stats()["speculation"]
     assert 0 < stats["accepted"] < stats["proposed"]
-    # a stop string ends the request mid-span exactly where plain decoding ends it
+    # a stop string ends the output mid-span exactly where plain decoding ends it
     text = model.detokenize(expected[0])
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    plain_stop, _ = run(model, batch[:1], n=20, sampling=sampling, stop=[stop])
-    spec_stop, _ = run(model, batch[:1], Speculation(Oracle(model)), n=20, sampling=sampling, stop=[stop])
-    assert spec_stop == plain_stop and len(plain_stop[0]) < 20
+    plain_stop = list(model.generate(batch[0], 20, sampling, stop=[stop]))
+    try:
+        model.speculation = Speculation(Oracle(model))
+        spec_stop = list(model.generate(batch[0], 20, sampling, stop=[stop]))
+    finally:
+        model.speculation = None
+    assert spec_stop == plain_stop and len(plain_stop) < 20
 
 
 def test_other_architectures_greedy(tmp_path):
@@ -264,7 +269,7 @@ def test_sampled_engine_output_follows_the_model(model):
     counts: dict[tuple, int] = {}
     try:
         for handle in handles:
-            ids = [e.id for e in handle if e.kind == "token" and e.id >= 0]
+            ids = [t for e in handle for t in e.ids]
             counts[tuple(ids[1:3])] = counts.get(tuple(ids[1:3]), 0) + 1
     finally:
         engine.stop()
@@ -348,3 +353,37 @@ def test_measured_step_costs_steer_the_draft_length():
     assert controller.draft_length(cost) == 1  # every draft costs ten plain steps: none pays, only probes
     controller.record(1, 0)
     assert controller.draft_length(cost) == 0
+
+
+class FailsFor(Oracle):
+    """The oracle's drafts, but its second proposal for request ``key`` raises."""
+
+    def __init__(self, model, key):
+        super().__init__(model)
+        self.key, self.calls = key, 0
+
+    def propose(self, key, tokens, k):
+        if key == self.key:
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("draft model gone")
+        return super().propose(key, tokens, k)
+
+
+def test_a_failing_proposal_ends_only_its_request(model):
+    batch = prompts(3, seed=5)
+    expected, _ = run(model, batch, n=16)
+    engine = Engine(model, batch_size=4, max_context=256, page_size=8, speculation=Speculation(FailsFor(model, 2)))
+    handles = [engine.submit(GenerationRequest(p, 16, GREEDY)) for p in batch]
+    assert handles[1].id == 2
+    engine.start()
+    try:
+        got = [list(h) for h in handles]
+    finally:
+        engine.stop()
+    error = got[1][-1]
+    assert error.kind == "error" and error.fault == "request"
+    assert error.error == "drafting (FailsFor) failed: RuntimeError: draft model gone"
+    assert [[t for e in got[i] for t in e.ids] for i in (0, 2)] == [expected[0], expected[2]]
+    assert [t for e in got[1] for t in e.ids] == expected[1][: len([t for e in got[1] for t in e.ids])]
+    assert engine.pool.reserved == 0 and not engine.running and engine.stats()["speculation"]["accepted"] > 0

@@ -173,7 +173,7 @@ def collect(engine, requests):
         for handle in handles:
             events = list(handle)
             assert events[-1].kind == "done", events[-1]
-            out.append([e.id for e in events if e.kind == "token"])
+            out.append([t for e in events for t in e.ids])
         return out
     finally:
         engine.stop()

@@ -135,7 +135,7 @@ def engine_decode(engine: Any, prompt: list[int], max_tokens: int) -> dict[str, 
     generated = done.usage["completion_tokens"]
     if generated < 2 or seconds <= 0:
         raise LeatError(f"the request stopped after {generated} token(s): no decode to time; raise --n-gen")
-    out = {"ids": [e.id for e in events if e.kind == "token" and e.id >= 0], "seconds": seconds}
+    out = {"ids": [t for e in events for t in e.ids], "seconds": seconds}
     out["tokens_per_second"] = (generated - 1) / seconds
     out["speculation"] = None if after is None else {key: after[key] - before.get(key, 0) for key in after}
     return out

@@ -248,9 +248,37 @@ def doctor(model_name, as_json, plugin_names) -> None:
     is_flag=True,
     help="sliding-window layers keep KV for the whole context, not just their window (llama.cpp's --swa-full)",
 )
-@click.option("--max-queue", default=64, show_default=True, type=int, help="waiting requests before 429")
+@click.option(
+    "--max-queue",
+    default=64,
+    show_default=True,
+    type=int,
+    help="requests waiting beyond the free batch slots, then 429",
+)
 @click.option("--prefill-chunk", default=512, show_default=True, type=int, help="prompt tokens per scheduler step")
 @click.option("--session-store", default=None, help="directory where sessions are hibernated and kept across restarts")
+@click.option(
+    "--max-sessions", default=256, show_default=True, type=int, help="sessions kept; the least recently used go first"
+)
+@click.option(
+    "--session-ttl", default=86400.0, show_default=True, type=float, metavar="SEC", help="an unused session is dropped"
+)
+@click.option(
+    "--session-store-mb",
+    default=1024,
+    show_default=True,
+    type=int,
+    metavar="MB",
+    help="session files kept in --session-store (least recently used removed)",
+)
+@click.option(
+    "--template-timeout",
+    default=5.0,
+    show_default=True,
+    type=float,
+    metavar="SEC",
+    help="most a chat template may take to render one prompt",
+)
 @click.option("--receipts", is_flag=True, help="sign a receipt for every response (key in LEAT_HOME/receipts)")
 @click.option("--receipt-key", default=None, help="Ed25519 private key file for receipts (made if missing)")
 @click.option("--alias", default=None, help="model id clients see (default: the GGUF file name)")

@@ -7,6 +7,11 @@ pages (:mod:`leat.kvpool`); a request is admitted only when its page-rounded wor
 sliding window, each group with its own pages: a windowed group gives a page back once every query
 still to come is past it, so it holds only about a window's worth per request. The asyncio side talks to
 the scheduler through :class:`RequestHandle` queues.
+
+The engine has no text: a request is token ids in, and out comes one :class:`Event` per step with the ids it
+gained (detokenizing and stop strings are :class:`leat.textstream.TextStream`'s, in the frontend). A request
+whose own parts fail (a logits processor, its sampler, its draft, its logprobs) ends alone with an "error"
+event marked ``fault="request"``; a failed forward pass ends every request in it, ``fault="engine"``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from leat.backend import window_groups
@@ -54,33 +60,55 @@ class TooLong(LeatError):
 
 @dataclass
 class GenerationRequest:
+    """Token ids in, token ids out: stop strings and text are the caller's (:class:`leat.textstream.TextStream`),
+    which cancels the request once its text stops."""
+
     prompt_ids: Sequence[int]
     max_tokens: int = 128
     sampling: SamplingParams | dict[str, Any] | None = None
-    stop: Sequence[str] = ()
     session: str | None = None
     client: str | None = None
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: also the top k
     ignore_eos: bool = False
-    # logits processors (constrained decoding, logit bias): (float64 logits row, generated ids) -> logits
+    # logits processors (constrained decoding, logit bias): (float64 logits row, generated ids) -> logits. One that
+    # raises ends only its request; a ``label`` attribute names it in the error ("response_format constraint").
     processors: Sequence[Callable[[np.ndarray, Sequence[int]], np.ndarray]] = ()
 
 
-@dataclass
-class Event:
-    kind: str  # "token" | "done" | "error"
-    id: int = -1
-    text: str = ""
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
+class Event(msgspec.Struct, omit_defaults=True):
+    """What one request gained in one step, or how it ended; a request's events end with one "done" or "error".
+
+    * ``"tokens"``: ``ids``, the tokens the step generated, in order (a verified draft gains several; the
+      end-of-generation token is not sent). With ``logprobs`` asked for, ``logprobs[i]`` is the log-probability
+      of ``ids[i]`` and ``top_logprobs[i]`` the top k (id, log-probability) pairs at its position.
+    * ``"done"``: ``finish_reason`` ("stop": end of generation; "length": max_tokens; "cancelled"), ``usage``
+      (prompt_tokens, completion_tokens, cached_tokens) and ``timings`` (ttft_seconds, total_seconds).
+    * ``"error"``: ``error``, what failed, and ``fault``: "request" when the request's own parts failed (its
+      processors, sampler, draft or logprobs: a client error), "engine" when the step failed for every request.
+    """
+
+    kind: str
+    ids: list[int] = []
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     timings: dict[str, float] | None = None
     error: str | None = None
+    fault: str | None = None
+
+
+class RequestFault(LeatError):
+    """A part that belongs to one request (its processors, sampler, draft, logprobs) failed: it ends that request
+    only, with the message as its error."""
+
+    def __init__(self, what: str, cause: Exception):
+        super().__init__(f"{what} failed: {type(cause).__name__}: {cause}")
 
 
 class RequestHandle:
-    """A submitted request's event stream, readable from threads or asyncio; ``cancel()`` stops it."""
+    """A submitted request's :class:`Event` stream, read by iterating it (a thread) or with ``aiter()`` (asyncio);
+    ``cancel()`` ends the request at the scheduler's next step."""
 
     def __init__(self, request_id: int):
         self.id = request_id
@@ -127,22 +155,36 @@ class _Running:
     sampler: Sampler
     tokens: list[int]
     prompt_len: int
-    decoder: Any
     submitted: float
     slot: int = -1
     filled: int = 0  # positions already in the KV cache
     pages: list[list[int]] = field(default_factory=list)  # per group, in position order; -1: behind the window
     reserved: list[int] = field(default_factory=list)  # per group: pages promised but not yet taken
-    pending_text: str = ""
     first_token_at: float | None = None
     prefix_keys: list[bytes] = field(default_factory=list)
     cached: int = 0  # prompt tokens whose KV was reused, not computed
     speculation: Controller | None = None  # None: this request never drafts
     draft: list[int] = field(default_factory=list)  # tokens proposed for the row in flight
+    # what this step generated, sent as one event at its end
+    gained: list[int] = field(default_factory=list)
+    gained_logprobs: list[float] = field(default_factory=list)
+    gained_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    ended: bool = False
 
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class _Readout:
+    """What of a step's output came to the host: the argmax ids, top-k candidates (values, ids) of ``vocab``, or
+    whole logit rows."""
+
+    chosen: np.ndarray | None = None
+    candidates: tuple[np.ndarray, np.ndarray] | None = None
+    vocab: int = 0
+    logits: np.ndarray | None = None
 
 
 class Engine:
@@ -279,18 +321,8 @@ class Engine:
         params = request.sampling
         if not isinstance(params, SamplingParams):
             params = SamplingParams.resolve(params or {}, self.model.file.metadata)
-        from leat.tokenizer import IncrementalDecoder
-
         handle = RequestHandle(next(self._ids))
-        item = _Running(
-            request,
-            handle,
-            Sampler.build(params),
-            prompt,
-            len(prompt),
-            IncrementalDecoder(self.model.tokenizer),
-            time.perf_counter(),
-        )
+        item = _Running(request, handle, Sampler.build(params), prompt, len(prompt), time.perf_counter())
         if self.speculation is not None:
             item.speculation = self.speculation.controller(item.sampler)
         with self._wake:
@@ -336,9 +368,9 @@ class Engine:
                 if self.running:
                     try:
                         self.step()
-                    except Exception as e:  # a failed step ends its requests, never the server
+                    except Exception as e:  # noqa: BLE001 (a failed step ends its requests, never the server)
                         for item in list(self.running):
-                            self._finish(item, "error", error=f"{type(e).__name__}: {e}")
+                            self._finish(item, "error", f"engine step failed: {type(e).__name__}: {e}", fault="engine")
         for item in list(self.running) + list(self.waiting):
             item.handle.emit(Event("done", finish_reason="cancelled", usage=self._usage(item)))
 
@@ -570,11 +602,31 @@ class Engine:
         """One forward pass: every decoding request's next token plus prefill chunks of up to ``prefill_chunk``
         prompt tokens in all. The first prompt in line takes its next chunk; the prompts after it join while
         their next chunk fits what is left, so short prompts arriving together start together (fewer, larger
-        steps), and a prompt's chunks are the same as when it is alone."""
+        steps), and a prompt's chunks are the same as when it is alone. Each request with new tokens gets one
+        event; one whose own parts fail (:class:`RequestFault`) ends alone, the others go on."""
         began = time.perf_counter()  # the step-cost table times whole steps: proposing and verifying cost too
+        rows = self._rows()
+        if not rows:
+            return
+        out = self.backend.run(self.model.architecture.forward, Batch([r for _, r in rows]), self.kv)
+        readout = self._read(out, rows)
+        decode_only = all(row.start >= item.prompt_len for item, row in rows)
+        self.steps += 1
+        first = np.cumsum([0] + [len(row.tokens) if row.all_logits else 1 for _, row in rows])
+        for (item, row), at in zip(rows, first):
+            try:
+                self._advance(item, row, readout, int(at))
+            except RequestFault as e:
+                self._finish(item, "error", str(e), fault="request")
+            self._send_gained(item)
+        if self.speculation is not None and decode_only:
+            self.speculation.observe(sum(len(row.tokens) for _, row in rows), time.perf_counter() - began)
+
+    def _rows(self) -> list[tuple[_Running, Row]]:
+        """This step's rows: a decode token (and its draft) per decoding request, prefill chunks within budget."""
         rows: list[tuple[_Running, Row]] = []
         budget = self.prefill_chunk  # prompt tokens this step may still take
-        for item in self.running:
+        for item in list(self.running):
             if item.filled < item.prompt_len:
                 chunk = min(item.prompt_len - item.filled, self.prefill_chunk)
                 if chunk > budget:
@@ -583,46 +635,44 @@ class Engine:
                 budget -= chunk
             else:
                 end = item.filled + 1
-                item.draft = self._propose(item)
+                try:
+                    item.draft = self._propose(item)
+                except RequestFault as e:
+                    self._finish(item, "error", str(e), fault="request")
+                    continue
             self._pages_for(item, end + len(item.draft))
             span = np.asarray(item.tokens[item.filled : end] + item.draft)
             rows.append((item, Row(item.slot, item.filled, span, all_logits=bool(item.draft))))
-        out = self.backend.run(self.model.architecture.forward, Batch([r for _, r in rows]), self.kv)
+        return rows
+
+    def _read(self, out: Any, rows: list[tuple[_Running, Row]]) -> _Readout:
+        """The least of the step's output that every row needs brought to the host."""
         wants = [self._candidates(item, row) for item, row in rows]
-        candidates = None
         if all(want == 0 or self._plain_greedy(item, row) for want, (item, row) in zip(wants, rows)):
             # only token ids cross to the host (a device backend's argmax), not rows x vocabulary logits
-            chosen, logits = self.backend.argmax(out), None
-        elif self.top_k_candidates and all(want is not None for want in wants):
+            return _Readout(chosen=self.backend.argmax(out))
+        if self.top_k_candidates and all(want is not None for want in wants):
             # rows x K candidates cross to the host instead of rows x vocabulary logits
-            chosen, logits = None, None
-            candidates = self.backend.top_k(out, max(wants))
+            return _Readout(candidates=self.backend.top_k(out, max(wants)), vocab=out.shape[-1])
+        return _Readout(logits=self.backend.to_host(out))
+
+    def _advance(self, item: _Running, row: Row, readout: _Readout, at: int) -> None:
+        """Take the row's result: a verified draft, the next token, or (a prefill chunk) only the KV it wrote.
+        ``at`` is the row's first position in the step's output."""
+        if item.draft:
+            self._verify_row(item, row, readout, at)
+            return
+        item.filled = row.start + len(row.tokens)
+        if item.filled < len(item.tokens):
+            return
+        if readout.chosen is not None:
+            self._sample(item, None, int(readout.chosen[at]))
+        elif readout.candidates is not None and self._plain_greedy(item, row):
+            self._sample(item, None, int(readout.candidates[1][at, 0]))
+        elif readout.candidates is not None:
+            self._sample(item, self._candidate_row(readout.candidates, at, readout.vocab))
         else:
-            chosen, logits = None, self.backend.to_host(out)
-        decode_only = all(row.start >= item.prompt_len for item, row in rows)
-        self.steps += 1
-        first = np.cumsum([0] + [len(row.tokens) if row.all_logits else 1 for _, row in rows])
-        for (item, row), at in zip(rows, first):
-            if item.draft:
-                if logits is not None:
-                    span = logits[at : at + len(row.tokens)]
-                    self._verify(item, row, verify(item.sampler, item.tokens, item.draft, span), span)
-                else:  # plain greedy: the argmax at every position is all verification needs
-                    ids = chosen if chosen is not None else candidates[1][:, 0]
-                    self._verify(item, row, accept_greedy(item.draft, ids[at : at + len(row.tokens)]))
-                continue
-            item.filled = row.start + len(row.tokens)
-            if item.filled == len(item.tokens):
-                if chosen is not None:
-                    self._sample(item, None, int(chosen[at]))
-                elif candidates is not None and self._plain_greedy(item, row):
-                    self._sample(item, None, int(candidates[1][at, 0]))
-                elif candidates is not None:
-                    self._sample(item, self._candidate_row(candidates, at, out.shape[-1]))
-                else:
-                    self._sample(item, logits[at])
-        if self.speculation is not None and decode_only:
-            self.speculation.observe(sum(len(row.tokens) for _, row in rows), time.perf_counter() - began)
+            self._sample(item, readout.logits[at])
 
     def _candidates(self, item: _Running, row: Row) -> int | None:
         """How many of the row's top logits (by value, ties to the lower id) give exactly the token a whole
@@ -675,7 +725,23 @@ class Engine:
         k = min(k, item.request.max_tokens - item.generated - 1)
         if k <= 0:
             return []
-        return [int(t) for t in self.speculation.proposer.propose(item.handle.id, item.tokens, k)[:k]]
+        proposer = self.speculation.proposer
+        try:
+            return [int(t) for t in proposer.propose(item.handle.id, item.tokens, k)[:k]]
+        except Exception as e:
+            raise RequestFault(f"drafting ({proposer.name or _name(proposer)})", e) from e
+
+    def _verify_row(self, item: _Running, row: Row, readout: _Readout, at: int) -> None:
+        if readout.logits is None:  # plain greedy: the argmax at every position is all verification needs
+            ids = readout.chosen if readout.chosen is not None else readout.candidates[1][:, 0]
+            self._verify(item, row, accept_greedy(item.draft, ids[at : at + len(row.tokens)]))
+            return
+        span = readout.logits[at : at + len(row.tokens)]
+        try:
+            new = verify(item.sampler, item.tokens, item.draft, span)
+        except Exception as e:
+            raise RequestFault("verifying the draft", e) from e
+        self._verify(item, row, new, span)
 
     def _verify(self, item: _Running, row: Row, new: list[int], logits: np.ndarray | None = None) -> None:
         """Take the tokens one verification gained (the accepted draft prefix and one more); ``logits``, every
@@ -685,7 +751,7 @@ class Engine:
         for i, token in enumerate(new):
             item.filled = row.start + 1 + i  # the accepted draft tokens before this one are in the KV
             self._sample(item, None if logits is None else logits[i], token)
-            if item not in self.running:
+            if item.ended:
                 return
 
     def _speculation_stats(self) -> dict[str, int]:
@@ -696,40 +762,65 @@ class Engine:
                     totals[key] += getattr(item.speculation, key)
         return totals
 
+    # -- a request's new token -------------------------------------------------------------------------
     def _sample(self, item: _Running, logits: np.ndarray | None, token: int | None = None) -> None:
+        """Take ``token``, or sample one from ``logits``; end the request at end of generation or max_tokens."""
         if token is None:
-            if item.request.processors:
-                logits = np.asarray(logits, dtype=np.float64)
-                for process in item.request.processors:
-                    logits = process(logits, item.tokens[item.prompt_len :])
-            token = item.sampler.sample(logits, item.tokens)
+            token = self._choose(item, logits)
         item.tokens.append(token)
-        now = time.perf_counter()
         if item.first_token_at is None:
-            item.first_token_at = now
-        tokenizer = self.model.tokenizer
-        if tokenizer.is_eog(token) and not item.request.ignore_eos:
+            item.first_token_at = time.perf_counter()
+        if self.model.tokenizer.is_eog(token) and not item.request.ignore_eos:
             self._finish(item, "stop")
             return
-        event = Event("token", id=token)
         if item.request.logprobs is not None:
-            logp = log_softmax(logits)
-            event.logprob = float(logp[token])
-            if item.request.logprobs > 0:
-                top = np.argsort(-logp)[: item.request.logprobs]
-                event.top_logprobs = [(int(t), float(logp[t])) for t in top]
-        text = item.pending_text + item.decoder.feed(token)
-        stop_at = _find_stop(text, item.request.stop)
-        if stop_at is not None:
-            event.text = text[:stop_at]
-            item.handle.emit(event)
-            self._finish(item, "stop", flush=False)
-            return
-        keep = _stop_prefix_len(text, item.request.stop)
-        event.text, item.pending_text = text[: len(text) - keep], text[len(text) - keep :]
-        item.handle.emit(event)
+            self._gain_logprobs(item, logits, token)
+        item.gained.append(token)
         if item.generated >= item.request.max_tokens:
             self._finish(item, "length")
+
+    @staticmethod
+    def _choose(item: _Running, logits: np.ndarray) -> int:
+        """The request's processors, then its sampler, on one logits row."""
+        if item.request.processors:
+            logits = np.asarray(logits, dtype=np.float64)
+            for process in item.request.processors:
+                try:
+                    logits = process(logits, item.tokens[item.prompt_len :])
+                except Exception as e:
+                    label = getattr(process, "label", None)
+                    raise RequestFault(label or f"logits processor {_name(process)}", e) from e
+        try:
+            return item.sampler.sample(logits, item.tokens)
+        except Exception as e:
+            raise RequestFault("sampling", e) from e
+
+    @staticmethod
+    def _gain_logprobs(item: _Running, logits: np.ndarray, token: int) -> None:
+        k = item.request.logprobs
+        try:
+            logp = log_softmax(logits)
+            item.gained_logprobs.append(float(logp[token]))
+            if k > 0:
+                top = _top(logp, k)
+                item.gained_top.append([(int(t), float(logp[t])) for t in top])
+        except Exception as e:
+            raise RequestFault("logprobs", e) from e
+
+    @staticmethod
+    def _send_gained(item: _Running) -> None:
+        """One event with the tokens (and logprobs) the request gained since the last."""
+        if not item.gained:
+            return
+        logprobs, top = item.request.logprobs is not None, bool(item.request.logprobs)
+        event = Event(
+            "tokens",
+            ids=item.gained,
+            logprobs=item.gained_logprobs if logprobs else None,
+            top_logprobs=item.gained_top if top else None,
+        )
+        item.gained, item.gained_logprobs, item.gained_top = [], [], []
+        item.handle.emit(event)
 
     def _keep_session(self, item: _Running, reason: str) -> None:
         session = self.sessions.get(item.request.session)
@@ -752,11 +843,10 @@ class Engine:
             "cached_tokens": item.cached,
         }
 
-    def _finish(self, item: _Running, reason: str, error: str | None = None, flush: bool = True) -> None:
-        if flush and reason in ("stop", "length"):
-            tail = item.pending_text + item.decoder.flush()
-            if tail:
-                item.handle.emit(Event("token", text=tail))
+    def _finish(self, item: _Running, reason: str, error: str | None = None, fault: str | None = None) -> None:
+        """End the request: its pages and slot go back, it gets its last event ("error" with ``error``)."""
+        self._send_gained(item)
+        item.ended = True
         full = item.filled // self.page_size
         for pool, pages in zip(self.pools, item.pages):
             pool.remember(item.prefix_keys[:full], pages[:full])
@@ -778,22 +868,18 @@ class Engine:
             "total_seconds": now - item.submitted,
         }
         if error is not None:
-            item.handle.emit(Event("error", error=error, usage=self._usage(item)))
+            item.handle.emit(Event("error", error=error, fault=fault, usage=self._usage(item)))
         else:
             item.handle.emit(Event("done", finish_reason=reason, usage=self._usage(item), timings=timings))
 
 
-def _find_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None
+def _name(process: Any) -> str:
+    return getattr(process, "__name__", None) or type(process).__name__
 
 
-def _stop_prefix_len(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters of ``text`` could begin a stop string (held back, not yet sent)."""
-    longest = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                longest = max(longest, n)
-                break
-    return longest
+def _top(logp: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the ``k`` largest values, largest first (equal ones by lower id)."""
+    if k >= len(logp):
+        return np.lexsort((np.arange(len(logp)), -logp))
+    part = np.argpartition(-logp, k - 1)[:k]
+    return part[np.lexsort((part, -logp[part]))]

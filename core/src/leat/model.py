@@ -14,6 +14,7 @@ from leat.backend import Backend
 from leat.batch import Batch, Row
 from leat.errors import BackendUnavailable, LeatError, UnknownArchitecture
 from leat.modelfile import ModelFile
+from leat.textstream import TextStream
 
 # Which distribution serves an architecture we know of but that may not be installed.
 KNOWN_ARCHITECTURES = {
@@ -74,7 +75,8 @@ def choose_backend(name: str | None, host: plugins.PluginHost | None = None) -> 
 
 @dataclass
 class Token:
-    """One generated token and the text it completes (may be empty while UTF-8 is incomplete)."""
+    """One generated token and the text it completes (may be empty while UTF-8 is incomplete, or while it may be
+    the start of a stop string). A last ``Token(-1, text)`` carries text held back until the end."""
 
     id: int
     text: str
@@ -172,16 +174,31 @@ class Model:
         context: int | None = None,
         session: str | None = None,
     ) -> Iterator[Token]:
-        """Stream tokens after ``prompt`` (text is tokenized with BOS as the model wants).
+        """Stream tokens after ``prompt`` (text is tokenized with BOS as the model wants), ending before the
+        first of ``stop`` (that token comes with the text before the stop string).
 
-        Runs a single-slot :class:`~leat.engine.Engine`, so this path and the server's share one
-        implementation. With ``session``, the engine stays up between calls and a prompt that
-        extends the previous conversation prefills only what is new.
+        Runs a single-slot :class:`~leat.engine.Engine` and a :class:`~leat.textstream.TextStream`, so this path
+        and the server's share one implementation. With ``session``, the engine stays up between calls and a
+        prompt that extends the previous conversation prefills only what is new.
         """
-        from leat.engine import Engine, GenerationRequest
+        from leat.engine import GenerationRequest
 
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_tokens(np.asarray(ids))
+        engine, max_tokens = self._engine_for(len(ids), max_tokens, context, session)
+        try:
+            handle = engine.submit(GenerationRequest(ids, max_tokens, sampling, session=session))
+            yield from self._read(handle, TextStream(self.tokenizer, stop), Timings(prompt_tokens=len(ids)))
+        finally:
+            if engine is not self._session_engine:
+                engine.stop()
+
+    def _engine_for(
+        self, prompt_tokens: int, max_tokens: int, context: int | None, session: str | None
+    ) -> tuple[Any, int]:
+        """The engine a generate() call runs on (the session's, kept running, or its own) and its max_tokens."""
+        from leat.engine import Engine
+
         if session is not None and self._session_engine is None:
             self._session_engine = Engine(
                 self, batch_size=1, prefill_chunk=PREFILL_CHUNK, speculation=self.speculation
@@ -189,46 +206,60 @@ class Model:
         limit = min(context or self.context_length, self.context_length)
         if session is not None:
             limit = min(limit, self._session_engine.max_context)
-        if len(ids) >= limit:
-            raise LeatError(f"prompt of {len(ids)} tokens does not fit the context of {limit} tokens")
-        max_tokens = min(max_tokens, limit - len(ids))
+        if prompt_tokens >= limit:
+            raise LeatError(f"prompt of {prompt_tokens} tokens does not fit the context of {limit} tokens")
+        max_tokens = min(max_tokens, limit - prompt_tokens)
         if session is not None:
-            engine = self._session_engine
-        else:
-            engine = Engine(
-                self,
-                batch_size=1,
-                max_context=len(ids) + max_tokens,
-                prefill_chunk=PREFILL_CHUNK,
-                speculation=self.speculation,
-            ).start()
-        timings = self.last_timings = Timings(prompt_tokens=len(ids))
+            return self._session_engine, max_tokens
+        engine = Engine(
+            self,
+            batch_size=1,
+            max_context=prompt_tokens + max_tokens,
+            prefill_chunk=PREFILL_CHUNK,
+            speculation=self.speculation,
+        )
+        return engine.start(), max_tokens
+
+    def _read(self, handle: Any, text: TextStream, timings: Timings) -> Iterator[Token]:
+        """The request's tokens with their text, until its text stops; then the text held back, as Token(-1, ...)."""
+        self.last_timings = timings
         try:
-            handle = engine.submit(GenerationRequest(ids, max_tokens, sampling, stop, session=session))
-            try:
-                for event in handle:
-                    if event.kind == "token":
-                        timings.generated_tokens += event.id >= 0
-                        yield Token(event.id, event.text)
-                    elif event.kind == "error":
-                        raise LeatError(f"generation failed: {event.error}")
-                    else:
-                        timings.finish_reason = event.finish_reason
-                        timings.generated_tokens = event.usage["completion_tokens"]
-                        timings.cached_tokens = event.usage["cached_tokens"]
-                        timings.prompt_seconds = event.timings["ttft_seconds"]
-                        timings.generate_seconds = event.timings["total_seconds"] - event.timings["ttft_seconds"]
-            finally:
-                handle.cancel()
+            for event in handle:
+                if event.kind == "error":
+                    raise LeatError(f"generation failed: {event.error}")
+                if event.kind == "done":
+                    tail = text.flush()
+                    if tail:
+                        yield Token(-1, tail)
+                    _record(timings, event, text)
+                    return
+                for token in event.ids:
+                    if text.stopped:
+                        break
+                    piece = text.feed((token,))
+                    if text.stopped:
+                        handle.cancel()  # the engine ends the request at its next step; its "done" still comes
+                    timings.generated_tokens += 1
+                    yield Token(token, piece)
         finally:
-            if engine is not self._session_engine:
-                engine.stop()
+            handle.cancel()
 
     def close(self) -> None:
         """Stop the engine that sessions keep running, if any."""
         if self._session_engine is not None:
             self._session_engine.stop()
             self._session_engine = None
+
+
+def _record(timings: Timings, done: Any, text: TextStream) -> None:
+    """Fill ``timings`` from the engine's "done" event (its usage counts the end-of-generation token too)."""
+    timings.finish_reason = "stop" if text.stopped else done.finish_reason
+    if not text.stopped:
+        timings.generated_tokens = done.usage["completion_tokens"]
+    timings.cached_tokens = done.usage["cached_tokens"]
+    seconds = done.timings or {}
+    timings.prompt_seconds = seconds.get("ttft_seconds", 0.0)
+    timings.generate_seconds = seconds.get("total_seconds", 0.0) - timings.prompt_seconds
 
 
 def load(

@@ -6,6 +6,12 @@ naming the session reuses the longest common prefix of those tokens and its own 
 multi-turn chat prefills only the new turn. Forking shares every page; the first write into a
 shared page copies it (copy-on-write). With a store directory, an idle session can be written to
 disk and its pages freed ("hibernated"); it is read back when next used, also after a restart.
+
+A server with API keys gives each key its own sessions: the engine's name for a key's session is
+``OWNER.NAME`` (:func:`scoped`), ``OWNER`` 16 hex digits derived from the key. The store is bounded
+by :class:`StoreLimits`: :meth:`SessionStore.stale` names the sessions idle past their time or
+beyond the count (least recently used first) for the engine to drop, and saving keeps the files
+on disk under their byte limit, removing the least recently used.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import hashlib
 import json
 import re
 import time
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +31,15 @@ import numpy as np
 from leat.errors import LeatError
 
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+MAX_NAME = 128
 FORMAT = 2  # of a stored session: 2 = pages per layer group (1 had one page list for every layer)
+
+
+@dataclass
+class StoreLimits:
+    max_sessions: int | None = None  # in memory and on disk together
+    idle_seconds: float | None = None  # since a session was last used
+    max_bytes: int | None = None  # of the session files on disk
 
 
 @dataclass
@@ -42,8 +57,27 @@ class Session:
 
 def check_name(name: str) -> str:
     if not NAME.match(name):
-        raise LeatError(f"session name {name!r} must be 1-128 letters, digits, '.', '_' or '-'")
+        raise LeatError(f"session name {name!r} must be 1-{MAX_NAME} letters, digits, '.', '_' or '-'")
     return name
+
+
+def scoped(owner: str | None, name: str) -> str:
+    """The engine's name for the session ``name`` of API key ``owner`` (None: the server has no keys)."""
+    check_name(name)
+    if owner is None:
+        return name
+    most = MAX_NAME - len(owner) - 1
+    if len(name) > most:
+        raise LeatError(f"session name {name!r} is too long: with API keys on, a name has at most {most} characters")
+    return f"{owner}.{name}"
+
+
+def unscoped(owner: str | None, engine_name: str) -> str | None:
+    """The name ``owner`` knows the engine's session ``engine_name`` by; None when it is another key's."""
+    if owner is None:
+        return engine_name
+    prefix = owner + "."
+    return engine_name[len(prefix) :] if engine_name.startswith(prefix) else None
 
 
 def model_fingerprint(model: Any, kv_dtype: str, page_size: int, windows: Sequence[int | None] = (None,)) -> str:
@@ -62,18 +96,51 @@ def model_fingerprint(model: Any, kv_dtype: str, page_size: int, windows: Sequen
 class SessionStore:
     """Sessions in memory, and on disk under ``directory`` (one ``NAME.npz`` each) when given."""
 
-    def __init__(self, directory: str | Path | None, fingerprint: str):
+    def __init__(self, directory: str | Path | None, fingerprint: str, limits: StoreLimits | None = None):
         self.directory = Path(directory).expanduser() if directory else None
         self.fingerprint = fingerprint
+        self.limits = limits or StoreLimits()
         self.live: dict[str, Session] = {}
+        self.sizes: dict[str, int] = {}  # bytes of each session file
         if self.directory:
             self.directory.mkdir(parents=True, exist_ok=True)
+            now, wall = time.monotonic(), time.time()
             for path in self.directory.glob("*.npz"):
-                self.live[path.stem] = Session(path.stem, tokens=self._stored_tokens(path))
+                stat = path.stat()
+                used = now - max(0.0, wall - stat.st_mtime)
+                self.live[path.stem] = Session(path.stem, tokens=self._stored_tokens(path), last_used=used)
+                self.sizes[path.stem] = stat.st_size
 
     def _path(self, name: str) -> Path:
         assert self.directory is not None
         return self.directory / f"{name}.npz"
+
+    def stale(self, now: float | None = None) -> list[str]:
+        """Idle sessions past ``limits.idle_seconds``, then the least recently used beyond ``limits.max_sessions``."""
+        now = time.monotonic() if now is None else now
+        idle = sorted((s for s in list(self.live.values()) if not s.busy), key=lambda s: s.last_used)
+        ttl, cap = self.limits.idle_seconds, self.limits.max_sessions
+        expired = [s.name for s in idle if ttl is not None and now - s.last_used > ttl]  # the oldest ones
+        over = len(self.live) - len(expired) - cap if cap is not None else 0
+        return expired + [s.name for s in idle[len(expired) : len(expired) + max(0, over)]]
+
+    def trim_disk(self, keep: str | None = None) -> None:
+        """Remove the least recently used session files (but ``keep``'s) until they fit ``limits.max_bytes``; a
+        session whose only copy was its file is forgotten."""
+        if self.limits.max_bytes is None:
+            return
+        order = sorted(self.sizes, key=lambda n: self.live[n].last_used if n in self.live else float("-inf"))
+        total = sum(self.sizes.values())
+        for name in order:
+            if total <= self.limits.max_bytes:
+                return
+            session = self.live.get(name)
+            if name == keep or (session is not None and session.busy):
+                continue
+            self._path(name).unlink(missing_ok=True)
+            total -= self.sizes.pop(name)
+            if session is not None and not session.pages:
+                del self.live[name]
 
     def _stored_tokens(self, path: Path) -> list[int]:
         try:
@@ -81,7 +148,7 @@ class SessionStore:
                 if str(data["fingerprint"]) != self.fingerprint:
                     return []  # another model or KV format: the session starts over
                 return data["tokens"].tolist()
-        except Exception:
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # unreadable: the session starts over
             return []
 
     def get(self, name: str) -> Session:
@@ -96,9 +163,13 @@ class SessionStore:
         for g, (pages, contents) in enumerate(groups):
             arrays[f"held{g}"] = np.asarray(pages, np.int64) >= 0
             arrays |= {f"group{g}_{i}": a for i, a in enumerate(contents)}
-        partial = self._path(session.name).with_suffix(".partial.npz")
-        np.savez(partial, tokens=np.asarray(session.tokens, np.int64), fingerprint=self.fingerprint, **arrays)
-        partial.replace(self._path(session.name))
+        path = self._path(session.name)
+        partial = path.with_name(path.name + ".partial")  # not *.npz: never read back as a session
+        with open(partial, "wb") as out:
+            np.savez(out, tokens=np.asarray(session.tokens, np.int64), fingerprint=self.fingerprint, **arrays)
+        partial.replace(path)
+        self.sizes[session.name] = path.stat().st_size
+        self.trim_disk(keep=session.name)
 
     def load(self, session: Session) -> list[tuple[np.ndarray, list[np.ndarray]]]:
         """Per page group: which pages the session held (a bool per page) and their contents, as saved."""
@@ -111,6 +182,7 @@ class SessionStore:
 
     def delete(self, name: str) -> None:
         self.live.pop(name, None)
+        self.sizes.pop(name, None)
         if self.directory is not None:
             self._path(name).unlink(missing_ok=True)
 

@@ -33,6 +33,10 @@ class ServeOptions:
     max_queue: int = 64
     prefill_chunk: int = 512
     session_store: str | None = None
+    max_sessions: int = 256
+    session_ttl: float = 24 * 3600.0
+    session_store_mb: int = 1024
+    template_timeout: float = 5.0
     speculate: str | None = None
     draft: str | None = None
     receipts: bool = False
@@ -54,10 +58,12 @@ def check_bind(host: str, keys: Any) -> None:
 
 def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tuple[Any, Any]:
     """The ASGI app and its (started) engine for a loaded ``model``."""
+    from leat.chat import RenderLimits
     from leat.engine import Engine
     from leat.server.app import create_app
     from leat.server.metrics import Metrics
     from leat.server.service import Service
+    from leat.sessions import StoreLimits
 
     engine = Engine(
         model,
@@ -65,11 +71,15 @@ def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tup
         max_context=options.max_context,
         kv=options.kv,
         window_pages=not options.kv_full_windows,
-        max_queue=options.max_queue,
+        # The service refuses work beyond the free slots plus --max-queue; the engine, which counts requests a free
+        # slot will take as waiting, must not refuse first.
+        max_queue=options.max_queue + options.batch_size,
         prefill_chunk=options.prefill_chunk,
         session_store=options.session_store,
         speculation=getattr(model, "speculation", None),
     )
+    engine.sessions.limits = StoreLimits(options.max_sessions, options.session_ttl, options.session_store_mb << 20)
+    engine.sessions.trim_disk()
     backend = model.backend.describe().get("backend", "")
     receipts = None
     if options.receipts or options.receipt_key:
@@ -81,7 +91,15 @@ def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tup
     name = options.alias or Path(model.file.path).stem
     metrics = Metrics(engine)
     service = Service(
-        model, engine, name, metrics=metrics, receipts=receipts, tool_parser=options.tool_parser, backend_name=backend
+        model,
+        engine,
+        name,
+        metrics=metrics,
+        receipts=receipts,
+        tool_parser=options.tool_parser,
+        backend_name=backend,
+        template_limits=RenderLimits(seconds=options.template_timeout),
+        max_queue=options.max_queue,
     )
     app = create_app(service, keys, options.host, options.port, options.allow_origins)
     return app, engine

@@ -124,7 +124,7 @@ def _template_extra(thinking: AThinkingConfig | None) -> dict[str, Any]:
     return {} if thinking is None else {"enable_thinking": thinking.type != "disabled"}
 
 
-def messages_job(service: Service, body: MessagesRequest, client: str | None) -> Job:
+def messages_job(service: Service, body: MessagesRequest, owner: str | None) -> Job:
     if body.container is not None:
         raise unsupported("container", "code-execution containers are not supported")
     tools = _tools(body.tools)
@@ -142,7 +142,8 @@ def messages_job(service: Service, body: MessagesRequest, client: str | None) ->
         parser=service.output_parser(mode == "auto", text),
         forced_calls=forced,
         skip_special=service.skip_special(mode == "auto"),
-        client=client or (body.metadata or {}).get("user_id"),
+        client=(body.metadata or {}).get("user_id"),
+        owner=owner,
     )
 
 

@@ -1,17 +1,28 @@
-"""The Litestar application: routes, error mapping, and the guard in front of them."""
+"""The Litestar application: routes, error mapping, and the guard in front of them.
+
+Every handler does its blocking work (decoding, templates, tokenizing, constraints, session calls) on
+:class:`~leat.server.workers.Workers` threads, never on the event loop. The OpenAPI schema is Litestar's,
+with each POST body's schema generated from its msgspec struct; it is served at ``/openapi.json`` and
+under ``/schema``.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, delete, get, post
 from litestar.exceptions import HTTPException
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.spec import OpenAPIMediaType, Reference, RequestBody
+from litestar.params import FromPath
 from litestar.response import Stream
 
+from leat import __version__
 from leat.engine import Overloaded, TooLong
 from leat.errors import LeatError
 from leat.server import anthropic_api, openai_api, responses_api
@@ -26,31 +37,69 @@ from leat.server.schemas import (
 )
 from leat.server.security import Guard
 from leat.server.service import Service
+from leat.server.workers import Workers
 
 log = logging.getLogger("leat.server")
 JSON = "application/json"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_BODY = 32 << 20
+MAX_DEPTH = 64  # of JSON arrays and objects in a body
+SWEEP_SECONDS = 1.0  # between checks of the session store's limits
+BODIES = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": anthropic_api.CountTokensRequest,
+    "/v1/responses": ResponsesRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(content=msgspec.json.encode(body), media_type=JSON, status_code=status, headers=headers)
 
 
-async def _decode(request: Request, kind: type) -> Any:
+async def _read(request: Request) -> bytes:
     raw = await request.body()
     if len(raw) > MAX_BODY:
         raise APIError(413, f"request body over {MAX_BODY >> 20} MiB")
+    return raw
+
+
+def decode(raw: bytes, kind: type) -> Any:
+    """A body as ``kind``: 400 for bad JSON, a bad field, or nesting deeper than :data:`MAX_DEPTH`."""
     if not raw.strip():
         raise bad_request("request body is empty; send a JSON object")
     try:
-        return msgspec.json.decode(raw, type=kind)
+        body = msgspec.json.decode(raw, type=kind)
     except msgspec.DecodeError as e:
         raise from_msgspec(e) from None
+    except RecursionError:
+        body = None
+    if body is None or (raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(body) > MAX_DEPTH):
+        raise bad_request(f"request body nests arrays and objects deeper than {MAX_DEPTH} levels; flatten it")
+    return body
 
 
-def _client(request: Request) -> str | None:
-    return request.scope.get("leat.client")
+def _depth(value: Any) -> int:
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            return depth
+        deepest = max(deepest, depth)
+        if isinstance(item, msgspec.Struct):
+            todo += [(getattr(item, f), depth + 1) for f in item.__struct_fields__]
+        elif isinstance(item, dict):
+            todo += [(v, depth + 1) for v in item.values()]
+        elif isinstance(item, (list, tuple)):
+            todo += [(v, depth + 1) for v in item]
+    return deepest
+
+
+def _owner(request: Request) -> str | None:
+    return request.scope.get("leat.owner")
 
 
 def as_api_error(exc: Exception) -> APIError:
@@ -107,6 +156,17 @@ def create_app(
     allow_origins: list[str] = (),
 ) -> Any:
     """The ASGI application serving ``service``: Litestar routes behind the :class:`Guard`."""
+    workers = Workers()
+
+    async def prepare(request: Request, kind: type, make: Callable[[Service, Any, str | None], Any]) -> Any:
+        """The body decoded and ``make(service, body, owner)`` run, on a worker thread."""
+        raw, owner = await _read(request), _owner(request)
+
+        def work() -> tuple[Any, Any]:
+            body = decode(raw, kind)
+            return body, make(service, body, owner)
+
+        return await workers.run(work)
 
     @get("/health", sync_to_thread=False)
     def health() -> Response:
@@ -140,7 +200,7 @@ def create_app(
         return _json({"object": "list", "data": [model_card()]})
 
     @get("/v1/models/{model_id:path}", sync_to_thread=False)
-    def model(model_id: str) -> Response:
+    def model(model_id: FromPath[str]) -> Response:
         if model_id.strip("/") != service.name:
             raise APIError(
                 404,
@@ -152,8 +212,7 @@ def create_app(
 
     @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request) -> Response | Stream:
-        body = await _decode(request, ChatCompletionRequest)
-        job = openai_api.chat_job(service, body, _client(request))
+        body, job = await prepare(request, ChatCompletionRequest, openai_api.chat_job)
         handle = service.submit(job)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
@@ -163,8 +222,7 @@ def create_app(
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Response | Stream:
-        body = await _decode(request, CompletionRequest)
-        job, echo = openai_api.completion_job(service, body, _client(request))
+        body, (job, echo) = await prepare(request, CompletionRequest, openai_api.completion_job)
         handle = service.submit(job)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
@@ -174,8 +232,7 @@ def create_app(
 
     @post("/v1/messages", status_code=200)
     async def messages(request: Request) -> Response | Stream:
-        body = await _decode(request, MessagesRequest)
-        job = anthropic_api.messages_job(service, body, _client(request))
+        body, job = await prepare(request, MessagesRequest, anthropic_api.messages_job)
         handle = service.submit(job)
         if body.stream:
             return _stream(anthropic_api.messages_stream(service, job, handle), anthropic=True)
@@ -184,13 +241,14 @@ def create_app(
 
     @post("/v1/messages/count_tokens", status_code=200)
     async def count_tokens(request: Request) -> Response:
-        body = await _decode(request, anthropic_api.CountTokensRequest)
-        return _json({"input_tokens": anthropic_api.count_tokens(service, body)})
+        _, count = await prepare(
+            request, anthropic_api.CountTokensRequest, lambda s, b, _: anthropic_api.count_tokens(s, b)
+        )
+        return _json({"input_tokens": count})
 
     @post("/v1/responses", status_code=200)
     async def responses(request: Request) -> Response | Stream:
-        body = await _decode(request, ResponsesRequest)
-        job, echo = responses_api.responses_job(service, body, _client(request))
+        body, (job, echo) = await prepare(request, ResponsesRequest, responses_api.responses_job)
         handle = service.submit(job)
         if body.stream:
             return _stream(responses_api.responses_stream(service, job, handle, echo))
@@ -199,7 +257,10 @@ def create_app(
 
     @post("/tokenize", status_code=200)
     async def tokenize(request: Request) -> Response:
-        body = await _decode(request, TokenizeRequest)
+        _, answer = await prepare(request, TokenizeRequest, tokens)
+        return _json(answer)
+
+    def tokens(service: Service, body: TokenizeRequest, owner: str | None) -> dict[str, Any]:
         if body.messages is not None:
             _, ids = service.render_chat(openai_api.template_messages(body.messages), None, {})
         else:
@@ -208,19 +269,49 @@ def create_app(
                 raise bad_request("send 'content' (text) or 'messages' to tokenize", "content")
             add = body.add_special if body.add_special is not None else bool(body.add_special_tokens)
             ids = service.tokenizer.encode(text, add_special=add, parse_special=body.parse_special)
-        tokens: list[Any] = ids
+        listed: list[Any] = ids
         if body.with_pieces:
-            tokens = [{"id": i, "piece": service.tokenizer.decode([i], skip_special=False)} for i in ids]
-        return _json({"tokens": tokens, "count": len(ids), "max_context": service.max_context})
+            listed = [{"id": i, "piece": service.tokenizer.decode([i], skip_special=False)} for i in ids]
+        return {"tokens": listed, "count": len(ids), "max_context": service.max_context}
 
     @post("/detokenize", status_code=200)
     async def detokenize(request: Request) -> Response:
-        body = await _decode(request, DetokenizeRequest)
+        _, text = await prepare(request, DetokenizeRequest, detokens)
+        return _json({"content": text})
+
+    def detokens(service: Service, body: DetokenizeRequest, owner: str | None) -> str:
         vocab = service.model.architecture.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token ids out of range for the vocabulary of {vocab}: {bad[:5]}", "tokens")
-        return _json({"content": service.tokenizer.decode(body.tokens)})
+        return service.tokenizer.decode(body.tokens)
+
+    @get("/v1/sessions")
+    async def list_sessions(request: Request) -> Response:
+        return _json({"object": "list", "data": await workers.run(service.sessions, _owner(request))})
+
+    @delete("/v1/sessions/{name:str}", status_code=200)
+    async def delete_session(request: Request, name: FromPath[str]) -> Response:
+        await workers.run(service.drop_session, _owner(request), name)
+        return _json({"id": name, "object": "session", "deleted": True})
+
+    @get("/openapi.json", sync_to_thread=False)
+    def openapi(request: Request) -> Response:
+        return _json(request.app.openapi_schema.to_schema())
+
+    async def sweep_sessions() -> None:
+        while True:
+            await asyncio.sleep(SWEEP_SECONDS)
+            try:
+                await workers.run(service.sweep_sessions)
+            except Exception:  # logged; the next sweep tries again
+                log.exception("dropping stale sessions failed")
+
+    def start_sweeping(app: Litestar) -> None:
+        app.state.sweeper = asyncio.get_running_loop().create_task(sweep_sessions())
+
+    def stop_sweeping(app: Litestar) -> None:
+        app.state.sweeper.cancel()
 
     def _signed(job: Any, body: dict[str, Any]) -> dict[str, Any]:
         receipt = service.receipt(job, body)
@@ -241,10 +332,29 @@ def create_app(
             responses,
             tokenize,
             detokenize,
+            list_sessions,
+            delete_session,
+            openapi,
         ],
         exception_handlers={Exception: _error_response},
-        openapi_config=None,
+        openapi_config=OpenAPIConfig(title="leat", version=__version__, path="/schema"),
         request_max_body_size=MAX_BODY,
+        on_startup=[start_sweeping],
+        on_shutdown=[stop_sweeping],
     )
+    _describe_bodies(app)
     app.state.service = service
     return Guard(app, keys, host, port, list(allow_origins), service.metrics)
+
+
+def _describe_bodies(app: Litestar) -> None:
+    """Add each POST route's body schema, generated from its msgspec struct, to Litestar's OpenAPI document (the
+    handlers decode bodies themselves, so Litestar cannot see them)."""
+    openapi = app.openapi_schema
+    structs = list(BODIES.values())
+    _, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
+    openapi.components.schemas.update(components)
+    for path, struct in BODIES.items():
+        ref = Reference(ref=f"#/components/schemas/{struct.__name__}")
+        body = RequestBody(content={JSON: OpenAPIMediaType(schema=ref)}, required=True)
+        openapi.paths[path].post.request_body = body

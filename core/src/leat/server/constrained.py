@@ -17,11 +17,19 @@ patternProperties, not, if / then / else, and anything else unknown.
 
 Tokens that are a fragment of a UTF-8 character are never allowed (a non-ASCII character can still
 be written whole, or as a ``\\u`` escape); control tokens are never allowed.
+
+A schema is checked when the request arrives, so that a constraint the engine could not apply is a
+400 and never reaches a step shared with other requests: compiling is bounded (nesting, rules,
+seconds), a schema no JSON value satisfies is refused, parts of it that can never be written are
+dropped, and a ``$ref`` loop that writes nothing before recurring is refused. So is a place in the
+schema with more alternatives than :data:`MAX_ALTERNATIVES`, since each token mask costs in
+proportion to them.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -81,6 +89,10 @@ KNOWN = ANNOTATIONS | {
 MAX_BOUND = 256  # largest minLength / maxLength / minItems / maxItems written out as rules
 MAX_DIGITS = 16
 MAX_INDENT = 8
+MAX_NESTING = 32  # schemas inside schemas
+MAX_RULES = 50_000
+MAX_ALTERNATIVES = 4096  # parse stacks one place in the grammar can open at once
+MAX_SECONDS = 2.0  # to compile and check one schema
 
 
 class UnsupportedSchema(ValueError):
@@ -188,6 +200,8 @@ class SchemaCompiler:
         self.g = Grammar()
         self.root_schema = root
         self.refs: dict[str, int] = {}
+        self.depth = 0
+        self.deadline = time.monotonic() + MAX_SECONDS
         g = self.g
         indent = g.add([])
         for _ in range(MAX_INDENT):
@@ -231,6 +245,20 @@ class SchemaCompiler:
         return self.g.add(json.dumps(value, ensure_ascii=True))
 
     def compile(self, schema: Any) -> int:
+        if self.depth >= MAX_NESTING:
+            raise UnsupportedSchema(f"the schema nests deeper than {MAX_NESTING} levels")
+        if len(self.g.rules) > MAX_RULES or time.monotonic() > self.deadline:
+            raise UnsupportedSchema(
+                f"the schema is too large to enforce (over {MAX_RULES:,} grammar rules or {MAX_SECONDS:g} s to "
+                "compile); make it smaller, or use $ref to share repeated parts"
+            )
+        self.depth += 1
+        try:
+            return self._compile(schema)
+        finally:
+            self.depth -= 1
+
+    def _compile(self, schema: Any) -> int:
         if schema is True or schema == {}:
             return self.any
         if schema is False or not isinstance(schema, dict):
@@ -339,10 +367,7 @@ class SchemaCompiler:
         if "prefixItems" in schema:
             raise UnsupportedSchema("prefixItems is not supported")
         item = self.compile(schema.get("items", True))
-        low = int(schema.get("minItems", 0))
-        high = schema.get("maxItems")
-        if low > MAX_BOUND or (high is not None and int(high) > MAX_BOUND):
-            raise UnsupportedSchema(f"minItems / maxItems above {MAX_BOUND} are not supported")
+        low, high = _bounds(schema, "minItems", "maxItems")
         # more[k]: zero or more further ", item" with k still allowed (None: unbounded)
         if high is None:
             more = g.add([])
@@ -362,12 +387,9 @@ class SchemaCompiler:
         return g.add(*alternatives)
 
     def _string(self, schema: dict[str, Any]) -> int:
-        low = int(schema.get("minLength", 0))
-        high = schema.get("maxLength")
+        low, high = _bounds(schema, "minLength", "maxLength")
         if low == 0 and high is None:
             return self.string
-        if low > MAX_BOUND or (high is not None and int(high) > MAX_BOUND):
-            raise UnsupportedSchema(f"minLength / maxLength above {MAX_BOUND} are not supported")
         g = self.g
         if high is None:
             rest = g.add([])
@@ -379,6 +401,18 @@ class SchemaCompiler:
         for _ in range(low):
             rest = g.add([self.char, rest])
         return g.add(['"', rest, '"'])
+
+
+def _bounds(schema: dict[str, Any], low_key: str, high_key: str) -> tuple[int, int | None]:
+    low, high = schema.get(low_key, 0), schema.get(high_key)
+    for key, value in ((low_key, low), (high_key, high)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise UnsupportedSchema(f"{key} must be a whole number of at least 0, not {value!r}")
+        if value is not None and value > MAX_BOUND:
+            raise UnsupportedSchema(f"{low_key} / {high_key} above {MAX_BOUND} are not supported")
+    if high is not None and low > high:
+        raise UnsupportedSchema(f"{low_key} {low} is above {high_key} {high}: nothing fits")
+    return low, high
 
 
 def _merge(a: dict[str, Any], b: Any) -> dict[str, Any]:
@@ -484,16 +518,119 @@ class JSONConstraint:
 
 
 def compile_schema(schema: Any) -> Grammar:
-    return SchemaCompiler(schema if schema is not None else True).g
+    grammar = SchemaCompiler(schema if schema is not None else True).g
+    _drop_unwritable(grammar)
+    nullable = _nullable(grammar)
+    _refuse_left_recursion(grammar, nullable)
+    _refuse_wide_places(grammar, nullable)
+    return grammar
+
+
+def _fixpoint(g: Grammar, holds: Any) -> set[int]:
+    """The least set of rules such that ``holds(alternative, found)`` for one of each member's alternatives."""
+    found: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for rule, alternatives in enumerate(g.rules):
+            if rule not in found and any(holds(a, found) for a in alternatives):
+                found.add(rule)
+                changed = True
+    return found
+
+
+def _drop_unwritable(g: Grammar) -> None:
+    """Keep only alternatives whose every rule can produce some text; refuse a root that cannot."""
+    productive = _fixpoint(g, lambda a, found: all(e in found for e in a if isinstance(e, int)))
+    if g.root not in productive:
+        raise UnsupportedSchema(
+            "no JSON value satisfies the schema (an empty enum or anyOf, a required property that cannot exist, "
+            "or a $ref that leads only back to itself?)"
+        )
+    g.rules = [[a for a in alts if all(e in productive for e in a if isinstance(e, int))] for alts in g.rules]
+
+
+def _nullable(g: Grammar) -> set[int]:
+    return _fixpoint(g, lambda a, found: all(isinstance(e, int) and e in found for e in a))
+
+
+def _leading(alternative: tuple, nullable: set[int]) -> list[int]:
+    """The rules that can start ``alternative`` before any character is written."""
+    out = []
+    for element in alternative:
+        if not isinstance(element, int):
+            break
+        out.append(element)
+        if element not in nullable:
+            break
+    return out
+
+
+def _refuse_left_recursion(g: Grammar, nullable: set[int]) -> None:
+    """A rule that can reach itself before writing anything would make the recognizer recurse without end."""
+    leading = [[r for a in alts for r in _leading(a, nullable)] for alts in g.rules]
+    state = [0] * len(g.rules)  # 0 unseen, 1 on the path, 2 done
+    for start in range(len(g.rules)):
+        if state[start]:
+            continue
+        state[start] = 1
+        path = [(start, iter(leading[start]))]
+        while path:
+            rule, children = path[-1]
+            child = next(children, None)
+            if child is None:
+                state[rule] = 2
+                path.pop()
+            elif state[child] == 1:
+                raise UnsupportedSchema("the schema refers to itself ($ref) before writing anything, so it never ends")
+            elif state[child] == 0:
+                state[child] = 1
+                path.append((child, iter(leading[child])))
+
+
+def _refuse_wide_places(g: Grammar, nullable: set[int]) -> None:
+    """Refuse a rule that opens too many parse stacks when expanded: every token mask walks each of them."""
+    opens: dict[int, int] = {}
+    for rule in range(len(g.rules)):
+        todo = [rule]
+        while todo:  # leading rules first; they are acyclic by now
+            top = todo[-1]
+            if top in opens:
+                todo.pop()
+                continue
+            pending = [r for a in g.rules[top] for r in _leading(a, nullable) if r not in opens]
+            if pending:
+                todo.extend(pending)
+                continue
+            todo.pop()
+            opens[top] = sum(_opens(a, nullable, opens) for a in g.rules[top])
+            if opens[top] > MAX_ALTERNATIVES:
+                raise UnsupportedSchema(
+                    f"the schema allows over {MAX_ALTERNATIVES} alternatives at one place (a large enum or anyOf, or "
+                    "nested ones); split it, or use a plain type there"
+                )
+
+
+def _opens(alternative: tuple, nullable: set[int], opens: dict[int, int]) -> int:
+    total = 0
+    for element in alternative:
+        if not isinstance(element, int):
+            return total + 1
+        total += opens[element]
+        if element not in nullable:
+            return total
+    return total + 1  # all of it can be empty: the stack ends here
 
 
 def processor(service: Any, schema: Any, param: str) -> JSONConstraint:
     """A constraint for one request; a schema this module cannot enforce is a 400 naming ``param``."""
     try:
         grammar = compile_schema(schema)
-    except (UnsupportedSchema, TypeError, ValueError, RecursionError) as e:
+    except (UnsupportedSchema, TypeError, ValueError, LookupError, AttributeError, RecursionError) as e:
         raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
     trie = getattr(service, "_token_trie", None)
     if trie is None:
         trie = service._token_trie = TokenTrie(service.tokenizer, service.model.architecture.vocab_size)
-    return JSONConstraint(grammar, trie, service.tokenizer)
+    constraint = JSONConstraint(grammar, trie, service.tokenizer)
+    constraint.mask(constraint.state)  # the first step's mask, made here rather than in the engine's step
+    return constraint

@@ -192,7 +192,7 @@ def format_constraint(service: Service, fmt: Any, param: str) -> list:
 # --- chat -------------------------------------------------------------------------------------------------------
 
 
-def chat_job(service: Service, body: ChatCompletionRequest, client: str | None) -> Job:
+def chat_job(service: Service, body: ChatCompletionRequest, owner: str | None) -> Job:
     check_common(body)
     for name in ("audio", "prediction", "web_search_options"):
         if getattr(body, name) is not None:
@@ -238,8 +238,9 @@ def chat_job(service: Service, body: ChatCompletionRequest, client: str | None) 
         parser=service.output_parser(mode == "auto", text),
         forced_calls=forced,
         skip_special=service.skip_special(mode == "auto"),
-        client=client or body.user,
+        client=body.user,
         session=body.session,
+        owner=owner,
     )
 
 
@@ -348,7 +349,7 @@ def sse(body: dict[str, Any], event: str | None = None) -> bytes:
 # --- completions --------------------------------------------------------------------------------------------------
 
 
-def completion_job(service: Service, body: CompletionRequest, client: str | None) -> tuple[Job, str]:
+def completion_job(service: Service, body: CompletionRequest, owner: str | None) -> tuple[Job, str]:
     check_common(body)
     if body.suffix:
         raise unsupported("suffix", "fill-in-the-middle is not supported")
@@ -388,8 +389,9 @@ def completion_job(service: Service, body: CompletionRequest, client: str | None
         logprobs=body.logprobs,
         ignore_eos=body.ignore_eos,
         processors=processors,
-        client=client or body.user,
+        client=body.user,
         session=body.session,
+        owner=owner,
     )
     return job, text if body.echo else ""
 

@@ -124,7 +124,7 @@ def _tools(raw: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     return tools
 
 
-def responses_job(service: Service, body: ResponsesRequest, client: str | None) -> tuple[Job, dict[str, Any]]:
+def responses_job(service: Service, body: ResponsesRequest, owner: str | None) -> tuple[Job, dict[str, Any]]:
     if body.previous_response_id:
         raise unsupported(
             "previous_response_id", "this server stores no responses; send the whole conversation as input"
@@ -155,7 +155,8 @@ def responses_job(service: Service, body: ResponsesRequest, client: str | None) 
         parser=service.output_parser(mode == "auto", text),
         forced_calls=forced,
         skip_special=service.skip_special(mode == "auto"),
-        client=client or body.user or body.safety_identifier,
+        client=body.user or body.safety_identifier,
+        owner=owner,
         logprobs=body.top_logprobs,
     )
     echo = {

@@ -1,19 +1,23 @@
 """The ASGI layer in front of every route: Host and Origin checks, API keys, CORS, request counting.
 
-* Host: a server bound to loopback answers only requests whose ``Host`` names a loopback address
-  (``localhost``, ``127.x.x.x``, ``[::1]``), so a web page whose domain was re-pointed at 127.0.0.1
-  (DNS rebinding) cannot reach it. 403 otherwise.
+* Host: a server bound to loopback answers only requests whose ``Host`` is exactly a loopback address
+  with an optional port (``localhost``, ``127.x.x.x``, ``[::1]``), so a web page whose domain was
+  re-pointed at 127.0.0.1 (DNS rebinding) cannot reach it. Anything else there (user info such as
+  ``evil.example@127.0.0.1``, a path, two Host headers) is refused too. 403 otherwise.
 * Origin: a request carrying a browser ``Origin`` is refused (403) unless that origin is the
   server's own address or was allowed with ``--allow-origin`` (``*`` allows any); allowed origins
   get CORS headers and preflight answers.
 * Keys: when keys are configured every path but ``/health`` needs ``Authorization: Bearer KEY``
-  or ``x-api-key: KEY``; 401 otherwise.
+  or ``x-api-key: KEY``; 401 otherwise. The request then carries the key's owner id (:func:`owner_id`),
+  which scopes its sessions, prefix-cache entries and receipts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,6 +36,8 @@ COUNTED_PATHS = {
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/responses",
+    "/v1/sessions",
+    "/openapi.json",
 }
 CORS_HEADERS = [
     (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
@@ -50,9 +56,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _hostname(host_header: str) -> str:
-    """``[::1]:8080`` -> ``::1``; ``localhost:8080`` -> ``localhost``."""
-    return (urlsplit("//" + host_header).hostname or "").lower()
+HOST = re.compile(r"^(?:\[(?P<ip6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9.-]+))(?::\d{1,5})?$")
+
+
+def _hostname(host_header: str) -> str | None:
+    """``[::1]:8080`` -> ``::1``; ``localhost:8080`` -> ``localhost``; None for anything but a host and a port."""
+    match = HOST.match(host_header.strip())
+    if match is None:
+        return None
+    return (match.group("ip6") or match.group("name")).lower()
+
+
+def owner_id(key: str) -> str:
+    """16 hex digits naming what an API key owns; derived from the key, so a new key owns nothing of an old one."""
+    return hashlib.sha256(b"leat-owner:" + key.encode()).hexdigest()[:16]
 
 
 def _normal_origin(origin: str) -> str:
@@ -98,11 +115,13 @@ class Guard:
                     message = {**message, "headers": [*message.get("headers", []), *self._cors(origin)]}
             await send(message)
 
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        raw = scope.get("headers", [])
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
         origin = headers.get("origin")
         allowed_origin = origin is not None and (self.any_origin or _normal_origin(origin) in self.origins)
         try:
-            error = self._check(scope, headers, origin, allowed_origin)
+            hosts = sum(k.lower() == b"host" for k, _ in raw)
+            error = self._check(scope, headers, origin, allowed_origin, hosts)
             if error is not None:
                 await self._refuse(send, error, path)
                 status_seen[0] = error.status
@@ -116,9 +135,11 @@ class Guard:
             if self.metrics is not None:
                 self.metrics.http_request(path if path in COUNTED_PATHS else "other", status_seen[0])
 
-    def _check(self, scope: dict, headers: dict[str, str], origin: str | None, allowed_origin: bool) -> APIError | None:
+    def _check(
+        self, scope: dict, headers: dict[str, str], origin: str | None, allowed_origin: bool, hosts: int = 1
+    ) -> APIError | None:
         host = headers.get("host")
-        if self.loopback_only and host and not is_loopback(_hostname(host)):
+        if self.loopback_only and host is not None and (hosts > 1 or not is_loopback(_hostname(host) or "")):
             return APIError(
                 403,
                 f"Host {host!r} is not this server's loopback address; requests must name "
@@ -145,6 +166,7 @@ class Guard:
                     code="invalid_api_key",
                 )
             scope["leat.client"] = name
+            scope["leat.owner"] = owner_id(key)
         return None
 
     def _cors(self, origin: str) -> list[tuple[bytes, bytes]]:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from leat import __version__
-from leat.engine import GenerationRequest
+from leat.chat import DEFAULT_LIMITS, RESERVED, RenderLimits
+from leat.engine import GenerationRequest, Overloaded
 from leat.errors import LeatError, TemplateError
 from leat.sampling import SamplingParams
 from leat.server.errors import APIError, bad_request, unsupported
@@ -26,14 +27,14 @@ from leat.server.toolcalls import (
     Delta,
     OutputParser,
     ReasoningSplitter,
-    StopScanner,
     ToolCall,
     build_parser,
     choose_parser,
     has_reasoning,
     json_calls,
 )
-from leat.tokenizer import IncrementalDecoder
+from leat.sessions import scoped, unscoped
+from leat.textstream import TextStream
 
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(GenerationRequest)}
 
@@ -83,8 +84,9 @@ class Job:
     parser: OutputParser | ReasoningSplitter = field(default_factory=OutputParser)
     forced_calls: str | None = None  # the output is one JSON tool call: "any" {name, arguments}, or a tool's arguments
     skip_special: bool = True
-    client: str | None = None
-    session: str | None = None
+    client: str | None = None  # the client's own tag (``user``): its prefix-cache namespace within the owner's
+    session: str | None = None  # as the client names it
+    owner: str | None = None  # the API key's owner id (None: the server has no keys); scopes sessions and cache
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
     result: Result = field(default_factory=Result)
@@ -104,7 +106,10 @@ class Service:
         tool_parser: str | None = None,
         reasoning: bool | None = None,
         backend_name: str = "",
+        template_limits: RenderLimits = DEFAULT_LIMITS,
+        max_queue: int | None = None,
     ):
+        """``max_queue``: requests that may wait beyond the engine's free batch slots (None: the engine decides)."""
         self.model = model
         self.engine = engine
         self.name = name
@@ -118,6 +123,8 @@ class Service:
         self.reasoning = has_reasoning(template, vocab) if reasoning is None else reasoning
         self.created = int(time.time())
         self.fingerprint = f"leat-{__version__}-{backend_name or 'unknown'}"
+        self.template_limits = template_limits
+        self.max_queue = max_queue
 
     @property
     def max_context(self) -> int:
@@ -130,8 +137,17 @@ class Service:
     def render_chat(
         self, messages: list[dict], tools: list[dict] | None, extra: dict[str, Any]
     ) -> tuple[str, list[int]]:
+        taken = sorted(RESERVED & set(extra))
+        if taken:
+            raise bad_request(
+                f"chat_template_kwargs: {taken[0]!r} is set by the server itself; send it as a request field "
+                "(messages, tools) or leave it out",
+                "chat_template_kwargs",
+            )
         try:
-            text = self.model.chat_template.render(messages, add_generation_prompt=True, tools=tools, **extra)
+            text = self.model.chat_template.render(
+                messages, add_generation_prompt=True, tools=tools, limits=self.template_limits, **extra
+            )
         except TemplateError as e:
             raise bad_request(str(e), param="messages") from None
         # The template writes BOS itself when the model wants one, so only special tokens are parsed here.
@@ -171,26 +187,21 @@ class Service:
             logits[ids] += values
             return logits
 
+        apply.label = "logit_bias"  # names it in the error if it fails
         return [apply]
 
     # -- running ---------------------------------------------------------------------------------------------
     def submit(self, job: Job) -> Any:
-        if job.session is not None:
-            from leat.sessions import check_name
-
-            try:
-                check_name(job.session)  # checked here: the engine reads it on its scheduler thread
-            except LeatError as e:
-                raise bad_request(str(e), param="session") from None
+        session = self.session_name(job.owner, job.session) if job.session is not None else None
+        self._check_room()
         room = self.max_context - len(job.prompt_ids)
         max_tokens = job.max_tokens if job.max_tokens is not None else max(room, 1)
         request = {
             "prompt_ids": job.prompt_ids,
             "max_tokens": max_tokens,
             "sampling": job.sampling,
-            "stop": list(job.stop),
-            "client": job.client,
-            "session": job.session,
+            "client": cache_namespace(job.owner, job.client),
+            "session": session,
             "logprobs": job.logprobs,
         }
         if job.ignore_eos and "ignore_eos" in ENGINE_FIELDS:
@@ -207,71 +218,132 @@ class Service:
             self.metrics.submitted(job.endpoint, len(job.prompt_ids))
         return handle
 
+    def _check_room(self) -> None:
+        """Refuse when the requests waiting beyond the free batch slots fill the queue. (The engine's own check
+        counts every waiting request, also those a free slot takes at its next step.)"""
+        if self.max_queue is None:
+            return
+        beyond = len(self.engine.waiting) - len(self.engine.free_slots)
+        if beyond >= self.max_queue:
+            raise Overloaded(
+                f"every batch slot is taken and {beyond} requests wait (the queue holds {self.max_queue}); retry shortly",
+                retry_after=1.0,
+            )
+
+    # -- sessions --------------------------------------------------------------------------------------------
+    @staticmethod
+    def session_name(owner: str | None, name: str) -> str:
+        """The engine's name for ``owner``'s session ``name`` (checked here: the engine reads it on its thread)."""
+        try:
+            return scoped(owner, name)
+        except LeatError as e:
+            raise bad_request(str(e), param="session") from None
+
+    def sessions(self, owner: str | None) -> list[dict[str, Any]]:
+        """``owner``'s sessions, by the names it gave them."""
+        out = []
+        for entry in self.engine.list_sessions():
+            name = unscoped(owner, entry["name"])
+            if name is not None:
+                out.append(
+                    {"id": name, "object": "session", "tokens": entry["tokens"], "hibernated": entry["hibernated"]}
+                )
+        return out
+
+    def drop_session(self, owner: str | None, name: str) -> None:
+        engine_name = self.session_name(owner, name)
+        if all(entry["name"] != engine_name for entry in self.engine.list_sessions()):
+            raise APIError(404, f"no session named {name!r}", param="name", code="session_not_found")
+        try:
+            self.engine.drop_session(engine_name)
+        except LeatError as e:
+            raise APIError(409, f"{e}; delete it once its request has finished", code="session_in_use") from None
+
+    def sweep_sessions(self) -> None:
+        """Drop the sessions past the store's idle time or count (see :class:`leat.sessions.StoreLimits`)."""
+        for name in self.engine.sessions.stale():
+            try:
+                self.engine.drop_session(name)
+            except LeatError:
+                pass  # in use again since: it stays
+
     async def stream(self, job: Job, handle: Any) -> AsyncIterator[Piece]:
-        """The job's output as it is generated; ``job.result`` is complete once this is exhausted."""
-        result = job.result
-        result.prompt_tokens = len(job.prompt_ids)
-        decoder = IncrementalDecoder(self.tokenizer, skip_special=job.skip_special)
-        scanner = StopScanner(job.stop)
+        """The job's output as it is generated; ``job.result`` is complete once this is exhausted. A request's
+        own failure (its constraint, sampler) raises a 400, the engine's a 500."""
+        job.result.prompt_tokens = len(job.prompt_ids)
+        text = TextStream(self.tokenizer, job.stop, skip_special=job.skip_special)
         pending: list[TokenLogprob] = []
         finished = False
-        first_token_at = None
         try:
             async for event in handle.aiter():
-                if event.kind == "token":
-                    if event.id < 0 or scanner.stopped:
-                        continue  # the engine's own flush of held text: this side decodes the ids itself
-                    if first_token_at is None:
-                        first_token_at = time.perf_counter()
-                        if self.metrics:
-                            self.metrics.first_token(job.endpoint, first_token_at - job.started)
-                    result.token_ids.append(event.id)
-                    if job.logprobs is not None and event.logprob is not None:
-                        pending.append(self._logprob(event))
-                        result.logprobs.append(pending[-1])
-                    text = scanner.feed(decoder.feed(event.id))
-                    if scanner.stopped:
-                        handle.cancel()
-                    for piece in self._parse(job, text, pending):
-                        yield piece
-                elif event.kind == "error":
-                    finished = True
-                    raise APIError(500, f"generation failed: {event.error}", type="server_error")
-                else:
-                    finished = True
-                    usage = event.usage or {}
-                    result.completion_tokens = int(usage.get("completion_tokens", len(result.token_ids)))
-                    result.cached_tokens = int(usage.get("cached_tokens", 0))
-                    result.timings = dict(event.timings or {})
-                    reason = event.finish_reason or "stop"
-                    if not scanner.stopped:
-                        tail = scanner.feed(decoder.flush()) + scanner.flush()
-                        for piece in self._parse(job, tail, pending):
+                if event.kind == "tokens":
+                    if not text.stopped:
+                        for piece in self._take(job, event, text, pending):
                             yield piece
-                    for piece in self._finish(job, pending):
-                        yield piece
-                    result.finish_reason = "stop" if scanner.stopped else reason
-                    result.stop_sequence = scanner.matched
-                    if result.tool_calls and result.finish_reason == "stop":
-                        result.finish_reason = "tool_calls"
-                    break
+                        if text.stopped:
+                            handle.cancel()  # the engine's "done" follows at its next step
+                    continue
+                finished = True
+                if event.kind == "error":
+                    raise _failure(event)
+                for piece in self._end(job, event, text, pending):
+                    yield piece
+                break
         finally:
             if not finished:
                 handle.cancel()
                 if self.metrics:
                     self.metrics.cancelled(job.endpoint)
             elif self.metrics:
-                self.metrics.finished(job.endpoint, result, time.perf_counter() - job.started)
+                self.metrics.finished(job.endpoint, job.result, time.perf_counter() - job.started)
 
     async def run(self, job: Job, handle: Any) -> Result:
         async for _ in self.stream(job, handle):
             pass
         return job.result
 
-    def _logprob(self, event: Any) -> TokenLogprob:
-        piece = self.tokenizer.decode([event.id], skip_special=False)
-        top = [(t, self.tokenizer.decode([t], skip_special=False), lp) for t, lp in (event.top_logprobs or [])]
-        return TokenLogprob(event.id, piece, event.logprob, top)
+    def _take(self, job: Job, event: Any, text: TextStream, pending: list[TokenLogprob]) -> list[Piece]:
+        """The pieces one step's tokens make, up to the one that completes a stop string."""
+        result = job.result
+        if not result.token_ids and self.metrics:
+            self.metrics.first_token(job.endpoint, time.perf_counter() - job.started)
+        read = text.ids_read
+        chunk = text.feed(event.ids)
+        used = text.ids_read - read
+        result.token_ids.extend(event.ids[:used])
+        if job.logprobs is not None and event.logprobs is not None:
+            scored = self._logprobs(event, used)
+            pending.extend(scored)
+            result.logprobs.extend(scored)
+        return self._parse(job, chunk, pending)
+
+    def _end(self, job: Job, done: Any, text: TextStream, pending: list[TokenLogprob]) -> list[Piece]:
+        """The last pieces (held-back text, parsers' leftovers, forced tool calls) and the result's totals."""
+        result = job.result
+        usage = done.usage or {}
+        # once the text stopped, the engine's count may include tokens generated before it saw the cancel
+        result.completion_tokens = (
+            len(result.token_ids) if text.stopped else int(usage.get("completion_tokens", len(result.token_ids)))
+        )
+        result.cached_tokens = int(usage.get("cached_tokens", 0))
+        result.timings = dict(done.timings or {})
+        pieces = self._parse(job, text.flush(), pending) + self._finish(job, pending)
+        result.finish_reason = "stop" if text.stopped else done.finish_reason or "stop"
+        result.stop_sequence = text.matched
+        if result.tool_calls and result.finish_reason == "stop":
+            result.finish_reason = "tool_calls"
+        return pieces
+
+    def _logprobs(self, event: Any, count: int) -> list[TokenLogprob]:
+        """The first ``count`` tokens' logprobs of a "tokens" event, with their text."""
+        tops = event.top_logprobs or [[] for _ in event.ids]
+        return [
+            TokenLogprob(token, self._piece(token), logprob, [(t, self._piece(t), lp) for t, lp in top])
+            for token, logprob, top in zip(event.ids[:count], event.logprobs, tops)
+        ]
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special=False)
 
     def _parse(self, job: Job, text: str, pending: list[TokenLogprob]) -> list[Piece]:
         job.result.text += text
@@ -345,9 +417,26 @@ class Service:
             "timings": {k: round(float(v), 6) for k, v in result.timings.items() if isinstance(v, int | float)},
             "created": job.created,
         }
+        if job.owner is not None:
+            claims["owner"] = job.owner
         if body is not None:
             claims["body_sha256"] = self.receipts.body_hash(body)
         return self.receipts.sign(claims)
+
+
+def _failure(event: Any) -> APIError:
+    """The HTTP error for an engine "error" event: 400 when the request's own parts failed, else 500."""
+    if event.fault == "request":
+        return APIError(400, f"generation failed: {event.error}", type="invalid_request_error")
+    return APIError(500, f"generation failed: {event.error}", type="server_error")
+
+
+def cache_namespace(owner: str | None, client: str | None) -> str | None:
+    """The engine's prefix-cache namespace: the API key's owner id first, so no tag a client sends reaches another
+    key's entries; within it, the client's own tag."""
+    if owner is None:
+        return client
+    return f"{owner}/{client}" if client else owner
 
 
 def token_hash(ids: list[int]) -> str:

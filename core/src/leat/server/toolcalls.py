@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from leat.textstream import find_first, held_prefix
+
 
 @dataclass
 class ToolCall:
@@ -46,54 +48,6 @@ class Delta:
     kind: str  # "content" | "reasoning" | "tool_call"
     text: str = ""
     call: ToolCall | None = None
-
-
-def held_prefix(text: str, markers: Sequence[str]) -> int:
-    """Length of the longest end of ``text`` that is a proper prefix of a marker (it may yet become one)."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:n]):
-                best = n
-                break
-    return best
-
-
-def find_first(text: str, markers: Sequence[str]) -> tuple[int, str]:
-    """Position and text of the earliest marker in ``text``, or (-1, "")."""
-    found = (-1, "")
-    for marker in markers:
-        i = text.find(marker)
-        if i >= 0 and (found[0] < 0 or i < found[0]):
-            found = (i, marker)
-    return found
-
-
-class StopScanner:
-    """Finds the first stop string in streamed text; what it returns never contains (part of) one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.buffer = ""
-        self.stopped = False
-        self.matched: str | None = None
-
-    def feed(self, text: str) -> str:
-        if self.stopped:
-            return ""
-        self.buffer += text
-        at, stop = find_first(self.buffer, self.stops)
-        if at >= 0:
-            out, self.buffer, self.stopped, self.matched = self.buffer[:at], "", True, stop
-            return out
-        keep = held_prefix(self.buffer, self.stops)
-        out = self.buffer[: len(self.buffer) - keep]
-        self.buffer = self.buffer[len(self.buffer) - keep :]
-        return out
-
-    def flush(self) -> str:
-        out, self.buffer = self.buffer, ""
-        return out
 
 
 # --- tool-call bodies ----------------------------------------------------------------------------------------
