@@ -52,7 +52,7 @@ def test_concurrent_greedy_equals_one_at_a_time(model):
 
 
 def test_short_prompts_arriving_together_prefill_in_one_step(model):
-    # the step's prefill budget (prefill_chunk tokens) takes several prompts' chunks, not one prompt's
+    # the step's prefill budget takes several prompts' chunks, not one prompt's
     batch = prompts(4, seed=3, lengths=(5, 9, 3, 12))  # 29 tokens: one step of 32
     expected = [alone(model, p, n=6) for p in batch]
     engine = Engine(model, batch_size=4, prefill_chunk=32, page_size=8, max_context=256)
@@ -67,7 +67,7 @@ def test_short_prompts_arriving_together_prefill_in_one_step(model):
     # a prompt whose next chunk does not fit what is left waits for the next step: chunks stay as when alone
     long = prompts(2, seed=4, lengths=(20, 20))
     expected = [alone(model, p, n=4) for p in long]
-    engine = Engine(model, batch_size=2, prefill_chunk=32, page_size=8, max_context=256)
+    engine = Engine(model, batch_size=2, prefill_chunk=32, prefill_budget=32, page_size=8, max_context=256)
     handles = [engine.submit(GenerationRequest(p, 4, GREEDY)) for p in long]
     engine.start()
     try:
@@ -120,8 +120,9 @@ def test_too_long_is_refused_before_anything_is_allocated(model):
 
 
 def test_overload_refuses_when_queue_is_full_and_admitted_all_complete(model):
+    """The queue counts requests beyond the free batch slots: 2 slots and a queue of 3 take 5 before a 429."""
     engine = Engine(model, batch_size=2, max_context=128, max_queue=3)
-    accepted = [engine.submit(GenerationRequest(p, 8, GREEDY)) for p in prompts(3)]
+    accepted = [engine.submit(GenerationRequest(p, 8, GREEDY)) for p in prompts(5)]
     with pytest.raises(Overloaded) as info:
         engine.submit(GenerationRequest([1, 2, 3], 8))
     assert info.value.retry_after > 0
@@ -458,3 +459,53 @@ def test_a_failed_forward_pass_ends_every_running_request_and_the_engine_goes_on
     finally:
         engine.stop()
     assert after == alone(model, batch[0], n=10)
+
+
+def test_on_an_asynchronous_backend_a_steps_events_go_out_while_the_next_step_runs(model, monkeypatch):
+    """A backend whose forward returns before the device finishes gets the last step's events sent after the next
+    step is launched (host work beside device work); every event still arrives, in order, and the output is the
+    same."""
+    import leat.engine as engine_module
+
+    batch = prompts(3, seed=7)
+    expected = [alone(model, p, n=10) for p in batch]
+    calls = []
+    run, deliver = model.backend.run, engine_module.deliver
+    monkeypatch.setattr(model.backend, "asynchronous", True, raising=False)
+    monkeypatch.setattr(model.backend, "run", lambda *a: calls.append("run") or run(*a))
+    monkeypatch.setattr(engine_module, "deliver", lambda events: calls.append("send") or deliver(events))
+    engine = Engine(model, batch_size=3, max_context=128)
+    handles = [engine.submit(GenerationRequest(p, 10, GREEDY)) for p in batch]
+    engine.start()
+    try:
+        assert [tokens(h)[0] for h in handles] == expected
+    finally:
+        engine.stop()
+    first_run = calls.index("run")
+    # after the first step, every step's launch comes before the previous step's events are sent
+    assert calls[first_run : first_run + 4] == ["run", "run", "send", "run"], calls[:8]
+    assert calls[-1] == "send"
+
+
+def test_page_tables_are_written_only_when_a_rows_pages_change(model, monkeypatch):
+    writes = []
+    set_pages = model.backend.set_pages
+    monkeypatch.setattr(model.backend, "set_pages", lambda *a, **k: writes.append(a[1]) or set_pages(*a, **k))
+    engine = Engine(model, batch_size=1, max_context=128, page_size=8).start()
+    try:
+        tokens(engine.submit(GenerationRequest(prompts(1, lengths=(5,))[0], 40, GREEDY, ignore_eos=True)))
+    finally:
+        engine.stop()
+    assert len(writes) == -(-(5 + 40) // 8)  # one per page the row grew into, not one per step (45 steps)
+
+
+def test_profile_records_each_steps_time(model):
+    engine = Engine(model, batch_size=2, max_context=128, profile=True).start()
+    try:
+        for handle in [engine.submit(GenerationRequest(p, 6, GREEDY)) for p in prompts(2)]:
+            tokens(handle)
+    finally:
+        engine.stop()
+    assert len(engine.profile) == engine.steps > 0
+    assert all(s.rows >= 1 and s.tokens >= s.rows and s.prepare > 0 and s.finish > 0 for s in engine.profile)
+    assert all(s.device is None for s in engine.profile)  # the cpu backend cannot tell device time apart

@@ -157,6 +157,12 @@ class Backend:
     name: ClassVar[str] = "?"
     #: quantization types whose tensors this backend can use (as stored or after its own conversion)
     quant_types: ClassVar[frozenset[gguf.GGMLQuantizationType]] = frozenset()
+    #: True when :meth:`run` returns once the step is queued on the device, before it finishes; the engine then
+    #: does the last step's host work (sending its tokens) while the device runs the next
+    asynchronous: ClassVar[bool] = False
+    #: prompt tokens the engine takes into one step (over several prompts) unless told otherwise: enough to keep
+    #: the device's arithmetic busy when many prompts arrive together
+    prefill_tokens_per_step: ClassVar[int] = 512
 
     @classmethod
     def probe(cls) -> str | None:
@@ -179,6 +185,11 @@ class Backend:
     def kv_budget_bytes(self) -> int:
         """Bytes the KV cache may take when the engine sizes the context itself."""
         return 2 << 30
+
+    def timer(self) -> Any:
+        """A context manager whose ``seconds``, read after it exits, is the device time of the work queued inside
+        it (``leat bench --profile``); None where the backend cannot tell device time from host time."""
+        return None
 
     # -- memory -------------------------------------------------------------------------------------
     def upload(self, tensor: Tensor) -> Any:

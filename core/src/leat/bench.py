@@ -80,14 +80,22 @@ def decode(model: Any, n: int, kv: str = "f16") -> Callable[[], int]:
     return run
 
 
-def batched_decode(model: Any, concurrency: int, n: int, prompt_tokens: int = 8, kv: str = "f16") -> Callable[[], int]:
+def batched_decode(
+    model: Any, concurrency: int, n: int, prompt_tokens: int = 8, kv: str = "f16", profile: bool = False
+) -> Callable[[], int]:
+    """C requests of ``prompt_tokens`` and ``n`` generated tokens each through one engine; with ``profile`` the run
+    keeps the engine's :class:`~leat.engine.StepProfile` of its last repetition in ``run.profile``."""
     from leat.engine import Engine, GenerationRequest
 
-    engine = Engine(model, batch_size=concurrency, max_context=prompt_tokens + n + 1, kv=kv).start()
+    engine = Engine(model, batch_size=concurrency, max_context=prompt_tokens + n + 1, kv=kv, profile=profile).start()
 
     def run() -> int:
+        if profile:
+            engine.profile.clear()
         handles = [
-            engine.submit(GenerationRequest(list(_tokens(model, prompt_tokens, seed)), n, {"temperature": 0.0}))
+            engine.submit(
+                GenerationRequest(list(_tokens(model, prompt_tokens, seed)), n, {"temperature": 0.0}, ignore_eos=True)
+            )
             for seed in range(concurrency)
         ]
         generated = 0
@@ -97,10 +105,32 @@ def batched_decode(model: Any, concurrency: int, n: int, prompt_tokens: int = 8,
                     raise RuntimeError(event.error)
                 if event.kind == "done":
                     generated += event.usage["completion_tokens"]
+        run.profile = list(engine.profile or [])  # type: ignore[attr-defined]
         return generated
 
     run.close = engine.stop  # type: ignore[attr-defined]
     return run
+
+
+def profile_summary(steps: list[Any]) -> dict[str, Any]:
+    """Mean milliseconds per step of each part of :class:`~leat.engine.StepProfile`, over the decode steps (those
+    with one token per row) and over every step, and the share of decode step time the device was busy."""
+    decode = [s for s in steps if s.tokens == s.rows]
+
+    def mean_ms(chosen: list[Any], part: str) -> float | None:
+        values = [getattr(s, part) for s in chosen]
+        return None if not values or None in values else round(1000 * statistics.fmean(values), 3)
+
+    out: dict[str, Any] = {"steps": len(steps), "decode_steps": len(decode)}
+    for part in ("prepare", "wait", "finish", "device"):
+        out[f"{part}_ms"] = mean_ms(decode, part)
+    whole = [s.prepare + s.wait + s.finish for s in decode]
+    out["step_ms"] = round(1000 * statistics.fmean(whole), 3) if whole else None
+    out["host_ms"] = round(out["prepare_ms"] + out["finish_ms"], 3) if decode else None
+    if out["device_ms"] is not None and out["step_ms"]:
+        out["device_busy"] = round(out["device_ms"] / out["step_ms"], 3)
+    out["all_steps_ms"] = round(1000 * statistics.fmean(s.prepare + s.wait + s.finish for s in steps), 3)
+    return out
 
 
 @contextmanager
@@ -240,16 +270,22 @@ def bench(
     concurrency: list[int],
     repetitions: int = 5,
     kv: str = "f16",
+    batch_prompt: int = 8,
+    profile: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per test: ``model``, ``size`` (bytes), ``params``, ``backend``, ``precision``, ``test``,
     ``n_tokens``, ``repetitions``, ``rates`` and ``tokens_per_second`` with ``stdev``, and ``warmup_seconds``
-    (the untimed first run)."""
+    (the untimed first run). Batched decode tests give each request a prompt of ``batch_prompt`` tokens; with
+    ``profile`` their rows carry ``profile`` (:func:`profile_summary` of the last repetition)."""
     base = _describe(model, model_name) | {"kv": kv}
     tests: list[tuple[str, int, Callable[[], int]]] = []
     tests += [(f"pp{n}", n, prefill(model, n, kv)) for n in prompt if n > 0]
     tests += [(f"tg{n}", n, decode(model, n, kv)) for n in generate if n > 0]
     tg = max(generate) if generate else 16
-    tests += [(f"tg{tg} x{c}", c * tg, batched_decode(model, c, tg, kv=kv)) for c in concurrency if c > 0]
+    label = f"tg{tg}" if batch_prompt == 8 else f"pp{batch_prompt}+tg{tg}"
+    tests += [
+        (f"{label} x{c}", c * tg, batched_decode(model, c, tg, batch_prompt, kv, profile)) for c in concurrency if c > 0
+    ]
     rows = []
     for name, n, run in tests:
         try:
@@ -267,6 +303,7 @@ def bench(
                 "rates": rates,
                 "warmup_seconds": warmup,
             }
+            | ({"profile": profile_summary(run.profile)} if getattr(run, "profile", None) else {})
         )
     return rows
 
@@ -284,6 +321,12 @@ def render(rows: list[dict[str, Any]]) -> str:
             cells = [row["model"], _size(row), row["backend"], row["precision"], row.get("kv", ""), row["test"], rate]
             lines.append(_row(cells))
         tables.append("\n".join(lines))
+    profiled = [row for row in plain if "profile" in row]
+    if profiled:
+        parts = ["steps", "step_ms", "prepare_ms", "wait_ms", "finish_ms", "host_ms", "device_ms", "device_busy"]
+        lines = [_row(["test", *parts]), _row(["---"] + ["---:"] * len(parts))]
+        lines += [_row([row["test"], *(str(row["profile"].get(p)) for p in parts)]) for row in profiled]
+        tables.append("Decode steps (ms each, means; host = prepare + finish):\n\n" + "\n".join(lines))
     if spec:
         head = ["model", "size", "backend", "precision", "test", "proposer", "plain t/s", "speculative t/s"]
         head += ["speed-up", "acceptance", "tokens/step", "same output"]

@@ -426,7 +426,21 @@ def _int_list(ctx, param, value: str) -> list[int]:
     show_default=True,
     help="with --speculate: chat prompts to decode (quote and code are repetitive, story is not)",
 )
-@click.option("--kv", default="f16", show_default=True, help="KV cache storage: f32, f16, q8_0 (llama-bench's default is f16)")
+@click.option(
+    "--kv", default="f16", show_default=True, help="KV cache storage: f32, f16, q8_0 (llama-bench's default is f16)"
+)
+@click.option(
+    "--batch-prompt",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="prompt tokens of each request in the --concurrency tests (128 to match a server load of 128-token prompts)",
+)
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="--concurrency tests: where a decode step's time goes (host work before and after, waiting, device time)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the rows as JSON")
 @backend_option
 @precision_option
@@ -440,6 +454,8 @@ def bench(
     repetitions,
     workloads,
     kv,
+    batch_prompt,
+    profile,
     as_json,
     backend,
     precision,
@@ -463,7 +479,7 @@ def bench(
         names = [name.strip() for name in workloads.split(",") if name.strip()]
         rows = speculative(model, model_name, model.speculation, names, max(generate, default=128), repetitions)
     else:
-        rows = run_bench(model, model_name, prompt, generate, concurrency, repetitions, kv)
+        rows = run_bench(model, model_name, prompt, generate, concurrency, repetitions, kv, batch_prompt, profile)
     click.echo(json.dumps(rows, indent=2) if as_json else render(rows))
 
 

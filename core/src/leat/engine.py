@@ -17,6 +17,7 @@ event marked ``fault="request"``; a failed forward pass ends every request in it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -119,11 +120,7 @@ class RequestHandle:
         self._async_events: asyncio.Queue[Event] | None = None
 
     def emit(self, event: Event) -> None:
-        with self._lock:
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._async_events.put_nowait, event)
-            else:
-                self._events.put(event)
+        deliver([(self, event)])
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -148,6 +145,42 @@ class RequestHandle:
                 return
 
 
+def deliver(events: list[tuple[RequestHandle, Event]]) -> None:
+    """Hand events to their handles: those read from a thread at once, those read in an event loop with one
+    wake-up of each loop for all of them (a step's events cost a loop one callback, not one per request)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
+    for handle, event in events:
+        with handle._lock:
+            if handle._loop is None:
+                handle._events.put(event)
+            else:
+                by_loop.setdefault(handle._loop, []).append((handle._async_events, event))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:
+            pass  # the loop closed: nobody reads these any more
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    for events, event in items:
+        events.put_nowait(event)
+
+
+@dataclass
+class StepProfile:
+    """Where one engine step's time went (``Engine(profile=True)``): building the batch and launching the forward
+    (``prepare``), waiting for what comes back to the host (``wait``), taking the results and sending events
+    (``finish``), and the forward's time on the device where the backend can tell (``device``); seconds."""
+
+    rows: int
+    tokens: int
+    prepare: float
+    wait: float
+    finish: float
+    device: float | None
+
+
 @dataclass
 class _Running:
     request: GenerationRequest
@@ -170,6 +203,7 @@ class _Running:
     gained_logprobs: list[float] = field(default_factory=list)
     gained_top: list[list[tuple[int, float]]] = field(default_factory=list)
     ended: bool = False
+    tables_stale: bool = True  # its slot's page table in the backend is another request's until first written
 
     @property
     def generated(self) -> int:
@@ -195,6 +229,7 @@ class Engine:
         max_context: int | None = None,
         kv: str = "f32",
         prefill_chunk: int = 512,
+        prefill_budget: int | None = None,
         page_size: int = 16,
         max_queue: int = 64,
         kv_budget_bytes: int | None = None,
@@ -202,16 +237,20 @@ class Engine:
         speculation: Speculation | None = None,
         window_pages: bool = True,
         top_k_candidates: bool = True,
+        profile: bool = False,
     ):
         """``window_pages`` False gives sliding-window layers pages for the whole context, as the others
         (llama.cpp's --swa-full); by default they hold only what their window still needs.
-        ``top_k_candidates`` False makes sampled requests always fetch whole logit rows (see :meth:`step`)."""
+        ``top_k_candidates`` False makes sampled requests always fetch whole logit rows (see :meth:`step`).
+        ``profile`` records a :class:`StepProfile` of every step in ``self.profile``."""
         if kv not in KV_BYTES:
             raise LeatError(f"--kv must be one of {', '.join(KV_BYTES)}, not {kv!r}")
         self.model = model
         self.backend = model.backend
         self.batch_size = batch_size
         self.prefill_chunk = prefill_chunk
+        # prompt tokens of one step, over several prompts (a burst of prompts starts in few, large steps)
+        self.prefill_budget = max(prefill_chunk, prefill_budget or self.backend.prefill_tokens_per_step)
         self.page_size = page_size
         self.max_queue = max_queue
         layouts = model.architecture.kv_layouts(model.architecture.params)
@@ -240,6 +279,11 @@ class Engine:
         self.steps = 0
         self.speculation = speculation
         self.top_k_candidates = top_k_candidates
+        # events of the step just taken: on a backend whose forward returns before the device finishes, they are
+        # sent while the next step runs on the device, not between the two
+        self._outbox: list[tuple[RequestHandle, Event]] = []
+        self._overlap = bool(getattr(self.backend, "asynchronous", False))
+        self.profile: list[StepProfile] | None = [] if profile else None
         self._finished_speculation = {"proposed": 0, "accepted": 0, "verifications": 0}
 
     @property
@@ -326,8 +370,13 @@ class Engine:
         if self.speculation is not None:
             item.speculation = self.speculation.controller(item.sampler)
         with self._wake:
-            if len(self.waiting) >= self.max_queue:
-                raise Overloaded(f"{len(self.waiting)} requests are already waiting; retry shortly", retry_after=1.0)
+            beyond = len(self.waiting) - len(self.free_slots)  # those a free slot takes at the next step don't wait
+            if beyond >= self.max_queue:
+                raise Overloaded(
+                    f"every batch slot is taken and {beyond} requests wait (the queue holds {self.max_queue}); "
+                    "retry shortly",
+                    retry_after=1.0,
+                )
             self.waiting.append(item)
             self._wake.notify()
         return handle
@@ -371,13 +420,16 @@ class Engine:
                     except Exception as e:  # noqa: BLE001 (a failed step ends its requests, never the server)
                         for item in list(self.running):
                             self._finish(item, "error", f"engine step failed: {type(e).__name__}: {e}", fault="engine")
+                if not self.running:
+                    self._flush()
         for item in list(self.running) + list(self.waiting):
-            item.handle.emit(Event("done", finish_reason="cancelled", usage=self._usage(item)))
+            self._post(item.handle, Event("done", finish_reason="cancelled", usage=self._usage(item)))
+        self._flush()
 
     def _reap_cancelled(self) -> None:
         for item in [w for w in self.waiting if w.handle.cancelled.is_set()]:
             self.waiting.remove(item)
-            item.handle.emit(Event("done", finish_reason="cancelled", usage=self._usage(item)))
+            self._post(item.handle, Event("done", finish_reason="cancelled", usage=self._usage(item)))
         for item in [r for r in self.running if r.handle.cancelled.is_set()]:
             self._finish(item, "cancelled")
 
@@ -566,26 +618,31 @@ class Engine:
 
     def _pages_for(self, item: _Running, end: int) -> None:
         """Give ``item`` pages up to position ``end`` (exclusive), copying a shared page before writing, and
-        give back windowed pages that no query from position ``item.filled`` on reads."""
+        give back windowed pages that no query from position ``item.filled`` on reads. The backend's page table
+        is written only where the row's pages changed."""
         size = self.page_size
         for group, (pool, window, pages) in enumerate(zip(self.pools, self.windows, item.pages)):
+            changed = item.tables_stale
             if window is not None:
                 # a rejected draft rewinds no further back than item.filled, so these stay unread
                 i = max(0, item.filled - window + 1) // size - 1
                 while i >= 0 and pages[i] >= 0:
                     pool.remember(item.prefix_keys[i : i + 1], pages[i : i + 1])  # a prompt page stays reusable
                     item.reserved[group] += pool.give_back(pages[i])
-                    pages[i] = -1
+                    pages[i], changed = -1, True
                     i -= 1
             first = item.filled // size
             if first < len(pages) and pool.refs[pages[first]] > 1:
                 copy = self._take(item, group)
                 self.backend.copy_page(self.kv, pages[first], copy, group=group)
                 item.reserved[group] += pool.give_back(pages[first])
-                pages[first] = copy
+                pages[first], changed = copy, True
             while len(pages) * size < end:
                 pages.append(self._take(item, group))
-            self.backend.set_pages(self.kv, item.slot, np.asarray(pages, dtype=np.int32), group=group)
+                changed = True
+            if changed:
+                self.backend.set_pages(self.kv, item.slot, np.asarray(pages, dtype=np.int32), group=group)
+        item.tables_stale = False
 
     def _take(self, item: _Running, group: int) -> int:
         if item.reserved[group] <= 0:
@@ -599,17 +656,24 @@ class Engine:
         return self.pools[group].take()
 
     def step(self) -> None:
-        """One forward pass: every decoding request's next token plus prefill chunks of up to ``prefill_chunk``
-        prompt tokens in all. The first prompt in line takes its next chunk; the prompts after it join while
+        """One forward pass: every decoding request's next token plus prefill chunks of up to ``prefill_budget``
+        prompt tokens in all (each prompt's chunk at most ``prefill_chunk``). The first prompt in line takes its next chunk; the prompts after it join while
         their next chunk fits what is left, so short prompts arriving together start together (fewer, larger
         steps), and a prompt's chunks are the same as when it is alone. Each request with new tokens gets one
         event; one whose own parts fail (:class:`RequestFault`) ends alone, the others go on."""
         began = time.perf_counter()  # the step-cost table times whole steps: proposing and verifying cost too
         rows = self._rows()
         if not rows:
+            self._flush()
             return
-        out = self.backend.run(self.model.architecture.forward, Batch([r for _, r in rows]), self.kv)
+        timer = self.backend.timer() if self.profile is not None else None
+        with timer or contextlib.nullcontext():
+            out = self.backend.run(self.model.architecture.forward, Batch([r for _, r in rows]), self.kv)
+        launched = time.perf_counter()
+        if self._overlap:
+            self._flush()  # the last step's events, while the device runs this one
         readout = self._read(out, rows)
+        read = time.perf_counter()
         decode_only = all(row.start >= item.prompt_len for item, row in rows)
         self.steps += 1
         first = np.cumsum([0] + [len(row.tokens) if row.all_logits else 1 for _, row in rows])
@@ -619,13 +683,28 @@ class Engine:
             except RequestFault as e:
                 self._finish(item, "error", str(e), fault="request")
             self._send_gained(item)
+        if not self._overlap or not self.running:
+            self._flush()
         if self.speculation is not None and decode_only:
             self.speculation.observe(sum(len(row.tokens) for _, row in rows), time.perf_counter() - began)
+        if self.profile is not None:
+            tokens = sum(len(row.tokens) for _, row in rows)
+            device = timer.seconds if timer is not None else None
+            done = time.perf_counter()
+            self.profile.append(StepProfile(len(rows), tokens, launched - began, read - launched, done - read, device))
+
+    def _post(self, handle: RequestHandle, event: Event) -> None:
+        self._outbox.append((handle, event))
+
+    def _flush(self) -> None:
+        events, self._outbox = self._outbox, []
+        if events:
+            deliver(events)
 
     def _rows(self) -> list[tuple[_Running, Row]]:
         """This step's rows: a decode token (and its draft) per decoding request, prefill chunks within budget."""
         rows: list[tuple[_Running, Row]] = []
-        budget = self.prefill_chunk  # prompt tokens this step may still take
+        budget = self.prefill_budget  # prompt tokens this step may still take
         for item in list(self.running):
             if item.filled < item.prompt_len:
                 chunk = min(item.prompt_len - item.filled, self.prefill_chunk)
@@ -807,8 +886,7 @@ class Engine:
         except Exception as e:
             raise RequestFault("logprobs", e) from e
 
-    @staticmethod
-    def _send_gained(item: _Running) -> None:
+    def _send_gained(self, item: _Running) -> None:
         """One event with the tokens (and logprobs) the request gained since the last."""
         if not item.gained:
             return
@@ -820,7 +898,7 @@ class Engine:
             top_logprobs=item.gained_top if top else None,
         )
         item.gained, item.gained_logprobs, item.gained_top = [], [], []
-        item.handle.emit(event)
+        self._post(item.handle, event)
 
     def _keep_session(self, item: _Running, reason: str) -> None:
         session = self.sessions.get(item.request.session)
@@ -868,9 +946,9 @@ class Engine:
             "total_seconds": now - item.submitted,
         }
         if error is not None:
-            item.handle.emit(Event("error", error=error, fault=fault, usage=self._usage(item)))
+            self._post(item.handle, Event("error", error=error, fault=fault, usage=self._usage(item)))
         else:
-            item.handle.emit(Event("done", finish_reason=reason, usage=self._usage(item), timings=timings))
+            self._post(item.handle, Event("done", finish_reason=reason, usage=self._usage(item), timings=timings))
 
 
 def _name(process: Any) -> str:

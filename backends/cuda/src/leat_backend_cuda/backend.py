@@ -169,6 +169,8 @@ def _ready(x: Any) -> Any:
 
 class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
     name = "cuda"
+    asynchronous = True
+    prefill_tokens_per_step = 2048
     quant_types = frozenset(quants.LAYOUTS) | _host_dequantizable()
 
     @classmethod
@@ -227,6 +229,10 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
     def kv_budget_bytes(self) -> int:
         free, _ = self.device.free_memory()
         return int(free * 0.8)
+
+    def timer(self) -> driver.Timer:
+        self.device.activate()
+        return driver.Timer(self.device)
 
     # -- kernels -------------------------------------------------------------------------------------
     def _module(self, key: str, file: str, names: list[str], smem: dict[str, int]) -> driver.Module:

@@ -71,9 +71,7 @@ def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tup
         max_context=options.max_context,
         kv=options.kv,
         window_pages=not options.kv_full_windows,
-        # The service refuses work beyond the free slots plus --max-queue; the engine, which counts requests a free
-        # slot will take as waiting, must not refuse first.
-        max_queue=options.max_queue + options.batch_size,
+        max_queue=options.max_queue,
         prefill_chunk=options.prefill_chunk,
         session_store=options.session_store,
         speculation=getattr(model, "speculation", None),
@@ -99,7 +97,6 @@ def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tup
         tool_parser=options.tool_parser,
         backend_name=backend,
         template_limits=RenderLimits(seconds=options.template_timeout),
-        max_queue=options.max_queue,
     )
     app = create_app(service, keys, options.host, options.port, options.allow_origins)
     return app, engine

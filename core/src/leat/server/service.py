@@ -19,7 +19,7 @@ from typing import Any
 
 from leat import __version__
 from leat.chat import DEFAULT_LIMITS, RESERVED, RenderLimits
-from leat.engine import GenerationRequest, Overloaded
+from leat.engine import GenerationRequest, Overloaded, TooLong
 from leat.errors import LeatError, TemplateError
 from leat.sampling import SamplingParams
 from leat.server.errors import APIError, bad_request, unsupported
@@ -107,9 +107,7 @@ class Service:
         reasoning: bool | None = None,
         backend_name: str = "",
         template_limits: RenderLimits = DEFAULT_LIMITS,
-        max_queue: int | None = None,
     ):
-        """``max_queue``: requests that may wait beyond the engine's free batch slots (None: the engine decides)."""
         self.model = model
         self.engine = engine
         self.name = name
@@ -124,7 +122,6 @@ class Service:
         self.created = int(time.time())
         self.fingerprint = f"leat-{__version__}-{backend_name or 'unknown'}"
         self.template_limits = template_limits
-        self.max_queue = max_queue
 
     @property
     def max_context(self) -> int:
@@ -193,7 +190,6 @@ class Service:
     # -- running ---------------------------------------------------------------------------------------------
     def submit(self, job: Job) -> Any:
         session = self.session_name(job.owner, job.session) if job.session is not None else None
-        self._check_room()
         room = self.max_context - len(job.prompt_ids)
         max_tokens = job.max_tokens if job.max_tokens is not None else max(room, 1)
         request = {
@@ -211,24 +207,12 @@ class Service:
         try:
             handle = self.engine.submit(GenerationRequest(**request))
         except LeatError as e:
-            if type(e).__name__ in ("Overloaded", "TooLong"):
+            if isinstance(e, Overloaded | TooLong):
                 raise
             raise bad_request(str(e), param="prompt") from None
         if self.metrics:
             self.metrics.submitted(job.endpoint, len(job.prompt_ids))
         return handle
-
-    def _check_room(self) -> None:
-        """Refuse when the requests waiting beyond the free batch slots fill the queue. (The engine's own check
-        counts every waiting request, also those a free slot takes at its next step.)"""
-        if self.max_queue is None:
-            return
-        beyond = len(self.engine.waiting) - len(self.engine.free_slots)
-        if beyond >= self.max_queue:
-            raise Overloaded(
-                f"every batch slot is taken and {beyond} requests wait (the queue holds {self.max_queue}); retry shortly",
-                retry_after=1.0,
-            )
 
     # -- sessions --------------------------------------------------------------------------------------------
     @staticmethod
