@@ -6,8 +6,8 @@ what `leat bench` decodes through the engine alone on the same file.
         --serve "64:1,64" --serve "256:256" --bench "--concurrency 1,8,32,64 -n 128 --batch-prompt 128 -r 1"
 
 Each ``--serve BATCH:C1,C2`` starts ``leat serve MODEL --batch-size BATCH`` (with ``--serve-args``), times
-how long it takes to answer /health, runs the load script at each concurrency (``--requests-per-client``
-requests per client, prompts of ``--prompt-tokens`` token ids, ``--max-tokens`` each, greedy, streamed),
+how long it takes to answer /health, runs the load script at each concurrency (an untimed round of one request
+per client first, as ``leat bench`` warms up; then ``--requests-per-client`` requests per client, prompts of ``--prompt-tokens`` token ids, ``--max-tokens`` each, greedy, streamed),
 then stops the server with SIGTERM and times that too. Prints one JSON line per measurement, then a table.
 """
 
@@ -64,9 +64,12 @@ def serve_runs(args: argparse.Namespace, spec: str) -> list[dict]:
         rows.append({"what": "serve ready", "batch_size": int(batch), "seconds": round(ready, 2)})
         print(json.dumps(rows[-1]), flush=True)
         for c in (int(x) for x in concurrencies.split(",")):
-            load = [sys.executable, args.load, "--url", url, "-c", str(c), "-n", str(c * args.requests_per_client)]
+            load = [sys.executable, args.load, "--url", url, "-c", str(c)]
             load += ["--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens)]
             load += ["--vocab", str(args.vocab)]
+            if args.warmup:  # as leat bench does: one untimed round first (graph captures, allocations)
+                subprocess.run([*load, "-n", str(c)], check=False, capture_output=True, timeout=args.load_timeout)
+            load += ["-n", str(c * args.requests_per_client)]
             out = subprocess.run(load, check=False, capture_output=True, text=True, timeout=args.load_timeout)
             result = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {"error": out.stderr}
             rows.append({"what": "serve", "batch_size": int(batch), **result})
@@ -101,8 +104,7 @@ def table(rows: list[dict]) -> str:
                 + f" | {r.get('itl_ms_p50')} |"
             )
         elif r["what"] == "bench":
-            rate = r.get("tokens_per_second", r.get("tok_s", r.get("rate")))
-            lines.append(f"| bench {r.get('test', '')} | | | | | {rate} | | | |")
+            lines.append(f"| bench {r.get('test', '')} | | | | | {r['tokens_per_second']:.1f} | | | |")
         else:
             lines.append(f"| {r['what']} | {r['batch_size']} | | | | {r['seconds']} s | | | |")
     return "\n".join(lines)
@@ -119,6 +121,7 @@ def main() -> None:
     ap.add_argument("--serve-args", default="", help="more `leat serve` options")
     ap.add_argument("--bench", default=None, help="`leat bench` options; none: no engine run")
     ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="no untimed round before each load")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=32000)

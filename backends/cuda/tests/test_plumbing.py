@@ -217,7 +217,7 @@ def test_steps_with_prefill_chunks_replay_a_graph(fake, tmp_path):
     path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
     backend = CUDABackend()
     model = Llama(ModelFile(path), backend)
-    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=3, context=1024, dtype="f16")
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=3, context=4096, dtype="f16")
     mixed = Batch([Row(0, 20, np.array([5])), Row(1, 0, np.arange(70) % 300), Row(2, 9, np.array([3]))])
     out = backend.run(model.forward, mixed, kv)
     assert not backend.graph_failures and out.shape == (3, model.params.vocab)

@@ -70,12 +70,14 @@ GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
 KV_DTYPES = {"f32": ("float", F32), "f16": ("u16", U16), "q8_0": ("i8", np.dtype(np.int8))}
 TOP_K_MAX = 64  # top_k on the device: at most this many per row
 # Token counts a graph is captured for: decode and speculative steps up to 64, then steps that carry prefill
-# chunks beside their decode rows (a 512-token prefill budget plus 64 rows).
-TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640)
+# chunks beside their decode rows. Past 256 tokens a step's device time (~30 ms on an H200 for the 8B bench
+# file) exceeds the eager path's Python (~10 ms), which then runs ahead of the device: no graph needed, and the
+# eager path's tile-wise prefill attention is faster (pp512 9,457 eager vs 9,005 graphed, measured).
+TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 LOGIT_BUCKETS = TOKEN_BUCKETS[: TOKEN_BUCKETS.index(64) + 1]
 # A prefill chunk in a graph attends token by token (no flash tiles): sum over chunks of tokens x last position
-# up to which that costs less than the eager path's Python (a 512-token chunk from position 0)
-FLAT_ATTENTION_BUDGET = 512 * 512
+# up to which that costs less than the eager path's Python (a 128-token chunk from position 1920)
+FLAT_ATTENTION_BUDGET = 128 * 2048
 
 
 def _host_dequantizable() -> frozenset[Q]:

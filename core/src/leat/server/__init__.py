@@ -10,6 +10,7 @@ Modules: :mod:`~leat.server.app` (routes), :mod:`~leat.server.schemas` (msgspec 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,10 @@ def serve(options: ServeOptions, load_model: Any) -> None:
     check_bind(options.host, keys)
     model = load_model()
     app, engine = build(options, model, keys)
+    # The scheduler thread needs the interpreter lock for ~1 ms of host work between two device steps; the HTTP
+    # thread, busy with every stream's chunks, would otherwise keep it for up to the default 5 ms switch interval
+    # while the device idles (an engine process of its own would remove the contention).
+    sys.setswitchinterval(0.0005)
     engine.start()
     where = f"http://{'[' + options.host + ']' if ':' in options.host else options.host}:{options.port}"
     print(
