@@ -13,9 +13,8 @@ import argparse
 import json
 import time
 
-import numpy as np
-
 import leat
+import numpy as np
 from leat.engine import Engine, GenerationRequest
 
 

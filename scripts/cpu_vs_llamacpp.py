@@ -17,9 +17,8 @@ import statistics
 import subprocess
 import time
 
-import numpy as np
-
 import leat
+import numpy as np
 from leat.batch import Batch, Row
 from leat.pull import resolve
 

@@ -33,14 +33,30 @@ def run_alone(name: str, folder: Path) -> tuple[str, str, float]:
     started = time.perf_counter()
     sync = subprocess.run(
         ["uv", "sync", "--quiet", "--locked", "--package", name, "--group", "test", "--exact"],
-        cwd=ROOT, capture_output=True, text=True,
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
     )
     if sync.returncode:
         return "sync failed", sync.stderr.strip().splitlines()[-1], time.perf_counter() - started
     tests = subprocess.run(
-        ["uv", "run", "--no-sync", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
-         str(folder / "tests")],
-        cwd=ROOT, capture_output=True, text=True,
+        [
+            "uv",
+            "run",
+            "--no-sync",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not slow and not gpu",
+            str(folder / "tests"),
+        ],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
     )
     lines = [line for line in tests.stdout.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
     summary = lines[-1].strip("= ") if lines else (tests.stdout + tests.stderr).strip().splitlines()[-1]

@@ -40,7 +40,7 @@ def test_every_type_gguf_can_dequantize_is_accepted():
     for qtype in Q:
         if qtype in (Q.F32, Q.F16) or qtype.name in ("I8", "I16", "I32", "I64", "F64", "Q8_1", "Q8_K"):
             continue
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        _, size = gguf.GGML_QUANT_SIZES[qtype]
         try:
             gguf.quants.dequantize(rng.integers(0, 256, (1, size), dtype=np.uint8), qtype)
         except NotImplementedError:

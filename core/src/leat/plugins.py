@@ -91,7 +91,7 @@ class PluginHost:
             version = ep.dist.version if ep.dist else "unknown"
             try:
                 module = ep.load()
-            except Exception as e:  # a broken plugin is reported, never skipped silently
+            except Exception as e:  # noqa: BLE001 - a broken plugin is reported, never skipped silently
                 self.plugins[name] = PluginInfo(name, version, ep.value, "failed", f"{type(e).__name__}: {e}")
                 continue
             self._register_module(name, module, version)

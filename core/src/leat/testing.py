@@ -7,6 +7,7 @@ llama.cpp loads them too and can serve as the reference.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,7 +52,7 @@ def tiny_vocab(size: int) -> tuple[list[str], list[str], list[int]]:
     words = [[mapping[b] for b in (" " + w).encode()] for w in TRAINING_TEXT.split()]
     merges: list[str] = []
     while len(tokens) < size - len(SPECIAL_TOKENS):
-        pairs = Counter((a, b) for w in words for a, b in zip(w, w[1:]))
+        pairs = Counter((a, b) for w in words for a, b in itertools.pairwise(w))
         if not pairs:
             tokens.append(f"<unused{len(tokens)}>")
             continue
