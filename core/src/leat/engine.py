@@ -2,10 +2,9 @@
 
 Each step batches the decode rows of the running requests (one token each) with one prefill chunk
 of an admitted prompt, so long prompts never stall the others' decoding. KV lives in fixed-size
-pages (:mod:`leat.kvpool`); a request is admitted only when its page-rounded worst case
-(prompt + max_tokens) fits, so nothing runs out of memory mid-request. Layers are grouped by their
-sliding window, each group with its own pages: a windowed group gives a page back once every query
-still to come is past it, so it holds only about a window's worth per request. The asyncio side talks to
+pages, one pool per sliding-window group (:class:`leat.pages.PageBudget`); a request is admitted only when
+its page-rounded worst case (prompt + max_tokens) fits, so nothing runs out of memory mid-request. Named
+sessions keep their pages between requests (:class:`leat.sessions.SessionKV`). The asyncio side talks to
 the scheduler through :class:`RequestHandle` queues.
 
 The engine has no text: a request is token ids in, and out comes one :class:`Event` per step with the ids it
@@ -18,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import queue
 import threading
@@ -35,8 +35,10 @@ from leat.batch import Batch, Row
 from leat.compare import log_softmax
 from leat.errors import LeatError
 from leat.kvpool import PagePool
+from leat.options import EngineOptions
+from leat.pages import BackendPages, PageBudget, RowPages, size_kv
 from leat.sampling import Sampler, SamplingParams
-from leat.sessions import SessionStore, check_name, common_prefix, model_fingerprint
+from leat.sessions import Session, SessionKV, SessionStore, check_name, model_fingerprint
 from leat.speculative import Controller, Speculation, accept_greedy, verify
 
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
@@ -118,9 +120,22 @@ class RequestHandle:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._async_events: asyncio.Queue[Event] | None = None
+        self._sink: Callable[[list[tuple[RequestHandle, Event]]], None] | None = None
+        self.remote_id = -1
 
     def emit(self, event: Event) -> None:
         deliver([(self, event)])
+
+    def attach(self, sink: Callable[[list[tuple[RequestHandle, Event]]], None], remote_id: int) -> None:
+        """Send this request's events to ``sink`` from now on (those already queued first), in the batches
+        :func:`deliver` makes: the engine process forwards a step's events to a frontend in one message."""
+        with self._lock:
+            self._sink, self.remote_id = sink, remote_id
+            queued = []
+            while not self._events.empty():
+                queued.append((self, self._events.get_nowait()))
+        if queued:
+            sink(queued)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -147,14 +162,20 @@ class RequestHandle:
 
 def deliver(events: list[tuple[RequestHandle, Event]]) -> None:
     """Hand events to their handles: those read from a thread at once, those read in an event loop with one
-    wake-up of each loop for all of them (a step's events cost a loop one callback, not one per request)."""
+    wake-up of each loop for all of them (a step's events cost a loop one callback, not one per request), those
+    with a sink (:meth:`RequestHandle.attach`) in one call of each sink."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
+    by_sink: dict[Callable, list[tuple[RequestHandle, Event]]] = {}
     for handle, event in events:
         with handle._lock:
-            if handle._loop is None:
+            if handle._sink is not None:
+                by_sink.setdefault(handle._sink, []).append((handle, event))
+            elif handle._loop is None:
                 handle._events.put(event)
             else:
                 by_loop.setdefault(handle._loop, []).append((handle._async_events, event))
+    for sink, items in by_sink.items():
+        sink(items)
     for loop, items in by_loop.items():
         try:
             loop.call_soon_threadsafe(_put_all, items)
@@ -191,10 +212,8 @@ class _Running:
     submitted: float
     slot: int = -1
     filled: int = 0  # positions already in the KV cache
-    pages: list[list[int]] = field(default_factory=list)  # per group, in position order; -1: behind the window
-    reserved: list[int] = field(default_factory=list)  # per group: pages promised but not yet taken
+    held: RowPages = field(default_factory=RowPages)  # its pages, from admission to its end
     first_token_at: float | None = None
-    prefix_keys: list[bytes] = field(default_factory=list)
     cached: int = 0  # prompt tokens whose KV was reused, not computed
     speculation: Controller | None = None  # None: this request never drafts
     draft: list[int] = field(default_factory=list)  # tokens proposed for the row in flight
@@ -203,7 +222,6 @@ class _Running:
     gained_logprobs: list[float] = field(default_factory=list)
     gained_top: list[list[tuple[int, float]]] = field(default_factory=list)
     ended: bool = False
-    tables_stale: bool = True  # its slot's page table in the backend is another request's until first written
 
     @property
     def generated(self) -> int:
@@ -223,115 +241,86 @@ class _Readout:
 
 class Engine:
     def __init__(
-        self,
-        model: Any,
-        batch_size: int = 8,
-        max_context: int | None = None,
-        kv: str = "f32",
-        prefill_chunk: int = 512,
-        prefill_budget: int | None = None,
-        page_size: int = 16,
-        max_queue: int = 64,
-        kv_budget_bytes: int | None = None,
-        session_store: str | None = None,
-        speculation: Speculation | None = None,
-        window_pages: bool = True,
-        top_k_candidates: bool = True,
-        profile: bool = False,
+        self, model: Any, options: EngineOptions | None = None, speculation: Speculation | None = None, **fields: Any
     ):
-        """``window_pages`` False gives sliding-window layers pages for the whole context, as the others
-        (llama.cpp's --swa-full); by default they hold only what their window still needs.
-        ``top_k_candidates`` False makes sampled requests always fetch whole logit rows (see :meth:`step`).
-        ``profile`` records a :class:`StepProfile` of every step in ``self.profile``."""
-        if kv not in KV_BYTES:
-            raise LeatError(f"--kv must be one of {', '.join(KV_BYTES)}, not {kv!r}")
+        """An engine for ``model`` with ``options`` (their fields may also be given one by one over them,
+        ``Engine(model, batch_size=4)``); ``speculation``: the drafting its requests may use."""
+        options = dataclasses.replace(options or EngineOptions(), **fields)
+        if options.kv not in KV_BYTES:
+            raise LeatError(f"--kv must be one of {', '.join(KV_BYTES)}, not {options.kv!r}")
+        self.options = options
         self.model = model
         self.backend = model.backend
-        self.batch_size = batch_size
-        self.prefill_chunk = prefill_chunk
+        self.batch_size = options.batch_size
+        self.prefill_chunk = options.prefill_chunk
         # prompt tokens of one step, over several prompts (a burst of prompts starts in few, large steps)
-        self.prefill_budget = max(prefill_chunk, prefill_budget or self.backend.prefill_tokens_per_step)
-        self.page_size = page_size
-        self.max_queue = max_queue
-        layouts = model.architecture.kv_layouts(model.architecture.params)
-        groups, self.windows = window_groups(layouts) if window_pages else ([0] * len(layouts), [None])
-        group_bytes = [
-            sum(layout.bytes_per_token(1) for layout, g in zip(layouts, groups) if g == group) * KV_BYTES[kv]
-            for group in range(len(self.windows))
-        ]
-        # the most positions one step writes for a row: a prefill chunk, or a decode token and its draft
-        self.span = max(prefill_chunk, 1 + (speculation.max_draft if speculation is not None else 0))
-        self.max_context, pages, self.plan = self._size(max_context, group_bytes, kv_budget_bytes)
-        self.kv_dtype = kv
-        self.kv = self.backend.allocate_kv(
-            layouts, batch_size, self.max_context, pages, page_size, dtype=kv, groups=groups
-        )
-        self.pools = [PagePool(count, page_size) for count in pages]
-        self.free_slots = list(range(batch_size - 1, -1, -1))
+        self.prefill_budget = max(options.prefill_chunk, options.prefill_budget or self.backend.prefill_tokens_per_step)
+        self.page_size = options.page_size
+        self.max_queue = options.max_queue
+        self.kv_dtype = options.kv
+        self.speculation = speculation
+        self.top_k_candidates = options.top_k_candidates
+        self._allocate(options)
+        fingerprint = model_fingerprint(model, options.kv, self.page_size, self.windows)
+        self.sessions = SessionStore(options.session_store, fingerprint)
+        self.session_kv = SessionKV(self.sessions, self.budget, self.budget.device)
+        self.free_slots = list(range(self.batch_size - 1, -1, -1))
         self.waiting: deque[_Running] = deque()
         self.running: list[_Running] = []
         self._ids = itertools.count(1)
-        self.sessions = SessionStore(session_store, model_fingerprint(model, kv, page_size, self.windows))
         self._wake = threading.Condition()
-        self._state = threading.RLock()  # pool, slots, running and sessions: the scheduler's, or a session call's
+        self._state = threading.RLock()  # pages, slots, running and sessions: the scheduler's, or a session call's
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0
-        self.speculation = speculation
-        self.top_k_candidates = top_k_candidates
         # events of the step just taken: on a backend whose forward returns before the device finishes, they are
         # sent while the next step runs on the device, not between the two
         self._outbox: list[tuple[RequestHandle, Event]] = []
         self._overlap = bool(getattr(self.backend, "asynchronous", False))
-        self.profile: list[StepProfile] | None = [] if profile else None
+        self.profile: list[StepProfile] | None = [] if options.profile else None
         self._finished_speculation = {"proposed": 0, "accepted": 0, "verifications": 0}
+
+    def _allocate(self, options: EngineOptions) -> None:
+        """Size the KV cache to the budget and allocate it, one page group per sliding window (one for all layers
+        without ``window_pages``)."""
+        layouts = self.model.architecture.kv_layouts(self.model.architecture.params)
+        groups, self.windows = window_groups(layouts) if options.window_pages else ([0] * len(layouts), [None])
+        group_bytes = [
+            sum(layout.bytes_per_token(1) for layout, g in zip(layouts, groups) if g == group) * KV_BYTES[options.kv]
+            for group in range(len(self.windows))
+        ]
+        # the most positions one step writes for a row: a prefill chunk, or a decode token and its draft
+        draft = self.speculation.max_draft if self.speculation is not None else 0
+        self.span = max(options.prefill_chunk, 1 + draft)
+        budget = self.backend.kv_budget_bytes() if options.kv_budget_bytes is None else options.kv_budget_bytes
+        self.max_context, pages, self.plan = size_kv(
+            group_bytes,
+            self.windows,
+            slots=self.batch_size,
+            page_size=self.page_size,
+            span=self.span,
+            model_context=self.model.context_length,
+            max_context=options.max_context,
+            budget=budget,
+        )
+        self.kv = self.backend.allocate_kv(
+            layouts, self.batch_size, self.max_context, pages, self.page_size, dtype=options.kv, groups=groups
+        )
+        self.budget = PageBudget(pages, self.windows, self.page_size, self.span, BackendPages(self.backend, self.kv))
+
+    @property
+    def pools(self) -> list[PagePool]:
+        """Each page group's pool (:attr:`budget`'s)."""
+        return self.budget.pools
 
     @property
     def pool(self) -> PagePool:
         """The page pool of the first group: full attention, and the only group without windowed layers."""
-        return self.pools[0]
+        return self.budget.pools[0]
 
     @pool.setter
     def pool(self, pool: PagePool) -> None:
-        self.pools[0] = pool
-
-    def _window_pages(self, window: int) -> int:
-        """The most pages a row holds at once in a group of this window: those its window reaches behind a
-        step's first position, and those of the step's own positions."""
-        return -(-(window - 1 + self.span) // self.page_size) + 1
-
-    def _size(
-        self, max_context: int | None, group_bytes: list[float], budget: int | None
-    ) -> tuple[int, list[int], str]:
-        """Context and page counts: the largest context whose KV for every slot fits the budget, windowed
-        groups counted at the pages their window needs, whatever the context."""
-        model_context = self.model.context_length
-        if budget is None:
-            budget = self.backend.kv_budget_bytes()
-        size = self.page_size
-        full = sum(b for b, window in zip(group_bytes, self.windows) if window is None)
-        windowed = sum(b * self._window_pages(w) * size for b, w in zip(group_bytes, self.windows) if w is not None)
-        room = budget / self.batch_size - windowed  # bytes per slot left for the full-attention groups
-        fits = (int(room // full) if full else model_context) if room >= 0 else 0
-        fits -= fits % size
-        context = min(max_context or model_context, model_context)
-        if max_context is None:
-            context = min(context, fits)
-        if fits < min(context, size):
-            raise LeatError(
-                f"KV for {self.batch_size} slots does not fit in {budget / 2**30:.2f} GiB "
-                f"({sum(group_bytes):.0f} bytes per token); lower --batch-size"
-            )
-        per_slot = -(-context // size)
-        pages = [
-            self.batch_size * (per_slot if w is None else min(per_slot, self._window_pages(w))) for w in self.windows
-        ]
-        kinds = ", ".join(
-            f"{n} for {'full attention' if w is None else f'window {w}'}" for n, w in zip(pages, self.windows)
-        )
-        mib = sum(n * size * b for n, b in zip(pages, group_bytes)) / 2**20
-        plan = f"context {context} tokens x {self.batch_size} slots, KV pages of {size} tokens: {kinds} ({mib:.1f} MiB)"
-        return context, pages, plan
+        self.budget.pools[0] = pool
 
     # -- the asyncio / caller side -------------------------------------------------------------------
     def start(self) -> Engine:
@@ -386,14 +375,7 @@ class Engine:
         return {
             "queue_depth": len(self.waiting),
             "running": len(self.running),
-            "kv_pages_total": sum(pool.pages for pool in self.pools),
-            "kv_pages_used": sum(pool.used() for pool in self.pools),
-            "kv_pages_free": sum(len(pool.free) for pool in self.pools),
-            "kv_pages_cached": sum(len(pool.cached) for pool in self.pools),
-            "kv_groups": [
-                {"window": w, "pages_total": pool.pages, "pages_used": pool.used(), "pages_cached": len(pool.cached)}
-                for pool, w in zip(self.pools, self.windows)
-            ],
+            **self.budget.stats(),
             "kv": self.kv_dtype,
             "max_context": self.max_context,
             "batch_size": self.batch_size,
@@ -442,225 +424,56 @@ class Engine:
             if not self._reserve(item, session):
                 return  # wait for pages to come back
             self.waiting.popleft()
-            item.prefix_keys = self.pool.prefix_keys(item.request.client, item.tokens[: item.prompt_len])
+            item.held.prefix_keys = self.budget.prefix_keys(item.request.client, item.tokens[: item.prompt_len])
             item.slot = self.free_slots.pop()
             if session is not None:
                 session.busy = True
             self.running.append(item)
 
-    def _reserve(self, item: _Running, session) -> bool:
+    def _reserve(self, item: _Running, session: Session | None) -> bool:
         """Share what can be reused (a session's pages or cached prefix pages), reserve the rest."""
-        size = self.page_size
-        total = -(-(item.prompt_len + item.request.max_tokens) // size)
-        if session is not None and session.hibernated and not self._restore(session):
+        if session is not None and session.hibernated and not self.session_kv.restore(session):
             return False
         prompt = item.tokens[: item.prompt_len - 1]
-        reuse = common_prefix(session.tokens, prompt) if session is not None and session.pages else 0
-        from_session = [set() for _ in self.pools]
-        if reuse and self._reusable(reuse, lambda g, i: session.pages[g][i] >= 0):
-            shared = self._share([held[: -(-reuse // size)] for held in session.pages])
-            copy = 1 if reuse % size else 0  # the partly filled last page is copied before writing
-            from_session = [set(held) if w is not None else set() for held, w in zip(session.pages, self.windows)]
-        else:
-            if session is not None and session.pages:
-                # none of the session serves this prompt: its pages would only take room until it is replaced
-                self._drop_session_pages(session)
-                session.tokens = []
-            reuse, shared = self._lookup(self.pool.prefix_keys(item.request.client, prompt))
-            copy = 0
-        needs = [total - len(held) + copy for held in shared]
-        for group, (pool, window, held) in enumerate(zip(self.pools, self.windows, shared)):
-            if window is not None:
-                # At most a window's pages are held at once (those behind it go back as it moves), the shared
-                # ones among them. Those only it holds (a session lets go of its windowed pages below) or the
-                # prefix cache besides were available, and are again when the window passes them.
-                alone = [
-                    p for p in held if p >= 0 and pool.refs[p] - (p in from_session[group]) - (p in pool.cache_key) == 1
-                ]
-                needs[group] = min(needs[group], self._window_pages(window) - len(alone))
-        if not self._reserve_pages(needs, session):
-            self._drop(shared)
+        found = self.session_kv.reuse(session, prompt) if session is not None else None
+        lent = session.pages if found is not None else None
+        reuse, shared = found or self.budget.lookup(self.budget.prefix_keys(item.request.client, prompt))
+        # a session's partly filled last page is copied before writing (a cached prefix is whole pages)
+        copy = reuse % self.page_size != 0
+        held = self.budget.reserve(item.prompt_len + item.request.max_tokens, shared, copy, lent, keep=session)
+        if held is None:
             return False
-        if any(from_session):
-            # the session's windowed pages: this request holds those it needs and replaces them when it ends, and a
-            # slot has room for one window's worth only
-            for group, window in enumerate(self.windows):
-                if window is not None:
-                    for page in session.pages[group]:
-                        if page >= 0:
-                            self.pools[group].drop(page)
-                    session.pages[group] = [-1] * len(session.pages[group])
-        item.pages, item.reserved, item.filled, item.cached = shared, needs, reuse, reuse
-        return True
-
-    def _reusable(self, length: int, has: Callable[[int, int], bool]) -> bool:
-        """Whether a row can continue at position ``length`` with the pages ``has(group, index)`` says are
-        held: a full-attention group needs every page before it, a windowed group those under its window."""
-        size = self.page_size
-        for group, window in enumerate(self.windows):
-            first = 0 if window is None else max(0, length - window + 1) // size
-            if not all(has(group, i) for i in range(first, -(-length // size))):
-                return False
-        return True
-
-    def _lookup(self, keys: list[bytes]) -> tuple[int, list[list[int]]]:
-        """The longest cached prefix of whole pages that every group can continue from (a windowed group's pages
-        may be evicted while the full group's stay), and each group's pages of it, shared to the caller."""
-        size = self.page_size
-        count = min((p.cached_prefix(keys) for p, w in zip(self.pools, self.windows) if w is None), default=len(keys))
-        while count and not self._reusable(count * size, lambda g, i: keys[i] in self.pools[g].cached):
-            count -= 1
-        shared = []
-        for pool, window in zip(self.pools, self.windows):
-            first = 0 if window is None else max(0, count * size - window + 1) // size
-            shared.append([-1] * first + pool.lookup(keys[first:count]))
-        return count * size, shared
-
-    def _share(self, pages: list[list[int]]) -> list[list[int]]:
-        """Another reference to each group's pages (-1 stays -1)."""
-        return [[pool.share(p) if p >= 0 else -1 for p in held] for pool, held in zip(self.pools, pages)]
-
-    def _drop(self, pages: list[list[int]]) -> None:
-        for pool, held in zip(self.pools, pages):
-            for page in held:
-                if page >= 0:
-                    pool.drop(page)
-
-    def _reserve_pages(self, needs: list[int], keep) -> bool:
-        """Reserve ``needs[g]`` pages of each group, hibernating or forgetting idle sessions (but ``keep``) for room."""
-        if not self._fits(needs) and not self._make_room(needs, keep):
-            return False
-        for pool, need in zip(self.pools, needs):
-            pool.reserve(need)
-        return True
-
-    def _fits(self, needs: list[int]) -> bool:
-        return all(pool.available() >= need for pool, need in zip(self.pools, needs))
-
-    def _make_room(self, needs: list[int], keep) -> bool:
-        """Hibernate (with a store) or forget idle sessions, least recently used first, until ``needs`` fit."""
-        idle = sorted(
-            (s for s in self.sessions.live.values() if s.pages and not s.busy and s is not keep),
-            key=lambda s: s.last_used,
-        )
-        for session in idle:
-            if self._fits(needs):
-                break
-            self._release_session(session, to_disk=self.sessions.directory is not None)
-        return self._fits(needs)
-
-    def _release_session(self, session, to_disk: bool) -> None:
-        if to_disk:
-            self.sessions.save(session, self._read_session(session))
-        else:
-            session.tokens = []
-        self._drop_session_pages(session)
-
-    def _read_session(self, session) -> list[tuple[list[int], list[np.ndarray]]]:
-        """Per group: the session's page list and the contents of its held pages."""
-        return [
-            (held, self.backend.read_pages(self.kv, [p for p in held if p >= 0], group=group))
-            for group, held in enumerate(session.pages)
-        ]
-
-    def _restore(self, session) -> bool:
-        stored = self.sessions.load(session)
-        if not self._reserve_pages([int(np.count_nonzero(held)) for held, _ in stored], session):
-            return False
-        session.pages = []
-        for group, (pool, (held, contents)) in enumerate(zip(self.pools, stored)):
-            pages = [pool.take() if kept else -1 for kept in held]
-            self.backend.write_pages(self.kv, [p for p in pages if p >= 0], contents, group=group)
-            session.pages.append(pages)
+        if lent is not None:
+            self.session_kv.lend_window(session)
+        item.held, item.filled, item.cached = held, reuse, reuse
         return True
 
     # -- sessions (callable from any thread) ---------------------------------------------------------
     def fork_session(self, source: str, target: str) -> None:
         """``target`` starts as a copy of ``source``, sharing its pages until either writes."""
         with self._state:
-            src, dst = self.sessions.get(source), self.sessions.get(target)
-            if src.hibernated and not self._restore(src):
+            if not self.session_kv.fork(source, target):
                 raise Overloaded("no KV pages free to restore the session being forked", retry_after=1.0)
-            self._drop_session_pages(dst)
-            dst.tokens, dst.pages = list(src.tokens), self._share(src.pages)
 
     def hibernate(self, name: str) -> None:
         with self._state:
-            session = self.sessions.get(name)
-            if session.busy:
-                raise LeatError(f"session {name} is in use")
-            if session.pages:
-                self._release_session(session, to_disk=True)
+            self.session_kv.hibernate(name)
 
     def drop_session(self, name: str) -> None:
         with self._state:
-            session = self.sessions.get(name)
-            if session.busy:
-                raise LeatError(f"session {name} is in use")
-            self._drop_session_pages(session)
-            self.sessions.delete(name)
+            self.session_kv.drop(name)
 
     def list_sessions(self) -> list[dict[str, Any]]:
         with self._state:
-            return [
-                {
-                    "name": s.name,
-                    "tokens": len(s.tokens),
-                    "pages": sum(p >= 0 for held in s.pages for p in held),
-                    "hibernated": s.hibernated,
-                }
-                for s in self.sessions.live.values()
-            ]
-
-    def _drop_session_pages(self, session) -> None:
-        self._drop(session.pages)
-        session.pages = []
-
-    def _pages_for(self, item: _Running, end: int) -> None:
-        """Give ``item`` pages up to position ``end`` (exclusive), copying a shared page before writing, and
-        give back windowed pages that no query from position ``item.filled`` on reads. The backend's page table
-        is written only where the row's pages changed."""
-        size = self.page_size
-        for group, (pool, window, pages) in enumerate(zip(self.pools, self.windows, item.pages)):
-            changed = item.tables_stale
-            if window is not None:
-                # a rejected draft rewinds no further back than item.filled, so these stay unread
-                i = max(0, item.filled - window + 1) // size - 1
-                while i >= 0 and pages[i] >= 0:
-                    pool.remember(item.prefix_keys[i : i + 1], pages[i : i + 1])  # a prompt page stays reusable
-                    item.reserved[group] += pool.give_back(pages[i])
-                    pages[i], changed = -1, True
-                    i -= 1
-            first = item.filled // size
-            if first < len(pages) and pool.refs[pages[first]] > 1:
-                copy = self._take(item, group)
-                self.backend.copy_page(self.kv, pages[first], copy, group=group)
-                item.reserved[group] += pool.give_back(pages[first])
-                pages[first], changed = copy, True
-            while len(pages) * size < end:
-                pages.append(self._take(item, group))
-                changed = True
-            if changed:
-                self.backend.set_pages(self.kv, item.slot, np.asarray(pages, dtype=np.int32), group=group)
-        item.tables_stale = False
-
-    def _take(self, item: _Running, group: int) -> int:
-        if item.reserved[group] <= 0:
-            # a windowed prefix page it counted as its own went on to be shared, so its window's worth of pages
-            # is short by one: reserve another now
-            needs = [int(g == group) for g in range(len(self.pools))]
-            if not self._reserve_pages(needs, None):
-                raise LeatError("KV pages ran out: lower --batch-size or start with --kv-full-windows")
-            item.reserved[group] += 1
-        item.reserved[group] -= 1
-        return self.pools[group].take()
+            return self.session_kv.listing()
 
     def step(self) -> None:
         """One forward pass: every decoding request's next token plus prefill chunks of up to ``prefill_budget``
-        prompt tokens in all (each prompt's chunk at most ``prefill_chunk``). The first prompt in line takes its next chunk; the prompts after it join while
-        their next chunk fits what is left, so short prompts arriving together start together (fewer, larger
-        steps), and a prompt's chunks are the same as when it is alone. Each request with new tokens gets one
-        event; one whose own parts fail (:class:`RequestFault`) ends alone, the others go on."""
+        prompt tokens in all (each prompt's chunk at most ``prefill_chunk``). The first prompt in line takes its
+        next chunk; the prompts after it join while their next chunk fits what is left, so short prompts arriving
+        together start together (fewer, larger steps), and a prompt's chunks are the same as when it is alone. Each
+        request with new tokens gets one event; one whose own parts fail (:class:`RequestFault`) ends alone, the
+        others go on."""
         began = time.perf_counter()  # the step-cost table times whole steps: proposing and verifying cost too
         rows = self._rows()
         if not rows:
@@ -719,7 +532,7 @@ class Engine:
                 except RequestFault as e:
                     self._finish(item, "error", str(e), fault="request")
                     continue
-            self._pages_for(item, end + len(item.draft))
+            self.budget.pages_for(item.held, item.slot, item.filled, end + len(item.draft))
             span = np.asarray(item.tokens[item.filled : end] + item.draft)
             rows.append((item, Row(item.slot, item.filled, span, all_logits=bool(item.draft))))
         return rows
@@ -900,20 +713,6 @@ class Engine:
         item.gained, item.gained_logprobs, item.gained_top = [], [], []
         self._post(item.handle, event)
 
-    def _keep_session(self, item: _Running, reason: str) -> None:
-        session = self.sessions.get(item.request.session)
-        session.busy, session.last_used = False, time.monotonic()
-        if reason == "error":
-            return
-        self._drop_session_pages(session)
-        session.tokens = item.tokens[: item.filled]
-        size, count = self.page_size, -(-item.filled // self.page_size)
-        # a windowed group keeps only what a continuation at item.filled reads
-        behind = [0 if w is None else max(0, item.filled - w + 1) // size for w in self.windows]
-        session.pages = self._share([[-1] * b + held[b:count] for b, held in zip(behind, item.pages)])
-        if self.sessions.directory is not None:
-            self.sessions.save(session, self._read_session(session))
-
     def _usage(self, item: _Running) -> dict[str, int]:
         return {
             "prompt_tokens": item.prompt_len,
@@ -925,15 +724,11 @@ class Engine:
         """End the request: its pages and slot go back, it gets its last event ("error" with ``error``)."""
         self._send_gained(item)
         item.ended = True
-        full = item.filled // self.page_size
-        for pool, pages in zip(self.pools, item.pages):
-            pool.remember(item.prefix_keys[:full], pages[:full])
+        self.budget.remember(item.held, item.filled)
         if item.request.session:
-            self._keep_session(item, reason)
-        self._drop(item.pages)
-        for pool, reserved in zip(self.pools, item.reserved):
-            pool.release(reserved)
-        item.pages, item.reserved = [], []
+            kept = item.tokens[: item.filled]
+            self.session_kv.keep(item.request.session, kept, item.held.pages, failed=reason == "error")
+        self.budget.release(item.held)
         if item.speculation is not None:
             self.speculation.proposer.forget(item.handle.id)
             for key, total in self._finished_speculation.items():

@@ -14,6 +14,7 @@ from leat.backend import Backend
 from leat.batch import Batch, Row
 from leat.errors import BackendUnavailable, LeatError, UnknownArchitecture
 from leat.modelfile import ModelFile
+from leat.options import EngineOptions
 from leat.textstream import TextStream
 
 # Which distribution serves an architecture we know of but that may not be installed.
@@ -28,7 +29,7 @@ KNOWN_ARCHITECTURES = {
     "gpt-oss": "leat-arch-gpt-oss",
     "deepseek2": "leat-arch-deepseek2",
 }
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = EngineOptions.prefill_chunk  # prompt tokens per forward where no engine runs (logits, bench)
 
 
 def architecture_class(file: ModelFile, host: plugins.PluginHost | None = None) -> type[Architecture]:
@@ -200,9 +201,7 @@ class Model:
         from leat.engine import Engine
 
         if session is not None and self._session_engine is None:
-            self._session_engine = Engine(
-                self, batch_size=1, prefill_chunk=PREFILL_CHUNK, speculation=self.speculation
-            ).start()
+            self._session_engine = Engine(self, EngineOptions(batch_size=1), speculation=self.speculation).start()
         limit = min(context or self.context_length, self.context_length)
         if session is not None:
             limit = min(limit, self._session_engine.max_context)
@@ -211,13 +210,8 @@ class Model:
         max_tokens = min(max_tokens, limit - prompt_tokens)
         if session is not None:
             return self._session_engine, max_tokens
-        engine = Engine(
-            self,
-            batch_size=1,
-            max_context=prompt_tokens + max_tokens,
-            prefill_chunk=PREFILL_CHUNK,
-            speculation=self.speculation,
-        )
+        options = EngineOptions(batch_size=1, max_context=prompt_tokens + max_tokens)
+        engine = Engine(self, options, speculation=self.speculation)
         return engine.start(), max_tokens
 
     def _read(self, handle: Any, text: TextStream, timings: Timings) -> Iterator[Token]:

@@ -6,6 +6,8 @@ naming the session reuses the longest common prefix of those tokens and its own 
 multi-turn chat prefills only the new turn. Forking shares every page; the first write into a
 shared page copies it (copy-on-write). With a store directory, an idle session can be written to
 disk and its pages freed ("hibernated"); it is read back when next used, also after a restart.
+:class:`SessionStore` keeps the sessions and their files; :class:`SessionKV` is the engine's side, their pages in
+its :class:`~leat.pages.PageBudget`.
 
 A server with API keys gives each key its own sessions: the engine's name for a key's session is
 ``OWNER.NAME`` (:func:`scoped`), ``OWNER`` 16 hex digits derived from the key. The store is bounded
@@ -21,7 +23,7 @@ import json
 import re
 import time
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from leat.errors import LeatError
+from leat.pages import DevicePages, PageBudget
 
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 MAX_NAME = 128
@@ -185,6 +188,133 @@ class SessionStore:
         self.sizes.pop(name, None)
         if self.directory is not None:
             self._path(name).unlink(missing_ok=True)
+
+
+class SessionKV:
+    """The engine's side of sessions: their pages in a :class:`~leat.pages.PageBudget`, kept when a request on one
+    ends, shared with the next request on it, forked, hibernated to the store and restored from it, and given up,
+    least recently used first, when the budget needs room (it becomes the budget's ``make_room``). Not locked: the
+    engine calls it under its own lock."""
+
+    def __init__(self, store: SessionStore, budget: PageBudget, device: DevicePages):
+        self.store, self.budget, self.device = store, budget, device
+        budget.make_room = self.release_idle
+
+    # -- around a request --------------------------------------------------------------------------------
+    def reuse(self, session: Session, prompt: list[int]) -> tuple[int, list[list[int]]] | None:
+        """How many tokens of ``prompt`` the session's pages serve, and those pages, shared to the caller; None
+        when they serve none (the session's pages are dropped then: they would only take room until it is
+        replaced)."""
+        held = session.pages
+        reuse = common_prefix(session.tokens, prompt) if held else 0
+        if reuse and self.budget.reusable(reuse, lambda g, i: held[g][i] >= 0):
+            return reuse, self.budget.share([pages[: -(-reuse // self.budget.page_size)] for pages in held])
+        if held:
+            self.drop_pages(session)
+            session.tokens = []
+        return None
+
+    def lend_window(self, session: Session) -> None:
+        """A request continuing the session was admitted: it holds the windowed pages it needs and replaces them
+        when it ends, and a slot has room for one window's worth only, so the session lets go of its own."""
+        windows = self.budget.windows
+        self.budget.drop([held if w is not None else [] for held, w in zip(session.pages, windows)])
+        session.pages = [held if w is None else [-1] * len(held) for held, w in zip(session.pages, windows)]
+
+    def keep(self, name: str, tokens: list[int], pages: list[list[int]], failed: bool = False) -> None:
+        """A request on session ``name`` ended: the session is free again and, unless the request ``failed``, holds
+        ``tokens`` (those whose K/V are in ``pages``, the request's) and the pages a continuation reads."""
+        session = self.store.get(name)
+        session.busy, session.last_used = False, time.monotonic()
+        if failed:
+            return
+        self.drop_pages(session)
+        session.tokens = tokens
+        session.pages = self.budget.share_continuation(pages, len(tokens))
+        if self.store.directory is not None:
+            self.store.save(session, self._read(session))
+
+    # -- room ----------------------------------------------------------------------------------------------
+    def release_idle(self, fits: Callable[[], bool], keep: Session | None) -> None:
+        """Hibernate (with a store) or forget idle sessions but ``keep``, least recently used first, until
+        ``fits()``."""
+        idle = sorted(
+            (s for s in self.store.live.values() if s.pages and not s.busy and s is not keep),
+            key=lambda s: s.last_used,
+        )
+        for session in idle:
+            if fits():
+                return
+            self.release(session, to_disk=self.store.directory is not None)
+
+    def release(self, session: Session, to_disk: bool) -> None:
+        """Free the session's pages, its tokens and K/V saved to the store first (``to_disk``) or forgotten."""
+        if to_disk:
+            self.store.save(session, self._read(session))
+        else:
+            session.tokens = []
+        self.drop_pages(session)
+
+    def restore(self, session: Session) -> bool:
+        """Read a hibernated session back into fresh pages; False when they do not fit."""
+        stored = self.store.load(session)
+        pages = self.budget.allocate([held for held, _ in stored], keep=session)
+        if pages is None:
+            return False
+        for group, (held, (_, contents)) in enumerate(zip(pages, stored)):
+            self.device.write_pages([p for p in held if p >= 0], contents, group)
+        session.pages = pages
+        return True
+
+    def drop_pages(self, session: Session) -> None:
+        self.budget.drop(session.pages)
+        session.pages = []
+
+    def _read(self, session: Session) -> list[tuple[list[int], list[np.ndarray]]]:
+        """Per group: the session's page list and the contents of its held pages."""
+        return [
+            (held, self.device.read_pages([p for p in held if p >= 0], group))
+            for group, held in enumerate(session.pages)
+        ]
+
+    # -- by name ---------------------------------------------------------------------------------------------
+    def fork(self, source: str, target: str) -> bool:
+        """``target`` starts as a copy of ``source``, sharing its pages until either writes; False when ``source``
+        is hibernated and its pages do not fit."""
+        src, dst = self.store.get(source), self.store.get(target)
+        if src.hibernated and not self.restore(src):
+            return False
+        self.drop_pages(dst)
+        dst.tokens, dst.pages = list(src.tokens), self.budget.share(src.pages)
+        return True
+
+    def hibernate(self, name: str) -> None:
+        session = self._idle(name)
+        if session.pages:
+            self.release(session, to_disk=True)
+
+    def drop(self, name: str) -> None:
+        session = self._idle(name)
+        self.drop_pages(session)
+        self.store.delete(name)
+
+    def _idle(self, name: str) -> Session:
+        session = self.store.get(name)
+        if session.busy:
+            raise LeatError(f"session {name} is in use")
+        return session
+
+    def listing(self) -> list[dict[str, Any]]:
+        """Each session's name, tokens, pages held and whether it is hibernated."""
+        return [
+            {
+                "name": s.name,
+                "tokens": len(s.tokens),
+                "pages": sum(p >= 0 for held in s.pages for p in held),
+                "hibernated": s.hibernated,
+            }
+            for s in self.store.live.values()
+        ]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

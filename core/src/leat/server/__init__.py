@@ -16,10 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from leat.errors import LeatError
+from leat.options import EngineOptions
 
 
 @dataclass
 class ServeOptions:
+    """What ``leat serve`` was asked for; the engine's options default as :class:`~leat.options.EngineOptions`."""
+
     model: str
     host: str = "127.0.0.1"
     port: int = 8080
@@ -27,13 +30,13 @@ class ServeOptions:
     precision: str = "f32"
     api_key_file: str | None = None
     allow_origins: list[str] = field(default_factory=list)
-    batch_size: int = 8
-    max_context: int | None = None
-    kv: str = "f32"
-    kv_full_windows: bool = False
-    max_queue: int = 64
-    prefill_chunk: int = 512
-    session_store: str | None = None
+    batch_size: int = EngineOptions.batch_size
+    max_context: int | None = EngineOptions.max_context
+    kv: str = EngineOptions.kv
+    kv_full_windows: bool = not EngineOptions.window_pages
+    max_queue: int = EngineOptions.max_queue
+    prefill_chunk: int = EngineOptions.prefill_chunk
+    session_store: str | None = EngineOptions.session_store
     max_sessions: int = 256
     session_ttl: float = 24 * 3600.0
     session_store_mb: int = 1024
@@ -45,6 +48,18 @@ class ServeOptions:
     alias: str | None = None
     tool_parser: str | None = None
     log_level: str = "warning"
+
+    def engine_options(self) -> EngineOptions:
+        """The engine's options these set, the rest at their defaults."""
+        return EngineOptions(
+            batch_size=self.batch_size,
+            max_context=self.max_context,
+            kv=self.kv,
+            window_pages=not self.kv_full_windows,
+            max_queue=self.max_queue,
+            prefill_chunk=self.prefill_chunk,
+            session_store=self.session_store,
+        )
 
 
 def check_bind(host: str, keys: Any) -> None:
@@ -66,17 +81,7 @@ def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tup
     from leat.server.service import Service
     from leat.sessions import StoreLimits
 
-    engine = Engine(
-        model,
-        batch_size=options.batch_size,
-        max_context=options.max_context,
-        kv=options.kv,
-        window_pages=not options.kv_full_windows,
-        max_queue=options.max_queue,
-        prefill_chunk=options.prefill_chunk,
-        session_store=options.session_store,
-        speculation=getattr(model, "speculation", None),
-    )
+    engine = Engine(model, options.engine_options(), speculation=getattr(model, "speculation", None))
     engine.sessions.limits = StoreLimits(options.max_sessions, options.session_ttl, options.session_store_mb << 20)
     engine.sessions.trim_disk()
     backend = model.backend.describe().get("backend", "")
