@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -311,6 +312,13 @@ def doctor(model_name, as_json, plugin_names) -> None:
     "--tool-parser", default=None, help="tool-call format: hermes, llama3, mistral, harmony, gemma, functiongemma"
 )
 @click.option("--log-level", default=ServeOptions.log_level, show_default=True, help="uvicorn log level")
+@click.option(
+    "--api-workers",
+    default=ServeOptions.api_workers,
+    show_default=True,
+    type=click.IntRange(0, 64),
+    help="API processes (HTTP, templates, tokenizing) beside an engine process of its own; 0: one process",
+)
 @backend_option
 @precision_option
 @plugins_option
@@ -325,13 +333,15 @@ def serve(model_name, backend, precision, plugin_names, speculate, draft, **opti
         raise click.BadParameter(f"choose one of {', '.join(PARSERS)}", param_hint="--tool-parser")
     options["allow_origins"] = list(options["allow_origins"])
     opts = ServeOptions(model=model_name, backend=backend, precision=precision, **options)
+    # a function the engine process can run too (--api-workers: it is started afresh, not forked)
+    run_server(opts, functools.partial(_serve_load, model_name, backend, precision, speculate, draft, plugin_names))
 
-    def load():
-        model = _load(model_name, backend, precision)
-        _speculate(model, speculate, draft)
-        return model
 
-    run_server(opts, load)
+def _serve_load(model_name, backend, precision, speculate, draft, plugin_names) -> Any:
+    _select_plugins(plugin_names)
+    model = _load(model_name, backend, precision)
+    _speculate(model, speculate, draft)
+    return model
 
 
 @cli.group()

@@ -463,6 +463,11 @@ class Engine:
         with self._state:
             self.session_kv.drop(name)
 
+    def stale_sessions(self) -> list[str]:
+        """Idle sessions past the store's time or count limits, oldest first (the server drops them)."""
+        with self._state:
+            return self.sessions.stale()
+
     def list_sessions(self) -> list[dict[str, Any]]:
         with self._state:
             return self.session_kv.listing()

@@ -48,6 +48,7 @@ class ServeOptions:
     alias: str | None = None
     tool_parser: str | None = None
     log_level: str = "warning"
+    api_workers: int = 0  # 0: HTTP and the engine in this process; N: an engine process and N API processes
 
     def engine_options(self) -> EngineOptions:
         """The engine's options these set, the rest at their defaults."""
@@ -72,18 +73,25 @@ def check_bind(host: str, keys: Any) -> None:
         )
 
 
-def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tuple[Any, Any]:
-    """The ASGI app and its (started) engine for a loaded ``model``."""
-    from leat.chat import RenderLimits
+def build_engine(options: ServeOptions, model: Any) -> Any:
+    """The engine (not started) for a loaded ``model``, its session store within the options' limits."""
     from leat.engine import Engine
-    from leat.server.app import create_app
-    from leat.server.metrics import Metrics
-    from leat.server.service import Service
     from leat.sessions import StoreLimits
 
     engine = Engine(model, options.engine_options(), speculation=getattr(model, "speculation", None))
     engine.sessions.limits = StoreLimits(options.max_sessions, options.session_ttl, options.session_store_mb << 20)
     engine.sessions.trim_disk()
+    return engine
+
+
+def build_app(options: ServeOptions, model: Any, engine: Any, keys: Any, log: Any = print) -> Any:
+    """The ASGI app over ``engine``: an :class:`~leat.engine.Engine` in this process, or a
+    :class:`~leat.engine_process.RemoteEngine` (``model`` then holds only the file, tokenizer and template)."""
+    from leat.chat import RenderLimits
+    from leat.server.app import create_app
+    from leat.server.metrics import Metrics
+    from leat.server.service import Service
+
     backend = model.backend.describe().get("backend", "")
     receipts = None
     if options.receipts or options.receipt_key:
@@ -93,19 +101,23 @@ def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tup
         receipts = Signer(load_or_create_key(key_path), model.file, backend)
         log(f"leat: signing receipts; public key {public_key_path(key_path)}")
     name = options.alias or Path(model.file.path).stem
-    metrics = Metrics(engine)
     service = Service(
         model,
         engine,
         name,
-        metrics=metrics,
+        metrics=Metrics(engine),
         receipts=receipts,
         tool_parser=options.tool_parser,
         backend_name=backend,
         template_limits=RenderLimits(seconds=options.template_timeout),
     )
-    app = create_app(service, keys, options.host, options.port, options.allow_origins)
-    return app, engine
+    return create_app(service, keys, options.host, options.port, options.allow_origins)
+
+
+def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tuple[Any, Any]:
+    """The ASGI app and its engine (not started), both in this process, for a loaded ``model``."""
+    engine = build_engine(options, model)
+    return build_app(options, model, engine, keys, log), engine
 
 
 def serve(options: ServeOptions, load_model: Any) -> None:
@@ -120,6 +132,10 @@ def serve(options: ServeOptions, load_model: Any) -> None:
             f"`leat keys add NAME --file {options.api_key_file}`"
         )
     check_bind(options.host, keys)
+    where = f"http://{'[' + options.host + ']' if ':' in options.host else options.host}:{options.port}"
+    if options.api_workers > 0:
+        serve_processes(options, load_model, where, keys)
+        return
     model = load_model()
     app, engine = build(options, model, keys)
     # The scheduler thread needs the interpreter lock for ~1 ms of host work between two device steps; the HTTP
@@ -127,7 +143,6 @@ def serve(options: ServeOptions, load_model: Any) -> None:
     # while the device idles (an engine process of its own would remove the contention).
     sys.setswitchinterval(0.0005)
     engine.start()
-    where = f"http://{'[' + options.host + ']' if ':' in options.host else options.host}:{options.port}"
     print(
         f"leat: serving {Path(model.file.path).name} on {where} ({engine.plan}; keys {'on' if keys else 'off'})",
         flush=True,
@@ -145,3 +160,20 @@ def serve(options: ServeOptions, load_model: Any) -> None:
         uvicorn.Server(config).run()
     finally:
         engine.stop()
+
+
+def serve_processes(options: ServeOptions, load_model: Any, where: str, keys: Any) -> None:
+    """``--api-workers N``: the engine in a process of its own, N API frontend processes (leat.server.processes)."""
+    from leat.server.processes import Supervisor
+
+    supervisor = Supervisor(options, load_model, options.api_workers)
+
+    def announce(plan: str) -> None:
+        workers = ", ".join(str(p.pid) for p in supervisor.frontends)
+        print(
+            f"leat: serving {Path(options.model).name} on {where} ({plan}; keys {'on' if keys else 'off'}; "
+            f"engine process {supervisor.engine.pid}, API workers {workers})",
+            flush=True,
+        )
+
+    supervisor.run(announce)

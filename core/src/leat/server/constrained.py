@@ -633,4 +633,6 @@ def processor(service: Any, schema: Any, param: str) -> JSONConstraint:
         trie = service._token_trie = TokenTrie(service.tokenizer, service.model.architecture.vocab_size)
     constraint = JSONConstraint(grammar, trie, service.tokenizer)
     constraint.mask(constraint.state)  # the first step's mask, made here rather than in the engine's step
+    constraint.label = f"{param} constraint"
+    constraint.spec = ("json_schema", schema)  # how an engine in another process rebuilds it (leat.engine_process)
     return constraint

@@ -20,6 +20,7 @@ from typing import Any
 from leat import __version__
 from leat.chat import DEFAULT_LIMITS, RESERVED, RenderLimits
 from leat.engine import GenerationRequest, Overloaded, TooLong
+from leat.engine_process import EngineUnavailable
 from leat.errors import LeatError, TemplateError
 from leat.sampling import SamplingParams
 from leat.server.errors import APIError, bad_request, unsupported
@@ -185,6 +186,7 @@ class Service:
             return logits
 
         apply.label = "logit_bias"  # names it in the error if it fails
+        apply.spec = ("logit_bias", {str(k): float(v) for k, v in table.items()})  # for an engine process
         return [apply]
 
     # -- running ---------------------------------------------------------------------------------------------
@@ -206,6 +208,8 @@ class Service:
             request["processors"] = job.processors
         try:
             handle = self.engine.submit(GenerationRequest(**request))
+        except EngineUnavailable as e:
+            raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
         except LeatError as e:
             if isinstance(e, Overloaded | TooLong):
                 raise
@@ -245,7 +249,7 @@ class Service:
 
     def sweep_sessions(self) -> None:
         """Drop the sessions past the store's idle time or count (see :class:`leat.sessions.StoreLimits`)."""
-        for name in self.engine.sessions.stale():
+        for name in self.engine.stale_sessions():
             try:
                 self.engine.drop_session(name)
             except LeatError:
@@ -409,9 +413,12 @@ class Service:
 
 
 def _failure(event: Any) -> APIError:
-    """The HTTP error for an engine "error" event: 400 when the request's own parts failed, else 500."""
+    """The HTTP error for an engine "error" event: 400 when the request's own parts failed, 503 when the engine
+    process went away (retry), else 500."""
     if event.fault == "request":
         return APIError(400, f"generation failed: {event.error}", type="invalid_request_error")
+    if event.fault == "unavailable":
+        return APIError(503, f"generation failed: {event.error}", type="server_error", code="engine_unavailable")
     return APIError(500, f"generation failed: {event.error}", type="server_error")
 
 

@@ -1,0 +1,158 @@
+"""``leat serve --api-workers N``: the engine in a process of its own, N API frontend processes, a supervisor.
+
+The supervisor (the process ``leat serve`` started) binds the listening socket, starts the engine process (model,
+backend, scheduler: :mod:`leat.engine_process`) and waits until it is ready, then starts N frontends that share
+the socket, each running the Litestar app with a :class:`~leat.engine_process.RemoteEngine`. It restarts any
+that dies: a frontend's requests are cancelled in the engine at its next step; an engine's requests in flight end
+with a 503 in their frontends, which reconnect to the new engine. SIGTERM or Ctrl-C stops them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from leat.errors import LeatError
+
+READY_TIMEOUT = 600.0  # a large model's first load (and its kernels' compilation) on a slow disk
+
+
+class FrontendModel:
+    """What a frontend needs of the model, without its weights: the GGUF's metadata, tokenizer and chat template,
+    and from the engine process its vocabulary size, context and backend."""
+
+    def __init__(self, info: dict[str, Any]):
+        from types import SimpleNamespace
+
+        from leat.chat import ChatTemplate
+        from leat.modelfile import ModelFile
+        from leat.tokenizer import Tokenizer
+
+        self.file = ModelFile(info["path"])
+        self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
+        self.chat_template = ChatTemplate.from_metadata(self.file.metadata)
+        self.architecture = SimpleNamespace(vocab_size=info["vocab_size"])
+        self.context_length = info["context_length"]
+        self.backend = SimpleNamespace(describe=lambda: dict(info["backend"]))
+
+
+def engine_main(options: Any, loader: Any, address: str, authkey: bytes, ready: Any) -> None:
+    """The engine process: load the model, start the engine, serve frontends at ``address``."""
+    from leat.engine_process import serve_engine
+    from leat.server import build_engine
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops it (SIGTERM)
+    try:
+        engine = build_engine(options, loader())
+    except Exception as e:  # noqa: BLE001 - reported by the supervisor as one line
+        ready.send(("failed", f"{type(e).__name__}: {e}" if not isinstance(e, LeatError) else str(e)))
+        return
+    serve_engine(engine, address, authkey, ready=lambda _: ready.send(("ready", engine.plan)))
+
+
+def frontend_main(options: Any, sock: socket.socket, address: str, authkey: bytes) -> None:
+    """A frontend process: the Litestar app on the shared socket, its engine the engine process."""
+    import uvicorn
+
+    from leat.engine_process import RemoteEngine
+    from leat.keys import KeyStore
+    from leat.server import build_app
+
+    engine = RemoteEngine(address, authkey)
+    app = build_app(options, FrontendModel(engine.info), engine, KeyStore(options.api_key_file))
+    config = uvicorn.Config(
+        app,
+        log_level=options.log_level,
+        access_log=options.log_level in ("info", "debug"),
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+class Supervisor:
+    """Starts, watches and restarts the engine process and the frontends."""
+
+    def __init__(self, options: Any, loader: Any, workers: int):
+        self.options, self.loader, self.workers = options, loader, workers
+        self.context = multiprocessing.get_context("spawn")
+        self.folder = tempfile.mkdtemp(prefix="leat-serve-")
+        self.address = str(Path(self.folder) / "engine.sock")
+        self.authkey = os.urandom(32)
+        self.sock = socket.create_server((options.host, options.port), family=_family(options.host), reuse_port=False)
+        self.engine: Any = None
+        self.frontends: list[Any] = []
+        self.stopping = threading.Event()
+
+    def start_engine(self) -> str:
+        """Start the engine process; its plan once it is ready (a LeatError if it fails to load)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.address)
+        receive, send = self.context.Pipe(duplex=False)
+        args = (self.options, self.loader, self.address, self.authkey, send)
+        self.engine = self.context.Process(target=engine_main, args=args, name="leat-engine", daemon=True)
+        self.engine.start()
+        send.close()
+        if not receive.poll(READY_TIMEOUT):
+            raise LeatError(f"the engine process did not get ready within {READY_TIMEOUT:.0f} s")
+        try:
+            state, detail = receive.recv()
+        except EOFError:
+            raise LeatError(f"the engine process exited with {self.engine.exitcode} while loading") from None
+        if state != "ready":
+            raise LeatError(detail)
+        return detail
+
+    def start_frontend(self, i: int) -> Any:
+        args = (self.options, self.sock, self.address, self.authkey)
+        process = self.context.Process(target=frontend_main, args=args, name=f"leat-api-{i}", daemon=True)
+        process.start()
+        return process
+
+    def run(self, announce: Any = print) -> None:
+        plan = self.start_engine()
+        self.frontends = [self.start_frontend(i) for i in range(self.workers)]
+        announce(plan)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stopping.set())
+        try:
+            while not self.stopping.wait(0.2):
+                self.watch()
+        finally:
+            self.stop()
+
+    def watch(self) -> None:
+        if not self.engine.is_alive():
+            print(f"leat: the engine process exited ({self.engine.exitcode}); restarting it", flush=True)
+            self.start_engine()
+        for i, process in enumerate(self.frontends):
+            if not process.is_alive():
+                print(f"leat: API worker {i} exited ({process.exitcode}); restarting it", flush=True)
+                self.frontends[i] = self.start_frontend(i)
+
+    def stop(self) -> None:
+        for process in [*self.frontends, self.engine]:
+            if process is not None and process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + 8
+        for process in [*self.frontends, self.engine]:
+            if process is not None:
+                process.join(max(0.1, deadline - time.monotonic()))
+                if process.is_alive():
+                    process.kill()
+        self.sock.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.address)
+            os.rmdir(self.folder)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET

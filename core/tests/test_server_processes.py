@@ -1,0 +1,169 @@
+"""`leat serve --api-workers 2`: the engine in a process of its own, two API frontend processes, driven by the
+official openai client; a frontend or the engine killed mid-load loses no accepted request without an error
+and every KV page comes back."""
+
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+
+import httpx
+import leat
+import openai
+import pytest
+from leat.server.testing import ServerProcess
+from leat.testing import write_tiny_gguf
+from leat_arch_llama.llama import Llama
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return write_tiny_gguf(Llama, tmp_path_factory.mktemp("procs") / "tiny.gguf", params=Llama.tiny(context=1024))
+
+
+@pytest.fixture(scope="module")
+def expected_text(model_path):
+    model = leat.load(str(model_path), backend="cpu", precision="f32")
+    return "".join(t.text for t in model.generate(PROMPT, max_tokens=24, sampling={"temperature": 0}))
+
+
+@pytest.fixture
+def server(model_path):
+    args = ["--backend", "cpu", "--api-workers", "2", "--batch-size", "4", "--max-queue", "16"]
+    with ServerProcess(model_path, args, timeout=120) as proc:
+        yield proc
+
+
+def pids(server) -> tuple[int, list[int]]:
+    out = server.output()
+    engine = int(re.search(r"engine process (\d+)", out).group(1))
+    workers = [int(p) for p in re.search(r"API workers ([\d, ]+)", out).group(1).split(", ")]
+    return engine, workers
+
+
+def pages_used(server) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return float(re.search(r"^leat_kv_pages_used (\S+)$", text, re.MULTILINE).group(1))
+
+
+def cached_pages(server) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return float(re.search(r"^leat_kv_pages_cached (\S+)$", text, re.MULTILINE).group(1))
+
+
+def complete(client, **extra):
+    return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, **extra)
+
+
+def test_requests_through_separate_processes_equal_the_model(server, expected_text):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    engine_pid, workers = pids(server)
+    assert len(workers) == 2 and engine_pid not in workers
+    whole = complete(client)
+    assert whole.choices[0].text == expected_text
+    assert "".join(c.choices[0].text for c in complete(client, stream=True) if c.choices) == expected_text
+    results = [None] * 8  # many at once, spread over both frontends by the kernel
+
+    def one(i):
+        results[i] = complete(client).choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [expected_text] * 8
+
+
+def _load(server, n, outcomes, max_tokens=900):
+    """``n`` streaming requests on threads; each records "done", "error" (an error answer or an in-band error
+    event) or "dropped" (the connection closed under it)."""
+
+    def one(i):
+        try:
+            with httpx.stream(
+                "POST",
+                server.url + "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": PROMPT,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "ignore_eos": True,
+                },
+                timeout=60,
+            ) as response:
+                if response.status_code != 200:
+                    outcomes[i] = f"error {response.status_code}"
+                    return
+                text = "".join(response.iter_text())
+            outcomes[i] = "done" if "[DONE]" in text and '"error"' not in text else "error in-band"
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError) as e:
+            outcomes[i] = f"dropped {type(e).__name__}"
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _wait_pages_back(server, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if pages_used(server) <= cached_pages(server):
+                return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def test_a_killed_frontend_loses_only_its_own_connections_and_every_page_comes_back(server):
+    _, workers = pids(server)
+    outcomes = [None] * 8
+    threads = _load(server, 8, outcomes)
+    time.sleep(0.5)
+    os.kill(workers[0], signal.SIGKILL)
+    for t in threads:
+        t.join(90)
+    assert all(o is not None for o in outcomes), outcomes  # nothing hangs
+    assert all(o == "done" or o.startswith("dropped") for o in outcomes), outcomes
+    assert "done" in outcomes  # those on the other frontend finished
+    assert _wait_pages_back(server), "KV pages of the killed frontend's requests did not come back"
+    # the supervisor restarts the frontend: requests succeed again on every connection
+    time.sleep(3)
+    again = [None] * 4
+    for t in _load(server, 4, again, max_tokens=8):
+        t.join(60)
+    assert again == ["done"] * 4, again
+
+
+def test_a_killed_engine_ends_requests_in_flight_with_an_error_and_comes_back(server):
+    engine_pid, _ = pids(server)
+    outcomes = [None] * 6
+    threads = _load(server, 6, outcomes)
+    time.sleep(0.5)
+    os.kill(engine_pid, signal.SIGKILL)
+    for t in threads:
+        t.join(90)
+    assert all(o is not None for o in outcomes), outcomes  # never a hang
+    assert all(o == "done" or o.startswith("error") for o in outcomes), outcomes  # an answer, never a dropped line
+    assert any(o.startswith("error") for o in outcomes), outcomes
+    deadline = time.monotonic() + 60  # the supervisor restarts the engine; the frontends reconnect
+    while True:
+        again = [None]
+        for t in _load(server, 1, again, max_tokens=8):
+            t.join(60)
+        if again == ["done"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert again == ["done"], again
+    assert pages_used(server) <= cached_pages(server)
