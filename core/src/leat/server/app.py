@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 from litestar import Litestar, Request, Response, delete, get, post
+from litestar.background_tasks import BackgroundTask
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import OpenAPIMediaType, Reference, RequestBody
@@ -36,7 +37,7 @@ from leat.server.schemas import (
     TokenizeRequest,
 )
 from leat.server.security import Guard
-from leat.server.service import Service
+from leat.server.service import Job, Service
 from leat.server.workers import Workers
 
 log = logging.getLogger("leat.server")
@@ -45,6 +46,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_BODY = 32 << 20
 MAX_DEPTH = 64  # of JSON arrays and objects in a body
 SWEEP_SECONDS = 1.0  # between checks of the session store's limits
+CLIENT_GONE = 499  # the status a request whose client went away is counted under (nginx's "client closed request")
 BODIES = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
@@ -128,24 +130,50 @@ def _error_response(request: Request, exc: Exception) -> Response:
     return _json(body, error.status, error.headers or None)
 
 
-async def _guarded(stream: AsyncIterator[bytes], anthropic: bool = False) -> AsyncIterator[bytes]:
-    """An SSE stream that ends with an error event instead of a dropped connection when something fails."""
+def _stream(service: Service, job: Job, handle: Any, content: AsyncIterator[bytes], anthropic: bool = False) -> Stream:
+    """``content`` as an SSE response that ends with an error event instead of a dropped connection when something
+    fails, and whose engine request ends with it, however it ends: sent whole, failed, or its client gone (Litestar's
+    listener then cancels the sender)."""
+
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in content:
+                yield chunk
+        except Exception as e:  # the 200 is already sent: report in-band
+            error = as_api_error(e)
+            if error.status >= 500 and not isinstance(e, APIError):
+                log.exception("streamed request failed", exc_info=e)
+            if anthropic:
+                yield openai_api.sse(error.anthropic_body(), "error")
+            else:
+                yield openai_api.sse(error.body())
+                yield b"data: [DONE]\n\n"
+        finally:
+            service.abandon(job, handle)  # a no-op for a request that has ended
+            await content.aclose()  # the inner generators' clean-up runs now, not when they are garbage-collected
+
+    async def close() -> None:
+        # After the response, however it ended. The sender may have been cancelled before it first pulled the
+        # generator (the client gone before the stream began) or while it waited on a slow socket (the generator
+        # held at a yield): then nothing else would end the request, or close the generator, but garbage collection.
+        service.abandon(job, handle)
+        await body.aclose()
+
+    body = guarded()
+    return Stream(
+        body, media_type="text/event-stream", headers=SSE_HEADERS, status_code=200, background=BackgroundTask(close)
+    )
+
+
+async def _disconnected(receive: Callable) -> None:
+    """Return once the ASGI server reports that the client has gone (``http.disconnect``); the handler has read the
+    whole body by then, so nothing else is waiting on ``receive``."""
     try:
-        async for chunk in stream:
-            yield chunk
-    except Exception as e:  # the 200 is already sent: report in-band
-        error = as_api_error(e)
-        if error.status >= 500 and not isinstance(e, APIError):
-            log.exception("streamed request failed", exc_info=e)
-        if anthropic:
-            yield openai_api.sse(error.anthropic_body(), "error")
-        else:
-            yield openai_api.sse(error.body())
-            yield b"data: [DONE]\n\n"
-
-
-def _stream(content: AsyncIterator[bytes], anthropic: bool = False) -> Stream:
-    return Stream(_guarded(content, anthropic), media_type="text/event-stream", headers=SSE_HEADERS, status_code=200)
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # cannot tell: the request runs to its end, as it would without this watch
+        log.exception("watching for a client disconnect failed")
+        await asyncio.Event().wait()
 
 
 def create_app(
@@ -167,6 +195,24 @@ def create_app(
             return body, make(service, body, owner)
 
         return await workers.run(work)
+
+    async def finish(request: Request, job: Job, handle: Any) -> None:
+        """Run ``job`` to its end (``job.result``), unless the client goes away first: then its engine request is
+        cancelled at once, so the engine frees its slot and KV pages at its next step, and the answer is a 499 that
+        only the metrics see."""
+        run = asyncio.ensure_future(service.run(job, handle))
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            done, _ = await asyncio.wait((run, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not run.done():  # the client went away, or this handler was cancelled
+                service.abandon(job, handle)
+                run.cancel()
+        if run not in done:
+            await asyncio.wait((run,))  # its clean-up done
+            raise APIError(CLIENT_GONE, "the client closed the connection before the answer was ready")
+        run.result()
 
     @get("/health", sync_to_thread=False)
     def health() -> Response:
@@ -216,8 +262,8 @@ def create_app(
         handle = service.submit(job)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(openai_api.chat_stream(service, job, handle, include))
-        await service.run(job, handle)
+            return _stream(service, job, handle, openai_api.chat_stream(service, job, handle, include))
+        await finish(request, job, handle)
         return _json(_signed(job, openai_api.chat_body(service, job)))
 
     @post("/v1/completions", status_code=200)
@@ -226,8 +272,8 @@ def create_app(
         handle = service.submit(job)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(openai_api.completion_stream(service, job, handle, echo, include))
-        await service.run(job, handle)
+            return _stream(service, job, handle, openai_api.completion_stream(service, job, handle, echo, include))
+        await finish(request, job, handle)
         return _json(_signed(job, openai_api.completion_body(service, job, echo)))
 
     @post("/v1/messages", status_code=200)
@@ -235,8 +281,8 @@ def create_app(
         body, job = await prepare(request, MessagesRequest, anthropic_api.messages_job)
         handle = service.submit(job)
         if body.stream:
-            return _stream(anthropic_api.messages_stream(service, job, handle), anthropic=True)
-        await service.run(job, handle)
+            return _stream(service, job, handle, anthropic_api.messages_stream(service, job, handle), anthropic=True)
+        await finish(request, job, handle)
         return _json(_signed(job, anthropic_api.messages_body(service, job)))
 
     @post("/v1/messages/count_tokens", status_code=200)
@@ -251,8 +297,8 @@ def create_app(
         body, (job, echo) = await prepare(request, ResponsesRequest, responses_api.responses_job)
         handle = service.submit(job)
         if body.stream:
-            return _stream(responses_api.responses_stream(service, job, handle, echo))
-        await service.run(job, handle)
+            return _stream(service, job, handle, responses_api.responses_stream(service, job, handle, echo))
+        await finish(request, job, handle)
         return _json(_signed(job, responses_api.response_body(service, job, echo)))
 
     @post("/tokenize", status_code=200)
@@ -304,6 +350,8 @@ def create_app(
             await asyncio.sleep(SWEEP_SECONDS)
             try:
                 await workers.run(service.sweep_sessions)
+            except LeatError as e:  # e.g. the engine process restarting or stopping: the next sweep tries again
+                log.warning("dropping stale sessions failed: %s", e)
             except Exception:  # logged; the next sweep tries again
                 log.exception("dropping stale sessions failed")
 

@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -50,6 +51,7 @@ def engine_main(options: Any, loader: Any, address: str, authkey: bytes, ready: 
     from leat.server import build_engine
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops it (SIGTERM)
+    sys.setswitchinterval(0.0005)  # the scheduler gets the lock back quickly from the frontend links' threads
     try:
         engine = build_engine(options, loader())
     except Exception as e:  # noqa: BLE001 - reported by the supervisor as one line
@@ -88,6 +90,9 @@ class Supervisor:
         self.address = str(Path(self.folder) / "engine.sock")
         self.authkey = os.urandom(32)
         self.sock = socket.create_server((options.host, options.port), family=_family(options.host), reuse_port=False)
+        # accepted connections inherit it; asyncio sets it only on sockets it made, so without it Nagle's algorithm
+        # and delayed acknowledgements hold each response ~40 ms
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.engine: Any = None
         self.frontends: list[Any] = []
         self.stopping = threading.Event()

@@ -92,6 +92,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     result: Result = field(default_factory=Result)
     started: float = field(default_factory=time.perf_counter)
+    settled: bool = False  # counted in the metrics as finished or cancelled
 
 
 class Service:
@@ -279,11 +280,22 @@ class Service:
                 break
         finally:
             if not finished:
-                handle.cancel()
+                self.abandon(job, handle)
+            elif not job.settled:
+                job.settled = True
                 if self.metrics:
-                    self.metrics.cancelled(job.endpoint)
-            elif self.metrics:
-                self.metrics.finished(job.endpoint, job.result, time.perf_counter() - job.started)
+                    self.metrics.finished(job.endpoint, job.result, time.perf_counter() - job.started)
+
+    def abandon(self, job: Job, handle: Any) -> None:
+        """Cancel ``job``'s engine request (its client is gone, or its answer was cut short): the engine frees its
+        slot and KV pages at its next step, and it is counted as cancelled. Does nothing for a request that has
+        ended or been abandoned before (no message to an engine process, no second count)."""
+        if job.settled:
+            return
+        job.settled = True
+        handle.cancel()
+        if self.metrics:
+            self.metrics.cancelled(job.endpoint)
 
     async def run(self, job: Job, handle: Any) -> Result:
         async for _ in self.stream(job, handle):
