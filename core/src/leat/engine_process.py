@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import itertools
 import socket
 import threading
@@ -104,8 +105,12 @@ def describe(engine: Engine) -> dict[str, Any]:
 
 
 def build_processor(spec: tuple[str, Any, str], model: Any) -> Callable[[np.ndarray, Any], np.ndarray]:
-    """A logits processor from its spec, in the engine process: ``("logit_bias", {id: bias})`` or
-    ``("json_schema", schema)`` (the server checked the schema when the request arrived)."""
+    """A logits processor from its spec ``(kind, payload, label)``, in the engine process.
+
+    ``kind`` is ``"logit_bias"`` (payload ``{token id: bias}``, built in) or a lazy ``"module:function"`` reference:
+    the engine process imports it and calls ``function(payload, model)`` for the processor (e.g. the server's
+    JSON-schema constraint, ``"leat_server.constrained:rebuild"``; the frontend checked the payload already). Core
+    names no such module itself, so it never imports the frontend's code or its dependencies."""
     kind, payload, label = spec
     if kind == "logit_bias":
         ids = [int(k) for k in payload]
@@ -116,15 +121,17 @@ def build_processor(spec: tuple[str, Any, str], model: Any) -> Callable[[np.ndar
             return logits
 
         processor: Any = apply
-    elif kind == "json_schema":
-        from leat.server.constrained import JSONConstraint, TokenTrie, compile_schema
-
-        trie = getattr(model, "_token_trie", None)
-        if trie is None:
-            trie = model._token_trie = TokenTrie(model.tokenizer, model.architecture.vocab_size)
-        processor = JSONConstraint(compile_schema(payload), trie, model.tokenizer)
+    elif ":" in kind:
+        module_name, _, attr = kind.partition(":")
+        try:
+            function = importlib.import_module(module_name)
+            for part in attr.split("."):
+                function = getattr(function, part)
+        except Exception as e:
+            raise LeatError(f"processor kind {kind!r}: cannot import it ({type(e).__name__}: {e})") from e
+        processor = function(payload, model)
     else:
-        raise LeatError(f"unknown processor kind {kind!r}")
+        raise LeatError(f"unknown processor kind {kind!r} (not 'logit_bias' nor a 'module:function' reference)")
     processor.label = label
     return processor
 

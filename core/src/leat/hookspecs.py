@@ -85,3 +85,22 @@ def register_proposers(register: Callable[..., None]) -> None:
 
     The return value is ignored. Registering a name twice is an error naming both plugins.
     """
+
+
+@hookspec
+def register_commands(register: Callable[..., None]) -> None:
+    """Register subcommands of the ``leat`` command line (e.g. leat-server's ``serve``).
+
+    Called once per ``leat`` invocation, when the command line looks a subcommand up or lists its
+    subcommands (``leat --help``, ``leat NAME``). Unlike the other hooks it is asked of every
+    installed plugin, whatever ``LEAT_PLUGINS`` / ``--plugins`` select, so that a command is there
+    whichever plugins it then loads.
+
+    :param register: call ``register(name, ref)`` once per command. ``name`` is the subcommand
+        (``leat NAME``). ``ref`` is a ``"module:attribute"`` string naming a :class:`click.Command`
+        (or :class:`click.Group`); it is imported only when that command runs or the help lists
+        it, so ``leat`` starts without importing the plugin's dependencies for other commands.
+
+    The return value is ignored. Registering a name that another plugin registered is an error
+    naming both plugins; leat's own commands (``run``, ``generate``, ...) cannot be replaced.
+    """

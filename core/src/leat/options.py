@@ -1,5 +1,5 @@
 """The engine's options and their defaults, defined once: :class:`~leat.engine.Engine`, ``leat serve``
-(:class:`leat.server.ServeOptions`) and the CLI's flags take theirs from :class:`EngineOptions`.
+(:class:`leat_server.ServeOptions`) and the CLI's flags take theirs from :class:`EngineOptions`.
 
 This module imports nothing heavy, so the CLI can read the defaults before it loads anything.
 """

@@ -21,7 +21,7 @@ from leat import hookspecs
 from leat.errors import PluginError
 
 ENTRY_POINT_GROUP = "leat"
-KINDS = ("backends", "architectures", "samplers", "proposers")
+KINDS = ("backends", "architectures", "samplers", "proposers", "commands")
 
 
 @dataclass
@@ -65,8 +65,14 @@ def selection_from_env() -> list[str] | None:
 class PluginHost:
     """Loads plugins and holds what they registered, by kind and name."""
 
-    def __init__(self, only: list[str] | None = None, extra: dict[str, ModuleType] | None = None):
+    def __init__(
+        self,
+        only: list[str] | None = None,
+        extra: dict[str, ModuleType] | None = None,
+        kinds: tuple[str, ...] = KINDS,
+    ):
         self.only = only
+        self.kinds = kinds
         self.manager = pluggy.PluginManager("leat")
         self.manager.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}
@@ -101,7 +107,7 @@ class PluginHost:
         self.plugins[name] = PluginInfo(name, version, module.__name__)
 
     def _collect(self) -> None:
-        for kind in KINDS:
+        for kind in self.kinds:
             hook = getattr(self.manager.hook, f"register_{kind}")
             for impl in hook.get_hookimpls():
                 impl.function(register=self._registrar(kind, impl.plugin_name))
@@ -129,6 +135,7 @@ class PluginHost:
 
 
 _host: PluginHost | None = None
+_commands: PluginHost | None = None
 
 
 def host() -> PluginHost:
@@ -144,3 +151,12 @@ def use(only: list[str] | None) -> PluginHost:
     global _host
     _host = PluginHost(only)
     return _host
+
+
+def commands() -> dict[str, Registered]:
+    """The ``leat`` subcommands plugins register, from every installed plugin (whatever ``LEAT_PLUGINS`` selects:
+    a command such as ``serve`` chooses its plugins itself); only the ``register_commands`` hook is asked."""
+    global _commands
+    if _commands is None:
+        _commands = PluginHost(None, kinds=("commands",))
+    return _commands.registry["commands"]

@@ -13,9 +13,9 @@ import httpx
 import leat
 import openai
 import pytest
-from leat.server.testing import ServerProcess
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
+from leat_server.testing import ServerProcess
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 

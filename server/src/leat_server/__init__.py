@@ -1,11 +1,11 @@
 """``leat serve``: an OpenAI- and Anthropic-compatible HTTP server (Litestar under uvicorn) on the engine.
 
-Modules: :mod:`~leat.server.app` (routes), :mod:`~leat.server.schemas` (msgspec request bodies),
-:mod:`~leat.server.service` (prompts, jobs, output streams), :mod:`~leat.server.openai_api`,
-:mod:`~leat.server.anthropic_api`, :mod:`~leat.server.responses_api` (each API's shapes),
-:mod:`~leat.server.toolcalls` (tool-call and reasoning parsers), :mod:`~leat.server.constrained`
-(JSON-schema constrained decoding), :mod:`~leat.server.security` (Host/Origin checks, API keys),
-:mod:`~leat.server.metrics` (Prometheus). The endpoints and fields are documented in docs/api.md.
+Modules: :mod:`~leat_server.app` (routes), :mod:`~leat_server.schemas` (msgspec request bodies),
+:mod:`~leat_server.service` (prompts, jobs, output streams), :mod:`~leat_server.openai_api`,
+:mod:`~leat_server.anthropic_api`, :mod:`~leat_server.responses_api` (each API's shapes),
+:mod:`~leat_server.toolcalls` (tool-call and reasoning parsers), :mod:`~leat_server.constrained`
+(JSON-schema constrained decoding), :mod:`~leat_server.security` (Host/Origin checks, API keys),
+:mod:`~leat_server.metrics` (Prometheus). The endpoints and fields are documented in docs/api.md.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class ServeOptions:
 
 
 def check_bind(host: str, keys: Any) -> None:
-    from leat.server.security import is_loopback
+    from leat_server.security import is_loopback
 
     if not is_loopback(host) and not keys:
         raise LeatError(
@@ -88,14 +88,15 @@ def build_app(options: ServeOptions, model: Any, engine: Any, keys: Any, log: An
     """The ASGI app over ``engine``: an :class:`~leat.engine.Engine` in this process, or a
     :class:`~leat.engine_process.RemoteEngine` (``model`` then holds only the file, tokenizer and template)."""
     from leat.chat import RenderLimits
-    from leat.server.app import create_app
-    from leat.server.metrics import Metrics
-    from leat.server.service import Service
+
+    from leat_server.app import create_app
+    from leat_server.metrics import Metrics
+    from leat_server.service import Service
 
     backend = model.backend.describe().get("backend", "")
     receipts = None
     if options.receipts or options.receipt_key:
-        from leat.receipts import Signer, default_key_path, load_or_create_key, public_key_path
+        from leat_server.receipts import Signer, default_key_path, load_or_create_key, public_key_path
 
         key_path = Path(options.receipt_key).expanduser() if options.receipt_key else default_key_path()
         receipts = Signer(load_or_create_key(key_path), model.file, backend)
@@ -122,7 +123,6 @@ def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tup
 
 def serve(options: ServeOptions, load_model: Any) -> None:
     import uvicorn
-
     from leat.keys import KeyStore
 
     keys = KeyStore(options.api_key_file)
@@ -163,8 +163,8 @@ def serve(options: ServeOptions, load_model: Any) -> None:
 
 
 def serve_processes(options: ServeOptions, load_model: Any, where: str, keys: Any) -> None:
-    """``--api-workers N``: the engine in a process of its own, N API frontend processes (leat.server.processes)."""
-    from leat.server.processes import Supervisor
+    """``--api-workers N``: the engine in a process of its own, N API frontend processes (leat_server.processes)."""
+    from leat_server.processes import Supervisor
 
     supervisor = Supervisor(options, load_model, options.api_workers)
 

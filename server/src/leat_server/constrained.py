@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from leat.server.errors import APIError
+from leat_server.errors import APIError
 
 Element = Any  # int (a rule) | tuple (a terminal: ("lit", c) | ("set", chars) | ("not", chars) | ("range", a, b))
 Stack = tuple  # of (rule, alternative, position) frames; the top frame's element is a terminal
@@ -634,5 +634,17 @@ def processor(service: Any, schema: Any, param: str) -> JSONConstraint:
     constraint = JSONConstraint(grammar, trie, service.tokenizer)
     constraint.mask(constraint.state)  # the first step's mask, made here rather than in the engine's step
     constraint.label = f"{param} constraint"
-    constraint.spec = ("json_schema", schema)  # how an engine in another process rebuilds it (leat.engine_process)
+    constraint.spec = (
+        f"{__name__}:rebuild",
+        schema,
+    )  # how an engine in another process rebuilds it (leat.engine_process)
     return constraint
+
+
+def rebuild(schema: Any, model: Any) -> JSONConstraint:
+    """The constraint :func:`processor` made, rebuilt in an engine process from its spec's payload (the schema,
+    already checked): ``leat.engine_process.build_processor`` imports and calls this."""
+    trie = getattr(model, "_token_trie", None)
+    if trie is None:
+        trie = model._token_trie = TokenTrie(model.tokenizer, model.architecture.vocab_size)
+    return JSONConstraint(compile_schema(schema), trie, model.tokenizer)

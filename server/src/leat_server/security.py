@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from leat.server.errors import APIError
+from leat_server.errors import APIError
 
 OPEN_PATHS = {"/health"}
 COUNTED_PATHS = {

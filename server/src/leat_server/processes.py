@@ -48,7 +48,8 @@ class FrontendModel:
 def engine_main(options: Any, loader: Any, address: str, authkey: bytes, ready: Any) -> None:
     """The engine process: load the model, start the engine, serve frontends at ``address``."""
     from leat.engine_process import serve_engine
-    from leat.server import build_engine
+
+    from leat_server import build_engine
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops it (SIGTERM)
     sys.setswitchinterval(0.0005)  # the scheduler gets the lock back quickly from the frontend links' threads
@@ -63,10 +64,10 @@ def engine_main(options: Any, loader: Any, address: str, authkey: bytes, ready: 
 def frontend_main(options: Any, sock: socket.socket, address: str, authkey: bytes) -> None:
     """A frontend process: the Litestar app on the shared socket, its engine the engine process."""
     import uvicorn
-
     from leat.engine_process import RemoteEngine
     from leat.keys import KeyStore
-    from leat.server import build_app
+
+    from leat_server import build_app
 
     engine = RemoteEngine(address, authkey)
     app = build_app(options, FrontendModel(engine.info), engine, KeyStore(options.api_key_file))

@@ -14,9 +14,9 @@ import time
 
 import httpx
 import pytest
-from leat.server.testing import ServerProcess
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
+from leat_server.testing import ServerProcess
 
 CONTEXT = 2048
 LONG = 1900  # tokens a request would generate if nobody cancelled it: many more steps than a cancel may take

@@ -17,11 +17,11 @@ import pytest
 from leat.engine import Overloaded
 from leat.keys import KeyStore
 from leat.model import load
-from leat.server import ServeOptions, build
-from leat.server.service import Job
-from leat.server.testing import ServerProcess
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
+from leat_server import ServeOptions, build
+from leat_server.service import Job
+from leat_server.testing import ServerProcess
 
 # Branches a client reaches by what it writes: two loops of 10^10 steps, a macro doubling its argument at every
 # level, a 10 GB string.

@@ -6,9 +6,9 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from leat.server import constrained
-from leat.server.errors import APIError, bad_request, unsupported
-from leat.server.schemas import (
+from leat_server import constrained
+from leat_server.errors import APIError, bad_request, unsupported
+from leat_server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -20,7 +20,7 @@ from leat.server.schemas import (
     Sampling,
     TextPart,
 )
-from leat.server.service import Job, Service, TokenLogprob
+from leat_server.service import Job, Service, TokenLogprob
 
 MAX_STOPS = 16
 

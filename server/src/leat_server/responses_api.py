@@ -13,9 +13,9 @@ from typing import Any
 
 import msgspec
 
-from leat.server.errors import bad_request, from_msgspec, unsupported
-from leat.server.openai_api import format_constraint, plan_tools, sse, tool_constraint
-from leat.server.schemas import (
+from leat_server.errors import bad_request, from_msgspec, unsupported
+from leat_server.openai_api import format_constraint, plan_tools, sse, tool_constraint
+from leat_server.schemas import (
     ResponsesRequest,
     RFunctionCall,
     RFunctionCallOutput,
@@ -28,7 +28,7 @@ from leat.server.schemas import (
     RReasoning,
     RRefusal,
 )
-from leat.server.service import Job, Service
+from leat_server.service import Job, Service
 
 
 def _item_id(prefix: str) -> str:

@@ -13,9 +13,9 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from leat.keys import KeyStore
-from leat.server.testing import ServerProcess
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
+from leat_server.testing import ServerProcess
 
 BUDGET = 60.0  # seconds of fuzzing, shared out evenly between operations and generation modes
 EXAMPLES = 150  # the most cases per operation and mode

@@ -1,7 +1,7 @@
 """The Litestar application: routes, error mapping, and the guard in front of them.
 
 Every handler does its blocking work (decoding, templates, tokenizing, constraints, session calls) on
-:class:`~leat.server.workers.Workers` threads, never on the event loop. The OpenAPI schema is Litestar's,
+:class:`~leat_server.workers.Workers` threads, never on the event loop. The OpenAPI schema is Litestar's,
 with each POST body's schema generated from its msgspec struct; it is served at ``/openapi.json`` and
 under ``/schema``.
 """
@@ -15,6 +15,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
+from leat import __version__
+from leat.engine import Overloaded, TooLong
+from leat.errors import LeatError
 from litestar import Litestar, Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.exceptions import HTTPException
@@ -23,12 +26,9 @@ from litestar.openapi.spec import OpenAPIMediaType, Reference, RequestBody
 from litestar.params import FromPath
 from litestar.response import Stream
 
-from leat import __version__
-from leat.engine import Overloaded, TooLong
-from leat.errors import LeatError
-from leat.server import anthropic_api, openai_api, responses_api
-from leat.server.errors import APIError, bad_request, from_msgspec
-from leat.server.schemas import (
+from leat_server import anthropic_api, openai_api, responses_api
+from leat_server.errors import APIError, bad_request, from_msgspec
+from leat_server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -36,11 +36,11 @@ from leat.server.schemas import (
     ResponsesRequest,
     TokenizeRequest,
 )
-from leat.server.security import Guard
-from leat.server.service import Job, Service
-from leat.server.workers import Workers
+from leat_server.security import Guard
+from leat_server.service import Job, Service
+from leat_server.workers import Workers
 
-log = logging.getLogger("leat.server")
+log = logging.getLogger("leat_server")
 JSON = "application/json"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_BODY = 32 << 20

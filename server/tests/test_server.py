@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 from leat.keys import KeyStore
-from leat.server.testing import ServerProcess
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
+from leat_server.testing import ServerProcess
 
 MODEL = "tiny"
 ALLOWED_ORIGIN = "http://app.example:3000"
@@ -291,7 +291,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 def test_engine_offers_constrained_decoding():
-    from leat.server.service import ENGINE_FIELDS
+    from leat_server.service import ENGINE_FIELDS
 
     assert "processors" in ENGINE_FIELDS  # forced tool calls and response_format rely on it
 

@@ -9,10 +9,10 @@ import msgspec
 import pytest
 from leat.errors import LeatError
 from leat.keys import KeyStore
-from leat.receipts import Signer, body_hash, load_or_create_key, load_public_key, public_key_path, verify
-from leat.server.errors import from_msgspec
-from leat.server.schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
-from leat.server.toolcalls import build_parser, choose_parser
+from leat_server.errors import from_msgspec
+from leat_server.receipts import Signer, body_hash, load_or_create_key, load_public_key, public_key_path, verify
+from leat_server.schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
+from leat_server.toolcalls import build_parser, choose_parser
 
 
 def run(parser, text: str, step: int) -> list[tuple[str, str]]:
@@ -212,7 +212,7 @@ SCHEMA = {
 
 
 def test_schema_grammar_accepts_exactly_the_matching_json():
-    from leat.server.constrained import UnsupportedSchema, compile_schema
+    from leat_server.constrained import UnsupportedSchema, compile_schema
 
     g = compile_schema(SCHEMA)
     good = [
@@ -254,9 +254,9 @@ def test_constrained_sampling_makes_a_random_model_write_valid_json(tmp_path):
     from leat.batch import Batch, Row
     from leat.model import load
     from leat.sampling import Sampler, SamplingParams
-    from leat.server.constrained import JSONConstraint, TokenTrie, compile_schema
     from leat.testing import write_tiny_gguf
     from leat_arch_llama.llama import Llama
+    from leat_server.constrained import JSONConstraint, TokenTrie, compile_schema
 
     model = load(str(write_tiny_gguf(Llama, tmp_path / "tiny.gguf")), backend="cpu")
     trie = TokenTrie(model.tokenizer, model.architecture.vocab_size)

@@ -23,8 +23,11 @@ from leat.engine import GenerationRequest, Overloaded, TooLong
 from leat.engine_process import EngineUnavailable
 from leat.errors import LeatError, TemplateError
 from leat.sampling import SamplingParams
-from leat.server.errors import APIError, bad_request, unsupported
-from leat.server.toolcalls import (
+from leat.sessions import scoped, unscoped
+from leat.textstream import TextStream
+
+from leat_server.errors import APIError, bad_request, unsupported
+from leat_server.toolcalls import (
     Delta,
     OutputParser,
     ReasoningSplitter,
@@ -34,8 +37,6 @@ from leat.server.toolcalls import (
     has_reasoning,
     json_calls,
 )
-from leat.sessions import scoped, unscoped
-from leat.textstream import TextStream
 
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(GenerationRequest)}
 

@@ -12,10 +12,10 @@ import httpx
 import leat
 import openai
 import pytest
-from leat.server import ServeOptions, build
-from leat.server.service import Service
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
+from leat_server import ServeOptions, build
+from leat_server.service import Service
 
 POISON = "13"  # the logit_bias key that gets the failing processor
 

@@ -8,10 +8,10 @@ from typing import Any
 
 from msgspec import Struct
 
-from leat.server import constrained
-from leat.server.errors import bad_request, unsupported
-from leat.server.openai_api import plan_tools, sse, template_tools, tool_constraint
-from leat.server.schemas import (
+from leat_server import constrained
+from leat_server.errors import bad_request, unsupported
+from leat_server.openai_api import plan_tools, sse, template_tools, tool_constraint
+from leat_server.schemas import (
     AMessage,
     ARedactedThinking,
     AText,
@@ -23,7 +23,7 @@ from leat.server.schemas import (
     AToolUse,
     MessagesRequest,
 )
-from leat.server.service import Job, Service
+from leat_server.service import Job, Service
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "cancelled": "end_turn"}
 

@@ -9,9 +9,9 @@ import sys
 import httpx
 import openai
 import pytest
-from leat.server.testing import ServerProcess
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
+from leat_server.testing import ServerProcess
 
 
 def test_remote_bind_without_keys_is_refused(tmp_path):
