@@ -29,7 +29,7 @@ def test_core_imports_no_server_dependency():
         "out = io.StringIO()\n"
         "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
         "    leat.cli.cli.main(['--help'], prog_name='leat')\n"
-        f"assert ('serve' in out.getvalue()) == {HAS_SERVER}, out.getvalue()\n"
+        f"assert (chr(10) + '  serve ' in out.getvalue()) == {HAS_SERVER}, out.getvalue()\n"
         f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {SERVER_ONLY!r})))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
