@@ -81,6 +81,20 @@ def test_requests_through_separate_processes_equal_the_model(server, expected_te
     assert results == [expected_text] * 8
 
 
+def test_the_anthropic_client_through_separate_processes(server):
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    hello = [{"role": "user", "content": "Hello"}]
+    greedy = {"temperature": 0}  # newer clients no longer offer it as an argument; the API still takes it
+    whole = claude.messages.create(model="tiny", max_tokens=10, messages=hello, extra_body=greedy)
+    assert whole.content[0].type == "text" and whole.stop_reason in ("max_tokens", "end_turn")
+    with claude.messages.stream(model="tiny", max_tokens=10, messages=hello, extra_body=greedy) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text and final.usage.output_tokens == whole.usage.output_tokens
+
+
 def _load(server, n, outcomes, max_tokens=900):
     """``n`` streaming requests on threads; each records "done", "error" (an error answer or an in-band error
     event) or "dropped" (the connection closed under it)."""
