@@ -94,6 +94,22 @@ class _Reader(gguf.GGUFReader):
             raise ModelFileError(f"malformed or truncated: a string of {length} bytes at byte {offs} runs past the end")
         return bytes(buf[offs + 8 : end]).decode("utf-8", errors="replace"), end
 
+    @staticmethod
+    def _strings(buf: np.ndarray, offs: int, count: int) -> tuple[list[str], int]:
+        raw, size, out = memoryview(buf), len(buf), []
+        for _ in range(count):
+            if offs + 8 > size:
+                raise ModelFileError(f"malformed or truncated: a string's length at byte {offs} runs past the end")
+            length = int.from_bytes(raw[offs : offs + 8], "little")
+            end = offs + 8 + length
+            if end > size:
+                raise ModelFileError(
+                    f"malformed or truncated: a string of {length} bytes at byte {offs} runs past the end"
+                )
+            out.append(str(raw[offs + 8 : end], "utf-8", "replace"))
+            offs = end
+        return out, offs
+
     def _value(self, buf: np.ndarray, offs: int, vtype: V) -> tuple[Any, list[V], int]:
         if vtype == V.STRING:
             text, offs = self._string(buf, offs)
@@ -111,6 +127,9 @@ class _Reader(gguf.GGUFReader):
             dtype = SCALARS[item_type]
             values = np.frombuffer(buf, dtype, count, offs).tolist()
             return values, [vtype, item_type], offs + count * dtype.itemsize
+        if item_type == V.STRING:  # a vocabulary: hundreds of thousands of strings, read without numpy per item
+            values, offs = self._strings(buf, offs, count)
+            return values, [vtype, item_type], offs
         values, types = [], [vtype, item_type]
         for _ in range(count):
             item, item_types, offs = self._value(buf, offs, item_type)
