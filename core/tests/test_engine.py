@@ -7,7 +7,7 @@ import pytest
 from leat.batch import Batch, Row
 from leat.compare import compare
 from leat.engine import Engine, Event, GenerationRequest, Overloaded, TooLong
-from leat.testing import write_tiny_gguf
+from leat.testing import FailsOnCall, write_tiny_gguf
 from leat_arch_llama.llama import Llama
 
 GREEDY = {"temperature": 0}
@@ -345,21 +345,6 @@ def test_reused_prompt_tokens_are_reported_as_cached(model):
         engine.stop()
     assert cold.usage["cached_tokens"] == 0 and warm.usage["cached_tokens"] == 40 and warm_tokens == cold_tokens
     assert second_done.usage["cached_tokens"] == 40 + 3 and second == fresh
-
-
-class FailsOnCall:
-    """A logits processor that leaves the logits alone, and raises on its ``n``-th call."""
-
-    label = "test constraint"
-
-    def __init__(self, n):
-        self.n, self.calls = n, 0
-
-    def __call__(self, logits, generated):
-        self.calls += 1
-        if self.calls == self.n:
-            raise ValueError("poisoned")
-        return logits
 
 
 class FailingForward:

@@ -12,25 +12,12 @@ import httpx
 import leat
 import openai
 import pytest
-from leat.testing import write_tiny_gguf
+from leat.testing import FailsOnCall, write_tiny_gguf
 from leat_arch_llama.llama import Llama
 from leat_server import ServeOptions, build
 from leat_server.service import Service
 
 POISON = "13"  # the logit_bias key that gets the failing processor
-
-
-class FailsOnCall:
-    label = "test constraint"
-
-    def __init__(self, n):
-        self.n, self.calls = n, 0
-
-    def __call__(self, logits, generated):
-        self.calls += 1
-        if self.calls == self.n:
-            raise ValueError("poisoned")
-        return logits
 
 
 @pytest.fixture(scope="module")

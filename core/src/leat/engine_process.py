@@ -104,6 +104,20 @@ def describe(engine: Engine) -> dict[str, Any]:
     }
 
 
+def logit_bias(table: dict[int, float]) -> Callable[[np.ndarray, Any], np.ndarray]:
+    """A logits processor that adds ``table[id]`` to each listed token's logit; it carries its spec, so an engine
+    in another process rebuilds it with :func:`build_processor`."""
+    ids, values = list(table), list(table.values())
+
+    def apply(logits: np.ndarray, history: Any) -> np.ndarray:
+        logits[ids] += values
+        return logits
+
+    apply.label = "logit_bias"  # names it in the error if it fails
+    apply.spec = ("logit_bias", {str(k): float(v) for k, v in table.items()})
+    return apply
+
+
 def build_processor(spec: tuple[str, Any, str], model: Any) -> Callable[[np.ndarray, Any], np.ndarray]:
     """A logits processor from its spec ``(kind, payload, label)``, in the engine process.
 
@@ -113,14 +127,7 @@ def build_processor(spec: tuple[str, Any, str], model: Any) -> Callable[[np.ndar
     names no such module itself, so it never imports the frontend's code or its dependencies."""
     kind, payload, label = spec
     if kind == "logit_bias":
-        ids = [int(k) for k in payload]
-        values = [float(v) for v in payload.values()]
-
-        def apply(logits: np.ndarray, history: Any) -> np.ndarray:
-            logits[ids] += values
-            return logits
-
-        processor: Any = apply
+        processor: Any = logit_bias({int(k): float(v) for k, v in payload.items()})
     elif ":" in kind:
         module_name, _, attr = kind.partition(":")
         try:

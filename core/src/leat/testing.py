@@ -150,3 +150,19 @@ def relative_error(got: Any, want: Any) -> float:
     assert got.shape == want.shape, (got.shape, want.shape)
     assert np.isfinite(got).all(), "non-finite values (an element not written?)"
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+class FailsOnCall:
+    """A logits processor that leaves the logits alone, and raises on its ``n``-th call (a request's own part
+    failing, for fault-isolation tests)."""
+
+    label = "test constraint"
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self, logits: np.ndarray, generated: Any) -> np.ndarray:
+        self.calls += 1
+        if self.calls == self.n:
+            raise ValueError("poisoned")
+        return logits

@@ -20,7 +20,7 @@ from typing import Any
 from leat import __version__
 from leat.chat import DEFAULT_LIMITS, RESERVED, RenderLimits
 from leat.engine import GenerationRequest, Overloaded, TooLong
-from leat.engine_process import EngineUnavailable
+from leat.engine_process import EngineUnavailable, logit_bias
 from leat.errors import LeatError, TemplateError
 from leat.sampling import SamplingParams
 from leat.sessions import scoped, unscoped
@@ -180,16 +180,7 @@ class Service:
             if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab:
                 raise bad_request(f"logit_bias: {key!r} is not a token id of this model (0..{vocab - 1})", "logit_bias")
             table[int(key)] = value
-        ids = list(table)
-        values = list(table.values())
-
-        def apply(logits, history):
-            logits[ids] += values
-            return logits
-
-        apply.label = "logit_bias"  # names it in the error if it fails
-        apply.spec = ("logit_bias", {str(k): float(v) for k, v in table.items()})  # for an engine process
-        return [apply]
+        return [logit_bias(table)]
 
     # -- running ---------------------------------------------------------------------------------------------
     def submit(self, job: Job) -> Any:
