@@ -96,3 +96,30 @@ def test_failing_plugin_import_is_reported(tmp_path, monkeypatch):
     host = PluginHost(None)
     failed = {p.name: p for p in host.failed()}
     assert "RuntimeError: kaput" in failed["leat-broken"].error
+
+
+def test_misspelled_hookimpl_is_an_error_naming_plugin_and_hook():
+    typo = _plugin(register_sampler=lambda register: register("mine", "somewhere:Stage"))
+    with pytest.raises(
+        PluginError, match=r"^plugin typo: unknown hook register_sampler \(did you mean register_samplers\?\)$"
+    ):
+        PluginHost([], extra={"typo": typo})
+
+
+def test_misspelled_hookimpl_stops_the_command_line_with_one_line(tmp_path):
+    import os
+
+    dist = tmp_path / "leat_typo-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: leat-typo\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[leat]\nleat-typo = leat_typo_plugin\n")
+    (tmp_path / "leat_typo_plugin.py").write_text(
+        "from leat import hookimpl\n\n@hookimpl\ndef register_backend(register):\n    pass\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    env.pop("LEAT_PLUGINS", None)
+    result = leat("plugins", env=env)
+    assert result.returncode != 0
+    assert result.stderr.splitlines() == [
+        "error: plugin leat-typo: unknown hook register_backend (did you mean register_backends?)"
+    ]

@@ -8,6 +8,7 @@ kept in the list with its error (``leat plugins`` shows it) instead of being ski
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class PluginHost:
         self._load_entry_points()
         for name, module in (extra or {}).items():
             self._register_module(name, module, version="(in-process)")
+        self._check_hooks()
         self._collect()
 
     def _load_entry_points(self) -> None:
@@ -105,6 +107,20 @@ class PluginHost:
     def _register_module(self, name: str, module: ModuleType, version: str) -> None:
         self.manager.register(module, name=name)
         self.plugins[name] = PluginInfo(name, version, module.__name__)
+
+    def _check_hooks(self) -> None:
+        """pluggy's ``check_pending`` (a hookimpl that matches no hook spec), as one line naming the plugin and hook."""
+        known = sorted(name for name in vars(hookspecs) if name.startswith("register_"))
+        for name, caller in vars(self.manager.hook).items():
+            if not isinstance(caller, pluggy.HookCaller) or caller.spec is not None:
+                continue
+            for impl in caller.get_hookimpls():
+                if impl.optionalhook:
+                    continue
+                near = difflib.get_close_matches(name, known, n=1)
+                hint = f"did you mean {near[0]}?" if near else f"leat's hooks are {', '.join(known)}"
+                raise PluginError(f"plugin {impl.plugin_name}: unknown hook {name} ({hint})")
+        self.manager.check_pending()  # anything the loop above missed, in pluggy's words
 
     def _collect(self) -> None:
         for kind in self.kinds:
