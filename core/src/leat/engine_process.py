@@ -17,7 +17,6 @@ Logits processors are functions and do not cross processes: a processor that sho
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import itertools
 import socket
@@ -364,7 +363,7 @@ class RemoteEngine:
             rid,
             [int(t) for t in request.prompt_ids],
             int(request.max_tokens),
-            dataclasses.asdict(sampling),
+            sampling.as_dict(),
             request.session,
             request.client,
             request.logprobs,

@@ -1,113 +1,90 @@
 """Sampling: the parameters of a request and the chain of stages that picks the next token.
 
-A chain is built from stages that plugins register (see :func:`leat.hookspecs.register_samplers`),
-in llama.cpp's default order: penalties, top_k, top_p, min_p, temperature, then a selector
-(``categorical``, or ``greedy`` when the temperature is 0). Stages work on float64 numpy logits;
-that chain is the reference every backend's sampler is tested against.
+A chain is built from the stages that plugins register (see :func:`leat.hookspecs.register_samplers`). Each stage
+declares the request fields it reads (a msgspec struct, :attr:`Stage.Params`) and its place in the chain
+(:attr:`Stage.order`), and the engine asks a stage what it can do (:meth:`Stage.keeps_top`,
+:attr:`Stage.changes_argmax`), never its name. A selector then picks the token: ``categorical``, or ``greedy``
+when the temperature is 0. Stages work on float64 numpy logits; that chain is the reference every backend's sampler
+is tested against.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import gguf
+import msgspec
 import numpy as np
 
 from leat import plugins
 from leat.errors import PluginError
 
-CHAIN = ("penalties", "top_k", "top_p", "min_p", "temperature")
-
-# Parameters a GGUF can recommend (general.sampling.*), used when a request leaves them out.
-GGUF_KEYS = {
-    "temperature": gguf.Keys.General.SAMPLING_TEMP,
-    "top_k": gguf.Keys.General.SAMPLING_TOP_K,
-    "top_p": gguf.Keys.General.SAMPLING_TOP_P,
-    "min_p": gguf.Keys.General.SAMPLING_MIN_P,
-    "repeat_penalty": gguf.Keys.General.SAMPLING_PENALTY_REPEAT,
-    "repeat_last_n": gguf.Keys.General.SAMPLING_PENALTY_LAST_N,
-}
-
-# field: (integer?, allowed range, as said in the error)
-_RULES = {
-    "temperature": (False, lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
-    "top_k": (True, lambda v: True, ""),
-    "top_p": (False, lambda v: 0 <= v <= 1, "must be between 0 and 1"),
-    "min_p": (False, lambda v: 0 <= v <= 1, "must be between 0 and 1"),
-    "repeat_penalty": (False, lambda v: v > 0, "must be > 0 (1 = off)"),
-    "presence_penalty": (False, lambda v: True, ""),
-    "frequency_penalty": (False, lambda v: True, ""),
-    "repeat_last_n": (True, lambda v: v >= -1, "must be >= -1 (-1 = whole history, 0 = off)"),
-    "seed": (True, lambda v: v >= 0, "must be >= 0 (leave it out for a random seed)"),
-}
+# llama.cpp's default chain (common/common.h) as Stage.order positions; a stage that goes between two takes a number
+# between theirs
+ORDER = {"penalties": 10, "dry": 20, "top_n_sigma": 30, "top_k": 40, "typical_p": 50, "top_p": 60, "min_p": 70}
+ORDER |= {"xtc": 80, "temperature": 90}
 
 
-def _check(name: str, value: Any) -> Any:
-    if name == "seed" and value is None:
+def gguf_key(key: str) -> dict[str, str]:
+    """``msgspec.Meta(extra=gguf_key(KEY))`` on a sampling field: a model file may recommend its value under ``KEY``
+    (``general.sampling.*``), used when a request leaves the field out."""
+    return {"gguf": key}
+
+
+def _recommended_key(field: msgspec.structs.FieldInfo) -> str | None:
+    if typing.get_origin(field.type) is not Annotated:
         return None
-    integer, in_range, expected = _RULES[name]
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
-        # ValueError, not TypeError: callers treat every bad request value alike
-        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")  # noqa: TRY004
-    value = int(value) if integer else float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if not in_range(value):
-        raise ValueError(f"{name} {expected}, got {value!r}")
-    return value
+    return next((m.extra["gguf"] for m in field.type.__metadata__ if m.extra and "gguf" in m.extra), None)
 
 
-@dataclass
-class SamplingParams:
-    """How to pick tokens. Defaults are llama.cpp's; a stage is off at its neutral value (top_k <= 0, top_p 1, ...)."""
+class ChainParams(msgspec.Struct, kw_only=True):
+    """The fields the chain itself reads, whichever stages are installed: the temperature chooses the selector."""
 
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repeat_last_n: int = 64
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, _check(f.name, getattr(self, f.name)))
-
-    @classmethod
-    def resolve(cls, request: dict[str, Any], metadata: dict[str, Any]) -> SamplingParams:
-        """Each field from ``request``, else the GGUF's ``general.sampling.*`` value, else the default.
-
-        ``None`` counts as left out; keys that are not fields are ignored (a request carries other things).
-        """
-        values = {}
-        for f in fields(cls):
-            key = GGUF_KEYS.get(f.name)
-            if request.get(f.name) is not None:
-                values[f.name] = request[f.name]
-            elif key and metadata.get(key) is not None:
-                try:
-                    values[f.name] = _check(f.name, metadata[key])
-                except ValueError as e:
-                    raise ValueError(f"{e} (from the model's {key})") from None
-        return cls(**values)
+    temperature: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0, description="divides the logits; 0 = greedy", extra=gguf_key(gguf.Keys.General.SAMPLING_TEMP)
+        ),
+    ] = 0.8
+    seed: (
+        Annotated[int, msgspec.Meta(ge=0, description="seeds the random draws; leave out for a random one")] | None
+    ) = None
 
 
 class Stage:
-    """One logits transform. ``apply`` gets a float64 row it may change in place (masked = -inf) and returns it."""
+    """One logits transform. ``apply`` gets a float64 row it may change in place (masked = -inf) and returns it.
+
+    A stage declares what a request may set for it and where it runs; the host builds every request's parameters
+    and the server's request bodies from these declarations.
+    """
 
     name: str = ""
+    #: The request fields this stage reads: a ``msgspec.Struct`` (``kw_only``) whose fields have defaults (llama.cpp's
+    #: where it has one) and ``msgspec.Meta`` constraints and descriptions (``extra=gguf_key(KEY)`` where a model file
+    #: may recommend a value). Two stages may not declare one field.
+    Params: ClassVar[type[msgspec.Struct] | None] = None
+    #: Place in the chain: stages run in increasing order (see :data:`ORDER` for llama.cpp's stages).
+    order: ClassVar[float] = 50
+    #: True when the stage can change which token has the highest logit (penalties can, truncations cannot):
+    #: only such stages run when the temperature is 0.
+    changes_argmax: ClassVar[bool] = False
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, rng: np.random.Generator | None = None):
         self.params = params
+        self.rng = rng if rng is not None else np.random.default_rng(params.seed)
 
     def enabled(self) -> bool:
         return True
+
+    def keeps_top(self) -> int | None:
+        """K when this stage keeps only the row's K largest logits (equal ones by lower id) and -inf elsewhere, and
+        its result depends on those K alone; None otherwise. The engine may then read back only the K largest."""
+        return None
 
     def apply(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         raise NotImplementedError
@@ -138,6 +115,109 @@ def _load(host: plugins.PluginHost, name: str, base: type) -> type:
     return cls
 
 
+@functools.lru_cache(maxsize=8)
+def stages(host: plugins.PluginHost) -> tuple[type[Stage], ...]:
+    """The stage classes ``host``'s plugins register, in chain order (selectors left out)."""
+    found = []
+    for name, entry in host.registry["samplers"].items():
+        cls = entry.load()
+        if not isinstance(cls, type) or not issubclass(cls, Stage | Selector):
+            raise PluginError(f"plugin {entry.plugin}: sampler {name!r} ({entry.ref}) is not a Stage or Selector")
+        if issubclass(cls, Stage):
+            found.append(cls)
+    return tuple(sorted(found, key=lambda cls: (cls.order, cls.name)))
+
+
+@functools.lru_cache(maxsize=8)
+def fields(host: plugins.PluginHost) -> dict[str, msgspec.structs.FieldInfo]:
+    """Every sampling field a request may set with ``host``'s stages: the chain's own, then each stage's."""
+    table = {f.name: f for f in msgspec.structs.fields(ChainParams)}
+    owner = dict.fromkeys(table, "the chain")
+    for cls in stages(host):
+        for f in msgspec.structs.fields(cls.Params) if cls.Params else ():
+            if f.name in table:
+                raise PluginError(
+                    f"sampling field {f.name!r} is declared by two stages: {owner[f.name]} and {cls.name}"
+                )
+            table[f.name], owner[f.name] = f, cls.name
+    return table
+
+
+@functools.lru_cache(maxsize=256)
+def _one_field(name: str, kind: Any) -> type[msgspec.Struct]:
+    return msgspec.defstruct("Field", [("value", kind)], rename={"value": name})
+
+
+def _check(field: msgspec.structs.FieldInfo, value: Any) -> Any:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{field.name} must be a finite number, got {value!r}")
+    try:
+        return msgspec.convert({field.name: value}, _one_field(field.name, field.type)).value
+    except msgspec.ValidationError as e:
+        expected = str(e).split(" - at ")[0].removeprefix("Expected ").split(", got")[0]
+        raise ValueError(f"{field.name} must be {expected}, got {value!r}") from None
+
+
+class SamplingParams:
+    """How to pick tokens: the chain's fields (:class:`ChainParams`) and every field the installed stages declare.
+
+    Defaults are the declarations' (llama.cpp's); a stage is off at its neutral value (top_k <= 0, top_p 1, ...).
+    A field no loaded stage declares is an error naming the fields there are.
+    """
+
+    def __init__(self, host: plugins.PluginHost | None = None, **values: Any):
+        table = fields(host or plugins.host())
+        unknown = sorted(set(values) - set(table))
+        if unknown:
+            raise ValueError(
+                f"{unknown[0]} is not a sampling field of the loaded stages; they take {', '.join(sorted(table))}"
+            )
+        self._values = {
+            name: _check(f, values[name]) if name in values else f.default
+            for name, f in table.items()
+            if name in values or f.default is not msgspec.NODEFAULT
+        }
+
+    @classmethod
+    def resolve(
+        cls, request: dict[str, Any], metadata: dict[str, Any], host: plugins.PluginHost | None = None
+    ) -> SamplingParams:
+        """Each field from ``request``, else the GGUF's ``general.sampling.*`` value, else the default.
+
+        ``None`` counts as left out; keys that are not fields are ignored (a request carries other things).
+        """
+        host = host or plugins.host()
+        table = fields(host)
+        values = {name: request[name] for name in table if request.get(name) is not None}
+        for name, field in table.items():
+            key = _recommended_key(field)
+            if name not in values and key and metadata.get(key) is not None:
+                try:
+                    values[name] = _check(field, metadata[key])
+                except ValueError as e:
+                    raise ValueError(f"{e} (from the model's {key})") from None
+        return cls(host, **values)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["_values"][name]
+        except KeyError:
+            raise AttributeError(f"no sampling field {name!r} (no loaded stage declares it)") from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SamplingParams) and self._values == other._values
+
+    def __repr__(self) -> str:
+        return f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in self._values.items())})"
+
+
 class Sampler:
     """A chain of enabled stages and a selector, with the random generator of one request."""
 
@@ -150,11 +230,11 @@ class Sampler:
     def build(cls, params: SamplingParams, host: plugins.PluginHost | None = None) -> Sampler:
         host = host or plugins.host()
         greedy = params.temperature <= 0
-        # Penalties are the only stage that can change which token has the highest logit.
-        names = ("penalties",) if greedy else CHAIN
-        stages = [stage for stage in (_load(host, name, Stage)(params) for name in names) if stage.enabled()]
         selector = _load(host, "greedy" if greedy else "categorical", Selector)(params)
-        return cls(stages, selector, params.seed)
+        sampler = cls([], selector, params.seed)
+        chain = (stage(params, sampler.rng) for stage in stages(host) if stage.changes_argmax or not greedy)
+        sampler.stages = [stage for stage in chain if stage.enabled()]
+        return sampler
 
     @property
     def greedy(self) -> bool:
