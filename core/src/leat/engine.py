@@ -574,11 +574,11 @@ class Engine:
     def _candidates(self, item: _Running, row: Row) -> int | None:
         """How many of the row's top logits (by value, ties to the lower id) give exactly the token a whole
         row would: 0 when the row samples nothing this step (a prefill chunk before the prompt's last), 1
-        for plain greedy, the sampler's top_k when its chain begins with a top_k stage of at most
-        MAX_CANDIDATES and nothing else reads the logits; None when it needs the whole row.
+        for plain greedy, K when the chain's first stage keeps only the top K (``Stage.keeps_top``), K at most
+        MAX_CANDIDATES, and nothing else reads the logits; None when it needs the whole row.
 
-        Why top_k candidates are exact: the chain's stages run in order on the float64 row and the first
-        one here is top_k, which keeps the row's top_k largest logits (equal ones by lower id) and sets the
+        Why top-K candidates are exact: the chain's stages run in order on the float64 row and the first
+        one here (top_k) keeps the row's K largest logits (equal ones by lower id) and sets the
         rest to -inf. A row that is -inf outside a candidate set of the K >= top_k largest, chosen by the
         same rule, has the same top_k largest with the same values, so top_k leaves the two rows equal;
         every later stage (top_p, min_p, temperature) and the selector then see the same row and draw the
@@ -593,10 +593,8 @@ class Engine:
         sampler, request = item.sampler, item.request
         if sampler.greedy or request.processors or request.logprobs is not None or row.all_logits:
             return None
-        first = sampler.stages[0] if sampler.stages else None
-        if first is None or first.name != "top_k" or not 1 <= first.params.top_k <= MAX_CANDIDATES:
-            return None
-        return first.params.top_k
+        k = sampler.stages[0].keeps_top() if sampler.stages else None
+        return k if k is not None and 1 <= k <= MAX_CANDIDATES else None
 
     @staticmethod
     def _candidate_row(candidates: tuple[np.ndarray, np.ndarray], at: int, vocab: int) -> np.ndarray:
