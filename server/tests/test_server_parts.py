@@ -278,3 +278,51 @@ def test_constrained_sampling_makes_a_random_model_write_valid_json(tmp_path):
         assert value["city"] in ("Paris", "Rome") and isinstance(value["days"], int)
         assert set(value) <= set(SCHEMA["properties"])
         assert len(value.get("note", "")) <= 8 and len(value.get("tags", [])) <= 2
+
+
+STAGE_PLUGIN = """
+from typing import Annotated
+import msgspec
+from leat import hookimpl
+from leat.sampling import Stage
+
+
+class HalveParams(msgspec.Struct, kw_only=True):
+    halve_below: Annotated[float, msgspec.Meta(le=0, description="halves logits below this")] = -100.0
+
+
+class Halve(Stage):
+    name = "halve"
+    Params = HalveParams
+    order = 75
+
+
+@hookimpl
+def register_samplers(register):
+    register("halve", "leat_halve_stage:Halve")
+"""
+
+
+def test_bodies_take_and_document_the_fields_stages_declare(tmp_path, monkeypatch):
+    import importlib
+
+    from leat.plugins import PluginHost
+    from leat_server.app import request_bodies
+
+    (tmp_path / "leat_halve_stage.py").write_text(STAGE_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    host = PluginHost(["leat-samplers"], extra={"leat-halve": importlib.import_module("leat_halve_stage")})
+    bodies = request_bodies(host)
+    chat = bodies["/v1/chat/completions"]
+    body = msgspec.json.decode(
+        b'{"messages": [{"role": "user", "content": "x"}], "halve_below": -3, "top_k": 5}', type=chat
+    )
+    assert (body.halve_below, body.top_k) == (-3.0, 5)
+    with pytest.raises(msgspec.ValidationError, match=r"<= 0.*halve_below"):
+        msgspec.json.decode(b'{"halve_below": 2}', type=bodies["/v1/completions"])
+    schema = msgspec.json.schema(chat)["$defs"]["ChatCompletionRequest"]["properties"]
+    assert "halves logits below this" in json.dumps(schema["halve_below"])
+    assert "min_p" in schema and "repeat_last_n" in schema
+    without = request_bodies(PluginHost(["leat-samplers"]))["/v1/chat/completions"]
+    with pytest.raises(msgspec.ValidationError, match="halve_below"):
+        msgspec.json.decode(b'{"halve_below": -3}', type=without)

@@ -11,6 +11,8 @@ specifications below. Each ``register_*`` hook receives a ``register`` callback;
 the names, detects clashes and decides order. What a plugin registers is a lazy reference, a
 ``"module:attribute"`` string, so that listing plugins imports nothing heavy (no CUDA, no
 tinygrad); the reference is imported only when that backend, architecture or sampler is used.
+A hookimpl whose name matches no specification here (``register_sampler``) stops start-up with an
+error naming the plugin and the hook.
 """
 
 from __future__ import annotations
@@ -63,10 +65,16 @@ def register_samplers(register: Callable[..., None]) -> None:
 
     :param register: call ``register(name, ref)`` once per stage. ``ref`` is a
         ``"module:attribute"`` string naming a subclass of :class:`leat.sampling.Stage`
-        (or :class:`leat.sampling.Selector`). ``name`` is the key a request uses (e.g.
-        ``"top_k"``, ``"greedy"``).
+        (or :class:`leat.sampling.Selector`: ``"greedy"`` and ``"categorical"``). A stage declares
+        the request fields it reads (``Stage.Params``, a ``msgspec.Struct`` with defaults,
+        constraints and descriptions: requests, ``SamplingParams`` and the server's request bodies
+        and schema take them from there), its place in the chain (``Stage.order``; llama.cpp's
+        positions are ``leat.sampling.ORDER``) and what it does that the engine may rely on
+        (``changes_argmax``: it runs at temperature 0; ``keeps_top()``: the engine may read back only
+        the top K logits).
 
-    The return value is ignored. Registering a name twice is an error naming both plugins.
+    The return value is ignored. Registering a name twice, or two stages declaring one field, is an
+    error naming both.
     """
 
 

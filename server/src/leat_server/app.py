@@ -18,6 +18,9 @@ import msgspec
 from leat import __version__
 from leat.engine import Overloaded, TooLong
 from leat.errors import LeatError
+from leat.plugins import PluginHost
+from leat.plugins import host as plugin_host
+from leat.sampling import fields as sampling_fields
 from litestar import Litestar, Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.exceptions import HTTPException
@@ -35,6 +38,7 @@ from leat_server.schemas import (
     MessagesRequest,
     ResponsesRequest,
     TokenizeRequest,
+    with_sampling_fields,
 )
 from leat_server.security import Guard
 from leat_server.service import Job, Service
@@ -56,6 +60,7 @@ BODIES = {
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
+SAMPLING_PATHS = ("/v1/chat/completions", "/v1/completions")  # bodies that take every sampler stage's fields
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -185,6 +190,7 @@ def create_app(
 ) -> Any:
     """The ASGI application serving ``service``: Litestar routes behind the :class:`Guard`."""
     workers = Workers()
+    bodies = request_bodies()
 
     async def prepare(request: Request, kind: type, make: Callable[[Service, Any, str | None], Any]) -> Any:
         """The body decoded and ``make(service, body, owner)`` run, on a worker thread."""
@@ -258,7 +264,7 @@ def create_app(
 
     @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request) -> Response | Stream:
-        body, job = await prepare(request, ChatCompletionRequest, openai_api.chat_job)
+        body, job = await prepare(request, bodies["/v1/chat/completions"], openai_api.chat_job)
         handle = service.submit(job)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
@@ -268,7 +274,7 @@ def create_app(
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Response | Stream:
-        body, (job, echo) = await prepare(request, CompletionRequest, openai_api.completion_job)
+        body, (job, echo) = await prepare(request, bodies["/v1/completions"], openai_api.completion_job)
         handle = service.submit(job)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
@@ -390,19 +396,25 @@ def create_app(
         on_startup=[start_sweeping],
         on_shutdown=[stop_sweeping],
     )
-    _describe_bodies(app)
+    _describe_bodies(app, bodies)
     app.state.service = service
     return Guard(app, keys, host, port, list(allow_origins), service.metrics)
 
 
-def _describe_bodies(app: Litestar) -> None:
+def request_bodies(host: PluginHost | None = None) -> dict[str, type]:
+    """:data:`BODIES`, chat and completions with the sampling fields the loaded sampler stages declare."""
+    fields = sampling_fields(host or plugin_host())
+    return BODIES | {path: with_sampling_fields(BODIES[path], fields) for path in SAMPLING_PATHS}
+
+
+def _describe_bodies(app: Litestar, bodies: dict[str, type]) -> None:
     """Add each POST route's body schema, generated from its msgspec struct, to Litestar's OpenAPI document (the
     handlers decode bodies themselves, so Litestar cannot see them)."""
     openapi = app.openapi_schema
-    structs = list(BODIES.values())
+    structs = list(bodies.values())
     _, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
     openapi.components.schemas.update(components)
-    for path, struct in BODIES.items():
+    for path, struct in bodies.items():
         ref = Reference(ref=f"#/components/schemas/{struct.__name__}")
         body = RequestBody(content={JSON: OpenAPIMediaType(schema=ref)}, required=True)
         openapi.paths[path].post.request_body = body

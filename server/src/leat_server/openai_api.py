@@ -26,16 +26,12 @@ MAX_STOPS = 16
 
 
 def sampling_fields(body: Sampling) -> dict[str, Any]:
-    return {
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
-        "min_p": body.min_p,
-        "presence_penalty": body.presence_penalty,
-        "frequency_penalty": body.frequency_penalty,
-        "repeat_penalty": body.repetition_penalty if body.repetition_penalty is not None else body.repeat_penalty,
-        "seed": body.seed,
-    }
+    """The body's sampling fields (those the loaded stages declare were added to its struct), with vLLM's
+    ``repetition_penalty`` standing for ``repeat_penalty`` when that is left out."""
+    fields = {name: getattr(body, name) for name in body.__struct_fields__}
+    if fields.get("repeat_penalty") is None:
+        fields["repeat_penalty"] = body.repetition_penalty
+    return fields
 
 
 def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:

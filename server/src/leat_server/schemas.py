@@ -119,16 +119,14 @@ ResponseFormat = TextFormat | JSONObjectFormat | JSONSchemaResponseFormat
 
 
 class Sampling(Body):
-    """Sampling fields common to chat and completions (OpenAI's names plus llama.cpp / vLLM extensions)."""
+    """Sampling fields common to chat and completions: OpenAI's names and vLLM's ``repetition_penalty`` here, the
+    fields every loaded sampler stage declares (top_k, min_p, ...) added by :func:`with_sampling_fields`."""
 
     temperature: Temperature | None = None
     top_p: Probability | None = None
-    top_k: int | None = None
-    min_p: Probability | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
-    repeat_penalty: Annotated[float, Meta(gt=0)] | None = None
     seed: Seed | None = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
     stop: str | list[str] | None = None
@@ -434,3 +432,11 @@ class ResponsesRequest(Body):
     top_logprobs: TopLogprobs | None = None
     stream_options: dict[str, Any] | None = None
     seed: Seed | None = None
+
+
+def with_sampling_fields(struct: type[Body], fields: dict[str, msgspec.structs.FieldInfo]) -> type[Body]:
+    """``struct`` with every sampling field it lacks (``leat.sampling.fields``: what the loaded stages declare), each
+    optional (left out: the model's recommendation, else the stage's default), with its constraints and description."""
+    have = set(struct.__struct_fields__)
+    extra = [(name, f.type | None, None) for name, f in fields.items() if name not in have]
+    return msgspec.defstruct(struct.__name__, extra, bases=(struct,), kw_only=True, module=struct.__module__)

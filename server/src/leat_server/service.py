@@ -397,7 +397,7 @@ class Service:
             "model": self.name,
             "model_sha256": self.receipts.model_sha256(),
             "backend": self.backend_name,
-            "sampling": dataclasses.asdict(job.sampling),
+            "sampling": job.sampling.as_dict(),
             "max_tokens": job.max_tokens,
             "stop": list(job.stop),
             "prompt_tokens": len(job.prompt_ids),

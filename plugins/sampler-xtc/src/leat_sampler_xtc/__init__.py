@@ -1,0 +1,1 @@
+"""leat-sampler-xtc: the XTC ("exclude top choices") sampler stage."""
