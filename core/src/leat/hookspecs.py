@@ -112,3 +112,23 @@ def register_commands(register: Callable[..., None]) -> None:
     The return value is ignored. Registering a name that another plugin registered is an error
     naming both plugins; leat's own commands (``run``, ``generate``, ...) cannot be replaced.
     """
+
+
+@hookspec
+def register_chat_formats(register: Callable[..., None]) -> None:
+    """Register chat formats: how a model family writes tool calls and reasoning in its output.
+
+    Called once, when a server first chooses how to read a model's output (``leat serve``). An
+    architecture plugin registers its family's conventions here, so that core and the server name none.
+
+    :param register: call ``register(name, ref)`` once per format. ``name`` is what users pass to
+        ``leat serve --tool-parser`` (e.g. ``"hermes"``). ``ref`` is a ``"module:Class"`` string
+        naming a subclass of :class:`leat.chatformat.OutputParser`. Its ``detect(template, special,
+        architecture)`` classmethod says how surely a model speaks the format (the highest number
+        among the installed formats wins; None: it does not); an instance parses one answer as it
+        streams (``feed(text)``, ``finish()``, each returning content, reasoning and tool-call deltas).
+        ``always_parsed`` (the output always has the format's structure, tools or not) and
+        ``own_reasoning`` (no ``<think>`` splitter in front of it) say how the server uses it.
+
+    The return value is ignored. Registering a name twice is an error naming both plugins.
+    """

@@ -17,18 +17,6 @@ from leat.modelfile import ModelFile
 from leat.options import EngineOptions
 from leat.textstream import TextStream
 
-# Which distribution serves an architecture we know of but that may not be installed.
-KNOWN_ARCHITECTURES = {
-    "llama": "leat-arch-llama",
-    "qwen2": "leat-arch-qwen3",
-    "qwen3": "leat-arch-qwen3",
-    "qwen3moe": "leat-arch-qwen3",
-    "gemma": "leat-arch-gemma",
-    "gemma2": "leat-arch-gemma",
-    "gemma3": "leat-arch-gemma",
-    "gpt-oss": "leat-arch-gpt-oss",
-    "deepseek2": "leat-arch-deepseek2",
-}
 PREFILL_CHUNK = EngineOptions.prefill_chunk  # prompt tokens per forward where no engine runs (logits, bench)
 
 
@@ -37,8 +25,14 @@ def architecture_class(file: ModelFile, host: plugins.PluginHost | None = None) 
     entry = host.get("architectures", file.architecture)
     if entry is None:
         installed = ", ".join(sorted(host.registry["architectures"])) or "none"
-        hint = KNOWN_ARCHITECTURES.get(file.architecture)
-        where = f"; install the plugin {hint}" if hint else ""
+        elsewhere = host.only is not None and plugins.PluginHost(None, kinds=("architectures",)).get(
+            "architectures", file.architecture
+        )
+        where = (
+            f"; the installed plugin {elsewhere.plugin} serves it: add it to LEAT_PLUGINS / --plugins"
+            if elsewhere
+            else "; install the architecture plugin that serves it"
+        )
         failed = [p.name for p in host.failed()]
         broken = f"; plugins that failed to load: {', '.join(failed)}" if failed else ""
         raise UnknownArchitecture(

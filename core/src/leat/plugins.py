@@ -22,7 +22,7 @@ from leat import hookspecs
 from leat.errors import PluginError
 
 ENTRY_POINT_GROUP = "leat"
-KINDS = ("backends", "architectures", "samplers", "proposers", "commands")
+KINDS = ("backends", "architectures", "samplers", "proposers", "commands", "chat_formats")
 
 
 @dataclass

@@ -8,6 +8,7 @@ llama.cpp loads them too and can serve as the reference.
 from __future__ import annotations
 
 import itertools
+import json
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -166,3 +167,25 @@ class FailsOnCall:
         if self.calls == self.n:
             raise ValueError("poisoned")
         return logits
+
+
+def parse_in_pieces(parser: Any, text: str, step: int) -> list[tuple[str, str]]:
+    """A chat format's parser fed ``text`` in pieces of ``step`` characters, then finished: ``(kind, text)`` with
+    neighbouring content or reasoning merged, a tool call as ``("tool_call", json [name, arguments])``."""
+    deltas = []
+    for i in range(0, len(text), step):
+        deltas += parser.feed(text[i : i + step])
+    deltas += parser.finish()
+    out: list[tuple[str, str]] = []
+    for d in deltas:
+        value = d.text if d.kind != "tool_call" else json.dumps([d.call.name, json.loads(d.call.arguments)])
+        if out and out[-1][0] == d.kind and d.kind != "tool_call":
+            out[-1] = (d.kind, out[-1][1] + value)
+        elif value or d.kind == "tool_call":
+            out.append((d.kind, value))
+    return out
+
+
+def tool_call(name: str, **arguments: Any) -> tuple[str, str]:
+    """What :func:`parse_in_pieces` gives for one call."""
+    return ("tool_call", json.dumps([name, arguments]))

@@ -100,7 +100,9 @@ from leat_server import ServeOptions
 @click.option("--receipt-key", default=None, help="Ed25519 private key file for receipts (made if missing)")
 @click.option("--alias", default=None, help="model id clients see (default: the GGUF file name)")
 @click.option(
-    "--tool-parser", default=None, help="tool-call format: hermes, llama3, mistral, harmony, gemma, functiongemma"
+    "--tool-parser",
+    default=None,
+    help="tool-call format: a chat format a loaded plugin registers (leat plugins lists them)",
 )
 @click.option("--log-level", default=ServeOptions.log_level, show_default=True, help="uvicorn log level")
 @click.option(
@@ -117,11 +119,8 @@ from leat_server import ServeOptions
 def serve(model_name, backend, precision, plugin_names, speculate, draft, **options) -> None:
     """Serve MODEL over HTTP: OpenAI and Anthropic APIs (see docs/api.md)."""
     from leat_server import serve as run_server
-    from leat_server.toolcalls import PARSERS
 
     _select_plugins(plugin_names)
-    if options["tool_parser"] and options["tool_parser"] not in PARSERS:
-        raise click.BadParameter(f"choose one of {', '.join(PARSERS)}", param_hint="--tool-parser")
     options["allow_origins"] = list(options["allow_origins"])
     opts = ServeOptions(model=model_name, backend=backend, precision=precision, **options)
     # a function the engine process can run too (--api-workers: it is started afresh, not forked)

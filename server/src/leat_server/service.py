@@ -19,6 +19,7 @@ from typing import Any
 
 from leat import __version__
 from leat.chat import DEFAULT_LIMITS, RESERVED, RenderLimits
+from leat.chatformat import Delta, OutputParser, ReasoningSplitter, ToolCall, json_calls
 from leat.engine import GenerationRequest, Overloaded, TooLong
 from leat.engine_process import EngineUnavailable, logit_bias
 from leat.errors import LeatError, TemplateError
@@ -27,16 +28,7 @@ from leat.sessions import scoped, unscoped
 from leat.textstream import TextStream
 
 from leat_server.errors import APIError, bad_request, unsupported
-from leat_server.toolcalls import (
-    Delta,
-    OutputParser,
-    ReasoningSplitter,
-    ToolCall,
-    build_parser,
-    choose_parser,
-    has_reasoning,
-    json_calls,
-)
+from leat_server.toolcalls import ModelFormat
 
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(GenerationRequest)}
 
@@ -120,8 +112,7 @@ class Service:
         self.tokenizer = model.tokenizer
         template = model.chat_template.source
         vocab = model.file.metadata.get("tokenizer.ggml.tokens") or []
-        self.tool_family = tool_parser or choose_parser(template, vocab, model.file.architecture)
-        self.reasoning = has_reasoning(template, vocab) if reasoning is None else reasoning
+        self.format = ModelFormat.of(template, vocab, model.file.architecture, tool_parser, reasoning)
         self.created = int(time.time())
         self.fingerprint = f"leat-{__version__}-{backend_name or 'unknown'}"
         self.template_limits = template_limits
@@ -161,13 +152,11 @@ class Service:
             raise bad_request(str(e), param=name if name in fields else None) from None
 
     def output_parser(self, tools_active: bool, prompt_text: str) -> OutputParser | ReasoningSplitter:
-        # gpt-oss always writes channels, tools or not: its parser also splits off the reasoning.
-        family = self.tool_family if tools_active or self.tool_family == "harmony" else None
-        return build_parser(family, self.reasoning, prompt_text)
+        return self.format.parser(tools_active, prompt_text)
 
     def skip_special(self, tools_active: bool) -> bool:
         """Control tokens' text is dropped from the output unless a parser needs it (``<|python_tag|>``, channels)."""
-        return not (tools_active or self.tool_family == "harmony")
+        return not (tools_active or self.format.always_parsed)
 
     def logit_bias(self, bias: dict[str, float] | None) -> list[Callable]:
         if not bias:

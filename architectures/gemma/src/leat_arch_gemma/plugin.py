@@ -1,4 +1,4 @@
-"""Registers the Gemma architectures. Imports nothing heavy."""
+"""Registers the Gemma architectures and their chat formats. Imports nothing heavy."""
 
 from leat import hookimpl
 
@@ -8,3 +8,9 @@ def register_architectures(register):
     register("gemma", "leat_arch_gemma.gemma:Gemma")
     register("gemma2", "leat_arch_gemma.gemma:Gemma2")
     register("gemma3", "leat_arch_gemma.gemma:Gemma3")
+
+
+@hookimpl
+def register_chat_formats(register):
+    register("gemma", "leat_arch_gemma.formats:GemmaParser")
+    register("functiongemma", "leat_arch_gemma.formats:FunctionGemmaParser")

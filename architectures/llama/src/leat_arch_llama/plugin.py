@@ -1,4 +1,4 @@
-"""Registers the llama architecture. Imports nothing heavy."""
+"""Registers the llama architecture and its chat formats. Imports nothing heavy."""
 
 from leat import hookimpl
 
@@ -6,3 +6,9 @@ from leat import hookimpl
 @hookimpl
 def register_architectures(register):
     register("llama", "leat_arch_llama.llama:Llama")
+
+
+@hookimpl
+def register_chat_formats(register):
+    register("llama3", "leat_arch_llama.formats:Llama3Parser")
+    register("mistral", "leat_arch_llama.formats:MistralParser")
