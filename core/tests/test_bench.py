@@ -34,10 +34,10 @@ def test_bench_json(tmp_path):
     ]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    rows = json.loads(result.output)
+    rows = json.loads(result.stdout)
     assert [row["test"] for row in rows] == ["pp16", "pp32", "tg8", "tg8 x1", "tg8 x4"]
     for row in rows:
-        assert row["model"] == str(path) and row["architecture"] == "llama" and row["backend"] == "cpu"
+        assert row["model"] == path.stem and row["architecture"] == "llama" and row["backend"] == "cpu"
         assert row["size"] == path.stat().st_size and row["repetitions"] == 2 and len(row["rates"]) == 2
         assert row["tokens_per_second"] > 0 and row["stdev"] >= 0 and row["warmup_seconds"] > 0
     assert rows[0]["n_tokens"] == 16 and rows[-1]["n_tokens"] == 32
@@ -50,7 +50,7 @@ def test_bench_table(tmp_path):
     args = ["bench", str(path), "-p", "8", "-n", "4", "--concurrency", "", "-r", "1", "--backend", "cpu"]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    lines = result.output.strip().splitlines()
+    lines = result.stdout.strip().splitlines()
     assert lines[0] == "| model | size | backend | precision | kv | test | t/s |"
     assert [line.split("|")[5].strip() for line in lines[2:]] == ["f16", "f16"]  # llama-bench's default cache
     assert [line.split("|")[6].strip() for line in lines[2:]] == ["pp8", "tg4"]
@@ -68,7 +68,7 @@ def test_bench_speculative_json(tmp_path, speculate):
     args = ["bench", str(path), "-n", "24", "-r", "2", "--workloads", "quote,story", "--json", "--backend", "cpu"]
     result = CliRunner().invoke(cli, args + speculate, catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    rows = json.loads(result.output)
+    rows = json.loads(result.stdout)
     assert [row["test"] for row in rows] == ["quote tg24", "story tg24"]
     for row in rows:
         assert row["proposer"] == ("ngram" if "ngram" in speculate else "draft") and row["backend"] == "cpu"
@@ -91,8 +91,8 @@ def test_bench_speculative_table(tmp_path):
     args = ["bench", str(path), "--speculate", "ngram", "-n", "16", "-r", "1", "--workloads", "code"]
     result = CliRunner().invoke(cli, args + ["--backend", "cpu"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    lines = result.output.strip().splitlines()
+    lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("| model | size | backend | precision | test | proposer | plain t/s |")
     assert lines[2].split("|")[5].strip() == "code tg16" and lines[2].split("|")[-2].strip() == "yes"
     bad = CliRunner().invoke(cli, args[:-1] + ["poem", "--backend", "cpu"])
-    assert bad.exit_code != 0 and "choose from quote, code, story" in str(bad.exception)
+    assert bad.exit_code == 2 and "choose from quote, code, story" in bad.output

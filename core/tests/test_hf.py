@@ -223,7 +223,7 @@ def test_cli_pull_then_generate_and_doctor_by_name(hub, tmp_path):
     hub.repos["someone/llama-GGUF"] = {"llama-tiny-Q4_K_M.gguf": data}
     runner = CliRunner()
     pulled = runner.invoke(cli, ["pull", "someone/llama-GGUF"], catch_exceptions=False)
-    assert pulled.exit_code == 0 and Path(pulled.output.strip()).read_bytes() == data
+    assert pulled.exit_code == 0 and Path(pulled.stdout.strip()).read_bytes() == data
     hub.requests.clear()
     args = [
         "generate",
@@ -241,9 +241,9 @@ def test_cli_pull_then_generate_and_doctor_by_name(hub, tmp_path):
     ]
     generated = runner.invoke(cli, args, catch_exceptions=False)
     assert generated.exit_code == 0, generated.output
-    assert json.loads(generated.output)["model"] == pulled.output.strip()
+    assert json.loads(generated.stdout)["model"] == pulled.stdout.strip()
     doctor = runner.invoke(cli, ["doctor", "-m", "someone/llama-GGUF:Q4_K_M", "--json"], catch_exceptions=False)
-    assert doctor.exit_code == 0 and json.loads(doctor.output)["model"]
-    listed = json.loads(runner.invoke(cli, ["list"]).output)
+    assert doctor.exit_code == 0 and json.loads(doctor.stdout)["model"]
+    listed = json.loads(runner.invoke(cli, ["list", "--json"]).stdout)
     assert [m["name"] for m in listed] == ["someone/llama-GGUF:Q4_K_M"]
     assert hub.requests == []  # every command found the pulled model by its name, offline

@@ -71,7 +71,7 @@ def smollm2():
 def run_cli(*args: str) -> dict:
     result = CliRunner().invoke(cli, ["perplexity", "default", "--backend", "cpu", "--json", *args])
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)
 
 
 def test_kl_against_llamacpp_f32(smollm2):

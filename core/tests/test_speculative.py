@@ -329,7 +329,7 @@ def test_cli_generate_speculates_with_the_same_output(model):
     for extra in ([], ["--speculate", "ngram"], ["--draft", path], ["--speculate", "off"]):
         result = CliRunner().invoke(cli, [*args, "--json", *extra], catch_exceptions=False)
         assert result.exit_code == 0, result.output
-        outputs.append(json.loads(result.output)["ids"])
+        outputs.append(json.loads(result.stdout)["ids"])
     assert all(ids == outputs[0] for ids in outputs)
     result = CliRunner().invoke(cli, [*args, "--speculate", "draft"])
     assert result.exit_code != 0 and "--draft" in result.output

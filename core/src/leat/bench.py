@@ -272,11 +272,13 @@ def bench(
     kv: str = "f16",
     batch_prompt: int = 8,
     profile: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per test: ``model``, ``size`` (bytes), ``params``, ``backend``, ``precision``, ``test``,
     ``n_tokens``, ``repetitions``, ``rates`` and ``tokens_per_second`` with ``stdev``, and ``warmup_seconds``
     (the untimed first run). Batched decode tests give each request a prompt of ``batch_prompt`` tokens; with
-    ``profile`` their rows carry ``profile`` (:func:`profile_summary` of the last repetition)."""
+    ``profile`` their rows carry ``profile`` (:func:`profile_summary` of the last repetition). ``progress`` gets a
+    line of text as each test starts and ends."""
     base = _describe(model, model_name) | {"kv": kv}
     tests: list[tuple[str, int, Callable[[], int]]] = []
     tests += [(f"pp{n}", n, prefill(model, n, kv)) for n in prompt if n > 0]
@@ -287,7 +289,9 @@ def bench(
         (f"{label} x{c}", c * tg, batched_decode(model, c, tg, batch_prompt, kv, profile)) for c in concurrency if c > 0
     ]
     rows = []
-    for name, n, run in tests:
+    for index, (name, n, run) in enumerate(tests, 1):
+        if progress:
+            progress(f"{name} ({index}/{len(tests)}): {repetitions} runs after a warm-up")
         try:
             rates, warmup = measure(run, repetitions)
         finally:
@@ -305,6 +309,8 @@ def bench(
             }
             | ({"profile": profile_summary(run.profile)} if getattr(run, "profile", None) else {})
         )
+        if progress:
+            progress(f"{name} ({index}/{len(tests)}): {rows[-1]['tokens_per_second']:.2f} t/s")
     return rows
 
 

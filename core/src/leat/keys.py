@@ -5,6 +5,9 @@ with ``--file`` / ``leat serve --api-key-file``. It is written with mode 0600::
 
     {"keys": [{"name": "laptop", "sha256": "<hex of sha256(key)>", "prefix": "leat_Ab3x", "created": 1767225600}]}
 
+``leat serve --api-key-file`` also reads llama-server's format: the keys themselves, one per line (whitespace
+separates keys); such a file is read only.
+
 A key is ``leat_`` and 43 URL-safe characters (256 random bits), so a plain hash is enough: there
 is nothing to brute-force.
 """
@@ -38,16 +41,25 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def _plain_entry(line: int, key: str) -> dict[str, Any]:
+    return {"name": f"line {line}", "sha256": _digest(key), "prefix": key[:4], "created": None}
+
+
 class KeyStore:
     """The named key hashes in one keys file."""
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path).expanduser() if path else default_path()
         self.keys: list[dict[str, Any]] = []
+        self.plain = False  # a llama-server key list (one key per line), read only
         if self.path.exists():
             try:
-                data = json.loads(self.path.read_text())
-                self.keys = list(data["keys"])
+                text = self.path.read_text()
+                if text.lstrip().startswith("{"):
+                    self.keys = list(json.loads(text)["keys"])
+                else:
+                    self.plain = True
+                    self.keys = [_plain_entry(n, key) for n, key in enumerate(text.split(), 1)]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise LeatError(f"cannot read the keys file {self.path}: {e}; fix or remove it") from None
 
@@ -88,6 +100,8 @@ class KeyStore:
         return found
 
     def _save(self) -> None:
+        if self.plain:
+            raise LeatError(f"{self.path} is a list of keys, one per line (llama-server's format): edit it by hand")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".keys-")  # created 0600
         try:

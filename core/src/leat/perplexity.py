@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gzip
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ import numpy as np
 from leat.errors import LeatError
 
 MAGIC = b"_logits_"
+ChunkProgress = Callable[[int, int, float], None] | None
+"""``progress(chunks_done, chunks, running_perplexity)``, called after each chunk."""
 
 
 @dataclass
@@ -98,7 +101,9 @@ def _summary(nll: list[float]) -> dict[str, float]:
     return {"perplexity": math.exp(mean), "perplexity_stderr": math.exp(mean) * stderr, "mean_nll": mean}
 
 
-def perplexity(model: Any, tokens: list[int] | np.ndarray, ctx: int, chunks: int | None = None) -> dict[str, Any]:
+def perplexity(
+    model: Any, tokens: list[int] | np.ndarray, ctx: int, chunks: int | None = None, progress: ChunkProgress = None
+) -> dict[str, Any]:
     """Perplexity of ``model`` over ``tokens`` in chunks of ``ctx`` tokens, scoring each chunk's second half."""
     tokens = np.asarray(tokens, dtype=np.int64)
     available = len(tokens) // ctx
@@ -112,10 +117,14 @@ def perplexity(model: Any, tokens: list[int] | np.ndarray, ctx: int, chunks: int
         targets = ids[ctx // 2 + 1 :]
         nll.extend(-log_probs[np.arange(len(targets)), targets])
         per_chunk.append(math.exp(float(np.mean(nll))))
+        if progress:
+            progress(c + 1, n_chunk, per_chunk[-1])
     return {"ctx": ctx, "chunks": n_chunk, "tokens_scored": len(nll), "running_perplexity": per_chunk, **_summary(nll)}
 
 
-def kl_divergence(model: Any, base: KlBase, chunks: int | None = None) -> dict[str, Any]:
+def kl_divergence(
+    model: Any, base: KlBase, chunks: int | None = None, progress: ChunkProgress = None
+) -> dict[str, Any]:
     """Score ``model`` against a KL base: its perplexity on the base's tokens, KL(base || model) and top-1 agreement."""
     vocab = model.architecture.vocab_size
     if vocab != base.n_vocab:
@@ -133,6 +142,8 @@ def kl_divergence(model: Any, base: KlBase, chunks: int | None = None) -> dict[s
         kept = theirs > -16.0  # llama.cpp leaves out tokens whose base log-prob is below -16
         kld.extend(np.where(kept, np.exp(theirs) * (theirs - ours), 0.0).sum(axis=1))
         same_top.extend(ours.argmax(axis=1) == theirs.argmax(axis=1))
+        if progress:
+            progress(c + 1, n_chunk, math.exp(float(np.mean(nll))))
     kld_values = np.asarray(kld)
     ours_summary = _summary(nll)
     return {

@@ -11,8 +11,11 @@ HELP = """commands:
   /help            this help
   /system TEXT     set the system message (and start over)
   /reset           forget the conversation
-  /bye             quit (or Ctrl-D)
-  \"\"\"              start or end a multi-line message"""
+  /exit            quit (also /bye, /quit, exit, quit, or Ctrl-D)
+  \"\"\"              start or end a multi-line message
+keys: arrows recall earlier messages (kept in LEAT_HOME/history); Ctrl-C clears the line or stops an answer"""
+QUIT = ("/bye", "/exit", "/quit", "exit", "quit")
+HISTORY_LINES = 1000
 
 
 def _stream(model, messages: list[dict[str, Any]], max_tokens: int, sampling: dict, verbose: bool) -> str:
@@ -42,31 +45,68 @@ def answer_once(model, prompt: str, system: str | None, max_tokens: int, samplin
     _stream(model, _start(system) + [{"role": "user", "content": prompt.strip()}], max_tokens, sampling, verbose)
 
 
-def _read_message() -> str | None:
-    try:
-        line = input(">>> ")
-    except EOFError:
-        return None
-    if line.strip() != '"""':
-        return line
-    lines = []
+def _line(prompt: str) -> str | None:
+    """One line read with editing and history (readline); Ctrl-C clears it and asks again; None at end of input."""
     while True:
         try:
-            line = input("... ")
+            return input(prompt)
         except EOFError:
-            break
-        if line.strip() == '"""':
-            break
+            return None
+        except KeyboardInterrupt:
+            click.echo("^C", err=True)
+
+
+def _read_message() -> str | None:
+    line = _line(">>> ")
+    if line is None or line.strip() != '"""':
+        return line
+    lines = []
+    while (line := _line("... ")) is not None and line.strip() != '"""':
         lines.append(line)
     return "\n".join(lines)
 
 
+def _history() -> Any:
+    """Turn on line editing and load the history file; returns a function that saves it."""
+    try:
+        import readline
+    except ImportError:  # Windows without pyreadline: plain input()
+        return lambda: None
+    from leat.pull import cache_dir
+
+    path = cache_dir() / "history"
+    readline.set_history_length(HISTORY_LINES)
+    try:
+        readline.read_history_file(path)
+    except OSError:  # none yet
+        pass
+
+    def save() -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError as e:
+            click.echo(f"note: history not saved ({e})", err=True)
+
+    return save
+
+
 def chat_loop(model, system: str | None, max_tokens: int, sampling: dict, verbose: bool) -> None:
-    click.echo(f"leat: chatting with {model.file.name} on {model.backend.name}; /help for commands", err=True)
+    from leat.cli_models import model_label
+
+    click.echo(f"leat: chatting with {model_label(model.file.path)} on {model.backend.name}; /help", err=True)
+    save_history = _history()
+    try:
+        _converse(model, system, max_tokens, sampling, verbose)
+    finally:
+        save_history()
+
+
+def _converse(model, system: str | None, max_tokens: int, sampling: dict, verbose: bool) -> None:
     messages = _start(system)
     while True:
         text = _read_message()
-        if text is None or text.strip() in ("/bye", "/exit", "/quit"):
+        if text is None or text.strip() in QUIT:
             click.echo(err=True)
             return
         command, _, rest = text.strip().partition(" ")

@@ -47,7 +47,7 @@ class ServeOptions:
     receipt_key: str | None = None
     alias: str | None = None
     tool_parser: str | None = None
-    log_level: str = "warning"
+    log_level: str = "info"  # info: a line per request with its timings (leat_server.requestlog)
     api_workers: int = 0  # 0: HTTP and the engine in this process; N: an engine process and N API processes
 
     def engine_options(self) -> EngineOptions:
@@ -121,17 +121,24 @@ def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tup
     return build_app(options, model, engine, keys, log), engine
 
 
-def serve(options: ServeOptions, load_model: Any) -> None:
-    import uvicorn
+def open_keys(options: ServeOptions) -> Any:
+    """The keys the server will check; refuses a missing --api-key-file, and a remote bind without keys."""
     from leat.keys import KeyStore
 
-    keys = KeyStore(options.api_key_file)
     if options.api_key_file and not Path(options.api_key_file).expanduser().exists():
         raise LeatError(
             f"--api-key-file {options.api_key_file} does not exist; make it with "
             f"`leat keys add NAME --file {options.api_key_file}`"
         )
+    keys = KeyStore(options.api_key_file)
     check_bind(options.host, keys)
+    return keys
+
+
+def serve(options: ServeOptions, load_model: Any) -> None:
+    import uvicorn
+
+    keys = open_keys(options)
     where = f"http://{'[' + options.host + ']' if ':' in options.host else options.host}:{options.port}"
     if options.api_workers > 0:
         serve_processes(options, load_model, where, keys)
@@ -144,7 +151,7 @@ def serve(options: ServeOptions, load_model: Any) -> None:
     sys.setswitchinterval(0.0005)
     engine.start()
     print(
-        f"leat: serving {Path(model.file.path).name} on {where} ({engine.plan}; keys {'on' if keys else 'off'})",
+        f"leat: serving {Path(model.file.path).stem} on {where} ({engine.plan}; keys {'on' if keys else 'off'})",
         flush=True,
     )
     config = uvicorn.Config(
@@ -152,7 +159,7 @@ def serve(options: ServeOptions, load_model: Any) -> None:
         host=options.host,
         port=options.port,
         log_level=options.log_level,
-        access_log=options.log_level in ("info", "debug"),
+        access_log=False,  # leat_server.requestlog logs requests, with timings
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
@@ -164,14 +171,17 @@ def serve(options: ServeOptions, load_model: Any) -> None:
 
 def serve_processes(options: ServeOptions, load_model: Any, where: str, keys: Any) -> None:
     """``--api-workers N``: the engine in a process of its own, N API frontend processes (leat_server.processes)."""
+    from leat.pull import resolve
+
     from leat_server.processes import Supervisor
 
     supervisor = Supervisor(options, load_model, options.api_workers)
+    name = options.alias or resolve(options.model, pull=False).stem
 
     def announce(plan: str) -> None:
         workers = ", ".join(str(p.pid) for p in supervisor.frontends)
         print(
-            f"leat: serving {Path(options.model).name} on {where} ({plan}; keys {'on' if keys else 'off'}; "
+            f"leat: serving {name} on {where} ({plan}; keys {'on' if keys else 'off'}; "
             f"engine process {supervisor.engine.pid}, API workers {workers})",
             flush=True,
         )

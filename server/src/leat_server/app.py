@@ -31,6 +31,7 @@ from litestar.response import Stream
 
 from leat_server import anthropic_api, openai_api, responses_api
 from leat_server.errors import APIError, bad_request, from_msgspec
+from leat_server.requestlog import request_log
 from leat_server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -395,6 +396,7 @@ def create_app(
         request_max_body_size=MAX_BODY,
         on_startup=[start_sweeping],
         on_shutdown=[stop_sweeping],
+        middleware=[request_log],
     )
     _describe_bodies(app, bodies)
     app.state.service = service

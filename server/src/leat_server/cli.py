@@ -1,82 +1,127 @@
-"""The commands leat-server adds to ``leat`` (through the ``register_commands`` hook): ``serve`` and ``receipts``."""
+"""The commands leat-server adds to ``leat`` (through the ``register_commands`` hook): ``serve`` and ``receipts``.
+
+``serve`` takes llama-server's and vLLM's names for the options they share (``-c/--ctx-size``,
+``--max-model-len``, ``-np/--parallel``, ``--max-num-seqs``, ``-ctk/-ctv``, ``--kv-cache-dtype``, ``--api-key``,
+``-t/--threads``).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import click
-from leat.cli import (
-    _load,
-    _select_plugins,
-    _speculate,
+from leat.cli import _load, _select_plugins, _speculate, _threads
+from leat.cli_options import (
+    _registered,
     backend_option,
+    default_kv,
+    kv_option,
+    model_argument,
     plugins_option,
     precision_option,
     speculate_options,
+    threads_option,
 )
+from leat.cli_progress import say
 from leat.errors import LeatError
 
 from leat_server import ServeOptions
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
 
 @click.command()
-@click.argument("model_name", metavar="MODEL", default="default")
+@model_argument()
 @click.option(
     "--host", default=ServeOptions.host, show_default=True, help="address to listen on (non-loopback needs API keys)"
 )
-@click.option("--port", default=ServeOptions.port, show_default=True, type=int)
-@click.option("--api-key-file", default=None, help="keys file (default: the one `leat keys` writes, if it has keys)")
+@click.option("--port", default=ServeOptions.port, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--api-key",
+    "api_keys",
+    multiple=True,
+    metavar="KEY",
+    help="a key clients must send (repeatable; llama-server's --api-key). `leat keys add` makes named ones",
+)
+@click.option(
+    "--api-key-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="keys file: one key per line (llama-server's format) or the file `leat keys` writes "
+    "[default: LEAT_HOME/keys.json, if it has keys]",
+)
 @click.option(
     "--allow-origin", "allow_origins", multiple=True, help="a browser origin allowed to call the server (* = any)"
 )
 @click.option(
-    "--batch-size", default=ServeOptions.batch_size, show_default=True, type=int, help="requests decoded together"
+    "--batch-size",
+    "-np",
+    "--parallel",
+    "--max-num-seqs",
+    "batch_size",
+    default=ServeOptions.batch_size,
+    show_default=True,
+    type=click.IntRange(1),
+    help="requests decoded together",
 )
 @click.option(
     "--max-context",
+    "-c",
+    "--ctx-size",
+    "--max-model-len",
+    "max_context",
     default=ServeOptions.max_context,
-    type=int,
+    type=click.IntRange(1),
     help="tokens per request (default: what fits, up to the model's)",
 )
-@click.option("--kv", default=ServeOptions.kv, show_default=True, help="KV cache storage: f32, f16, q8_0")
+@kv_option
 @click.option(
     "--kv-full-windows",
+    "--swa-full",
+    "kv_full_windows",
     is_flag=True,
-    help="sliding-window layers keep KV for the whole context, not just their window (llama.cpp's --swa-full)",
+    help="sliding-window layers keep KV for the whole context, not just their window",
 )
 @click.option(
     "--max-queue",
     default=ServeOptions.max_queue,
     show_default=True,
-    type=int,
+    type=click.IntRange(0),
     help="requests waiting beyond the free batch slots, then 429",
 )
 @click.option(
     "--prefill-chunk",
     default=ServeOptions.prefill_chunk,
     show_default=True,
-    type=int,
+    type=click.IntRange(1),
     help="prompt tokens per scheduler step",
 )
 @click.option(
     "--session-store",
     default=ServeOptions.session_store,
+    type=click.Path(file_okay=False),
     help="directory where sessions are hibernated and kept across restarts",
 )
 @click.option(
     "--max-sessions",
     default=ServeOptions.max_sessions,
     show_default=True,
-    type=int,
+    type=click.IntRange(0),
     help="sessions kept; the least recently used go first",
 )
 @click.option(
     "--session-ttl",
     default=ServeOptions.session_ttl,
     show_default=True,
-    type=float,
+    type=click.FloatRange(0, min_open=True),
     metavar="SEC",
     help="an unused session is dropped",
 )
@@ -84,7 +129,7 @@ from leat_server import ServeOptions
     "--session-store-mb",
     default=ServeOptions.session_store_mb,
     show_default=True,
-    type=int,
+    type=click.IntRange(0),
     metavar="MB",
     help="session files kept in --session-store (least recently used removed)",
 )
@@ -92,19 +137,31 @@ from leat_server import ServeOptions
     "--template-timeout",
     default=ServeOptions.template_timeout,
     show_default=True,
-    type=float,
+    type=click.FloatRange(0, min_open=True),
     metavar="SEC",
     help="most a chat template may take to render one prompt",
 )
 @click.option("--receipts", is_flag=True, help="sign a receipt for every response (key in LEAT_HOME/receipts)")
-@click.option("--receipt-key", default=None, help="Ed25519 private key file for receipts (made if missing)")
-@click.option("--alias", default=None, help="model id clients see (default: the GGUF file name)")
+@click.option(
+    "--receipt-key",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Ed25519 private key file for receipts (made if missing)",
+)
+@click.option("--alias", default=None, help="model id clients see (default: the GGUF file's stem)")
 @click.option(
     "--tool-parser",
     default=None,
+    callback=_registered("chat_formats", "tool-call format"),
     help="tool-call format: a chat format a loaded plugin registers (leat plugins lists them)",
 )
-@click.option("--log-level", default=ServeOptions.log_level, show_default=True, help="uvicorn log level")
+@click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS),
+    default=ServeOptions.log_level,
+    show_default=True,
+    help="info logs each request with its timings",
+)
 @click.option(
     "--api-workers",
     default=ServeOptions.api_workers,
@@ -114,24 +171,70 @@ from leat_server import ServeOptions
 )
 @backend_option
 @precision_option
+@threads_option
 @plugins_option
 @speculate_options
-def serve(model_name, backend, precision, plugin_names, speculate, draft, **options) -> None:
+def serve(model_name, backend, precision, threads, plugin_names, speculate, draft, api_keys, **options) -> None:
     """Serve MODEL over HTTP: OpenAI and Anthropic APIs (see docs/api.md)."""
+    from leat.cli_models import model_label, running_server
+    from leat.cli_progress import transfer
+    from leat.pull import resolve
+
+    from leat_server import open_keys
     from leat_server import serve as run_server
 
+    if api_keys and options["api_key_file"]:
+        raise click.UsageError("give --api-key or --api-key-file, not both")
     _select_plugins(plugin_names)
+    _threads(threads)
     options["allow_origins"] = list(options["allow_origins"])
+    options["kv"] = options["kv"] or default_kv(precision)
     opts = ServeOptions(model=model_name, backend=backend, precision=precision, **options)
-    # a function the engine process can run too (--api-workers: it is started afresh, not forked)
-    run_server(opts, functools.partial(load_model, model_name, backend, precision, speculate, draft, plugin_names))
+    with _key_file(api_keys) as key_file:
+        opts.api_key_file = key_file or opts.api_key_file
+        open_keys(opts)  # before a pull: a server that would be refused should not fetch its model first
+        path = resolve(model_name, progress=transfer())
+        where = f"http://{'[' + opts.host + ']' if ':' in opts.host else opts.host}:{opts.port}"
+        record = {"model": opts.alias or model_label(path), "path": str(path), "address": where}
+        with running_server(record | {"size": path.stat().st_size}):
+            # a function the engine process can run too (--api-workers: it is started afresh, not forked)
+            load = functools.partial(
+                load_model, model_name, backend, precision, threads, speculate, draft, plugin_names
+            )
+            run_server(opts, load)
 
 
-def load_model(model_name, backend, precision, speculate, draft, plugin_names) -> Any:
+def load_model(model_name, backend, precision, threads, speculate, draft, plugin_names) -> Any:
+    from leat.cli_models import model_label
+
     _select_plugins(plugin_names)
-    model = _load(model_name, backend, precision)
+    _threads(threads)
+    start = time.perf_counter()
+    say(f"leat: loading {model_name}")
+    model = _load(model_name, backend, precision, threads)
     _speculate(model, speculate, draft)
+    described = model.backend.describe()
+    say(
+        f"leat: loaded {model_label(model.file.path)} on {described['backend']} ({described['precision']}) "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
     return model
+
+
+@contextlib.contextmanager
+def _key_file(keys: tuple[str, ...]) -> Iterator[str | None]:
+    """``--api-key`` values in a private file of llama-server's format (one key per line) while the server runs,
+    so the engine and API processes read them as they read ``--api-key-file``."""
+    if not keys:
+        yield None
+        return
+    fd, path = tempfile.mkstemp(prefix="leat-keys-", suffix=".txt")  # created 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(keys) + "\n")
+        yield path
+    finally:
+        Path(path).unlink(missing_ok=True)
 
 
 @click.group()
@@ -153,8 +256,6 @@ def receipts() -> None:
 )
 def receipts_verify(receipt: str, public_key: str, text_file: str | None) -> None:
     """Check RECEIPT (a receipt, or a response body carrying one) against the server's public key."""
-    from pathlib import Path
-
     from leat_server.receipts import load_public_key, verify
 
     with click.open_file(receipt, "r") as f:

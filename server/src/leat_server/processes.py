@@ -74,7 +74,7 @@ def frontend_main(options: Any, sock: socket.socket, address: str, authkey: byte
     config = uvicorn.Config(
         app,
         log_level=options.log_level,
-        access_log=options.log_level in ("info", "debug"),
+        access_log=False,  # leat_server.requestlog logs requests, with timings
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
