@@ -1,4 +1,5 @@
-"""The CPU backend's weights equal gguf-py's dequantization for every type it accepts."""
+"""The CPU backend's dequantized weights (the reference paths) equal gguf-py's dequantization for every type it
+accepts; test_cpu_quantized.py checks the weights it keeps quantized."""
 
 import gguf
 import numpy as np
@@ -28,7 +29,7 @@ def test_upload_equals_gguf_dequantize(qtype, precision):
     data = random_blocks(qtype, rows, cols, rng)
     stored = data if data.dtype == np.uint8 else data.view(np.uint8).reshape(rows, -1)
     expected = gguf.quants.dequantize(stored, qtype).reshape(rows, cols)
-    backend = CPUBackend(precision)
+    backend = CPUBackend(precision, weights="dequantized")
     weight = backend.upload(Tensor("w", qtype, (rows, cols), stored))
     assert weight.shape == (rows, cols) and weight.dtype == backend.dtype
     np.testing.assert_array_equal(weight, expected.astype(backend.dtype))

@@ -25,7 +25,8 @@ from leat.modelfile import Tensor
 from leat.moe import MoESpec, MoEWeights, activate, route
 from threadpoolctl import ThreadpoolController
 
-from leat_backend_cpu import ggml_activations
+from leat_backend_cpu import ggml_activations, quantized
+from leat_backend_cpu.quantized import QuantizedWeight
 
 Q = gguf.GGMLQuantizationType
 SINGLE_THREAD_ROWS = 8
@@ -79,17 +80,35 @@ class CPUBackend(Backend):
             raise ValueError(f"cpu backend activations must be f32, or ggml at precision f32, not {self.activations!r}")
         # activations="ggml": id(uploaded weight) -> (the weight, its activation rounding, Q4_1/Q5_1 block minimums)
         self._ggml_products: dict[int, tuple[np.ndarray, Any, np.ndarray | None]] = {}
+        self.threads = int(options.get("threads") or os.environ.get("LEAT_THREADS") or len(os.sched_getaffinity(0)))
+        if self.threads < 1:
+            raise ValueError(f"cpu backend threads must be at least 1, not {self.threads}")
+        default = "quantized" if precision == "f32" and self.activations == "f32" else "dequantized"
+        self.weights = options.get("weights", default)
+        if self.weights not in ("quantized", "dequantized") or (self.weights == "quantized" and default != "quantized"):
+            raise ValueError(
+                f"cpu backend weights must be dequantized, or quantized at precision f32 with f32 activations, "
+                f"not {self.weights!r}"
+            )
+        if self.weights == "quantized" and quantized.unavailable():
+            self.weights = "dequantized"  # no C compiler here: today's path, which describe() reports
 
     def describe(self) -> dict[str, Any]:
-        described = {"backend": self.name, "precision": self.precision, "threads": os.cpu_count()}
+        described = {"backend": self.name, "precision": self.precision, "threads": self.threads}
+        if self.precision == "f32":
+            described["weights"] = self.weights
         return described | ({"activations": "ggml"} if self.activations == "ggml" else {})
 
     # -- memory -------------------------------------------------------------------------------------
-    def upload(self, tensor: Tensor) -> np.ndarray:
+    def upload(self, tensor: Tensor) -> np.ndarray | QuantizedWeight:
         if tensor.qtype not in self.quant_types:
             raise UnsupportedQuantType(
                 f"tensor {tensor.name} is {tensor.qtype.name}, which the cpu backend cannot dequantize"
             )
+        if self.weights == "quantized" and tensor.qtype in quantized.KERNEL_TYPES and len(tensor.shape) == 2:
+            weight = QuantizedWeight(tensor.qtype, tensor.shape, tensor.data)
+            self._count(tensor.qtype, weight.nbytes)
+            return weight
         values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.qtype).reshape(tensor.shape)
         values = np.ascontiguousarray(values, dtype=self.dtype)
         rounding = ggml_activations.rounding_for(tensor.qtype)
@@ -98,10 +117,12 @@ class CPUBackend(Backend):
             if rounding is ggml_activations.q8_1:
                 minimums = ggml_activations.block_minimums(tensor.data, tensor.qtype, tensor.shape)
             self._ggml_products[id(values)] = (values, rounding, minimums)
-        self.allocations.weights += values.nbytes
-        kind = tensor.qtype.name
-        self.allocations.by_type[kind] = self.allocations.by_type.get(kind, 0) + values.nbytes
+        self._count(tensor.qtype, values.nbytes)
         return values
+
+    def _count(self, qtype: gguf.GGMLQuantizationType, nbytes: int) -> None:
+        self.allocations.weights += nbytes
+        self.allocations.by_type[qtype.name] = self.allocations.by_type.get(qtype.name, 0) + nbytes
 
     def allocate_kv(self, layouts, slots, context, pages=None, page_size=16, dtype="f32", groups=None) -> KVCache:
         if dtype not in ("f32", "f16", "q8_0"):
@@ -148,10 +169,15 @@ class CPUBackend(Backend):
         return np.asarray(x)
 
     # -- ops -----------------------------------------------------------------------------------------
-    def embed(self, weight: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def embed(self, weight: np.ndarray | QuantizedWeight, tokens: np.ndarray) -> np.ndarray:
+        if isinstance(weight, QuantizedWeight):
+            return quantized.rows(weight, tokens, self.threads)
         return weight[tokens]
 
-    def matmul(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    def matmul(self, x: np.ndarray, weight: np.ndarray | QuantizedWeight, bias: np.ndarray | None = None) -> np.ndarray:
+        if isinstance(weight, QuantizedWeight):
+            y = quantized.matmul(x, weight, self.threads)
+            return y + bias if bias is not None else y
         ggml = self._ggml_products.get(id(weight))
         if ggml is not None and ggml[0] is weight:
             # as ggml's CPU matmul: x rounded to the weight's vec_dot_type, then the product in float

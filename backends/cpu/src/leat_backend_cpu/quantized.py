@@ -1,0 +1,170 @@
+"""Products with quantized weights kept as GGUF blocks: the C kernels in ``kernels/quants.c``, compiled on first use.
+
+The source is compiled with the system's C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``)
+into ``$LEAT_HOME/cpu`` (default ``~/.cache/leat/cpu``), keyed by the source, the flags, the compiler's version and
+the CPU's feature flags, so a second start compiles nothing. A few activation rows (decode) go through ``gemv``:
+each weight row's blocks are decoded in registers and multiplied in float32. More rows (a prompt) go through
+tiles: a tile of weight rows is decoded to float32 and multiplied by BLAS, so the float32 copy never exceeds a
+tile. :func:`unavailable` says why the kernels cannot be built here (the backend then dequantizes at upload).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+Q = gguf.GGMLQuantizationType
+KERNEL_TYPES = {
+    Q.Q4_0: "q4_0",
+    Q.Q4_1: "q4_1",
+    Q.Q5_0: "q5_0",
+    Q.Q5_1: "q5_1",
+    Q.Q8_0: "q8_0",
+    Q.MXFP4: "mxfp4",
+    Q.IQ4_NL: "iq4_nl",
+    Q.Q2_K: "q2_k",
+    Q.Q3_K: "q3_k",
+    Q.Q4_K: "q4_k",
+    Q.Q5_K: "q5_k",
+    Q.Q6_K: "q6_k",
+    Q.IQ4_XS: "iq4_xs",
+}
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-pthread",
+    "-shared",
+    "-fPIC",
+    # vectorised sums need reassociation; inf and nan keep their meaning (no -ffinite-math-only)
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-ffp-contract=fast",
+)
+GEMV_ROWS = 8  # activation rows up to which a product decodes blocks in registers
+TILE_BYTES = 1 << 20  # float32 bytes of weight rows decoded at once for a prompt's BLAS product
+
+
+@dataclass(eq=False)
+class QuantizedWeight:
+    """A 2-D GGUF tensor as stored: ``blocks`` [rows, bytes per row] (the file's mmapped bytes, not a copy)."""
+
+    qtype: Q
+    shape: tuple[int, int]
+    blocks: np.ndarray
+    address: int = field(init=False)
+
+    def __post_init__(self):
+        self.blocks = np.ascontiguousarray(self.blocks).view(np.uint8).reshape(self.shape[0], -1)
+        self.address = self.blocks.ctypes.data
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+
+def cache_dir() -> Path:
+    home = os.environ.get("LEAT_HOME")
+    return Path(home) / "cpu" if home else Path.home() / ".cache" / "leat" / "cpu"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The compiled kernels, built on the first call of this process or loaded from the cache."""
+    compiler = _compiler()
+    if compiler is None:
+        raise OSError(f"no C compiler ({os.environ.get('CC', 'cc')}) to build the quantized kernels")
+    source = resources.files("leat_backend_cpu").joinpath("kernels", "quants.c").read_text()
+    version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([source, *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:24]
+    path = cache_dir() / f"quants-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            (Path(tmp) / "quants.c").write_text(source)
+            built = Path(tmp) / "quants.so"
+            command = [compiler, *FLAGS, "quants.c", "-o", built.name]
+            result = subprocess.run(command, check=False, cwd=tmp, capture_output=True)
+            if result.returncode != 0:
+                raise OSError(f"{compiler} could not build the quantized kernels:\n{result.stderr.decode()}")
+            os.replace(built, path)  # atomic: another process may be building the same file
+    lib = ctypes.CDLL(str(path))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for name in KERNEL_TYPES.values():
+        getattr(lib, f"gemv_{name}").argtypes = [p, i64, i64, p, i64, p, i32]
+        getattr(lib, f"dequant_{name}").argtypes = [p, p, i64, i64, p, i32]
+    return lib
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """None when the kernels are built and loaded, else why not."""
+    try:
+        library()
+    except OSError as e:
+        return str(e)
+    return None
+
+
+def _kernel(kind: str, weight: QuantizedWeight):
+    return getattr(library(), f"{kind}_{KERNEL_TYPES[weight.qtype]}")
+
+
+def matmul(x: np.ndarray, weight: QuantizedWeight, threads: int) -> np.ndarray:
+    """x [n, k] float32 times the transpose of ``weight`` [m, k]: -> [n, m] float32."""
+    x = np.ascontiguousarray(x, np.float32)
+    (n, k), m = x.shape, weight.shape[0]
+    y = np.empty((n, m), np.float32)
+    if n <= GEMV_ROWS:
+        _kernel("gemv", weight)(weight.address, m, k, x.ctypes.data, n, y.ctypes.data, threads)
+        return y
+    tile = max(1, min(m, TILE_BYTES // (4 * k)))
+    decoded = np.empty((tile, k), np.float32)
+    dequant = _kernel("dequant", weight)
+    for first in range(0, m, tile):
+        rows = min(tile, m - first)
+        dequant(weight.address + first * weight.blocks.shape[1], None, rows, k, decoded.ctypes.data, threads)
+        np.matmul(x, decoded[:rows].T, out=y[:, first : first + rows])
+    return y
+
+
+def dequantize(weight: QuantizedWeight, threads: int) -> np.ndarray:
+    """All of ``weight`` as float32 [m, k]."""
+    out = np.empty(weight.shape, np.float32)
+    _kernel("dequant", weight)(weight.address, None, weight.shape[0], weight.shape[1], out.ctypes.data, threads)
+    return out
+
+
+def rows(weight: QuantizedWeight, ids: np.ndarray, threads: int) -> np.ndarray:
+    """Rows ``ids`` of ``weight`` as float32 [len(ids), k] (an embedding lookup)."""
+    ids = np.ascontiguousarray(ids, np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= weight.shape[0]):
+        raise IndexError(f"row ids must be in [0, {weight.shape[0]}), not {ids.min()}..{ids.max()}")
+    out = np.empty((len(ids), weight.shape[1]), np.float32)
+    _kernel("dequant", weight)(weight.address, ids.ctypes.data, len(ids), weight.shape[1], out.ctypes.data, threads)
+    return out

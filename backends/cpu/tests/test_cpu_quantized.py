@@ -1,0 +1,134 @@
+"""The quantized kernels against gguf-py's dequantization, float64 products, and the float64 oracle on tiny models."""
+
+import gguf
+import numpy as np
+import pytest
+from leat.modelfile import Tensor
+from leat_backend_cpu import quantized
+from leat_backend_cpu.backend import CPUBackend
+from leat_backend_cpu.quantized import KERNEL_TYPES, QuantizedWeight
+
+Q = gguf.GGMLQuantizationType
+TYPES = sorted(KERNEL_TYPES, key=int)
+gguf_quantize = gguf.quants.quantize  # the tiny-model test replaces it for the types gguf-py cannot quantize
+# byte offsets of the f16 scales in a block of each type gguf-py cannot quantize (its dequantize_blocks' splits)
+SCALE_OFFSETS = {
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+}
+
+pytestmark = pytest.mark.skipif(quantized.unavailable() is not None, reason=f"{quantized.unavailable()}")
+
+
+def valid_blocks(values: np.ndarray, qtype: Q, seed: int = 0) -> np.ndarray:
+    """Stored bytes for a [rows, cols] tensor: gguf-py's quantization of ``values`` where it has one, else random
+    blocks whose f16 scales (at SCALE_OFFSETS) are at most 2.5e-4, so that every value is finite and below about 1."""
+    try:
+        return gguf_quantize(values, qtype).view(np.uint8).reshape(values.shape[0], -1)
+    except NotImplementedError:
+        pass
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    count = values.size // block
+    blocks = rng.integers(0, 256, (count, size), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[qtype]:
+        scales = rng.uniform(0.2, 1, count) * rng.choice([-2.5e-4, 2.5e-4], count)
+        blocks[:, offset : offset + 2] = scales.astype(np.float16).view(np.uint8).reshape(count, 2)
+    return blocks.reshape(values.shape[0], -1)
+
+
+def weight(qtype: Q, rows: int, cols: int, seed: int = 0) -> tuple[QuantizedWeight, np.ndarray]:
+    """A quantized weight and gguf-py's float64 values of it."""
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    stored = valid_blocks(values, qtype, seed)
+    exact = gguf.quants.dequantize(stored, qtype).reshape(rows, cols).astype(np.float64)
+    return QuantizedWeight(qtype, (rows, cols), stored), exact
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_decoded_blocks_equal_gguf_dequantize(qtype):
+    w, exact = weight(qtype, 24, 512)
+    np.testing.assert_array_equal(quantized.dequantize(w, threads=2), exact.astype(np.float32))
+    ids = np.array([7, 0, 23, 7])
+    np.testing.assert_array_equal(quantized.rows(w, ids, threads=2), exact[ids].astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [1, 3, 40])  # decode rows (blocks decoded in registers) and a prompt (tiles + BLAS)
+def test_products_follow_float64(qtype, n):
+    w, exact = weight(qtype, 300, 768)
+    x = np.random.default_rng(1).standard_normal((n, 768)).astype(np.float32)
+    want = x.astype(np.float64) @ exact.T
+    got = quantized.matmul(x, w, threads=2)
+    assert got.dtype == np.float32 and got.shape == (n, 300)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def test_decode_rows_do_not_depend_on_the_batch_or_threads():
+    w, _ = weight(Q.Q4_K, 200, 512)
+    x = np.random.default_rng(2).standard_normal((5, 512)).astype(np.float32)
+    together = quantized.matmul(x, w, threads=2)
+    alone = np.concatenate([quantized.matmul(x[i : i + 1], w, threads=1) for i in range(5)])
+    np.testing.assert_array_equal(together, alone)
+
+
+def test_rows_out_of_range_are_an_error():
+    w, _ = weight(Q.Q8_0, 4, 64)
+    with pytest.raises(IndexError, match=r"\[0, 4\)"):
+        quantized.rows(w, np.array([4]), threads=1)
+
+
+def test_upload_keeps_the_file_blocks():
+    stored = valid_blocks(np.ones((8, 256), np.float32), Q.Q4_1)
+    backend = CPUBackend("f32")
+    uploaded = backend.upload(Tensor("w", Q.Q4_1, (8, 256), stored))
+    assert isinstance(uploaded, QuantizedWeight) and np.shares_memory(uploaded.blocks, stored)
+    assert backend.allocations.weights == stored.nbytes
+    reference = CPUBackend("f32", weights="dequantized").upload(Tensor("w", Q.Q4_1, (8, 256), stored))
+    assert isinstance(reference, np.ndarray) and reference.dtype == np.float32
+
+
+def test_options():
+    assert CPUBackend("f32", threads=3).describe() == {
+        "backend": "cpu",
+        "precision": "f32",
+        "threads": 3,
+        "weights": "quantized",
+    }
+    assert "weights" not in CPUBackend("f64").describe()
+    with pytest.raises(ValueError, match="weights"):
+        CPUBackend("f64", weights="quantized")
+    with pytest.raises(ValueError, match="threads"):
+        CPUBackend("f32", threads=-1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_tiny_llama_agrees_with_the_float64_oracle(qtype, tmp_path, monkeypatch):
+    """A tiny random llama with every matrix in ``qtype``: the quantized path's logits against float64's."""
+    from leat.compare import compare
+    from leat.model import Model
+    from leat.modelfile import ModelFile
+    from leat.testing import write_tiny_gguf
+
+    llama = pytest.importorskip("leat_arch_llama.llama").Llama
+    params = llama.tiny(width=256, ffn=512, heads=4, kv_heads=2, head_dim=64)  # rows that hold 256-value blocks
+    monkeypatch.setattr(gguf.quants, "quantize", valid_blocks)
+    path = write_tiny_gguf(llama, tmp_path / f"tiny-{qtype.name}.gguf", qtype, params=params)
+    tokens = np.random.default_rng(0).integers(0, params.vocab, 40)
+
+    def logits(backend):
+        file = ModelFile(path)
+        model = Model(file, llama(file, backend), backend)
+        return model.logits(tokens, native=True).astype(np.float64)
+
+    fast = CPUBackend("f32")
+    reference, other = logits(CPUBackend("f64")), logits(fast)
+    assert fast.allocations.by_type.get(qtype.name), "no weight was kept quantized"
+    agreement = compare(reference, other, label=f"cpu quantized vs f64 on {qtype.name}")
+    failures = agreement.failures(top1=0.99, kl=1e-3)
+    assert not failures, f"{agreement}: {'; '.join(failures)}"
