@@ -2,7 +2,7 @@
 """The server against its own engine, in one run: what `leat serve` delivers under a streaming load, beside
 what `leat bench` decodes through the engine alone on the same file.
 
-    python scripts/serve_vs_engine.py MODEL --backend cuda --load path/to/load_openai.py \\
+    python scripts/serve_vs_engine.py MODEL --backend cuda --load scripts/bench/load_openai.py \\
         --serve "64:1,64" --serve "256:256" --bench "--concurrency 1,8,32,64 -n 128 --batch-prompt 128 -r 1"
 
 Each ``--serve BATCH:C1,C2`` starts ``leat serve MODEL --batch-size BATCH`` (with ``--serve-args``), times
