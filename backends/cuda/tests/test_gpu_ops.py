@@ -105,6 +105,38 @@ def test_large_activations_do_not_overflow_the_f16_gemm(cuda, oracle):
         assert relative_error(got[row], want[row]) < 2e-3
 
 
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+def test_matmul_through_cublas(cuda, oracle, qtype):
+    """Products of many tokens: the weight decoded to f16 rows, cuBLAS's f16 GEMM with float32 accumulation,
+    x's scales and the bias applied after; also in chunks of rows (a scratch smaller than the weight), and with
+    rows of x from 1e-6 to 1e6 (the f16 scaling)."""
+    from leat_backend_cuda import driver
+
+    if cuda.cublas is None:
+        pytest.skip(f"cuBLAS is not installed: {cuda.describe()['cublas']}")
+    rng = np.random.default_rng(2000 + int(qtype))
+    cols = 768 if quants.LAYOUTS[qtype].block == 256 else 96
+    rows, n = 75, 40
+    data = stored(qtype, rows, cols, rng)
+    weight = cuda.upload(Tensor("w", qtype, (rows, cols), data))
+    reference = oracle.upload(Tensor("w", qtype, (rows, cols), data))
+    bias = rng.standard_normal(rows)
+    x = rng.standard_normal((n, cols)) * np.logspace(-6, 6, n)[:, None]
+    want = oracle.matmul(x, reference, bias - bias)
+    scratch, threshold = cuda._f16_weights, cuda.cublas_min_tokens
+    try:
+        cuda.cublas_min_tokens = n
+        for rows_per_chunk in (rows, 16):
+            cuda._f16_weights = driver.Memory(rows_per_chunk * cols * 2)
+            got = cuda.to_host(cuda.matmul(cuda_array(cuda, x), weight))
+            for row in range(n):
+                assert relative_error(got[row], want[row]) < 2e-3
+        got = cuda.to_host(cuda.matmul(cuda_array(cuda, x[:1].repeat(n, 0)), weight, cuda_array(cuda, bias)))
+        assert relative_error(got, oracle.matmul(x[:1].repeat(n, 0), reference, bias)) < 2e-3
+    finally:
+        cuda._f16_weights, cuda.cublas_min_tokens = scratch, threshold
+
+
 def cuda_array(cuda, values):
     return cuda.from_host(values)
 

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 from leat.batch import Batch, Row
-from leat.modelfile import ModelFile
+from leat.modelfile import ModelFile, Tensor
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
 from leat_backend_cuda import driver
@@ -253,3 +253,43 @@ def test_q8_0_kv_and_top_k(fake, tmp_path):
     assert values.shape == ids.shape == (1, 40) and ids.dtype == np.int64
     assert "top_k_rows" in {f for f, _, _ in fake.launches}
     assert len(backend.read_pages(kv, [3])) == 4 * model.params.layers
+
+
+class RecordingCublas:
+    """cuBLAS's one call, recorded (the real library needs a GPU)."""
+
+    version = 0
+
+    def __init__(self):
+        self.calls: list[tuple[int, int, int, int, int, int, int]] = []
+
+    def gemm_f16(self, w, x, y, m, n, k, ldy):
+        self.calls.append((w, x, y, m, n, k, ldy))
+
+
+def test_products_of_many_tokens_go_to_cublas_a_chunk_of_rows_at_a_time(fake):
+    """From ``cublas_min_tokens`` tokens a product decodes the weight to f16 rows (at most the scratch's
+    worth per cuBLAS call), writes each chunk's columns of the output, then applies x's scales once."""
+    rng = np.random.default_rng(3)
+    rows, cols, n = 75, 256, 40
+    data = rng.standard_normal((rows, cols)).astype(np.float32)
+    backend = CUDABackend(use_cublas=False)
+    weight = backend.upload(Tensor("w", Q.Q8_0, (rows, cols), gguf.quants.quantize(data, Q.Q8_0)))
+    x = backend.from_host(rng.standard_normal((n, cols)))
+    backend.cublas = RecordingCublas()
+    backend._f16_weights = driver.Memory(20 * cols * 2)  # 20 rows a chunk: 20, 20, 20, 15
+    backend.cublas_min_tokens = n
+    fake.launches.clear()
+    out = backend.matmul(x, weight)
+    assert out.shape == (n, rows)
+    names = [f for f, _, _ in fake.launches]
+    assert sum(f.startswith("_Z14dequantize_f16I5TQ8_0") for f in names) == 4
+    assert names[0] == "x_to_f16" and names[-1] == "scale_rows_bias"
+    chunks = [(y - out.ptr) // 4 for _, _, y, _, _, _, _ in backend.cublas.calls]
+    assert chunks == [0, 20, 40, 60]
+    assert [c[3] for c in backend.cublas.calls] == [20, 20, 20, 15]
+    assert all(c[4:] == (n, cols, rows) and c[0] == backend._f16_weights.ptr for c in backend.cublas.calls)
+    fake.launches.clear()
+    backend.cublas.calls.clear()
+    backend.matmul(backend.from_host(rng.standard_normal((n - 1, cols))), weight)  # fewer: the own GEMM
+    assert not backend.cublas.calls and any(f.startswith("_Z4gemm") for f, _, _ in fake.launches)

@@ -14,6 +14,7 @@ buffers, and replays it afterwards: a step then costs one small upload and one l
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from leat.batch import Batch, Row
 from leat.errors import LeatError, UnsupportedQuantType
 from leat.modelfile import Tensor
 
-from leat_backend_cuda import compiler, driver, quants
+from leat_backend_cuda import compiler, cublas, driver, quants
 from leat_backend_cuda.driver import DeviceArray, Memory
 from leat_backend_cuda.mla import LatentAttentionOps
 from leat_backend_cuda.moe import ExpertOps
@@ -47,6 +48,7 @@ OPS_KERNELS = [
     "x_to_f16",
     "matmul_f32_naive",
     "splitk_sum",
+    "scale_rows_bias",
     "argmax_rows",
     "top_k_rows",
     "kv_write<float>",
@@ -78,6 +80,13 @@ TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 2
 LOGIT_BUCKETS = TOKEN_BUCKETS[: TOKEN_BUCKETS.index(64) + 1]
 # A prefill chunk in a graph attends token by token (no flash tiles): sum over chunks of tokens x last position
 # up to which that costs less than the eager path's Python (a 128-token chunk from position 1920)
+#: products of at least this many tokens go to cuBLAS where it is installed (cublas.py); fewer to the
+#: own kernels, which read each quantized weight once instead of decoding it to f16 first (on an H200 the
+#: two tie at 128 tokens a step and cuBLAS leads from 192)
+CUBLAS_MIN_TOKENS = 160
+#: f16 weight rows decoded per cuBLAS product: large enough that a layer's matrices go whole (few, large
+#: products beat chunks small enough to stay in L2; docs/benchmarks.md has the measurement)
+CUBLAS_SCRATCH_BYTES = 128 << 20
 FLAT_ATTENTION_BUDGET = 128 * 2048
 
 
@@ -188,6 +197,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         tensor_cores: bool = True,
         fuse: bool = True,
         poison: bool = False,
+        use_cublas: bool = True,
         **options: Any,
     ):
         if precision != "f32":
@@ -212,6 +222,11 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         self._capturing = False
         self.graph_failures: list[str] = []
         self.ops = self._module("ops", "ops.cu", OPS_KERNELS, {})
+        # products of at least cublas_min_tokens tokens: weights decoded to f16 rows in `_f16_weights`
+        # (a chunk of rows at a time), multiplied by cuBLAS (cublas.py); None: the own GEMM
+        self.cublas = cublas.Cublas(self.device) if use_cublas and tensor_cores and cublas.library() else None
+        self.cublas_min_tokens = CUBLAS_MIN_TOKENS
+        self._f16_weights = Memory(CUBLAS_SCRATCH_BYTES) if self.cublas else None
 
     def describe(self) -> dict[str, Any]:
         free, total = self.device.free_memory()
@@ -227,6 +242,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             "graphs": self.graphs,
             "tensor_cores": self.tensor_cores,
             "fuse": self.fuse,
+            "cublas": self.cublas.version if self.cublas else f"not used ({cublas.missing() or 'off'})",
         }
 
     def kv_budget_bytes(self) -> int:
@@ -257,7 +273,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
 
     def _empty(self, shape: tuple[int, ...], dtype: np.dtype = F32) -> DeviceArray:
         self.device.activate()
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         block = self._pool.take(nbytes)
         return DeviceArray(block.ptr, shape, dtype, block)
 
@@ -491,6 +507,9 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             smem = quants.gemv_q_smem(weight.qtype, n, k)
             if smem <= quants.GEMV_Q_MAX_SMEM:
                 return self._gemv_q(x, [(weight, bias)], out=out)[0]
+        if self.cublas is not None and n >= self.cublas_min_tokens and k % 8 == 0:
+            self._cublas_product(x, weight, bias, out, n, m, k)
+            return out
         if (n > quants.GEMV_MAX_TOKENS or layout.integer) and self.tensor_cores:
             kt = 256 if k % 256 == 0 else 32
             if kt == 256 or (layout.small_block and k % 32 == 0):  # else the float kernel
@@ -580,16 +599,39 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         )
         return outs
 
-    def _gemm(self, x, weight: Matrix, bias, out: DeviceArray, n: int, m: int, k: int, kt: int) -> None:
-        """The tensor-core GEMM, split over K when its tiles alone would leave most of the GPU idle."""
+    def _f16_rows(self, x: DeviceArray, n: int, k: int) -> tuple[DeviceArray, DeviceArray]:
+        """``x`` as f16 rows and their scales (x_to_f16), made once for the products that share it."""
         hit = self._halves.get(id(x))
         if hit is not None and hit[0] is x:  # q, k and v (gate and up) read the same activations
-            xh, xscale = hit[1], hit[2]
-        else:
-            xh = self._empty((n, k), U16)
-            xscale = self._empty((n,), F32)
-            self.ops["x_to_f16"]((n,), _threads(k), x, xh, xscale, k)
-            self._remember(self._halves, id(x), (x, xh, xscale), size=2)
+            return hit[1], hit[2]
+        xh = self._empty((n, k), U16)
+        xscale = self._empty((n,), F32)
+        self.ops["x_to_f16"]((n,), _threads(k), x, xh, xscale, k)
+        self._remember(self._halves, id(x), (x, xh, xscale), size=2)
+        return xh, xscale
+
+    def _cublas_product(self, x, weight: Matrix, bias, out: DeviceArray, n: int, m: int, k: int) -> None:
+        """``out = x weight^T + bias`` through cuBLAS: the weight decoded to f16 rows a chunk at a time
+        (``CUBLAS_SCRATCH_BYTES`` at a time), then one epilogue applies x's scales."""
+        xh, xscale = self._f16_rows(x, n, k)
+        layout = quants.LAYOUTS[weight.qtype]
+        per_row = k // layout.block
+        rows = max(1, min(m, self._f16_weights.nbytes // (2 * k)))
+        decode = weight.kernels[f"dequantize_f16<{layout.struct}>"]
+        for start in range(0, m, rows):
+            count = min(rows, m - start)
+            units = count * per_row * layout.units
+            decode(
+                (-(-units // 256),), 256, weight.ptr, weight.blocks, self._f16_weights, start * per_row, count * per_row
+            )
+            self.cublas.gemm_f16(self._f16_weights.ptr, xh.ptr, out.ptr + 4 * start, count, n, k, m)
+        total = n * m
+        grid = max(1, min(-(-total // 256), 8 * self.device.sm_count))
+        self.ops["scale_rows_bias"]((grid,), 256, out, xscale, bias, m, total)
+
+    def _gemm(self, x, weight: Matrix, bias, out: DeviceArray, n: int, m: int, k: int, kt: int) -> None:
+        """The tensor-core GEMM, split over K when its tiles alone would leave most of the GPU idle."""
+        xh, xscale = self._f16_rows(x, n, k)
         tiles = -(-m // 128) * -(-n // 64)
         steps = k // kt
         # split only when the tiles leave multiprocessors without a block (H200, pp512: the Q4_K
@@ -854,9 +896,9 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
     def reshape(self, x: DeviceArray, shape: tuple[int, ...]) -> DeviceArray:
         shape = tuple(shape)
         if -1 in shape:
-            known = int(np.prod([s for s in shape if s != -1]))
+            known = math.prod(s for s in shape if s != -1)
             shape = tuple(x.size // known if s == -1 else s for s in shape)
-        if int(np.prod(shape)) != x.size:
+        if math.prod(shape) != x.size:
             raise ValueError(f"cannot reshape {x.shape} to {shape}")
         return x.view(shape)
 

@@ -9,6 +9,7 @@ so steady-state steps allocate nothing from the driver and never synchronize.
 from __future__ import annotations
 
 import contextlib
+import math
 import struct
 import threading
 from collections import defaultdict
@@ -213,7 +214,7 @@ class DeviceArray:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -251,12 +252,13 @@ class Kernel:
     """One compiled kernel. Arguments travel in 8-byte slots: device arrays as pointers, Python ints
     as 64-bit integers (an ``int`` parameter reads the low half), floats as float32 bits."""
 
-    __slots__ = ("_occupancy", "_pointers", "_values", "device", "function", "name", "params")
+    __slots__ = ("_address", "_occupancy", "_pointers", "_values", "device", "function", "name", "params")
 
     def __init__(self, function: Any, name: str, device: Device, params: list[str]):
         self.function, self.name, self.device, self.params = function, name, device, params
         self._values = np.zeros(max(len(params), 1), np.uint64)
         self._pointers = self._values.ctypes.data + 8 * np.arange(len(self._values), dtype=np.uint64)
+        self._address = self._pointers.ctypes.data  # an int: numpy's .ctypes costs microseconds per launch
         self._occupancy: dict[tuple[int, int], int] = {}
 
     def occupancy(self, block: int, smem: int = 0) -> int:
@@ -271,11 +273,8 @@ class Kernel:
         if len(args) != len(self.params):
             raise TypeError(f"{self.name} takes {len(self.params)} arguments, not {len(args)}")
         self._values[: len(args)] = [_param(a) for a in args]
-        pointers = self._pointers
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        err = _cu().cuLaunchKernel(
-            self.function, gx, gy, gz, block, 1, 1, smem, self.device.stream, pointers.ctypes.data, 0
-        )
+        err = _cu().cuLaunchKernel(self.function, gx, gy, gz, block, 1, 1, smem, self.device.stream, self._address, 0)
         check(err, f"launch of {self.name}")
 
 

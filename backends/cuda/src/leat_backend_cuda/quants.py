@@ -124,7 +124,7 @@ def gemm_name(qtype: Q, kt: int) -> str:
 def kernel_names(qtype: Q, extra_gemv: tuple[tuple[int, int, int], ...] = ()) -> list[str]:
     """Every kernel the backend instantiates for ``qtype`` (``extra_gemv``: more (tokens, rows, units))."""
     layout = LAYOUTS[qtype]
-    names = [f"dequantize<{layout.struct}>", f"embed<{layout.struct}>"]
+    names = [f"dequantize<{layout.struct}>", f"dequantize_f16<{layout.struct}>", f"embed<{layout.struct}>"]
     names += [gemv_name(qtype, n) for n in range(1, GEMV_MAX_TOKENS + 1)]
     names += [gemv_name(qtype, n, (r, u)) for n, r, u in extra_gemv]
     if layout.integer:

@@ -375,6 +375,29 @@ __global__ void dequantize(const u8* __restrict__ w, i64 nb, float* __restrict__
         for (int i = 0; i < T::RL; ++i) dst[T::run_offset(unit, run) + i] = v[run * T::RL + i];
 }
 
+// Blocks [first, first + count) as f16 values in order: the weight rows a cuBLAS product reads
+// (cublas.py). 16-byte stores; values rounded once, from the float decode, to f16.
+template <class T>
+__global__ void dequantize_f16(const u8* __restrict__ w, i64 nb, u16* __restrict__ out, i64 first, i64 count) {
+    const i64 gid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (gid >= count * T::UNITS) return;
+    const i64 blk = gid / T::UNITS;
+    const int unit = gid % T::UNITS;
+    float v[T::UV];
+    T::template decode<false>(T::load(w, nb, first + blk, unit), unit, v);
+    u16* dst = out + blk * T::BLOCK;
+#pragma unroll
+    for (int run = 0; run < T::NR; ++run) {
+        const int off = T::run_offset(unit, run);
+#pragma unroll
+        for (int i = 0; i < T::RL; i += 8) {
+            const float* s = v + run * T::RL + i;
+            *(uint4*)(dst + off + i) = make_uint4(pack_f16x2(s[0], s[1]), pack_f16x2(s[2], s[3]),
+                                                  pack_f16x2(s[4], s[5]), pack_f16x2(s[6], s[7]));
+        }
+    }
+}
+
 // Rows `tokens` of an embedding table [vocab, cols]: out [n, cols]; grid (units of a row / 128, n).
 template <class T>
 __global__ void embed(const u8* __restrict__ w, i64 nb, const int* __restrict__ tokens, float* __restrict__ out, int cols) {

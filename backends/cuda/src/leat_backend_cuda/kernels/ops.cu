@@ -416,6 +416,15 @@ extern "C" __global__ void x_to_f16(const float* __restrict__ x, u16* __restrict
     if (threadIdx.x == 0) xscale[blockIdx.x] = ldexpf(1.0f, e - 15);
 }
 
+// y [n, m] = y * xscale[t] + bias (or 0): the epilogue of a cuBLAS product of x_to_f16's rows.
+extern "C" __global__ void scale_rows_bias(float* __restrict__ y, const float* __restrict__ xscale,
+                                           const float* __restrict__ bias, int m, i64 total) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const i64 t = i / m;
+        y[i] = y[i] * xscale[t] + (bias ? bias[i - t * m] : 0.0f);
+    }
+}
+
 // The simple fallback product for float32 weights whose rows are not a multiple of 8 long:
 // one warp per output element.
 extern "C" __global__ void matmul_f32_naive(const float* __restrict__ w, const float* __restrict__ x,
