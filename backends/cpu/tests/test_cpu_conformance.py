@@ -6,9 +6,10 @@ from leat_backend_cpu.backend import CPUBackend
 
 
 class TestCPUBackendConformance(BackendConformance):
-    @pytest.fixture(params=["f32", "f64"])
+    @pytest.fixture(params=["f32", "f32-dequantized", "f64"])  # the quantized path and the two references
     def backend(self, request):
-        return CPUBackend(request.param)
+        precision, _, weights = request.param.partition("-")
+        return CPUBackend(precision, **({"weights": weights} if weights else {}))
 
 
 class TestLlamaArchitectureConformance(ArchitectureConformance):

@@ -4,9 +4,9 @@ import gguf
 import numpy as np
 import pytest
 from leat.modelfile import Tensor
-from leat_backend_cpu import quantized
+from leat_backend_cpu import native
 from leat_backend_cpu.backend import CPUBackend
-from leat_backend_cpu.quantized import KERNEL_TYPES, QuantizedWeight
+from leat_backend_cpu.native import KERNEL_TYPES, QuantizedWeight
 
 Q = gguf.GGMLQuantizationType
 TYPES = sorted(KERNEL_TYPES, key=int)
@@ -22,7 +22,7 @@ SCALE_OFFSETS = {
     Q.Q6_K: (208,),
 }
 
-pytestmark = pytest.mark.skipif(quantized.unavailable() is not None, reason=f"{quantized.unavailable()}")
+pytestmark = pytest.mark.skipif(native.unavailable() is not None, reason=f"{native.unavailable()}")
 
 
 def valid_blocks(values: np.ndarray, qtype: Q, seed: int = 0) -> np.ndarray:
@@ -53,9 +53,9 @@ def weight(qtype: Q, rows: int, cols: int, seed: int = 0) -> tuple[QuantizedWeig
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_decoded_blocks_equal_gguf_dequantize(qtype):
     w, exact = weight(qtype, 24, 512)
-    np.testing.assert_array_equal(quantized.dequantize(w, threads=2), exact.astype(np.float32))
+    np.testing.assert_array_equal(native.dequantize(w, threads=2), exact.astype(np.float32))
     ids = np.array([7, 0, 23, 7])
-    np.testing.assert_array_equal(quantized.rows(w, ids, threads=2), exact[ids].astype(np.float32))
+    np.testing.assert_array_equal(native.rows(w, ids, threads=2), exact[ids].astype(np.float32))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -64,7 +64,7 @@ def test_products_follow_float64(qtype, n):
     w, exact = weight(qtype, 300, 768)
     x = np.random.default_rng(1).standard_normal((n, 768)).astype(np.float32)
     want = x.astype(np.float64) @ exact.T
-    got = quantized.matmul(x, w, threads=2)
+    got = native.matmul(x, w, threads=2)
     assert got.dtype == np.float32 and got.shape == (n, 300)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
@@ -72,15 +72,15 @@ def test_products_follow_float64(qtype, n):
 def test_decode_rows_do_not_depend_on_the_batch_or_threads():
     w, _ = weight(Q.Q4_K, 200, 512)
     x = np.random.default_rng(2).standard_normal((5, 512)).astype(np.float32)
-    together = quantized.matmul(x, w, threads=2)
-    alone = np.concatenate([quantized.matmul(x[i : i + 1], w, threads=1) for i in range(5)])
+    together = native.matmul(x, w, threads=2)
+    alone = np.concatenate([native.matmul(x[i : i + 1], w, threads=1) for i in range(5)])
     np.testing.assert_array_equal(together, alone)
 
 
 def test_rows_out_of_range_are_an_error():
     w, _ = weight(Q.Q8_0, 4, 64)
     with pytest.raises(IndexError, match=r"\[0, 4\)"):
-        quantized.rows(w, np.array([4]), threads=1)
+        native.rows(w, np.array([4]), threads=1)
 
 
 def test_upload_keeps_the_file_blocks():
@@ -132,3 +132,37 @@ def test_tiny_llama_agrees_with_the_float64_oracle(qtype, tmp_path, monkeypatch)
     agreement = compare(reference, other, label=f"cpu quantized vs f64 on {qtype.name}")
     failures = agreement.failures(top1=0.99, kl=1e-3)
     assert not failures, f"{agreement}: {'; '.join(failures)}"
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks"])
+def test_native_attention_follows_float64(kv_dtype, variant):
+    """Two sequences through a paged cache, a prefill and then mixed steps: the C attention (the quantized path's,
+    for head dimensions that are multiples of 16) against the float64 oracle storing the same KV dtype."""
+    from leat.backend import KVLayout
+    from leat.batch import Batch, Row
+
+    heads, kv_heads, dim, scale = 6, 2, 32, 0.2
+    layout = KVLayout(kv_heads, dim, window=4 if variant == "window" else None)
+    rng = np.random.default_rng(3)
+    seqs = {s: [rng.standard_normal((12, h, dim)) for h in (heads, kv_heads, kv_heads)] for s in (0, 1)}
+    sinks = rng.standard_normal(heads)
+    steps = [[(0, 0, 7), (1, 0, 5)], [(1, 5, 1), (0, 7, 3)], [(0, 10, 1), (1, 6, 1)]]
+    outputs = {}
+    for backend in (CPUBackend("f32"), CPUBackend("f64")):
+        kv = backend.allocate_kv([layout], slots=2, context=16, page_size=4, dtype=kv_dtype)
+        kv.tables[0][:] = [[3, 1, 2, 0], [7, 5, 4, 6]]  # pages out of order
+        got = []
+        for spans in steps:
+            batch = Batch([Row(s, a, np.zeros(n, np.int64), all_logits=True) for s, a, n in spans])
+            q, k, v = (
+                np.concatenate([seqs[s][i][a : a + n] for s, a, n in spans]).astype(backend.dtype) for i in range(3)
+            )
+            if variant == "softcap":
+                got.append(backend.attention_softcap(q, k, v, kv, 0, batch, scale, softcap=0.5))
+            elif variant == "sinks":
+                got.append(backend.attention_sinks(q, k, v, kv, 0, batch, scale, sinks.astype(backend.dtype)))
+            else:
+                got.append(backend.attention(q, k, v, kv, 0, batch, scale))
+        outputs[backend.precision] = np.concatenate(got).astype(np.float64)
+    np.testing.assert_allclose(outputs["f32"], outputs["f64"], rtol=0, atol=2e-5)

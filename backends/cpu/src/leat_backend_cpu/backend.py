@@ -1,7 +1,11 @@
 """The numpy CPU backend: float32 compute, and the float64 oracle every other backend is checked against.
 
-Weights are dequantized once at upload with ``gguf.quants.dequantize`` (numpy has no quantized
-matmul, so a dequantized copy is the fast path here) and kept in the compute dtype.
+At float32 (the default ``weights="quantized"``), 2-D weights of the types :data:`leat_backend_cpu.native.KERNEL_TYPES`
+names stay as the file's blocks (no copy), and products, attention over float32 or f16 KV, and the small ops run in
+the C kernels of :mod:`leat_backend_cpu.native` over ``threads`` threads (default: the cores this process may use,
+or ``$LEAT_THREADS``). The reference paths, ``precision="f64"`` (the float64 oracle) and ``weights="dequantized"``
+(float32), and every weight of another type, dequantize once at upload with ``gguf.quants.dequantize`` and keep
+the compute dtype; their ops are numpy.
 
 With the option ``activations="ggml"`` each product with a quantized weight first rounds the activations as
 llama.cpp's CPU backend does (to 8 bits per block, or to f16/bf16; see :mod:`leat_backend_cpu.ggml_activations`);
@@ -25,8 +29,8 @@ from leat.modelfile import Tensor
 from leat.moe import MoESpec, MoEWeights, activate, route
 from threadpoolctl import ThreadpoolController
 
-from leat_backend_cpu import ggml_activations, quantized
-from leat_backend_cpu.quantized import QuantizedWeight
+from leat_backend_cpu import ggml_activations, native
+from leat_backend_cpu.native import QuantizedWeight
 
 Q = gguf.GGMLQuantizationType
 SINGLE_THREAD_ROWS = 8
@@ -80,6 +84,7 @@ class CPUBackend(Backend):
             raise ValueError(f"cpu backend activations must be f32, or ggml at precision f32, not {self.activations!r}")
         # activations="ggml": id(uploaded weight) -> (the weight, its activation rounding, Q4_1/Q5_1 block minimums)
         self._ggml_products: dict[int, tuple[np.ndarray, Any, np.ndarray | None]] = {}
+        self._last_rotation: tuple[tuple[RopeSpec, bytes], tuple[np.ndarray, np.ndarray]] | None = None
         self.threads = int(options.get("threads") or os.environ.get("LEAT_THREADS") or len(os.sched_getaffinity(0)))
         if self.threads < 1:
             raise ValueError(f"cpu backend threads must be at least 1, not {self.threads}")
@@ -90,7 +95,7 @@ class CPUBackend(Backend):
                 f"cpu backend weights must be dequantized, or quantized at precision f32 with f32 activations, "
                 f"not {self.weights!r}"
             )
-        if self.weights == "quantized" and quantized.unavailable():
+        if self.weights == "quantized" and native.unavailable():
             self.weights = "dequantized"  # no C compiler here: today's path, which describe() reports
 
     def describe(self) -> dict[str, Any]:
@@ -105,7 +110,7 @@ class CPUBackend(Backend):
             raise UnsupportedQuantType(
                 f"tensor {tensor.name} is {tensor.qtype.name}, which the cpu backend cannot dequantize"
             )
-        if self.weights == "quantized" and tensor.qtype in quantized.KERNEL_TYPES and len(tensor.shape) == 2:
+        if self.weights == "quantized" and tensor.qtype in native.KERNEL_TYPES and len(tensor.shape) == 2:
             weight = QuantizedWeight(tensor.qtype, tensor.shape, tensor.data)
             self._count(tensor.qtype, weight.nbytes)
             return weight
@@ -171,12 +176,12 @@ class CPUBackend(Backend):
     # -- ops -----------------------------------------------------------------------------------------
     def embed(self, weight: np.ndarray | QuantizedWeight, tokens: np.ndarray) -> np.ndarray:
         if isinstance(weight, QuantizedWeight):
-            return quantized.rows(weight, tokens, self.threads)
+            return native.rows(weight, tokens, self.threads)
         return weight[tokens]
 
     def matmul(self, x: np.ndarray, weight: np.ndarray | QuantizedWeight, bias: np.ndarray | None = None) -> np.ndarray:
         if isinstance(weight, QuantizedWeight):
-            y = quantized.matmul(x, weight, self.threads)
+            y = native.matmul(x, weight, self.threads)
             return y + bias if bias is not None else y
         ggml = self._ggml_products.get(id(weight))
         if ggml is not None and ggml[0] is weight:
@@ -197,17 +202,36 @@ class CPUBackend(Backend):
         return y + bias if bias is not None else y
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+        if self.weights == "quantized":
+            return native.rms_norm(x, weight, eps)
         y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
         return y * weight if weight is not None else y
 
-    def rope(self, x: np.ndarray, positions: np.ndarray, spec: RopeSpec) -> np.ndarray:
+    def _rotation(self, positions: np.ndarray, spec: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin [n, 1, dims / 2] of each position's angles; the last ones are kept, since every layer's q and
+        k of a step rotate by the same positions."""
+        key = (spec, positions.tobytes())
+        if (
+            self._last_rotation is not None
+            and self._last_rotation[0][0] is spec
+            and self._last_rotation[0][1] == key[1]
+        ):
+            return self._last_rotation[1]
         half = spec.dims // 2
         inv_freq = spec.base ** (-np.arange(half, dtype=np.float64) * 2 / spec.dims)
         if spec.freq_factors is not None:
             inv_freq = inv_freq / spec.freq_factors[:half]
         angles = (positions.astype(np.float64) * spec.scale)[:, None] * inv_freq[None, :]
-        cos = (np.cos(angles) * spec.attn_factor).astype(self.dtype)[:, None, :]
-        sin = (np.sin(angles) * spec.attn_factor).astype(self.dtype)[:, None, :]
+        cos = np.ascontiguousarray((np.cos(angles) * spec.attn_factor).astype(self.dtype)[:, None, :])
+        sin = np.ascontiguousarray((np.sin(angles) * spec.attn_factor).astype(self.dtype)[:, None, :])
+        self._last_rotation = (key, (cos, sin))
+        return cos, sin
+
+    def rope(self, x: np.ndarray, positions: np.ndarray, spec: RopeSpec) -> np.ndarray:
+        half = spec.dims // 2
+        cos, sin = self._rotation(positions, spec)
+        if self.weights == "quantized":
+            return native.rope(x, cos, sin, spec.dims, spec.neox)
         out = x.copy()
         if spec.neox:
             a, b = x[..., :half], x[..., half : spec.dims]
@@ -223,6 +247,8 @@ class CPUBackend(Backend):
         return self._attend(q, k, v, kv, layer, batch, scale)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        if self.weights == "quantized":
+            return native.silu_mul(gate, up)
         with np.errstate(over="ignore"):  # exp overflow for very negative gates gives the right limit, 0
             return gate / (1.0 + np.exp(-gate)) * up
 
@@ -253,6 +279,8 @@ class CPUBackend(Backend):
     ):
         """Paged, causal, windowed GQA attention; scores soft-capped when ``softcap`` is given, and each
         head's ``sinks`` logit added to its softmax denominator when given."""
+        if self.weights == "quantized" and native.can_attend(kv.k[layer], kv.v[layer]):
+            return self._attend_native(q, k, v, kv, layer, batch, scale, softcap, sinks)
         keys_all, values_all = kv.k[layer], kv.v[layer]
         window = kv.layouts[layer].window
         n, heads, dim = q.shape
@@ -285,6 +313,21 @@ class CPUBackend(Backend):
             weights = self._softmax(scores, start, length, window, sinks)
             mixed = weights @ values.transpose(1, 0, 2)[:, None]  # [kv_heads, group, queries, value_dim]
             out[span] = mixed.transpose(2, 0, 1, 3).reshape(length, heads * value_dim)
+        return out
+
+    def _attend_native(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap, sinks):
+        keys_all, values_all = kv.k[layer], kv.v[layer]
+        out = np.empty((q.shape[0], q.shape[1] * v.shape[2]), np.float32)
+        for row, offset in zip(batch.rows, batch.offsets):
+            span = slice(offset, offset + len(row.tokens))
+            table = kv.table(layer)[row.slot]
+            positions = np.arange(row.start, row.start + len(row.tokens))
+            where = (table[positions // kv.page_size], positions % kv.page_size)
+            keys_all[where], values_all[where] = k[span], v[span]
+            window = kv.layouts[layer].window
+            native.attend(
+                q[span], keys_all, values_all, table, row.start, window, scale, softcap, sinks, out[span], self.threads
+            )
         return out
 
     @staticmethod

@@ -13,6 +13,8 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -330,3 +332,135 @@ KERNELS(q4_k, 256, 144)
 KERNELS(q5_k, 256, 176)
 KERNELS(q6_k, 256, 210)
 KERNELS(iq4_xs, 256, 136)
+
+/* -- attention ---------------------------------------------------------------------------------------------------
+ * One sequence's queries q [queries][heads][dim] at positions start.. against its cached keys and values, stored
+ * as pages [pages][page_size][kv_heads][dim] (float32 or f16) and found through `table` (its row of the page table).
+ * Query t sees positions start + t - window < p <= start + t (window 0: all up to its own); head h reads kv head
+ * h / (heads / kv_heads). Scores are scale * q.k, soft-capped as softcap * tanh(s / softcap) when softcap > 0;
+ * sinks [heads], when given, join each softmax's denominator. Out [queries][heads][value_dim] (row stride out_stride
+ * floats between queries). dim and value_dim are multiples of 16. A work item is one query and one kv head: the
+ * heads that share it read each cached vector once. Sums in float32. */
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    const int32_t *table;
+    const float *sinks;
+    float *out;
+    int64_t queries, heads, kv_heads, dim, value_dim, page_size, start, window, out_stride;
+    float scale, softcap;
+} attention_job;
+
+static inline vf load_f16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#else
+    vf v;
+    for (int i = 0; i < 16; i++) v[i] = (float)((const _Float16 *)p)[i];
+    return v;
+#endif
+}
+
+#define ATTENTION(NAME, T, LOAD)                                                                                     \
+    static void attend_items_##NAME(const void *arg, int64_t first, int64_t last) {                                 \
+        const attention_job *a = arg;                                                                                 \
+        int64_t group = a->heads / a->kv_heads, length = a->start + a->queries;                                      \
+        float *scores = malloc(sizeof(float) * (size_t)(group * length));                                            \
+        vf *mixed = aligned_alloc(64, sizeof(vf) * (size_t)(group * a->value_dim / 16));                             \
+        for (int64_t item = first; item < last; item++) {                                                             \
+            int64_t t = item / a->kv_heads, g = item % a->kv_heads;                                                  \
+            int64_t end = a->start + t + 1, begin = a->window > 0 && end > a->window ? end - a->window : 0;           \
+            const float *qg = a->q + (t * a->heads + g * group) * a->dim;                                            \
+            float peak[group], total[group];                                                                          \
+            for (int64_t h = 0; h < group; h++) peak[h] = a->sinks ? a->sinks[g * group + h] : -INFINITY;            \
+            for (int64_t p = begin; p < end; p++) {                                                                   \
+                int64_t slot = (int64_t)a->table[p / a->page_size] * a->page_size + p % a->page_size;                \
+                const T *kp = (const T *)a->k + (slot * a->kv_heads + g) * a->dim;                                    \
+                for (int64_t h = 0; h < group; h++) {                                                                 \
+                    vf acc = {0};                                                                                     \
+                    for (int64_t i = 0; i < a->dim; i += 16) acc += load(qg + h * a->dim + i) * LOAD(kp + i);        \
+                    float s = 0;                                                                                      \
+                    for (int l = 0; l < 16; l++) s += acc[l];                                                         \
+                    s *= a->scale;                                                                                    \
+                    if (a->softcap > 0) s = a->softcap * tanhf(s / a->softcap);                                       \
+                    scores[h * length + p] = s;                                                                       \
+                    peak[h] = s > peak[h] ? s : peak[h];                                                              \
+                }                                                                                                     \
+            }                                                                                                         \
+            for (int64_t h = 0; h < group; h++) {                                                                     \
+                total[h] = a->sinks ? expf(a->sinks[g * group + h] - peak[h]) : 0;                                    \
+                for (int64_t p = begin; p < end; p++) {                                                               \
+                    float weight = expf(scores[h * length + p] - peak[h]);                                            \
+                    scores[h * length + p] = weight;                                                                  \
+                    total[h] += weight;                                                                               \
+                }                                                                                                     \
+            }                                                                                                         \
+            memset(mixed, 0, sizeof(vf) * (size_t)(group * a->value_dim / 16));                                      \
+            for (int64_t p = begin; p < end; p++) {                                                                   \
+                int64_t slot = (int64_t)a->table[p / a->page_size] * a->page_size + p % a->page_size;                \
+                const T *vp = (const T *)a->v + (slot * a->kv_heads + g) * a->value_dim;                              \
+                for (int64_t i = 0; i < a->value_dim / 16; i++) {                                                     \
+                    vf value = LOAD(vp + 16 * i);                                                                     \
+                    for (int64_t h = 0; h < group; h++) mixed[h * a->value_dim / 16 + i] += scores[h * length + p] * value; \
+                }                                                                                                     \
+            }                                                                                                         \
+            for (int64_t h = 0; h < group; h++) {                                                                     \
+                float *o = a->out + t * a->out_stride + (g * group + h) * a->value_dim;                              \
+                for (int64_t i = 0; i < a->value_dim / 16; i++) {                                                     \
+                    vf mean = mixed[h * a->value_dim / 16 + i] / total[h];                                            \
+                    memcpy(o + 16 * i, &mean, 64);                                                                    \
+                }                                                                                                     \
+            }                                                                                                         \
+        }                                                                                                             \
+        free(scores);                                                                                                 \
+        free(mixed);                                                                                                  \
+    }                                                                                                                 \
+    void attend_##NAME(const float *q, const void *k, const void *v, const int32_t *table, const float *sinks,       \
+                       float *out, int64_t queries, int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim, \
+                       int64_t page_size, int64_t start, int64_t window, int64_t out_stride, float scale,            \
+                       float softcap, int threads) {                                                                  \
+        attention_job a = {q,         k,        v,   table,     sinks, out,   queries,    heads, kv_heads,           \
+                           dim,       value_dim, page_size, start, window, out_stride, scale, softcap};             \
+        run(threads, queries * kv_heads, attend_items_##NAME, &a);                                                    \
+    }
+
+ATTENTION(f32, float, load)
+ATTENTION(f16, uint16_t, load_f16)
+
+/* -- small ops (one pass each, in place of numpy's several) ------------------------------------------------------- */
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight (weight NULL: no scale), for rows of cols values */
+void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t cols, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * cols;
+        float *o = out + r * cols, sum = 0;
+        for (int64_t i = 0; i < cols; i++) sum += xr[i] * xr[i];
+        float inverse = 1.0f / sqrtf(sum / (float)cols + eps);
+        if (weight)
+            for (int64_t i = 0; i < cols; i++) o[i] = xr[i] * inverse * weight[i];
+        else
+            for (int64_t i = 0; i < cols; i++) o[i] = xr[i] * inverse;
+    }
+}
+
+/* out = silu(gate) * up = gate / (1 + exp(-gate)) * up */
+void silu_mul(const float *gate, const float *up, float *out, int64_t size) {
+    for (int64_t i = 0; i < size; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+/* x [n][heads][head_dim] rotated into out by cos, sin [n][dims / 2]: pairs (i, i + dims/2) when neox, else
+ * (2i, 2i + 1); values past dims are copied. */
+void rope(const float *x, const float *cos, const float *sin, float *out, int64_t n, int64_t heads, int64_t head_dim,
+          int64_t dims, int neox) {
+    int64_t half = dims / 2;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + (t * heads + h) * head_dim, *c = cos + t * half, *s = sin + t * half;
+            float *o = out + (t * heads + h) * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+                o[a] = xh[a] * c[i] - xh[b] * s[i];
+                o[b] = xh[a] * s[i] + xh[b] * c[i];
+            }
+            for (int64_t i = dims; i < head_dim; i++) o[i] = xh[i];
+        }
+}

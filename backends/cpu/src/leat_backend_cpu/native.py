@@ -1,4 +1,4 @@
-"""Products with quantized weights kept as GGUF blocks: the C kernels in ``kernels/quants.c``, compiled on first use.
+"""Products with quantized weights kept as GGUF blocks: the C kernels in ``kernels/cpu.c``, compiled on first use.
 
 The source is compiled with the system's C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``)
 into ``$LEAT_HOME/cpu`` (default ``~/.cache/leat/cpu``), keyed by the source, the flags, the compiler's version and
@@ -54,6 +54,7 @@ FLAGS = (
     "-fno-signed-zeros",
     "-ffp-contract=fast",
 )
+ATTENTION_STORAGE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}  # KV page dtypes attend() reads
 GEMV_ROWS = 8  # activation rows up to which a product decodes blocks in registers
 TILE_BYTES = 1 << 20  # float32 bytes of weight rows decoded at once for a prompt's BLAS product
 
@@ -99,16 +100,16 @@ def library() -> ctypes.CDLL:
     compiler = _compiler()
     if compiler is None:
         raise OSError(f"no C compiler ({os.environ.get('CC', 'cc')}) to build the quantized kernels")
-    source = resources.files("leat_backend_cpu").joinpath("kernels", "quants.c").read_text()
+    source = resources.files("leat_backend_cpu").joinpath("kernels", "cpu.c").read_text()
     version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([source, *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:24]
-    path = cache_dir() / f"quants-{key}.so"
+    path = cache_dir() / f"cpu-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            (Path(tmp) / "quants.c").write_text(source)
-            built = Path(tmp) / "quants.so"
-            command = [compiler, *FLAGS, "quants.c", "-o", built.name]
+            (Path(tmp) / "cpu.c").write_text(source)
+            built = Path(tmp) / "cpu.so"
+            command = [compiler, *FLAGS, "cpu.c", "-o", built.name]
             result = subprocess.run(command, check=False, cwd=tmp, capture_output=True)
             if result.returncode != 0:
                 raise OSError(f"{compiler} could not build the quantized kernels:\n{result.stderr.decode()}")
@@ -118,7 +119,20 @@ def library() -> ctypes.CDLL:
     for name in KERNEL_TYPES.values():
         getattr(lib, f"gemv_{name}").argtypes = [p, i64, i64, p, i64, p, i32]
         getattr(lib, f"dequant_{name}").argtypes = [p, p, i64, i64, p, i32]
+    for name in ATTENTION_STORAGE.values():
+        getattr(lib, f"attend_{name}").argtypes = [p] * 6 + [i64] * 9 + [ctypes.c_float] * 2 + [i32]
+    lib.rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float]
+    lib.silu_mul.argtypes = [p, p, p, i64]
+    lib.rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i32]
     return lib
+
+
+def address(array: np.ndarray) -> int:
+    """The address of a contiguous array's data (ctypes' buffer view: a third of ``array.ctypes.data``'s cost)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    except (TypeError, ValueError):  # read-only or empty
+        return array.ctypes.data
 
 
 @functools.cache
@@ -141,14 +155,15 @@ def matmul(x: np.ndarray, weight: QuantizedWeight, threads: int) -> np.ndarray:
     (n, k), m = x.shape, weight.shape[0]
     y = np.empty((n, m), np.float32)
     if n <= GEMV_ROWS:
-        _kernel("gemv", weight)(weight.address, m, k, x.ctypes.data, n, y.ctypes.data, threads)
+        _kernel("gemv", weight)(weight.address, m, k, address(x), n, address(y), threads)
         return y
     tile = max(1, min(m, TILE_BYTES // (4 * k)))
     decoded = np.empty((tile, k), np.float32)
     dequant = _kernel("dequant", weight)
     for first in range(0, m, tile):
         rows = min(tile, m - first)
-        dequant(weight.address + first * weight.blocks.shape[1], None, rows, k, decoded.ctypes.data, threads)
+        # one thread: decoding is a few percent of the BLAS product, and a second pool would fight BLAS's threads
+        dequant(weight.address + first * weight.blocks.shape[1], None, rows, k, decoded.ctypes.data, 1)
         np.matmul(x, decoded[:rows].T, out=y[:, first : first + rows])
     return y
 
@@ -167,4 +182,77 @@ def rows(weight: QuantizedWeight, ids: np.ndarray, threads: int) -> np.ndarray:
         raise IndexError(f"row ids must be in [0, {weight.shape[0]}), not {ids.min()}..{ids.max()}")
     out = np.empty((len(ids), weight.shape[1]), np.float32)
     _kernel("dequant", weight)(weight.address, ids.ctypes.data, len(ids), weight.shape[1], out.ctypes.data, threads)
+    return out
+
+
+def can_attend(keys: np.ndarray, values: np.ndarray) -> bool:
+    """Whether :func:`attend` reads these KV pages: float32 or f16, head dimensions that are multiples of 16."""
+    return keys.dtype in ATTENTION_STORAGE and keys.shape[-1] % 16 == 0 and values.shape[-1] % 16 == 0
+
+
+def attend(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    table: np.ndarray,
+    start: int,
+    window: int | None,
+    scale: float,
+    softcap: float | None,
+    sinks: np.ndarray | None,
+    out: np.ndarray,
+    threads: int,
+) -> None:
+    """One sequence's attention: queries q [queries, heads, dim] at positions start.. against the pages ``keys`` and
+    ``values`` [pages, page_size, kv_heads, dim] (float32 or float16) through its page-table row ``table``, into
+    ``out`` [queries, heads * value_dim] (a contiguous float32 view). Masks, soft-cap and sinks as
+    :meth:`leat.backend.Backend.attention_sinks` and :meth:`~leat.backend.Backend.attention_softcap` say."""
+    q = np.ascontiguousarray(q, np.float32)
+    table = np.ascontiguousarray(table, np.int32)
+    sinks = None if sinks is None else np.ascontiguousarray(sinks, np.float32)
+    (queries, heads, dim), (_, page_size, kv_heads, value_dim) = q.shape, values.shape
+    getattr(library(), f"attend_{ATTENTION_STORAGE[keys.dtype]}")(
+        address(q),
+        address(keys),
+        address(values),
+        address(table),
+        None if sinks is None else address(sinks),
+        address(out),
+        queries,
+        heads,
+        kv_heads,
+        dim,
+        value_dim,
+        page_size,
+        start,
+        window or 0,
+        out.shape[1],
+        scale,
+        softcap or 0.0,
+        threads,
+    )
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis, float32."""
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    scale = None if weight is None else address(np.ascontiguousarray(weight, np.float32))
+    library().rms_norm(address(x), scale, address(out), x.size // x.shape[-1], x.shape[-1], eps)
+    return out
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    gate, up = np.ascontiguousarray(gate, np.float32), np.ascontiguousarray(up, np.float32)
+    out = np.empty_like(gate)
+    library().silu_mul(address(gate), address(up), address(out), gate.size)
+    return out
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dims: int, neox: bool) -> np.ndarray:
+    """x [n, heads, head_dim] rotated by cos, sin [n, dims / 2] (float32, contiguous); see RopeSpec for ``neox``."""
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    n, heads, head_dim = x.shape
+    library().rope(address(x), address(cos), address(sin), address(out), n, heads, head_dim, dims, int(neox))
     return out
