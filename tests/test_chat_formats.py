@@ -14,7 +14,8 @@ from leat.plugins import PluginHost
 ROOT = Path(__file__).resolve().parents[1]
 # llama.cpp's tokenizer pre-types (tokenizer.ggml.pre) and vocabulary types are GGUF values, not model families
 NOT_FAMILIES = {ROOT / "core/src/leat/tokenizer.py"}
-NOT_FAMILIES |= set((ROOT / "core/src/leat/conformance").glob("*.py"))  # until the kit leaves core (#18)
+# the kit's model check, named before its reference model was declared (leat[conformance]); plugins call it by name
+OLD_NAMES = {"test_tiny_llama_agrees_with_the_float64_oracle"}
 # llama.cpp's own tools and project, and its "llama-bpe" pre-tokenizer, which share a family's name
 TOOLS = re.compile(r"llama[.-](cpp|bench|perplexity|server|cli|gguf|vocab|bpe)|llama_\w+|ggml", re.IGNORECASE)
 
@@ -78,6 +79,8 @@ def test_no_family_name_in_core_or_the_server(host):
             if path in NOT_FAMILIES:
                 continue
             for number, text in code_words(ast.parse(path.read_text())):
+                if text in OLD_NAMES:
+                    continue
                 for match in word.finditer(TOOLS.sub("", text or "")):
                     found.append(f"{path.relative_to(ROOT)}:{number}: {match.group()} in {text[:80]!r}")
     assert not found, "family names in core or the server (they belong in the family's plugin):\n" + "\n".join(found)

@@ -1,10 +1,8 @@
 """leat's conformance kit: base test classes a backend or architecture author subclasses, as pandas' extension tests.
 
-Load it in your plugin's tests (``conftest.py``)::
-
-    pytest_plugins = ["leat.conformance"]
-
-then subclass and provide the fixture::
+Put ``leat[conformance]`` in your plugin's test dependencies (it brings pytest and what the kit checks against: the
+CPU backend's float64 oracle and the tiny llama files); the kit's pytest plugin loads itself (``pytest11``). Then
+subclass and provide the fixture::
 
     from leat.conformance import BackendConformance
 
@@ -14,16 +12,12 @@ then subclass and provide the fixture::
             return MyBackend(request.param)
 
 Every test of the base class then runs against your plugin: the same op, quantization and model-agreement checks
-leat's own plugins pass. See :class:`BackendConformance` and :class:`ArchitectureConformance`.
+leat's own plugins pass; ``capabilities`` says which optional checks apply to yours. When something the kit needs
+is missing, its checks fail with a message saying what to install: they never skip. See :class:`BackendConformance`
+and :class:`ArchitectureConformance`.
 """
 
 from leat.conformance.architecture import ArchitectureConformance
 from leat.conformance.backend import BackendConformance
 
 __all__ = ["ArchitectureConformance", "BackendConformance"]
-
-
-def pytest_report_header(config) -> str:
-    from leat import __version__
-
-    return f"leat conformance kit (leat {__version__})"

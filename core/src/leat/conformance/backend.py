@@ -11,27 +11,32 @@ import pytest
 
 from leat.backend import Backend, KVLayout, RopeSpec
 from leat.batch import Batch, Row
+from leat.conformance.reference import reference
 from leat.modelfile import Tensor
 
 F32 = gguf.GGMLQuantizationType.F32
 
 
 def cpu_oracle() -> type[Backend]:
-    """The CPU backend class (the float64 oracle); skips the test when leat-backend-cpu is not installed."""
-    module = pytest.importorskip("leat_backend_cpu.backend", reason="the float64 oracle needs leat-backend-cpu")
-    return module.CPUBackend
+    """The reference backend class (its "f64" precision is the oracle); fails the test, naming what to install,
+    when leat[conformance] is not installed."""
+    return reference("backends")
 
 
 class BackendConformance:
     """Subclass and provide a ``backend`` fixture (an instance; parametrize it over the precisions you support).
 
     Override :meth:`to_device` when your ops do not take what ``backend.upload`` of an F32 tensor returns,
-    ``tolerance`` to state your precision's bounds, and ``agreement_models`` to choose the tiny model files.
+    ``tolerance`` to state your precision's bounds, ``model_qtypes`` to choose the tiny model files' storage types,
+    and ``capabilities`` to say which optional checks apply: "windows" (windowed layers in page groups of their
+    own), "softcap" and "sinks" (:meth:`Backend.attention_softcap`, :meth:`Backend.attention_sinks`), "q8_0_kv"
+    (``allocate_kv(dtype="q8_0")``) and "moe" (:meth:`Backend.moe`).
     """
 
     tolerance: ClassVar[dict[str, float]] = {"f16": 2e-3, "bf16": 2e-2, "f32": 5e-5, "f64": 1e-12}
-    agreement_types: ClassVar[tuple[str, ...]] = ("F32", "F16", "Q8_0", "Q4_K")
+    model_qtypes: ClassVar[tuple[str, ...]] = ("F32", "Q8_0")
     agreement_bars: ClassVar[dict[str, float]] = {"top1": 0.99, "kl": 1e-3}
+    capabilities: ClassVar[frozenset[str]] = frozenset({"windows"})
 
     @pytest.fixture
     def backend(self) -> Backend:
@@ -115,6 +120,7 @@ class BackendConformance:
                 np.testing.assert_allclose(out[offset : offset + n], want, rtol=tol, atol=tol)
                 offset += n
 
+    @pytest.mark.leat_needs("windows")
     def test_attention_through_page_groups(self, backend):
         """A full-attention layer and a windowed one in their own page groups; the windowed group has too few
         pages for the sequence, so pages behind the window go back (-1) and come again with stale contents.
@@ -173,6 +179,99 @@ class BackendConformance:
         backend.set_pages(restored, 1, row, group=1)
         attend(restored, 15, 1)
 
+    def attend(self, backend: Backend, op: Any, kv: Any, inputs: Any, *extra: Any) -> np.ndarray:
+        """``op(q, k, v, kv, layer 0, batch, scale 0.3, *extra)`` over ``inputs`` (q, k, v) of slot 0 in three
+        steps (a prefill, one decode, a chunk), as host float64 [positions, heads * dim]."""
+        q, k, v = inputs
+        spans = [(0, 7), (7, 1), (8, len(q) - 8)]
+        outs = []
+        for start, n in spans:
+            batch = Batch([Row(0, start, np.zeros(n, np.int64), all_logits=True)])
+            span = slice(start, start + n)
+            got = op(*(self.to_device(backend, t[span]) for t in (q, k, v)), kv, 0, batch, 0.3, *extra)
+            outs.append(np.asarray(backend.to_host(got), np.float64).reshape(n, -1))
+        return np.concatenate(outs)
+
+    def attention_inputs(self, positions: int = 11, heads: int = 4, kv_heads: int = 2, dim: int = 32) -> list:
+        return self.inputs((positions, heads, dim), (positions, kv_heads, dim), (positions, kv_heads, dim), seed=30)
+
+    @pytest.mark.leat_needs("softcap")
+    def test_attention_softcap(self, backend):
+        q, k, v = self.attention_inputs()
+        kv = backend.allocate_kv([KVLayout(k.shape[1], k.shape[2])], slots=1, context=16)
+        got = self.attend(backend, backend.attention_softcap, kv, (q, k, v), 0.5)
+        want = _attention(q, k, v, 0, 0.3, softcap=0.5)
+        tol = self.tolerance.get(backend.precision, 1e-4)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+    @pytest.mark.leat_needs("sinks")
+    def test_attention_sinks(self, backend):
+        q, k, v = self.attention_inputs()
+        kv = backend.allocate_kv([KVLayout(k.shape[1], k.shape[2])], slots=1, context=16)
+        sinks = np.array([0.5, -1.0, 2.0, 0.0])
+        device_sinks = backend.upload(Tensor("attn_sinks", F32, sinks.shape, sinks.astype(np.float32)))
+        got = self.attend(backend, backend.attention_sinks, kv, (q, k, v), device_sinks)
+        want = _attention(q, k, v, 0, 0.3, sinks=sinks)
+        tol = self.tolerance.get(backend.precision, 1e-4)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+    @pytest.mark.leat_needs("q8_0_kv")
+    def test_q8_0_kv_cache(self, backend):
+        """Keys and values stored as Q8_0 blocks along the head dimension: attention over gguf-py's Q8_0 round trip
+        of the same keys and values."""
+        q, k, v = self.attention_inputs()
+        kv = backend.allocate_kv([KVLayout(k.shape[1], k.shape[2])], slots=1, context=16, dtype="q8_0")
+        got = self.attend(backend, backend.attention, kv, (q, k, v))
+        q8 = gguf.GGMLQuantizationType.Q8_0
+
+        def round_trip(x: np.ndarray) -> np.ndarray:
+            stored = gguf.quants.quantize(x.astype(np.float32).reshape(-1, x.shape[-1]), q8)
+            return gguf.quants.dequantize(stored, q8).reshape(x.shape).astype(np.float64)
+
+        want = _attention(q, round_trip(k), round_trip(v), 0, 0.3)
+        tol = max(self.tolerance.get(backend.precision, 1e-4), 1e-5)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+    @pytest.mark.leat_needs("moe")
+    @pytest.mark.parametrize("gating, activation", [("softmax", "silu"), ("softmax_selected", "swiglu_oai")])
+    def test_moe(self, backend, gating, activation):
+        """Routing, the selected experts' gated MLPs and their weighted sum, against a float64 reference written
+        from :meth:`Backend.moe`'s contract."""
+        from leat.moe import MoESpec, MoEWeights
+
+        n, d, ffn, experts, used = 5, 16, 8, 6, 2
+        spec = MoESpec(experts, used, gating=gating, normalize=gating == "softmax", activation=activation)
+        x, router, gate, up, down = self.inputs(
+            (n, d), (experts, d), (experts, ffn, d), (experts, ffn, d), (experts, d, ffn), seed=40
+        )
+        up_bias, down_bias = self.inputs((experts, ffn), (experts, d), seed=41)
+
+        def weight(name: str, array: np.ndarray) -> Any:
+            return backend.upload(Tensor(name, F32, array.shape, array.astype(np.float32)))
+
+        weights = MoEWeights(weight("router", router), weight("gate", gate), weight("up", up), weight("down", down))
+        weights.up_bias, weights.down_bias = weight("up_bias", up_bias), weight("down_bias", down_bias)
+        got = np.asarray(backend.to_host(backend.moe(self.to_device(backend, x), weights, spec)), np.float64)
+        want = np.zeros((n, d))
+        for t in range(n):
+            logits = router @ x[t]
+            top = sorted(range(experts), key=lambda e: (-logits[e], e))[:used]
+            if gating == "softmax":
+                p = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+                w = p[top] / p[top].sum()
+            else:
+                w = np.exp(logits[top] - logits[top].max()) / np.exp(logits[top] - logits[top].max()).sum()
+            for e, we in zip(top, w, strict=True):
+                g, u = gate[e] @ x[t], up[e] @ x[t] + up_bias[e]
+                if activation == "silu":
+                    h = g / (1 + np.exp(-g)) * u
+                else:
+                    g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+                    h = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+                want[t] += we * (down[e] @ h + down_bias[e])
+        tol = self.tolerance.get(backend.precision, 1e-4)
+        np.testing.assert_allclose(got.reshape(n, d), want, rtol=tol, atol=tol * 10)
+
     def test_silu_mul_and_add(self, backend):
         x, y = np.linspace(-30, 30, 64), np.linspace(2, -3, 64)
         xd, yd = self.to_device(backend, x), self.to_device(backend, y)
@@ -215,26 +314,29 @@ class BackendConformance:
         assert checked or not type(backend).quant_types, "no quant type could be checked"
 
     # -- whole models -------------------------------------------------------------------------------------
-    @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
     def test_tiny_llama_agrees_with_the_float64_oracle(self, backend, qtype, tmp_path):
-        """A tiny random llama: this backend's logits against the CPU backend's float64 ones (top-1, mean KL)."""
+        """A tiny random model of the reference architecture (leat[conformance]'s), stored as each of
+        ``model_qtypes``: this backend's logits against the reference backend's float64 ones (top-1, mean KL).
+        (The name is older than the reference's declaration; tests call it by name.)"""
         from leat.compare import compare
         from leat.testing import write_tiny_gguf
 
-        arch_module = pytest.importorskip("leat_arch_llama.llama", reason="the agreement models need leat-arch-llama")
+        arch = reference("architectures")
         kind = gguf.GGMLQuantizationType[qtype]
         if kind != F32 and kind not in type(backend).quant_types:
-            pytest.skip(f"{type(backend).__name__} does not take {qtype}")
-        path = write_tiny_gguf(arch_module.Llama, tmp_path / f"tiny-{qtype}.gguf", kind)
-        tokens = np.random.default_rng(0).integers(0, arch_module.Llama.tiny().vocab, 48)
-        reference = _logits(arch_module.Llama, path, cpu_oracle()("f64"), tokens)
-        other = _logits(arch_module.Llama, path, backend, tokens)
-        agreement = compare(reference, other, label=f"{backend.name} {backend.precision} vs cpu f64 on {qtype}")
+            pytest.fail(f"{type(backend).__name__} does not take {qtype}: leave it out of model_qtypes", pytrace=False)
+        path = write_tiny_gguf(arch, tmp_path / f"tiny-{qtype}.gguf", kind)
+        tokens = np.random.default_rng(0).integers(0, arch.tiny().vocab, 48)
+        reference_logits = _logits(arch, path, cpu_oracle()("f64"), tokens)
+        other = _logits(arch, path, backend, tokens)
+        agreement = compare(reference_logits, other, label=f"{backend.name} {backend.precision} vs cpu f64 on {qtype}")
         failures = agreement.failures(top1=self.agreement_bars["top1"], kl=self.agreement_bars["kl"])
         assert not failures, f"{agreement}: {'; '.join(failures)}"
 
 
-def _attention(q, k, v, start, scale, window=None):
+def _attention(q, k, v, start, scale, window=None, softcap=None, sinks=None):
+    """Causal attention of queries at ``start``.. over keys 0..: GQA, a sliding ``window``, scores soft-capped, and
+    a per-head ``sinks`` logit in each softmax's denominator, as :meth:`Backend.attention` and its variants say."""
     n, heads, _ = q.shape
     group = heads // k.shape[1]
     out = np.zeros((n, heads, v.shape[2]))
@@ -242,8 +344,12 @@ def _attention(q, k, v, start, scale, window=None):
         first = 0 if window is None else max(0, start + t - window + 1)
         for h in range(heads):
             scores = k[first : start + t + 1, h // group] @ q[t, h] * scale
-            p = np.exp(scores - scores.max())
-            out[t, h] = (p / p.sum()) @ v[first : start + t + 1, h // group]
+            if softcap is not None:
+                scores = softcap * np.tanh(scores / softcap)
+            top = scores.max() if sinks is None else max(scores.max(), sinks[h])
+            p = np.exp(scores - top)
+            total = p.sum() + (0.0 if sinks is None else np.exp(sinks[h] - top))
+            out[t, h] = (p / total) @ v[first : start + t + 1, h // group]
     return out.reshape(n, -1)
 
 

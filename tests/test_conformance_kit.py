@@ -1,0 +1,90 @@
+"""The conformance kit itself: its optional checks pass on the CPU backend (their references agree with the oracle
+implementation), a capability a subclass does not declare deselects its checks at collection (never a skip), and a
+missing reference fails with a message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from _pytest.outcomes import Failed
+from leat.conformance import BackendConformance
+from leat.conformance import reference as kit_reference
+from leat_backend_cpu.backend import CPUBackend
+
+ALL = frozenset({"windows", "softcap", "sinks", "q8_0_kv", "moe"})
+
+
+class TestCPUWithEveryCapability(BackendConformance):
+    capabilities = ALL
+    model_qtypes = ()  # the whole-model checks run in backends/cpu's own conformance test
+
+    @pytest.fixture(params=["f32", "f64"])
+    def backend(self, request):
+        return CPUBackend(request.param)
+
+
+class _NoSinks(CPUBackend):
+    def attention_sinks(self, q, k, v, kv, layer, batch, scale, sinks):
+        return self.attention(q, k, v, kv, layer, batch, scale)
+
+
+def test_a_backend_ignoring_sinks_fails_their_check():
+    with pytest.raises(AssertionError):
+        TestCPUWithEveryCapability().test_attention_sinks(_NoSinks("f64"))
+
+
+SUBCLASS = """
+import pytest
+from leat.conformance import BackendConformance
+from leat_backend_cpu.backend import CPUBackend
+
+
+class TestPlain(BackendConformance):
+    capabilities = frozenset({"sinks"})
+    model_qtypes = ("F32",)
+
+    @pytest.fixture
+    def backend(self):
+        return CPUBackend("f64")
+"""
+
+
+def test_capabilities_select_checks_at_collection(tmp_path):
+    (tmp_path / "test_plain.py").write_text(SUBCLASS)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out
+    assert "leat conformance kit" in out  # the pytest11 plugin loaded itself
+    assert "skipped" not in out
+    # windows, softcap, q8_0_kv and moe's two are deselected; sinks and the F32 model check run
+    assert "5 deselected" in out, out
+    assert "test_attention_sinks PASSED" in subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", str(tmp_path), "-k", "sinks or tiny"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    ).stdout.replace("::", " ").replace("test_plain.py TestPlain ", "")
+
+
+def test_a_missing_reference_fails_with_what_to_install(monkeypatch):
+    kit_reference.reference.cache_clear()
+    monkeypatch.setattr(kit_reference, "declared", lambda: ["leat-backend-nowhere"])
+    try:
+        with pytest.raises(Failed, match=r"reference backend \(leat-backend-nowhere\).*install 'leat\[conformance\]'"):
+            kit_reference.reference("backends")
+    finally:
+        kit_reference.reference.cache_clear()
+
+
+def test_the_references_are_declared_once_in_the_extra():
+    assert sorted(kit_reference.declared()) == ["leat-arch-llama", "leat-backend-cpu"]
+    assert kit_reference.reference("backends") is CPUBackend
