@@ -50,6 +50,16 @@ def test_dequantize_equals_gguf_bit_for_bit(cuda, qtype):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("qtype", [q for q in KERNEL_TYPES if quants.LAYOUTS[q].planes], ids=lambda q: q.name)
+def test_upload_splits_planes_on_the_device_as_device_bytes(cuda, qtype):
+    rng = np.random.default_rng(50 + int(qtype))
+    data = stored(qtype, 7, 512, rng, sane=False)
+    weight = cuda.upload(Tensor("w", qtype, (7, 512), data))
+    got = np.empty(weight.memory.nbytes, np.uint8)
+    cuda.device.download(got, weight.ptr)
+    np.testing.assert_array_equal(got, quants.device_bytes(qtype, data))
+
+
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
 def test_embed_rows_equal_gguf(cuda, qtype):
     rng = np.random.default_rng(100 + int(qtype))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,15 +109,12 @@ def _rate(n: int, seconds: float) -> float | None:
 class Model:
     """A loaded model: file, architecture on a backend, tokenizer and chat template."""
 
-    def __init__(self, file: ModelFile, architecture: Architecture, backend: Backend):
-        from leat.chat import ChatTemplate
-        from leat.tokenizer import Tokenizer
-
+    def __init__(self, file: ModelFile, architecture: Architecture, backend: Backend, text: Any = None):
+        """``text``: the (tokenizer, chat template) pair of :func:`text_parts`, when already built."""
         self.file = file
         self.architecture = architecture
         self.backend = backend
-        self.tokenizer = Tokenizer.from_metadata(file.metadata)
-        self.chat_template = ChatTemplate.from_metadata(file.metadata)
+        self.tokenizer, self.chat_template = text or text_parts(file)
         self.last_timings = Timings()
         self._session_engine = None
         self.speculation = None  # a leat.speculative.Speculation the engines of generate() use (--speculate)
@@ -266,4 +264,16 @@ def load(
     file = ModelFile(path)
     arch_cls = architecture_class(file, host)
     backend_obj = choose_backend(backend, host)(precision=precision, **(backend_options or {}))
-    return Model(file, arch_cls(file, backend_obj), backend_obj)
+    # the tokenizer (pure Python) is built while the weights go to the device (the copies release the GIL)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="leat-tokenizer") as pool:
+        text = pool.submit(text_parts, file)
+        architecture = arch_cls(file, backend_obj)
+        return Model(file, architecture, backend_obj, text.result())
+
+
+def text_parts(file: ModelFile) -> tuple[Any, Any]:
+    """The tokenizer and chat template a file describes."""
+    from leat.chat import ChatTemplate
+    from leat.tokenizer import Tokenizer
+
+    return Tokenizer.from_metadata(file.metadata), ChatTemplate.from_metadata(file.metadata)

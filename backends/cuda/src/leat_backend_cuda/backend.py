@@ -49,6 +49,7 @@ OPS_KERNELS = [
     "matmul_f32_naive",
     "splitk_sum",
     "scale_rows_bias",
+    "split_plane",
     "argmax_rows",
     "top_k_rows",
     "kv_write<float>",
@@ -304,13 +305,35 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             host = np.ascontiguousarray(gguf.quants.dequantize(data, qtype), np.float32).reshape(-1)
             qtype, kernels = Q.F32, None
         else:
-            host, kernels = quants.device_bytes(qtype, data), self._type_kernels(qtype)
-        memory = Memory(host.nbytes)
-        self.device.upload(memory.ptr, host)
-        self.device.synchronize()  # the host copy may be a temporary (a repacked or dequantized tensor)
-        self._count(tensor.qtype.name, host.nbytes)
+            host, kernels = np.ascontiguousarray(data).view(np.uint8).reshape(-1), self._type_kernels(qtype)
+        if kernels and quants.LAYOUTS[qtype].planes:
+            memory = self._upload_planes(qtype, host)
+        else:
+            memory = Memory(host.nbytes)
+            self.device.upload(memory.ptr, host)
+            self.device.synchronize()  # the host copy may be a temporary (a dequantized tensor)
+        self._count(tensor.qtype.name, memory.nbytes)
         blocks = quants.blocks_of(qtype, rows, cols) if kernels else 0
         return Matrix(tensor.name, qtype, shape, rows, cols, blocks, memory, kernels)
+
+    def _upload_planes(self, qtype: Q, raw: np.ndarray) -> Memory:
+        """A tensor of a planar layout (quants.device_bytes): the file's bytes uploaded as they are, then split
+        into planes on the device (each padded to 16 bytes), rather than repacked by numpy first."""
+        planes = quants.LAYOUTS[qtype].planes
+        block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+        blocks = raw.size // block_bytes
+        padded = [-(-blocks * size // 16) * 16 for size in planes]
+        memory = Memory(sum(padded))
+        staging = Memory(raw.nbytes)
+        self.device.upload(staging.ptr, raw)
+        self.device.fill(memory.ptr, 0, memory.nbytes)
+        start = offset = 0
+        for size, room in zip(planes, padded, strict=True):
+            grid = max(1, min(-(-blocks * size // 256), 16 * self.device.sm_count))
+            self.ops["split_plane"]((grid,), 256, staging, memory.ptr + start, blocks, block_bytes, offset, size)
+            start, offset = start + room, offset + size
+        self.device.synchronize()  # before the staging copy (and the caller's mapped bytes) go
+        return memory
 
     def dequantize(self, weight: Matrix) -> DeviceArray:
         """A weight as float32 [rows, cols], decoded on the device (equal to gguf-py's dequantize)."""

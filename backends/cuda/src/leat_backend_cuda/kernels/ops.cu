@@ -416,6 +416,18 @@ extern "C" __global__ void x_to_f16(const float* __restrict__ x, u16* __restrict
     if (threadIdx.x == 0) xscale[blockIdx.x] = ldexpf(1.0f, e - 15);
 }
 
+// One plane of a quantized tensor's device layout (quants.device_bytes): bytes [offset, offset + size)
+// of each of the `blocks` GGUF blocks of `src` (block_bytes each), one block after another in `dst`.
+// The file's bytes go to the device as they are and are rearranged here, not on the host.
+extern "C" __global__ void split_plane(const u8* __restrict__ src, u8* __restrict__ dst, i64 blocks, int block_bytes,
+                                       int offset, int size) {
+    const i64 total = blocks * size;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const i64 b = i / size;
+        dst[i] = src[b * block_bytes + offset + (i - b * size)];
+    }
+}
+
 // y [n, m] = y * xscale[t] + bias (or 0): the epilogue of a cuBLAS product of x_to_f16's rows.
 extern "C" __global__ void scale_rows_bias(float* __restrict__ y, const float* __restrict__ xscale,
                                            const float* __restrict__ bias, int m, i64 total) {
