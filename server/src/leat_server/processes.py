@@ -28,18 +28,20 @@ READY_TIMEOUT = 600.0  # a large model's first load (and its kernels' compilatio
 
 class FrontendModel:
     """What a frontend needs of the model, without its weights: the GGUF's metadata, tokenizer and chat template,
-    and from the engine process its vocabulary size, context and backend."""
+    and from the engine process its vocabulary size, context and backend. ``early``: (file, tokenizer and chat
+    template) read while the engine process was still loading, used when it is the file the engine loaded."""
 
-    def __init__(self, info: dict[str, Any]):
+    def __init__(self, info: dict[str, Any], early: tuple[Any, Any] | None = None):
         from types import SimpleNamespace
 
-        from leat.chat import ChatTemplate
+        from leat.model import text_parts
         from leat.modelfile import ModelFile
-        from leat.tokenizer import Tokenizer
 
-        self.file = ModelFile(info["path"])
-        self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
-        self.chat_template = ChatTemplate.from_metadata(self.file.metadata)
+        if early is not None and str(early[0].path) == str(info["path"]):
+            self.file, (self.tokenizer, self.chat_template) = early
+        else:
+            self.file = ModelFile(info["path"])
+            self.tokenizer, self.chat_template = text_parts(self.file)
         self.architecture = SimpleNamespace(vocab_size=info["vocab_size"])
         self.context_length = info["context_length"]
         self.backend = SimpleNamespace(describe=lambda: dict(info["backend"]))
@@ -62,15 +64,17 @@ def engine_main(options: Any, loader: Any, address: str, authkey: bytes, ready: 
 
 
 def frontend_main(options: Any, sock: socket.socket, address: str, authkey: bytes) -> None:
-    """A frontend process: the Litestar app on the shared socket, its engine the engine process."""
+    """A frontend process: the Litestar app on the shared socket, its engine the engine process. It starts with
+    the engine process, not after it: imports and the tokenizer are done while the model loads over there."""
     import uvicorn
-    from leat.engine_process import RemoteEngine
     from leat.keys import KeyStore
 
+    import leat_server.app  # noqa: F401 - imported now, while the engine process loads
     from leat_server import build_app
 
-    engine = RemoteEngine(address, authkey)
-    app = build_app(options, FrontendModel(engine.info), engine, KeyStore(options.api_key_file))
+    early = _read_model_early(options.model)
+    engine = _connect(address, authkey)
+    app = build_app(options, FrontendModel(engine.info, early), engine, KeyStore(options.api_key_file))
     config = uvicorn.Config(
         app,
         log_level=options.log_level,
@@ -79,6 +83,33 @@ def frontend_main(options: Any, sock: socket.socket, address: str, authkey: byte
         timeout_graceful_shutdown=5,
     )
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def _read_model_early(name: str) -> tuple[Any, Any] | None:
+    """The model file, tokenizer and chat template, if ``name`` is already a local file (or pulled)."""
+    from leat.model import text_parts
+    from leat.modelfile import ModelFile
+    from leat.pull import resolve
+
+    try:
+        file = ModelFile(resolve(name, pull=False))
+        return file, text_parts(file)
+    except Exception:  # noqa: BLE001 - only a head start: the engine's own answer (info["path"]) decides
+        return None
+
+
+def _connect(address: str, authkey: bytes) -> Any:
+    """A RemoteEngine once the engine process answers (it may still be loading)."""
+    from leat.engine_process import EngineUnavailable, RemoteEngine
+
+    deadline = time.monotonic() + READY_TIMEOUT
+    while True:
+        try:
+            return RemoteEngine(address, authkey)
+        except EngineUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 class Supervisor:
@@ -98,8 +129,9 @@ class Supervisor:
         self.frontends: list[Any] = []
         self.stopping = threading.Event()
 
-    def start_engine(self) -> str:
-        """Start the engine process; its plan once it is ready (a LeatError if it fails to load)."""
+    def start_engine(self, then: Any = None) -> str:
+        """Start the engine process (and ``then()`` at once, while it loads); its plan once it is ready (a
+        LeatError if it fails to load)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.address)
         receive, send = self.context.Pipe(duplex=False)
@@ -107,6 +139,8 @@ class Supervisor:
         self.engine = self.context.Process(target=engine_main, args=args, name="leat-engine", daemon=True)
         self.engine.start()
         send.close()
+        if then is not None:
+            then()
         if not receive.poll(READY_TIMEOUT):
             raise LeatError(f"the engine process did not get ready within {READY_TIMEOUT:.0f} s")
         try:
@@ -124,8 +158,14 @@ class Supervisor:
         return process
 
     def run(self, announce: Any = print) -> None:
-        plan = self.start_engine()
-        self.frontends = [self.start_frontend(i) for i in range(self.workers)]
+        def start_frontends() -> None:
+            self.frontends = [self.start_frontend(i) for i in range(self.workers)]
+
+        try:
+            plan = self.start_engine(then=start_frontends)
+        except BaseException:
+            self.stop()
+            raise
         announce(plan)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stopping.set())
