@@ -1,12 +1,14 @@
 """Decode and prompt speed of leat's CPU backend beside llama.cpp's llama-bench, interleaved.
 
     uv run python scripts/cpu_vs_llamacpp.py --llama-bench /path/to/llama-bench [--model default] [--rounds 3]
+        [--threads 2] [--weights quantized|dequantized]
 
 llama-bench is not part of leat: build it from llama.cpp's source (for instance the copy inside
 the llama-cpp-python sdist: `cmake -B build -DGGML_NATIVE=ON && cmake --build build --target
-llama-bench`). Each round runs llama-bench (pp128, tg64, 2 threads) and then leat on the same file
-(prompt of 128 tokens, then 64 greedy tokens), so both see the same machine load. Prints one JSON
-line per round and a median summary.
+llama-bench`; add `-DLLAMA_BUILD_SERVER=OFF` where the sdist lacks tools/ui). Each round runs llama-bench
+(pp128, tg64, 2 threads) and then leat on the same file (prompt of 128 tokens, then 64 greedy tokens), so both
+see the same machine load. leat's CPU backend gets the same --threads; `--weights dequantized` measures its
+float32 reference path instead of the quantized one. Prints one JSON line per round and a median summary.
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--weights", choices=["quantized", "dequantized"], default="quantized")
     args = parser.parse_args()
     path = str(resolve(args.model))
-    model = leat.load(path, backend="cpu")
+    model = leat.load(path, backend="cpu", backend_options={"threads": args.threads, "weights": args.weights})
     results = []
     for round_ in range(args.rounds):
         row = {
@@ -71,7 +74,7 @@ def main() -> None:
         ours = statistics.median(r["leat"][test] for r in results)
         theirs = statistics.median(r["llama.cpp"][test] for r in results)
         summary[test] = {"leat": round(ours, 1), "llama.cpp": round(theirs, 1), "ratio": round(ours / theirs, 3)}
-    print(json.dumps({"model": path, "median": summary}))
+    print(json.dumps({"model": path, "leat": model.backend.describe(), "median": summary}))
 
 
 if __name__ == "__main__":

@@ -56,7 +56,9 @@ FLAGS = (
 )
 ATTENTION_STORAGE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}  # KV page dtypes attend() reads
 GEMV_ROWS = 8  # activation rows up to which a product decodes blocks in registers
-TILE_BYTES = 1 << 20  # float32 bytes of weight rows decoded at once for a prompt's BLAS product
+# float32 bytes of weight rows decoded at once for a prompt's BLAS product: a whole weight of a small model, since
+# each BLAS call forks and joins its threads, which costs milliseconds on a busy machine (1 MiB tiles: 5x slower here)
+TILE_BYTES = 8 << 20
 
 
 @dataclass(eq=False)
@@ -153,19 +155,20 @@ def matmul(x: np.ndarray, weight: QuantizedWeight, threads: int) -> np.ndarray:
     """x [n, k] float32 times the transpose of ``weight`` [m, k]: -> [n, m] float32."""
     x = np.ascontiguousarray(x, np.float32)
     (n, k), m = x.shape, weight.shape[0]
-    y = np.empty((n, m), np.float32)
     if n <= GEMV_ROWS:
+        y = np.empty((n, m), np.float32)
         _kernel("gemv", weight)(weight.address, m, k, address(x), n, address(y), threads)
         return y
     tile = max(1, min(m, TILE_BYTES // (4 * k)))
     decoded = np.empty((tile, k), np.float32)
     dequant = _kernel("dequant", weight)
+    transposed = np.empty((m, n), np.float32)  # tiles of rows of y.T are contiguous, so BLAS writes them in place
     for first in range(0, m, tile):
         rows = min(tile, m - first)
         # one thread: decoding is a few percent of the BLAS product, and a second pool would fight BLAS's threads
-        dequant(weight.address + first * weight.blocks.shape[1], None, rows, k, decoded.ctypes.data, 1)
-        np.matmul(x, decoded[:rows].T, out=y[:, first : first + rows])
-    return y
+        dequant(weight.address + first * weight.blocks.shape[1], None, rows, k, address(decoded), 1)
+        np.matmul(decoded[:rows], x.T, out=transposed[first : first + rows])
+    return np.ascontiguousarray(transposed.T)
 
 
 def dequantize(weight: QuantizedWeight, threads: int) -> np.ndarray:

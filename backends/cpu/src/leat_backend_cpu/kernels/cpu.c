@@ -11,6 +11,7 @@
  * Rows are split over `threads` threads (the caller's and a pool's, below).
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <math.h>
@@ -193,6 +194,13 @@ static inline vf chunk_iq4_xs(const uint8_t *b, int c) {
 
 typedef void (*range_fn)(const void *ctx, int64_t first, int64_t last);
 
+/* A spin-wait's step: a pause, and every 64th a yield, so that on a busy machine the thread being waited for (or
+ * BLAS's, or another process's) gets the core. */
+static inline void pause(int spin) {
+    RELAX();
+    if (spin % 64 == 63) sched_yield();
+}
+
 static struct {
     pthread_mutex_t busy; /* one job at a time: a second caller meanwhile runs its job alone */
     pthread_mutex_t lock;
@@ -224,7 +232,7 @@ static void *worker(void *arg) {
     for (;;) {
         uint32_t generation = atomic_load(&pool.generation);
         for (int spin = 0; generation == seen && spin < SPINS; spin++) {
-            RELAX();
+            pause(spin);
             generation = atomic_load(&pool.generation);
         }
         if (generation == seen) {
@@ -264,7 +272,7 @@ static void run(int threads, int64_t total, range_fn fn, const void *ctx) {
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     take_chunks(generation);
-    while (atomic_load(&pool.done) < total) RELAX();
+    for (int spin = 0; atomic_load(&pool.done) < total; spin++) pause(spin);
     pthread_mutex_unlock(&pool.busy);
 }
 
