@@ -26,7 +26,6 @@ import leat
 import numpy as np
 import pytest
 from leat.compare import DEFAULT_MIN_GAP, combine, compare, first_near_tie, top2_gap
-from leat.errors import PullError
 
 REFERENCES = Path(__file__).parent / "references"
 MANIFEST = json.loads((REFERENCES / "llamacpp.json").read_text())
@@ -70,23 +69,18 @@ def test_tiny_f32_matches_f64(name, tokens, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        f64 = leat.load("default", backend="cpu", precision="f64")
-    except PullError as error:  # offline and not cached
-        pytest.skip(f"SmolLM2 is not cached and could not be pulled: {error}")
-    return f64, leat.load("default", backend="cpu", precision="f32")
+def smollm2(smollm2_f64):
+    return smollm2_f64, leat.load("default", backend="cpu", precision="f32")
 
 
 @pytest.mark.slow
-def test_smollm2_f32_matches_f64(smollm2, tokens):
-    f64, f32 = smollm2
+def test_smollm2_f32_matches_f64(smollm2, smollm2_oracle, tokens):
+    _, f32 = smollm2
     parts = []
     for prompt in MANIFEST["smollm2"]["prompts"]:
-        ids = tokens[prompt["key"]]
-        parts.append(
-            compare(f64.logits(ids, native=True), f32.logits(ids, native=True), label=f"{prompt['key']}: f32 vs f64")
-        )
+        ids, f64_logits = smollm2_oracle[prompt["key"]]
+        assert ids == tokens[prompt["key"]]
+        parts.append(compare(f64_logits, f32.logits(ids, native=True), label=f"{prompt['key']}: f32 vs f64"))
     pooled = combine(parts, label="SmolLM2 f32 vs f64, all prompts")
     report = "\n".join(map(str, [pooled, *parts]))
     print(report)

@@ -29,7 +29,6 @@ import leat
 import numpy as np
 import pytest
 from leat.compare import TopK, combine, compare, kl_per_position, log_softmax
-from leat.errors import PullError
 
 REFERENCES = Path(__file__).parent / "references"
 MANIFEST = json.loads((REFERENCES / "llamacpp.json").read_text())
@@ -118,24 +117,21 @@ def test_tiny_model_agrees_with_llamacpp(name, tiny_refs, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        model = leat.load("default", backend="cpu", precision="f64")
-    except PullError as error:  # offline and not cached
-        pytest.skip(f"SmolLM2 is not cached and could not be pulled: {error}")
+def smollm2(smollm2_f64):
     recorded = MANIFEST["smollm2"]
-    if sha256(model.file.path) != recorded["sha256"]:
+    if sha256(smollm2_f64.file.path) != recorded["sha256"]:
         pytest.fail(f"the default model is not the file the references were recorded on; {RERECORD}")
-    return model
+    return smollm2_f64
 
 
 @pytest.fixture(scope="module")
-def smollm2_agreements(smollm2):
+def smollm2_agreements(smollm2, smollm2_oracle):
     out = {"default": [], "exact": []}
     with np.load(REFERENCES / "llamacpp_smollm2.npz") as data:
         for prompt in MANIFEST["smollm2"]["prompts"]:
             key = prompt["key"]
-            logits = oracle("default", data[f"{key}/tokens"], smollm2)
+            ids, logits = smollm2_oracle[key]
+            assert ids == [int(t) for t in data[f"{key}/tokens"]]
             label = f"{key} ({prompt['kind']}, {prompt['tokens']} tokens)"
             out["default"].append(compare(TopK.from_arrays(data, f"{key}/"), logits, label=label))
             out["exact"].append(compare(TopK.from_arrays(data, f"{key}/exact/"), logits, label=label))
