@@ -1,7 +1,7 @@
-"""The MoE and MLA kernels (kernels/moe.cu, experts.cu, mla.cu) compiled for the host with g++ and run with one
-host thread per CUDA thread (shuffles and barriers emulated with std::barrier), against leat's float64
+"""The MoE and MLA kernels (kernels/moe.cu, experts.cu, mla.cu) compiled for the host with g++ and run with each CUDA
+thread a fiber on one host thread (shuffles and barriers switch between them), against leat's float64
 references: routing of every gating, the grouped and ungrouped expert products, a whole MoE layer, and
-latent attention. No GPU needed; skipped where g++ is missing. Slow-ish (threads per block), so sizes are small.
+latent attention. No GPU needed; skipped where g++ is missing. Sizes are small: every lane runs in turn.
 """
 
 import ctypes
@@ -23,10 +23,11 @@ from leat_backend_cuda import quants
 Q = gguf.GGMLQuantizationType
 SHIM = r"""
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstring>
-#include <thread>
+#include <cstdio>
+#include <memory>
+#include <ucontext.h>
 #include <vector>
 using std::isfinite;
 using std::max;
@@ -42,17 +43,30 @@ inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return
 inline unsigned short f32_to_f16(float f) { _Float16 h = (_Float16)f; unsigned short u; memcpy(&u, &h, 2); return u; }
 
 struct Dim { unsigned x = 0, y = 0, z = 0; };
-inline thread_local Dim threadIdx, blockIdx;
+// Every CUDA thread of a block is a fiber (ucontext) on the calling thread: a lane runs until it reaches a barrier
+// or returns, then the next lane runs; once no lane can go on, the barrier every live lane waits at opens. One OS
+// thread for any block size (one per CUDA thread loaded the 2-core test machine with 1,024 of them).
+inline Dim threadIdx, blockIdx;  // the running lane's, set before it is resumed
 inline Dim blockDim, gridDim;
+enum Wait : unsigned char { RUNNING, AT_BLOCK, AT_WARP, DONE };
+struct Lane { ucontext_t context; Wait wait = RUNNING; };
 struct HostBlock {
-    std::barrier<>* block;
-    std::vector<std::barrier<>*> warps;
+    std::vector<Lane> lanes;
+    ucontext_t scheduler;
     std::vector<long long> exchange;
 };
 inline HostBlock* current;
+inline void* current_kernel;
+inline std::vector<std::unique_ptr<char[]>> lane_stacks;  // reused by every block
+constexpr size_t LANE_STACK = 256 << 10;
 inline float host_smem[1 << 16];
-inline void __syncthreads() { current->block->arrive_and_wait(); }
-inline void __syncwarp(unsigned = FULL_MASK) { current->warps[threadIdx.x / 32]->arrive_and_wait(); }
+inline void wait_at(Wait barrier) {
+    Lane& lane = current->lanes[threadIdx.x];
+    lane.wait = barrier;
+    swapcontext(&lane.context, &current->scheduler);
+}
+inline void __syncthreads() { wait_at(AT_BLOCK); }
+inline void __syncwarp(unsigned = FULL_MASK) { wait_at(AT_WARP); }
 template <class T> T exchange(T v, int from) {
     long long bits = 0;
     memcpy(&bits, &v, sizeof(T));
@@ -84,28 +98,65 @@ inline unsigned pack_f16x2(float lo, float hi) { return f32_to_f16(lo) | ((unsig
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
-// Runs kernel() for every block of `grid`, one host thread per CUDA thread; blocks one after another.
+template <class F> void lane_entry() {
+    (*static_cast<F*>(current_kernel))();
+    current->lanes[threadIdx.x].wait = DONE;  // an exited lane no longer holds the others up; uc_link resumes the scheduler
+}
+
+// Runs the lanes of one block until every one has returned; aborts if they wait at different barriers.
+inline void run_block(HostBlock& b) {
+    const unsigned n = (unsigned)b.lanes.size();
+    for (;;) {
+        for (unsigned t = 0; t < n; ++t)
+            if (b.lanes[t].wait == RUNNING) {
+                threadIdx = {t, 0, 0};
+                swapcontext(&b.scheduler, &b.lanes[t].context);
+            }
+        bool released = false;
+        for (unsigned w = 0; w < n; w += 32) {  // a warp whose live lanes all wait at __syncwarp goes on
+            bool any = false, all = true;
+            for (unsigned t = w; t < min(n, w + 32); ++t) {
+                any |= b.lanes[t].wait == AT_WARP;
+                all &= b.lanes[t].wait == AT_WARP || b.lanes[t].wait == DONE;
+            }
+            if (any && all)
+                for (unsigned t = w; t < min(n, w + 32); ++t)
+                    if (b.lanes[t].wait == AT_WARP) b.lanes[t].wait = RUNNING;
+            released |= any && all;
+        }
+        if (released) continue;
+        bool any = false, all = true;
+        for (auto& lane : b.lanes) {
+            any |= lane.wait == AT_BLOCK;
+            all &= lane.wait == AT_BLOCK || lane.wait == DONE;
+        }
+        if (!any && all) return;  // every lane returned
+        if (!all) { fprintf(stderr, "lanes wait at different barriers\n"); abort(); }
+        for (auto& lane : b.lanes) lane.wait = lane.wait == AT_BLOCK ? RUNNING : lane.wait;
+    }
+}
+
+// Runs kernel() for every block of `grid`, each CUDA thread a fiber; blocks one after another.
 template <class F> void launch(Dim grid, unsigned threads, F kernel) {
     blockDim = {threads, 1, 1};
     gridDim = grid;
+    current_kernel = &kernel;
+    while (lane_stacks.size() < threads) lane_stacks.emplace_back(new char[LANE_STACK]);
     for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
-                HostBlock b{new std::barrier<>(threads), {}, std::vector<long long>(threads)};
-                for (unsigned w = 0; w < (threads + 31) / 32; ++w) b.warps.push_back(new std::barrier<>(32));
+                HostBlock b{std::vector<Lane>(threads), {}, std::vector<long long>(threads)};
                 current = &b;
-                std::vector<std::thread> lanes;
-                for (unsigned t = 0; t < threads; ++t)
-                    lanes.emplace_back([&, t] {
-                        threadIdx = {t, 0, 0};
-                        blockIdx = {x, y, z};
-                        kernel();
-                        b.block->arrive_and_drop();  // an exited thread no longer holds the others up
-                        b.warps[t / 32]->arrive_and_drop();
-                    });
-                for (auto& lane : lanes) lane.join();
-                delete b.block;
-                for (auto* w : b.warps) delete w;
+                blockIdx = {x, y, z};
+                for (unsigned t = 0; t < threads; ++t) {
+                    ucontext_t& c = b.lanes[t].context;
+                    getcontext(&c);
+                    c.uc_stack.ss_sp = lane_stacks[t].get();
+                    c.uc_stack.ss_size = LANE_STACK;
+                    c.uc_link = &b.scheduler;
+                    makecontext(&c, lane_entry<F>, 0);
+                }
+                run_block(b);
             }
 }
 """
