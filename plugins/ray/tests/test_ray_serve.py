@@ -1,0 +1,231 @@
+"""leat on a local Ray Serve: two replicas of a tiny llama on the CPU behind the ingress, driven by the official
+openai and anthropic clients. One Ray start for the module (about 30 s on 2 cores); every test is bounded."""
+
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+
+import anthropic
+import leat
+import openai
+import pytest
+from leat.testing import write_tiny_gguf
+from leat_arch_llama.llama import Llama
+from leat_server.testing import free_port
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Once upon a time"
+SYSTEM = "You are a careful assistant who answers in one short sentence, and never in more than twelve words. " * 2
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return write_tiny_gguf(Llama, tmp_path_factory.mktemp("ray") / "tiny.gguf", params=Llama.tiny(context=1024))
+
+
+@pytest.fixture(scope="module")
+def expected(model_path):
+    model = leat.load(str(model_path), backend="cpu", precision="f32")
+    return "".join(t.text for t in model.generate(PROMPT, max_tokens=16, sampling={"temperature": 0}))
+
+
+@pytest.fixture(scope="module")
+def cluster(model_path):
+    os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"  # workers use this environment, not a shipped copy of it
+    import ray
+    from leat_ray.deployments import build
+    from ray import serve
+
+    port, metrics_port = free_port(), free_port()
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {"model": str(model_path), "backend": "cpu", "alias": "tiny", "port": port, "prefix_chars": 64}
+        args |= {"batch_size": 8, "max_queue": 64, "threads": 1}
+        no_cpu = {"ray_actor_options": {"num_cpus": 0}}
+        deployments = {"LeatReplica": {"num_replicas": 2, **no_cpu}, "LeatIngress": no_cpu}
+        serve.run(build(args, deployments), name="leat", route_prefix="/", blocking=False)
+        yield {"url": f"http://127.0.0.1:{port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def replica_of(response) -> tuple[str, int]:
+    name, pid = response.headers["x-leat-replica"].split()
+    return name, int(pid)
+
+
+def complete_stream(client, prompt=PROMPT, max_tokens=16):
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].text for c in raw.parse() if c.choices)
+    return replica_of(raw), text
+
+
+def test_openai_and_anthropic_clients_through_ray_equal_the_model(cluster, client, expected):
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+    assert whole.choices[0].text == expected
+    assert complete_stream(client)[1] == expected
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens > 0
+    claude = anthropic.Anthropic(base_url=cluster["url"], api_key="unused", max_retries=0, timeout=60)
+    with claude.messages.stream(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "Hi"}]) as stream:
+        message = stream.get_final_message()
+    assert message.usage.output_tokens > 0 and message.stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=-1)  # leat serve's own 400, relayed
+
+
+def test_32_streams_all_answered_split_across_both_replicas(client, expected):
+    results: list = [None] * 32
+
+    def one(i):
+        results[i] = complete_stream(client)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(r is not None for r in results), "a stream did not finish"
+    assert {text for _, text in results} == {expected}
+    counts = {}
+    for replica, _ in results:
+        counts[replica] = counts.get(replica, 0) + 1
+    assert len(counts) == 2, counts  # a short prompt has no prefix to keep: the least loaded takes it
+
+
+def test_shared_long_prefix_lands_on_one_replica_and_reuses_its_cache(client):
+    seen, cached = set(), []
+    for question in ("What is red?", "What is blue?", "Name a bird.", "Count to three.", "Say hello."):
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny",
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            max_tokens=4,
+            temperature=0,
+        )
+        seen.add(replica_of(raw)[0])
+        cached.append(raw.parse().usage.prompt_tokens_details.cached_tokens)
+    assert len(seen) == 1
+    assert all(n > 0 for n in cached[1:]), cached
+    # and different prefixes are spread: they are not all sent to one replica
+    spread = set()
+    for i in range(16):
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "system", "content": f"{i} {SYSTEM}"}], max_tokens=1
+        )
+        spread.add(replica_of(raw)[0])
+    assert len(spread) == 2
+
+
+def replica_metrics(cluster, want: int = 2, tries: int = 40) -> dict[str, str]:
+    """Each replica's ``/metrics`` text (``leat serve``'s own), by replica, asking until ``want`` have answered."""
+    found = {}
+    for _ in range(tries):
+        with urllib.request.urlopen(cluster["url"] + "/metrics", timeout=10) as response:
+            found[response.headers["x-leat-replica"].split()[0]] = response.read().decode()
+        if len(found) >= want:
+            break
+    return found
+
+
+def cancelled_total(text: str) -> float:
+    return sum(float(v) for v in re.findall(r"^leat_requests_cancelled_total\{[^}]*\} (\S+)$", text, re.MULTILINE))
+
+
+def test_client_going_away_cancels_its_engine_request(cluster, client):
+    before = {name: cancelled_total(text) for name, text in replica_metrics(cluster).items()}
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt=PROMPT + " and then", max_tokens=900, temperature=0, stream=True
+    )
+    replica = replica_of(raw)[0]
+    stream = raw.parse()
+    next(iter(stream))
+    stream.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = replica_metrics(cluster).get(replica, "")
+        if cancelled_total(text) > before.get(replica, 0) and re.search(r"^leat_running 0\.0$", text, re.MULTILINE):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"replica {replica} did not cancel the request of a client that went away:\n{text}")
+
+
+def test_leat_figures_are_in_rays_metrics_per_replica(cluster, client):
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(cluster["metrics"], timeout=10) as response:
+            text = response.read().decode()
+        rows = re.findall(r'^ray_leat_generated_tokens_total\{[^}]*replica="([^"]+)"[^}]*\} (\S+)$', text, re.MULTILINE)
+        if len({replica for replica, value in rows if float(value) > 0}) == 2:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"Ray's metrics do not show both replicas' generated tokens; rows: {rows}")
+    assert re.search(r"^ray_serve_num_http_requests_total", text, re.MULTILINE)  # Ray's own, in the same place
+
+
+def replicas_answering(client, n: int = 8) -> set[tuple[str, int]]:
+    """The replicas that answer ``n`` requests sent at once (the least loaded takes each)."""
+    found: list = []
+    threads = [threading.Thread(target=lambda: found.append(complete_stream(client)[0])) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return set(found)
+
+
+def test_killed_replica_is_replaced_and_its_requests_get_errors_not_hangs(client):
+    outcomes: list = [None] * 8
+
+    def one(i):
+        try:
+            replica, text = complete_stream(client, max_tokens=400)
+            outcomes[i] = ("ok", replica, text)
+        except openai.APIError as e:
+            outcomes[i] = ("error", None, str(e))
+
+    before = replicas_answering(client)
+    assert len(before) == 2
+    victim = sorted(before)[0]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    os.kill(victim[1], signal.SIGKILL)
+    for t in threads:
+        t.join(90)
+    assert all(o is not None for o in outcomes), "a request hung after its replica was killed"
+    errors = [o[2] for o in outcomes if o[0] == "error"]
+    assert all("replica" in e for e in errors), errors
+    assert errors or all(o[1] != victim for o in outcomes), outcomes  # the victim's requests did not vanish
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            now = replicas_answering(client)
+        except openai.APIError:
+            now = set()
+        if len(now) == 2 and victim not in now:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"Ray did not replace the killed replica {victim} within 90 s; answering: {now}")
