@@ -7,7 +7,29 @@ benchmark scripts run with the library's own thread count. Set before numpy is i
 tests start (servers, plugin environments) inherit it; OPENBLAS_NUM_THREADS=2 uv run pytest overrides it.
 """
 
+import importlib.util
 import os
+from pathlib import Path
 
 for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
+
+
+# The GPU backends are extras of the workspace (`uv sync --extra cuda`, `--extra tinygrad`): without them their
+# folders are not collected, and the run ends by saying so and how to include them.
+ROOT = Path(__file__).parent
+OPTIONAL = {"backends/cuda": ("leat_backend_cuda", "cuda"), "backends/tinygrad": ("leat_backend_tinygrad", "tinygrad")}
+_not_run: dict[str, str] = {}
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    for folder, (module, extra) in OPTIONAL.items():
+        if collection_path.is_relative_to(ROOT / folder) and importlib.util.find_spec(module) is None:
+            _not_run[folder] = f"{folder}: not run, {module} is not installed (uv sync --extra {extra})"
+            return True
+    return None
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for line in _not_run.values():
+        terminalreporter.write_line(line, yellow=True)

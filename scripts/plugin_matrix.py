@@ -4,7 +4,7 @@
 
 For every workspace member with a ``test`` dependency group, ``uv sync --package NAME --group test --exact``
 then ``pytest`` on the member's tests (slow and gpu tests left out: the full run has them). Prints a table,
-restores the full workspace (``uv sync --locked``) and exits non-zero if any plugin failed alone.
+restores the full workspace (``uv sync --locked --all-extras``) and exits non-zero if any plugin failed alone.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> int:
             results.append((name, status, summary, seconds))
             print(f"{name}: {status} ({summary}, {seconds:.0f} s)", flush=True)
     finally:
-        subprocess.run(["uv", "sync", "--quiet", "--locked"], cwd=ROOT, check=False)
+        subprocess.run(["uv", "sync", "--quiet", "--locked", "--all-extras"], cwd=ROOT, check=False)
     print("\n| plugin | alone | tests | seconds |\n|---|---|---|---|")
     for name, status, summary, seconds in results:
         print(f"| {name} | {status} | {summary} | {seconds:.0f} |")

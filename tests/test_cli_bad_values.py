@@ -30,6 +30,7 @@ FREE_TEXT = {
     ("serve", "alias"): "any model id",
     ("serve", "allow_origins"): "an origin is matched as written",
     ("serve", "api_keys"): "any text is a key",
+    ("ray serve", "address"): "Ray's own address forms (auto, ray://HOST:PORT), read by ray.init",
 }
 
 # (command path, parameter name): (bad value, extra arguments, text the error must contain)

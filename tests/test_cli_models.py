@@ -197,3 +197,20 @@ def test_serve_api_key_is_required_of_clients(home, tiny):
     args = ["--backend", "cpu", "--api-key", "sk-one", "--api-key", "sk-two"]
     with ServerProcess(tiny, args, env={"LEAT_HOME": str(home)}) as server:
         assert [status(server, key) for key in (None, "sk-three", "sk-one", "sk-two")] == [401, 401, 200, 200]
+
+
+def test_doctor_says_which_extra_to_install(monkeypatch):
+    from leat.doctor import install_hints
+
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    cuda, tinygrad = install_hints({"cpu": {}}, nvidia_driver=True)
+    assert "leat-backend-cuda" in cuda and "uv sync --extra cuda" in cuda
+    assert "uv sync --extra tinygrad" in tinygrad and "needs clang" in tinygrad
+    assert not any("cuda" in hint for hint in install_hints({"cpu": {}}, nvidia_driver=False))
+    assert install_hints({"cpu": {}, "cuda": {}, "tinygrad": {}}, nvidia_driver=True) == []
+    monkeypatch.setenv("CC", "sh")  # a command that exists: no clang note
+    assert "clang" not in install_hints({"cpu": {}, "cuda": {}}, nvidia_driver=False)[0]
+    report = json.loads(CliRunner().invoke(cli, ["doctor", "--json"]).stdout)
+    assert report["machine"]["install"] == install_hints(
+        report["machine"]["backends"], report["machine"]["nvidia_driver"]
+    )

@@ -6,8 +6,9 @@ from importlib import metadata
 
 from leat.hookspecs import hookimpl
 
+DISTRIBUTION = "leat-core"  # the import name is leat; `leat` on PyPI is another project
 try:
-    __version__ = metadata.version("leat")
+    __version__ = metadata.version(DISTRIBUTION)
 except metadata.PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0"
 

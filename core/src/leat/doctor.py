@@ -49,12 +49,38 @@ def machine_report() -> dict[str, Any]:
         if reason:
             fixes.append(f"backend {name}: {reason}")
     report["backends"] = backends
+    report["install"] = install_hints(backends, report["nvidia_driver"])
     for info in host.failed():
         fixes.append(f"plugin {info.name} failed to load: {info.error}")
     if not backends:
         fixes.append("no backend plugin is installed: install leat-backend-cpu")
     report["fixes"] = fixes
     return report
+
+
+# the backends that are extras of a clone of leat (`uv sync --extra NAME`), and their distributions
+EXTRAS = {"cuda": "leat-backend-cuda", "tinygrad": "leat-backend-tinygrad"}
+
+
+def install_hints(backends: dict[str, Any], nvidia_driver: bool) -> list[str]:
+    """What to install for the hardware found: the CUDA backend where an NVIDIA driver is, tinygrad (and the clang
+    its CPU device compiles with) where asked for."""
+    hints = []
+    if nvidia_driver and "cuda" not in backends:
+        hints.append(
+            "an NVIDIA driver is here but the CUDA backend is not installed: pip install leat-backend-cuda "
+            "(in a clone of leat: uv sync --extra cuda)"
+        )
+    if "tinygrad" not in backends:
+        clang = (
+            ""
+            if shutil.which(os.environ.get("CC", "clang"))
+            else "; its CPU device also needs clang (apt-get install clang)"
+        )
+        hints.append(
+            f"optional: the tinygrad backend, pip install leat-backend-tinygrad (in a clone: uv sync --extra tinygrad){clang}"
+        )
+    return hints
 
 
 def describe_model(name: str) -> dict[str, Any]:
@@ -113,6 +139,10 @@ def render(report: dict[str, Any]) -> str:
         lines.append("KV bytes per token: " + ", ".join(f"{k} {v}" for k, v in d["kv_bytes_per_token"].items()))
         for name, support in d["backend_support"].items():
             lines.append(f"backend {name}: {support}")
+    if m["install"]:
+        lines.append("")
+        lines.append("to install:")
+        lines.extend(f"  - {hint}" for hint in m["install"])
     fixes = m["fixes"]
     lines.append("")
     lines.append("to fix:" if fixes else "nothing to fix")

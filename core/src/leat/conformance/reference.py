@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from leat import DISTRIBUTION
 from leat.errors import PluginError
 from leat.plugins import PluginHost
 
@@ -19,9 +20,9 @@ EXTRA = "conformance"
 
 
 def declared() -> list[str]:
-    """The leat plugin distributions the ``conformance`` extra of the installed ``leat`` requires."""
+    """The leat plugin distributions the ``conformance`` extra of the installed ``leat-core`` requires."""
     names = []
-    for requirement in metadata.requires("leat") or []:
+    for requirement in metadata.requires(DISTRIBUTION) or []:
         if re.search(rf"extra\s*==\s*['\"]{EXTRA}['\"]", requirement):
             name = re.match(r"[A-Za-z0-9._-]+", requirement).group()
             if name.startswith("leat-"):
