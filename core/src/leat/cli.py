@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -170,13 +171,7 @@ def list_command(as_json: bool) -> None:
     """List pulled models: name, size, where each came from."""
     from leat.cli_models import list_table, pulled_models
 
-    rows = pulled_models()
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-    elif rows:
-        click.echo(list_table(rows))
-    else:
-        say("no pulled models; `leat pull default` fetches one")
+    _print_rows(pulled_models(), as_json, list_table, "no pulled models; `leat pull default` fetches one")
 
 
 @cli.command("rm")
@@ -200,13 +195,17 @@ def ps_command(as_json: bool) -> None:
     """List running `leat serve` processes and the model each has loaded."""
     from leat.cli_models import ps_table, running_servers
 
-    rows = running_servers()
+    _print_rows(running_servers(), as_json, ps_table, "no leat serve is running")
+
+
+def _print_rows(rows: list[dict[str, Any]], as_json: bool, table: Callable[[list], str], empty: str) -> None:
+    """Rows as JSON, or as a table; with none, ``empty`` on stderr (stdout stays empty for scripts)."""
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     elif rows:
-        click.echo(ps_table(rows))
+        click.echo(table(rows))
     else:
-        say("no leat serve is running")
+        say(empty)
 
 
 @cli.command()
