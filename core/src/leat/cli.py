@@ -12,8 +12,6 @@ import click
 
 from leat import __version__, plugins
 from leat.cli_options import (
-    CHAT_MAX_TOKENS,
-    COMPLETION_MAX_TOKENS,
     _select_plugins,
     backend_option,
     default_kv,
@@ -30,6 +28,7 @@ from leat.cli_options import (
 )
 from leat.cli_progress import say
 from leat.errors import LeatError
+from leat.options import CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS
 
 
 def _speculate(model: Any, speculate: str | None, draft: str | None) -> None:

