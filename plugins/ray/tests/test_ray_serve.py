@@ -1,9 +1,11 @@
 """leat on a local Ray Serve: two replicas of a tiny llama on the CPU behind the ingress, driven by the official
-openai and anthropic clients. One Ray start for the module (about 30 s on 2 cores); every test is bounded."""
+openai and anthropic clients. One `leat ray serve` (a local Ray: about 35 s on 2 cores) for the module; every test is bounded."""
 
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -12,6 +14,7 @@ import anthropic
 import leat
 import openai
 import pytest
+import yaml
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
 from leat_server.testing import free_port
@@ -34,31 +37,50 @@ def expected(model_path):
 
 
 @pytest.fixture(scope="module")
-def cluster(model_path):
-    os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"  # workers use this environment, not a shipped copy of it
-    import ray
-    from leat_ray.deployments import build
-    from ray import serve
-
+def cluster(model_path, tmp_path_factory):
+    """``leat ray serve CONFIG`` on a local Ray of 2 CPUs: the command and config file users run."""
     port, metrics_port = free_port(), free_port()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _metrics_export_port=metrics_port,
-        _system_config={"metrics_report_interval_ms": 1000},
+    args = {"model": str(model_path), "backend": "cpu", "alias": "tiny", "port": port, "prefix_chars": 64}
+    args |= {"batch_size": 8, "max_queue": 64, "threads": 1}
+    no_cpu = {"ray_actor_options": {"num_cpus": 0}}
+    config = {
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {
+                "name": "leat",
+                "route_prefix": "/",
+                "import_path": "leat_ray:app",
+                "args": args,
+                "deployments": [
+                    {"name": "LeatReplica", "num_replicas": 2, **no_cpu},
+                    {"name": "LeatIngress", **no_cpu},
+                ],
+            }
+        ],
+    }
+    folder = tmp_path_factory.mktemp("ray-serve")
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    log = open(folder / "serve.log", "w+")  # noqa: SIM115 (open while the command runs)
+    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_metrics_report_interval_ms": "1000"}
+    command = [sys.executable, "-m", "leat", "ray", "serve", str(folder / "config.yaml"), "--num-cpus", "2"]
+    process = subprocess.Popen(
+        [*command, "--metrics-export-port", str(metrics_port)], stdout=log, stderr=subprocess.STDOUT, env=env
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {"model": str(model_path), "backend": "cpu", "alias": "tiny", "port": port, "prefix_chars": 64}
-        args |= {"batch_size": 8, "max_queue": 64, "threads": 1}
-        no_cpu = {"ray_actor_options": {"num_cpus": 0}}
-        deployments = {"LeatReplica": {"num_replicas": 2, **no_cpu}, "LeatIngress": no_cpu}
-        serve.run(build(args, deployments), name="leat", route_prefix="/", blocking=False)
+        deadline = time.monotonic() + 180
+        while "leat: serving leat on" not in (folder / "serve.log").read_text(errors="replace"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"leat ray serve did not start:\n{(folder / 'serve.log').read_text(errors='replace')}")
+            time.sleep(0.5)
         yield {"url": f"http://127.0.0.1:{port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        process.send_signal(signal.SIGINT)  # Serve shut down, then the local Ray with the command
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -42,17 +43,29 @@ def check(config: str) -> None:
     default=None,
     help="a running Ray cluster (auto, or ray://HOST:10001); default: RAY_ADDRESS, else a local Ray started here",
 )
-def serve_command(config: str, address: str | None) -> None:
-    """Deploy every application in CONFIG (a Ray Serve config file) and serve until Ctrl-C."""
+@click.option("--num-cpus", type=click.IntRange(1), default=None, help="CPUs of a local Ray (default: all)")
+@click.option(
+    "--metrics-export-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="where a local Ray serves its Prometheus metrics, leat's per-replica figures among them",
+)
+def serve_command(config: str, address: str | None, num_cpus: int | None, metrics_export_port: int | None) -> None:
+    """Deploy every application in CONFIG (a Ray Serve config file) and serve until Ctrl-C or SIGTERM."""
     from leat_ray.config import read_config
 
     document = read_config(config)  # checked before Ray starts
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address and (num_cpus or metrics_export_port):
+        raise click.UsageError("--num-cpus and --metrics-export-port set up a local Ray; give them to `ray start`")
     # under `uv run`, Ray would otherwise ship this folder to every worker as its working directory
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     import ray as ray_module
     from ray import serve
 
-    ray_module.init(address=address, log_to_driver=True)
+    local = {"num_cpus": num_cpus, "_metrics_export_port": metrics_export_port} if not address else {}
+    ray_module.init(address=address, include_dashboard=False, **local)
+    signal.signal(signal.SIGTERM, _interrupt)
     http = document.get("http_options") or {}
     serve.start(http_options=http)
     try:
@@ -67,6 +80,10 @@ def serve_command(config: str, address: str | None) -> None:
         pass
     finally:
         serve.shutdown()
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _deploy(application: dict[str, Any]) -> None:
