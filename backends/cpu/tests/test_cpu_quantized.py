@@ -166,3 +166,29 @@ def test_native_attention_follows_float64(kv_dtype, variant):
                 got.append(backend.attention(q, k, v, kv, 0, batch, scale))
         outputs[backend.precision] = np.concatenate(got).astype(np.float64)
     np.testing.assert_allclose(outputs["f32"], outputs["f64"], rtol=0, atol=2e-5)
+
+
+def test_many_small_products_from_two_threads_finish():
+    """The thread pool (more threads than cores) under back-to-back jobs from two Python threads (a late worker must not take from the next
+    job: that lost rows and hung). In a subprocess, so that a hang fails the test instead of stalling the run."""
+    import subprocess
+    import sys
+
+    script = """
+import threading, numpy as np, gguf
+from leat_backend_cpu import native
+Q = gguf.GGMLQuantizationType
+values = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+w = native.QuantizedWeight(Q.Q8_0, (64, 256), gguf.quants.quantize(values, Q.Q8_0))
+x = np.ones((1, 256), np.float32)
+want = native.matmul(x, w, 1)
+def hammer():
+    for _ in range(3000):
+        assert np.array_equal(native.matmul(x, w, 8), want)
+threads = [threading.Thread(target=hammer) for _ in range(2)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print("done")
+"""
+    result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr

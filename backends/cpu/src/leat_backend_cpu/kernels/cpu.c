@@ -181,7 +181,8 @@ static inline vf chunk_iq4_xs(const uint8_t *b, int c) {
 
 /* -- threads --------------------------------------------------------------------------------------------------
  * A job is `total` items cut into chunks that the caller and up to threads - 1 workers take from one atomic counter.
- * The counter's high 32 bits are the job's generation, so a worker late for a job takes nothing from the next one;
+ * The counter's high 32 bits are the job's generation, so a worker late for a job takes nothing from the next one
+ * (and, taking by compare-and-swap, leaves its counter alone);
  * the caller returns when every chunk is done, without waiting for workers that took none (on a busy machine a
  * worker may not be scheduled at all during a short product). Idle workers spin for a while, then sleep. */
 #define MAX_THREADS 64
@@ -217,9 +218,11 @@ static struct {
 
 static void take_chunks(uint32_t generation) {
     for (;;) {
-        uint64_t ticket = atomic_fetch_add(&pool.next, (uint64_t)pool.chunk);
+        /* compare-and-swap, not fetch-add: a worker late from a finished job must not move the next job's counter */
+        uint64_t ticket = atomic_load(&pool.next);
         int64_t first = (int64_t)(ticket & 0xffffffffu);
         if ((uint32_t)(ticket >> 32) != generation || first >= pool.total) return;
+        if (!atomic_compare_exchange_weak(&pool.next, &ticket, ticket + (uint64_t)pool.chunk)) continue;
         int64_t last = first + pool.chunk < pool.total ? first + pool.chunk : pool.total;
         pool.fn(pool.ctx, first, last);
         atomic_fetch_add(&pool.done, last - first);
