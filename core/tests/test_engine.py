@@ -494,3 +494,59 @@ def test_profile_records_each_steps_time(model):
     assert len(engine.profile) == engine.steps > 0
     assert all(s.rows >= 1 and s.tokens >= s.rows and s.prepare > 0 and s.finish > 0 for s in engine.profile)
     assert all(s.device is None for s in engine.profile)  # the cpu backend cannot tell device time apart
+
+
+class FeedingBackend:
+    """The CPU backend made to feed tokens as a device backend does: ``argmax_async`` answers are read later, and
+    ``run(..., fed=)`` takes a step's tokens from the last step's answer (counted in ``fed_steps``)."""
+
+    def __init__(self, backend):
+        self.argmax, self.backend_run, self.fed_steps = backend.argmax, backend.run, 0
+
+    def argmax_async(self, x):
+        ids = self.argmax(x)
+        return type("Ids", (), {"result": lambda self: ids})()
+
+    def run(self, forward, batch, kv, fed=None):
+        if fed is not None:
+            self.fed_steps += 1
+            assert all(len(r.tokens) == 1 and r.tokens[0] == 0 for r in batch.rows)  # placeholders
+            ids, index = fed
+            tokens = ids.result()[index]
+            batch = Batch([Row(r.slot, r.start, tokens[i : i + 1]) for i, r in enumerate(batch.rows)])
+        return self.backend_run(forward, batch, kv)
+
+
+def test_a_pipelined_step_takes_its_tokens_from_the_last_steps_argmax(model, monkeypatch):
+    """Where the backend feeds tokens, a decode step is queued before the last step's tokens reach the host; the
+    output is the same as one request at a time, requests ending (by length, at different steps) or cancelled
+    mid-pipeline drop their queued row, and every page comes back."""
+    batch = prompts(5, seed=31)
+    lengths = [7, 12, 3, 20, 12]
+    expected = [alone(model, p, n=n) for p, n in zip(batch, lengths)]
+    feeding = FeedingBackend(model.backend)
+    monkeypatch.setattr(model.backend, "feeds_tokens", True, raising=False)
+    monkeypatch.setattr(model.backend, "argmax_async", feeding.argmax_async)
+    monkeypatch.setattr(model.backend, "run", feeding.run)
+    engine = Engine(model, batch_size=4, max_context=128, page_size=8)
+    handles = [engine.submit(GenerationRequest(p, n, GREEDY)) for p, n in zip(batch, lengths)]
+    engine.start()
+    try:
+        assert [tokens(h)[0] for h in handles] == expected
+        assert feeding.fed_steps == engine.steps_ahead > 10
+        doomed = engine.submit(GenerationRequest(batch[0], 60, GREEDY, ignore_eos=True))
+        kept = engine.submit(GenerationRequest(batch[1], 30, GREEDY, ignore_eos=True))
+        next(iter(doomed))
+        doomed.cancel()
+        assert list(doomed)[-1].finish_reason == "cancelled"
+        assert tokens(kept)[0] == alone(model, batch[1], n=30, ignore_eos=True)
+    finally:
+        engine.stop()
+    assert_all_pages_back(engine)
+    monkeypatch.undo()
+    engine = Engine(model, batch_size=4, max_context=128, page_size=8, pipeline=False).start()
+    try:
+        assert tokens(engine.submit(GenerationRequest(batch[3], 20, GREEDY)))[0] == expected[3]
+    finally:
+        engine.stop()
+    assert engine.steps_ahead == 0

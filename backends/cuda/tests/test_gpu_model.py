@@ -229,3 +229,26 @@ def test_speculative_rows_replay_a_graph_and_equal_eager(files, cuda):
     assert outputs[0] == outputs[1]
     assert stats["speculation"]["verifications"] > 0, stats
     assert not cuda.graph_failures
+
+
+def test_pipelined_decode_steps_equal_plain_ones(files, cuda):
+    """The engine queues a decode step before the last one's tokens reach the host, its tokens gathered on the
+    device from the last step's argmax: greedy outputs equal the engine's without pipelining, also when requests
+    end at different steps and new ones join."""
+    from leat.engine import Engine, GenerationRequest
+    from leat.model import Model
+
+    file = ModelFile(files["q8_0"])
+    served = Model(file, Llama(file, cuda), cuda)
+    prompts = [prompt(served.architecture, n, seed=n).tolist() for n in (5, 17, 30, 9, 12, 3)]
+    lengths = [40, 12, 25, 33, 7, 50]
+    outputs, ahead = [], []
+    for pipeline in (False, True):
+        engine = Engine(served, batch_size=4, max_context=160, kv="f16", pipeline=pipeline).start()
+        handles = [engine.submit(GenerationRequest(p, n, {"temperature": 0})) for p, n in zip(prompts, lengths)]
+        outputs.append([[t for e in h for t in e.ids] for h in handles])
+        ahead.append(engine.steps_ahead)
+        engine.stop()
+    assert outputs[0] == outputs[1] and all(outputs[0])
+    assert ahead[0] == 0 and ahead[1] > 20, ahead
+    assert not cuda.graph_failures

@@ -98,6 +98,27 @@ class FakeDriver:
     def cuMemsetD8Async(self, dst, value, size, stream):
         return (self.ok,)
 
+    def cuMemHostAlloc(self, size, flags):
+        buffer = np.zeros(size, np.uint8)
+        self.host_buffers = [*getattr(self, "host_buffers", []), buffer]
+        return self.ok, buffer.ctypes.data
+
+    def cuMemFreeHost(self, ptr):
+        return (self.ok,)
+
+    def cuEventCreate(self, flags):
+        return self.ok, object()
+
+    def cuEventRecord(self, event, stream):
+        return (self.ok,)
+
+    def cuEventSynchronize(self, event):
+        assert not self.capturing, "waiting for an event inside a graph capture"
+        return (self.ok,)
+
+    def cuEventDestroy(self, event):
+        return (self.ok,)
+
     def cuStreamSynchronize(self, stream):
         assert not self.capturing, "synchronize inside a graph capture"
         return (self.ok,)
@@ -293,3 +314,21 @@ def test_products_of_many_tokens_go_to_cublas_a_chunk_of_rows_at_a_time(fake):
     backend.cublas.calls.clear()
     backend.matmul(backend.from_host(rng.standard_normal((n - 1, cols))), weight)  # fewer: the own GEMM
     assert not backend.cublas.calls and any(f.startswith("_Z4gemm") for f, _, _ in fake.launches)
+
+
+def test_a_step_fed_from_the_last_argmax_gathers_its_tokens_on_the_device(fake, tmp_path):
+    """run(..., fed=(ids, index)) on the graph path: the inputs go up, gather_ints puts the last step's argmax
+    (rows ``index``) in the token slots, then the graph replays, with no wait for the host."""
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=3, context=64, dtype="f16")
+    first = Batch([Row(0, 4, np.array([5])), Row(1, 7, np.array([7])), Row(2, 2, np.array([1]))])
+    ids = backend.argmax_async(backend.run(model.forward, first, kv))
+    fake.launches.clear()
+    following = Batch([Row(0, 5, np.array([0])), Row(2, 3, np.array([0]))])
+    backend.run(model.forward, following, kv)  # its graph is captured
+    fake.launches.clear()
+    backend.run(model.forward, following, kv, fed=(ids, np.array([0, 2])))
+    assert [f for f, _, _ in fake.launches] == ["gather_ints", "graph"]
+    assert not backend.graph_failures

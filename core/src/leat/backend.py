@@ -151,6 +151,16 @@ class Allocations:
     by_type: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ReadyIds:
+    """Token ids already on the host: what the default :meth:`Backend.argmax_async` returns."""
+
+    ids: np.ndarray
+
+    def result(self) -> np.ndarray:
+        return self.ids
+
+
 class Backend:
     """Base class of compute backends. Subclasses implement every method that raises here."""
 
@@ -160,6 +170,9 @@ class Backend:
     #: True when :meth:`run` returns once the step is queued on the device, before it finishes; the engine then
     #: does the last step's host work (sending its tokens) while the device runs the next
     asynchronous: ClassVar[bool] = False
+    #: True when :meth:`run` takes ``fed``: a step's tokens taken on the device from the last step's
+    #: :meth:`argmax_async`, so that the engine can queue step N+1 before step N's tokens reach the host
+    feeds_tokens: ClassVar[bool] = False
     #: prompt tokens the engine takes into one step (over several prompts) unless told otherwise: enough to keep
     #: the device's arithmetic busy when many prompts arrive together
     prefill_tokens_per_step: ClassVar[int] = 512
@@ -255,6 +268,12 @@ class Backend:
         """
         return np.argmax(self.to_host(x), axis=-1)
 
+    def argmax_async(self, x: Any) -> Any:
+        """:meth:`argmax`, started: an object whose ``result()`` is that host array, waiting for it if the device
+        has not finished. A backend that :attr:`feeds_tokens` also takes the object as :meth:`run`'s ``fed``, so
+        that it must stay valid until the step that reads it is queued. The default has the result at once."""
+        return ReadyIds(self.argmax(x))
+
     def top_k(self, x: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` largest entries of each row and their indices: x [n, m] -> host (values [n, k], ids [n, k]).
 
@@ -275,8 +294,12 @@ class Backend:
             ids[i] = candidates[np.lexsort((candidates, -row[candidates]))]
         return np.take_along_axis(rows, ids, -1), ids
 
-    def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any) -> Any:
+    def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any, fed: Any = None) -> Any:
         """One step of ``forward`` (an architecture's ``forward``) on ``batch``: its logits.
+
+        ``fed`` (only where :attr:`feeds_tokens`): ``(ids, index)``, an earlier :meth:`argmax_async` and, for
+        each row of ``batch`` (one token each), the row of that argmax that is its token; the batch's own token
+        values are then placeholders.
 
         Callers that step a model call this rather than ``forward`` itself, so that a backend can
         freeze a step and replay it: the CUDA backend captures a CUDA graph per (forward, KV cache,
@@ -288,6 +311,8 @@ class Backend:
         host. Logits from a replay stay valid until the next step of the same bucket. The default
         calls ``forward``.
         """
+        if fed is not None:
+            raise BackendUnavailable(f"the {self.name} backend does not feed tokens on the device")
         return forward(batch, kv)
 
     # -- ops -----------------------------------------------------------------------------------------

@@ -277,6 +277,10 @@ class Engine:
         # sent while the next step runs on the device, not between the two
         self._outbox: list[tuple[RequestHandle, Event]] = []
         self._overlap = bool(getattr(self.backend, "asynchronous", False))
+        # a decode step queued before the last one's tokens reached the host (its tokens fed on the device)
+        self._pipeline = options.pipeline and bool(getattr(self.backend, "feeds_tokens", False))
+        self._ahead: tuple[list[tuple[_Running, Row]], Any] | None = None
+        self.steps_ahead = 0
         self.profile: list[StepProfile] | None = [] if options.profile else None
         self._finished_speculation = {"proposed": 0, "accepted": 0, "verifications": 0}
 
@@ -400,6 +404,7 @@ class Engine:
                     try:
                         self.step()
                     except Exception as e:  # noqa: BLE001 (a failed step ends its requests, never the server)
+                        self._ahead = None
                         for item in list(self.running):
                             self._finish(item, "error", f"engine step failed: {type(e).__name__}: {e}", fault="engine")
                 if not self.running:
@@ -480,13 +485,10 @@ class Engine:
         request with new tokens gets one event; one whose own parts fail (:class:`RequestFault`) ends alone, the
         others go on."""
         began = time.perf_counter()  # the step-cost table times whole steps: proposing and verifying cost too
-        rows = self._rows()
+        rows, out, timer = self._launch()
         if not rows:
             self._flush()
             return
-        timer = self.backend.timer() if self.profile is not None else None
-        with timer or contextlib.nullcontext():
-            out = self.backend.run(self.model.architecture.forward, Batch([r for _, r in rows]), self.kv)
         launched = time.perf_counter()
         if self._overlap:
             self._flush()  # the last step's events, while the device runs this one
@@ -496,6 +498,8 @@ class Engine:
         self.steps += 1
         first = np.cumsum([0] + [len(row.tokens) if row.all_logits else 1 for _, row in rows])
         for (item, row), at in zip(rows, first):
+            if item.ended:  # a queued step's row of a request that ended before it: its token is dropped
+                continue
             try:
                 self._advance(item, row, readout, int(at))
             except RequestFault as e:
@@ -510,6 +514,40 @@ class Engine:
             device = timer.seconds if timer is not None else None
             done = time.perf_counter()
             self.profile.append(StepProfile(len(rows), tokens, launched - began, read - launched, done - read, device))
+
+    def _launch(self) -> tuple[list[tuple[_Running, Row]], Any, Any]:
+        """This step's rows, output and device timer: the step the last one queued, or a new one."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and any(not item.ended for item, _ in ahead[0]):
+            self.steps_ahead += 1
+            return ahead[0], ahead[1], None
+        rows = self._rows()
+        if not rows:
+            return rows, None, None
+        timer = self.backend.timer() if self.profile is not None else None
+        with timer or contextlib.nullcontext():
+            out = self.backend.run(self.model.architecture.forward, Batch([r for _, r in rows]), self.kv)
+        return rows, out, timer
+
+    def _queue_next(self, rows: list[tuple[_Running, Row]], ids: Any) -> None:
+        """Queue the next step before this one's tokens reach the host: a decode row for each request that will
+        still be decoding, its token this step's argmax taken on the device. Only when this step is every running
+        request's plain decode row, and no request waits for a free slot (it would have to wait a step more)."""
+        if len(rows) != len(self.running) or (self.waiting and self.free_slots):
+            return
+        if any(len(row.tokens) != 1 or row.all_logits or row.start < item.prompt_len for item, row in rows):
+            return
+        following, index = [], []
+        for at, (item, row) in enumerate(rows):
+            if item.generated + 1 >= item.request.max_tokens:
+                continue  # ends by length at this step
+            self.budget.pages_for(item.held, item.slot, row.start + 1, row.start + 2)
+            following.append((item, Row(item.slot, row.start + 1, np.zeros(1, np.int64))))
+            index.append(at)
+        if following:
+            batch = Batch([r for _, r in following])
+            out = self.backend.run(self.model.architecture.forward, batch, self.kv, fed=(ids, np.asarray(index)))
+            self._ahead = (following, out)
 
     def _post(self, handle: RequestHandle, event: Event) -> None:
         self._outbox.append((handle, event))
@@ -547,7 +585,10 @@ class Engine:
         wants = [self._candidates(item, row) for item, row in rows]
         if all(want == 0 or self._plain_greedy(item, row) for want, (item, row) in zip(wants, rows)):
             # only token ids cross to the host (a device backend's argmax), not rows x vocabulary logits
-            return _Readout(chosen=self.backend.argmax(out))
+            ids = self.backend.argmax_async(out)
+            if self._pipeline:
+                self._queue_next(rows, ids)
+            return _Readout(chosen=ids.result())
         if self.top_k_candidates and all(want is not None for want in wants):
             # rows x K candidates cross to the host instead of rows x vocabulary logits
             return _Readout(candidates=self.backend.top_k(out, max(wants)), vocab=out.shape[-1])

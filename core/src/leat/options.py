@@ -18,7 +18,9 @@ class EngineOptions:
     ``window_pages`` False gives sliding-window layers pages for the whole context, as the others (llama.cpp's
     --swa-full); by default they hold only what their window still needs. ``top_k_candidates`` False makes
     sampled requests always fetch whole logit rows (see :meth:`leat.engine.Engine.step`). ``profile`` records a
-    :class:`~leat.engine.StepProfile` of every step in ``Engine.profile``.
+    :class:`~leat.engine.StepProfile` of every step in ``Engine.profile``. ``pipeline`` lets the engine queue a
+    decode step before the last one's tokens reach the host, where the backend feeds tokens on the device
+    (:attr:`leat.backend.Backend.feeds_tokens`).
     """
 
     batch_size: int = 8  # requests decoded together: the batch slots
@@ -33,6 +35,7 @@ class EngineOptions:
     window_pages: bool = True
     top_k_candidates: bool = True
     profile: bool = False
+    pipeline: bool = True
 
 
 #: Tokens a request may generate when it does not say, as in OpenAI's API: a chat answer runs until the model

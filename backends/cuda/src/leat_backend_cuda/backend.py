@@ -50,6 +50,7 @@ OPS_KERNELS = [
     "splitk_sum",
     "scale_rows_bias",
     "split_plane",
+    "gather_ints",
     "argmax_rows",
     "top_k_rows",
     "kv_write<float>",
@@ -85,6 +86,8 @@ LOGIT_BUCKETS = TOKEN_BUCKETS[: TOKEN_BUCKETS.index(64) + 1]
 #: own kernels, which read each quantized weight once instead of decoding it to f16 first (on an H200 the
 #: two tie at 128 tokens a step and cuBLAS leads from 192)
 CUBLAS_MIN_TOKENS = 160
+#: argmax_async answers that may be in flight at once (the engine reads a step's after queueing the next)
+READBACKS = 4
 #: f16 weight rows decoded per cuBLAS product: large enough that a layer's matrices go whole (few, large
 #: products beat chunks small enough to stay in L2; docs/benchmarks.md has the measurement)
 CUBLAS_SCRATCH_BYTES = 128 << 20
@@ -131,6 +134,29 @@ class KVCache(KVPages):
     v_scale: list[Memory] = field(default_factory=list)
     device_tables: list[Memory] = field(default_factory=list)  # per group: the device copy of tables[g]
     dirty: bool = True
+
+
+@dataclass
+class _Ids:
+    """argmax_async's answer: the ids on the device (what ``run``'s ``fed`` reads) and, once ``event`` has
+    passed, in the pinned ``landing`` buffer."""
+
+    device: DeviceArray
+    landing: driver.Pinned
+    event: driver.Event
+
+    def result(self) -> np.ndarray:
+        self.event.wait()
+        return self.landing.array[: self.device.nbytes].view(np.int32).astype(np.int64)
+
+
+def _with_tokens(batch: Batch, fed: Any) -> Batch:
+    """``batch`` with its tokens taken from ``fed`` (see ``run``) on the host: the eager path's way."""
+    if fed is None:
+        return batch
+    ids, index = fed
+    tokens = ids.result()[np.asarray(index)]
+    return Batch([Row(r.slot, r.start, tokens[i : i + 1], r.all_logits) for i, r in enumerate(batch.rows)])
 
 
 @dataclass
@@ -183,6 +209,7 @@ def _ready(x: Any) -> Any:
 class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
     name = "cuda"
     asynchronous = True
+    feeds_tokens = True
     prefill_tokens_per_step = 2048
     quant_types = frozenset(quants.LAYOUTS) | _host_dequantizable()
 
@@ -223,6 +250,9 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         self._capturing = False
         self.graph_failures: list[str] = []
         self.ops = self._module("ops", "ops.cu", OPS_KERNELS, {})
+        # where argmax_async's ids land on the host: a ring, as a step's ids are read after the next is queued
+        self._landing = [(driver.Pinned(4096), driver.Event(self.device)) for _ in range(READBACKS)]
+        self._readbacks = 0
         # products of at least cublas_min_tokens tokens: weights decoded to f16 rows in `_f16_weights`
         # (a chunk of rows at a time), multiplied by cuBLAS (cublas.py); None: the own GEMM
         self.cublas = cublas.Cublas(self.device) if use_cublas and tensor_cores and cublas.library() else None
@@ -439,11 +469,22 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         return out
 
     def argmax(self, x: DeviceArray) -> np.ndarray:
+        return self.argmax_async(x).result()
+
+    def argmax_async(self, x: DeviceArray) -> _Ids:
+        """Each row's argmax into device memory, then copied into a pinned host buffer, an event after it."""
         x = _ready(x)
         cols = x.shape[-1]
         out = self._empty((x.size // cols,), I32)
         self.ops["argmax_rows"]((x.size // cols,), 256, x, out, cols)
-        return self.to_host(out).astype(np.int64)
+        self._readbacks = (self._readbacks + 1) % len(self._landing)
+        landing, event = self._landing[self._readbacks]
+        if landing.nbytes < out.nbytes:
+            landing = driver.Pinned(max(out.nbytes, 2 * landing.nbytes))
+            self._landing[self._readbacks] = (landing, event)
+        driver.check(driver._cu().cuMemcpyDtoHAsync(landing.ptr, out.ptr, out.nbytes, self.device.stream))
+        event.record()
+        return _Ids(out, landing, event)
 
     def top_k(self, x: DeviceArray, k: int) -> tuple[np.ndarray, np.ndarray]:
         x = _ready(x)
@@ -936,7 +977,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         return out
 
     # -- graphs --------------------------------------------------------------------------------------
-    def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any) -> Any:
+    def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any, fed: Any = None) -> Any:
         """One forward step, replaying a captured graph where the batch fits one.
 
         A graph treats every token as a row of its own (its slot, its position): each writes its K/V,
@@ -950,7 +991,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         shape = self._graph_shape(batch, kv)
         key = (forward, id(kv), *(shape or ()))
         if shape is None or key in self._uncapturable:
-            return forward(batch, kv)
+            return forward(_with_tokens(batch, fed), kv)
         captured = self._captured.get(key)
         if captured is None:
             try:
@@ -960,7 +1001,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             except Exception as e:  # noqa: BLE001 - a graph is an optimization: record why, run this shape eagerly
                 self.graph_failures.append(f"{type(e).__name__}: {e}")
                 self._uncapturable.add(key)
-                return forward(batch, kv)
+                return forward(_with_tokens(batch, fed), kv)
         tokens, logits = shape
         n, picked = len(batch), len(batch.logit_index)
         inputs = np.zeros(3 * tokens + logits, np.int32)
@@ -973,6 +1014,11 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         inputs[3 * tokens : 3 * tokens + picked] = batch.logit_index
         self._sync_pages(kv)
         self.device.upload(captured.inputs.ptr, inputs)
+        if fed is not None:  # the tokens come from the last step's argmax, on the device
+            ids, index = fed
+            rows = self._empty((n,), I32)
+            self.device.upload(rows.ptr, np.asarray(index, np.int32))
+            self.ops["gather_ints"]((-(-n // 256),), 256, ids.device, rows, captured.inputs, n)
         captured.graph.replay()
         return captured.logits.view((picked,) + captured.logits.shape[1:])
 

@@ -9,6 +9,7 @@ so steady-state steps allocate nothing from the driver and never synchronize.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import struct
 import threading
@@ -331,6 +332,40 @@ class Graph:
             cu = _cu()
             cu.cuGraphExecDestroy(self.exec)
             cu.cuGraphDestroy(self.graph)
+
+
+class Pinned:
+    """Page-locked host memory: a device-to-host copy into it returns at once (into pageable memory it waits)."""
+
+    __slots__ = ("array", "nbytes", "ptr")
+
+    def __init__(self, nbytes: int):
+        self.nbytes = max(nbytes, 1)
+        self.ptr = int(check(_cu().cuMemHostAlloc(self.nbytes, 0), f"cuMemHostAlloc({nbytes} bytes)"))
+        self.array = np.ctypeslib.as_array((ctypes.c_ubyte * self.nbytes).from_address(self.ptr))
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            _cu().cuMemFreeHost(self.ptr)
+
+
+class Event:
+    """A point on the device's stream the host can wait for."""
+
+    def __init__(self, device: Device):
+        cu = _cu()
+        self.device = device
+        self.handle = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+    def record(self) -> None:
+        check(_cu().cuEventRecord(self.handle, self.device.stream), "cuEventRecord")
+
+    def wait(self) -> None:
+        check(_cu().cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            _cu().cuEventDestroy(self.handle)
 
 
 class Timer:

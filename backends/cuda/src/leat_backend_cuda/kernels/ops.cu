@@ -428,6 +428,13 @@ extern "C" __global__ void split_plane(const u8* __restrict__ src, u8* __restric
     }
 }
 
+// dst[i] = src[index[i]] for i < n: a step's tokens taken from the last step's argmax (run's `fed`).
+extern "C" __global__ void gather_ints(const int* __restrict__ src, const int* __restrict__ index, int* __restrict__ dst,
+                                       int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[index[i]];
+}
+
 // y [n, m] = y * xscale[t] + bias (or 0): the epilogue of a cuBLAS product of x_to_f16's rows.
 extern "C" __global__ void scale_rows_bias(float* __restrict__ y, const float* __restrict__ xscale,
                                            const float* __restrict__ bias, int m, i64 total) {
