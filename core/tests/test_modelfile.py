@@ -79,7 +79,7 @@ def test_missing_key_is_named(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelFileError, match="missing metadata key llama.embedding_length"):
+    with pytest.raises(ModelFileError, match="missing metadata key llama.block_count"):
         Llama.read_params(ModelFile(tmp_path / "nokey.gguf"))
 
 

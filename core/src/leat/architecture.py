@@ -12,9 +12,11 @@ tensor of the shape that :meth:`Architecture.tensor_shapes` gives it for these h
 window of 0 positions, so that a head count at odds with the weights is a ModelFileError naming the tensor and the
 keys, not a failed reshape in the middle of ``forward``.
 
-For tests, each architecture also describes a tiny model: :meth:`tiny` hyperparameters,
-:meth:`tensor_shapes` and :meth:`write_metadata`, from which :func:`leat.testing.write_tiny_gguf`
-writes a random-weight GGUF with the real tensor names and metadata keys.
+Each model is described once. The hyperparameters are a dataclass (``Params``) whose fields name their GGUF keys
+(:mod:`leat.hparams`): :meth:`read_params` and :meth:`write_metadata` follow from it. :meth:`load_weights` names
+each tensor with its shape (``w(name, shape)``): :meth:`tensor_shapes` records it. With :meth:`tiny`
+hyperparameters, :func:`leat.testing.write_tiny_gguf` writes a random-weight GGUF with the real tensor names and
+metadata keys from those.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, ClassVar
 import gguf
 import numpy as np
 
-from leat import gguf_check
+from leat import gguf_check, hparams
 from leat.backend import Backend, KVLayout
 from leat.batch import Batch
 from leat.errors import ModelFileError
@@ -40,7 +42,9 @@ class Weights:
         self.backend = backend
         self.used: set[str] = set()
 
-    def __call__(self, name: str, optional: bool = False) -> Any:
+    def __call__(self, name: str, shape: tuple[int, ...] | None = None, optional: bool = False) -> Any:
+        """The tensor ``name`` uploaded; ``shape`` (numpy order) is what the hyperparameters make it, which
+        :meth:`Architecture.tensor_shapes` records and :func:`check_tensor_shapes` holds the file to."""
         if name not in self.file.tensors:
             if optional:
                 return None
@@ -51,7 +55,7 @@ class Weights:
     def has(self, name: str) -> bool:
         return name in self.file.tensors
 
-    def host(self, name: str) -> np.ndarray:
+    def host(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """A small tensor dequantized to float32 on the host (e.g. RoPE frequency factors)."""
         tensor = self.file.tensor(name)
         self.used.add(name)
@@ -64,10 +68,59 @@ class Weights:
             raise ModelFileError(f"{self.file.path}: tensors not used by the {self.file.architecture} loader: {shown}")
 
 
+class TensorRecorder(Weights):
+    """What :meth:`Architecture.load_weights` asks for, with the shapes it gives, instead of uploading anything: a
+    tiny file's tensors. ``file`` holds only the metadata the hyperparameters write."""
+
+    def __init__(self, file: Any):
+        self.file = file
+        self.backend = None
+        self.used = set()
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...] | None = None, optional: bool = False) -> Any:
+        if optional:
+            return None  # not part of a test file: the hyperparameters decide what a file has
+        if shape is None:
+            raise TypeError(f"load_weights asks for {name} without its shape: w(name, shape) describes test files")
+        self.shapes[name] = tuple(int(d) for d in shape)
+        return name
+
+    def has(self, name: str) -> bool:
+        return False
+
+    def host(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        self(name, shape)
+        return np.zeros(self.shapes[name], np.float32)
+
+
+class DescribedFile:
+    """The metadata a set of hyperparameters writes, readable as a ModelFile's (``get``, ``architecture``)."""
+
+    def __init__(self, architecture: str, params: Any, writer: Any):
+        self.architecture, self.path, self.tensors = architecture, f"<tiny {architecture}>", {}
+        self.metadata: dict[str, Any] = {}
+        writer(self, params)
+
+    @property
+    def arch(self) -> str:  # what hparams.write asks of a GGUFWriter
+        return self.architecture
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key.format(arch=self.architecture), default)
+
+    def add_bool(self, key: str, value: Any) -> None:
+        self.metadata[key] = value
+
+    add_uint32 = add_float32 = add_string = add_array = add_bool
+
+
 class Architecture:
     """Base class of model architectures. Subclasses set ``names`` and implement the methods below."""
 
     names: ClassVar[tuple[str, ...]] = ()
+    #: The hyperparameter dataclass, its fields declared with :func:`leat.hparams.key` / :func:`~leat.hparams.derived`.
+    Params: ClassVar[type | None] = None
 
     def __init__(self, file: ModelFile, backend: Backend):
         self.file = file
@@ -80,8 +133,11 @@ class Architecture:
     # -- description --------------------------------------------------------------------------------
     @classmethod
     def read_params(cls, file: ModelFile) -> Any:
-        """Hyperparameters from metadata; ``file.get(key)`` raises ModelFileError naming a missing key."""
-        raise NotImplementedError
+        """Hyperparameters from metadata (a missing key is a ModelFileError naming it): by default as ``Params``
+        declares them."""
+        if cls.Params is None:
+            raise NotImplementedError
+        return hparams.read(cls.Params, file)
 
     @classmethod
     def checked_params(cls, file: ModelFile) -> Any:
@@ -134,13 +190,24 @@ class Architecture:
 
     @classmethod
     def tensor_shapes(cls, params: Any) -> dict[str, tuple[int, ...]]:
-        """Every tensor of a file with these hyperparameters: name -> numpy-order shape."""
-        raise NotImplementedError
+        """Every tensor of a file with these hyperparameters: name -> numpy-order shape, in file order. By default
+        what :meth:`load_weights` asks for, recorded without a file or a backend."""
+        if cls.Params is None:
+            raise NotImplementedError
+        model = cls.__new__(cls)
+        model.file = DescribedFile(cls.names[0], params, cls.write_metadata)
+        model.backend, model.params = None, params
+        recorder = TensorRecorder(model.file)
+        model.load_weights(recorder)
+        return recorder.shapes
 
     @classmethod
     def write_metadata(cls, writer: gguf.GGUFWriter, params: Any) -> None:
-        """The architecture's metadata keys for these hyperparameters (tokenizer keys excluded)."""
-        raise NotImplementedError
+        """The architecture's metadata keys for these hyperparameters (tokenizer keys excluded): by default as
+        ``Params`` declares them."""
+        if cls.Params is None:
+            raise NotImplementedError
+        hparams.write(writer, params)
 
 
 def check_tensor_shapes(architecture: type[Architecture], file: ModelFile, params: Any) -> None:

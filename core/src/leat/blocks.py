@@ -39,19 +39,36 @@ def layer_tensor(kind: gguf.MODEL_TENSOR, layer: int | None = None, suffix: str 
     return (name.format(bid=layer) if layer is not None else name) + f".{suffix}"
 
 
-def load_attention(weights, layer: int) -> AttentionWeights:
+def load_attention(
+    weights,
+    layer: int,
+    width: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    qkv_bias: bool = False,
+    o_bias: bool = False,
+    qk_norm: bool = False,
+) -> AttentionWeights:
+    """One layer's attention projections (q, k, v, o), then the biases and per-head q/k norms the flags ask for."""
     T = gguf.MODEL_TENSOR
+    q, kv = heads * head_dim, kv_heads * head_dim
+
+    def bias(kind: gguf.MODEL_TENSOR, size: int, present: bool) -> Any:
+        return weights(layer_tensor(kind, layer, "bias"), (size,)) if present else None
+
     return AttentionWeights(
-        q=weights(layer_tensor(T.ATTN_Q, layer)),
-        k=weights(layer_tensor(T.ATTN_K, layer)),
-        v=weights(layer_tensor(T.ATTN_V, layer)),
-        o=weights(layer_tensor(T.ATTN_OUT, layer)),
-        q_bias=weights(layer_tensor(T.ATTN_Q, layer, "bias"), optional=True),
-        k_bias=weights(layer_tensor(T.ATTN_K, layer, "bias"), optional=True),
-        v_bias=weights(layer_tensor(T.ATTN_V, layer, "bias"), optional=True),
-        o_bias=weights(layer_tensor(T.ATTN_OUT, layer, "bias"), optional=True),
-        q_norm=weights(layer_tensor(T.ATTN_Q_NORM, layer), optional=True),
-        k_norm=weights(layer_tensor(T.ATTN_K_NORM, layer), optional=True),
+        q=weights(layer_tensor(T.ATTN_Q, layer), (q, width)),
+        k=weights(layer_tensor(T.ATTN_K, layer), (kv, width)),
+        v=weights(layer_tensor(T.ATTN_V, layer), (kv, width)),
+        o=weights(layer_tensor(T.ATTN_OUT, layer), (width, q)),
+        q_bias=bias(T.ATTN_Q, q, qkv_bias),
+        k_bias=bias(T.ATTN_K, kv, qkv_bias),
+        v_bias=bias(T.ATTN_V, kv, qkv_bias),
+        o_bias=bias(T.ATTN_OUT, width, o_bias),
+        q_norm=weights(layer_tensor(T.ATTN_Q_NORM, layer), (head_dim,)) if qk_norm else None,
+        k_norm=weights(layer_tensor(T.ATTN_K_NORM, layer), (head_dim,)) if qk_norm else None,
     )
 
 

@@ -88,18 +88,34 @@ class MoEWeights:
     selection_bias: Any = None  # [experts], added to the scores for selection only (``exp_probs_b``)
 
 
-def load_moe(weights: Any, layer: int) -> MoEWeights:
-    """The router and stacked experts of ``layer`` by their GGUF names; biases are optional."""
+def load_moe(
+    weights: Any,
+    layer: int,
+    width: int = 0,
+    ffn: int = 0,
+    experts: int = 0,
+    biases: bool | None = None,
+    selection_bias: bool | None = None,
+) -> MoEWeights:
+    """The router and stacked experts of ``layer`` by their GGUF names, with their shapes when ``width`` is given;
+    ``biases`` / ``selection_bias``: whether the file has them (None: whatever it has)."""
+
+    def bias(kind: gguf.MODEL_TENSOR, shape: tuple[int, ...], present: bool | None) -> Any:
+        if present is False:
+            return None
+        return weights(layer_tensor(kind, layer, "bias"), shape if width else None, optional=present is None)
+
+    shape = (lambda *dims: dims) if width else (lambda *dims: None)
     return MoEWeights(
-        router=weights(layer_tensor(T.FFN_GATE_INP, layer)),
-        gate=weights(layer_tensor(T.FFN_GATE_EXP, layer)),
-        up=weights(layer_tensor(T.FFN_UP_EXP, layer)),
-        down=weights(layer_tensor(T.FFN_DOWN_EXP, layer)),
-        router_bias=weights(layer_tensor(T.FFN_GATE_INP, layer, "bias"), optional=True),
-        gate_bias=weights(layer_tensor(T.FFN_GATE_EXP, layer, "bias"), optional=True),
-        up_bias=weights(layer_tensor(T.FFN_UP_EXP, layer, "bias"), optional=True),
-        down_bias=weights(layer_tensor(T.FFN_DOWN_EXP, layer, "bias"), optional=True),
-        selection_bias=weights(layer_tensor(T.FFN_EXP_PROBS_B, layer, "bias"), optional=True),
+        router=weights(layer_tensor(T.FFN_GATE_INP, layer), shape(experts, width)),
+        gate=weights(layer_tensor(T.FFN_GATE_EXP, layer), shape(experts, ffn, width)),
+        up=weights(layer_tensor(T.FFN_UP_EXP, layer), shape(experts, ffn, width)),
+        down=weights(layer_tensor(T.FFN_DOWN_EXP, layer), shape(experts, width, ffn)),
+        router_bias=bias(T.FFN_GATE_INP, (experts,), biases),
+        gate_bias=bias(T.FFN_GATE_EXP, (experts, ffn), biases),
+        up_bias=bias(T.FFN_UP_EXP, (experts, ffn), biases),
+        down_bias=bias(T.FFN_DOWN_EXP, (experts, width), biases),
+        selection_bias=bias(T.FFN_EXP_PROBS_B, (experts,), selection_bias),
     )
 
 

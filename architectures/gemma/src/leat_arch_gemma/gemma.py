@@ -30,6 +30,7 @@ from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch
 from leat.errors import ModelFileError
+from leat.hparams import REQUIRED, derived, key, tensor_rows
 from leat.modelfile import ModelFile
 
 K = gguf.Keys
@@ -37,27 +38,37 @@ T = gguf.MODEL_TENSOR
 name = blocks.layer_tensor
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GemmaParams:
     """Hyperparameters as the file states them; ``None`` = key absent, the family's default applies."""
 
-    layers: int
-    width: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    norm_eps: float = 1e-6
-    rope_base: float = 10000.0
-    rope_base_local: float | None = None
-    rope_scaling: float | None = None  # linear: global layers' positions are divided by it
-    window: int | None = None
-    pattern: int | tuple[bool, ...] | None = None
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
-    context: int = 8192
-    tied: bool = True
+    layers: int = key(K.LLM.BLOCK_COUNT)
+    context: int = key(K.LLM.CONTEXT_LENGTH, 8192)
+    width: int = key(K.LLM.EMBEDDING_LENGTH)
+    ffn: int = key(K.LLM.FEED_FORWARD_LENGTH)
+    heads: int = key(K.Attention.HEAD_COUNT)
+    kv_heads: int = key(K.Attention.HEAD_COUNT_KV, missing=lambda v: v["heads"])
+    head_dim: int = key(
+        K.Attention.KEY_LENGTH, missing=lambda v: v["width"] // v["heads"], also=(K.Attention.VALUE_LENGTH,)
+    )
+    norm_eps: float = key(K.Attention.LAYERNORM_RMS_EPS, 1e-6, missing=REQUIRED)
+    rope_base: float = key(K.Rope.FREQ_BASE, 10000.0)
+    vocab: int = key(K.LLM.VOCAB_SIZE, read=tensor_rows(name(T.TOKEN_EMBD)))
+    rope_scaling_type: str | None = key(K.Rope.SCALING_TYPE, None)
+    rope_scaling: float | None = key(K.Rope.SCALING_FACTOR, None)  # linear (unless named otherwise): positions / it
+    rope_base_local: float | None = key(K.Rope.FREQ_BASE_SWA, None)
+    window: int | None = key(K.Attention.SLIDING_WINDOW, None)
+    pattern: int | tuple[bool, ...] | None = key(K.Attention.SLIDING_WINDOW_PATTERN, None)
+    attn_softcap: float | None = key(K.LLM.ATTN_LOGIT_SOFTCAPPING, None)
+    final_softcap: float | None = key(K.LLM.FINAL_LOGIT_SOFTCAPPING, None)
+    tied: bool = derived(lambda file, v: name(T.OUTPUT) not in file.tensors, True)
+
+    @property
+    def linear_scaling(self) -> float | None:
+        """The global layers' linear RoPE scaling factor: llama.cpp takes the factor as linear unless the file names
+        another kind."""
+        linear = (self.rope_scaling_type or "linear") == "linear"
+        return self.rope_scaling if self.rope_scaling and linear else None
 
 
 @dataclass
@@ -74,6 +85,7 @@ class Layer:
 
 class Gemma(Architecture):
     names = ("gemma",)
+    Params = GemmaParams
     post_norms = False
     qk_norm = False
     untied_output = False  # may the file carry output.weight
@@ -102,7 +114,7 @@ class Gemma(Architecture):
     @classmethod
     def local_rope(cls, p: GemmaParams) -> tuple[float, float | None]:
         """RoPE base and linear scaling factor of sliding-window layers."""
-        return p.rope_base, p.rope_scaling
+        return p.rope_base, p.linear_scaling
 
     @classmethod
     def query_scale(cls, p: GemmaParams) -> float:
@@ -111,37 +123,12 @@ class Gemma(Architecture):
     # -- description ---------------------------------------------------------------------------------
     @classmethod
     def read_params(cls, file: ModelFile) -> GemmaParams:
-        def optional(key: str, kind: type) -> Any:
-            value = file.get(key, None)
-            return None if value is None else kind(value)
-
-        width = int(file.get(K.LLM.EMBEDDING_LENGTH))
-        heads = int(file.get(K.Attention.HEAD_COUNT))
-        layers = int(file.get(K.LLM.BLOCK_COUNT))
-        pattern = file.get(K.Attention.SLIDING_WINDOW_PATTERN, None)
-        if isinstance(pattern, list) and len(pattern) != layers:
-            raise ModelFileError(f"{file.path}: sliding_window_pattern has {len(pattern)} flags for {layers} layers")
-        scaling = optional(K.Rope.SCALING_FACTOR, float)
-        return GemmaParams(
-            layers=layers,
-            width=width,
-            ffn=int(file.get(K.LLM.FEED_FORWARD_LENGTH)),
-            heads=heads,
-            kv_heads=int(file.get(K.Attention.HEAD_COUNT_KV, heads)),
-            head_dim=int(file.get(K.Attention.KEY_LENGTH, width // heads)),
-            vocab=file.tensor(name(T.TOKEN_EMBD)).shape[0],
-            norm_eps=float(file.get(K.Attention.LAYERNORM_RMS_EPS)),
-            rope_base=float(file.get(K.Rope.FREQ_BASE, 10000.0)),
-            rope_base_local=optional(K.Rope.FREQ_BASE_SWA, float),
-            # llama.cpp takes the factor as linear unless the file names another kind
-            rope_scaling=scaling if scaling and file.get(K.Rope.SCALING_TYPE, "linear") == "linear" else None,
-            window=optional(K.Attention.SLIDING_WINDOW, int),
-            pattern=tuple(bool(b) for b in pattern) if isinstance(pattern, list) else pattern,
-            attn_softcap=optional(K.LLM.ATTN_LOGIT_SOFTCAPPING, float),
-            final_softcap=optional(K.LLM.FINAL_LOGIT_SOFTCAPPING, float),
-            context=int(file.get(K.LLM.CONTEXT_LENGTH, 8192)),
-            tied=name(T.OUTPUT) not in file.tensors,
-        )
+        p = super().read_params(file)
+        if isinstance(p.pattern, tuple) and len(p.pattern) != p.layers:
+            raise ModelFileError(
+                f"{file.path}: sliding_window_pattern has {len(p.pattern)} flags for {p.layers} layers"
+            )
+        return p
 
     @property
     def vocab_size(self) -> int:
@@ -155,34 +142,32 @@ class Gemma(Architecture):
     # -- compute -------------------------------------------------------------------------------------
     def load_weights(self, w: Weights) -> None:
         p = self.params
-        self.embedding = w(name(T.TOKEN_EMBD))
-        self.output_norm = w(name(T.OUTPUT_NORM))
-        self.output = self.embedding if p.tied or not self.untied_output else w(name(T.OUTPUT))
+        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
+        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
+        untied = not p.tied and self.untied_output
+        self.output = w(name(T.OUTPUT), (p.vocab, p.width)) if untied else self.embedding
         self.attn_cap, self.final_cap = self.caps(p)
         local_base, local_scaling = self.local_rope(p)
         ropes = {
-            False: RopeSpec(p.head_dim, p.rope_base, True, 1 / (p.rope_scaling or 1.0)),
+            False: RopeSpec(p.head_dim, p.rope_base, True, 1 / (p.linear_scaling or 1.0)),
             True: RopeSpec(p.head_dim, local_base, True, 1 / (local_scaling or 1.0)),
         }
         self.ropes = [ropes[s] for s in self.sliding(p)]
+
+        def norm(kind: gguf.MODEL_TENSOR, i: int, present: bool = True) -> Any:
+            return w(name(kind, i), (p.width,)) if present else None
+
         post = self.post_norms
         self.layers = [
             Layer(
-                attn_norm=w(name(T.ATTN_NORM, i)),
-                attn=blocks.AttentionWeights(
-                    q=w(name(T.ATTN_Q, i)),
-                    k=w(name(T.ATTN_K, i)),
-                    v=w(name(T.ATTN_V, i)),
-                    o=w(name(T.ATTN_OUT, i)),
-                    q_norm=w(name(T.ATTN_Q_NORM, i)) if self.qk_norm else None,
-                    k_norm=w(name(T.ATTN_K_NORM, i)) if self.qk_norm else None,
-                ),
-                post_attn_norm=w(name(T.ATTN_POST_NORM, i)) if post else None,
-                ffn_norm=w(name(T.FFN_NORM, i)),
-                gate=w(name(T.FFN_GATE, i)),
-                up=w(name(T.FFN_UP, i)),
-                down=w(name(T.FFN_DOWN, i)),
-                post_ffn_norm=w(name(T.FFN_POST_NORM, i)) if post else None,
+                attn_norm=norm(T.ATTN_NORM, i),
+                attn=blocks.load_attention(w, i, p.width, p.heads, p.kv_heads, p.head_dim, qk_norm=self.qk_norm),
+                post_attn_norm=norm(T.ATTN_POST_NORM, i, post),
+                ffn_norm=norm(T.FFN_NORM, i),
+                gate=w(name(T.FFN_GATE, i), (p.ffn, p.width)),
+                up=w(name(T.FFN_UP, i), (p.ffn, p.width)),
+                down=w(name(T.FFN_DOWN, i), (p.width, p.ffn)),
+                post_ffn_norm=norm(T.FFN_POST_NORM, i, post),
             )
             for i in range(p.layers)
         ]
@@ -225,61 +210,8 @@ class Gemma(Architecture):
     @classmethod
     def tiny(cls, **overrides: Any) -> GemmaParams:
         params = GemmaParams(layers=2, width=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=300, context=256)
-        return dataclasses.replace(params, **overrides)
-
-    @classmethod
-    def tensor_shapes(cls, p: GemmaParams) -> dict[str, tuple[int, ...]]:
-        shapes = {name(T.TOKEN_EMBD): (p.vocab, p.width), name(T.OUTPUT_NORM): (p.width,)}
-        if not p.tied and cls.untied_output:
-            shapes[name(T.OUTPUT)] = (p.vocab, p.width)
-        for i in range(p.layers):
-            shapes |= {
-                name(T.ATTN_NORM, i): (p.width,),
-                name(T.ATTN_Q, i): (p.heads * p.head_dim, p.width),
-                name(T.ATTN_K, i): (p.kv_heads * p.head_dim, p.width),
-                name(T.ATTN_V, i): (p.kv_heads * p.head_dim, p.width),
-                name(T.ATTN_OUT, i): (p.width, p.heads * p.head_dim),
-            }
-            if cls.qk_norm:
-                shapes |= {name(T.ATTN_Q_NORM, i): (p.head_dim,), name(T.ATTN_K_NORM, i): (p.head_dim,)}
-            if cls.post_norms:
-                shapes[name(T.ATTN_POST_NORM, i)] = (p.width,)
-            shapes |= {
-                name(T.FFN_NORM, i): (p.width,),
-                name(T.FFN_GATE, i): (p.ffn, p.width),
-                name(T.FFN_UP, i): (p.ffn, p.width),
-                name(T.FFN_DOWN, i): (p.width, p.ffn),
-            }
-            if cls.post_norms:
-                shapes[name(T.FFN_POST_NORM, i)] = (p.width,)
-        return shapes
-
-    @classmethod
-    def write_metadata(cls, writer: gguf.GGUFWriter, p: GemmaParams) -> None:
-        writer.add_block_count(p.layers)
-        writer.add_context_length(p.context)
-        writer.add_embedding_length(p.width)
-        writer.add_feed_forward_length(p.ffn)
-        writer.add_head_count(p.heads)
-        writer.add_head_count_kv(p.kv_heads)
-        writer.add_key_length(p.head_dim)
-        writer.add_value_length(p.head_dim)
-        writer.add_layer_norm_rms_eps(p.norm_eps)
-        writer.add_rope_freq_base(p.rope_base)
-        writer.add_vocab_size(p.vocab)
-        if p.rope_scaling is not None:
-            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            writer.add_rope_scaling_factor(p.rope_scaling)
-        if p.rope_base_local is not None:
-            writer.add_rope_freq_base_swa(p.rope_base_local)
-        if p.window is not None:
-            writer.add_sliding_window(p.window)
-        if p.pattern is not None:
-            writer.add_sliding_window_pattern(list(p.pattern) if isinstance(p.pattern, tuple) else p.pattern)
-        if p.attn_softcap is not None:
-            writer.add_attn_logit_softcapping(p.attn_softcap)
-        if p.final_softcap is not None:
-            writer.add_final_logit_softcapping(p.final_softcap)
+        params = dataclasses.replace(params, **overrides)
+        return dataclasses.replace(params, rope_scaling_type="linear") if params.rope_scaling else params
 
 
 class Gemma2(Gemma):
@@ -300,7 +232,7 @@ class Gemma2(Gemma):
 
     @classmethod
     def local_rope(cls, p: GemmaParams) -> tuple[float, float | None]:
-        return (p.rope_base if p.rope_base_local is None else p.rope_base_local), p.rope_scaling
+        return (p.rope_base if p.rope_base_local is None else p.rope_base_local), p.linear_scaling
 
 
 class Gemma3(Gemma):

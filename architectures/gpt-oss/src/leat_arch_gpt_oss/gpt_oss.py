@@ -26,6 +26,7 @@ from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch
 from leat.errors import ModelFileError
+from leat.hparams import REQUIRED, key, tensor_rows
 from leat.modelfile import ModelFile
 from leat.rope import rope_from_metadata
 
@@ -39,25 +40,44 @@ def sliding_layers(layers: int, period: int) -> tuple[bool, ...]:
     return tuple(period == 0 or i % period < period - 1 for i in range(layers))
 
 
-@dataclass(frozen=True)
+def read_pattern(file: ModelFile, values: dict[str, Any]) -> tuple[bool, ...] | None:
+    """The per-layer sliding flags the file states (a list, or a period as ``sliding_layers``), None without the key."""
+    pattern = file.get(K.Attention.SLIDING_WINDOW_PATTERN, None)
+    if pattern is None or isinstance(pattern, list):
+        return pattern
+    return sliding_layers(values["layers"], int(pattern))
+
+
+@dataclass(frozen=True, kw_only=True)
 class GptOssParams:
-    layers: int
-    width: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    experts: int
-    experts_used: int
-    expert_ffn: int
-    window: int
-    sliding: tuple[bool, ...]  # per layer: does it attend to the last `window` positions only
-    norm_eps: float = 1e-5
-    rope_base: float = 150000.0
-    rope_base_swa: float | None = None
-    yarn_factor: float = 32.0
-    yarn_context: int = 4096
-    context: int = 131072
+    layers: int = key(K.LLM.BLOCK_COUNT)
+    context: int = key(K.LLM.CONTEXT_LENGTH, 131072, missing=REQUIRED)
+    width: int = key(K.LLM.EMBEDDING_LENGTH)
+    ffn: int | None = key(K.LLM.FEED_FORWARD_LENGTH, None)  # the converter writes the experts' size here too
+    heads: int = key(K.Attention.HEAD_COUNT)
+    kv_heads: int = key(K.Attention.HEAD_COUNT_KV, missing=lambda v: v["heads"])
+    head_dim: int = key(
+        K.Attention.KEY_LENGTH,
+        missing=lambda v: v["width"] // v["heads"],
+        also=(K.Attention.VALUE_LENGTH, K.Rope.DIMENSION_COUNT),
+    )
+    norm_eps: float = key(K.Attention.LAYERNORM_RMS_EPS, 1e-5, missing=REQUIRED)
+    rope_base: float = key(K.Rope.FREQ_BASE, 150000.0, missing=10000.0)
+    rope_base_swa: float | None = key(K.Rope.FREQ_BASE_SWA, None)
+    rope_scaling: str | None = key(K.Rope.SCALING_TYPE, "yarn", missing=None)
+    yarn_factor: float | None = key(K.Rope.SCALING_FACTOR, 32.0, missing=None)
+    yarn_context: int | None = key(K.Rope.SCALING_ORIG_CTX_LEN, 4096, missing=None)
+    window: int = key(K.Attention.SLIDING_WINDOW)
+    # per layer: does it attend to the last `window` positions only (None: llama.cpp's default, period 2)
+    sliding: tuple[bool, ...] | None = key(K.Attention.SLIDING_WINDOW_PATTERN, None, read=read_pattern)
+    experts: int = key(K.LLM.EXPERT_COUNT)
+    experts_used: int = key(K.LLM.EXPERT_USED_COUNT)
+    expert_ffn: int = key(K.LLM.EXPERT_FEED_FORWARD_LENGTH)
+    vocab: int = key(K.LLM.VOCAB_SIZE, read=tensor_rows(name(T.TOKEN_EMBD)))
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        return self.sliding if self.sliding is not None else sliding_layers(self.layers, 2)
 
 
 @dataclass
@@ -72,36 +92,16 @@ class Layer:
 
 class GptOss(Architecture):
     names = ("gpt-oss",)
+    Params = GptOssParams
 
     @classmethod
     def read_params(cls, file: ModelFile) -> GptOssParams:
-        width = int(file.get(K.LLM.EMBEDDING_LENGTH))
-        heads = int(file.get(K.Attention.HEAD_COUNT))
-        layers = int(file.get(K.LLM.BLOCK_COUNT))
-        pattern = file.get(K.Attention.SLIDING_WINDOW_PATTERN, 2)
-        sliding = tuple(bool(s) for s in pattern) if isinstance(pattern, list) else sliding_layers(layers, pattern)
-        if len(sliding) != layers:
-            raise ModelFileError(f"{file.path}: sliding_window_pattern has {len(sliding)} flags for {layers} layers")
-        base_swa = file.get(K.Rope.FREQ_BASE_SWA, None)
-        return GptOssParams(
-            layers=layers,
-            width=width,
-            heads=heads,
-            kv_heads=int(file.get(K.Attention.HEAD_COUNT_KV, heads)),
-            head_dim=int(file.get(K.Attention.KEY_LENGTH, width // heads)),
-            vocab=file.tensor(name(T.TOKEN_EMBD)).shape[0],
-            experts=int(file.get(K.LLM.EXPERT_COUNT)),
-            experts_used=int(file.get(K.LLM.EXPERT_USED_COUNT)),
-            expert_ffn=int(file.get(K.LLM.EXPERT_FEED_FORWARD_LENGTH)),
-            window=int(file.get(K.Attention.SLIDING_WINDOW)),
-            sliding=sliding,
-            norm_eps=float(file.get(K.Attention.LAYERNORM_RMS_EPS)),
-            rope_base=float(file.get(K.Rope.FREQ_BASE, 10000.0)),
-            rope_base_swa=float(base_swa) if base_swa is not None else None,
-            yarn_factor=float(file.get(K.Rope.SCALING_FACTOR, 0.0)),
-            yarn_context=int(file.get(K.Rope.SCALING_ORIG_CTX_LEN, 0)),
-            context=int(file.get(K.LLM.CONTEXT_LENGTH)),
-        )
+        p = super().read_params(file)
+        if len(p.sliding_layers) != p.layers:
+            raise ModelFileError(
+                f"{file.path}: sliding_window_pattern has {len(p.sliding_layers)} flags for {p.layers} layers"
+            )
+        return p
 
     @property
     def vocab_size(self) -> int:
@@ -109,27 +109,35 @@ class GptOss(Architecture):
 
     @classmethod
     def kv_layouts(cls, p: GptOssParams) -> list[KVLayout]:
-        return [KVLayout(p.kv_heads, p.head_dim, window=p.window if s else None) for s in p.sliding]
+        return [KVLayout(p.kv_heads, p.head_dim, window=p.window if s else None) for s in p.sliding_layers]
 
     def load_weights(self, w: Weights) -> None:
         p = self.params
-        self.embedding = w(name(T.TOKEN_EMBD))
-        self.output_norm = w(name(T.OUTPUT_NORM))
-        self.output = w(name(T.OUTPUT))
+        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
+        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
+        self.output = w(name(T.OUTPUT), (p.vocab, p.width))
         rope = rope_from_metadata(self.file, p.head_dim, neox=True)
         rope_swa = rope_from_metadata(self.file, p.head_dim, neox=True, base=p.rope_base_swa or p.rope_base)
         self.spec = moe.MoESpec(p.experts, p.experts_used, "softmax_selected", activation="swiglu_oai")
-        self.layers = [
-            Layer(
-                attn_norm=w(name(T.ATTN_NORM, i)),
-                attn=blocks.load_attention(w, i),
-                sinks=w(name(T.ATTN_SINKS, i)),
-                ffn_norm=w(name(T.ATTN_POST_NORM, i)),
-                experts=moe.load_moe(w, i),
-                rope=rope_swa if p.sliding[i] else rope,
+        q, kv = p.heads * p.head_dim, p.kv_heads * p.head_dim
+
+        def projection(kind: gguf.MODEL_TENSOR, i: int, rows: int, cols: int) -> tuple[Any, Any]:
+            return w(name(kind, i), (rows, cols)), w(name(kind, i, "bias"), (rows,))
+
+        self.layers = []
+        for i in range(p.layers):
+            attn_norm = w(name(T.ATTN_NORM, i), (p.width,))
+            (wq, bq), (wk, bk), (wv, bv) = (
+                projection(t, i, n, p.width) for t, n in zip((T.ATTN_Q, T.ATTN_K, T.ATTN_V), (q, kv, kv))
             )
-            for i in range(p.layers)
-        ]
+            wo, bo = projection(T.ATTN_OUT, i, p.width, q)
+            attn = blocks.AttentionWeights(wq, wk, wv, wo, bq, bk, bv, bo)
+            sinks = w(name(T.ATTN_SINKS, i), (p.heads,))
+            ffn_norm = w(name(T.ATTN_POST_NORM, i), (p.width,))
+            experts = moe.load_moe(w, i, p.width, p.expert_ffn, p.experts, biases=True, selection_bias=False)
+            self.layers.append(
+                Layer(attn_norm, attn, sinks, ffn_norm, experts, rope_swa if p.sliding_layers[i] else rope)
+            )
 
     def attention(self, x: Any, layer: Layer, i: int, batch: Batch, kv: Any) -> Any:
         B, p, w, n = self.backend, self.params, layer.attn, len(batch)
@@ -153,71 +161,9 @@ class GptOss(Architecture):
     # -- test models ---------------------------------------------------------------------------------
     @classmethod
     def tiny(cls, **overrides: Any) -> GptOssParams:
-        layers = overrides.get("layers", 2)
-        params = GptOssParams(
-            layers=layers,
-            width=64,
-            heads=4,
-            kv_heads=2,
-            head_dim=16,
-            vocab=300,
-            experts=4,
-            experts_used=2,
-            expert_ffn=32,
-            window=8,
-            sliding=sliding_layers(layers, 2),
-            context=256,
-        )
-        return dataclasses.replace(params, **overrides)
-
-    @classmethod
-    def tensor_shapes(cls, p: GptOssParams) -> dict[str, tuple[int, ...]]:
-        shapes = {
-            name(T.TOKEN_EMBD): (p.vocab, p.width),
-            name(T.OUTPUT_NORM): (p.width,),
-            name(T.OUTPUT): (p.vocab, p.width),
-        }
-        q, kv = p.heads * p.head_dim, p.kv_heads * p.head_dim
-        for i in range(p.layers):
-            shapes |= {
-                name(T.ATTN_NORM, i): (p.width,),
-                name(T.ATTN_Q, i): (q, p.width),
-                name(T.ATTN_Q, i, "bias"): (q,),
-                name(T.ATTN_K, i): (kv, p.width),
-                name(T.ATTN_K, i, "bias"): (kv,),
-                name(T.ATTN_V, i): (kv, p.width),
-                name(T.ATTN_V, i, "bias"): (kv,),
-                name(T.ATTN_OUT, i): (p.width, q),
-                name(T.ATTN_OUT, i, "bias"): (p.width,),
-                name(T.ATTN_SINKS, i): (p.heads,),
-                name(T.ATTN_POST_NORM, i): (p.width,),
-            }
-            shapes |= moe.moe_shapes(i, p.width, p.expert_ffn, p.experts, biases=True)
-        return shapes
-
-    @classmethod
-    def write_metadata(cls, writer: gguf.GGUFWriter, p: GptOssParams) -> None:
-        writer.add_block_count(p.layers)
-        writer.add_context_length(p.context)
-        writer.add_embedding_length(p.width)
-        writer.add_feed_forward_length(p.expert_ffn)
-        writer.add_head_count(p.heads)
-        writer.add_head_count_kv(p.kv_heads)
-        writer.add_key_length(p.head_dim)
-        writer.add_value_length(p.head_dim)
-        writer.add_rope_dimension_count(p.head_dim)
-        writer.add_layer_norm_rms_eps(p.norm_eps)
-        writer.add_rope_freq_base(p.rope_base)
-        if p.rope_base_swa is not None:
-            writer.add_rope_freq_base_swa(p.rope_base_swa)
-        if p.yarn_factor:
-            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-            writer.add_rope_scaling_factor(p.yarn_factor)
-            writer.add_rope_scaling_orig_ctx_len(p.yarn_context)
-        writer.add_sliding_window(p.window)
-        if p.sliding != sliding_layers(p.layers, 2):
-            writer.add_sliding_window_pattern(list(p.sliding))
-        writer.add_expert_count(p.experts)
-        writer.add_expert_used_count(p.experts_used)
-        writer.add_expert_feed_forward_length(p.expert_ffn)
-        writer.add_vocab_size(p.vocab)
+        shape = {"layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "vocab": 300, "context": 256}
+        experts = {"experts": 4, "experts_used": 2, "expert_ffn": 32, "window": 8}
+        params = GptOssParams(**shape | experts | overrides)
+        default = params.sliding == sliding_layers(params.layers, 2)
+        yarn = {} if params.yarn_factor else {"rope_scaling": None, "yarn_factor": None, "yarn_context": None}
+        return dataclasses.replace(params, ffn=params.expert_ffn, sliding=None if default else params.sliding, **yarn)

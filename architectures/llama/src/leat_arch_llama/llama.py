@@ -12,33 +12,36 @@ from dataclasses import dataclass
 from typing import Any
 
 import gguf
-from leat import blocks
+from leat import blocks, hparams
 from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch
-from leat.modelfile import ModelFile
+from leat.hparams import derived, key
 
 K = gguf.Keys
 T = gguf.MODEL_TENSOR
 name = blocks.layer_tensor
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LlamaParams:
-    layers: int
-    width: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    norm_eps: float = 1e-5
-    rope_base: float = 10000.0
-    rope_dims: int | None = None
-    rope_scale: float = 1.0
-    context: int = 4096
-    tied: bool = True
-    rope_freqs: bool = False
+    layers: int = key(K.LLM.BLOCK_COUNT)
+    context: int = key(K.LLM.CONTEXT_LENGTH, 4096)
+    width: int = key(K.LLM.EMBEDDING_LENGTH)
+    ffn: int = key(K.LLM.FEED_FORWARD_LENGTH)
+    heads: int = key(K.Attention.HEAD_COUNT)
+    kv_heads: int = key(K.Attention.HEAD_COUNT_KV, missing=lambda v: v["heads"])
+    head_dim: int = key(
+        K.Attention.KEY_LENGTH, missing=lambda v: v["width"] // v["heads"], also=(K.Attention.VALUE_LENGTH,)
+    )
+    norm_eps: float = key(K.Attention.LAYERNORM_RMS_EPS, 1e-5, missing=hparams.REQUIRED)
+    rope_base: float = key(K.Rope.FREQ_BASE, 10000.0)
+    rope_dims: int | None = key(K.Rope.DIMENSION_COUNT, None, missing=lambda v: v["head_dim"])
+    vocab: int = key(K.LLM.VOCAB_SIZE, read=hparams.tensor_rows(name(T.TOKEN_EMBD)))
+    rope_scale: float = derived(lambda file, v: blocks.rope_scale(file), 1.0)
+    tied: bool = derived(lambda file, v: name(T.OUTPUT) not in file.tensors, True)
+    rope_freqs: bool = derived(hparams.has_tensor(name(T.ROPE_FREQS)), False)
+    qkv_bias: bool = derived(hparams.has_tensor(name(T.ATTN_Q, 0, "bias")), False)
 
 
 @dataclass
@@ -53,28 +56,7 @@ class Layer:
 
 class Llama(Architecture):
     names = ("llama",)
-
-    @classmethod
-    def read_params(cls, file: ModelFile) -> LlamaParams:
-        width = int(file.get(K.LLM.EMBEDDING_LENGTH))
-        heads = int(file.get(K.Attention.HEAD_COUNT))
-        head_dim = int(file.get(K.Attention.KEY_LENGTH, width // heads))
-        return LlamaParams(
-            layers=int(file.get(K.LLM.BLOCK_COUNT)),
-            width=width,
-            ffn=int(file.get(K.LLM.FEED_FORWARD_LENGTH)),
-            heads=heads,
-            kv_heads=int(file.get(K.Attention.HEAD_COUNT_KV, heads)),
-            head_dim=head_dim,
-            vocab=file.tensor(name(T.TOKEN_EMBD)).shape[0],
-            norm_eps=float(file.get(K.Attention.LAYERNORM_RMS_EPS)),
-            rope_base=float(file.get(K.Rope.FREQ_BASE, 10000.0)),
-            rope_dims=int(file.get(K.Rope.DIMENSION_COUNT, head_dim)),
-            rope_scale=blocks.rope_scale(file),
-            context=int(file.get(K.LLM.CONTEXT_LENGTH, 4096)),
-            tied=name(T.OUTPUT) not in file.tensors,
-            rope_freqs=name(T.ROPE_FREQS) in file.tensors,
-        )
+    Params = LlamaParams
 
     @property
     def vocab_size(self) -> int:
@@ -86,19 +68,20 @@ class Llama(Architecture):
 
     def load_weights(self, w: Weights) -> None:
         p = self.params
-        self.embedding = w(name(T.TOKEN_EMBD))
-        self.output_norm = w(name(T.OUTPUT_NORM))
-        self.output = self.embedding if p.tied else w(name(T.OUTPUT))
-        freq_factors = w.host(name(T.ROPE_FREQS)) if p.rope_freqs else None
-        self.rope = RopeSpec(p.rope_dims or p.head_dim, p.rope_base, False, p.rope_scale, freq_factors)
+        rope_dims = p.rope_dims or p.head_dim
+        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
+        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
+        self.output = self.embedding if p.tied else w(name(T.OUTPUT), (p.vocab, p.width))
+        freq_factors = w.host(name(T.ROPE_FREQS), (rope_dims // 2,)) if p.rope_freqs else None
+        self.rope = RopeSpec(rope_dims, p.rope_base, False, p.rope_scale, freq_factors)
         self.layers = [
             Layer(
-                attn_norm=w(name(T.ATTN_NORM, i)),
-                attn=blocks.load_attention(w, i),
-                ffn_norm=w(name(T.FFN_NORM, i)),
-                gate=w(name(T.FFN_GATE, i)),
-                up=w(name(T.FFN_UP, i)),
-                down=w(name(T.FFN_DOWN, i)),
+                attn_norm=w(name(T.ATTN_NORM, i), (p.width,)),
+                attn=blocks.load_attention(w, i, p.width, p.heads, p.kv_heads, p.head_dim, qkv_bias=p.qkv_bias),
+                ffn_norm=w(name(T.FFN_NORM, i), (p.width,)),
+                gate=w(name(T.FFN_GATE, i), (p.ffn, p.width)),
+                up=w(name(T.FFN_UP, i), (p.ffn, p.width)),
+                down=w(name(T.FFN_DOWN, i), (p.width, p.ffn)),
             )
             for i in range(p.layers)
         ]
@@ -119,40 +102,5 @@ class Llama(Architecture):
     @classmethod
     def tiny(cls, **overrides: Any) -> LlamaParams:
         params = LlamaParams(layers=2, width=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=300, context=256)
-        return dataclasses.replace(params, **overrides)
-
-    @classmethod
-    def tensor_shapes(cls, p: LlamaParams) -> dict[str, tuple[int, ...]]:
-        shapes = {name(T.TOKEN_EMBD): (p.vocab, p.width), name(T.OUTPUT_NORM): (p.width,)}
-        if not p.tied:
-            shapes[name(T.OUTPUT)] = (p.vocab, p.width)
-        if p.rope_freqs:
-            shapes[name(T.ROPE_FREQS)] = ((p.rope_dims or p.head_dim) // 2,)
-        for i in range(p.layers):
-            shapes |= {
-                name(T.ATTN_NORM, i): (p.width,),
-                name(T.ATTN_Q, i): (p.heads * p.head_dim, p.width),
-                name(T.ATTN_K, i): (p.kv_heads * p.head_dim, p.width),
-                name(T.ATTN_V, i): (p.kv_heads * p.head_dim, p.width),
-                name(T.ATTN_OUT, i): (p.width, p.heads * p.head_dim),
-                name(T.FFN_NORM, i): (p.width,),
-                name(T.FFN_GATE, i): (p.ffn, p.width),
-                name(T.FFN_UP, i): (p.ffn, p.width),
-                name(T.FFN_DOWN, i): (p.width, p.ffn),
-            }
-        return shapes
-
-    @classmethod
-    def write_metadata(cls, writer: gguf.GGUFWriter, p: LlamaParams) -> None:
-        writer.add_block_count(p.layers)
-        writer.add_context_length(p.context)
-        writer.add_embedding_length(p.width)
-        writer.add_feed_forward_length(p.ffn)
-        writer.add_head_count(p.heads)
-        writer.add_head_count_kv(p.kv_heads)
-        writer.add_key_length(p.head_dim)
-        writer.add_value_length(p.head_dim)
-        writer.add_layer_norm_rms_eps(p.norm_eps)
-        writer.add_rope_freq_base(p.rope_base)
-        writer.add_rope_dimension_count(p.rope_dims or p.head_dim)
-        writer.add_vocab_size(p.vocab)
+        params = dataclasses.replace(params, **overrides)
+        return params if params.rope_dims else dataclasses.replace(params, rope_dims=params.head_dim)

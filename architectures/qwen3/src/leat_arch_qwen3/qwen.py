@@ -18,34 +18,42 @@ from leat import blocks, moe
 from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout
 from leat.batch import Batch
-from leat.modelfile import ModelFile
+from leat.hparams import REQUIRED, derived, has_tensor, key, tensor_rows, with_tensor
 from leat.rope import rope_from_metadata
 
 K = gguf.Keys
 T = gguf.MODEL_TENSOR
 name = blocks.layer_tensor
+EXPERTS = name(T.FFN_GATE_EXP, 0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class QwenParams:
-    layers: int
-    width: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    norm_eps: float = 1e-6
-    rope_base: float = 1000000.0
-    context: int = 4096
-    tied: bool = True
-    qk_norm: bool = True  # Qwen3: RMSNorm of each q and k head
-    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
-    experts: int = 0  # Qwen3-MoE: every layer's MLP is a mixture of `experts`, `experts_used` per token
-    experts_used: int = 0
-    expert_ffn: int = 0
-    yarn_factor: float = 0.0  # rope.scaling.type yarn with this factor over yarn_context positions
-    yarn_context: int = 0
+    layers: int = key(K.LLM.BLOCK_COUNT)
+    context: int = key(K.LLM.CONTEXT_LENGTH, 4096)
+    width: int = key(K.LLM.EMBEDDING_LENGTH)
+    ffn: int = key(K.LLM.FEED_FORWARD_LENGTH, 0)
+    heads: int = key(K.Attention.HEAD_COUNT)
+    kv_heads: int = key(K.Attention.HEAD_COUNT_KV, missing=lambda v: v["heads"])
+    head_dim: int = key(
+        K.Attention.KEY_LENGTH, missing=lambda v: v["width"] // v["heads"], also=(K.Attention.VALUE_LENGTH,)
+    )
+    norm_eps: float = key(K.Attention.LAYERNORM_RMS_EPS, 1e-6, missing=REQUIRED)
+    rope_base: float = key(K.Rope.FREQ_BASE, 1000000.0, missing=10000.0)
+    rope_scaling: str | None = key(K.Rope.SCALING_TYPE, None)  # "yarn" for long contexts
+    yarn_factor: float | None = key(K.Rope.SCALING_FACTOR, None)
+    yarn_context: int | None = key(K.Rope.SCALING_ORIG_CTX_LEN, None)
+    # Qwen3-MoE: every layer's MLP is a mixture of `experts`, `experts_used` per token
+    experts: int | None = key(K.LLM.EXPERT_COUNT, None, read=with_tensor(EXPERTS, K.LLM.EXPERT_COUNT))
+    experts_used: int | None = key(K.LLM.EXPERT_USED_COUNT, None, read=with_tensor(EXPERTS, K.LLM.EXPERT_USED_COUNT))
+    expert_ffn: int | None = key(
+        K.LLM.EXPERT_FEED_FORWARD_LENGTH, None, read=with_tensor(EXPERTS, K.LLM.EXPERT_FEED_FORWARD_LENGTH)
+    )
+    vocab: int = key(K.LLM.VOCAB_SIZE, read=tensor_rows(name(T.TOKEN_EMBD)))
+    tied: bool = derived(lambda file, v: name(T.OUTPUT) not in file.tensors, True)
+    output_bias: bool = derived(has_tensor(name(T.OUTPUT, suffix="bias")), False)  # some Qwen2 files
+    qk_norm: bool = derived(has_tensor(name(T.ATTN_Q_NORM, 0)), True)  # Qwen3: RMSNorm of each q and k head
+    qkv_bias: bool = derived(has_tensor(name(T.ATTN_Q, 0, "bias")), False)  # Qwen2: q, k and v biases
 
 
 @dataclass
@@ -58,33 +66,7 @@ class Layer:
 
 class Qwen3(Architecture):
     names = ("qwen3",)
-
-    @classmethod
-    def read_params(cls, file: ModelFile) -> QwenParams:
-        width = int(file.get(K.LLM.EMBEDDING_LENGTH))
-        heads = int(file.get(K.Attention.HEAD_COUNT))
-        moe_layer = name(T.FFN_GATE_EXP, 0) in file.tensors
-        yarn = file.get(K.Rope.SCALING_TYPE, "none") == "yarn"
-        return QwenParams(
-            layers=int(file.get(K.LLM.BLOCK_COUNT)),
-            width=width,
-            ffn=int(file.get(K.LLM.FEED_FORWARD_LENGTH, 0)),
-            heads=heads,
-            kv_heads=int(file.get(K.Attention.HEAD_COUNT_KV, heads)),
-            head_dim=int(file.get(K.Attention.KEY_LENGTH, width // heads)),
-            vocab=file.tensor(name(T.TOKEN_EMBD)).shape[0],
-            norm_eps=float(file.get(K.Attention.LAYERNORM_RMS_EPS)),
-            rope_base=float(file.get(K.Rope.FREQ_BASE, 10000.0)),
-            context=int(file.get(K.LLM.CONTEXT_LENGTH, 4096)),
-            tied=name(T.OUTPUT) not in file.tensors,
-            qk_norm=name(T.ATTN_Q_NORM, 0) in file.tensors,
-            qkv_bias=name(T.ATTN_Q, 0, "bias") in file.tensors,
-            experts=int(file.get(K.LLM.EXPERT_COUNT)) if moe_layer else 0,
-            experts_used=int(file.get(K.LLM.EXPERT_USED_COUNT)) if moe_layer else 0,
-            expert_ffn=file.tensor(name(T.FFN_GATE_EXP, 0)).shape[1] if moe_layer else 0,
-            yarn_factor=float(file.get(K.Rope.SCALING_FACTOR)) if yarn else 0.0,
-            yarn_context=int(file.get(K.Rope.SCALING_ORIG_CTX_LEN, 0)) if yarn else 0,
-        )
+    Params = QwenParams
 
     @property
     def vocab_size(self) -> int:
@@ -96,26 +78,31 @@ class Qwen3(Architecture):
 
     def load_weights(self, w: Weights) -> None:
         p = self.params
-        self.embedding = w(name(T.TOKEN_EMBD))
-        self.output_norm = w(name(T.OUTPUT_NORM))
-        self.output = self.embedding if p.tied else w(name(T.OUTPUT))
-        self.output_bias = w(name(T.OUTPUT, suffix="bias"), optional=True)  # some Qwen2 files
+        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
+        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
+        self.output = self.embedding if p.tied else w(name(T.OUTPUT), (p.vocab, p.width))
+        self.output_bias = w(name(T.OUTPUT, suffix="bias"), (p.vocab,)) if p.output_bias else None
         self.rope = rope_from_metadata(self.file, p.head_dim, neox=True)
         self.experts = moe.MoESpec(p.experts, p.experts_used, "softmax", normalize=True) if p.experts else None
-        self.layers = [
-            Layer(
-                attn_norm=w(name(T.ATTN_NORM, i)),
-                attn=blocks.load_attention(w, i),
-                ffn_norm=w(name(T.FFN_NORM, i)),
-                mlp=self.load_mlp(w, i),
-            )
-            for i in range(p.layers)
-        ]
+        self.layers = [self.load_layer(w, i) for i in range(p.layers)]
 
-    def load_mlp(self, w: Weights, i: int) -> tuple[Any, Any, Any] | moe.MoEWeights:
-        if self.params.experts:
-            return moe.load_moe(w, i)
-        return w(name(T.FFN_GATE, i)), w(name(T.FFN_UP, i)), w(name(T.FFN_DOWN, i))
+    def load_layer(self, w: Weights, i: int) -> Layer:
+        p = self.params
+        q, kv = p.heads * p.head_dim, p.kv_heads * p.head_dim
+        attn_norm = w(name(T.ATTN_NORM, i), (p.width,))
+        attn = blocks.load_attention(w, i, p.width, p.heads, p.kv_heads, p.head_dim)
+        ffn_norm = w(name(T.FFN_NORM, i), (p.width,))
+        # after ffn_norm: the tensor order of the test files llama.cpp's references were recorded on
+        if p.qkv_bias:
+            attn.q_bias, attn.k_bias, attn.v_bias = (
+                w(name(t, i, "bias"), (n,)) for t, n in ((T.ATTN_Q, q), (T.ATTN_K, kv), (T.ATTN_V, kv))
+            )
+        if p.qk_norm:
+            attn.q_norm, attn.k_norm = (w(name(t, i), (p.head_dim,)) for t in (T.ATTN_Q_NORM, T.ATTN_K_NORM))
+        if p.experts:
+            return Layer(attn_norm, attn, ffn_norm, moe.load_moe(w, i, p.width, p.expert_ffn, p.experts, False, False))
+        mlp = (w(name(t, i), shape) for t, shape in ((T.FFN_GATE, (p.ffn, p.width)), (T.FFN_UP, (p.ffn, p.width))))
+        return Layer(attn_norm, attn, ffn_norm, (*mlp, w(name(T.FFN_DOWN, i), (p.width, p.ffn))))
 
     def forward(self, batch: Batch, kv: Any) -> Any:
         B, p = self.backend, self.params
@@ -137,56 +124,8 @@ class Qwen3(Architecture):
     def tiny(cls, **overrides: Any) -> QwenParams:
         # head_dim 16 with width 48 / 4 heads = 12: Qwen3 sets its head size apart from the width
         params = QwenParams(layers=2, width=48, ffn=96, heads=4, kv_heads=2, head_dim=16, vocab=300, context=256)
-        return dataclasses.replace(params, **overrides)
-
-    @classmethod
-    def tensor_shapes(cls, p: QwenParams) -> dict[str, tuple[int, ...]]:
-        shapes = {name(T.TOKEN_EMBD): (p.vocab, p.width), name(T.OUTPUT_NORM): (p.width,)}
-        if not p.tied:
-            shapes[name(T.OUTPUT)] = (p.vocab, p.width)
-        q, kv = p.heads * p.head_dim, p.kv_heads * p.head_dim
-        for i in range(p.layers):
-            shapes |= {
-                name(T.ATTN_NORM, i): (p.width,),
-                name(T.ATTN_Q, i): (q, p.width),
-                name(T.ATTN_K, i): (kv, p.width),
-                name(T.ATTN_V, i): (kv, p.width),
-                name(T.ATTN_OUT, i): (p.width, q),
-                name(T.FFN_NORM, i): (p.width,),
-            }
-            if p.qkv_bias:
-                shapes |= {name(T.ATTN_Q, i, "bias"): (q,), name(T.ATTN_K, i, "bias"): (kv,)}
-                shapes |= {name(T.ATTN_V, i, "bias"): (kv,)}
-            if p.qk_norm:
-                shapes |= {name(T.ATTN_Q_NORM, i): (p.head_dim,), name(T.ATTN_K_NORM, i): (p.head_dim,)}
-            if p.experts:
-                shapes |= moe.moe_shapes(i, p.width, p.expert_ffn, p.experts)
-            else:
-                shapes |= {name(T.FFN_GATE, i): (p.ffn, p.width), name(T.FFN_UP, i): (p.ffn, p.width)}
-                shapes |= {name(T.FFN_DOWN, i): (p.width, p.ffn)}
-        return shapes
-
-    @classmethod
-    def write_metadata(cls, writer: gguf.GGUFWriter, p: QwenParams) -> None:
-        writer.add_block_count(p.layers)
-        writer.add_context_length(p.context)
-        writer.add_embedding_length(p.width)
-        writer.add_feed_forward_length(p.ffn)
-        writer.add_head_count(p.heads)
-        writer.add_head_count_kv(p.kv_heads)
-        writer.add_key_length(p.head_dim)
-        writer.add_value_length(p.head_dim)
-        writer.add_layer_norm_rms_eps(p.norm_eps)
-        writer.add_rope_freq_base(p.rope_base)
-        if p.yarn_factor:
-            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-            writer.add_rope_scaling_factor(p.yarn_factor)
-            writer.add_rope_scaling_orig_ctx_len(p.yarn_context)
-        if p.experts:
-            writer.add_expert_count(p.experts)
-            writer.add_expert_used_count(p.experts_used)
-            writer.add_expert_feed_forward_length(p.expert_ffn)
-        writer.add_vocab_size(p.vocab)
+        params = dataclasses.replace(params, **overrides)
+        return dataclasses.replace(params, rope_scaling="yarn") if params.yarn_factor else params
 
 
 class Qwen3Moe(Qwen3):

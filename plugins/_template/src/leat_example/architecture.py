@@ -15,44 +15,32 @@ from leat import blocks
 from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch
-from leat.modelfile import ModelFile
+from leat.hparams import REQUIRED, key, tensor_rows
 
 K = gguf.Keys
 T = gguf.MODEL_TENSOR
 name = blocks.layer_tensor
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExampleParams:
-    layers: int
-    width: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    norm_eps: float = 1e-5
-    rope_base: float = 10000.0
-    context: int = 2048
+    """Each field names its GGUF key: reading a file and writing a test file's metadata follow from this."""
+
+    layers: int = key(K.LLM.BLOCK_COUNT)
+    context: int = key(K.LLM.CONTEXT_LENGTH, 2048)
+    width: int = key(K.LLM.EMBEDDING_LENGTH)
+    ffn: int = key(K.LLM.FEED_FORWARD_LENGTH)
+    heads: int = key(K.Attention.HEAD_COUNT)
+    kv_heads: int = key(K.Attention.HEAD_COUNT_KV)
+    head_dim: int = key(K.Attention.KEY_LENGTH, also=(K.Attention.VALUE_LENGTH,))
+    norm_eps: float = key(K.Attention.LAYERNORM_RMS_EPS, 1e-5, missing=REQUIRED)
+    rope_base: float = key(K.Rope.FREQ_BASE, 10000.0)
+    vocab: int = key(K.LLM.VOCAB_SIZE, read=tensor_rows(name(T.TOKEN_EMBD)))
 
 
 class Example(Architecture):
     names = ("example",)
-
-    @classmethod
-    def read_params(cls, file: ModelFile) -> ExampleParams:
-        return ExampleParams(
-            layers=int(file.get(K.LLM.BLOCK_COUNT)),
-            width=int(file.get(K.LLM.EMBEDDING_LENGTH)),
-            ffn=int(file.get(K.LLM.FEED_FORWARD_LENGTH)),
-            heads=int(file.get(K.Attention.HEAD_COUNT)),
-            kv_heads=int(file.get(K.Attention.HEAD_COUNT_KV)),
-            head_dim=int(file.get(K.Attention.KEY_LENGTH)),
-            vocab=file.tensor(name(T.TOKEN_EMBD)).shape[0],
-            norm_eps=float(file.get(K.Attention.LAYERNORM_RMS_EPS)),
-            rope_base=float(file.get(K.Rope.FREQ_BASE, 10000.0)),
-            context=int(file.get(K.LLM.CONTEXT_LENGTH, 2048)),
-        )
+    Params = ExampleParams
 
     @property
     def vocab_size(self) -> int:
@@ -64,17 +52,18 @@ class Example(Architecture):
 
     def load_weights(self, w: Weights) -> None:
         p = self.params
-        self.embedding = w(name(T.TOKEN_EMBD))
-        self.output_norm = w(name(T.OUTPUT_NORM))
+        # each tensor with the shape these hyperparameters give it: tensor_shapes (test files) is recorded from this
+        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
+        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
         self.rope = RopeSpec(p.head_dim, p.rope_base, True, 1.0, None)  # neox-style: halves rotated together
         self.layers = [
             {
-                "attn_norm": w(name(T.ATTN_NORM, i)),
-                "attn": blocks.load_attention(w, i),
-                "ffn_norm": w(name(T.FFN_NORM, i)),
-                "gate": w(name(T.FFN_GATE, i)),
-                "up": w(name(T.FFN_UP, i)),
-                "down": w(name(T.FFN_DOWN, i)),
+                "attn_norm": w(name(T.ATTN_NORM, i), (p.width,)),
+                "attn": blocks.load_attention(w, i, p.width, p.heads, p.kv_heads, p.head_dim),
+                "ffn_norm": w(name(T.FFN_NORM, i), (p.width,)),
+                "gate": w(name(T.FFN_GATE, i), (p.ffn, p.width)),
+                "up": w(name(T.FFN_UP, i), (p.ffn, p.width)),
+                "down": w(name(T.FFN_DOWN, i), (p.width, p.ffn)),
             }
             for i in range(p.layers)
         ]
@@ -91,39 +80,9 @@ class Example(Architecture):
         x = B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
         return B.matmul(x, self.embedding)
 
-    # -- test models: leat.testing.write_tiny_gguf and the conformance kit use these ----------------------
+    # -- test models: leat.testing.write_tiny_gguf and the conformance kit use this, with tensor_shapes and
+    # write_metadata that Architecture derives from load_weights and ExampleParams ------------------------
     @classmethod
     def tiny(cls, **overrides: Any) -> ExampleParams:
         params = ExampleParams(layers=2, width=64, ffn=96, heads=4, kv_heads=2, head_dim=16, vocab=300, context=256)
         return dataclasses.replace(params, **overrides)
-
-    @classmethod
-    def tensor_shapes(cls, p: ExampleParams) -> dict[str, tuple[int, ...]]:
-        shapes = {name(T.TOKEN_EMBD): (p.vocab, p.width), name(T.OUTPUT_NORM): (p.width,)}
-        for i in range(p.layers):
-            shapes |= {
-                name(T.ATTN_NORM, i): (p.width,),
-                name(T.ATTN_Q, i): (p.heads * p.head_dim, p.width),
-                name(T.ATTN_K, i): (p.kv_heads * p.head_dim, p.width),
-                name(T.ATTN_V, i): (p.kv_heads * p.head_dim, p.width),
-                name(T.ATTN_OUT, i): (p.width, p.heads * p.head_dim),
-                name(T.FFN_NORM, i): (p.width,),
-                name(T.FFN_GATE, i): (p.ffn, p.width),
-                name(T.FFN_UP, i): (p.ffn, p.width),
-                name(T.FFN_DOWN, i): (p.width, p.ffn),
-            }
-        return shapes
-
-    @classmethod
-    def write_metadata(cls, writer: gguf.GGUFWriter, p: ExampleParams) -> None:
-        writer.add_block_count(p.layers)
-        writer.add_context_length(p.context)
-        writer.add_embedding_length(p.width)
-        writer.add_feed_forward_length(p.ffn)
-        writer.add_head_count(p.heads)
-        writer.add_head_count_kv(p.kv_heads)
-        writer.add_key_length(p.head_dim)
-        writer.add_value_length(p.head_dim)
-        writer.add_layer_norm_rms_eps(p.norm_eps)
-        writer.add_rope_freq_base(p.rope_base)
-        writer.add_vocab_size(p.vocab)
