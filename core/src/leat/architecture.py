@@ -72,10 +72,9 @@ class TensorRecorder(Weights):
     """What :meth:`Architecture.load_weights` asks for, with the shapes it gives, instead of uploading anything: a
     tiny file's tensors. ``file`` holds only the metadata the hyperparameters write."""
 
-    def __init__(self, file: Any):
+    def __init__(self, file: Any):  # no Weights.__init__: there is no ModelFile or Backend
         self.file = file
-        self.backend = None
-        self.used = set()
+        self.used: set[str] = set()
         self.shapes: dict[str, tuple[int, ...]] = {}
 
     def __call__(self, name: str, shape: tuple[int, ...] | None = None, optional: bool = False) -> Any:
@@ -98,7 +97,8 @@ class DescribedFile:
     """The metadata a set of hyperparameters writes, readable as a ModelFile's (``get``, ``architecture``)."""
 
     def __init__(self, architecture: str, params: Any, writer: Any):
-        self.architecture, self.path, self.tensors = architecture, f"<tiny {architecture}>", {}
+        self.architecture, self.path = architecture, f"<tiny {architecture}>"
+        self.tensors: dict[str, Any] = {}
         self.metadata: dict[str, Any] = {}
         writer(self, params)
 
@@ -194,10 +194,10 @@ class Architecture:
         what :meth:`load_weights` asks for, recorded without a file or a backend."""
         if cls.Params is None:
             raise NotImplementedError
-        model = cls.__new__(cls)
-        model.file = DescribedFile(cls.names[0], params, cls.write_metadata)
-        model.backend, model.params = None, params
-        recorder = TensorRecorder(model.file)
+        model = cls.__new__(cls)  # no __init__: nothing is read or uploaded
+        file: Any = DescribedFile(cls.names[0], params, cls.write_metadata)
+        model.file, model.params = file, params
+        recorder = TensorRecorder(file)
         model.load_weights(recorder)
         return recorder.shapes
 

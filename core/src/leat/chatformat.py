@@ -87,8 +87,8 @@ def json_calls(body: str, args_keys: Sequence[str] = ("arguments", "parameters")
                 i += 1
     if len(values) == 1 and isinstance(values[0], list):
         values = values[0]
-    calls = [call_from_object(v, args_keys) for v in values]
-    return calls if calls and all(c is not None for c in calls) else None
+    calls = [call for v in values if (call := call_from_object(v, args_keys)) is not None]
+    return calls if calls and len(calls) == len(values) else None
 
 
 # --- parsers -------------------------------------------------------------------------------------------------
@@ -153,7 +153,9 @@ class MarkerParser(OutputParser):
                 self.in_call = True
                 self.marker = marker
             else:
-                at = self.buffer.find(self.end) if self.end else -1
+                if self.end is None:  # the call runs to the end of the output
+                    break
+                at = self.buffer.find(self.end)
                 if at < 0:
                     break
                 body, self.buffer = self.buffer[:at], self.buffer[at + len(self.end) :]

@@ -144,7 +144,7 @@ def fields(host: plugins.PluginHost) -> dict[str, msgspec.structs.FieldInfo]:
 
 
 @functools.lru_cache(maxsize=256)
-def _one_field(name: str, kind: Any) -> type[msgspec.Struct]:
+def _one_field(name: str, kind: Any) -> Any:  # a Struct with one field, `value`, named `name` on the wire
     return msgspec.defstruct("Field", [("value", kind)], rename={"value": name})
 
 
