@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from leat.chatformat import build_parser, formats
-from leat.plugins import PluginHost
-from leat.testing import parse_in_pieces
+from leat.testing import parse_with
 from leat.testing import tool_call as call
 
 PLUGIN = "leat-arch-gpt-oss"
@@ -31,12 +29,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def registered() -> dict:
-    return formats(PluginHost(only=[PLUGIN]))
-
-
 @pytest.mark.parametrize("step", [1, 3, 1000])
 @pytest.mark.parametrize(("name", "text", "expected"), CASES)
-def test_parsers(registered, name, text, expected, step):
-    assert parse_in_pieces(build_parser(registered[name], reasoning=False), text, step) == expected
+def test_parsers(name, text, expected, step):
+    assert parse_with(PLUGIN, name, text, step) == expected

@@ -26,6 +26,8 @@ import gguf
 
 from leat.modelfile import ModelFile
 
+K = gguf.Keys
+
 REQUIRED: Any = object()  # missing=REQUIRED: a file must have the key, whatever the dataclass default
 _UNSET: Any = object()
 
@@ -128,3 +130,20 @@ def _convert(value: Any, hint: Any) -> Any:
         if kind in (int, float, bool, str):
             return kind(value)
     return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderParams:
+    """What decoder-only families state alike, in the order llama.cpp's converters write it. A family subclasses it
+    and adds its own fields; redeclaring one of these changes its default or reading and keeps its place."""
+
+    layers: int = key(K.LLM.BLOCK_COUNT)
+    context: int = key(K.LLM.CONTEXT_LENGTH, 4096)
+    width: int = key(K.LLM.EMBEDDING_LENGTH)
+    ffn: int = key(K.LLM.FEED_FORWARD_LENGTH)
+    heads: int = key(K.Attention.HEAD_COUNT)
+    kv_heads: int = key(K.Attention.HEAD_COUNT_KV, missing=lambda v: v["heads"])
+    head_dim: int = key(
+        K.Attention.KEY_LENGTH, missing=lambda v: v["width"] // v["heads"], also=(K.Attention.VALUE_LENGTH,)
+    )
+    norm_eps: float = key(K.Attention.LAYERNORM_RMS_EPS, 1e-5, missing=REQUIRED)

@@ -7,6 +7,7 @@ llama.cpp loads them too and can serve as the reference.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections import Counter
@@ -189,3 +190,18 @@ def parse_in_pieces(parser: Any, text: str, step: int) -> list[tuple[str, str]]:
 def tool_call(name: str, **arguments: Any) -> tuple[str, str]:
     """What :func:`parse_in_pieces` gives for one call."""
     return ("tool_call", json.dumps([name, arguments]))
+
+
+def parse_with(plugin: str, name: str, text: str, step: int) -> list[tuple[str, str]]:
+    """:func:`parse_in_pieces` with the chat format ``name`` that the installed distribution ``plugin`` registers."""
+    from leat.chatformat import build_parser
+
+    return parse_in_pieces(build_parser(_formats_of(plugin)[name], reasoning=False), text, step)
+
+
+@functools.cache
+def _formats_of(plugin: str) -> dict[str, Any]:
+    from leat.chatformat import formats
+    from leat.plugins import PluginHost
+
+    return formats(PluginHost([plugin]))

@@ -30,7 +30,7 @@ from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch
 from leat.errors import ModelFileError
-from leat.hparams import REQUIRED, derived, key, tensor_rows
+from leat.hparams import REQUIRED, DecoderParams, derived, key, tensor_rows
 from leat.modelfile import ModelFile
 
 K = gguf.Keys
@@ -39,18 +39,10 @@ name = blocks.layer_tensor
 
 
 @dataclass(frozen=True, kw_only=True)
-class GemmaParams:
+class GemmaParams(DecoderParams):
     """Hyperparameters as the file states them; ``None`` = key absent, the family's default applies."""
 
-    layers: int = key(K.LLM.BLOCK_COUNT)
     context: int = key(K.LLM.CONTEXT_LENGTH, 8192)
-    width: int = key(K.LLM.EMBEDDING_LENGTH)
-    ffn: int = key(K.LLM.FEED_FORWARD_LENGTH)
-    heads: int = key(K.Attention.HEAD_COUNT)
-    kv_heads: int = key(K.Attention.HEAD_COUNT_KV, missing=lambda v: v["heads"])
-    head_dim: int = key(
-        K.Attention.KEY_LENGTH, missing=lambda v: v["width"] // v["heads"], also=(K.Attention.VALUE_LENGTH,)
-    )
     norm_eps: float = key(K.Attention.LAYERNORM_RMS_EPS, 1e-6, missing=REQUIRED)
     rope_base: float = key(K.Rope.FREQ_BASE, 10000.0)
     vocab: int = key(K.LLM.VOCAB_SIZE, read=tensor_rows(name(T.TOKEN_EMBD)))

@@ -16,7 +16,7 @@ from leat import blocks, hparams
 from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch
-from leat.hparams import derived, key
+from leat.hparams import DecoderParams, derived, key
 
 K = gguf.Keys
 T = gguf.MODEL_TENSOR
@@ -24,17 +24,7 @@ name = blocks.layer_tensor
 
 
 @dataclass(frozen=True, kw_only=True)
-class LlamaParams:
-    layers: int = key(K.LLM.BLOCK_COUNT)
-    context: int = key(K.LLM.CONTEXT_LENGTH, 4096)
-    width: int = key(K.LLM.EMBEDDING_LENGTH)
-    ffn: int = key(K.LLM.FEED_FORWARD_LENGTH)
-    heads: int = key(K.Attention.HEAD_COUNT)
-    kv_heads: int = key(K.Attention.HEAD_COUNT_KV, missing=lambda v: v["heads"])
-    head_dim: int = key(
-        K.Attention.KEY_LENGTH, missing=lambda v: v["width"] // v["heads"], also=(K.Attention.VALUE_LENGTH,)
-    )
-    norm_eps: float = key(K.Attention.LAYERNORM_RMS_EPS, 1e-5, missing=hparams.REQUIRED)
+class LlamaParams(DecoderParams):
     rope_base: float = key(K.Rope.FREQ_BASE, 10000.0)
     rope_dims: int | None = key(K.Rope.DIMENSION_COUNT, None, missing=lambda v: v["head_dim"])
     vocab: int = key(K.LLM.VOCAB_SIZE, read=hparams.tensor_rows(name(T.TOKEN_EMBD)))

@@ -18,7 +18,7 @@ from leat import blocks, moe
 from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout
 from leat.batch import Batch
-from leat.hparams import REQUIRED, derived, has_tensor, key, tensor_rows, with_tensor
+from leat.hparams import REQUIRED, DecoderParams, derived, has_tensor, key, tensor_rows, with_tensor
 from leat.rope import rope_from_metadata
 
 K = gguf.Keys
@@ -28,16 +28,8 @@ EXPERTS = name(T.FFN_GATE_EXP, 0)
 
 
 @dataclass(frozen=True, kw_only=True)
-class QwenParams:
-    layers: int = key(K.LLM.BLOCK_COUNT)
-    context: int = key(K.LLM.CONTEXT_LENGTH, 4096)
-    width: int = key(K.LLM.EMBEDDING_LENGTH)
-    ffn: int = key(K.LLM.FEED_FORWARD_LENGTH, 0)
-    heads: int = key(K.Attention.HEAD_COUNT)
-    kv_heads: int = key(K.Attention.HEAD_COUNT_KV, missing=lambda v: v["heads"])
-    head_dim: int = key(
-        K.Attention.KEY_LENGTH, missing=lambda v: v["width"] // v["heads"], also=(K.Attention.VALUE_LENGTH,)
-    )
+class QwenParams(DecoderParams):
+    ffn: int = key(K.LLM.FEED_FORWARD_LENGTH, 0)  # 0: no dense MLP (Qwen3-MoE)
     norm_eps: float = key(K.Attention.LAYERNORM_RMS_EPS, 1e-6, missing=REQUIRED)
     rope_base: float = key(K.Rope.FREQ_BASE, 1000000.0, missing=10000.0)
     rope_scaling: str | None = key(K.Rope.SCALING_TYPE, None)  # "yarn" for long contexts

@@ -15,7 +15,7 @@ from leat import blocks
 from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch
-from leat.hparams import REQUIRED, key, tensor_rows
+from leat.hparams import DecoderParams, key, tensor_rows
 
 K = gguf.Keys
 T = gguf.MODEL_TENSOR
@@ -23,17 +23,12 @@ name = blocks.layer_tensor
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExampleParams:
-    """Each field names its GGUF key: reading a file and writing a test file's metadata follow from this."""
+class ExampleParams(DecoderParams):
+    """Each field names its GGUF key: reading a file and writing a test file's metadata follow from this.
+    DecoderParams declares layers, context, width, ffn, heads, kv_heads, head_dim and norm_eps as most families
+    state them; a field redeclared here (context, for its default) keeps its place."""
 
-    layers: int = key(K.LLM.BLOCK_COUNT)
     context: int = key(K.LLM.CONTEXT_LENGTH, 2048)
-    width: int = key(K.LLM.EMBEDDING_LENGTH)
-    ffn: int = key(K.LLM.FEED_FORWARD_LENGTH)
-    heads: int = key(K.Attention.HEAD_COUNT)
-    kv_heads: int = key(K.Attention.HEAD_COUNT_KV)
-    head_dim: int = key(K.Attention.KEY_LENGTH, also=(K.Attention.VALUE_LENGTH,))
-    norm_eps: float = key(K.Attention.LAYERNORM_RMS_EPS, 1e-5, missing=REQUIRED)
     rope_base: float = key(K.Rope.FREQ_BASE, 10000.0)
     vocab: int = key(K.LLM.VOCAB_SIZE, read=tensor_rows(name(T.TOKEN_EMBD)))
 
