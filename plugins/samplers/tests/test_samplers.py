@@ -342,5 +342,7 @@ def test_invalid_params_name_the_field(field, value):
 
 
 def test_invalid_gguf_value_names_the_key():
-    with pytest.raises(ValueError, match=r"^top_p must be `float` <= 1.0, got 2.0 \(from the model's general\.sampling\.top_p"):
+    with pytest.raises(
+        ValueError, match=r"^top_p must be `float` <= 1.0, got 2.0 \(from the model's general\.sampling\.top_p"
+    ):
         SamplingParams.resolve({}, {"general.sampling.top_p": 2.0})
