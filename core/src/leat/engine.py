@@ -532,11 +532,11 @@ class Engine:
     def _queue_next(self, rows: list[tuple[_Running, Row]], ids: Any) -> None:
         """Queue the next step before this one's tokens reach the host: a decode row for each request that will
         still be decoding, its token this step's argmax taken on the device. Only when this step is every running
-        request's plain decode row, and no request waits for a free slot (it would have to wait a step more)."""
+        request's plain decode row (none drafts), and no request waits for a free slot (it would wait a step more)."""
         if len(rows) != len(self.running) or (self.waiting and self.free_slots):
             return
-        if any(len(row.tokens) != 1 or row.all_logits or row.start < item.prompt_len for item, row in rows):
-            return
+        if any(len(row.tokens) != 1 or row.start < item.prompt_len or item.speculation for item, row in rows):
+            return  # a prompt chunk, a draft, or a request that may draft: the next step is decided on the host
         following, index = [], []
         for at, (item, row) in enumerate(rows):
             if item.generated + 1 >= item.request.max_tokens:
