@@ -84,7 +84,7 @@ class CPUBackend(Backend):
             raise ValueError(f"cpu backend activations must be f32, or ggml at precision f32, not {self.activations!r}")
         # activations="ggml": id(uploaded weight) -> (the weight, its activation rounding, Q4_1/Q5_1 block minimums)
         self._ggml_products: dict[int, tuple[np.ndarray, Any, np.ndarray | None]] = {}
-        self._last_rotation: tuple[tuple[RopeSpec, bytes], tuple[np.ndarray, np.ndarray]] | None = None
+        self._rotation_kept: tuple[RopeSpec, bytes, np.ndarray, np.ndarray] | None = None  # see _rotation
         self.threads = int(options.get("threads") or os.environ.get("LEAT_THREADS") or len(os.sched_getaffinity(0)))
         if self.threads < 1:
             raise ValueError(f"cpu backend threads must be at least 1, not {self.threads}")
@@ -97,6 +97,7 @@ class CPUBackend(Backend):
             )
         if self.weights == "quantized" and native.unavailable():
             self.weights = "dequantized"  # no C compiler here: today's path, which describe() reports
+        self.native = self.weights == "quantized"  # the C kernels run the ops, not numpy
 
     def describe(self) -> dict[str, Any]:
         described = {"backend": self.name, "precision": self.precision, "threads": self.threads}
@@ -110,7 +111,7 @@ class CPUBackend(Backend):
             raise UnsupportedQuantType(
                 f"tensor {tensor.name} is {tensor.qtype.name}, which the cpu backend cannot dequantize"
             )
-        if self.weights == "quantized" and tensor.qtype in native.KERNEL_TYPES and len(tensor.shape) == 2:
+        if self.native and tensor.qtype in native.KERNEL_TYPES and len(tensor.shape) == 2:
             weight = QuantizedWeight(tensor.qtype, tensor.shape, tensor.data)
             self._count(tensor.qtype, weight.nbytes)
             return weight
@@ -202,7 +203,7 @@ class CPUBackend(Backend):
         return y + bias if bias is not None else y
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
-        if self.weights == "quantized":
+        if self.native:
             return native.rms_norm(x, weight, eps)
         y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
         return y * weight if weight is not None else y
@@ -210,13 +211,9 @@ class CPUBackend(Backend):
     def _rotation(self, positions: np.ndarray, spec: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin [n, 1, dims / 2] of each position's angles; the last ones are kept, since every layer's q and
         k of a step rotate by the same positions."""
-        key = (spec, positions.tobytes())
-        if (
-            self._last_rotation is not None
-            and self._last_rotation[0][0] is spec
-            and self._last_rotation[0][1] == key[1]
-        ):
-            return self._last_rotation[1]
+        kept, key = self._rotation_kept, positions.tobytes()
+        if kept is not None and kept[0] is spec and kept[1] == key:
+            return kept[2], kept[3]
         half = spec.dims // 2
         inv_freq = spec.base ** (-np.arange(half, dtype=np.float64) * 2 / spec.dims)
         if spec.freq_factors is not None:
@@ -224,13 +221,13 @@ class CPUBackend(Backend):
         angles = (positions.astype(np.float64) * spec.scale)[:, None] * inv_freq[None, :]
         cos = np.ascontiguousarray((np.cos(angles) * spec.attn_factor).astype(self.dtype)[:, None, :])
         sin = np.ascontiguousarray((np.sin(angles) * spec.attn_factor).astype(self.dtype)[:, None, :])
-        self._last_rotation = (key, (cos, sin))
+        self._rotation_kept = (spec, key, cos, sin)
         return cos, sin
 
     def rope(self, x: np.ndarray, positions: np.ndarray, spec: RopeSpec) -> np.ndarray:
         half = spec.dims // 2
         cos, sin = self._rotation(positions, spec)
-        if self.weights == "quantized":
+        if self.native:
             return native.rope(x, cos, sin, spec.dims, spec.neox)
         out = x.copy()
         if spec.neox:
@@ -247,7 +244,7 @@ class CPUBackend(Backend):
         return self._attend(q, k, v, kv, layer, batch, scale)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        if self.weights == "quantized":
+        if self.native:
             return native.silu_mul(gate, up)
         with np.errstate(over="ignore"):  # exp overflow for very negative gates gives the right limit, 0
             return gate / (1.0 + np.exp(-gate)) * up
@@ -279,7 +276,7 @@ class CPUBackend(Backend):
     ):
         """Paged, causal, windowed GQA attention; scores soft-capped when ``softcap`` is given, and each
         head's ``sinks`` logit added to its softmax denominator when given."""
-        if self.weights == "quantized" and native.can_attend(kv.k[layer], kv.v[layer]):
+        if self.native and native.can_attend(kv.k[layer], kv.v[layer]):
             return self._attend_native(q, k, v, kv, layer, batch, scale, softcap, sinks)
         keys_all, values_all = kv.k[layer], kv.v[layer]
         window = kv.layouts[layer].window
@@ -316,7 +313,8 @@ class CPUBackend(Backend):
         return out
 
     def _attend_native(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap, sinks):
-        keys_all, values_all = kv.k[layer], kv.v[layer]
+        """:meth:`_attend` in C, for float32 or f16 pages."""
+        keys_all, values_all, window = kv.k[layer], kv.v[layer], kv.layouts[layer].window
         out = np.empty((q.shape[0], q.shape[1] * v.shape[2]), np.float32)
         for row, offset in zip(batch.rows, batch.offsets):
             span = slice(offset, offset + len(row.tokens))
@@ -324,7 +322,6 @@ class CPUBackend(Backend):
             positions = np.arange(row.start, row.start + len(row.tokens))
             where = (table[positions // kv.page_size], positions % kv.page_size)
             keys_all[where], values_all[where] = k[span], v[span]
-            window = kv.layouts[layer].window
             native.attend(
                 q[span], keys_all, values_all, table, row.start, window, scale, softcap, sinks, out[span], self.threads
             )
