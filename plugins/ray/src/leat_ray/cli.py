@@ -65,7 +65,8 @@ def serve_command(config: str, address: str | None, num_cpus: int | None, metric
 
     local = {"num_cpus": num_cpus, "_metrics_export_port": metrics_export_port} if not address else {}
     ray_module.init(address=address, include_dashboard=False, **local)
-    signal.signal(signal.SIGTERM, _interrupt)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a shell's background job starts with it ignored
+        signal.signal(sig, _interrupt)
     http = document.get("http_options") or {}
     serve.start(http_options=http)
     try:
