@@ -11,6 +11,7 @@ import time
 import urllib.request
 
 import anthropic
+import httpx
 import leat
 import openai
 import pytest
@@ -155,6 +156,23 @@ def test_shared_long_prefix_lands_on_one_replica_and_reuses_its_cache(client):
         )
         spread.add(replica_of(raw)[0])
     assert len(spread) == 2
+
+
+def test_a_session_stays_on_its_replica_and_its_turns_reuse_its_kv(client):
+    messages, seen, cached = [], set(), []
+    for turn in ("Hi", "Go on", "And then?", "Why?"):
+        messages.append({"role": "user", "content": turn})
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, max_tokens=4, temperature=0, extra_body={"session": "ray-s1"}
+        )
+        reply = raw.parse()
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        seen.add(replica_of(raw)[0])
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+    assert len(seen) == 1  # short prompts: without the session each would go to the least loaded
+    assert all(n > 0 for n in cached[1:]), cached
+    deleted = httpx.delete(client.base_url.copy_with(path="/v1/sessions/ray-s1"), timeout=30)
+    assert deleted.status_code == 200 and deleted.headers["x-leat-replica"].split()[0] in seen
 
 
 def replica_metrics(cluster, want: int = 2, tries: int = 40) -> dict[str, str]:

@@ -139,7 +139,7 @@ class LeatIngress:
             query_string=request.scope.get("query_string", b""),
             headers=headers,
             body=body,
-            key=routing_key(path, body, owner_of(headers), self.prefix_chars) if request.method == "POST" else None,
+            key=routing_key(path, body, owner_of(headers), self.prefix_chars) if request.method != "GET" else None,
             client=tuple(request.client) if request.client else None,
         )
         chunks = self.replicas.handle.remote(proxied)

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 PREFIX_CHARS = 256  # the characters of a prompt that pick its replica; a shorter prompt goes to the least loaded
+SESSIONS = "/v1/sessions/"
 IMBALANCE = 4  # requests the preferred replica may have beyond the least loaded before the least loaded gets it
 
 
@@ -74,7 +75,10 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
 def routing_key(path: str, body: bytes, owner: str, prefix_chars: int = PREFIX_CHARS) -> str | None:
     """The key that picks a request's replica: its session, or the first ``prefix_chars`` of its prompt's text;
     None when it has neither (not JSON, not a generating route, a short prompt): the least loaded then serves it.
-    ``owner`` is whatever names the caller's API key (''); requests of different keys share no cache."""
+    ``owner`` is whatever names the caller's API key (''); requests of different keys share no cache.
+    ``DELETE /v1/sessions/NAME`` goes where that session's requests go."""
+    if path.startswith(SESSIONS):
+        return f"session\x00{owner}\x00{path[len(SESSIONS) :]}"
     try:
         decoded = msgspec.json.decode(body) if body else None
     except msgspec.DecodeError:
