@@ -279,7 +279,7 @@ class Engine:
         self._overlap = bool(getattr(self.backend, "asynchronous", False))
         # a decode step queued before the last one's tokens reached the host (its tokens fed on the device)
         self._pipeline = options.pipeline and bool(getattr(self.backend, "feeds_tokens", False))
-        self._ahead: tuple[list[tuple[_Running, Row]], Any] | None = None
+        self._ahead: tuple[list[tuple[_Running, Row]], Any, Any] | None = None  # rows, output, device timer
         self.steps_ahead = 0
         self.profile: list[StepProfile] | None = [] if options.profile else None
         self._finished_speculation = {"proposed": 0, "accepted": 0, "verifications": 0}
@@ -520,7 +520,7 @@ class Engine:
         ahead, self._ahead = self._ahead, None
         if ahead is not None and any(not item.ended for item, _ in ahead[0]):
             self.steps_ahead += 1
-            return ahead[0], ahead[1], None
+            return ahead
         rows = self._rows()
         if not rows:
             return rows, None, None
@@ -546,8 +546,10 @@ class Engine:
             index.append(at)
         if following:
             batch = Batch([r for _, r in following])
-            out = self.backend.run(self.model.architecture.forward, batch, self.kv, fed=(ids, np.asarray(index)))
-            self._ahead = (following, out)
+            timer = self.backend.timer() if self.profile is not None else None
+            with timer or contextlib.nullcontext():
+                out = self.backend.run(self.model.architecture.forward, batch, self.kv, fed=(ids, np.asarray(index)))
+            self._ahead = (following, out, timer)
 
     def _post(self, handle: RequestHandle, event: Event) -> None:
         self._outbox.append((handle, event))
