@@ -158,7 +158,7 @@ def test_shared_long_prefix_lands_on_one_replica_and_reuses_its_cache(client):
     assert len(spread) == 2
 
 
-def test_a_session_stays_on_its_replica_and_its_turns_reuse_its_kv(client):
+def test_a_session_stays_on_its_replica_and_its_turns_reuse_its_kv(cluster, client):
     messages, seen, cached = [], set(), []
     for turn in ("Hi", "Go on", "And then?", "Why?"):
         messages.append({"role": "user", "content": turn})
@@ -171,8 +171,10 @@ def test_a_session_stays_on_its_replica_and_its_turns_reuse_its_kv(client):
         cached.append(reply.usage.prompt_tokens_details.cached_tokens)
     assert len(seen) == 1  # short prompts: without the session each would go to the least loaded
     assert all(n > 0 for n in cached[1:]), cached
-    deleted = httpx.delete(client.base_url.copy_with(path="/v1/sessions/ray-s1"), timeout=30)
-    assert deleted.status_code == 200 and deleted.headers["x-leat-replica"].split()[0] in seen
+    headers = {"Authorization": "Bearer unused"}  # the key it was made with: routing is per key
+    deleted = httpx.delete(cluster["url"] + "/v1/sessions/ray-s1", headers=headers, timeout=30)
+    assert deleted.status_code == 200, deleted.text
+    assert deleted.headers["x-leat-replica"].split()[0] in seen
 
 
 def replica_metrics(cluster, want: int = 2, tries: int = 40) -> dict[str, str]:
