@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""The CUDA backend's two prefill paths on one file: the own tensor-core GEMM and cuBLAS, in one process.
+
+    python scripts/prefill_paths.py MODEL.gguf [--tokens 256,384,512,1024,2048] [--steps 64:128,32:224]
+
+For each prompt size, a prompt-only forward (eager, best of three) with every product sent to the own GEMM, then
+to cuBLAS (``CUDABackend.cublas_min_tokens`` moved out of the way or down to one). ``--steps D:C`` also times a
+graph-replayed step of D decode rows beside a C-token prompt chunk (the server's mixed steps), ten replays.
+Needs a GPU and cuBLAS (``leat-backend-cuda[cublas]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from leat.batch import Batch, Row
+from leat.model import architecture_class
+from leat.modelfile import ModelFile
+from leat_backend_cuda import driver
+from leat_backend_cuda.backend import CUDABackend
+
+OWN, CUBLAS = 1 << 30, 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--tokens", default="256,384,512,1024,2048")
+    ap.add_argument("--steps", default="64:128,32:224")
+    args = ap.parse_args()
+    file = ModelFile(args.model)
+    backend = CUDABackend()
+    if backend.cublas is None:
+        raise SystemExit(f"cuBLAS is not available: {backend.describe()['cublas']}")
+    arch = architecture_class(file)(file, backend)
+    sizes = [int(n) for n in args.tokens.split(",")]
+    kv = backend.allocate_kv(arch.kv_layouts(arch.params), 65, max(sizes) + 64, dtype="f16")
+    tokens = np.random.default_rng(0).integers(0, arch.vocab_size, max(sizes))
+    print("| prompt tokens | own GEMM tok/s | cuBLAS tok/s |\n|---|---|---|")
+    for n in sizes:
+        rates = []
+        for threshold in (OWN, CUBLAS):
+            backend.cublas_min_tokens = threshold
+            batch = Batch([Row(64, 0, tokens[:n])])
+            backend.to_host(arch.forward(batch, kv))
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                backend.to_host(arch.forward(batch, kv))
+                best = min(best, time.perf_counter() - start)
+            rates.append(n / best)
+        print(f"| {n} | {rates[0]:,.0f} | {rates[1]:,.0f} |", flush=True)
+    print("\n| graph step | own GEMM ms | cuBLAS ms |\n|---|---|---|")
+    for spec in filter(None, args.steps.split(",")):
+        rows, chunk = (int(x) for x in spec.split(":"))
+        batch = Batch([Row(s, 300, tokens[s : s + 1]) for s in range(rows)] + [Row(64, 0, tokens[:chunk])])
+        times = []
+        for threshold in (OWN, CUBLAS):
+            backend.cublas_min_tokens = threshold
+            backend._captured.clear()  # a graph per path
+            backend.to_host(backend.run(arch.forward, batch, kv))
+            timer = driver.Timer(backend.device)
+            with timer:
+                for _ in range(10):
+                    backend.run(arch.forward, batch, kv)
+            times.append(timer.seconds / 10 * 1e3)
+        print(f"| {rows} decode rows + {chunk}-token chunk | {times[0]:.2f} | {times[1]:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
