@@ -54,6 +54,8 @@ def serve_runs(args: argparse.Namespace, spec: str) -> list[dict]:
     port = args.port
     command = [*shlex.split(args.leat), "serve", args.model, "--port", str(port), "--batch-size", batch]
     command += shlex.split(args.serve_args)
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
     log = f"{args.log_dir}/serve-{batch}.log" if args.log_dir else os.devnull
     with open(log, "w") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
