@@ -10,12 +10,11 @@ import time
 import urllib.request
 
 import httpx
-import leat
 import openai
 import pytest
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
-from leat_server.testing import ServerProcess
+from leat_server.testing import ServerProcess, greedy_text
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
@@ -27,8 +26,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected_text(model_path):
-    model = leat.load(str(model_path), backend="cpu", precision="f32")
-    return "".join(t.text for t in model.generate(PROMPT, max_tokens=24, sampling={"temperature": 0}))
+    return greedy_text(model_path, PROMPT, 24)
 
 
 @pytest.fixture

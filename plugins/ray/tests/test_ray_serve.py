@@ -12,13 +12,12 @@ import urllib.request
 
 import anthropic
 import httpx
-import leat
 import openai
 import pytest
 import yaml
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
-from leat_server.testing import free_port
+from leat_server.testing import free_port, greedy_text
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +32,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(model_path):
-    model = leat.load(str(model_path), backend="cpu", precision="f32")
-    return "".join(t.text for t in model.generate(PROMPT, max_tokens=16, sampling={"temperature": 0}))
+    return greedy_text(model_path, PROMPT, 16)
 
 
 @pytest.fixture(scope="module")

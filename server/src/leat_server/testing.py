@@ -12,6 +12,14 @@ from pathlib import Path
 from typing import Self
 
 
+def greedy_text(model: str | Path, prompt: str | list[int], max_tokens: int) -> str:
+    """What ``model`` answers to ``prompt`` greedily on the CPU in this process: the text a server must equal."""
+    import leat
+
+    loaded = leat.load(str(model), backend="cpu", precision="f32")
+    return "".join(t.text for t in loaded.generate(prompt, max_tokens=max_tokens, sampling={"temperature": 0}))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
