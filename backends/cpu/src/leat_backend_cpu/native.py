@@ -1,11 +1,15 @@
-"""Products with quantized weights kept as GGUF blocks: the C kernels in ``kernels/cpu.c``, compiled on first use.
+"""The C kernels of the CPU backend's quantized path (``kernels/cpu.c``), compiled on first use.
 
-The source is compiled with the system's C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``)
-into ``$LEAT_HOME/cpu`` (default ``~/.cache/leat/cpu``), keyed by the source, the flags, the compiler's version and
-the CPU's feature flags, so a second start compiles nothing. A few activation rows (decode) go through ``gemv``:
-each weight row's blocks are decoded in registers and multiplied in float32. More rows (a prompt) go through
-tiles: a tile of weight rows is decoded to float32 and multiplied by BLAS, so the float32 copy never exceeds a
-tile. :func:`unavailable` says why the kernels cannot be built here (the backend then dequantizes at upload).
+Products with 2-D weights kept as the file's GGUF blocks: a few activation rows (decode) go through ``gemv``, which
+decodes each block in vector registers and multiplies in float32; more rows (a prompt) decode a tile of weight rows
+to float32 and multiply it with BLAS, so the float32 copy never exceeds a tile. Attention over float32 or f16 KV
+pages, rms_norm, silu_mul and rope are one C call each. Work is split over ``threads`` threads (the caller's and a
+pool's; the C file says how).
+
+The source is compiled with the system's C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``) into
+``$LEAT_HOME/cpu`` (default ``~/.cache/leat/cpu``), keyed by the source, the flags, the compiler's version and the
+CPU's feature flags, so a second start compiles nothing. :func:`unavailable` says why the kernels cannot be built
+here (the backend then takes its numpy path).
 """
 
 from __future__ import annotations
@@ -25,21 +29,10 @@ import gguf
 import numpy as np
 
 Q = gguf.GGMLQuantizationType
-KERNEL_TYPES = {
-    Q.Q4_0: "q4_0",
-    Q.Q4_1: "q4_1",
-    Q.Q5_0: "q5_0",
-    Q.Q5_1: "q5_1",
-    Q.Q8_0: "q8_0",
-    Q.MXFP4: "mxfp4",
-    Q.IQ4_NL: "iq4_nl",
-    Q.Q2_K: "q2_k",
-    Q.Q3_K: "q3_k",
-    Q.Q4_K: "q4_k",
-    Q.Q5_K: "q5_k",
-    Q.Q6_K: "q6_k",
-    Q.IQ4_XS: "iq4_xs",
-}
+# the types kernels/cpu.c decodes (its functions are named by the type's lower-case name)
+KERNEL_TYPES = frozenset(
+    {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.MXFP4, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}
+)
 FLAGS = (
     "-O3",
     "-march=native",
@@ -118,7 +111,7 @@ def library() -> ctypes.CDLL:
             os.replace(built, path)  # atomic: another process may be building the same file
     lib = ctypes.CDLL(str(path))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name in KERNEL_TYPES.values():
+    for name in (qtype.name.lower() for qtype in KERNEL_TYPES):
         getattr(lib, f"gemv_{name}").argtypes = [p, i64, i64, p, i64, p, i32]
         getattr(lib, f"dequant_{name}").argtypes = [p, p, i64, i64, p, i32]
     for name in ATTENTION_STORAGE.values():
@@ -148,7 +141,7 @@ def unavailable() -> str | None:
 
 
 def _kernel(kind: str, weight: QuantizedWeight):
-    return getattr(library(), f"{kind}_{KERNEL_TYPES[weight.qtype]}")
+    return getattr(library(), f"{kind}_{weight.qtype.name.lower()}")
 
 
 def matmul(x: np.ndarray, weight: QuantizedWeight, threads: int) -> np.ndarray:
