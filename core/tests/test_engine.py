@@ -7,6 +7,7 @@ import pytest
 from leat.batch import Batch, Row
 from leat.compare import compare
 from leat.engine import Engine, Event, GenerationRequest, Overloaded, TooLong
+from leat.sessions import SessionInUse
 from leat.testing import FailsOnCall, write_tiny_gguf
 from leat_arch_llama.llama import Llama
 
@@ -301,6 +302,28 @@ def test_idle_sessions_make_room_under_memory_pressure(model, tmp_path):
         assert states["c"] is False and sum(states.values()) >= 1
     finally:
         engine.stop()
+
+
+def test_a_session_being_extended_cannot_be_forked_hibernated_or_restored(model, tmp_path):
+    engine = Engine(model, batch_size=1, max_context=128, page_size=8, session_store=tmp_path)
+    engine.create_session("a")
+    assert engine.list_sessions() == [{"name": "a", "tokens": 0, "pages": 0, "hibernated": False}]
+    engine.submit(GenerationRequest(prompts(1, seed=15, lengths=(20,))[0], 8, GREEDY, session="a"))
+    engine._admit()  # as the scheduler does before a step: the request holds the session until it ends
+    for call in (lambda: engine.fork_session("a", "b"), lambda: engine.fork_session("b", "a")):
+        with pytest.raises(SessionInUse):
+            call()
+    for call in (engine.hibernate, engine.restore_session, engine.drop_session):
+        with pytest.raises(SessionInUse):
+            call("a")
+    while engine.running:
+        engine.step()
+    engine.hibernate("a")
+    assert {s["name"]: s["hibernated"] for s in engine.list_sessions()}["a"] is True
+    engine.restore_session("a")
+    assert {s["name"]: s["pages"] > 0 for s in engine.list_sessions()}["a"] is True
+    engine.fork_session("a", "b")
+    assert (tmp_path / "b.npz").exists()  # a fork is kept across restarts as a continued session is
 
 
 def test_bad_session_name_is_refused(model):

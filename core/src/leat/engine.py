@@ -464,6 +464,17 @@ class Engine:
         with self._state:
             self.session_kv.hibernate(name)
 
+    def create_session(self, name: str) -> None:
+        """An empty session ``name`` (kept in memory until a request extends it); one that exists is left as it is."""
+        with self._state:
+            self.sessions.get(name).last_used = time.monotonic()
+
+    def restore_session(self, name: str) -> None:
+        """Read a hibernated session's KV back into pages now, so its next request need not wait for the read."""
+        with self._state:
+            if not self.session_kv.wake(name):
+                raise Overloaded("no KV pages free to restore the session", retry_after=1.0)
+
     def drop_session(self, name: str) -> None:
         with self._state:
             self.session_kv.drop(name)

@@ -31,6 +31,7 @@ import numpy as np
 from leat.engine import Engine, Event, GenerationRequest, Overloaded, RequestHandle, TooLong, deliver
 from leat.errors import LeatError
 from leat.sampling import SamplingParams
+from leat.sessions import SessionInUse
 
 ProcessorSpec = tuple[str, Any]
 
@@ -73,6 +74,8 @@ class Reply(msgspec.Struct, tag=True):
     cid: int
     result: Any = None
     error: str | None = None
+    refused: str | None = None  # with error: "overloaded" (retry after retry_after) or "session_in_use"
+    retry_after: float = 1.0
 
 
 ToEngine = Submit | Cancel | Call
@@ -85,6 +88,8 @@ CALLS: dict[str, Callable[..., Any]] = {
     "drop_session": lambda engine, name: engine.drop_session(name),
     "fork_session": lambda engine, source, target: engine.fork_session(source, target),
     "hibernate": lambda engine, name: engine.hibernate(name),
+    "create_session": lambda engine, name: engine.create_session(name),
+    "restore_session": lambda engine, name: engine.restore_session(name),
     "stale_sessions": lambda engine: engine.stale_sessions(),
 }
 
@@ -189,6 +194,10 @@ class _Frontend:
             try:
                 result = CALLS[message.method](self.host.engine, *message.args)
                 self.send(Reply(message.cid, result))
+            except Overloaded as e:
+                self.send(Reply(message.cid, error=str(e), refused="overloaded", retry_after=e.retry_after))
+            except SessionInUse as e:
+                self.send(Reply(message.cid, error=str(e), refused="session_in_use"))
             except Exception as e:  # noqa: BLE001 - the caller gets the error
                 self.send(
                     Reply(message.cid, error=f"{type(e).__name__}: {e}" if not isinstance(e, LeatError) else str(e))
@@ -325,6 +334,10 @@ class RemoteEngine:
     def call(self, method: str, *args: Any) -> Any:
         cid = -next(self._ids)  # negative: never a request's id
         reply = self._ask(cid, Call(cid, method, list(args)))
+        if reply.refused == "overloaded":
+            raise Overloaded(reply.error or "", retry_after=reply.retry_after)
+        if reply.refused == "session_in_use":
+            raise SessionInUse(reply.error or "")
         if reply.error is not None:
             raise LeatError(reply.error)
         return reply.result
@@ -343,6 +356,12 @@ class RemoteEngine:
 
     def hibernate(self, name: str) -> None:
         self.call("hibernate", name)
+
+    def create_session(self, name: str) -> None:
+        self.call("create_session", name)
+
+    def restore_session(self, name: str) -> None:
+        self.call("restore_session", name)
 
     def stale_sessions(self) -> list[str]:
         return self.call("stale_sessions")

@@ -38,6 +38,10 @@ MAX_NAME = 128
 FORMAT = 2  # of a stored session: 2 = pages per layer group (1 had one page list for every layer)
 
 
+class SessionInUse(LeatError):
+    """A request is extending the session: it cannot be forked from, hibernated, restored or dropped until it ends."""
+
+
 @dataclass
 class StoreLimits:
     max_sessions: int | None = None  # in memory and on disk together
@@ -281,17 +285,25 @@ class SessionKV:
     def fork(self, source: str, target: str) -> bool:
         """``target`` starts as a copy of ``source``, sharing its pages until either writes; False when ``source``
         is hibernated and its pages do not fit."""
-        src, dst = self.store.get(source), self.store.get(target)
+        src, dst = self._idle(source), self._idle(target)
         if src.hibernated and not self.restore(src):
             return False
         self.drop_pages(dst)
         dst.tokens, dst.pages = list(src.tokens), self.budget.share(src.pages)
+        if self.store.directory is not None and dst.tokens:  # kept across restarts, as a continued session is
+            self.store.save(dst, self._read(dst))
         return True
 
     def hibernate(self, name: str) -> None:
         session = self._idle(name)
         if session.pages:
             self.release(session, to_disk=True)
+
+    def wake(self, name: str) -> bool:
+        """Read a hibernated session back into pages now rather than at its next request; False when they do not
+        fit."""
+        session = self._idle(name)
+        return not session.hibernated or self.restore(session)
 
     def drop(self, name: str) -> None:
         session = self._idle(name)
@@ -301,7 +313,7 @@ class SessionKV:
     def _idle(self, name: str) -> Session:
         session = self.store.get(name)
         if session.busy:
-            raise LeatError(f"session {name} is in use")
+            raise SessionInUse(f"session {name} is in use")
         return session
 
     def listing(self) -> list[dict[str, Any]]:

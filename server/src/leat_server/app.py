@@ -21,6 +21,7 @@ from leat.errors import LeatError
 from leat.plugins import PluginHost
 from leat.plugins import host as plugin_host
 from leat.sampling import fields as sampling_fields
+from leat.sessions import SessionInUse
 from litestar import Litestar, Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.exceptions import HTTPException
@@ -38,6 +39,7 @@ from leat_server.schemas import (
     DetokenizeRequest,
     MessagesRequest,
     ResponsesRequest,
+    SessionRequest,
     TokenizeRequest,
     with_sampling_fields,
 )
@@ -60,6 +62,7 @@ BODIES = {
     "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/sessions": SessionRequest,
 }
 SAMPLING_PATHS = ("/v1/chat/completions", "/v1/completions")  # bodies that take every sampler stage's fields
 
@@ -116,6 +119,8 @@ def as_api_error(exc: Exception) -> APIError:
     if isinstance(exc, Overloaded):
         seconds = max(1, math.ceil(exc.retry_after))
         return APIError(429, str(exc), code="overloaded", headers={"Retry-After": str(seconds)})
+    if isinstance(exc, SessionInUse):
+        return APIError(409, f"{exc}; try again once its request has finished", code="session_in_use")
     if isinstance(exc, TooLong):
         message = str(exc) if str(exc.limit) in str(exc) else f"{exc} (the limit is {exc.limit} tokens)"
         return APIError(400, message, code="context_length_exceeded")
@@ -348,6 +353,28 @@ def create_app(
         await workers.run(service.drop_session, _owner(request), name)
         return _json({"id": name, "object": "session", "deleted": True})
 
+    @post("/v1/sessions", status_code=201)
+    async def create_session(request: Request) -> Response:
+        _, card = await prepare(request, SessionRequest, lambda s, body, owner: s.create_session(owner, body.id))
+        return _json(card, 201)
+
+    @get("/v1/sessions/{name:str}")
+    async def get_session(request: Request, name: FromPath[str]) -> Response:
+        return _json(await workers.run(service.session, _owner(request), name))
+
+    @post("/v1/sessions/{name:str}/fork", status_code=201)
+    async def fork_session(request: Request, name: FromPath[str]) -> Response:
+        _, card = await prepare(request, SessionRequest, lambda s, body, owner: s.fork_session(owner, name, body.id))
+        return _json(card, 201)
+
+    @post("/v1/sessions/{name:str}/hibernate", status_code=200)
+    async def hibernate_session(request: Request, name: FromPath[str]) -> Response:
+        return _json(await workers.run(service.hibernate_session, _owner(request), name))
+
+    @post("/v1/sessions/{name:str}/restore", status_code=200)
+    async def restore_session(request: Request, name: FromPath[str]) -> Response:
+        return _json(await workers.run(service.restore_session, _owner(request), name))
+
     @get("/openapi.json", sync_to_thread=False)
     def openapi(request: Request) -> Response:
         return _json(request.app.openapi_schema.to_schema())
@@ -389,6 +416,11 @@ def create_app(
             detokenize,
             list_sessions,
             delete_session,
+            create_session,
+            get_session,
+            fork_session,
+            hibernate_session,
+            restore_session,
             openapi,
         ],
         exception_handlers={Exception: _error_response},

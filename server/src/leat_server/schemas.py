@@ -195,6 +195,12 @@ class DetokenizeRequest(Body):
     model: str = ""
 
 
+class SessionRequest(Body):
+    """``POST /v1/sessions`` (a new empty session) and ``POST /v1/sessions/{name}/fork`` (the fork's name)."""
+
+    id: str
+
+
 # --- Anthropic messages --------------------------------------------------------------------------------------
 
 

@@ -220,14 +220,44 @@ class Service:
                 )
         return out
 
-    def drop_session(self, owner: str | None, name: str) -> None:
+    def session(self, owner: str | None, name: str) -> dict[str, Any]:
+        """``owner``'s session ``name``: 404 when it has none of that name (another key's is not its own)."""
+        self.session_name(owner, name)
+        for card in self.sessions(owner):
+            if card["id"] == name:
+                return card
+        raise APIError(404, f"no session named {name!r}", param="name", code="session_not_found")
+
+    def create_session(self, owner: str | None, name: str) -> dict[str, Any]:
+        self.engine.create_session(self._unused_name(owner, name))
+        return self.session(owner, name)
+
+    def fork_session(self, owner: str | None, name: str, target: str) -> dict[str, Any]:
+        """``target``, a copy of ``name`` sharing its KV until either is extended."""
+        self.session(owner, name)
+        self.engine.fork_session(self.session_name(owner, name), self._unused_name(owner, target))
+        return self.session(owner, target)
+
+    def _unused_name(self, owner: str | None, name: str) -> str:
+        """The engine's name for a new session ``name`` of ``owner``: 409 when ``owner`` has one of that name."""
         engine_name = self.session_name(owner, name)
-        if all(entry["name"] != engine_name for entry in self.engine.list_sessions()):
-            raise APIError(404, f"no session named {name!r}", param="name", code="session_not_found")
-        try:
-            self.engine.drop_session(engine_name)
-        except LeatError as e:
-            raise APIError(409, f"{e}; delete it once its request has finished", code="session_in_use") from None
+        if any(card["id"] == name for card in self.sessions(owner)):
+            raise APIError(409, f"a session named {name!r} exists; delete it first", param="id", code="session_exists")
+        return engine_name
+
+    def hibernate_session(self, owner: str | None, name: str) -> dict[str, Any]:
+        self.session(owner, name)
+        self.engine.hibernate(self.session_name(owner, name))
+        return self.session(owner, name)
+
+    def restore_session(self, owner: str | None, name: str) -> dict[str, Any]:
+        self.session(owner, name)
+        self.engine.restore_session(self.session_name(owner, name))
+        return self.session(owner, name)
+
+    def drop_session(self, owner: str | None, name: str) -> None:
+        self.session(owner, name)
+        self.engine.drop_session(self.session_name(owner, name))
 
     def sweep_sessions(self) -> None:
         """Drop the sessions past the store's idle time or count (see :class:`leat.sessions.StoreLimits`)."""
