@@ -44,6 +44,8 @@ def test_a_session_is_its_key_whatever_its_prompt_and_keys_are_per_api_key():
     two = routing_key("/v1/chat/completions", chat({"role": "user", "content": SYSTEM}, session="s1"), "o")
     assert one == two and one != routing_key("/v1/chat/completions", chat(session="s1"), "p")
     assert routing_key("/v1/sessions/s1", b"", "o") == one  # deleting it goes where it lives
+    assert routing_key("/v1/sessions/s1/hibernate", b"", "o") == one  # and so do its other routes
+    assert routing_key("/v1/sessions", json.dumps({"id": "s1"}).encode(), "o") == one  # as does creating it
     alice = owner_of([(b"authorization", b"Bearer alice")])
     assert alice == owner_of([(b"Authorization", b"Bearer alice")]) != owner_of([(b"x-api-key", b"bob")])
     assert owner_of([]) == "" and "alice" not in alice

@@ -76,16 +76,18 @@ def routing_key(path: str, body: bytes, owner: str, prefix_chars: int = PREFIX_C
     """The key that picks a request's replica: its session, or the first ``prefix_chars`` of its prompt's text;
     None when it has neither (not JSON, not a generating route, a short prompt): the least loaded then serves it.
     ``owner`` is whatever names the caller's API key (''); requests of different keys share no cache.
-    ``DELETE /v1/sessions/NAME`` goes where that session's requests go."""
+    ``/v1/sessions/NAME`` and its sub-routes (fork, hibernate, restore) go where that session's requests go, and
+    ``POST /v1/sessions`` where the new session's will (a fork lives beside its source: its own requests are routed
+    by its own name, so they may reach another replica)."""
     if path.startswith(SESSIONS):
-        return f"session\x00{owner}\x00{path[len(SESSIONS) :]}"
+        return f"session\x00{owner}\x00{path[len(SESSIONS) :].split('/')[0]}"
     try:
         decoded = msgspec.json.decode(body) if body else None
     except msgspec.DecodeError:
         return None  # the replica answers its 400
     if not isinstance(decoded, dict):
         return None
-    session = decoded.get("session")
+    session = decoded.get("id") if path == SESSIONS.rstrip("/") else decoded.get("session")
     if isinstance(session, str) and session:
         return f"session\x00{owner}\x00{session}"
     text = prompt_text(path, decoded)
