@@ -107,6 +107,8 @@ def test_the_manifest_and_the_gpu_config_deploy_the_same_application():
         (lambda a: a["args"].pop("model"), "need 'model'"),
         (lambda a: a["deployments"][0].update(name="Replica"), "has no deployment 'Replica'"),
         (lambda a: a["deployments"][0].update(num_replicas="two"), "not a valid Ray Serve config"),
+        (lambda a: a["args"].update(port=8001), "must be where Serve listens"),
+        (lambda a: a["args"].update(host="0.0.0.0"), "refusing to serve on 0.0.0.0 without API keys"),
     ],
 )
 def test_a_bad_config_is_refused_with_what_is_wrong(change, complaint):

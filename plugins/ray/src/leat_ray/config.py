@@ -10,10 +10,12 @@ from typing import Any
 
 import msgspec
 from leat.errors import LeatError
-from leat_server import ServeOptions
+from leat_server import ServeOptions, check_bind
+from leat_server.security import is_loopback
 
 from leat_ray.routing import IMBALANCE, PREFIX_CHARS
 
+SERVE_PORT = 8000  # Ray Serve's, the default of args.port
 LOADING = {"threads", "speculate", "plugins"}  # how each replica loads the model, beside ServeOptions' fields
 ROUTING = {"prefix_chars", "imbalance"}
 NOT_HERE = {"api_workers": "Ray Serve runs the processes: set num_replicas (or autoscaling_config) instead"}
@@ -56,7 +58,7 @@ def parse_args(args: dict[str, Any] | None) -> AppArgs:
             raise LeatError(
                 f"args.{name} is not a leat option; the options are: {', '.join(sorted(known | LOADING | ROUTING))}"
             )
-    serve = {k: v for k, v in args.items() if k in known}
+    serve = {"port": SERVE_PORT} | {k: v for k, v in args.items() if k in known}
     try:
         options = msgspec.convert(serve, ServeOptions)
         loading = msgspec.convert({k: v for k, v in args.items() if k in LOADING}, Loading)
@@ -65,6 +67,7 @@ def parse_args(args: dict[str, Any] | None) -> AppArgs:
         raise LeatError(f"bad application args: {e}".replace("`$.", "`args.")) from None
     if routing.prefix_chars < 1 or routing.imbalance < 0:
         raise LeatError("args.prefix_chars must be >= 1 and args.imbalance >= 0")
+    check_bind(options.host, options.api_key_file)  # each replica reads the file; here: that there is one
     if "kv" not in args:
         from leat.cli_options import default_kv
 
@@ -96,12 +99,14 @@ def check_config(document: Any, where: str = "the config") -> dict[str, Any]:
         ServeDeploySchema.model_validate(document)
     except ValidationError as e:
         raise LeatError(f"{where} is not a valid Ray Serve config: {_first_error(e)}") from None
+    http = document.get("http_options") or {}
     for i, application in enumerate(document.get("applications") or []):
         if str(application.get("import_path", "")).startswith("leat_ray"):
             try:
-                parse_args(application.get("args"))
+                parsed = parse_args(application.get("args"))
             except LeatError as e:
                 raise LeatError(f"{where}: applications[{i}] ({application.get('name', 'default')}): {e}") from None
+            _check_address(parsed.serve, http, f"{where}: applications[{i}]")
             for deployment in application.get("deployments") or []:
                 if deployment.get("name") not in DEPLOYMENTS:
                     raise LeatError(
@@ -109,6 +114,17 @@ def check_config(document: Any, where: str = "the config") -> dict[str, Any]:
                         f"a leat application's deployments are {', '.join(DEPLOYMENTS)}"
                     )
     return document
+
+
+def _check_address(serve: ServeOptions, http: dict[str, Any], where: str) -> None:
+    """leat serve's Host and Origin checks in each replica use ``args.host`` and ``args.port``: they must be where
+    Serve's proxy listens, or requests that name this machine are refused (403)."""
+    host, port = http.get("host", "127.0.0.1"), http.get("port", SERVE_PORT)
+    if serve.port != port or not (serve.host == host or is_loopback(serve.host) and is_loopback(host)):
+        raise LeatError(
+            f"{where}: args.host and args.port ({serve.host}:{serve.port}) must be where Serve listens "
+            f"(http_options: {host}:{port}): leat serve's Host and Origin checks use them"
+        )
 
 
 def _first_error(error: Any) -> str:

@@ -90,7 +90,7 @@ class LeatReplica:
                         yield message["body"]
                     if not message.get("more_body"):
                         break
-            if task.done() and task.exception() is not None:
+            if task.done() and not task.cancelled() and task.exception() is not None:
                 raise task.exception()
         finally:
             gone.set()  # however it ended: the app's clean-up (and a cancelled request's) runs now
@@ -149,6 +149,9 @@ class LeatIngress:
             return _error(path, 502, "the replica ended the request without an answer")
         except (RayActorError, ActorUnavailableError) as e:
             return _error(path, 503, _replica_lost(e))
+        except Exception:  # the replica's own failure, not the app's answer (that is a response): logged here
+            log.exception("a replica failed on %s", path)
+            return _error(path, 500, "the replica failed on this request; see the Serve logs")
         stream = dict(start.headers).get(b"content-type", b"").startswith(b"text/event-stream")
         return StreamingResponse(
             _relay(chunks, path, stream), status_code=start.status, headers=_headers(start.headers)
