@@ -96,6 +96,9 @@ def library() -> ctypes.CDLL:
     if compiler is None:
         raise OSError(f"no C compiler ({os.environ.get('CC', 'cc')}) to build the quantized kernels")
     source = resources.files("leat_backend_cpu").joinpath("kernels", "cpu.c").read_text()
+    for qtype in sorted(KERNEL_TYPES):
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        source += f"KERNELS({qtype.name.lower()}, {block}, {size})\n"
     version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([source, *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:24]
     path = cache_dir() / f"cpu-{key}.so"

@@ -331,19 +331,6 @@ typedef struct {
         run(threads, count, dequant_rows_##NAME, &j_);                                                              \
     }
 
-KERNELS(q4_0, 32, 18)
-KERNELS(q4_1, 32, 20)
-KERNELS(q5_0, 32, 22)
-KERNELS(q5_1, 32, 24)
-KERNELS(q8_0, 32, 34)
-KERNELS(mxfp4, 32, 17)
-KERNELS(iq4_nl, 32, 18)
-KERNELS(q2_k, 256, 84)
-KERNELS(q3_k, 256, 110)
-KERNELS(q4_k, 256, 144)
-KERNELS(q5_k, 256, 176)
-KERNELS(q6_k, 256, 210)
-KERNELS(iq4_xs, 256, 136)
 
 /* -- attention ---------------------------------------------------------------------------------------------------
  * One sequence's queries q [queries][heads][dim] at positions start.. against its cached keys and values, stored
@@ -476,3 +463,6 @@ void rope(const float *x, const float *cos, const float *sin, float *out, int64_
             for (int64_t i = dims; i < head_dim; i++) o[i] = xh[i];
         }
 }
+
+/* The KERNELS(name, values per block, bytes per block) lines for each type are appended by native.py, from gguf-py's
+ * GGML_QUANT_SIZES. */
