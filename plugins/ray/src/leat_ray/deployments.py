@@ -113,11 +113,12 @@ class LeatReplica:
         await asyncio.wait_for(self._ready.wait(), LIFESPAN_TIMEOUT)
 
     def check_health(self) -> None:
+        """Serve's health check (every ``health_check_period_s``): the engine answers, and leat's figures are
+        copied into Ray's metrics."""
         self.engine.stats()  # raises if the engine cannot answer
+        self.metrics.mirror()
 
     def __del__(self) -> None:
-        if hasattr(self, "metrics"):
-            self.metrics.stop()
         if hasattr(self, "engine"):
             self.engine.stop()
 

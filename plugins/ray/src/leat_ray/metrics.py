@@ -5,25 +5,16 @@ replica and application tags Serve adds; a counter's sample (``..._total``) carr
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
-
-PERIOD = 5.0  # seconds between two copies; Ray's own export interval is of the same order
-
-log = logging.getLogger("leat_ray")
 
 
 class MetricsMirror:
-    """Copies ``registry``'s samples into Ray gauges every :data:`PERIOD` seconds, on a thread of its own."""
+    """Copies ``registry``'s samples into Ray gauges when :meth:`mirror` is called (each health check of the
+    replica: every ``health_check_period_s``)."""
 
-    def __init__(self, registry: Any, period: float = PERIOD, start: bool = True):
+    def __init__(self, registry: Any):
         self.registry = registry
-        self.period = period
         self.gauges: dict[tuple[str, tuple[str, ...]], Any] = {}
-        self.stopped = threading.Event()
-        if start:
-            threading.Thread(target=self._loop, name="leat-ray-metrics", daemon=True).start()
 
     def samples(self) -> list[tuple[str, str, dict[str, str], float]]:
         """(name, help, labels, value) of every sample in the registry now."""
@@ -43,13 +34,3 @@ class MetricsMirror:
             if gauge is None:
                 gauge = self.gauges[(name, tags)] = Gauge(name, description=help_text or name, tag_keys=tags)
             gauge.set(value, tags=labels or None)
-
-    def _loop(self) -> None:
-        while not self.stopped.wait(self.period):
-            try:
-                self.mirror()
-            except Exception:  # logged; the next period tries again
-                log.exception("copying leat's metrics into Ray's failed")
-
-    def stop(self) -> None:
-        self.stopped.set()
