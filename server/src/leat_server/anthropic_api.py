@@ -11,6 +11,7 @@ from msgspec import Struct
 from leat_server import constrained
 from leat_server.errors import bad_request, unsupported
 from leat_server.openai_api import plan_tools, sse, template_tools, tool_constraint
+from leat_server.reasoning import Reasoning
 from leat_server.schemas import (
     AMessage,
     ARedactedThinking,
@@ -120,8 +121,10 @@ def _choice(choice: AToolChoice | None) -> str | dict[str, Any] | None:
     return {"any": "required"}.get(choice.type, choice.type)
 
 
-def _template_extra(thinking: AThinkingConfig | None) -> dict[str, Any]:
-    return {} if thinking is None else {"enable_thinking": thinking.type != "disabled"}
+def _reasoning(thinking: AThinkingConfig | None) -> Reasoning:
+    if thinking is None:
+        return Reasoning()
+    return Reasoning(enabled=thinking.type != "disabled", budget=thinking.budget_tokens)
 
 
 def messages_job(service: Service, body: MessagesRequest, owner: str | None) -> Job:
@@ -130,7 +133,8 @@ def messages_job(service: Service, body: MessagesRequest, owner: str | None) -> 
     tools = _tools(body.tools)
     rendered_tools, mode, forced = plan_tools(service, tools, _choice(body.tool_choice))
     messages = template_messages(body.system, body.messages)
-    text, ids = service.render_chat(messages, rendered_tools, _template_extra(body.thinking))
+    reasoning = _reasoning(body.thinking)
+    text, ids = service.render_chat(messages, rendered_tools, reasoning.template_vars())
     stops = [s for s in body.stop_sequences or [] if s]
     return Job(
         endpoint="messages",
@@ -138,7 +142,8 @@ def messages_job(service: Service, body: MessagesRequest, owner: str | None) -> 
         max_tokens=body.max_tokens,
         sampling=service.sampling({"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}),
         stop=stops,
-        processors=tool_constraint(service, tools, forced) if forced else _format(service, body),
+        processors=(tool_constraint(service, tools, forced) if forced else _format(service, body))
+        + reasoning.processors(service, text, "thinking"),
         parser=service.output_parser(mode == "auto", text),
         forced_calls=forced,
         skip_special=service.skip_special(mode == "auto"),
@@ -162,7 +167,7 @@ def count_tokens(service: Service, body: CountTokensRequest) -> int:
     tools = _tools(body.tools)
     rendered_tools = template_tools(tools) if tools and _choice(body.tool_choice) != "none" else None
     _, ids = service.render_chat(
-        template_messages(body.system, body.messages), rendered_tools, _template_extra(body.thinking)
+        template_messages(body.system, body.messages), rendered_tools, _reasoning(body.thinking).template_vars()
     )
     return len(ids)
 

@@ -8,9 +8,11 @@ from typing import Any
 
 from leat_server import constrained
 from leat_server.errors import APIError, bad_request, unsupported
+from leat_server.reasoning import Reasoning
 from leat_server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
+    ChatReasoning,
     CompletionRequest,
     ImageURLPart,
     JSONObjectFormat,
@@ -215,9 +217,13 @@ def chat_job(service: Service, body: ChatCompletionRequest, owner: str | None) -
     ):
         raise bad_request("response_format cannot be combined with a forced tool_choice", "response_format")
     template_tools_, mode, forced = plan_tools(service, tools, choice)
-    extra = dict(body.chat_template_kwargs or {})
+    asked = body.reasoning or ChatReasoning()
+    if body.reasoning_effort is not None and asked.effort is not None and body.reasoning_effort != asked.effort:
+        raise bad_request("reasoning_effort and reasoning.effort differ; send one", "reasoning_effort")
+    reasoning = Reasoning.of_effort(body.reasoning_effort or asked.effort, asked.max_tokens, asked.enabled)
+    extra = reasoning.template_vars() | dict(body.chat_template_kwargs or {})
     text, ids = service.render_chat(template_messages(body.messages), template_tools_, extra)
-    processors = service.logit_bias(body.logit_bias)
+    processors = service.logit_bias(body.logit_bias) + reasoning.processors(service, text, "reasoning")
     if forced:
         processors += tool_constraint(service, tools, forced)
     else:

@@ -15,6 +15,7 @@ import msgspec
 
 from leat_server.errors import bad_request, from_msgspec, unsupported
 from leat_server.openai_api import format_constraint, plan_tools, sse, tool_constraint
+from leat_server.reasoning import Reasoning
 from leat_server.schemas import (
     ResponsesRequest,
     RFunctionCall,
@@ -136,16 +137,15 @@ def responses_job(service: Service, body: ResponsesRequest, owner: str | None) -
     if isinstance(choice, RNamedChoice):
         choice = {"name": choice.name}
     rendered_tools, mode, forced = plan_tools(service, tools, choice)
-    extra = {}
-    if body.reasoning is not None and body.reasoning.effort is not None:
-        extra["enable_thinking"] = body.reasoning.effort not in ("none", "minimal")
-        extra["reasoning_effort"] = body.reasoning.effort
-    text, ids = service.render_chat(template_messages(body.instructions, body.input), rendered_tools, extra)
+    reasoning = Reasoning.of_effort(body.reasoning.effort if body.reasoning else None)
+    messages = template_messages(body.instructions, body.input)
+    text, ids = service.render_chat(messages, rendered_tools, reasoning.template_vars())
     fmt = body.text.format if body.text else None
     if forced:
         processors = tool_constraint(service, tools, forced)
     else:
         processors = format_constraint(service, fmt, "text.format")
+    processors += reasoning.processors(service, text, "reasoning")
     job = Job(
         endpoint="responses",
         prompt_ids=ids,

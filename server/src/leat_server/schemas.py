@@ -18,6 +18,8 @@ Penalty = Annotated[float, Meta(ge=-2, le=2)]
 Positive = Annotated[int, Meta(ge=1)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 Seed = Annotated[int, Meta(ge=0)]
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+TokenBudget = Annotated[int, Meta(ge=0)]
 
 
 class Body(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -142,6 +144,14 @@ class Sampling(Body):
     safety_identifier: str | None = None
 
 
+class ChatReasoning(Body):
+    """``reasoning`` (OpenRouter's and vLLM's shape): thinking on or off, its effort, and a cap on its tokens."""
+
+    effort: Effort | None = None
+    max_tokens: TokenBudget | None = None
+    enabled: bool | None = None
+
+
 class ChatCompletionRequest(Sampling):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] = msgspec.field(default_factory=list)
     model: str = ""
@@ -155,7 +165,8 @@ class ChatCompletionRequest(Sampling):
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: Effort | None = None
+    reasoning: ChatReasoning | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
@@ -270,7 +281,7 @@ class AToolChoice(Body):
 
 class AThinkingConfig(Body):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = None
+    budget_tokens: TokenBudget | None = None
     display: str | None = None
 
 
@@ -408,7 +419,7 @@ class RText(Body):
 
 
 class RReasoningConfig(Body):
-    effort: str | None = None
+    effort: Effort | None = None
     summary: str | None = None
     generate_summary: str | None = None
 
