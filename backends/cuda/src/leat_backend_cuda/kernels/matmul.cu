@@ -234,6 +234,24 @@ __global__ void __launch_bounds__(128) gemv_q(
     }
 }
 
+// One unit of a block decoded to f16 at its places in `dst` (the block's first value), 16-byte stores:
+// the GEMM's shared-memory tile and dequantize_f16's rows alike.
+template <class T>
+__device__ __forceinline__ void decode_f16(const typename T::Raw& raw, int unit, u16* dst) {
+    float v[T::UV];
+    T::template decode<false>(raw, unit, v);
+#pragma unroll
+    for (int run = 0; run < T::NR; ++run) {
+        const int off = T::run_offset(unit, run);
+#pragma unroll
+        for (int i = 0; i < T::RL; i += 8) {
+            const float* s = v + run * T::RL + i;
+            *(uint4*)(dst + off + i) = make_uint4(pack_f16x2(s[0], s[1]), pack_f16x2(s[2], s[3]),
+                                                  pack_f16x2(s[4], s[5]), pack_f16x2(s[6], s[7]));
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tensor-core GEMM for many tokens: Y = X W^T (+ bias), X given as f16 rows scaled by powers of
 // two (x_to_f16 in ops.cu; `xscale` undoes the scaling). Each block computes 128 weight rows x 64
@@ -284,19 +302,7 @@ __global__ void __launch_bounds__(256, 2) gemm(const u8* __restrict__ w, i64 nb,
     };
     auto stage_unit = [&](int idx, const typename T::Raw& rw) {
         const int r = idx / UPR, b = (idx % UPR) / T::UNITS, unit = idx % T::UNITS;
-        float v[T::UV];
-        T::template decode<false>(rw, unit, v);
-        u16* dst = ws + r * LD + b * T::BLOCK;
-#pragma unroll
-        for (int run = 0; run < T::NR; ++run) {
-            const int off = T::run_offset(unit, run);
-#pragma unroll
-            for (int i = 0; i < T::RL; i += 8) {
-                const float* s = v + run * T::RL + i;
-                *(uint4*)(dst + off + i) = make_uint4(pack_f16x2(s[0], s[1]), pack_f16x2(s[2], s[3]),
-                                                      pack_f16x2(s[4], s[5]), pack_f16x2(s[6], s[7]));
-            }
-        }
+        decode_f16<T>(rw, unit, ws + r * LD + b * T::BLOCK);
     };
     if (PREFETCH && kbegin < kend) fetch(kbegin);
     for (int k0 = kbegin; k0 < kend; k0 += KT) {
@@ -383,19 +389,7 @@ __global__ void dequantize_f16(const u8* __restrict__ w, i64 nb, u16* __restrict
     if (gid >= count * T::UNITS) return;
     const i64 blk = gid / T::UNITS;
     const int unit = gid % T::UNITS;
-    float v[T::UV];
-    T::template decode<false>(T::load(w, nb, first + blk, unit), unit, v);
-    u16* dst = out + blk * T::BLOCK;
-#pragma unroll
-    for (int run = 0; run < T::NR; ++run) {
-        const int off = T::run_offset(unit, run);
-#pragma unroll
-        for (int i = 0; i < T::RL; i += 8) {
-            const float* s = v + run * T::RL + i;
-            *(uint4*)(dst + off + i) = make_uint4(pack_f16x2(s[0], s[1]), pack_f16x2(s[2], s[3]),
-                                                  pack_f16x2(s[4], s[5]), pack_f16x2(s[6], s[7]));
-        }
-    }
+    decode_f16<T>(T::load(w, nb, first + blk, unit), unit, out + blk * T::BLOCK);
 }
 
 // Rows `tokens` of an embedding table [vocab, cols]: out [n, cols]; grid (units of a row / 128, n).
