@@ -182,6 +182,12 @@ class Architecture:
         """Run the batch, writing its K/V into ``kv``; return logits [len(batch.logit_index), vocab]."""
         raise NotImplementedError
 
+    def hidden(self, batch: Batch, kv: Any) -> Any:
+        """Optional, for embeddings: run the batch as :meth:`forward` does, but return the final-normed hidden states
+        [len(batch.logit_index), width] that ``forward`` would multiply by the output matrix. A family that has it
+        serves ``/v1/embeddings`` (:meth:`leat.model.Model.embed`); without it, embeddings are refused."""
+        raise NotImplementedError
+
     # -- test models ---------------------------------------------------------------------------------
     @classmethod
     def tiny(cls, **overrides: Any) -> Any:

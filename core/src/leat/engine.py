@@ -280,6 +280,7 @@ class Engine:
         # a decode step queued before the last one's tokens reached the host (its tokens fed on the device)
         self._pipeline = options.pipeline and bool(getattr(self.backend, "feeds_tokens", False))
         self._ahead: tuple[list[tuple[_Running, Row]], Any, Any] | None = None  # rows, output, device timer
+        self._embedding = 0  # embed calls waiting for the step queued ahead: none is queued meanwhile
         self.steps_ahead = 0
         self.profile: list[StepProfile] | None = [] if options.profile else None
         self._finished_speculation = {"proposed": 0, "accepted": 0, "verifications": 0}
@@ -488,6 +489,25 @@ class Engine:
         with self._state:
             return self.session_kv.listing()
 
+    # -- embeddings (callable from any thread) -------------------------------------------------------
+    def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Each prompt's embedding (:meth:`leat.model.Model.embed`, a KV of its own), run between the scheduler's
+        steps: none is queued ahead meanwhile, so no device step is in flight while these run."""
+        for ids in prompts:
+            if len(ids) > self.max_context:
+                raise TooLong(f"an input of {len(ids)} tokens is over the context", limit=self.max_context)
+        with self._wake:
+            self._embedding += 1
+        try:
+            while True:
+                with self._state:
+                    if self._ahead is None:
+                        return [self.model.embed(ids).tolist() for ids in prompts]
+                time.sleep(0.001)  # the scheduler's next step takes the step queued ahead
+        finally:
+            with self._wake:
+                self._embedding -= 1
+
     def step(self) -> None:
         """One forward pass: every decoding request's next token plus prefill chunks of up to ``prefill_budget``
         prompt tokens in all (each prompt's chunk at most ``prefill_chunk``). The first prompt in line takes its
@@ -544,7 +564,7 @@ class Engine:
         """Queue the next step before this one's tokens reach the host: a decode row for each request that will
         still be decoding, its token this step's argmax taken on the device. Only when this step is every running
         request's plain decode row (none drafts), and no request waits for a free slot (it would wait a step more)."""
-        if len(rows) != len(self.running) or (self.waiting and self.free_slots):
+        if len(rows) != len(self.running) or (self.waiting and self.free_slots) or self._embedding:
             return
         if any(len(row.tokens) != 1 or row.start < item.prompt_len or item.speculation for item, row in rows):
             return  # a prompt chunk, a draft, or a request that may draft: the next step is decided on the host

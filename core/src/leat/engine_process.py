@@ -5,7 +5,7 @@ HTTP, templates, tokenizing and text. They talk over a local socket (``multiproc
 authentication key) in msgspec-encoded messages:
 
 * frontend -> engine: :class:`Submit` (token ids, sampling parameters, processor specs), :class:`Cancel`, and
-  :class:`Call` (stats, sessions).
+  :class:`Call` (stats, sessions, embeddings).
 * engine -> frontend: :class:`Accepted` (or why not: overloaded, too long, invalid), :class:`Outputs` (every
   event of one step for this frontend's requests: one message per step per frontend, never one per token), and
   :class:`Reply`.
@@ -90,6 +90,7 @@ CALLS: dict[str, Callable[..., Any]] = {
     "hibernate": lambda engine, name: engine.hibernate(name),
     "create_session": lambda engine, name: engine.create_session(name),
     "restore_session": lambda engine, name: engine.restore_session(name),
+    "embed": lambda engine, prompts: engine.embed(prompts),
     "stale_sessions": lambda engine: engine.stale_sessions(),
 }
 
@@ -362,6 +363,9 @@ class RemoteEngine:
 
     def restore_session(self, name: str) -> None:
         self.call("restore_session", name)
+
+    def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        return self.call("embed", prompts)
 
     def stale_sessions(self) -> list[str]:
         return self.call("stale_sessions")

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import gguf
 import numpy as np
 
 from leat import plugins
@@ -145,6 +146,40 @@ class Model:
             out.append(self.backend.to_host(self.backend.run(self.architecture.forward, batch, kv)))
         logits = np.concatenate(out)
         return logits if native else logits.astype(np.float32)
+
+    def hidden(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The final-normed hidden state at every position of a fresh sequence: [len(token_ids), width], float64
+        (:meth:`Architecture.hidden`; a LeatError for a family without it)."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        self._check_tokens(ids)
+        if type(self.architecture).hidden is Architecture.hidden:
+            raise LeatError(f"the {self.file.architecture} architecture plugin gives no hidden states: no embeddings")
+        kv = self.new_kv(len(ids))
+        out = []
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            batch = Batch([Row(0, start, ids[start : start + PREFILL_CHUNK], all_logits=True)])
+            out.append(self.backend.to_host(self.backend.run(self.architecture.hidden, batch, kv)))
+        return np.concatenate(out).astype(np.float64)
+
+    @property
+    def pooling(self) -> str:
+        """How :meth:`embed` pools positions: the GGUF's ``pooling_type`` (mean, cls or last), mean when it has none;
+        a LeatError for none and rank, which give no single vector."""
+        stated = self.file.get(gguf.Keys.LLM.POOLING_TYPE, None)
+        try:
+            kind = gguf.PoolingType(int(stated)) if stated is not None else gguf.PoolingType.MEAN
+        except ValueError:
+            raise LeatError(f"this model's pooling type {stated} is none that GGUF defines") from None
+        if kind not in (gguf.PoolingType.MEAN, gguf.PoolingType.CLS, gguf.PoolingType.LAST):
+            raise LeatError(f"this model's pooling type is {kind.name.lower()}: it gives no single embedding")
+        return kind.name.lower()
+
+    def embed(self, token_ids: Sequence[int]) -> np.ndarray:
+        """One embedding of the sequence: its hidden states pooled as :attr:`pooling` says, L2-normalized; float32."""
+        states = self.hidden(token_ids)
+        pooled = {"mean": lambda: states.mean(axis=0), "cls": lambda: states[0], "last": lambda: states[-1]}
+        vector = pooled[self.pooling]()
+        return (vector / max(float(np.linalg.norm(vector)), 1e-12)).astype(np.float32)
 
     def _check_tokens(self, ids: np.ndarray) -> None:
         if len(ids) == 0:

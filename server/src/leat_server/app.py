@@ -30,13 +30,14 @@ from litestar.openapi.spec import OpenAPIMediaType, Reference, RequestBody
 from litestar.params import FromPath
 from litestar.response import Stream
 
-from leat_server import anthropic_api, openai_api, responses_api
+from leat_server import anthropic_api, embeddings, openai_api, responses_api
 from leat_server.errors import APIError, bad_request, from_msgspec
 from leat_server.requestlog import request_log
 from leat_server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     MessagesRequest,
     ResponsesRequest,
     SessionRequest,
@@ -63,6 +64,7 @@ BODIES = {
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/v1/sessions": SessionRequest,
+    "/v1/embeddings": EmbeddingRequest,
 }
 SAMPLING_PATHS = ("/v1/chat/completions", "/v1/completions")  # bodies that take every sampler stage's fields
 
@@ -313,6 +315,11 @@ def create_app(
         await finish(request, job, handle)
         return _json(_signed(job, responses_api.response_body(service, job, echo)))
 
+    @post("/v1/embeddings", status_code=200)
+    async def embed(request: Request) -> Response:
+        _, answer = await prepare(request, EmbeddingRequest, embeddings.embeddings)
+        return _json(answer)
+
     @post("/tokenize", status_code=200)
     async def tokenize(request: Request) -> Response:
         _, answer = await prepare(request, TokenizeRequest, tokens)
@@ -414,6 +421,7 @@ def create_app(
             responses,
             tokenize,
             detokenize,
+            embed,
             list_sessions,
             delete_session,
             create_session,

@@ -206,6 +206,14 @@ class DetokenizeRequest(Body):
     model: str = ""
 
 
+class EmbeddingRequest(Body):
+    input: str | list[str | int | list[int]]  # a text, token ids, or a list of either (msgspec allows one list type)
+    model: str = ""
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Positive | None = None
+    user: str | None = None
+
+
 class SessionRequest(Body):
     """``POST /v1/sessions`` (a new empty session) and ``POST /v1/sessions/{name}/fork`` (the fork's name)."""
 

@@ -37,6 +37,7 @@ COUNTED_PATHS = {
     "/v1/messages/count_tokens",
     "/v1/responses",
     "/v1/sessions",
+    "/v1/embeddings",
     "/openapi.json",
 }
 CORS_HEADERS = [

@@ -77,6 +77,9 @@ class Llama(Architecture):
         ]
 
     def forward(self, batch: Batch, kv: Any) -> Any:
+        return self.backend.matmul(self.hidden(batch, kv), self.output)
+
+    def hidden(self, batch: Batch, kv: Any) -> Any:
         B, p = self.backend, self.params
         x = B.embed(self.embedding, batch.tokens)
         for i, layer in enumerate(self.layers):
@@ -85,8 +88,7 @@ class Llama(Architecture):
             x = B.add(x, h)
             h = B.rms_norm(x, layer.ffn_norm, p.norm_eps)
             x = B.add(x, blocks.swiglu(B, h, layer.gate, layer.up, layer.down))
-        x = B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
-        return B.matmul(x, self.output)
+        return B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
 
     # -- test models ---------------------------------------------------------------------------------
     @classmethod
