@@ -136,30 +136,26 @@ class Model:
 
     def logits(self, token_ids: Sequence[int], native: bool = False) -> np.ndarray:
         """Logits at every position of a fresh sequence: [len(token_ids), vocab], float32 unless ``native``."""
-        ids = np.asarray(token_ids, dtype=np.int64)
-        self._check_tokens(ids)
-        kv = self.new_kv(len(ids))
-        out = []
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[start : start + PREFILL_CHUNK]
-            batch = Batch([Row(0, start, chunk, all_logits=True)])
-            out.append(self.backend.to_host(self.backend.run(self.architecture.forward, batch, kv)))
-        logits = np.concatenate(out)
+        logits = self._every_position(self.architecture.forward, token_ids)
         return logits if native else logits.astype(np.float32)
 
     def hidden(self, token_ids: Sequence[int]) -> np.ndarray:
         """The final-normed hidden state at every position of a fresh sequence: [len(token_ids), width], float64
         (:meth:`Architecture.hidden`; a LeatError for a family without it)."""
-        ids = np.asarray(token_ids, dtype=np.int64)
-        self._check_tokens(ids)
         if type(self.architecture).hidden is Architecture.hidden:
             raise LeatError(f"the {self.file.architecture} architecture plugin gives no hidden states: no embeddings")
+        return self._every_position(self.architecture.hidden, token_ids).astype(np.float64)
+
+    def _every_position(self, forward: Any, token_ids: Sequence[int]) -> np.ndarray:
+        """``forward``'s output at every position of a fresh sequence, run in prefill chunks."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        self._check_tokens(ids)
         kv = self.new_kv(len(ids))
         out = []
         for start in range(0, len(ids), PREFILL_CHUNK):
             batch = Batch([Row(0, start, ids[start : start + PREFILL_CHUNK], all_logits=True)])
-            out.append(self.backend.to_host(self.backend.run(self.architecture.hidden, batch, kv)))
-        return np.concatenate(out).astype(np.float64)
+            out.append(self.backend.to_host(self.backend.run(forward, batch, kv)))
+        return np.concatenate(out)
 
     @property
     def pooling(self) -> str:
