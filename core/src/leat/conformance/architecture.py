@@ -19,7 +19,7 @@ class ArchitectureConformance:
 
     The checks run on the kit's reference backend (leat[conformance]), in float64 unless said otherwise; ``tokens``
     sets how many positions are compared, ``qtypes`` which storage types the tiny files are written in.
-    ``capabilities`` selects optional checks (none for architectures yet).
+    ``capabilities`` selects optional checks: "embeddings" (the family implements :meth:`Architecture.hidden`).
     """
 
     tokens: ClassVar[int] = 40
@@ -103,6 +103,19 @@ class ArchitectureConformance:
             model.architecture.forward(Batch([Row(1, len(b) - 1, b[-1:]), Row(0, len(a) - 1, a[-1:])]), kv)
         )
         np.testing.assert_allclose(step, np.stack([alone[1][-1], alone[0][-1]]), rtol=1e-9, atol=1e-9)
+
+    @pytest.mark.leat_needs("embeddings")
+    def test_forward_is_the_hidden_state_times_the_output(self, architecture, tiny_file):
+        """The hidden states are the rows the logits are made of: over more positions than the model is wide, one
+        linear map from them gives every position's logits, and an embedding is a unit vector."""
+        model = self.load(architecture, tiny_file)
+        width = model.hidden(self.ids(architecture, 1)).shape[1]
+        ids = self.ids(architecture, 2 * width + 8)
+        assert len(ids) <= architecture.tiny().context, "tiny()'s context must hold 2 * width + 8 positions"
+        states, logits = model.hidden(ids), model.logits(ids, native=True)
+        output, *_ = np.linalg.lstsq(states, logits, rcond=None)
+        np.testing.assert_allclose(states @ output, logits, rtol=0, atol=1e-8 * np.abs(logits).max())
+        assert abs(np.linalg.norm(model.embed(ids)) - 1.0) < 1e-6
 
     def test_f32_follows_the_float64_oracle(self, architecture, tiny_file):
         from leat.compare import compare
