@@ -97,6 +97,9 @@ class Qwen3(Architecture):
         return Layer(attn_norm, attn, ffn_norm, (*mlp, w(name(T.FFN_DOWN, i), (p.width, p.ffn))))
 
     def forward(self, batch: Batch, kv: Any) -> Any:
+        return self.backend.matmul(self.hidden(batch, kv), self.output, self.output_bias)
+
+    def hidden(self, batch: Batch, kv: Any) -> Any:
         B, p = self.backend, self.params
         x = B.embed(self.embedding, batch.tokens)
         for i, layer in enumerate(self.layers):
@@ -108,8 +111,7 @@ class Qwen3(Architecture):
             h = B.rms_norm(x, layer.ffn_norm, p.norm_eps)
             h = B.moe(h, layer.mlp, self.experts) if self.experts else blocks.swiglu(B, h, *layer.mlp)
             x = B.add(x, h)
-        x = B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
-        return B.matmul(x, self.output, self.output_bias)
+        return B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
 
     # -- test models ---------------------------------------------------------------------------------
     @classmethod

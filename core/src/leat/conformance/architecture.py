@@ -107,14 +107,16 @@ class ArchitectureConformance:
     @pytest.mark.leat_needs("embeddings")
     def test_forward_is_the_hidden_state_times_the_output(self, architecture, tiny_file):
         """The hidden states are the rows the logits are made of: over more positions than the model is wide, one
-        linear map from them gives every position's logits, and an embedding is a unit vector."""
+        affine map (the output matrix and any bias) from them gives every position's logits, and an embedding is a
+        unit vector."""
         model = self.load(architecture, tiny_file)
         width = model.hidden(self.ids(architecture, 1)).shape[1]
         ids = self.ids(architecture, 2 * width + 8)
         assert len(ids) <= architecture.tiny().context, "tiny()'s context must hold 2 * width + 8 positions"
         states, logits = model.hidden(ids), model.logits(ids, native=True)
-        output, *_ = np.linalg.lstsq(states, logits, rcond=None)
-        np.testing.assert_allclose(states @ output, logits, rtol=0, atol=1e-8 * np.abs(logits).max())
+        rows = np.hstack([states, np.ones((len(ids), 1))])
+        output, *_ = np.linalg.lstsq(rows, logits, rcond=None)
+        np.testing.assert_allclose(rows @ output, logits, rtol=0, atol=1e-8 * np.abs(logits).max())
         assert abs(np.linalg.norm(model.embed(ids)) - 1.0) < 1e-6
 
     def test_f32_follows_the_float64_oracle(self, architecture, tiny_file):
