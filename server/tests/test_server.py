@@ -370,3 +370,10 @@ def test_sessions_reuse_the_conversation_kv(client):
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, extra_body={"session": "../../x"})
+
+
+def test_hibernating_needs_a_session_store(client, http):
+    client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, extra_body={"session": "no-store"})
+    refused = http.post("/v1/sessions/no-store/hibernate")
+    assert refused.status_code == 400 and "--session-store" in refused.json()["error"]["message"]
+    assert http.get("/v1/sessions/no-store").json()["hibernated"] is False  # still in memory, still usable
