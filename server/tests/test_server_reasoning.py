@@ -60,6 +60,7 @@ def test_a_budget_of_n_tokens_ends_the_thinking_then_the_answer_follows(client, 
     free = chat(client)
     assert free.choices[0].message.reasoning_content and not free.choices[0].message.content
     assert "</think>" not in "".join(texts(free))  # unbounded, this model thinks until max_tokens
+    assert free.usage.completion_tokens_details.reasoning_tokens == LONG
     close = httpx.post(server.url + "/tokenize", json={"content": "</think>\n\n"}).json()["count"]
     for budget in (0, 5):
         capped = chat(client, extra_body={"reasoning": {"max_tokens": budget}})
@@ -71,6 +72,9 @@ def test_a_budget_of_n_tokens_ends_the_thinking_then_the_answer_follows(client, 
         assert message.content and "</think>" not in message.content
         thought = getattr(message, "reasoning_content", None) or ""
         assert free.choices[0].message.reasoning_content.startswith(thought) and bool(thought) == (budget > 0)
+        # reasoning_tokens: up to the end of the closing tag, which the token texts show
+        ends = next(k for k in range(len(got) + 1) if "</think>" in "".join(got[:k]))
+        assert capped.usage.completion_tokens_details.reasoning_tokens == ends > budget
 
 
 def test_thinking_off_and_budgets_in_every_api(client, server):
@@ -111,6 +115,9 @@ def test_thinking_off_and_budgets_in_every_api(client, server):
 
     responses = client.responses.create(model="tiny", input="hello there", reasoning={"effort": "minimal"})
     assert all(item.type != "reasoning" for item in responses.output)
+    assert responses.usage.output_tokens_details.reasoning_tokens == 0
+    thinking = client.responses.create(model="tiny", input="hello there", max_output_tokens=8)
+    assert thinking.output[0].type == "reasoning" and thinking.usage.output_tokens_details.reasoning_tokens == 8
 
 
 def test_bad_reasoning_fields_are_400(server):

@@ -269,7 +269,7 @@ def usage_json(job: Job) -> dict[str, Any]:
         "completion_tokens": r.completion_tokens,
         "total_tokens": r.prompt_tokens + r.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
-    }
+    } | ({"completion_tokens_details": {"reasoning_tokens": r.reasoning_tokens}} if r.reasoning_tokens else {})
 
 
 def chat_body(service: Service, job: Job) -> dict[str, Any]:

@@ -189,7 +189,7 @@ def _usage(job: Job) -> dict[str, Any]:
         "input_tokens": r.prompt_tokens,
         "input_tokens_details": {"cached_tokens": r.cached_tokens},
         "output_tokens": r.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": r.reasoning_tokens or 0},
         "total_tokens": r.prompt_tokens + r.completion_tokens,
     }
 

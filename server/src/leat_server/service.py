@@ -56,6 +56,7 @@ class Result:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV was reused (prefix cache or session)
+    reasoning_tokens: int | None = None  # generated up to the end of the <think> closing tag; None: not counted
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # everything decoded, before parsing (stop strings removed)
     content: str = ""
@@ -339,11 +340,32 @@ class Service:
         result.cached_tokens = int(usage.get("cached_tokens", 0))
         result.timings = dict(done.timings or {})
         pieces = self._parse(job, text.flush(), pending) + self._finish(job, pending)
+        result.reasoning_tokens = self._reasoning_tokens(job)
         result.finish_reason = "stop" if text.stopped else done.finish_reason or "stop"
         result.stop_sequence = text.matched
         if result.tool_calls and result.finish_reason == "stop":
             result.finish_reason = "tool_calls"
         return pieces
+
+    def _reasoning_tokens(self, job: Job) -> int | None:
+        """How many generated tokens the ``<think>`` section took, its closing tag included: the fewest leading
+        tokens whose text holds the tag (all of them when it never closed). None for a format with its own
+        reasoning channel, which is not counted."""
+        parser, ids = job.parser, job.result.token_ids
+        if not isinstance(parser, ReasoningSplitter):
+            return None if parser.own_reasoning else 0
+        if not parser.started:
+            return 0
+        if not parser.done:
+            return len(ids)
+        low, high = 1, len(ids)
+        while low < high:  # the text of a prefix only grows, so the first prefix holding the tag is found by halving
+            middle = (low + high) // 2
+            if ReasoningSplitter.CLOSE in self.tokenizer.decode(ids[:middle], skip_special=False):
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
     def _logprobs(self, event: Any, count: int) -> list[TokenLogprob]:
         """The first ``count`` tokens' logprobs of a "tokens" event, with their text."""
