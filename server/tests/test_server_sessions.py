@@ -119,6 +119,10 @@ def test_create_and_bad_names(setup):
         assert bob.get("/v1/sessions/notes").json()["tokens"] >= first["usage"]["prompt_tokens"]
         second = chat(bob, "notes", turn(first, "go on"))
         assert cached(second) >= first["usage"]["prompt_tokens"] - 1
+        # Anthropic Messages take the same extension field
+        body = {"model": "tiny", "max_tokens": 4, "messages": turn(first, "go on"), "session": "notes"}
+        third = bob.post("/v1/messages", json=body | {"temperature": 0})
+        assert third.status_code == 200 and third.json()["usage"]["cache_read_input_tokens"] >= cached(second)
 
         too_long = "x" * 120  # with keys on, the owner id takes 17 of the 128 characters
         for body in ({"id": "../keys"}, {"id": ""}, {"id": too_long}, {"id": 3}, {}, {"id": "a", "extra": 1}):

@@ -148,6 +148,7 @@ def messages_job(service: Service, body: MessagesRequest, owner: str | None) -> 
         forced_calls=forced,
         skip_special=service.skip_special(mode == "auto"),
         client=(body.metadata or {}).get("user_id"),
+        session=body.session,
         owner=owner,
     )
 

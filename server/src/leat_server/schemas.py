@@ -316,6 +316,7 @@ class MessagesRequest(Body):
     tools: list[ATool] | None = None
     tool_choice: AToolChoice | None = None
     thinking: AThinkingConfig | None = None
+    session: str | None = None  # a leat extension, as on chat completions
     output_config: AOutputConfig | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
