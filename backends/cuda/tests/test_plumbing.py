@@ -332,3 +332,15 @@ def test_a_step_fed_from_the_last_argmax_gathers_its_tokens_on_the_device(fake, 
     backend.run(model.forward, following, kv, fed=(ids, np.array([0, 2])))
     assert [f for f, _, _ in fake.launches] == ["gather_ints", "graph"]
     assert not backend.graph_failures
+
+
+REAL_GPU = CUDABackend.probe() is None  # checked before any test swaps in the fake driver
+
+
+@pytest.mark.skipif(REAL_GPU, reason="a real GPU is present: cuBLAS starts there (the GPU tests cover it)")
+def test_without_a_gpu_cublas_installed_or_not_leaves_the_own_gemm(fake):
+    """Installed (``leat-backend-cuda[cublas]``) or not, cuBLAS cannot start without a driver: the backend says
+    why and multiplies with its own kernels, it does not fail."""
+    backend = CUDABackend()
+    assert backend.cublas is None and backend._f16_weights is None
+    assert backend.describe()["cublas"].startswith("not used (")

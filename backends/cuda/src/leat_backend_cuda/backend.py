@@ -255,7 +255,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         self._readbacks = 0
         # products of at least cublas_min_tokens tokens: weights decoded to f16 rows in `_f16_weights`
         # (a chunk of rows at a time), multiplied by cuBLAS (cublas.py); None: the own GEMM
-        self.cublas = cublas.Cublas(self.device) if use_cublas and tensor_cores and cublas.library() else None
+        self.cublas = cublas.open_handle(self.device) if use_cublas and tensor_cores else None
         self.cublas_min_tokens = CUBLAS_MIN_TOKENS
         self._f16_weights = Memory(CUBLAS_SCRATCH_BYTES) if self.cublas else None
 

@@ -64,6 +64,19 @@ def _check(status: int, what: str) -> None:
         raise CublasError(f"{what} failed: cuBLAS status {status}")
 
 
+def open_handle(device: driver.Device) -> Cublas | None:
+    """A :class:`Cublas` on ``device``, or None where cuBLAS is missing or does not start (:func:`missing` then
+    says why): the backend's own GEMM runs instead."""
+    global _missing
+    if library() is None:
+        return None
+    try:
+        return Cublas(device)
+    except CublasError as error:
+        _missing = str(error)
+        return None
+
+
 class Cublas:
     """One cuBLAS handle on the device's stream, with a fixed workspace."""
 
