@@ -64,7 +64,11 @@ def serve_command(config: str, address: str | None, num_cpus: int | None, metric
     from ray import serve
 
     local = {"num_cpus": num_cpus, "_metrics_export_port": metrics_export_port} if not address else {}
-    ray_module.init(address=address, include_dashboard=False, **local)
+    try:
+        ray_module.init(address=address, include_dashboard=False, **local)
+    except Exception as e:  # noqa: BLE001 - Ray raises a plain Exception for a node that timed out
+        where = f"the Ray cluster at {address}" if address else "a local Ray"
+        raise LeatError(f"could not start or join {where}: {e}") from None
     for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a shell's background job starts with it ignored
         signal.signal(sig, _interrupt)
     http = document.get("http_options") or {}
