@@ -147,14 +147,16 @@ class Model:
         return self._every_position(self.architecture.hidden, token_ids).astype(np.float64)
 
     def _every_position(self, forward: Any, token_ids: Sequence[int]) -> np.ndarray:
-        """``forward``'s output at every position of a fresh sequence, run in prefill chunks."""
+        """``forward``'s output at every position of a fresh sequence, run in prefill chunks. Called directly, not
+        through ``Backend.run``: a cache used once gains nothing from a captured graph, and would capture one
+        per call."""
         ids = np.asarray(token_ids, dtype=np.int64)
         self._check_tokens(ids)
         kv = self.new_kv(len(ids))
         out = []
         for start in range(0, len(ids), PREFILL_CHUNK):
             batch = Batch([Row(0, start, ids[start : start + PREFILL_CHUNK], all_logits=True)])
-            out.append(self.backend.to_host(self.backend.run(forward, batch, kv)))
+            out.append(self.backend.to_host(forward(batch, kv)))
         return np.concatenate(out)
 
     @property
