@@ -85,7 +85,8 @@ class CPUBackend(Backend):
         # activations="ggml": id(uploaded weight) -> (the weight, its activation rounding, Q4_1/Q5_1 block minimums)
         self._ggml_products: dict[int, tuple[np.ndarray, Any, np.ndarray | None]] = {}
         self._rotation_kept: tuple[RopeSpec, bytes, np.ndarray, np.ndarray] | None = None  # see _rotation
-        self.threads = int(options.get("threads") or os.environ.get("LEAT_THREADS") or len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.threads = int(options.get("threads") or os.environ.get("LEAT_THREADS") or cores)
         if self.threads < 1:
             raise ValueError(f"cpu backend threads must be at least 1, not {self.threads}")
         default = "quantized" if precision == "f32" and self.activations == "f32" else "dequantized"
