@@ -1016,9 +1016,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         self.device.upload(captured.inputs.ptr, inputs)
         if fed is not None:  # the tokens come from the last step's argmax, on the device
             ids, index = fed
-            rows = self._empty((n,), I32)
-            self.device.upload(rows.ptr, np.asarray(index, np.int32))
-            self.ops["gather_ints"]((-(-n // 256),), 256, ids.device, rows, captured.inputs, n)
+            self.ops["gather_ints"]((-(-n // 256),), 256, ids.device, self._ints(index), captured.inputs, n)
         captured.graph.replay()
         return captured.logits.view((picked,) + captured.logits.shape[1:])
 
