@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from leat_server import constrained
@@ -332,15 +332,8 @@ async def chat_stream(service: Service, job: Job, handle: Any, include_usage: bo
         "system_fingerprint": service.fingerprint,
         "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": job.result.finish_reason}],
     }
-    receipt = service.receipt(job)
-    if include_usage:
-        final["usage"] = None
-        yield sse(final)
-        final = {**final, "choices": [], "usage": usage_json(job)}
-    if receipt is not None:
-        final["receipt"] = receipt
-    yield sse(final)
-    yield b"data: [DONE]\n\n"
+    for data in _stream_end(service, job, {**final, "usage": None} if include_usage else final, include_usage):
+        yield data
 
 
 def sse(body: dict[str, Any], event: str | None = None) -> bytes:
@@ -449,7 +442,13 @@ async def completion_stream(service: Service, job: Job, handle: Any, echo: str, 
         yield sse(e.body())
         yield b"data: [DONE]\n\n"
         return
-    final = chunk("", job.result.finish_reason)
+    for data in _stream_end(service, job, chunk("", job.result.finish_reason), include_usage):
+        yield data
+
+
+def _stream_end(service: Service, job: Job, final: dict, include_usage: bool) -> Iterator[bytes]:
+    """A stream's last events: the finishing chunk, with stream_options.include_usage a chunk of usage only
+    after it, the receipt on the last one, then [DONE]."""
     receipt = service.receipt(job)
     if include_usage:
         yield sse(final)
