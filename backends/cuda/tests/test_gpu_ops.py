@@ -71,7 +71,7 @@ def test_embed_rows_equal_gguf(cuda, qtype):
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9, 70])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9, 16, 33, 64, 70])
 def test_matmul(cuda, oracle, qtype, n):
     rng = np.random.default_rng(1000 * int(qtype) + n)
     cols = 768 if quants.LAYOUTS[qtype].block == 256 else 96  # 96: the GEMM's 32-wide K steps
@@ -83,7 +83,7 @@ def test_matmul(cuda, oracle, qtype, n):
     want = oracle.matmul(x, oracle.upload(Tensor("w", qtype, (rows, cols), data)), bias)
     got = cuda.to_host(cuda.matmul(cuda_array(cuda, x), weight, cuda_array(cuda, bias)))
     # float weights, few tokens: float32 throughout; quantized weights, few tokens: x rounded to int16
-    # per run of 8 or 16 values; otherwise the GEMM: f16 operands, float32 accumulation
+    # per run of 8 or 16 values; otherwise gemm_few or the GEMM: f16 operands, float32 accumulation
     if not quants.LAYOUTS[qtype].integer and n <= quants.GEMV_MAX_TOKENS:
         bound = 2e-6
     elif quants.LAYOUTS[qtype].integer and n <= quants.GEMV_Q_MAX_TOKENS:
@@ -91,6 +91,32 @@ def test_matmul(cuda, oracle, qtype, n):
     else:
         bound = 2e-3
     assert relative_error(got, want) < bound
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q3_K, Q.F16], ids=lambda q: q.name)
+def test_gemm_few_over_long_rows_and_row_tiles(cuda, oracle, qtype):
+    """gemm_few (5-64 tokens): rows long enough that each warp takes several steps, the last step
+    partial (units not a multiple of 4), blocks of one and two row tiles, rows not a multiple of 16."""
+    rng = np.random.default_rng(3000 + int(qtype))
+    cols = 2304 if quants.LAYOUTS[qtype].block == 256 else 2336
+    rows = 200
+    data = stored(qtype, rows, cols, rng)
+    weight = cuda.upload(Tensor("w", qtype, (rows, cols), data))
+    reference = oracle.upload(Tensor("w", qtype, (rows, cols), data))
+    bias = rng.standard_normal(rows)
+    saved = cuda.few_tokens, cuda.few_row_tiles
+    try:
+        cuda.few_tokens = (1, quants.GEMM_FEW_MAX_TOKENS)
+        for n in (1, 6, 24, 64):
+            x = rng.standard_normal((n, cols)) * np.logspace(-3, 3, n)[:, None]
+            want = oracle.matmul(x, reference, bias)
+            for row_tiles in (1, 2):
+                cuda.few_row_tiles = row_tiles
+                got = cuda.to_host(cuda.matmul(cuda_array(cuda, x), weight, cuda_array(cuda, bias)))
+                for t in range(n):
+                    assert relative_error(got[t], want[t]) < 2e-3, (n, row_tiles, t)
+    finally:
+        cuda.few_tokens, cuda.few_row_tiles = saved
 
 
 def test_matmul_without_tensor_cores_is_float32(oracle):

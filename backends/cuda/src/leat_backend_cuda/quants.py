@@ -87,6 +87,10 @@ def gemv_q_shape(tokens: int, mode: int, rows: int, cols: int) -> tuple[int, int
     return (8, 1) if rows >= 8192 and cols <= 8192 else (2, 2)
 
 
+#: (tile count NT, row tiles RT) of every gemm_few instantiation: products of up to 8 * NT tokens, 16 * RT rows a block
+GEMM_FEW_VARIANTS = ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2))
+#: tokens up to which gemm_few runs (more go to the GEMM)
+GEMM_FEW_MAX_TOKENS = 64
 GEMM_SMEM = {32: (128 + 64) * (32 + 8) * 2, 256: (128 + 64) * (256 + 8) * 2}
 #: units per block, values per unit, runs per unit of each decoder struct (mirrors quants.cuh)
 UNIT_SHAPES = {
@@ -121,6 +125,15 @@ def gemm_name(qtype: Q, kt: int) -> str:
     return f"gemm<{LAYOUTS[qtype].struct}, {kt}>"
 
 
+def gemm_few_name(qtype: Q, tiles: int, row_tiles: int) -> str:
+    return f"gemm_few<{LAYOUTS[qtype].struct}, {tiles}, {row_tiles}>"
+
+
+def gemm_few_smem(tiles: int, row_tiles: int) -> int:
+    """Shared memory of gemm_few: its 8 warps' partial sums, 4 floats per lane and 16 x 8 tile."""
+    return 8 * row_tiles * tiles * 4 * 32 * 4
+
+
 def kernel_names(qtype: Q, extra_gemv: tuple[tuple[int, int, int], ...] = ()) -> list[str]:
     """Every kernel the backend instantiates for ``qtype`` (``extra_gemv``: more (tokens, rows, units))."""
     layout = LAYOUTS[qtype]
@@ -130,6 +143,7 @@ def kernel_names(qtype: Q, extra_gemv: tuple[tuple[int, int, int], ...] = ()) ->
     if layout.integer:
         names += [gemv_q_name(qtype, n, (r, u), m) for n, r, u, m in GEMV_Q_VARIANTS]
     names += [gemm_name(qtype, kt) for kt in ((32, 256) if layout.small_block else (256,))]
+    names += [gemm_few_name(qtype, nt, rt) for nt, rt in GEMM_FEW_VARIANTS]
     return list(dict.fromkeys(names))
 
 

@@ -234,6 +234,91 @@ __global__ void __launch_bounds__(128) gemv_q(
     }
 }
 
+// Y = X W^T (+ bias) for a few tokens (up to 8 * NT) on tensor cores, each weight read once: the
+// matrix-vector kernels' access pattern with mma.sync m16n8k16 in place of FMA. A block of 8 warps
+// owns 16 * RT weight rows; its warps share out the rows' units, four consecutive units per step
+// (one per lane of a quad), and add their partial products in shared memory at the end. A lane
+// (g = lane / 4, t = lane % 4) decodes unit 4s + t of rows g and g + 8 straight into A fragments:
+// k-step j of a unit takes the quad's values 4j..4j+3, lane t's at fragment columns 2t, 2t + 1,
+// 2t + 8, 2t + 9. That is a permutation of k, and the B fragments (x as f16: x_to_f16's rows,
+// `xscale` undoes their scaling) follow it: lane t loads x at the same four places, 8 bytes. No
+// weight goes through shared memory and no tile is decoded for tokens that are not there.
+template <class T, int NT, int RT>
+__global__ void __launch_bounds__(256) gemm_few(const u8* __restrict__ w, i64 nb, const u16* __restrict__ xh,
+                                                const float* __restrict__ xscale, float* __restrict__ y,
+                                                const float* __restrict__ bias, int M, int N, int K) {
+    constexpr int WARPS = 8, J = T::UV / 4, C = RT * NT * 4;
+    extern __shared__ float partial[];  // [WARPS][C][32]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int m0 = blockIdx.x * 16 * RT;
+    const int bpr = K / T::BLOCK, upr = bpr * T::UNITS, steps = (upr + 3) >> 2;
+    i64 first[RT][2];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) first[rt][h] = (i64)min(m0 + 16 * rt + g + 8 * h, M - 1) * bpr;
+    const u16* xrow[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) xrow[nt] = xh + (i64)min(8 * nt + g, N - 1) * K;
+    float acc[RT][NT][4];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[rt][nt][c] = 0.0f;
+
+    for (int s = warp; s < steps; s += WARPS) {
+        const int u = 4 * s + t, uc = min(u, upr - 1);
+        const int blk = uc / T::UNITS, unit = uc % T::UNITS;
+        const float keep = u < upr ? 1.0f : 0.0f;  // a row's last step may run past its units
+        typename T::Raw raw[RT][2];
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) raw[rt][h] = T::load(w, nb, first[rt][h] + blk, unit);
+        const i64 base = (i64)blk * T::BLOCK;
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+            float v0[T::UV], v1[T::UV];
+            T::template decode<false>(raw[rt][0], unit, v0);
+            T::template decode<false>(raw[rt][1], unit, v1);
+            u32 a[J][4];
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+                a[j][0] = pack_f16x2(v0[4 * j] * keep, v0[4 * j + 1] * keep);
+                a[j][1] = pack_f16x2(v1[4 * j] * keep, v1[4 * j + 1] * keep);
+                a[j][2] = pack_f16x2(v0[4 * j + 2] * keep, v0[4 * j + 3] * keep);
+                a[j][3] = pack_f16x2(v1[4 * j + 2] * keep, v1[4 * j + 3] * keep);
+            }
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+                const i64 at = base + T::run_offset(unit, 4 * j / T::RL) + (4 * j) % T::RL;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const uint2 b = __ldg((const uint2*)(xrow[nt] + at));
+                    mma_f16(acc[rt][nt], a[j], b.x, b.y);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) partial[(warp * C + (rt * NT + nt) * 4 + c) * 32 + lane] = acc[rt][nt][c];
+    __syncthreads();
+    for (int i = threadIdx.x; i < C * 32; i += 32 * WARPS) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int v = 0; v < WARPS; ++v) sum += partial[v * C * 32 + i];
+        const int l = i & 31, c = (i >> 5) & 3, tile = i >> 7, nt = tile % NT, rt = tile / NT;
+        const int row = m0 + 16 * rt + (l >> 2) + 8 * (c >> 1), token = 8 * nt + 2 * (l & 3) + (c & 1);
+        if (row < M && token < N) y[(i64)token * M + row] = sum * xscale[token] + (bias ? bias[row] : 0.0f);
+    }
+}
+
 // One unit of a block decoded to f16 at its places in `dst` (the block's first value), 16-byte stores:
 // the GEMM's shared-memory tile and dequantize_f16's rows alike.
 template <class T>
