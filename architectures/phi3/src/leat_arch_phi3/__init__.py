@@ -1,0 +1,1 @@
+"""leat plugin: the Phi-3 architecture (phi3)."""

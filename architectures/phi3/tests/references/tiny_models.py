@@ -1,0 +1,100 @@
+"""The tiny random-weight Phi-3 files llama.cpp's references were recorded on, and how to rebuild them.
+
+Shared by ``scripts/record_llamacpp_tiny.py`` (which records llama.cpp's logits on them) and
+``../test_llamacpp_agreement.py`` (which rebuilds each file, checks its SHA-256 against the recording and
+compares leat with the recorded logits). Files are written by :func:`leat.testing.write_tiny_gguf`,
+deterministically: the same configuration gives the same bytes.
+
+Run as a script (in leat's environment) to build every file into a folder and print one JSON line,
+``{name: {"path", "sha256", "token_ids", ...configuration}}``::
+
+    uv run python architectures/phi3/tests/references/tiny_models.py OUTDIR
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+# name -> quant type, seed, overrides of Phi3.tiny(), prompt length. Phi3.tiny(): 2 layers, width 64, 4 heads of 16
+# with 2 kv heads, fused attn_qkv and ffn_up, RoPE on 12 of 16 dimensions, LongRoPE with a 256-token context trained
+# from 64 (llama.cpp, run at n_ctx 256, takes the long factors), an untied output, sliding_window 0 (Phi-4's).
+CONFIGS: dict[str, dict[str, Any]] = {
+    "phi3-f32": {"qtype": "F32", "seed": 0, "params": {}, "tokens": 64},
+    "phi3-f32-short-factors-window": {
+        # original context = context: the short factors; a sliding window of 16 that llama.cpp does not apply
+        "qtype": "F32",
+        "seed": 1,
+        "params": {"layers": 3, "rope_dims": 16, "rope_context": 256, "sliding_window": 16},
+        "tokens": 100,
+    },
+    "phi3-f32-unfused-tied": {
+        # separate attn_q/k/v, no LongRoPE, tied output, GQA 4
+        "qtype": "F32",
+        "seed": 2,
+        "params": {"heads": 8, "kv_heads": 2, "rope_dims": 8, "fused_qkv": False, "long_rope": False, "tied": True},
+        "tokens": 64,
+    },
+    "phi3-f16": {"qtype": "F16", "seed": 3, "params": {"kv_heads": 4}, "tokens": 64},
+    "phi3-f16-gqa-tied": {
+        "qtype": "F16",
+        "seed": 4,
+        "params": {"heads": 8, "kv_heads": 2, "rope_dims": 6, "tied": True, "sliding_window": 2047},
+        "tokens": 64,
+    },
+}
+
+
+def architecture(config: dict[str, Any]) -> Any:
+    from leat_arch_phi3.phi3 import Phi3
+
+    return Phi3
+
+
+def params_for(config: dict[str, Any]) -> Any:
+    return architecture(config).tiny(**config["params"])
+
+
+def tokens(name: str) -> np.ndarray:
+    """The prompt fed to configuration ``name``: seeded random token ids (no tokenizer involved)."""
+    config = CONFIGS[name]
+    vocab = params_for(config).vocab
+    return np.random.default_rng(1000 + config["seed"]).integers(0, vocab, config["tokens"]).astype(np.int32)
+
+
+def build(name: str, path: str | Path) -> Path:
+    """Write the tiny file of configuration ``name`` to ``path`` (the same bytes every time)."""
+    from leat.testing import write_tiny_gguf
+
+    config = CONFIGS[name]
+    qtype = gguf.GGMLQuantizationType[config["qtype"]]
+    return write_tiny_gguf(architecture(config), path, qtype, config["seed"], params_for(config))
+
+
+def sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        sys.exit("usage: tiny_models.py OUTDIR")
+    out = Path(argv[0])
+    out.mkdir(parents=True, exist_ok=True)
+    built = {}
+    for name, config in CONFIGS.items():
+        path = build(name, out / f"tiny-{name}.gguf")
+        hyper = dataclasses.asdict(params_for(config))
+        built[name] = {**config, "path": str(path), "sha256": sha256(path), "token_ids": tokens(name).tolist()}
+        built[name]["hyperparameters"] = hyper
+    print(json.dumps(built))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
