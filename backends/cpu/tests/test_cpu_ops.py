@@ -206,8 +206,8 @@ def test_attention_sinks_prefill_then_decode_two_sequences(backend, window):
     ]
     for rows, spans in steps:
         q, k, v = (np.concatenate([seqs[s][i][a : a + n] for s, a, n in spans]) for i in range(3))
-        out = backend.attention_sinks(
-            q.astype(dt), k.astype(dt), v.astype(dt), kv, 0, Batch(rows), 0.3, sinks.astype(dt)
+        out = backend.attention(
+            q.astype(dt), k.astype(dt), v.astype(dt), kv, 0, Batch(rows), 0.3, sinks=sinks.astype(dt)
         )
         offset = 0
         for s, a, n in spans:
@@ -335,7 +335,7 @@ def test_attention_softcap_prefill_then_decode_two_sequences(backend, window):
     ]
     for rows, spans in steps:
         q, k, v = (np.concatenate([seqs[s][i][a : a + n] for s, a, n in spans]) for i in range(3))
-        out = backend.attention_softcap(q.astype(dt), k.astype(dt), v.astype(dt), kv, 0, Batch(rows), 0.3, 1.5)
+        out = backend.attention(q.astype(dt), k.astype(dt), v.astype(dt), kv, 0, Batch(rows), 0.3, softcap=1.5)
         offset = 0
         for s, a, n in spans:
             sq, sk, sv = seqs[s]

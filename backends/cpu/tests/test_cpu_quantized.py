@@ -159,9 +159,9 @@ def test_native_attention_follows_float64(kv_dtype, variant):
                 np.concatenate([seqs[s][i][a : a + n] for s, a, n in spans]).astype(backend.dtype) for i in range(3)
             )
             if variant == "softcap":
-                got.append(backend.attention_softcap(q, k, v, kv, 0, batch, scale, softcap=0.5))
+                got.append(backend.attention(q, k, v, kv, 0, batch, scale, softcap=0.5))
             elif variant == "sinks":
-                got.append(backend.attention_sinks(q, k, v, kv, 0, batch, scale, sinks.astype(backend.dtype)))
+                got.append(backend.attention(q, k, v, kv, 0, batch, scale, sinks=sinks.astype(backend.dtype)))
             else:
                 got.append(backend.attention(q, k, v, kv, 0, batch, scale))
         outputs[backend.precision] = np.concatenate(got).astype(np.float64)

@@ -1,6 +1,6 @@
 """The CUDA ops of MoE, MLA and gpt-oss models against the float64 oracle (the CPU backend in f64):
 ``moe`` (every gating, selection bias, group-limited routing, both activations, expert biases,
-quantized experts), ``head_matmul``, ``mla_attention``, ``attention_sinks``, and RoPE's magnitude.
+quantized experts), ``head_matmul``, ``mla_attention``, ``attention`` with sinks, and RoPE's magnitude.
 
 As test_gpu_ops: the device backend runs with ``poison=True`` (every activation starts as NaN).
 """
@@ -176,8 +176,8 @@ def test_attention_sinks_prefill_then_decode(cuda, oracle, kv_dtype, window, hea
     for step in steps:
         batch = Batch([Row(s, start, np.zeros(n, int), all_logits=True) for s, start, n in step])
         q, k, v = (np.concatenate([seqs[s][i][a : a + n] for s, a, n in step]) for i in range(3))
-        want = oracle.attention_sinks(q, k, v, kvs[1], 0, batch, 0.3, sinks[1])
-        got = cuda.attention_sinks(*(cuda.from_host(t) for t in (q, k, v)), kvs[0], 0, batch, 0.3, sinks[0])
+        want = oracle.attention(q, k, v, kvs[1], 0, batch, 0.3, sinks=sinks[1])
+        got = cuda.attention(*(cuda.from_host(t) for t in (q, k, v)), kvs[0], 0, batch, 0.3, sinks=sinks[0])
         assert relative_error(cuda.to_host(got), want) < (1e-5 if kv_dtype == "f32" else 2e-3)
 
 
@@ -193,8 +193,8 @@ def test_attention_sinks_long_context_splits(cuda, oracle, kv_dtype):
     for start, n in ((0, 700), (700, 1), (701, 2), (703, 497), (1200, 1), (1201, 2)):
         batch = Batch([Row(0, start, np.zeros(n, int), all_logits=True)])
         args = [t[start : start + n] for t in (q, k, v)]
-        want = oracle.attention_sinks(*args, kvs[1], 0, batch, 0.125, sinks[1])
-        got = cuda.attention_sinks(*(cuda.from_host(t) for t in args), kvs[0], 0, batch, 0.125, sinks[0])
+        want = oracle.attention(*args, kvs[1], 0, batch, 0.125, sinks=sinks[1])
+        got = cuda.attention(*(cuda.from_host(t) for t in args), kvs[0], 0, batch, 0.125, sinks=sinks[0])
         assert relative_error(cuda.to_host(got), want) < (1e-5 if kv_dtype == "f32" else 2e-3)
 
 

@@ -243,8 +243,8 @@ def test_attention_softcap(cuda, oracle):
     kvs = [b.allocate_kv([KVLayout(2, 32)], slots=1, context=32, dtype="f32") for b in (cuda, oracle)]
     q, k, v = (rng.standard_normal((12, h, 32)) * 3 for h in (4, 2, 2))
     batch = Batch([Row(0, 0, np.zeros(12, int), all_logits=True)])
-    want = oracle.attention_softcap(q, k, v, kvs[1], 0, batch, 1.0, 5.0)
-    got = cuda.attention_softcap(*(cuda_array(cuda, t) for t in (q, k, v)), kvs[0], 0, batch, 1.0, 5.0)
+    want = oracle.attention(q, k, v, kvs[1], 0, batch, 1.0, softcap=5.0)
+    got = cuda.attention(*(cuda_array(cuda, t) for t in (q, k, v)), kvs[0], 0, batch, 1.0, softcap=5.0)
     assert relative_error(cuda.to_host(got), want) < 1e-5
 
 
@@ -263,14 +263,9 @@ def test_flash_prefill_attention(cuda, oracle, heads, kv_heads, dim, window, sof
     for step in steps:
         batch = Batch([Row(s, start, np.zeros(n, int), all_logits=True) for s, start, n in step])
         q, k, v = (np.concatenate([seqs[s][i][a : a + n] for s, a, n in step]) for i in range(3))
-        if softcap:
-            want = oracle.attention_softcap(q, k, v, kvs[1], 0, batch, dim**-0.5, softcap)
-            got = cuda.attention_softcap(
-                *(cuda_array(cuda, t) for t in (q, k, v)), kvs[0], 0, batch, dim**-0.5, softcap
-            )
-        else:
-            want = oracle.attention(q, k, v, kvs[1], 0, batch, dim**-0.5)
-            got = cuda.attention(*(cuda_array(cuda, t) for t in (q, k, v)), kvs[0], 0, batch, dim**-0.5)
+        cap = softcap or None
+        want = oracle.attention(q, k, v, kvs[1], 0, batch, dim**-0.5, cap)
+        got = cuda.attention(*(cuda_array(cuda, t) for t in (q, k, v)), kvs[0], 0, batch, dim**-0.5, cap)
         # f16 keys, values, queries and probabilities (as llama.cpp's flash attention)
         assert relative_error(cuda.to_host(got), want) < 3e-3
 

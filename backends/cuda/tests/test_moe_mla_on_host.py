@@ -314,7 +314,7 @@ def test_attention_sinks(ops_kernels, wide, splits, window):
     q, k, v = (f32(rng.standard_normal((n, h, dim))) for h in (heads, kv_heads, kv_heads))
     sinks = f32(np.linspace(-3, 4, heads))
     batch = Batch([Row(0, 0, np.zeros(n, int), all_logits=True)])
-    want = cpu.attention_sinks(*(a.astype(np.float64) for a in (q, k, v)), kv, 0, batch, 0.4, sinks.astype(np.float64))
+    want = cpu.attention(*(a.astype(np.float64) for a in (q, k, v)), kv, 0, batch, 0.4, sinks=sinks.astype(np.float64))
     kc, vc = (np.full(3 * page_size * kv_heads * dim, np.nan, np.float32) for _ in range(2))
     table = np.ascontiguousarray(kv.page_table, np.int32)
     slots, pos = np.zeros(n, np.int32), np.arange(n, dtype=np.int32)

@@ -214,9 +214,9 @@ def test_attention_prefill_then_decode_two_sequences(backend, kind):
         q, k, v = (np.concatenate([seqs[s][i][a : a + n] for s, a, n in spans]) for i in range(3))
         args = (f32(q), f32(k), f32(v), kv, 0, Batch(rows), 0.3)
         if kind == "softcap":
-            out = backend.attention_softcap(*args, 1.5)
+            out = backend.attention(*args, softcap=1.5)
         elif kind == "sinks":
-            out = backend.attention_sinks(*args, f32(sinks))
+            out = backend.attention(*args, sinks=f32(sinks))
         else:
             out = backend.attention(*args)
         offset = 0

@@ -332,14 +332,42 @@ class Backend:
         """Rotate x [n, heads, head_dim] by each token's position."""
         raise self._missing()
 
-    def attention(self, q: Any, k: Any, v: Any, kv: Any, layer: int, batch: Batch, scale: float) -> Any:
-        """Write k, v [n, kv_heads, dim] into ``kv`` at each row's positions, then attend causally.
+    def attention(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        kv: Any,
+        layer: int,
+        batch: Batch,
+        scale: float,
+        softcap: float | None = None,
+        sinks: Any = None,
+    ) -> Any:
+        """Write k and v into the KV cache at each row's positions, then attend causally: every model's self-attention
+        (Gemma 2's soft-capped scores and gpt-oss's sinks included) goes through this one op.
 
-        q is [n, heads, dim]; heads is a multiple of kv_heads (grouped-query attention). Each row
-        attends to its own slot's cached positions up to and including each query's position (through
-        ``kv.table(layer)``); a layer with a window sees only the last ``window`` of them, and its table
-        entries behind the window may be -1: such positions are masked, never read from a page -1 (skip
-        them, or clamp the id). Returns [n, heads * value_dim].
+        :param q: [n, heads, dim] queries; heads is a multiple of kv_heads (grouped-query attention).
+        :param k: [n, kv_heads, dim] keys of the batch's tokens, written into ``kv`` before any query reads.
+        :param v: [n, kv_heads, value_dim] values, written likewise.
+        :param kv: the cache :meth:`allocate_kv` made; position p of a row's slot in ``layer`` lives in page
+            ``kv.table(layer)[slot, p // page_size]``.
+        :param layer: which layer's storage, page table and :class:`KVLayout` (its window) apply.
+        :param batch: the rows: each row's queries attend to its own slot's cached positions up to and including
+            each query's position. A layer with a window sees only the last ``window`` of them, and its table entries
+            behind the window may be -1: such positions are masked, never read from a page -1 (skip them, or clamp
+            the id).
+        :param scale: the factor of each dot product, ``s_ij = scale * (q_i . k_j)``; query i of head h weights
+            the unmasked keys j by ``exp(s_ij) / sum_j' exp(s_ij')``.
+        :param softcap: None, or a cap on each score before the mask and softmax (Gemma 2):
+            ``s_ij = softcap * tanh(scale * (q_i . k_j) / softcap)``.
+        :param sinks: None, or an uploaded [heads] tensor (:meth:`upload`; gpt-oss): a learned logit per query
+            head joins each softmax's denominator, ``exp(s_ij) / (exp(sinks[h]) + sum_j' exp(s_ij'))``, taking
+            probability mass and contributing no value. ``softcap`` and ``sinks`` may be given together.
+        :returns: [n, heads * value_dim], each head's weighted sum of values.
+
+        A backend that lacks ``softcap`` or ``sinks`` raises :class:`~leat.errors.BackendUnavailable` naming it when
+        it is given, and leaves that capability out of its conformance test (:class:`leat.conformance.BackendConformance`).
         """
         raise self._missing()
 
@@ -372,28 +400,6 @@ class Backend:
 
     def softcap(self, x: Any, cap: float) -> Any:
         """cap * tanh(x / cap), elementwise (Gemma 2's final logit soft-capping)."""
-        raise self._missing()
-
-    def attention_softcap(
-        self, q: Any, k: Any, v: Any, kv: Any, layer: int, batch: Batch, scale: float, softcap: float
-    ) -> Any:
-        """:meth:`attention` with each score soft-capped before the mask and softmax (Gemma 2).
-
-        The score of query i and key j is ``softcap * tanh(scale * (q_i . k_j) / softcap)``; all else
-        (cache writes, GQA, causal and window masks, output shape) is as :meth:`attention`.
-        """
-        raise self._missing()
-
-    def attention_sinks(
-        self, q: Any, k: Any, v: Any, kv: Any, layer: int, batch: Batch, scale: float, sinks: Any
-    ) -> Any:
-        """:meth:`attention` with a learned logit per query head joining each softmax's denominator (gpt-oss).
-
-        ``sinks`` is an uploaded [heads] tensor. Query i of head h weights key j by
-        ``exp(s_ij) / (exp(sinks[h]) + sum_j' exp(s_ij'))`` with ``s_ij = scale * (q_i . k_j)`` over the
-        unmasked keys: the sink takes probability mass and contributes no value. All else (cache
-        writes, GQA, causal and window masks, output shape) is as :meth:`attention`.
-        """
         raise self._missing()
 
     def moe(self, x: Any, weights: MoEWeights, spec: MoESpec) -> Any:

@@ -94,8 +94,13 @@ def attention(
     rope: RopeSpec,
     norm_eps: float = 1e-6,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Any = None,
 ) -> Any:
-    """Self-attention of one layer: projections, optional q/k norm, RoPE, cached GQA attention, output."""
+    """Self-attention of one layer: projections (with the biases ``w`` has), per-head q/k RMSNorm when ``w`` has
+    it, RoPE by ``rope`` (a family with per-layer RoPE passes the layer's), cached GQA attention scaled by ``scale``
+    (default 1/sqrt(head_dim)) with the scores' ``softcap`` and the heads' ``sinks`` as :meth:`Backend.attention`
+    takes them, then the output projection."""
     n = len(batch)
     q = B.reshape(B.matmul(x, w.q, w.q_bias), (n, heads, head_dim))
     k = B.reshape(B.matmul(x, w.k, w.k_bias), (n, kv_heads, head_dim))
@@ -105,7 +110,7 @@ def attention(
         k = B.rms_norm(k, w.k_norm, norm_eps)
     q = B.rope(q, batch.positions, rope)
     k = B.rope(k, batch.positions, rope)
-    out = B.attention(q, k, v, kv, layer, batch, scale if scale is not None else head_dim**-0.5)
+    out = B.attention(q, k, v, kv, layer, batch, head_dim**-0.5 if scale is None else scale, softcap, sinks)
     return B.matmul(out, w.o, w.o_bias)
 
 

@@ -11,6 +11,8 @@ pytest.importorskip("leat_backend_example", reason="tested once installed: tests
 
 
 class TestExampleBackendConformance(BackendConformance):
+    capabilities = frozenset({"windows", "softcap", "sinks"})
+
     @pytest.fixture
     def backend(self):
         from leat_backend_example.backend import ExampleBackend

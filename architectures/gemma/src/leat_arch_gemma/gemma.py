@@ -164,28 +164,16 @@ class Gemma(Architecture):
             for i in range(p.layers)
         ]
 
-    def attention(self, x: Any, w: blocks.AttentionWeights, batch: Batch, kv: Any, layer: int) -> Any:
-        B, p, n = self.backend, self.params, len(batch)
-        q = B.reshape(B.matmul(x, w.q), (n, p.heads, p.head_dim))
-        k = B.reshape(B.matmul(x, w.k), (n, p.kv_heads, p.head_dim))
-        v = B.reshape(B.matmul(x, w.v), (n, p.kv_heads, p.head_dim))
-        if w.q_norm is not None:
-            q, k = B.rms_norm(q, w.q_norm, p.norm_eps), B.rms_norm(k, w.k_norm, p.norm_eps)
-        q = B.rope(q, batch.positions, self.ropes[layer])
-        k = B.rope(k, batch.positions, self.ropes[layer])
-        scale = self.query_scale(p)
-        if self.attn_cap is None:
-            out = B.attention(q, k, v, kv, layer, batch, scale)
-        else:
-            out = B.attention_softcap(q, k, v, kv, layer, batch, scale, self.attn_cap)
-        return B.matmul(out, w.o)
-
     def forward(self, batch: Batch, kv: Any) -> Any:
         B, p = self.backend, self.params
         # llama.cpp scales by sqrtf(n_embd) in float32, as here
         x = B.scale(B.embed(self.embedding, batch.tokens), math.sqrt(p.width))
+        shape, scale = (p.heads, p.kv_heads, p.head_dim), self.query_scale(p)
         for i, layer in enumerate(self.layers):
-            h = self.attention(B.rms_norm(x, layer.attn_norm, p.norm_eps), layer.attn, batch, kv, i)
+            h = B.rms_norm(x, layer.attn_norm, p.norm_eps)
+            h = blocks.attention(
+                B, h, layer.attn, batch, kv, i, *shape, self.ropes[i], p.norm_eps, scale, self.attn_cap
+            )
             if layer.post_attn_norm is not None:
                 h = B.rms_norm(h, layer.post_attn_norm, p.norm_eps)
             x = B.add(x, h)

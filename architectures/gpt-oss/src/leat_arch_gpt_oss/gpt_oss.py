@@ -139,21 +139,15 @@ class GptOss(Architecture):
                 Layer(attn_norm, attn, sinks, ffn_norm, experts, rope_swa if p.sliding_layers[i] else rope)
             )
 
-    def attention(self, x: Any, layer: Layer, i: int, batch: Batch, kv: Any) -> Any:
-        B, p, w, n = self.backend, self.params, layer.attn, len(batch)
-        q = B.reshape(B.matmul(x, w.q, w.q_bias), (n, p.heads, p.head_dim))
-        k = B.reshape(B.matmul(x, w.k, w.k_bias), (n, p.kv_heads, p.head_dim))
-        v = B.reshape(B.matmul(x, w.v, w.v_bias), (n, p.kv_heads, p.head_dim))
-        q = B.rope(q, batch.positions, layer.rope)
-        k = B.rope(k, batch.positions, layer.rope)
-        out = B.attention_sinks(q, k, v, kv, i, batch, p.head_dim**-0.5, layer.sinks)
-        return B.matmul(out, w.o, w.o_bias)
-
     def forward(self, batch: Batch, kv: Any) -> Any:
         B, p = self.backend, self.params
         x = B.embed(self.embedding, batch.tokens)
         for i, layer in enumerate(self.layers):
-            x = B.add(x, self.attention(B.rms_norm(x, layer.attn_norm, p.norm_eps), layer, i, batch, kv))
+            h = B.rms_norm(x, layer.attn_norm, p.norm_eps)
+            h = blocks.attention(
+                B, h, layer.attn, batch, kv, i, p.heads, p.kv_heads, p.head_dim, layer.rope, sinks=layer.sinks
+            )
+            x = B.add(x, h)
             x = B.add(x, B.moe(B.rms_norm(x, layer.ffn_norm, p.norm_eps), layer.experts, self.spec))
         x = B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
         return B.matmul(x, self.output)

@@ -241,8 +241,10 @@ class CPUBackend(Backend):
             out[..., 1 : spec.dims : 2] = a * sin + b * cos
         return out
 
-    def attention(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float) -> np.ndarray:
-        return self._attend(q, k, v, kv, layer, batch, scale)
+    def attention(
+        self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float | None = None, sinks=None
+    ) -> np.ndarray:
+        return self._attend(q, k, v, kv, layer, batch, scale, softcap, sinks)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         if self.native:
@@ -268,9 +270,6 @@ class CPUBackend(Backend):
 
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
         return self.dtype(cap) * np.tanh(x / self.dtype(cap))
-
-    def attention_softcap(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float):
-        return self._attend(q, k, v, kv, layer, batch, scale, softcap)
 
     def _attend(
         self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float | None = None, sinks=None
@@ -349,9 +348,6 @@ class CPUBackend(Backend):
         if sinks is not None:
             total = total + np.exp(sinks - peak)
         return weights / total
-
-    def attention_sinks(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, sinks: np.ndarray):
-        return self._attend(q, k, v, kv, layer, batch, scale, sinks=sinks)
 
     def moe(self, x: np.ndarray, weights: MoEWeights, spec: MoESpec) -> np.ndarray:
         logits = self.matmul(x, weights.router, weights.router_bias)

@@ -803,14 +803,19 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         )
         return out
 
-    def attention(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float) -> DeviceArray:
-        return self._attend(q, k, v, kv, layer, batch, scale, 0.0)
-
-    def attention_softcap(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float):
-        return self._attend(q, k, v, kv, layer, batch, scale, softcap)
-
-    def attention_sinks(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, sinks: DeviceArray):
-        return self._attend(q, k, v, kv, layer, batch, scale, 0.0, sinks)
+    def attention(
+        self,
+        q,
+        k,
+        v,
+        kv: KVCache,
+        layer: int,
+        batch: Batch,
+        scale: float,
+        softcap: float | None = None,
+        sinks: DeviceArray | None = None,
+    ) -> DeviceArray:
+        return self._attend(q, k, v, kv, layer, batch, scale, softcap or 0.0, sinks)
 
     def _attend(
         self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float, sinks=None

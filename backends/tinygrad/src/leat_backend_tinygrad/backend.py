@@ -424,14 +424,10 @@ class TinygradBackend(PagedKV, Backend):
             outs.append(out.permute(2, 0, 1, 3).reshape(length, heads * value_dim))
         return outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:], dim=0)
 
-    def attention(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float) -> Tensor:
-        return self._attend(q, k, v, kv, layer, batch, scale)
-
-    def attention_softcap(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float):
-        return self._attend(q, k, v, kv, layer, batch, scale, softcap=softcap)
-
-    def attention_sinks(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, sinks: Any):
-        return self._attend(q, k, v, kv, layer, batch, scale, sinks=sinks)
+    def attention(
+        self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float | None = None, sinks=None
+    ) -> Tensor:
+        return self._attend(q, k, v, kv, layer, batch, scale, softcap, sinks)
 
     def mla_attention(self, q_latent, q_rope, latent, k_rope, kv: KVCache, layer: int, batch: Batch, scale: float):
         q = self._values(q_latent).cat(self._values(q_rope), dim=-1)

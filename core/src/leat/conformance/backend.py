@@ -29,7 +29,7 @@ class BackendConformance:
     Override :meth:`to_device` when your ops do not take what ``backend.upload`` of an F32 tensor returns,
     ``tolerance`` to state your precision's bounds, ``model_qtypes`` to choose the tiny model files' storage types,
     and ``capabilities`` to say which optional checks apply: "windows" (windowed layers in page groups of their
-    own), "softcap" and "sinks" (:meth:`Backend.attention_softcap`, :meth:`Backend.attention_sinks`), "q8_0_kv"
+    own), "softcap" and "sinks" (those options of :meth:`Backend.attention`), "q8_0_kv"
     (``allocate_kv(dtype="q8_0")``) and "moe" (:meth:`Backend.moe`).
     """
 
@@ -179,16 +179,18 @@ class BackendConformance:
         backend.set_pages(restored, 1, row, group=1)
         attend(restored, 15, 1)
 
-    def attend(self, backend: Backend, op: Any, kv: Any, inputs: Any, *extra: Any) -> np.ndarray:
-        """``op(q, k, v, kv, layer 0, batch, scale 0.3, *extra)`` over ``inputs`` (q, k, v) of slot 0 in three
-        steps (a prefill, one decode, a chunk), as host float64 [positions, heads * dim]."""
+    def attend(self, backend: Backend, kv: Any, inputs: Any, **options: Any) -> np.ndarray:
+        """``backend.attention(q, k, v, kv, layer 0, batch, scale 0.3, **options)`` over ``inputs`` (q, k, v) of
+        slot 0 in three steps (a prefill, one decode, a chunk), as host float64 [positions, heads * dim]."""
         q, k, v = inputs
         spans = [(0, 7), (7, 1), (8, len(q) - 8)]
         outs = []
         for start, n in spans:
             batch = Batch([Row(0, start, np.zeros(n, np.int64), all_logits=True)])
             span = slice(start, start + n)
-            got = op(*(self.to_device(backend, t[span]) for t in (q, k, v)), kv, 0, batch, 0.3, *extra)
+            got = backend.attention(
+                *(self.to_device(backend, t[span]) for t in (q, k, v)), kv, 0, batch, 0.3, **options
+            )
             outs.append(np.asarray(backend.to_host(got), np.float64).reshape(n, -1))
         return np.concatenate(outs)
 
@@ -199,7 +201,7 @@ class BackendConformance:
     def test_attention_softcap(self, backend):
         q, k, v = self.attention_inputs()
         kv = backend.allocate_kv([KVLayout(k.shape[1], k.shape[2])], slots=1, context=16)
-        got = self.attend(backend, backend.attention_softcap, kv, (q, k, v), 0.5)
+        got = self.attend(backend, kv, (q, k, v), softcap=0.5)
         want = _attention(q, k, v, 0, 0.3, softcap=0.5)
         tol = self.tolerance.get(backend.precision, 1e-4)
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
@@ -210,8 +212,21 @@ class BackendConformance:
         kv = backend.allocate_kv([KVLayout(k.shape[1], k.shape[2])], slots=1, context=16)
         sinks = np.array([0.5, -1.0, 2.0, 0.0])
         device_sinks = backend.upload(Tensor("attn_sinks", F32, sinks.shape, sinks.astype(np.float32)))
-        got = self.attend(backend, backend.attention_sinks, kv, (q, k, v), device_sinks)
+        got = self.attend(backend, kv, (q, k, v), sinks=device_sinks)
         want = _attention(q, k, v, 0, 0.3, sinks=sinks)
+        tol = self.tolerance.get(backend.precision, 1e-4)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+    @pytest.mark.leat_needs("softcap")
+    @pytest.mark.leat_needs("sinks")
+    def test_attention_softcap_with_sinks(self, backend):
+        """Both options of one call: scores capped, then the sinks join the capped scores' softmax."""
+        q, k, v = self.attention_inputs()
+        kv = backend.allocate_kv([KVLayout(k.shape[1], k.shape[2])], slots=1, context=16)
+        sinks = np.array([0.5, -1.0, 2.0, 0.0])
+        device_sinks = backend.upload(Tensor("attn_sinks", F32, sinks.shape, sinks.astype(np.float32)))
+        got = self.attend(backend, kv, (q, k, v), softcap=0.5, sinks=device_sinks)
+        want = _attention(q, k, v, 0, 0.3, softcap=0.5, sinks=sinks)
         tol = self.tolerance.get(backend.precision, 1e-4)
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
@@ -221,7 +236,7 @@ class BackendConformance:
         of the same keys and values."""
         q, k, v = self.attention_inputs()
         kv = backend.allocate_kv([KVLayout(k.shape[1], k.shape[2])], slots=1, context=16, dtype="q8_0")
-        got = self.attend(backend, backend.attention, kv, (q, k, v))
+        got = self.attend(backend, kv, (q, k, v))
         q8 = gguf.GGMLQuantizationType.Q8_0
 
         def round_trip(x: np.ndarray) -> np.ndarray:
@@ -336,7 +351,7 @@ class BackendConformance:
 
 def _attention(q, k, v, start, scale, window=None, softcap=None, sinks=None):
     """Causal attention of queries at ``start``.. over keys 0..: GQA, a sliding ``window``, scores soft-capped, and
-    a per-head ``sinks`` logit in each softmax's denominator, as :meth:`Backend.attention` and its variants say."""
+    a per-head ``sinks`` logit in each softmax's denominator, as :meth:`Backend.attention` says."""
     n, heads, _ = q.shape
     group = heads // k.shape[1]
     out = np.zeros((n, heads, v.shape[2]))

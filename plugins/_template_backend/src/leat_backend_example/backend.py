@@ -4,7 +4,7 @@ A template to copy: keep each method's contract (the docstrings of :class:`leat.
 body with your device's code. Activations here are numpy arrays; on a device they are whatever your ops take, and
 only ``to_host`` turns one into numpy. Weights are dequantized once at upload with gguf-py, the simplest correct
 start; a fast backend keeps them quantized and dequantizes inside its matmul. The ops other families need
-(``gelu_mul``, ``softcap``, ``attention_sinks``, ``moe``, ``mla_attention``, ...) are left to the base class, whose
+(``gelu_mul``, ``softcap``, ``moe``, ``mla_attention``, ...) are left to the base class, whose
 error names the missing op and what to run instead.
 """
 
@@ -136,9 +136,12 @@ class ExampleBackend(Backend):
         out[..., second] = a * sin + b * cos
         return out
 
-    def attention(self, q, k, v, kv: ExampleKV, layer: int, batch: Batch, scale: float) -> np.ndarray:
+    def attention(
+        self, q, k, v, kv: ExampleKV, layer: int, batch: Batch, scale: float, softcap=None, sinks=None
+    ) -> np.ndarray:
         """Each row writes its k, v at its positions in its slot's pages, then its queries attend to every cached
-        position of the slot up to their own (and within the layer's sliding window, if it has one)."""
+        position of the slot up to their own (and within the layer's sliding window, if it has one). Scores are
+        soft-capped when ``softcap`` is given; each head's ``sinks`` logit joins its softmax's denominator."""
         window = kv.layouts[layer].window
         n, heads, _ = q.shape
         group = heads // k.shape[1]  # query heads per KV head (grouped-query attention)
@@ -156,12 +159,17 @@ class ExampleBackend(Backend):
             keys = np.repeat(kv.k[layer][where].astype(np.float32), group, axis=1)  # [cached, heads, dim]
             values = np.repeat(kv.v[layer][where].astype(np.float32), group, axis=1)
             scores = np.einsum("qhd,khd->hqk", q[span], keys) * np.float32(scale)
+            if softcap is not None:
+                scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
             visible = cached[None, :] <= positions[:, None]
             if window is not None:
                 visible &= cached[None, :] > positions[:, None] - window
             scores = np.where(visible, scores, -np.inf)
-            weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            weights /= weights.sum(axis=-1, keepdims=True)
+            # a sink is one more logit per head in the softmax, whose value is zero
+            sink = np.full((heads, 1, 1), -np.inf, np.float32) if sinks is None else sinks.reshape(heads, 1, 1)
+            peak = np.maximum(scores.max(axis=-1, keepdims=True), sink)
+            weights = np.exp(scores - peak)
+            weights /= weights.sum(axis=-1, keepdims=True) + np.exp(sink - peak)
             out[span] = np.einsum("hqk,khd->qhd", weights, values)
         return out.reshape(n, -1)
 
