@@ -39,7 +39,8 @@ def test_formats_are_chosen_from_the_template_and_vocabulary(host):
 def family_names(host: PluginHost) -> set[str]:
     names = set(host.registry["architectures"]) | set(host.registry["chat_formats"])
     stems = {re.match(r"[a-z]+(-[a-z]+)?", name).group() for name in names}  # qwen3moe -> qwen, gpt-oss -> gpt-oss
-    return names | stems
+    spelled = {name.replace("-", joint) for name in names | stems for joint in ("_", "")}  # gpt_oss, gptoss
+    return names | stems | spelled
 
 
 def code_words(tree: ast.AST) -> list[tuple[int, str]]:
@@ -70,7 +71,7 @@ def code_words(tree: ast.AST) -> list[tuple[int, str]]:
 
 def test_no_family_name_in_core_or_the_server(host):
     names = family_names(host)
-    assert {"llama", "qwen", "gemma", "gpt-oss", "deepseek", "hermes", "harmony", "mistral"} <= names
+    assert {"llama", "qwen", "gemma", "gpt-oss", "gpt_oss", "gptoss", "deepseek", "hermes", "harmony", "mistral"} <= names
     alternatives = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
     word = re.compile(rf"(?<![a-z])({alternatives})(?![a-z])", re.IGNORECASE)
     found = []
