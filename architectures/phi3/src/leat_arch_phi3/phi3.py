@@ -132,10 +132,10 @@ class Phi3(Architecture):
     @classmethod
     def tiny(cls, **overrides: Any) -> Phi3Params:
         """Phi-3.5-mini's shape, small: LongRoPE over a 256-token context trained from 64 (so the long factors
-        apply, with the converter's magnitude sqrt(1 + ln(scale) / ln(original))), partial RoPE on 12 of 16 head
+        apply, with the converter's magnitude sqrt(1 + ln(scale) / ln(original))), partial RoPE on 8 of 16 head
         dimensions, an untied output. ``head_dim`` follows ``width`` and ``heads``."""
         params = Phi3Params(
-            layers=2, width=64, ffn=96, heads=4, kv_heads=2, head_dim=16, rope_dims=12, vocab=300, context=256,
+            layers=2, width=64, ffn=96, heads=4, kv_heads=2, head_dim=16, rope_dims=8, vocab=300, context=256,
             rope_context=64, sliding_window=0,
         )  # fmt: skip
         params = dataclasses.replace(params, **overrides)

@@ -24,8 +24,9 @@ import gguf
 import numpy as np
 
 # name -> quant type, seed, overrides of Phi3.tiny(), prompt length. Phi3.tiny(): 2 layers, width 64, 4 heads of 16
-# with 2 kv heads, fused attn_qkv and ffn_up, RoPE on 12 of 16 dimensions, LongRoPE with a 256-token context trained
+# with 2 kv heads, fused attn_qkv and ffn_up, RoPE on 8 of 16 dimensions, LongRoPE with a 256-token context trained
 # from 64 (llama.cpp, run at n_ctx 256, takes the long factors), an untied output, sliding_window 0 (Phi-4's).
+NAME = "tiny-phi-"  # in place of write_tiny_gguf's "tiny-phi3" (see build)
 CONFIGS: dict[str, dict[str, Any]] = {
     "phi3-f32": {"qtype": "F32", "seed": 0, "params": {}, "tokens": 64},
     "phi3-f32-short-factors-window": {
@@ -75,7 +76,13 @@ def build(name: str, path: str | Path) -> Path:
 
     config = CONFIGS[name]
     qtype = gguf.GGMLQuantizationType[config["qtype"]]
-    return write_tiny_gguf(architecture(config), path, qtype, config["seed"], params_for(config))
+    path = write_tiny_gguf(architecture(config), path, qtype, config["seed"], params_for(config))
+    # llama.cpp gives the special tokens of a model whose general.name holds "phi3" Phi-3's whitespace attributes,
+    # looking up Phi-3's </s>, <s> and <unk>, which the tiny byte-level vocabulary lacks: loading fails
+    # (unordered_map::at). So the files are renamed in place, to a name of the same length.
+    field = gguf.GGUFReader(path, "r+").fields[gguf.Keys.General.NAME]
+    field.parts[field.data[0]][:] = np.frombuffer(NAME.encode(), np.uint8)
+    return path
 
 
 def sha256(path: str | Path) -> str:
