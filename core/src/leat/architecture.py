@@ -31,7 +31,7 @@ from leat import gguf_check, hparams
 from leat.backend import Backend, KVLayout
 from leat.batch import Batch
 from leat.errors import ModelFileError
-from leat.modelfile import ModelFile
+from leat.modelfile import ModelFile, Tensor
 
 
 class Weights:
@@ -60,6 +60,19 @@ class Weights:
         tensor = self.file.tensor(name)
         self.used.add(name)
         return gguf.quants.dequantize(tensor.data, tensor.qtype).reshape(tensor.shape).astype(np.float32)
+
+    def rows(self, name: str, shape: tuple[int, ...], rows: np.ndarray) -> Any:
+        """The rows ``rows`` (first axis) of the 2-D tensor ``name`` (of ``shape``), uploaded in its stored type: a
+        projection whose outputs the model splits (rows are independent blocks in every quant type)."""
+        tensor = self.file.tensor(name)
+        self.used.add(name)
+        data = np.asarray(tensor.data).reshape(tensor.shape[0], -1)[rows]
+        return self.backend.upload(Tensor(name, tensor.qtype, (len(rows), *tensor.shape[1:]), data))
+
+    def array(self, name: str, values: np.ndarray) -> Any:
+        """Host ``values`` computed at load (from tensors read with :meth:`host`) uploaded as F32 under ``name``."""
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        return self.backend.upload(Tensor(name, gguf.GGMLQuantizationType.F32, values.shape, values))
 
     def check_all_used(self) -> None:
         unused = sorted(set(self.file.tensors) - self.used)
@@ -91,6 +104,12 @@ class TensorRecorder(Weights):
     def host(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         self(name, shape)
         return np.zeros(self.shapes[name], np.float32)
+
+    def rows(self, name: str, shape: tuple[int, ...], rows: np.ndarray) -> Any:
+        return self(name, shape)
+
+    def array(self, name: str, values: np.ndarray) -> Any:
+        return name  # computed from recorded tensors, not a tensor of the file
 
 
 class DescribedFile:

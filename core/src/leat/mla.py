@@ -26,10 +26,10 @@ from typing import Any
 import gguf
 import numpy as np
 
+from leat.architecture import Weights
 from leat.backend import Backend, KVLayout, RopeSpec
 from leat.batch import Batch
 from leat.blocks import layer_tensor
-from leat.modelfile import Tensor
 
 T = gguf.MODEL_TENSOR
 name = layer_tensor
@@ -62,67 +62,38 @@ class MLAWeights:
     o: Any
 
 
-def upload_rows(weights: Any, tensor_name: str, rows: np.ndarray) -> Any:
-    """Upload only ``rows`` (first axis) of a 2-D tensor, in its stored type."""
-    tensor = weights.file.tensor(tensor_name)
-    weights.used.add(tensor_name)
-    data = np.asarray(tensor.data).reshape(tensor.shape[0], -1)[rows]
-    return weights.backend.upload(Tensor(tensor_name, tensor.qtype, (len(rows), *tensor.shape[1:]), data))
-
-
-def upload_array(weights: Any, tensor_name: str, values: np.ndarray) -> Any:
-    values = np.ascontiguousarray(values, dtype=np.float32)
-    return weights.backend.upload(Tensor(tensor_name, gguf.GGMLQuantizationType.F32, values.shape, values))
-
-
-def load_mla(weights: Any, layer: int, d: MLADims) -> MLAWeights:
+def load_mla(weights: Weights, layer: int, d: MLADims, width: int, split: bool = True) -> MLAWeights:
+    """One layer's attention tensors, with their shapes for model width ``width``; ``split``: the file has attn_k_b
+    and attn_v_b (MLA GGUFs), else the older attn_kv_b, split and transposed here."""
     per_head = np.arange(d.heads)[:, None] * (d.nope + d.rope)
-    q_name = name(T.ATTN_Q_B if d.q_rank else T.ATTN_Q, layer)
-    kv_a = name(T.ATTN_KV_A_MQA, layer)
-    if weights.has(name(T.ATTN_KV_B, layer)):
-        kv_b = weights.host(name(T.ATTN_KV_B, layer)).reshape(d.heads, d.nope + d.v, d.kv_rank)
-        k_b = upload_array(weights, name(T.ATTN_K_B, layer), kv_b[:, : d.nope].transpose(0, 2, 1))
-        v_b = upload_array(weights, name(T.ATTN_V_B, layer), kv_b[:, d.nope :])
-    else:
-        k_b, v_b = weights(name(T.ATTN_K_B, layer)), weights(name(T.ATTN_V_B, layer))
-    return MLAWeights(
-        q_a=weights(name(T.ATTN_Q_A, layer)) if d.q_rank else None,
-        q_a_norm=weights(name(T.ATTN_Q_A_NORM, layer)) if d.q_rank else None,
-        q_nope=upload_rows(weights, q_name, (per_head + np.arange(d.nope)).ravel()),
-        q_rope=upload_rows(weights, q_name, (per_head + d.nope + np.arange(d.rope)).ravel()),
-        kv_latent=upload_rows(weights, kv_a, np.arange(d.kv_rank)),
-        k_rope=upload_rows(weights, kv_a, d.kv_rank + np.arange(d.rope)),
-        kv_norm=weights(name(T.ATTN_KV_A_NORM, layer)),
-        k_b=k_b,
-        v_b=v_b,
-        o=weights(name(T.ATTN_OUT, layer)),
+    q_a = weights(name(T.ATTN_Q_A, layer), (d.q_rank, width)) if d.q_rank else None
+    q_a_norm = weights(name(T.ATTN_Q_A_NORM, layer), (d.q_rank,)) if d.q_rank else None
+    q_name, q_shape = (
+        name(T.ATTN_Q_B if d.q_rank else T.ATTN_Q, layer),
+        (d.heads * (d.nope + d.rope), d.q_rank or width),
     )
-
-
-def mla_shapes(layer: int, width: int, d: MLADims, split: bool = True) -> dict[str, tuple[int, ...]]:
-    """The attention tensors of one layer (numpy-order shapes); ``split``: attn_k_b/attn_v_b, else attn_kv_b."""
-    q_out = d.heads * (d.nope + d.rope)
-    if d.q_rank:
-        shapes = {
-            name(T.ATTN_Q_A, layer): (d.q_rank, width),
-            name(T.ATTN_Q_A_NORM, layer): (d.q_rank,),
-            name(T.ATTN_Q_B, layer): (q_out, d.q_rank),
-        }
-    else:
-        shapes = {name(T.ATTN_Q, layer): (q_out, width)}
-    shapes |= {
-        name(T.ATTN_KV_A_MQA, layer): (d.kv_rank + d.rope, width),
-        name(T.ATTN_KV_A_NORM, layer): (d.kv_rank,),
-        name(T.ATTN_OUT, layer): (width, d.heads * d.v),
-    }
+    kv_a, kv_a_shape = name(T.ATTN_KV_A_MQA, layer), (d.kv_rank + d.rope, width)
+    w = MLAWeights(
+        q_a=q_a,
+        q_a_norm=q_a_norm,
+        q_nope=weights.rows(q_name, q_shape, (per_head + np.arange(d.nope)).ravel()),
+        q_rope=weights.rows(q_name, q_shape, (per_head + d.nope + np.arange(d.rope)).ravel()),
+        kv_latent=weights.rows(kv_a, kv_a_shape, np.arange(d.kv_rank)),
+        k_rope=weights.rows(kv_a, kv_a_shape, d.kv_rank + np.arange(d.rope)),
+        kv_norm=weights(name(T.ATTN_KV_A_NORM, layer), (d.kv_rank,)),
+        k_b=None,
+        v_b=None,
+        o=weights(name(T.ATTN_OUT, layer), (width, d.heads * d.v)),
+    )
     if split:
-        shapes |= {
-            name(T.ATTN_K_B, layer): (d.heads, d.kv_rank, d.nope),
-            name(T.ATTN_V_B, layer): (d.heads, d.v, d.kv_rank),
-        }
+        w.k_b = weights(name(T.ATTN_K_B, layer), (d.heads, d.kv_rank, d.nope))
+        w.v_b = weights(name(T.ATTN_V_B, layer), (d.heads, d.v, d.kv_rank))
     else:
-        shapes[name(T.ATTN_KV_B, layer)] = (d.heads * (d.nope + d.v), d.kv_rank)
-    return shapes
+        kv_b = weights.host(name(T.ATTN_KV_B, layer), (d.heads * (d.nope + d.v), d.kv_rank))
+        kv_b = kv_b.reshape(d.heads, d.nope + d.v, d.kv_rank)
+        w.k_b = weights.array(name(T.ATTN_K_B, layer), kv_b[:, : d.nope].transpose(0, 2, 1))
+        w.v_b = weights.array(name(T.ATTN_V_B, layer), kv_b[:, d.nope :])
+    return w
 
 
 def mla_attention(

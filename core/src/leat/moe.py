@@ -119,28 +119,6 @@ def load_moe(
     )
 
 
-def moe_shapes(
-    layer: int, width: int, ffn: int, experts: int, biases: bool = False, selection_bias: bool = False
-) -> dict[str, tuple[int, ...]]:
-    """The tensors of one MoE layer (numpy-order shapes), for architectures' ``tensor_shapes``."""
-    shapes = {
-        layer_tensor(T.FFN_GATE_INP, layer): (experts, width),
-        layer_tensor(T.FFN_GATE_EXP, layer): (experts, ffn, width),
-        layer_tensor(T.FFN_UP_EXP, layer): (experts, ffn, width),
-        layer_tensor(T.FFN_DOWN_EXP, layer): (experts, width, ffn),
-    }
-    if biases:
-        shapes |= {
-            layer_tensor(T.FFN_GATE_INP, layer, "bias"): (experts,),
-            layer_tensor(T.FFN_GATE_EXP, layer, "bias"): (experts, ffn),
-            layer_tensor(T.FFN_UP_EXP, layer, "bias"): (experts, ffn),
-            layer_tensor(T.FFN_DOWN_EXP, layer, "bias"): (experts, width),
-        }
-    if selection_bias:
-        shapes[layer_tensor(T.FFN_EXP_PROBS_B, layer, "bias")] = (experts,)
-    return shapes
-
-
 def route(logits: np.ndarray, spec: MoESpec, selection_bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Router logits [n, experts] -> (selected expert ids [n, k], their weights [n, k]), in logits' dtype.
 

@@ -17,7 +17,6 @@ As llama.cpp's src/models/deepseek2.cpp computes it:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -28,48 +27,85 @@ from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch
 from leat.errors import ModelFileError
+from leat.hparams import REQUIRED, derived, key, tensor_rows
 from leat.modelfile import ModelFile
-from leat.moe import MoESpec, MoEWeights, load_moe, moe_shapes
+from leat.moe import MoESpec, MoEWeights, load_moe
 from leat.rope import ggml_rope
 
 K = gguf.Keys
 T = gguf.MODEL_TENSOR
 name = blocks.layer_tensor
+DENSE, SHARED = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN), (T.FFN_GATE_SHEXP, T.FFN_UP_SHEXP, T.FFN_DOWN_SHEXP)
 GATING = {int(gguf.ExpertGatingFuncType.SOFTMAX): "softmax", int(gguf.ExpertGatingFuncType.SIGMOID): "sigmoid"}
 
 
-@dataclass(frozen=True)
+def mla_key(gguf_key: str) -> Any:
+    """A reader: ``gguf_key``, required in MLA GGUFs (attn_k_b and attn_v_b), None where older files lack it."""
+    return lambda file, values: file.get(gguf_key, *(() if values["split_kv_b"] else (None,)))
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeepSeek2Params:
-    layers: int
-    width: int
-    vocab: int
-    heads: int
-    q_rank: int
-    kv_rank: int
-    nope: int
-    rope: int
-    v: int
-    ffn: int  # leading dense layers
-    expert_ffn: int
-    experts: int
-    experts_used: int
-    shared_experts: int
-    dense_layers: int = 1
-    gating: str = "softmax"
-    groups: int = 0
-    groups_used: int = 0
-    weights_norm: bool = False
-    weights_scale: float = 0.0  # 0: none
-    selection_bias: bool = False  # exp_probs_b
-    norm_eps: float = 1e-6
-    rope_base: float = 10000.0
-    rope_scaling: str = "none"  # "none", "linear" or "yarn"
-    rope_factor: float = 0.0
-    yarn_context: int = 0  # rope.scaling.original_context_length (0: the context length)
-    yarn_log_mul: float = 0.0  # as stored: 0.1 * mscale_all_dim
-    context: int = 4096
-    tied: bool = False
-    split_kv_b: bool = True  # attn_k_b + attn_v_b (MLA GGUFs), else the older attn_kv_b
+    """Hyperparameters as the file states them, in the converter's order; ``None`` = key absent.
+
+    MLA GGUFs (attn_k_b and attn_v_b) describe the absorbed attention as one MQA head (``kv_heads`` 1,
+    ``key_length`` kv_rank + rope, ``value_length`` kv_rank) and the real heads in the ``_mla`` keys; older files
+    (attn_kv_b) describe the real heads in key_length and value_length. :attr:`nope` and :attr:`v` read either.
+    """
+
+    layers: int = key(K.LLM.BLOCK_COUNT)
+    context: int = key(K.LLM.CONTEXT_LENGTH, 4096)
+    width: int = key(K.LLM.EMBEDDING_LENGTH)
+    ffn: int = key(K.LLM.FEED_FORWARD_LENGTH)  # leading dense layers
+    heads: int = key(K.Attention.HEAD_COUNT)
+    vocab: int = key(K.LLM.VOCAB_SIZE, read=tensor_rows(name(T.TOKEN_EMBD)))
+    norm_eps: float = key(K.Attention.LAYERNORM_RMS_EPS, 1e-6, missing=REQUIRED)
+    rope_base: float = key(K.Rope.FREQ_BASE, 10000.0)
+    rope: int = key(K.Rope.DIMENSION_COUNT)  # RoPE dims of each query head and of the shared key part
+    dense_layers: int = key(K.LLM.LEADING_DENSE_BLOCK_COUNT, 1, missing=0)
+    q_rank: int = key(K.Attention.Q_LORA_RANK, 0)  # 0: queries straight from attn_q
+    kv_rank: int = key(K.Attention.KV_LORA_RANK)
+    split_kv_b: bool = derived(lambda file, values: name(T.ATTN_KV_B, 0) not in file.tensors, True)
+    kv_heads: int = key(
+        K.Attention.HEAD_COUNT_KV, missing=lambda values: 1 if values["split_kv_b"] else values["heads"]
+    )
+    key_length: int = key(K.Attention.KEY_LENGTH)
+    value_length: int = key(K.Attention.VALUE_LENGTH)
+    key_length_mla: int | None = key(K.Attention.KEY_LENGTH_MLA, None, read=mla_key(K.Attention.KEY_LENGTH_MLA))
+    value_length_mla: int | None = key(K.Attention.VALUE_LENGTH_MLA, None, read=mla_key(K.Attention.VALUE_LENGTH_MLA))
+    expert_ffn: int = key(K.LLM.EXPERT_FEED_FORWARD_LENGTH)
+    experts: int = key(K.LLM.EXPERT_COUNT)
+    experts_used: int = key(K.LLM.EXPERT_USED_COUNT)
+    shared_experts: int = key(K.LLM.EXPERT_SHARED_COUNT)
+    gating_func: int = key(K.LLM.EXPERT_GATING_FUNC, int(gguf.ExpertGatingFuncType.SOFTMAX))
+    weights_norm: bool | None = key(K.LLM.EXPERT_WEIGHTS_NORM, None)
+    weights_scale: float | None = key(K.LLM.EXPERT_WEIGHTS_SCALE, None)
+    groups: int | None = key(K.LLM.EXPERT_GROUP_COUNT, None)  # group-limited routing
+    groups_used: int | None = key(K.LLM.EXPERT_GROUP_USED_COUNT, None)
+    # DeepSeek V3's exp_probs_b: a selection bias on the first MoE layer, and so on every one
+    selection_bias: bool = derived(
+        lambda file, values: name(T.FFN_EXP_PROBS_B, values["dense_layers"], "bias") in file.tensors, False
+    )
+    rope_scaling: str | None = key(K.Rope.SCALING_TYPE, None)  # None: linear with a factor, else none
+    rope_factor: float | None = key(K.Rope.SCALING_FACTOR, None)
+    yarn_context: int | None = key(K.Rope.SCALING_ORIG_CTX_LEN, None)  # None: the context length
+    yarn_log_mul: float | None = key(K.Rope.SCALING_YARN_LOG_MUL, None)  # as stored: 0.1 * mscale_all_dim
+    tied: bool = derived(lambda file, values: name(T.OUTPUT) not in file.tensors, False)
+
+    @property
+    def nope(self) -> int:
+        """Per-head key dims without RoPE."""
+        return (self.key_length_mla if self.split_kv_b else self.key_length) - self.rope  # type: ignore[operator]
+
+    @property
+    def v(self) -> int:
+        """Per-head value dims after decompression."""
+        return self.value_length_mla if self.split_kv_b else self.value_length  # type: ignore[return-value]
+
+    @property
+    def scaling(self) -> str:
+        """The RoPE scaling kind: "none", "linear" or "yarn"."""
+        return self.rope_scaling or ("linear" if self.rope_factor else "none")
 
     @property
     def mla(self) -> mla.MLADims:
@@ -92,50 +128,14 @@ class Layer:
 
 class DeepSeek2(Architecture):
     names = ("deepseek2",)
+    Params = DeepSeek2Params
 
     @classmethod
     def read_params(cls, file: ModelFile) -> DeepSeek2Params:
-        rope = int(file.get(K.Rope.DIMENSION_COUNT))
-        split = name(T.ATTN_KV_B, 0) not in file.tensors
-        # MLA GGUFs describe the absorbed MQA head in key/value_length and the real heads in the _mla keys
-        key = file.get(K.Attention.KEY_LENGTH_MLA) if split else file.get(K.Attention.KEY_LENGTH)
-        value = file.get(K.Attention.VALUE_LENGTH_MLA) if split else file.get(K.Attention.VALUE_LENGTH)
-        gating = int(file.get(K.LLM.EXPERT_GATING_FUNC, gguf.ExpertGatingFuncType.SOFTMAX))
-        if gating not in GATING:
-            raise ModelFileError(f"{file.path}: expert_gating_func {gating} is not softmax (1) or sigmoid (2)")
-        return DeepSeek2Params(
-            layers=int(file.get(K.LLM.BLOCK_COUNT)),
-            width=int(file.get(K.LLM.EMBEDDING_LENGTH)),
-            vocab=file.tensor(name(T.TOKEN_EMBD)).shape[0],
-            heads=int(file.get(K.Attention.HEAD_COUNT)),
-            q_rank=int(file.get(K.Attention.Q_LORA_RANK, 0)),
-            kv_rank=int(file.get(K.Attention.KV_LORA_RANK)),
-            nope=int(key) - rope,
-            rope=rope,
-            v=int(value),
-            ffn=int(file.get(K.LLM.FEED_FORWARD_LENGTH)),
-            expert_ffn=int(file.get(K.LLM.EXPERT_FEED_FORWARD_LENGTH)),
-            experts=int(file.get(K.LLM.EXPERT_COUNT)),
-            experts_used=int(file.get(K.LLM.EXPERT_USED_COUNT)),
-            shared_experts=int(file.get(K.LLM.EXPERT_SHARED_COUNT)),
-            dense_layers=int(file.get(K.LLM.LEADING_DENSE_BLOCK_COUNT, 0)),
-            gating=GATING[gating],
-            groups=int(file.get(K.LLM.EXPERT_GROUP_COUNT, 0)),
-            groups_used=int(file.get(K.LLM.EXPERT_GROUP_USED_COUNT, 0)),
-            weights_norm=bool(file.get(K.LLM.EXPERT_WEIGHTS_NORM, False)),
-            weights_scale=float(file.get(K.LLM.EXPERT_WEIGHTS_SCALE, 0.0)),
-            selection_bias=name(T.FFN_EXP_PROBS_B, int(file.get(K.LLM.LEADING_DENSE_BLOCK_COUNT, 0)), "bias")
-            in file.tensors,
-            norm_eps=float(file.get(K.Attention.LAYERNORM_RMS_EPS)),
-            rope_base=float(file.get(K.Rope.FREQ_BASE, 10000.0)),
-            rope_scaling=str(file.get(K.Rope.SCALING_TYPE, "linear" if file.get(K.Rope.SCALING_FACTOR, 0) else "none")),
-            rope_factor=float(file.get(K.Rope.SCALING_FACTOR, 0.0) or 0.0),
-            yarn_context=int(file.get(K.Rope.SCALING_ORIG_CTX_LEN, 0)),
-            yarn_log_mul=float(file.get(K.Rope.SCALING_YARN_LOG_MUL, 0.0)),
-            context=int(file.get(K.LLM.CONTEXT_LENGTH, 4096)),
-            tied=name(T.OUTPUT) not in file.tensors,
-            split_kv_b=split,
-        )
+        p = super().read_params(file)
+        if p.gating_func not in GATING:
+            raise ModelFileError(f"{file.path}: expert_gating_func {p.gating_func} is not softmax (1) or sigmoid (2)")
+        return p
 
     @property
     def vocab_size(self) -> int:
@@ -148,9 +148,9 @@ class DeepSeek2(Architecture):
     @classmethod
     def rope_and_scale(cls, p: DeepSeek2Params) -> tuple[RopeSpec, float]:
         """The RoPE of q_rope and k_rope, and the attention score scale, as llama.cpp derives them."""
-        freq_scale = 1.0 / p.rope_factor if p.rope_scaling != "none" and p.rope_factor else 1.0
-        ext_factor = 1.0 if p.rope_scaling == "yarn" else 0.0
-        log_mul = p.yarn_log_mul / 0.1  # llama.cpp cancels the converter's factor 0.1
+        freq_scale = 1.0 / p.rope_factor if p.scaling != "none" and p.rope_factor else 1.0
+        ext_factor = 1.0 if p.scaling == "yarn" else 0.0
+        log_mul = (p.yarn_log_mul or 0.0) / 0.1  # llama.cpp cancels the converter's factor 0.1
         attn_factor = 1.0  # llama-context.cpp: cparams.yarn_attn_factor
         if ext_factor:
             factor = 1.0 / freq_scale
@@ -172,29 +172,29 @@ class DeepSeek2(Architecture):
 
     def load_weights(self, w: Weights) -> None:
         p = self.params
-        self.embedding = w(name(T.TOKEN_EMBD))
-        self.output_norm = w(name(T.OUTPUT_NORM))
-        self.output = self.embedding if p.tied else w(name(T.OUTPUT))
+        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
+        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
+        self.output = self.embedding if p.tied else w(name(T.OUTPUT), (p.vocab, p.width))
         self.rope, self.scale = self.rope_and_scale(p)
-        self.moe = MoESpec(
-            p.experts,
-            p.experts_used,
-            p.gating,
-            p.weights_norm,
-            p.weights_scale or 1.0,
-            groups=p.groups,
-            groups_used=p.groups_used,
-        )
+        gating = GATING[p.gating_func]
+        groups = {"groups": p.groups or 0, "groups_used": p.groups_used or 0}
+        self.moe = MoESpec(p.experts, p.experts_used, gating, bool(p.weights_norm), p.weights_scale or 1.0, **groups)
+        shared = p.expert_ffn * p.shared_experts
+
+        def mlp(i: int, kinds: tuple[gguf.MODEL_TENSOR, ...], size: int) -> tuple[Any, Any, Any]:
+            gate, up, down = (name(kind, i) for kind in kinds)
+            return w(gate, (size, p.width)), w(up, (size, p.width)), w(down, (p.width, size))
+
         self.layers = []
         for i in range(p.layers):
-            layer = Layer(w(name(T.ATTN_NORM, i)), mla.load_mla(w, i, p.mla), w(name(T.FFN_NORM, i)))
+            attn_norm = w(name(T.ATTN_NORM, i), (p.width,))
+            attn = mla.load_mla(w, i, p.mla, p.width, p.split_kv_b)
+            layer = Layer(attn_norm, attn, w(name(T.FFN_NORM, i), (p.width,)))
             if i < p.dense_layers:
-                layer.gate, layer.up, layer.down = (w(name(t, i)) for t in (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN))
+                layer.gate, layer.up, layer.down = mlp(i, DENSE, p.ffn)
             else:
-                layer.experts = load_moe(w, i)
-                layer.shared_gate, layer.shared_up, layer.shared_down = (
-                    w(name(t, i)) for t in (T.FFN_GATE_SHEXP, T.FFN_UP_SHEXP, T.FFN_DOWN_SHEXP)
-                )
+                layer.experts = load_moe(w, i, p.width, p.expert_ffn, p.experts, False, p.selection_bias)
+                layer.shared_gate, layer.shared_up, layer.shared_down = mlp(i, SHARED, shared)
             self.layers.append(layer)
 
     def forward(self, batch: Batch, kv: Any) -> Any:
@@ -215,93 +215,17 @@ class DeepSeek2(Architecture):
 
     # -- test models ---------------------------------------------------------------------------------
     @classmethod
-    def tiny(cls, **overrides: Any) -> DeepSeek2Params:
-        params = DeepSeek2Params(
-            layers=3,
-            width=64,
-            vocab=300,
-            heads=4,
-            q_rank=24,
-            kv_rank=32,
-            nope=16,
-            rope=8,
-            v=16,
-            ffn=128,
-            expert_ffn=32,
-            experts=8,
-            experts_used=2,
-            shared_experts=1,
-            context=256,
-        )
-        return dataclasses.replace(params, **overrides)
-
-    @classmethod
-    def tensor_shapes(cls, p: DeepSeek2Params) -> dict[str, tuple[int, ...]]:
-        shapes = {name(T.TOKEN_EMBD): (p.vocab, p.width), name(T.OUTPUT_NORM): (p.width,)}
-        if not p.tied:
-            shapes[name(T.OUTPUT)] = (p.vocab, p.width)
-        for i in range(p.layers):
-            shapes[name(T.ATTN_NORM, i)] = (p.width,)
-            shapes |= mla.mla_shapes(i, p.width, p.mla, p.split_kv_b)
-            shapes[name(T.FFN_NORM, i)] = (p.width,)
-            if i < p.dense_layers:
-                shapes |= {
-                    name(T.FFN_GATE, i): (p.ffn, p.width),
-                    name(T.FFN_UP, i): (p.ffn, p.width),
-                    name(T.FFN_DOWN, i): (p.width, p.ffn),
-                }
-                continue
-            shapes |= moe_shapes(i, p.width, p.expert_ffn, p.experts, selection_bias=p.selection_bias)
-            shared = p.expert_ffn * p.shared_experts
-            shapes |= {
-                name(T.FFN_GATE_SHEXP, i): (shared, p.width),
-                name(T.FFN_UP_SHEXP, i): (shared, p.width),
-                name(T.FFN_DOWN_SHEXP, i): (p.width, shared),
-            }
-        return shapes
-
-    @classmethod
-    def write_metadata(cls, writer: gguf.GGUFWriter, p: DeepSeek2Params) -> None:
-        writer.add_block_count(p.layers)
-        writer.add_context_length(p.context)
-        writer.add_embedding_length(p.width)
-        writer.add_feed_forward_length(p.ffn)
-        writer.add_head_count(p.heads)
-        writer.add_vocab_size(p.vocab)
-        writer.add_layer_norm_rms_eps(p.norm_eps)
-        writer.add_rope_freq_base(p.rope_base)
-        writer.add_rope_dimension_count(p.rope)
-        writer.add_leading_dense_block_count(p.dense_layers)
-        writer.add_q_lora_rank(p.q_rank)
-        writer.add_kv_lora_rank(p.kv_rank)
-        if p.split_kv_b:  # as the current converter: one absorbed KV head, real heads in the _mla keys
-            writer.add_head_count_kv(1)
-            writer.add_key_length(p.kv_rank + p.rope)
-            writer.add_value_length(p.kv_rank)
-            writer.add_key_length_mla(p.nope + p.rope)
-            writer.add_value_length_mla(p.v)
+    def tiny(cls, nope: int = 16, v: int = 16, gating: str = "softmax", **overrides: Any) -> DeepSeek2Params:
+        """3 layers (1 dense, 2 MoE), width 64, 4 heads; ``nope`` and ``v`` (the real heads' key dims without RoPE
+        and value dims) and ``gating`` go into the keys that state them."""
+        shape = {"layers": 3, "width": 64, "vocab": 300, "heads": 4, "q_rank": 24, "kv_rank": 32, "rope": 8, "ffn": 128}
+        experts = {"expert_ffn": 32, "experts": 8, "experts_used": 2, "shared_experts": 1, "context": 256}
+        values: dict[str, Any] = shape | experts | overrides
+        values["gating_func"] = next(number for number, kind in GATING.items() if kind == gating)
+        rope, kv_rank = values["rope"], values["kv_rank"]
+        if values.get("split_kv_b", True):  # as the current converter: one absorbed KV head, real heads in _mla
+            values |= {"kv_heads": 1, "key_length": kv_rank + rope, "value_length": kv_rank}
+            values |= {"key_length_mla": nope + rope, "value_length_mla": v}
         else:
-            writer.add_head_count_kv(p.heads)
-            writer.add_key_length(p.nope + p.rope)
-            writer.add_value_length(p.v)
-        writer.add_expert_feed_forward_length(p.expert_ffn)
-        writer.add_expert_count(p.experts)
-        writer.add_expert_used_count(p.experts_used)
-        writer.add_expert_shared_count(p.shared_experts)
-        writer.add_expert_gating_func(
-            gguf.ExpertGatingFuncType.SIGMOID if p.gating == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
-        )
-        if p.weights_norm:
-            writer.add_expert_weights_norm(True)
-        if p.weights_scale:
-            writer.add_expert_weights_scale(p.weights_scale)
-        if p.groups:
-            writer.add_expert_group_count(p.groups)
-            writer.add_expert_group_used_count(p.groups_used)
-        if p.rope_scaling != "none":
-            writer.add_rope_scaling_type(gguf.RopeScalingType(p.rope_scaling))
-            writer.add_rope_scaling_factor(p.rope_factor)
-            if p.yarn_context:
-                writer.add_rope_scaling_orig_ctx_len(p.yarn_context)
-            if p.yarn_log_mul:
-                writer.add_rope_scaling_yarn_log_mul(p.yarn_log_mul)
+            values |= {"kv_heads": values["heads"], "key_length": nope + rope, "value_length": v}
+        return DeepSeek2Params(**values)
