@@ -1,0 +1,106 @@
+"""The tiny random-weight GLM-4.5 MoE files llama.cpp's references were recorded on, and how to rebuild them.
+
+Shared by ``scripts/record_llamacpp_tiny.py`` (which records llama.cpp's logits on them) and
+``../test_llamacpp_agreement.py`` (which rebuilds each file, checks its SHA-256 against the recording and
+compares leat with the recorded logits). Files are written by :func:`leat.testing.write_tiny_gguf`,
+deterministically: the same configuration gives the same bytes.
+
+Run as a script (in leat's environment) to build every file into a folder and print one JSON line,
+``{name: {"path", "sha256", "token_ids", ...configuration}}``::
+
+    uv run python architectures/glm4moe/tests/references/tiny_models.py OUTDIR
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+# name -> quant type, seed, overrides of Glm4Moe.tiny(), prompt length. Glm4Moe.tiny(): 3 layers (1 dense, 2 MoE of 8
+# experts of ffn 32, top 2, one shared expert), width 48, 4 heads of 16 with 2 KV heads, RoPE on 8 of 16 dimensions,
+# q/k/v biases, sigmoid gating with normalized weights scaled by 2.5, an untied output.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "glm4moe-f32": {"qtype": "F32", "seed": 0, "params": {}, "tokens": 64},
+    "glm4moe-f32-mtp-qk-norm": {
+        # one multi-token-prediction layer (block_count 4, nextn_predict_layers 1), q/k norms, MQA
+        "qtype": "F32",
+        "seed": 1,
+        "params": {"layers": 4, "nextn_layers": 1, "qk_norm": True, "kv_heads": 1},
+        "tokens": 64,
+    },
+    "glm4moe-f32-grouped-softmax-tied": {
+        # 16 experts in 4 groups, 2 used; top 4; softmax gating, weights neither normalized nor scaled; no dense
+        # layer, no q/k/v biases, tied output
+        "qtype": "F32",
+        "seed": 2,
+        "params": {
+            "experts": 16,
+            "experts_used": 4,
+            "groups": 4,
+            "groups_used": 2,
+            "gating_func": 1,
+            "weights_norm": False,
+            "weights_scale": None,
+            "dense_layers": 0,
+            "qkv_bias": False,
+            "tied": True,
+        },
+        "tokens": 64,
+    },
+    "glm4moe-f16": {"qtype": "F16", "seed": 3, "params": {"rope_dims": 16, "shared_experts": 2}, "tokens": 64},
+}
+
+
+def architecture(config: dict[str, Any]) -> Any:
+    from leat_arch_glm4moe.glm4moe import Glm4Moe
+
+    return Glm4Moe
+
+
+def params_for(config: dict[str, Any]) -> Any:
+    return architecture(config).tiny(**config["params"])
+
+
+def tokens(name: str) -> np.ndarray:
+    """The prompt fed to configuration ``name``: seeded random token ids (no tokenizer involved)."""
+    config = CONFIGS[name]
+    vocab = params_for(config).vocab
+    return np.random.default_rng(1000 + config["seed"]).integers(0, vocab, config["tokens"]).astype(np.int32)
+
+
+def build(name: str, path: str | Path) -> Path:
+    """Write the tiny file of configuration ``name`` to ``path`` (the same bytes every time)."""
+    from leat.testing import write_tiny_gguf
+
+    config = CONFIGS[name]
+    qtype = gguf.GGMLQuantizationType[config["qtype"]]
+    return write_tiny_gguf(architecture(config), path, qtype, config["seed"], params_for(config))
+
+
+def sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        sys.exit("usage: tiny_models.py OUTDIR")
+    out = Path(argv[0])
+    out.mkdir(parents=True, exist_ok=True)
+    built = {}
+    for name, config in CONFIGS.items():
+        path = build(name, out / f"tiny-{name}.gguf")
+        hyper = dataclasses.asdict(params_for(config))
+        built[name] = {**config, "path": str(path), "sha256": sha256(path), "token_ids": tokens(name).tolist()}
+        built[name]["hyperparameters"] = hyper
+    print(json.dumps(built))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
