@@ -118,8 +118,8 @@ class RequestHandle:
         self.cancelled = threading.Event()
         self._events: queue.Queue[Event] = queue.Queue()
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._async_events: asyncio.Queue[Event] | None = None
+        # set by aiter(): the event loop that reads this request, and the queue it reads from
+        self._reader: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
         self._sink: Callable[[list[tuple[RequestHandle, Event]]], None] | None = None
         self.remote_id = -1
 
@@ -148,42 +148,43 @@ class RequestHandle:
                 return
 
     async def aiter(self) -> AsyncIterator[Event]:
+        events: asyncio.Queue[Event] = asyncio.Queue()
         with self._lock:
-            self._loop = asyncio.get_running_loop()
-            self._async_events = asyncio.Queue()
+            self._reader = (asyncio.get_running_loop(), events)
             while not self._events.empty():
-                self._async_events.put_nowait(self._events.get_nowait())
+                events.put_nowait(self._events.get_nowait())
         while True:
-            event = await self._async_events.get()
+            event = await events.get()
             yield event
             if event.kind in ("done", "error"):
                 return
 
 
-def deliver(events: list[tuple[RequestHandle, Event]]) -> None:
+def deliver(events: Sequence[tuple[RequestHandle, Event]]) -> None:
     """Hand events to their handles: those read from a thread at once, those read in an event loop with one
     wake-up of each loop for all of them (a step's events cost a loop one callback, not one per request), those
     with a sink (:meth:`RequestHandle.attach`) in one call of each sink."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
-    by_sink: dict[Callable, list[tuple[RequestHandle, Event]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+    by_sink: dict[Callable[[list[tuple[RequestHandle, Event]]], None], list[tuple[RequestHandle, Event]]] = {}
     for handle, event in events:
         with handle._lock:
             if handle._sink is not None:
                 by_sink.setdefault(handle._sink, []).append((handle, event))
-            elif handle._loop is None:
+            elif handle._reader is None:
                 handle._events.put(event)
             else:
-                by_loop.setdefault(handle._loop, []).append((handle._async_events, event))
-    for sink, items in by_sink.items():
-        sink(items)
-    for loop, items in by_loop.items():
+                loop, events_of_loop = handle._reader
+                by_loop.setdefault(loop, []).append((events_of_loop, event))
+    for sink, batch in by_sink.items():
+        sink(batch)
+    for loop, puts in by_loop.items():
         try:
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(_put_all, puts)
         except RuntimeError:
             pass  # the loop closed: nobody reads these any more
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
     for events, event in items:
         events.put_nowait(event)
 
@@ -238,6 +239,14 @@ class _Readout:
     vocab: int = 0
     logits: np.ndarray | None = None
 
+    def argmax(self) -> np.ndarray:
+        """Each output row's argmax, from the ids or the candidates (whose first column it is)."""
+        if self.chosen is not None:
+            return self.chosen
+        if self.candidates is None:
+            raise ValueError("whole logit rows came to the host, not their argmax")
+        return self.candidates[1][:, 0]
+
 
 class Engine:
     def __init__(
@@ -289,7 +298,10 @@ class Engine:
         """Size the KV cache to the budget and allocate it, one page group per sliding window (one for all layers
         without ``window_pages``)."""
         layouts = self.model.architecture.kv_layouts(self.model.architecture.params)
-        groups, self.windows = window_groups(layouts) if options.window_pages else ([0] * len(layouts), [None])
+        if options.window_pages:
+            groups, self.windows = window_groups(layouts)
+        else:
+            groups, self.windows = [0] * len(layouts), [None]
         group_bytes = [
             sum(layout.bytes_per_token(1) for layout, g in zip(layouts, groups) if g == group) * KV_BYTES[options.kv]
             for group in range(len(self.windows))
@@ -442,15 +454,16 @@ class Engine:
             return False
         prompt = item.tokens[: item.prompt_len - 1]
         found = self.session_kv.reuse(session, prompt) if session is not None else None
-        lent = session.pages if found is not None else None
+        lender = session if found is not None else None  # the session whose pages this row borrows
+        lent = lender.pages if lender is not None else None
         reuse, shared = found or self.budget.lookup(self.budget.prefix_keys(item.request.client, prompt))
         # a session's partly filled last page is copied before writing (a cached prefix is whole pages)
         copy = reuse % self.page_size != 0
         held = self.budget.reserve(item.prompt_len + item.request.max_tokens, shared, copy, lent, keep=session)
         if held is None:
             return False
-        if lent is not None:
-            self.session_kv.lend_window(session)
+        if lender is not None:
+            self.session_kv.lend_window(lender)
         item.held, item.filled, item.cached = held, reuse, reuse
         return True
 
@@ -622,9 +635,10 @@ class Engine:
             if self._pipeline:
                 self._queue_next(rows, ids)
             return _Readout(chosen=ids.result())
-        if self.top_k_candidates and all(want is not None for want in wants):
+        known = [want for want in wants if want is not None]
+        if self.top_k_candidates and len(known) == len(wants):
             # rows x K candidates cross to the host instead of rows x vocabulary logits
-            return _Readout(candidates=self.backend.top_k(out, max(wants)), vocab=out.shape[-1])
+            return _Readout(candidates=self.backend.top_k(out, max(known)), vocab=out.shape[-1])
         return _Readout(logits=self.backend.to_host(out))
 
     def _advance(self, item: _Running, row: Row, readout: _Readout, at: int) -> None:
@@ -636,14 +650,12 @@ class Engine:
         item.filled = row.start + len(row.tokens)
         if item.filled < len(item.tokens):
             return
-        if readout.chosen is not None:
-            self._sample(item, None, int(readout.chosen[at]))
-        elif readout.candidates is not None and self._plain_greedy(item, row):
-            self._sample(item, None, int(readout.candidates[1][at, 0]))
-        elif readout.candidates is not None:
-            self._sample(item, self._candidate_row(readout.candidates, at, readout.vocab))
-        else:
+        if readout.logits is not None:
             self._sample(item, readout.logits[at])
+        elif readout.candidates is not None and not self._plain_greedy(item, row):
+            self._sample(item, self._candidate_row(readout.candidates, at, readout.vocab))
+        else:  # the argmax ids, or a plain greedy row's first candidate
+            self._take(item, int(readout.argmax()[at]))
 
     def _candidates(self, item: _Running, row: Row) -> int | None:
         """How many of the row's top logits (by value, ties to the lower id) give exactly the token a whole
@@ -686,15 +698,17 @@ class Engine:
 
     # -- speculation: a decoding row carries draft tokens, verified against every position's logits --
     def _propose(self, item: _Running) -> list[int]:
-        if item.speculation is None or item.request.processors:  # verification knows no processors
+        # a request has a controller only where the engine has speculation; verification knows no processors
+        speculation = self.speculation
+        if item.speculation is None or speculation is None or item.request.processors:
             return []
         # the draft never runs past max_tokens, so the pages reserved at admission always cover it
         decoding = sum(1 for other in self.running if other.filled >= other.prompt_len)
-        k = item.speculation.draft_length(lambda extra: self.speculation.cost(decoding, extra))
+        k = item.speculation.draft_length(lambda extra: speculation.cost(decoding, extra))
         k = min(k, item.request.max_tokens - item.generated - 1)
         if k <= 0:
             return []
-        proposer = self.speculation.proposer
+        proposer = speculation.proposer
         try:
             return [int(t) for t in proposer.propose(item.handle.id, item.tokens, k)[:k]]
         except Exception as e:
@@ -702,8 +716,8 @@ class Engine:
 
     def _verify_row(self, item: _Running, row: Row, readout: _Readout, at: int) -> None:
         if readout.logits is None:  # plain greedy: the argmax at every position is all verification needs
-            ids = readout.chosen if readout.chosen is not None else readout.candidates[1][:, 0]
-            self._verify(item, row, accept_greedy(item.draft, ids[at : at + len(row.tokens)]))
+            ids = readout.argmax()[at : at + len(row.tokens)]
+            self._verify(item, row, accept_greedy(item.draft, [int(t) for t in ids]))
             return
         span = readout.logits[at : at + len(row.tokens)]
         try:
@@ -715,11 +729,12 @@ class Engine:
     def _verify(self, item: _Running, row: Row, new: list[int], logits: np.ndarray | None = None) -> None:
         """Take the tokens one verification gained (the accepted draft prefix and one more); ``logits``, every
         position's, where the request reads them (logprobs)."""
-        item.speculation.record(len(item.draft), len(new) - 1)
+        if item.speculation is not None:  # a row drafts only with a controller
+            item.speculation.record(len(item.draft), len(new) - 1)
         item.draft = []
         for i, token in enumerate(new):
             item.filled = row.start + 1 + i  # the accepted draft tokens before this one are in the KV
-            self._sample(item, None if logits is None else logits[i], token)
+            self._take(item, token, None if logits is None else logits[i])
             if item.ended:
                 return
 
@@ -732,10 +747,13 @@ class Engine:
         return totals
 
     # -- a request's new token -------------------------------------------------------------------------
-    def _sample(self, item: _Running, logits: np.ndarray | None, token: int | None = None) -> None:
-        """Take ``token``, or sample one from ``logits``; end the request at end of generation or max_tokens."""
-        if token is None:
-            token = self._choose(item, logits)
+    def _sample(self, item: _Running, logits: np.ndarray) -> None:
+        """Sample the request's next token from its ``logits`` row, and take it."""
+        self._take(item, self._choose(item, logits), logits)
+
+    def _take(self, item: _Running, token: int, logits: np.ndarray | None = None) -> None:
+        """Take ``token`` (``logits``: its position's row, where it came to the host); end the request at end of
+        generation or max_tokens."""
         item.tokens.append(token)
         if item.first_token_at is None:
             item.first_token_at = time.perf_counter()
@@ -743,7 +761,7 @@ class Engine:
             self._finish(item, "stop")
             return
         if item.request.logprobs is not None:
-            self._gain_logprobs(item, logits, token)
+            self._gain_logprobs(item, logits, token, item.request.logprobs)
         item.gained.append(token)
         if item.generated >= item.request.max_tokens:
             self._finish(item, "length")
@@ -765,9 +783,11 @@ class Engine:
             raise RequestFault("sampling", e) from e
 
     @staticmethod
-    def _gain_logprobs(item: _Running, logits: np.ndarray, token: int) -> None:
-        k = item.request.logprobs
+    def _gain_logprobs(item: _Running, logits: np.ndarray | None, token: int, k: int) -> None:
+        """The token's log-probability, and the ``k`` most likely tokens' (k > 0), from its position's logits."""
         try:
+            if logits is None:  # a request that reads logprobs has its rows' logits brought to the host
+                raise ValueError("no logits came to the host for this position")
             logp = log_softmax(logits)
             item.gained_logprobs.append(float(logp[token]))
             if k > 0:
@@ -806,7 +826,7 @@ class Engine:
             kept = item.tokens[: item.filled]
             self.session_kv.keep(item.request.session, kept, item.held.pages, failed=reason == "error")
         self.budget.release(item.held)
-        if item.speculation is not None:
+        if item.speculation is not None and self.speculation is not None:
             self.speculation.proposer.forget(item.handle.id)
             for key, total in self._finished_speculation.items():
                 self._finished_speculation[key] = total + getattr(item.speculation, key)

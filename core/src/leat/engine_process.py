@@ -109,18 +109,23 @@ def describe(engine: Engine) -> dict[str, Any]:
     }
 
 
-def logit_bias(table: dict[int, float]) -> Callable[[np.ndarray, Any], np.ndarray]:
+class LogitBias:
     """A logits processor that adds ``table[id]`` to each listed token's logit; it carries its spec, so an engine
     in another process rebuilds it with :func:`build_processor`."""
-    ids, values = list(table), list(table.values())
 
-    def apply(logits: np.ndarray, history: Any) -> np.ndarray:
-        logits[ids] += values
+    def __init__(self, table: dict[int, float]):
+        self.ids, self.values = list(table), list(table.values())
+        self.label = "logit_bias"  # names it in the error if it fails
+        self.spec = ("logit_bias", {str(k): float(v) for k, v in table.items()})
+
+    def __call__(self, logits: np.ndarray, history: Any) -> np.ndarray:
+        logits[self.ids] += self.values
         return logits
 
-    apply.label = "logit_bias"  # names it in the error if it fails
-    apply.spec = ("logit_bias", {str(k): float(v) for k, v in table.items()})
-    return apply
+
+def logit_bias(table: dict[int, float]) -> LogitBias:
+    """The :class:`LogitBias` processor of ``table`` ({token id: bias})."""
+    return LogitBias(table)
 
 
 def build_processor(spec: tuple[str, Any, str], model: Any) -> Callable[[np.ndarray, Any], np.ndarray]:
@@ -136,7 +141,7 @@ def build_processor(spec: tuple[str, Any, str], model: Any) -> Callable[[np.ndar
     elif ":" in kind:
         module_name, _, attr = kind.partition(":")
         try:
-            function = importlib.import_module(module_name)
+            function: Any = importlib.import_module(module_name)  # then the attribute path in it
             for part in attr.split("."):
                 function = getattr(function, part)
         except Exception as e:

@@ -213,9 +213,9 @@ class PageBudget:
             return None
         return RowPages(shared, needs)
 
-    def allocate(self, held: Sequence[Sequence[bool]], keep: Any = None) -> list[list[int]] | None:
-        """Fresh pages per group where ``held`` says (-1 elsewhere), as a hibernated session restored needs them;
-        None when they do not fit."""
+    def allocate(self, held: Sequence[Sequence[bool] | np.ndarray], keep: Any = None) -> list[list[int]] | None:
+        """Fresh pages per group where ``held`` (a bool per page, as a list or a numpy array) says (-1 elsewhere), as
+        a hibernated session restored needs them; None when they do not fit."""
         if not self.reserve_pages([int(np.count_nonzero(kept)) for kept in held], keep):
             return None
         return [[pool.take() if kept else -1 for kept in mask] for pool, mask in zip(self.pools, held)]

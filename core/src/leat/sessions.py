@@ -166,14 +166,16 @@ class SessionStore:
         (:meth:`Backend.read_pages` of the held ones)."""
         if self.directory is None:
             raise LeatError("no session store: start with --session-store DIR to hibernate sessions")
-        arrays = {}
+        arrays: dict[str, np.ndarray] = {}
         for g, (pages, contents) in enumerate(groups):
             arrays[f"held{g}"] = np.asarray(pages, np.int64) >= 0
             arrays |= {f"group{g}_{i}": a for i, a in enumerate(contents)}
         path = self._path(session.name)
         partial = path.with_name(path.name + ".partial")  # not *.npz: never read back as a session
         with open(partial, "wb") as out:
-            np.savez(out, tokens=np.asarray(session.tokens, np.int64), fingerprint=self.fingerprint, **arrays)
+            # no pickles, as np.load reads it back
+            tokens = np.asarray(session.tokens, np.int64)
+            np.savez(out, tokens=tokens, fingerprint=self.fingerprint, allow_pickle=False, **arrays)
         partial.replace(path)
         self.sizes[session.name] = path.stat().st_size
         self.trim_disk(keep=session.name)

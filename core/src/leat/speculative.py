@@ -182,7 +182,7 @@ class Controller:
         self.proposed = 0
         self.accepted = 0
         self.verifications = 0
-        self._cost = _prior
+        self._cost: Callable[[int], float] = _prior  # what a step with k drafts costs, until the engine says
 
     def _best(self, cost: Callable[[int], float]) -> tuple[int, float]:
         a = min(self.acceptance, 0.999)
