@@ -95,12 +95,12 @@ class DeepSeek2Params:
     @property
     def nope(self) -> int:
         """Per-head key dims without RoPE."""
-        return (self.key_length_mla if self.split_kv_b else self.key_length) - self.rope  # type: ignore[operator]
+        return (self.key_length_mla if self.split_kv_b else self.key_length) - self.rope
 
     @property
     def v(self) -> int:
         """Per-head value dims after decompression."""
-        return self.value_length_mla if self.split_kv_b else self.value_length  # type: ignore[return-value]
+        return self.value_length_mla if self.split_kv_b else self.value_length
 
     @property
     def scaling(self) -> str:
