@@ -114,7 +114,7 @@ class Glm4Moe(Architecture):
         self.layers = [self.load_layer(w, i) for i in range(p.trunk)]
         for i in range(p.trunk, p.layers):  # multi-token prediction: a MoE layer and the nextn projections
             unloaded = Unloaded(w)
-            self.load_layer(unloaded, i)  # type: ignore[arg-type]
+            self.load_layer(unloaded, i)
             nextn = {T.NEXTN_EH_PROJ: (p.width, 2 * p.width), T.NEXTN_ENORM: (p.width,), T.NEXTN_HNORM: (p.width,)}
             for kind, shape in nextn.items():
                 unloaded(name(kind, i), shape)
@@ -122,7 +122,7 @@ class Glm4Moe(Architecture):
                 if w.has(name(kind, i)):
                     unloaded(name(kind, i))
 
-    def load_layer(self, w: Weights, i: int) -> Layer:
+    def load_layer(self, w: Weights | Unloaded, i: int) -> Layer:
         p = self.params
         attn_norm = w(name(T.ATTN_NORM, i), (p.width,))
         attn = blocks.load_attention(
@@ -134,7 +134,9 @@ class Glm4Moe(Architecture):
         experts = load_moe(w, i, p.width, p.expert_ffn, p.experts, False, True)
         return Layer(attn_norm, attn, ffn_norm, self.load_mlp(w, i, SHARED, p.expert_ffn * p.shared_experts), experts)
 
-    def load_mlp(self, w: Weights, i: int, kinds: tuple[gguf.MODEL_TENSOR, ...], size: int) -> tuple[Any, Any, Any]:
+    def load_mlp(
+        self, w: Weights | Unloaded, i: int, kinds: tuple[gguf.MODEL_TENSOR, ...], size: int
+    ) -> tuple[Any, Any, Any]:
         gate, up, down = (name(kind, i) for kind in kinds)
         width = self.params.width
         return w(gate, (size, width)), w(up, (size, width)), w(down, (width, size))
