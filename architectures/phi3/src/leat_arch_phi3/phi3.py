@@ -29,7 +29,6 @@ from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout
 from leat.batch import Batch
 from leat.hparams import DecoderParams, derived, has_tensor, key, tensor_rows
-from leat.modelfile import Tensor
 from leat.rope import rope_from_metadata
 
 K = gguf.Keys
@@ -61,19 +60,11 @@ class Layer:
     down: Any
 
 
-def split_rows(w: Weights, tensor: str, shape: tuple[int, int], sizes: list[int]) -> list[Any]:
-    """The consecutive row blocks ``sizes`` of a fused 2-D tensor, each uploaded in its stored type (views of the
-    file's rows, no copy)."""
-    if not w.has(tensor):  # describing a test file's tensors (or a file without it: w names what is missing)
-        return [w(tensor, shape)] * len(sizes)
-    stored = w.file.tensor(tensor)
-    w.used.add(tensor)
-    rows = np.asarray(stored.data).reshape(stored.shape[0], -1)
-    starts = itertools.accumulate(sizes, initial=0)
-    return [
-        w.backend.upload(Tensor(tensor, stored.qtype, (b - a, *stored.shape[1:]), rows[a:b]))
-        for a, b in itertools.pairwise(starts)
-    ]
+def split_rows(w: Weights, tensor: str, width: int, sizes: list[int]) -> list[Any]:
+    """The consecutive row blocks ``sizes`` of the fused projection ``tensor`` [sum(sizes), width], each uploaded in
+    its stored type."""
+    starts = list(itertools.accumulate(sizes, initial=0))
+    return [w.rows(tensor, (starts[-1], width), np.arange(a, b)) for a, b in itertools.pairwise(starts)]
 
 
 class Phi3(Architecture):
@@ -105,13 +96,13 @@ class Phi3(Architecture):
         q, kv = p.heads * p.head_dim, p.kv_heads * p.head_dim
         attn_norm = w(name(T.ATTN_NORM, i), (p.width,))
         if p.fused_qkv:
-            qkv = split_rows(w, name(T.ATTN_QKV, i), (q + 2 * kv, p.width), [q, kv, kv])
+            qkv = split_rows(w, name(T.ATTN_QKV, i), p.width, [q, kv, kv])
             attn = blocks.AttentionWeights(*qkv, o=w(name(T.ATTN_OUT, i), (p.width, q)))
         else:
             attn = blocks.load_attention(w, i, p.width, p.heads, p.kv_heads, p.head_dim)
         ffn_norm = w(name(T.FFN_NORM, i), (p.width,))
         down = w(name(T.FFN_DOWN, i), (p.width, p.ffn))
-        gate, up = split_rows(w, name(T.FFN_UP, i), (2 * p.ffn, p.width), [p.ffn, p.ffn])
+        gate, up = split_rows(w, name(T.FFN_UP, i), p.width, [p.ffn, p.ffn])
         return Layer(attn_norm, attn, ffn_norm, gate, up, down)
 
     def forward(self, batch: Batch, kv: Any) -> Any:
