@@ -3,8 +3,9 @@
 Same measures as the llama.cpp agreement tests (:mod:`leat.compare`), with the float64 oracle as the
 reference: top-1 agreement where the oracle's top-2 gap >= 1e-3, mean KL(f64 || f32) over the oracle's
 top-64 tokens. The design's bars are top-1 >= 99% and mean KL < 1e-3; what is measured is far below
-(KL ~1e-13 on the tiny files, ~1e-11 on SmolLM2), so each case also has a bar a bit above its
-measurement, to catch a regression long before it would cross the design's.
+(KL ~1e-9 on the tiny files, ~1e-7 on SmolLM2: prompts' products round activations to int16 per 32
+values), so each case also has a bar a bit above its measurement, to catch a regression long before it
+would cross the design's.
 
 Token ids are the ones recorded with the llama.cpp references (tests/references/), so these tests do
 not depend on leat's tokenizer either.
@@ -41,8 +42,8 @@ def _tiny_models():
 tiny_models = _tiny_models()
 
 DESIGN_BARS = {"top1": 0.99, "kl": 1e-3}
-TINY_BARS = {"top1": 0.99, "kl": 1e-10}  # measured: top-1 100%, mean KL <= 4e-13
-SMOLLM2_BARS = {"top1": 0.99, "kl": 1e-8}  # measured: top-1 100%, mean KL 9.3e-12 (per prompt <= 1.1e-11)
+TINY_BARS = {"top1": 0.99, "kl": 5e-8}  # measured: top-1 100%, mean KL <= 7.2e-9 (Q6_K; 2e-9 the others)
+SMOLLM2_BARS = {"top1": 0.99, "kl": 5e-7}  # measured: top-1 100%, mean KL 7.7e-8 (per prompt <= 9.4e-8)
 GREEDY_PROMPTS = ["p3", "p4"]  # a chat question (ending in an open assistant turn) and prose
 GREEDY_TOKENS = 64
 

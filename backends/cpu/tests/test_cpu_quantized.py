@@ -58,15 +58,57 @@ def test_decoded_blocks_equal_gguf_dequantize(qtype):
     np.testing.assert_array_equal(native.rows(w, ids, threads=2), exact[ids].astype(np.float32))
 
 
+def rounded_activations(x: np.ndarray, qtype: Q) -> np.ndarray:
+    """x as the prompt GEMM rounds it, in float64: per 32 values q = rint(x * (r / max|x|)) in float32, times
+    max|x| / r, for r = native.activation_range(qtype)."""
+    r = np.float32(native.activation_range(qtype))
+    blocks = x.reshape(len(x), -1, 32)
+    peak = np.abs(blocks).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        q = np.rint(blocks * np.where(peak > 0, r / peak, np.float32(0)))
+    return (q.astype(np.float64) * (peak / r).astype(np.float64)).reshape(x.shape)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("n", [1, 3, 40])  # decode rows (blocks decoded in registers) and a prompt (tiles + BLAS)
+@pytest.mark.parametrize("n", [1, 3, 13, 40])  # decode rows (blocks decoded in registers), prompts (the int16 GEMM)
 def test_products_follow_float64(qtype, n):
-    w, exact = weight(qtype, 300, 768)
+    w, exact = weight(qtype, 300, 768)  # 300 rows: the last 16-row panel is partial
     x = np.random.default_rng(1).standard_normal((n, 768)).astype(np.float32)
-    want = x.astype(np.float64) @ exact.T
+    prompt = n > native.GEMV_ROWS and native.library().has_gemm()
+    want = (rounded_activations(x, qtype) if prompt else x.astype(np.float64)) @ exact.T
     got = native.matmul(x, w, threads=2)
     assert got.dtype == np.float32 and got.shape == (n, 300)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    # the rounding itself: 16 bits per 32 values, far inside the 8 bits of ggml's activations
+    exact_product = x.astype(np.float64) @ exact.T
+    np.testing.assert_allclose(got, exact_product, rtol=0, atol=1e-4 * np.abs(exact_product).max())
+
+
+def test_prompt_rows_do_not_depend_on_the_batch_or_threads():
+    w, _ = weight(Q.Q4_K, 200, 512)
+    x = np.random.default_rng(2).standard_normal((30, 512)).astype(np.float32)
+    x[7, 3] = np.nan
+    together = native.matmul(x, w, threads=2)
+    assert np.isnan(together[7]).all() and not np.isnan(np.delete(together, 7, axis=0)).any()
+    np.testing.assert_array_equal(native.matmul(x[::-1], w, threads=1)[::-1], together)
+    np.testing.assert_array_equal(native.matmul(x[:10], w, threads=2), together[:10])
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gated_activations_over_the_float32_range(gelu):
+    """silu(g) * u and the tanh GELU, 16 lanes at a time through the vectorised exp, against float64."""
+    g = np.concatenate([np.linspace(-120, 120, 40001), [0.0, -0.0, np.inf, -np.inf, np.nan]]).astype(np.float32)
+    u = np.random.default_rng(4).uniform(-3, 3, g.size).astype(np.float32)
+    got = native.gated(g, u, gelu).astype(np.float64)
+    x = g.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        e = -1.5957691216057308 * (x + 0.044715 * x**3) if gelu else -x
+        want = x / (1 + np.exp(e)) * u
+    finite = np.isfinite(want)
+    # the float32 argument of exp carries a relative error of |e| * 6e-8 into the result
+    rtol = 2e-6 + 1.2e-7 * np.abs(np.nan_to_num(e[finite]))
+    np.testing.assert_array_less(np.abs(got[finite] - want[finite]), rtol * np.abs(want[finite]) + 1e-30)
+    assert np.isnan(got[~finite]).all() == np.isnan(want[~finite]).all()
 
 
 def test_decode_rows_do_not_depend_on_the_batch_or_threads():

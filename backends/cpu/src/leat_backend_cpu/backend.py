@@ -248,7 +248,7 @@ class CPUBackend(Backend):
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         if self.native:
-            return native.silu_mul(gate, up)
+            return native.gated(gate, up, gelu=False)
         with np.errstate(over="ignore"):  # exp overflow for very negative gates gives the right limit, 0
             return gate / (1.0 + np.exp(-gate)) * up
 
@@ -265,6 +265,8 @@ class CPUBackend(Backend):
         return x * self.dtype(factor)
 
     def gelu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        if self.native:
+            return native.gated(gate, up, gelu=True)
         inner = self.dtype(math.sqrt(2 / math.pi)) * (gate + self.dtype(0.044715) * gate * gate * gate)
         return self.dtype(0.5) * gate * (1 + np.tanh(inner)) * up
 

@@ -1,10 +1,12 @@
 """The C kernels of the CPU backend's quantized path (``kernels/cpu.c``), compiled on first use.
 
 Products with 2-D weights kept as the file's GGUF blocks: a few activation rows (decode) go through ``gemv``, which
-decodes each block in vector registers and multiplies in float32; more rows (a prompt) decode a tile of weight rows
-to float32 and multiply it with BLAS, so the float32 copy never exceeds a tile. Attention over float32 or f16 KV
-pages, rms_norm, silu_mul and rope are one C call each. Work is split over ``threads`` threads (the caller's and a
-pool's; the C file says how).
+decodes each block in vector registers and multiplies in float32; more rows (a prompt) go through ``gemm``, which
+rounds the activations to int16 per 32 values (:func:`activation_range`), decodes 16 weight rows at a time to int16
+and multiplies them with AVX-512 VNNI integer dot products, each decoded panel reused by every token (CPUs without
+VNNI decode tiles of rows to float32 for BLAS instead). Attention over float32 or f16 KV pages, rms_norm, the gated
+activations and rope are one C call each. Work is split over ``threads`` threads (the caller's and a pool's; the C
+file says how).
 
 The source is compiled with the system's C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``) into
 ``$LEAT_HOME/cpu`` (default ``~/.cache/leat/cpu``), keyed by the source, the flags, the compiler's version and the
@@ -49,8 +51,8 @@ FLAGS = (
 )
 ATTENTION_STORAGE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}  # KV page dtypes attend() reads
 GEMV_ROWS = 8  # activation rows up to which a product decodes blocks in registers
-# float32 bytes of weight rows decoded at once for a prompt's BLAS product: a whole weight of a small model, since
-# each BLAS call forks and joins its threads, which costs milliseconds on a busy machine (1 MiB tiles: 5x slower here)
+# float32 bytes of weight rows decoded at once for a prompt's BLAS product, without VNNI: a whole weight of a small
+# model, since each BLAS call forks and joins its threads, which costs milliseconds on a busy machine
 TILE_BYTES = 8 << 20
 
 
@@ -117,10 +119,13 @@ def library() -> ctypes.CDLL:
     for name in (qtype.name.lower() for qtype in KERNEL_TYPES):
         getattr(lib, f"gemv_{name}").argtypes = [p, i64, i64, p, i64, p, i32]
         getattr(lib, f"dequant_{name}").argtypes = [p, p, i64, i64, p, i32]
+    if lib.has_gemm():
+        for name in (qtype.name.lower() for qtype in KERNEL_TYPES):
+            getattr(lib, f"gemm_{name}").argtypes = [p, i64, i64, p, i64, p, ctypes.c_float, i32]
     for name in ATTENTION_STORAGE.values():
         getattr(lib, f"attend_{name}").argtypes = [p] * 6 + [i64] * 9 + [ctypes.c_float] * 2 + [i32]
     lib.rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float]
-    lib.silu_mul.argtypes = [p, p, p, i64]
+    lib.gated.argtypes = [p, p, p, i64, i32]
     lib.rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i32]
     return lib
 
@@ -151,20 +156,30 @@ def matmul(x: np.ndarray, weight: QuantizedWeight, threads: int) -> np.ndarray:
     """x [n, k] float32 times the transpose of ``weight`` [m, k]: -> [n, m] float32."""
     x = np.ascontiguousarray(x, np.float32)
     (n, k), m = x.shape, weight.shape[0]
+    y = np.empty((n, m), np.float32)
     if n <= GEMV_ROWS:
-        y = np.empty((n, m), np.float32)
         _kernel("gemv", weight)(weight.address, m, k, address(x), n, address(y), threads)
-        return y
-    tile = max(1, min(m, TILE_BYTES // (4 * k)))
-    decoded = np.empty((tile, k), np.float32)
-    dequant = _kernel("dequant", weight)
-    transposed = np.empty((m, n), np.float32)  # tiles of rows of y.T are contiguous, so BLAS writes them in place
-    for first in range(0, m, tile):
-        rows = min(tile, m - first)
-        # one thread: decoding is a few percent of the BLAS product, and a second pool would fight BLAS's threads
-        dequant(weight.address + first * weight.blocks.shape[1], None, rows, k, address(decoded), 1)
-        np.matmul(decoded[:rows], x.T, out=transposed[first : first + rows])
-    return np.ascontiguousarray(transposed.T)
+    elif library().has_gemm():
+        gemm = _kernel("gemm", weight)
+        gemm(weight.address, m, k, address(x), n, address(y), activation_range(weight.qtype), threads)
+    else:  # no AVX-512 VNNI: tiles of decoded rows times x with BLAS
+        tile = max(1, min(m, TILE_BYTES // (4 * k)))
+        decoded = np.empty((tile, k), np.float32)
+        dequant = _kernel("dequant", weight)
+        transposed = np.empty((m, n), np.float32)  # tiles of rows of y.T are contiguous: BLAS writes them in place
+        for first in range(0, m, tile):
+            rows = min(tile, m - first)
+            # one thread: decoding is a few percent of the BLAS product, and a second pool would fight BLAS's
+            dequant(weight.address + first * weight.blocks.shape[1], None, rows, k, address(decoded), 1)
+            np.matmul(decoded[:rows], x.T, out=transposed[first : first + rows])
+        y[:] = transposed.T
+    return y
+
+
+def activation_range(qtype: Q) -> int:
+    """The largest |q| of a prompt's activations rounded to int16 per 32 values for ``qtype``'s GEMM: 32767, or
+    16383 for Q6_K, whose decoded integers (scale folded in) reach 4096, so that 32 products stay inside int32."""
+    return 16383 if qtype == Q.Q6_K else 32767
 
 
 def dequantize(weight: QuantizedWeight, threads: int) -> np.ndarray:
@@ -205,7 +220,7 @@ def attend(
     """One sequence's attention: queries q [queries, heads, dim] at positions start.. against the pages ``keys`` and
     ``values`` [pages, page_size, kv_heads, dim] (float32 or float16) through its page-table row ``table``, into
     ``out`` [queries, heads * value_dim] (a contiguous float32 view). Masks, soft-cap and sinks as
-    :meth:`leat.backend.Backend.attention_sinks` and :meth:`~leat.backend.Backend.attention_softcap` say."""
+    :meth:`leat.backend.Backend.attention` says."""
     q = np.ascontiguousarray(q, np.float32)
     table = np.ascontiguousarray(table, np.int32)
     sinks = None if sinks is None else np.ascontiguousarray(sinks, np.float32)
@@ -241,10 +256,11 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     return out
 
 
-def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+def gated(gate: np.ndarray, up: np.ndarray, gelu: bool) -> np.ndarray:
+    """silu(gate) * up, or (``gelu``) the tanh GELU of gate times up, float32."""
     gate, up = np.ascontiguousarray(gate, np.float32), np.ascontiguousarray(up, np.float32)
     out = np.empty_like(gate)
-    library().silu_mul(address(gate), address(up), address(out), gate.size)
+    library().gated(address(gate), address(up), address(out), gate.size, int(gelu))
     return out
 
 

@@ -7,7 +7,9 @@
  *       y[t][r] does not depend on n (each activation row's sum runs alone, in the same order), so a batch of
  *       decode steps equals the steps one by one;
  *   dequant_<TYPE>(w, ids, count, k, out, threads): rows ids[0..count-1] (ids NULL: the first count rows) into
- *       out [count][k], float32 (embedding lookups, and a prompt's products: rows decoded, then BLAS).
+ *       out [count][k], float32 (embedding lookups, and a prompt's products where there is no VNNI);
+ *   gemm_<TYPE>(w, rows, k, x, n, y, xmax, threads): a prompt's product, with int16 activations and integer dot
+ *       products (below, "prompt GEMM"), from a second decoder per type, ichunk_<TYPE>.
  * Rows are split over `threads` threads (the caller's and a pool's, below).
  */
 #include <pthread.h>
@@ -49,6 +51,28 @@ static inline vf load(const float *p) {
     vf v;
     memcpy(&v, p, 64);
     return v;
+}
+
+static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* exp of 16 floats: Cephes' expf (exp(r) on |r| <= ln2 / 2 by a degree-7 polynomial, times 2^n by adding n to its
+ * exponent bits: p is in [0.70, 1.42], and below 1 where n reaches 128), inf above 88.72, 0 below -87.34 (where
+ * float32 has only subnormals left), nan for nan */
+static inline vf vexp(vf x) {
+    vf c = pick(x > 88.72f, (vf){0} + 88.72f, x);
+    c = pick(c < -87.33f, (vf){0} - 87.33f, c);
+    vf t = c * 1.44269504088896341f + 0.5f;
+    vi n = __builtin_convertvector(t, vi);
+    n += __builtin_convertvector(n, vf) > t; /* truncation to floor: a comparison is -1 where true */
+    vf fn = __builtin_convertvector(n, vf);
+    vf r = c - fn * 0.693359375f + fn * 2.12194440e-4f;
+    vf p = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+            1.6666665459e-1f) * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vf y = (vf)((vi)p + (n << 23));
+    y = pick(x > 88.7228394f, (vf){0} + INFINITY, y);
+    y = pick(x < -87.3365448f, (vf){0}, y);
+    return pick(x != x, x, y);
 }
 
 static inline float f16(const uint8_t *p) {
@@ -179,6 +203,97 @@ static inline vf chunk_iq4_xs(const uint8_t *b, int c) {
     return f16(b) * (float)scale * lookup(KVALUES_IQ4NL, (bytes(b + 8 + g * 16) >> (4 * s)) & 15);
 }
 
+/* -- integer decoders (the prompt GEMM) -------------------------------------------------------------------------
+ * ichunk_<TYPE>(block, c, &scale, &offset): the c-th 16 values of a block as integers q (16 int32 lanes), value =
+ * scale * q + offset. Chunks 2g and 2g + 1 share their scale: where a type scales 16 values apart (Q2_K, Q3_K,
+ * Q6_K) that scale is folded into q, so every 32 values have one float scale. |q| <= 4096 (Q6_K), <= 128 otherwise.
+ * OFFSETS_<TYPE>: 0 no offset, 1 one per 32 values, 2 one per 16 (Q2_K). */
+#if defined(__AVX512F__)
+static inline vi ints(vb v) { return (vi)_mm512_cvtepu8_epi32((__m128i)v); }
+static inline vi signed_ints(vsb v) { return (vi)_mm512_cvtepi8_epi32((__m128i)v); }
+static inline vi ilookup(vsb table, vb index) { return signed_ints((vsb)_mm_shuffle_epi8((__m128i)table, (__m128i)index)); }
+#else
+static inline vi ints(vb v) { return __builtin_convertvector(v, vi); }
+static inline vi signed_ints(vsb v) { return __builtin_convertvector(v, vi); }
+static inline vi ilookup(vsb table, vb index) { return signed_ints(__builtin_shuffle(table, (vsb)index)); }
+#endif
+enum { OFFSETS_q4_0 = 0, OFFSETS_q5_0 = 0, OFFSETS_q8_0 = 0, OFFSETS_mxfp4 = 0, OFFSETS_iq4_nl = 0, OFFSETS_q3_k = 0 };
+enum { OFFSETS_q6_k = 0, OFFSETS_iq4_xs = 0, OFFSETS_q4_1 = 1, OFFSETS_q5_1 = 1, OFFSETS_q4_k = 1, OFFSETS_q5_k = 1 };
+enum { OFFSETS_q2_k = 2 };
+
+static inline vi ichunk_q4_0(const uint8_t *b, int c, float *s, float *o) {
+    *s = f16(b), *o = 0;
+    return ints((bytes(b + 2) >> (4 * c)) & 15) - 8;
+}
+static inline vi ichunk_q4_1(const uint8_t *b, int c, float *s, float *o) {
+    *s = f16(b), *o = f16(b + 2);
+    return ints((bytes(b + 4) >> (4 * c)) & 15);
+}
+static inline vi ichunk_q5_0(const uint8_t *b, int c, float *s, float *o) {
+    *s = f16(b), *o = 0;
+    return (ints((bytes(b + 6) >> (4 * c)) & 15) | (bits16(u32(b + 2), 16 * c) << 4)) - 16;
+}
+static inline vi ichunk_q5_1(const uint8_t *b, int c, float *s, float *o) {
+    *s = f16(b), *o = f16(b + 2);
+    return ints((bytes(b + 8) >> (4 * c)) & 15) | (bits16(u32(b + 4), 16 * c) << 4);
+}
+static inline vi ichunk_q8_0(const uint8_t *b, int c, float *s, float *o) {
+    *s = f16(b), *o = 0;
+    return signed_ints((vsb)bytes(b + 2 + 16 * c));
+}
+static inline vi ichunk_mxfp4(const uint8_t *b, int c, float *s, float *o) {
+    uint32_t bits = b[0] < 2 ? 0x00200000u << b[0] : (uint32_t)(b[0] - 1) << 23;
+    memcpy(s, &bits, 4);
+    *o = 0;
+    return ilookup(KVALUES_MXFP4, (bytes(b + 1) >> (4 * c)) & 15);
+}
+static inline vi ichunk_iq4_nl(const uint8_t *b, int c, float *s, float *o) {
+    *s = f16(b), *o = 0;
+    return ilookup(KVALUES_IQ4NL, (bytes(b + 2) >> (4 * c)) & 15);
+}
+static inline vi ichunk_q2_k(const uint8_t *b, int c, float *s, float *o) {
+    int h = c / 8, shift = (c % 8) / 2, half = c % 2;
+    *s = f16(b + 80), *o = -(f16(b + 82) * (float)(b[c] >> 4));
+    return ints((bytes(b + 16 + h * 32 + half * 16) >> (2 * shift)) & 3) * (b[c] & 15);
+}
+static inline vi ichunk_q3_k(const uint8_t *b, int c, float *s, float *o) {
+    int h = c / 8, shift = (c % 8) / 2, half = c % 2;
+    const uint8_t *sc = b + 96;
+    int scale = (((sc[c % 8] >> (4 * (c / 8))) & 15) | (((sc[8 + c % 4] >> (2 * (c / 4))) & 3) << 4)) - 32;
+    vb low = (bytes(b + 32 + h * 32 + half * 16) >> (2 * shift)) & 3;
+    vb high = (bytes(b + half * 16) >> (4 * h + shift)) & 1;
+    *s = f16(b + 108), *o = 0;
+    return (ints(low) - 4 * (1 - ints(high))) * scale;
+}
+static inline vi ichunk_q4_k(const uint8_t *b, int c, float *s, float *o) {
+    int p = c / 4, shift = (c / 2) % 2, half = c % 2;
+    float sc, mn;
+    scale_min_k4(b + 4, 2 * p + shift, &sc, &mn);
+    *s = f16(b) * sc, *o = -(f16(b + 2) * mn);
+    return ints((bytes(b + 16 + p * 32 + half * 16) >> (4 * shift)) & 15);
+}
+static inline vi ichunk_q5_k(const uint8_t *b, int c, float *s, float *o) {
+    int p = c / 4, shift = (c / 2) % 2, half = c % 2, g = 2 * p + shift;
+    float sc, mn;
+    scale_min_k4(b + 4, g, &sc, &mn);
+    *s = f16(b) * sc, *o = -(f16(b + 2) * mn);
+    return ints(((bytes(b + 48 + p * 32 + half * 16) >> (4 * shift)) & 15) | (((bytes(b + 16 + half * 16) >> g) & 1) << 4));
+}
+static inline vi ichunk_q6_k(const uint8_t *b, int c, float *s, float *o) {
+    int h = c / 8, shift = (c % 8) / 2, half = c % 2;
+    vb low = (bytes(b + h * 64 + (shift & 1) * 32 + half * 16) >> (4 * (shift >> 1))) & 15;
+    vb high = (bytes(b + 128 + h * 32 + half * 16) >> (2 * shift)) & 3;
+    *s = f16(b + 208), *o = 0;
+    return (ints(low | (high << 4)) - 32) * (int)(int8_t)b[192 + c];
+}
+static inline vi ichunk_iq4_xs(const uint8_t *b, int c, float *s, float *o) {
+    int g = c / 2, half = c % 2;
+    int sh = b[2] | (b[3] << 8);
+    int scale = (((b[4 + g / 2] >> (4 * (g % 2))) & 15) | (((sh >> (2 * g)) & 3) << 4)) - 32;
+    *s = f16(b) * (float)scale, *o = 0;
+    return ilookup(KVALUES_IQ4NL, (bytes(b + 8 + g * 16) >> (4 * half)) & 15);
+}
+
 /* -- threads --------------------------------------------------------------------------------------------------
  * A job is `total` items cut into chunks that the caller and up to threads - 1 workers take from one atomic counter.
  * The counter's high 32 bits are the job's generation, so a worker late for a job takes nothing from the next one
@@ -288,6 +403,153 @@ typedef struct {
     const int64_t *ids;
 } job;
 
+
+/* -- prompt GEMM: 16-bit integer activations, integer dot products ----------------------------------------------
+ * x [n][k] is rounded per 32 values to int16: s = max|x| / xmax, q = rint(x / s) (xmax 32767, or less where the
+ * weight's |q| is large enough for 32 products to overflow int32: the caller's choice). Weights are decoded to int16
+ * (ichunk_) a panel of 16 rows at a time, laid out so that one AVX-512 VNNI vpdpwssd multiplies pairs of values of
+ * one 32-value group of 16 rows (one per lane) by a broadcast pair of one token's values: units[g][p][row] holds the
+ * row's values p and p + 16 of group g as two int16. A group's 16 instructions sum 32 products per lane in int32,
+ * exactly; then the lane's float sum gains that int * (weight scale * x scale), plus offset * s * sum(q) for types
+ * with offsets. Each decoded panel is reused by every token, TILE tokens at a time (their sums held in registers).
+ * So y[t][r] is exactly the float product of the rounded x with the weight's values, summed group by group in
+ * float32, and does not depend on the other tokens. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GEMM 1
+#define TILE 12
+typedef struct {
+    const uint8_t *w;
+    int64_t rows, k, n, row_bytes;
+    const int32_t *xu;    /* [n rounded up to TILE][k / 2] pairs of int16 */
+    const float *xs, *xo; /* [n][k / 32] scales; [n][k / 32][2] s * sum(q) of each half group */
+    float *y;
+    void (*panel)(const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k, int32_t *units, float *scales,
+                  float *offsets);
+    int offsets;
+} gemm_job;
+
+static void quantize_x(const float *x, int64_t n, int64_t k, float xmax, int32_t *xu, float *xs, float *xo) {
+    int64_t groups = k / 32;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 v0 = _mm512_loadu_ps(x + t * k + 32 * g), v1 = _mm512_loadu_ps(x + t * k + 32 * g + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            /* inf or nan in x (vmaxps passes over nan): the scale is nan, so y is nan, as a float product gives */
+            __m512i exponent = _mm512_set1_epi32(0x7f800000);
+            int finite = !(_mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v0), exponent), exponent) |
+                           _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v1), exponent), exponent));
+            float inverse = amax > 0 && finite ? xmax / amax : 0;
+            __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inverse)));
+            __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inverse)));
+            __m512i pairs = _mm512_or_si512(_mm512_and_si512(q0, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(q1, 16));
+            _mm512_storeu_si512(xu + t * (k / 2) + 16 * g, pairs);
+            float s = finite ? amax / xmax : NAN;
+            xs[t * groups + g] = s;
+            xo[(t * groups + g) * 2] = s * (float)_mm512_reduce_add_epi32(q0);
+            xo[(t * groups + g) * 2 + 1] = s * (float)_mm512_reduce_add_epi32(q1);
+        }
+}
+
+static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *j, const int32_t *units, const float *scales,
+                                                            const float *offsets, int64_t t0, int64_t r0, int offs) {
+    int64_t groups = j->k / 32, stride = j->k / 2;
+    const int32_t *xu = j->xu + t0 * stride;
+    const float *xs = j->xs + t0 * groups, *xo = j->xo + t0 * groups * 2;
+    __m512 sums[TILE];
+    for (int t = 0; t < TILE; t++) sums[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i acc[TILE];
+        for (int t = 0; t < TILE; t++) acc[t] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 16") for (int p = 0; p < 16; p++) {
+            __m512i w = _mm512_load_si512(units + (g * 16 + p) * 16);
+            for (int t = 0; t < TILE; t++)
+                acc[t] = _mm512_dpwssd_epi32(acc[t], w, _mm512_set1_epi32(xu[t * stride + g * 16 + p]));
+        }
+        __m512 a = _mm512_load_ps(scales + g * 16);
+        for (int t = 0; t < TILE; t++)
+            sums[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), _mm512_mul_ps(a, _mm512_set1_ps(xs[t * groups + g])), sums[t]);
+        if (offs == 1) {
+            __m512 o = _mm512_load_ps(offsets + g * 32);
+            for (int t = 0; t < TILE; t++) {
+                const float *h = xo + (t * groups + g) * 2;
+                sums[t] = _mm512_fmadd_ps(o, _mm512_set1_ps(h[0] + h[1]), sums[t]);
+            }
+        } else if (offs == 2) {
+            __m512 lo = _mm512_load_ps(offsets + g * 32), hi = _mm512_load_ps(offsets + g * 32 + 16);
+            for (int t = 0; t < TILE; t++) {
+                const float *h = xo + (t * groups + g) * 2;
+                sums[t] = _mm512_fmadd_ps(hi, _mm512_set1_ps(h[1]), _mm512_fmadd_ps(lo, _mm512_set1_ps(h[0]), sums[t]));
+            }
+        }
+    }
+    __mmask16 mask = j->rows - r0 >= 16 ? 0xffff : (__mmask16)((1u << (j->rows - r0)) - 1);
+    for (int t = 0; t < TILE && t0 + t < j->n; t++) _mm512_mask_storeu_ps(j->y + (t0 + t) * j->rows + r0, mask, sums[t]);
+}
+
+/* panels first..last-1 (16 rows each): decode, then every token */
+static void gemm_panels(const void *arg, int64_t first, int64_t last) {
+    const gemm_job *j = arg;
+    int64_t groups = j->k / 32;
+    int32_t *units = aligned_alloc(64, (size_t)groups * 1024);
+    float *scales = aligned_alloc(64, (size_t)groups * 64), *offsets = aligned_alloc(64, (size_t)groups * 128);
+    for (int64_t panel = first; panel < last; panel++) {
+        int64_t r0 = panel * 16, rows = j->rows - r0 < 16 ? j->rows - r0 : 16;
+        j->panel(j->w + r0 * j->row_bytes, j->row_bytes, rows, j->k, units, scales, offsets);
+        for (int64_t t0 = 0; t0 < j->n; t0 += TILE) switch (j->offsets) {
+            case 0: gemm_tile(j, units, scales, offsets, t0, r0, 0); break;
+            case 1: gemm_tile(j, units, scales, offsets, t0, r0, 1); break;
+            default: gemm_tile(j, units, scales, offsets, t0, r0, 2);
+            }
+    }
+    free(units);
+    free(scales);
+    free(offsets);
+}
+
+static void gemm(gemm_job *j, const float *x, float xmax, int threads) {
+    int64_t groups = j->k / 32, padded = (j->n + TILE - 1) / TILE * TILE;
+    int32_t *xu = calloc((size_t)(padded * j->k / 2), 4);
+    float *xs = calloc((size_t)(padded * groups), 4), *xo = calloc((size_t)(padded * groups * 2), 4);
+    quantize_x(x, j->n, j->k, xmax, xu, xs, xo);
+    j->xu = xu, j->xs = xs, j->xo = xo;
+    run(threads, (j->rows + 15) / 16, gemm_panels, j);
+    free(xu);
+    free(xs);
+    free(xo);
+}
+#define GEMM_KERNELS(NAME, QK, BYTES)                                                                               \
+    static void panel_##NAME(const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k, int32_t *units,         \
+                             float *scales, float *offsets) {                                                      \
+        if (rows < 16) {                                                                                            \
+            memset(units, 0, (size_t)(k / 32) * 1024);                                                              \
+            memset(scales, 0, (size_t)(k / 32) * 64);                                                               \
+            memset(offsets, 0, (size_t)(k / 32) * 128);                                                             \
+        }                                                                                                           \
+        for (int64_t r = 0; r < rows; r++)                                                                          \
+            for (int64_t b = 0; b < k / QK; b++)                                                                    \
+                _Pragma("GCC unroll 16") for (int c = 0; c < QK / 16; c += 2) {                                     \
+                    const uint8_t *block = w + r * row_bytes + b * BYTES;                                           \
+                    float s, lo, hi;                                                                                \
+                    vi q0 = ichunk_##NAME(block, c, &s, &lo), q1 = ichunk_##NAME(block, c + 1, &s, &hi);            \
+                    vi u = (q0 & 0xffff) | (q1 << 16);                                                              \
+                    int64_t g = b * (QK / 32) + c / 2;                                                              \
+                    for (int p = 0; p < 16; p++) units[(g * 16 + p) * 16 + r] = u[p];                               \
+                    scales[g * 16 + r] = s;                                                                         \
+                    offsets[g * 32 + r] = lo;                                                                       \
+                    offsets[g * 32 + 16 + r] = hi;                                                                  \
+                }                                                                                                   \
+    }                                                                                                               \
+    void gemm_##NAME(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax,   \
+                     int threads) {                                                                                 \
+        gemm_job j_ = {w, rows, k, n, k / QK * BYTES, NULL, NULL, NULL, y, panel_##NAME, OFFSETS_##NAME};          \
+        gemm(&j_, x, xmax, threads);                                                                                \
+    }
+#else
+#define GEMM 0
+#define GEMM_KERNELS(NAME, QK, BYTES)
+#endif
+int has_gemm(void) { return GEMM; }
+
 /* Each row's sum goes to two vector accumulators (even and odd chunks), added at the end. The chunk loops are
  * unrolled so that each chunk's shifts and scale offsets are constants (Q4_K products 2.3x faster here). */
 #define KERNELS(NAME, QK, BYTES)                                                                                   \
@@ -329,7 +591,8 @@ typedef struct {
     void dequant_##NAME(const uint8_t *w, const int64_t *ids, int64_t count, int64_t k, float *out, int threads) { \
         job j_ = {w, count, k, 0, NULL, out, ids};                                                                  \
         run(threads, count, dequant_rows_##NAME, &j_);                                                              \
-    }
+    }                                                                                                               \
+    GEMM_KERNELS(NAME, QK, BYTES)
 
 
 /* -- attention ---------------------------------------------------------------------------------------------------
@@ -388,10 +651,18 @@ static inline vf load_f16(const uint16_t *p) {
             }                                                                                                         \
             for (int64_t h = 0; h < group; h++) {                                                                     \
                 total[h] = a->sinks ? expf(a->sinks[g * group + h] - peak[h]) : 0;                                    \
-                for (int64_t p = begin; p < end; p++) {                                                               \
-                    float weight = expf(scores[h * length + p] - peak[h]);                                            \
-                    scores[h * length + p] = weight;                                                                  \
-                    total[h] += weight;                                                                               \
+                float *row = scores + h * length;                                                                     \
+                int64_t p = begin;                                                                                    \
+                vf sum = {0};                                                                                         \
+                for (; p + 16 <= end; p += 16) {                                                                      \
+                    vf weight = vexp(load(row + p) - peak[h]);                                                        \
+                    memcpy(row + p, &weight, 64);                                                                     \
+                    sum += weight;                                                                                    \
+                }                                                                                                     \
+                for (int l = 0; l < 16; l++) total[h] += sum[l];                                                      \
+                for (; p < end; p++) {                                                                                \
+                    row[p] = expf(row[p] - peak[h]);                                                                  \
+                    total[h] += row[p];                                                                               \
                 }                                                                                                     \
             }                                                                                                         \
             memset(mixed, 0, sizeof(vf) * (size_t)(group * a->value_dim / 16));                                      \
@@ -441,9 +712,19 @@ void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int
     }
 }
 
-/* out = silu(gate) * up = gate / (1 + exp(-gate)) * up */
-void silu_mul(const float *gate, const float *up, float *out, int64_t size) {
-    for (int64_t i = 0; i < size; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+/* out = silu(gate) * up = gate / (1 + exp(-gate)) * up (gelu 0: SiLU), or the tanh GELU of gate times up (gelu 1):
+ * 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3); 16 values at a time, the tail alone */
+void gated(const float *gate, const float *up, float *out, int64_t size, int gelu) {
+    int64_t i = 0;
+    for (; i + 16 <= size; i += 16) {
+        vf g = load(gate + i), e = gelu ? -1.5957691216057308f * (g + 0.044715f * g * g * g) : -g;
+        vf v = g / (1.0f + vexp(e)) * load(up + i);
+        memcpy(out + i, &v, 64);
+    }
+    for (; i < size; i++) {
+        float g = gate[i], e = gelu ? -1.5957691216057308f * (g + 0.044715f * g * g * g) : -g;
+        out[i] = g / (1.0f + expf(e)) * up[i];
+    }
 }
 
 /* x [n][heads][head_dim] rotated into out by cos, sin [n][dims / 2]: pairs (i, i + dims/2) when neox, else
