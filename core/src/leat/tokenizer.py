@@ -1005,9 +1005,13 @@ class Tokenizer:
         merges = _get_list(metadata, _KEYS.MERGES, str)
         if merges is None:
             raise ModelFileError(f"missing metadata key {_KEYS.MERGES}")
-        # "left right", split at the first space after the first byte; the first occurrence of a pair wins
-        pairs = [(m[:i], m[i + 1 :]) if (i := m.find(" ", 1)) >= 0 else ("", "") for m in merges]
-        self._ranks: dict[tuple[str, str], int] = dict(zip(reversed(pairs), range(len(pairs) - 1, -1, -1)))
+        # "left right", split at the first space after the first byte; the first occurrence of a pair wins. Keyed by
+        # the merge's own text, not a new pair of strings per merge (8 MB for 50k merges): the pair (left, right) is
+        # the key left + " " + right, found only when left has no space after its first character
+        self._ranks: dict[str, int] = {}
+        for rank, merge in enumerate(merges):
+            if merge.find(" ", 1) >= 0:
+                self._ranks.setdefault(merge, rank)
         self._ignore_merges = self._pre.ignore_merges
         self._split_steps = _compile_steps(_PRE_TYPE_REGEXES[self._pre.regexes])
         self._word_cache: dict[str, tuple[int, ...]] = {}
@@ -1163,7 +1167,8 @@ class Tokenizer:
         def add_pair(left: int, right: int) -> None:
             if left < 0 or right < 0:
                 return
-            rank = self._ranks.get((symbols[left], symbols[right]))
+            first = symbols[left]
+            rank = None if " " in first[1:] else self._ranks.get(f"{first} {symbols[right]}")
             if rank is not None:
                 heapq.heappush(queue, (rank, left, right, symbols[left] + symbols[right]))
 
