@@ -42,6 +42,7 @@ CASES = {
     ("rm", "names"): ("no-such-model", [], "no-such-model"),
     ("serve", "host"): ("0.0.0.0", ["TINY"], "API keys"),
     ("serve", "draft"): (MISSING, ["TINY"], "missing.gguf"),
+    ("serve", "more_models"): (MISSING, ["TINY"], "missing.gguf"),
     ("run", "draft"): (MISSING, ["TINY"], "missing.gguf"),
     ("generate", "draft"): (MISSING, ["TINY"], "missing.gguf"),
     ("bench", "draft"): (MISSING, ["TINY"], "missing.gguf"),

@@ -10,7 +10,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -133,14 +133,24 @@ def _servers_dir() -> Path:
 
 
 @contextmanager
-def running_server(record: dict[str, Any]) -> Iterator[None]:
-    """Leave ``record`` (model, path, address, ...) where ``leat ps`` finds it while the block runs."""
+def running_server(record: dict[str, Any]) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """Leave ``record`` (model, path, address, ...; ``models``: each resident model's model, path, size, state and
+    loaded time, for a server of several) where ``leat ps`` finds it while the block runs; the block gets a function
+    that updates it."""
     directory = _servers_dir()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{os.getpid()}.json"
-    path.write_text(json.dumps({"pid": os.getpid(), "started": time.time(), **record}))
+    current = {"pid": os.getpid(), "started": time.time(), **record}
+
+    def update(fields: dict[str, Any]) -> None:
+        current.update(fields)
+        partial = path.with_suffix(".part")  # replaced whole: a reader never sees half a file
+        partial.write_text(json.dumps(current))
+        partial.replace(path)
+
+    update({})
     try:
-        yield
+        yield update
     finally:
         path.unlink(missing_ok=True)
 
@@ -173,8 +183,13 @@ def running_servers() -> list[dict[str, Any]]:
 
 
 def ps_table(rows: list[dict[str, Any]]) -> str:
+    """A line per resident model: a server of several models has one for each it has loaded (or is loading)."""
     now = time.time()
-    body = [(r["model"], r["address"], r["pid"], human_size(r["size"]), _ago(r["started"], now)) for r in rows]
+    body = []
+    for r in rows:
+        for m in r.get("models", [r]):
+            started = _ago(m["loaded"], now) if m.get("loaded") else m.get("state", _ago(r["started"], now))
+            body.append((m["model"], r["address"], r["pid"], human_size(m["size"] or 0), started))
     return table(["NAME", "ADDRESS", "PID", "SIZE", "STARTED"], body)
 
 
@@ -184,7 +199,7 @@ def check_removable(name: str) -> None:
 
     path = resolve(name, pull=False)
     for server in running_servers():
-        if Path(server["path"]).resolve() == path.resolve():
+        if any(Path(m["path"]).resolve() == path.resolve() for m in server.get("models", [server])):
             raise LeatError(
                 f"{model_label(path)} is served by process {server['pid']} ({server['address']}); stop it first"
             )

@@ -49,6 +49,9 @@ class ServeOptions:
     tool_parser: str | None = None
     log_level: str = "info"  # info: a line per request with its timings (leat_server.requestlog)
     api_workers: int = 0  # 0: HTTP and the engine in this process; N: an engine process and N API processes
+    models_config: str | None = None  # a TOML file of models by name (leat_server.models)
+    models_memory: int | None = None  # bytes the loaded models may hold together; None: no limit
+    load_timeout: float = 120.0  # how long a request waits for its model to load
 
     def engine_options(self) -> EngineOptions:
         """The engine's options these set, the rest at their defaults."""
@@ -84,13 +87,10 @@ def build_engine(options: ServeOptions, model: Any) -> Any:
     return engine
 
 
-def build_app(options: ServeOptions, model: Any, engine: Any, keys: Any, log: Any = print) -> Any:
-    """The ASGI app over ``engine``: an :class:`~leat.engine.Engine` in this process, or a
-    :class:`~leat.engine_process.RemoteEngine` (``model`` then holds only the file, tokenizer and template)."""
+def build_service(options: ServeOptions, model: Any, engine: Any, metrics: Any, name: str, log: Any = print) -> Any:
+    """The :class:`~leat_server.service.Service` the endpoints see for one loaded ``model`` and its ``engine``."""
     from leat.chat import RenderLimits
 
-    from leat_server.app import create_app
-    from leat_server.metrics import Metrics
     from leat_server.service import Service
 
     backend = model.backend.describe().get("backend", "")
@@ -101,18 +101,29 @@ def build_app(options: ServeOptions, model: Any, engine: Any, keys: Any, log: An
         key_path = Path(options.receipt_key).expanduser() if options.receipt_key else default_key_path()
         receipts = Signer(load_or_create_key(key_path), model.file, backend)
         log(f"leat: signing receipts; public key {public_key_path(key_path)}")
-    name = options.alias or Path(model.file.path).stem
-    service = Service(
+    return Service(
         model,
         engine,
         name,
-        metrics=Metrics(engine),
+        metrics=metrics,
         receipts=receipts,
         tool_parser=options.tool_parser,
         backend_name=backend,
         template_limits=RenderLimits(seconds=options.template_timeout),
     )
-    return create_app(service, keys, options.host, options.port, options.allow_origins)
+
+
+def build_app(options: ServeOptions, model: Any, engine: Any, keys: Any, log: Any = print) -> Any:
+    """The ASGI app over ``engine``: an :class:`~leat.engine.Engine` in this process, or a
+    :class:`~leat.engine_process.RemoteEngine` (``model`` then holds only the file, tokenizer and template)."""
+    from leat_server.app import create_app
+    from leat_server.metrics import Metrics
+    from leat_server.models import Models
+
+    name = options.alias or Path(model.file.path).stem
+    metrics = Metrics(engine)
+    models = Models.single(build_service(options, model, engine, metrics, name, log), name)
+    return create_app(models, metrics, keys, options.host, options.port, options.allow_origins)
 
 
 def build(options: ServeOptions, model: Any, keys: Any, log: Any = print) -> tuple[Any, Any]:
@@ -136,8 +147,6 @@ def open_keys(options: ServeOptions) -> Any:
 
 
 def serve(options: ServeOptions, load_model: Any) -> None:
-    import uvicorn
-
     keys = open_keys(options)
     where = f"http://{'[' + options.host + ']' if ':' in options.host else options.host}:{options.port}"
     if options.api_workers > 0:
@@ -154,6 +163,15 @@ def serve(options: ServeOptions, load_model: Any) -> None:
         f"leat: serving {Path(model.file.path).stem} on {where} ({engine.plan}; keys {'on' if keys else 'off'})",
         flush=True,
     )
+    try:
+        _run(app, options)
+    finally:
+        engine.stop()
+
+
+def _run(app: Any, options: ServeOptions) -> None:
+    import uvicorn
+
     config = uvicorn.Config(
         app,
         host=options.host,
@@ -163,10 +181,44 @@ def serve(options: ServeOptions, load_model: Any) -> None:
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
+    uvicorn.Server(config).run()
+
+
+def serve_models(options: ServeOptions, specs: list[Any], load_model: Any, changed: Any = None) -> None:
+    """Several models by name (leat_server.models): the first loaded now, the others when a request names them.
+    ``load_model(spec)`` loads one model; ``changed(models)`` hears of every load and unload."""
+    from leat_server.app import create_app
+    from leat_server.metrics import Metrics
+    from leat_server.models import Models, estimate_bytes
+
+    keys = open_keys(options)
+    if options.api_workers > 0:
+        raise LeatError("--api-workers serves one model; leave it out to serve several models by name")
+    where = f"http://{'[' + options.host + ']' if ':' in options.host else options.host}:{options.port}"
+    metrics: Any = None
+
+    def load(spec: Any) -> Any:
+        model = load_model(spec)
+        engine = build_engine(spec.options, model)
+        service = build_service(spec.options, model, engine, metrics, spec.name)
+        engine.start()
+        print(f"leat: {spec.name} ready ({engine.plan})", flush=True)
+        return service
+
+    models = Models(
+        specs, load, estimate_bytes, options.models_memory, options.load_timeout, changed=changed or (lambda m: None)
+    )
+    metrics = Metrics(models)
+    app = create_app(models, metrics, keys, options.host, options.port, options.allow_origins)
+    sys.setswitchinterval(0.0005)  # as serve() does, for each model's scheduler thread
+    models.preload()
+    names = ", ".join(spec.name for spec in specs)
+    budget = f"; up to {options.models_memory / 2**30:.2f} GiB loaded" if options.models_memory else ""
+    print(f"leat: serving {names} on {where} (keys {'on' if keys else 'off'}{budget})", flush=True)
     try:
-        uvicorn.Server(config).run()
+        _run(app, options)
     finally:
-        engine.stop()
+        models.stop()
 
 
 def serve_processes(options: ServeOptions, load_model: Any, where: str, keys: Any) -> None:

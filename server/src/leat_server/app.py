@@ -32,6 +32,7 @@ from litestar.response import Stream
 
 from leat_server import anthropic_api, embeddings, openai_api, responses_api
 from leat_server.errors import APIError, bad_request, from_msgspec
+from leat_server.models import Lease, Models
 from leat_server.requestlog import request_log
 from leat_server.schemas import (
     ChatCompletionRequest,
@@ -39,6 +40,7 @@ from leat_server.schemas import (
     DetokenizeRequest,
     EmbeddingRequest,
     MessagesRequest,
+    ModelRequest,
     ResponsesRequest,
     SessionRequest,
     TokenizeRequest,
@@ -65,6 +67,8 @@ BODIES = {
     "/detokenize": DetokenizeRequest,
     "/v1/sessions": SessionRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/models/load": ModelRequest,
+    "/models/unload": ModelRequest,
 }
 SAMPLING_PATHS = ("/v1/chat/completions", "/v1/completions")  # bodies that take every sampler stage's fields
 
@@ -143,10 +147,11 @@ def _error_response(request: Request, exc: Exception) -> Response:
     return _json(body, error.status, error.headers or None)
 
 
-def _stream(service: Service, job: Job, handle: Any, content: AsyncIterator[bytes], anthropic: bool = False) -> Stream:
+def _stream(lease: Lease, job: Job, handle: Any, content: AsyncIterator[bytes], anthropic: bool = False) -> Stream:
     """``content`` as an SSE response that ends with an error event instead of a dropped connection when something
     fails, and whose engine request ends with it, however it ends: sent whole, failed, or its client gone (Litestar's
-    listener then cancels the sender)."""
+    listener then cancels the sender); its model's lease is released then."""
+    service, release = lease.service, lease.keep()
 
     async def guarded() -> AsyncIterator[bytes]:
         try:
@@ -164,6 +169,7 @@ def _stream(service: Service, job: Job, handle: Any, content: AsyncIterator[byte
         finally:
             service.abandon(job, handle)  # a no-op for a request that has ended
             await content.aclose()  # the inner generators' clean-up runs now, not when they are garbage-collected
+            release()
 
     async def close() -> None:
         # After the response, however it ended. The sender may have been cancelled before it first pulled the
@@ -171,6 +177,7 @@ def _stream(service: Service, job: Job, handle: Any, content: AsyncIterator[byte
         # held at a yield): then nothing else would end the request, or close the generator, but garbage collection.
         service.abandon(job, handle)
         await body.aclose()
+        release()
 
     body = guarded()
     return Stream(
@@ -190,27 +197,37 @@ async def _disconnected(receive: Callable) -> None:
 
 
 def create_app(
-    service: Service,
+    models: Models,
+    metrics: Any,
     keys: Any = None,
     host: str = "127.0.0.1",
     port: int = 8080,
     allow_origins: list[str] = (),
 ) -> Any:
-    """The ASGI application serving ``service``: Litestar routes behind the :class:`Guard`."""
+    """The ASGI application serving ``models``: Litestar routes behind the :class:`Guard`."""
     workers = Workers()
     bodies = request_bodies()
 
-    async def prepare(request: Request, kind: type, make: Callable[[Service, Any, str | None], Any]) -> Any:
-        """The body decoded and ``make(service, body, owner)`` run, on a worker thread."""
+    async def prepare(
+        request: Request, kind: type, make: Callable[[Service, Any, str | None], Any], name: str | None = None
+    ) -> Any:
+        """A lease on the model the body names (or ``name``), the body decoded, and ``make(service, body, owner)``
+        run on a worker thread: ``(lease, body, made)``."""
         raw, owner = await _read(request), _owner(request)
+        lease = await models.acquire(models.route(raw) if name is None else name)
 
         def work() -> tuple[Any, Any]:
             body = decode(raw, kind)
-            return body, make(service, body, owner)
+            return body, make(lease.service, body, owner)
 
-        return await workers.run(work)
+        try:
+            body, made = await workers.run(work)
+        except BaseException:
+            lease.release()
+            raise
+        return lease, body, made
 
-    async def finish(request: Request, job: Job, handle: Any) -> None:
+    async def finish(request: Request, service: Service, job: Job, handle: Any) -> None:
         """Run ``job`` to its end (``job.result``), unless the client goes away first: then its engine request is
         cancelled at once, so the engine frees its slot and KV pages at its next step, and the answer is a 499 that
         only the metrics see."""
@@ -230,99 +247,112 @@ def create_app(
 
     @get("/health", sync_to_thread=False)
     def health() -> Response:
-        stats = service.engine.stats()
+        stats = models.stats()
         return _json(
             {
                 "status": "ok",
-                "model": service.name,
+                "model": models.default.spec.name,
                 "queue_depth": stats.get("queue_depth", 0),
                 "running": stats.get("running", 0),
             }
         )
 
     @get("/metrics", sync_to_thread=False)
-    def metrics() -> Response:
-        return Response(content=service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": service.name,
-            "object": "model",
-            "created": service.created,
-            "owned_by": "leat",
-            "context_length": service.max_context,
-            "architecture": service.model.file.architecture,
-            "backend": service.backend_name,
-        }
+    def metrics_page() -> Response:
+        return Response(content=metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @get("/v1/models", sync_to_thread=False)
-    def models() -> Response:
-        return _json({"object": "list", "data": [model_card()]})
+    def list_models() -> Response:
+        return _json({"object": "list", "data": [models.card(entry) for entry in models.entries]})
 
     @get("/v1/models/{model_id:path}", sync_to_thread=False)
     def model(model_id: FromPath[str]) -> Response:
-        if model_id.strip("/") != service.name:
+        name = model_id.strip("/")
+        entry = models.by_name.get(name)
+        if entry is None:
             raise APIError(
                 404,
-                f"model {model_id.strip('/')!r} is not served here; this server serves {service.name}",
+                f"model {name!r} is not served here; known models: {', '.join(models.by_name)}",
                 param="model",
                 code="model_not_found",
             )
-        return _json(model_card())
+        return _json(models.card(entry))
+
+    @post("/models/load", status_code=200)
+    async def load_model(request: Request) -> Response:
+        name = decode(await _read(request), ModelRequest).model
+        return _json(models.card(await models.load_now(name)))
+
+    @post("/models/unload", status_code=200)
+    async def unload_model(request: Request) -> Response:
+        name = decode(await _read(request), ModelRequest).model
+        return _json(models.card(await asyncio.to_thread(models.unload, name)))
 
     @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request) -> Response | Stream:
-        body, job = await prepare(request, bodies["/v1/chat/completions"], openai_api.chat_job)
-        handle = service.submit(job)
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(service, job, handle, openai_api.chat_stream(service, job, handle, include))
-        await finish(request, job, handle)
-        return _json(_signed(job, openai_api.chat_body(service, job)))
+        lease, body, job = await prepare(request, bodies["/v1/chat/completions"], openai_api.chat_job)
+        with lease:
+            service = lease.service
+            handle = service.submit(job)
+            if body.stream:
+                include = bool(body.stream_options and body.stream_options.include_usage)
+                return _stream(lease, job, handle, openai_api.chat_stream(service, job, handle, include))
+            await finish(request, service, job, handle)
+            return _json(_signed(service, job, openai_api.chat_body(service, job)))
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Response | Stream:
-        body, (job, echo) = await prepare(request, bodies["/v1/completions"], openai_api.completion_job)
-        handle = service.submit(job)
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(service, job, handle, openai_api.completion_stream(service, job, handle, echo, include))
-        await finish(request, job, handle)
-        return _json(_signed(job, openai_api.completion_body(service, job, echo)))
+        lease, body, (job, echo) = await prepare(request, bodies["/v1/completions"], openai_api.completion_job)
+        with lease:
+            service = lease.service
+            handle = service.submit(job)
+            if body.stream:
+                include = bool(body.stream_options and body.stream_options.include_usage)
+                return _stream(lease, job, handle, openai_api.completion_stream(service, job, handle, echo, include))
+            await finish(request, service, job, handle)
+            return _json(_signed(service, job, openai_api.completion_body(service, job, echo)))
 
     @post("/v1/messages", status_code=200)
     async def messages(request: Request) -> Response | Stream:
-        body, job = await prepare(request, MessagesRequest, anthropic_api.messages_job)
-        handle = service.submit(job)
-        if body.stream:
-            return _stream(service, job, handle, anthropic_api.messages_stream(service, job, handle), anthropic=True)
-        await finish(request, job, handle)
-        return _json(_signed(job, anthropic_api.messages_body(service, job)))
+        lease, body, job = await prepare(request, MessagesRequest, anthropic_api.messages_job)
+        with lease:
+            service = lease.service
+            handle = service.submit(job)
+            if body.stream:
+                stream = anthropic_api.messages_stream(service, job, handle)
+                return _stream(lease, job, handle, stream, anthropic=True)
+            await finish(request, service, job, handle)
+            return _json(_signed(service, job, anthropic_api.messages_body(service, job)))
 
     @post("/v1/messages/count_tokens", status_code=200)
     async def count_tokens(request: Request) -> Response:
-        _, count = await prepare(
+        lease, _, count = await prepare(
             request, anthropic_api.CountTokensRequest, lambda s, b, _: anthropic_api.count_tokens(s, b)
         )
+        lease.release()
         return _json({"input_tokens": count})
 
     @post("/v1/responses", status_code=200)
     async def responses(request: Request) -> Response | Stream:
-        body, (job, echo) = await prepare(request, ResponsesRequest, responses_api.responses_job)
-        handle = service.submit(job)
-        if body.stream:
-            return _stream(service, job, handle, responses_api.responses_stream(service, job, handle, echo))
-        await finish(request, job, handle)
-        return _json(_signed(job, responses_api.response_body(service, job, echo)))
+        lease, body, (job, echo) = await prepare(request, ResponsesRequest, responses_api.responses_job)
+        with lease:
+            service = lease.service
+            handle = service.submit(job)
+            if body.stream:
+                return _stream(lease, job, handle, responses_api.responses_stream(service, job, handle, echo))
+            await finish(request, service, job, handle)
+            return _json(_signed(service, job, responses_api.response_body(service, job, echo)))
 
     @post("/v1/embeddings", status_code=200)
     async def embed(request: Request) -> Response:
-        _, answer = await prepare(request, EmbeddingRequest, embeddings.embeddings)
+        lease, _, answer = await prepare(request, EmbeddingRequest, embeddings.embeddings)
+        lease.release()
         return _json(answer)
 
     @post("/tokenize", status_code=200)
     async def tokenize(request: Request) -> Response:
-        _, answer = await prepare(request, TokenizeRequest, tokens)
+        lease, _, answer = await prepare(request, TokenizeRequest, tokens)
+        lease.release()
         return _json(answer)
 
     def tokens(service: Service, body: TokenizeRequest, owner: str | None) -> dict[str, Any]:
@@ -341,7 +371,8 @@ def create_app(
 
     @post("/detokenize", status_code=200)
     async def detokenize(request: Request) -> Response:
-        _, text = await prepare(request, DetokenizeRequest, detokens)
+        lease, _, text = await prepare(request, DetokenizeRequest, detokens)
+        lease.release()
         return _json({"content": text})
 
     def detokens(service: Service, body: DetokenizeRequest, owner: str | None) -> str:
@@ -351,36 +382,50 @@ def create_app(
             raise bad_request(f"token ids out of range for the vocabulary of {vocab}: {bad[:5]}", "tokens")
         return service.tokenizer.decode(body.tokens)
 
+    async def on_session(request: Request, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(service, owner, *args)`` on a worker thread, for the model of the ``model`` query parameter."""
+        with await models.acquire(_model_param(request)) as lease:
+            return await workers.run(call, lease.service, _owner(request), *args)
+
     @get("/v1/sessions")
     async def list_sessions(request: Request) -> Response:
-        return _json({"object": "list", "data": await workers.run(service.sessions, _owner(request))})
+        return _json({"object": "list", "data": await on_session(request, Service.sessions)})
 
     @delete("/v1/sessions/{name:str}", status_code=200)
     async def delete_session(request: Request, name: FromPath[str]) -> Response:
-        await workers.run(service.drop_session, _owner(request), name)
+        await on_session(request, Service.drop_session, name)
         return _json({"id": name, "object": "session", "deleted": True})
 
     @post("/v1/sessions", status_code=201)
     async def create_session(request: Request) -> Response:
-        _, card = await prepare(request, SessionRequest, lambda s, body, owner: s.create_session(owner, body.id))
+        lease, _, card = await prepare(
+            request, SessionRequest, lambda s, body, owner: s.create_session(owner, body.id), _model_param(request)
+        )
+        lease.release()
         return _json(card, 201)
 
     @get("/v1/sessions/{name:str}")
     async def get_session(request: Request, name: FromPath[str]) -> Response:
-        return _json(await workers.run(service.session, _owner(request), name))
+        return _json(await on_session(request, Service.session, name))
 
     @post("/v1/sessions/{name:str}/fork", status_code=201)
     async def fork_session(request: Request, name: FromPath[str]) -> Response:
-        _, card = await prepare(request, SessionRequest, lambda s, body, owner: s.fork_session(owner, name, body.id))
+        lease, _, card = await prepare(
+            request,
+            SessionRequest,
+            lambda s, body, owner: s.fork_session(owner, name, body.id),
+            _model_param(request),
+        )
+        lease.release()
         return _json(card, 201)
 
     @post("/v1/sessions/{name:str}/hibernate", status_code=200)
     async def hibernate_session(request: Request, name: FromPath[str]) -> Response:
-        return _json(await workers.run(service.hibernate_session, _owner(request), name))
+        return _json(await on_session(request, Service.hibernate_session, name))
 
     @post("/v1/sessions/{name:str}/restore", status_code=200)
     async def restore_session(request: Request, name: FromPath[str]) -> Response:
-        return _json(await workers.run(service.restore_session, _owner(request), name))
+        return _json(await on_session(request, Service.restore_session, name))
 
     @get("/openapi.json", sync_to_thread=False)
     def openapi(request: Request) -> Response:
@@ -390,7 +435,8 @@ def create_app(
         while True:
             await asyncio.sleep(SWEEP_SECONDS)
             try:
-                await workers.run(service.sweep_sessions)
+                for service in models.loaded():
+                    await workers.run(service.sweep_sessions)
             except LeatError as e:  # e.g. the engine process restarting or stopping: the next sweep tries again
                 log.warning("dropping stale sessions failed: %s", e)
             except Exception:  # logged; the next sweep tries again
@@ -402,7 +448,7 @@ def create_app(
     def stop_sweeping(app: Litestar) -> None:
         app.state.sweeper.cancel()
 
-    def _signed(job: Any, body: dict[str, Any]) -> dict[str, Any]:
+    def _signed(service: Service, job: Any, body: dict[str, Any]) -> dict[str, Any]:
         receipt = service.receipt(job, body)
         if receipt is not None:
             body["receipt"] = receipt
@@ -411,9 +457,11 @@ def create_app(
     app = Litestar(
         route_handlers=[
             health,
-            metrics,
-            models,
+            metrics_page,
+            list_models,
             model,
+            load_model,
+            unload_model,
             chat,
             completions,
             messages,
@@ -439,8 +487,12 @@ def create_app(
         middleware=[request_log],
     )
     _describe_bodies(app, bodies)
-    app.state.service = service
-    return Guard(app, keys, host, port, list(allow_origins), service.metrics)
+    app.state.models, app.state.service = models, models.default.service
+    return Guard(app, keys, host, port, list(allow_origins), metrics)
+
+
+def _model_param(request: Request) -> str:
+    return request.query_params.get("model", "")
 
 
 def request_bodies(host: PluginHost | None = None) -> dict[str, type]:

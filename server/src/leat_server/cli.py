@@ -38,8 +38,18 @@ from leat_server import ServeOptions
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    from leat_server.models import parse_size
+
+    try:
+        return None if value is None else parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @click.command()
 @model_argument()
+@click.argument("more_models", nargs=-1, metavar="[MODEL...]")
 @click.option(
     "--host", default=ServeOptions.host, show_default=True, help="address to listen on (non-loopback needs API keys)"
 )
@@ -169,13 +179,37 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
     type=click.IntRange(0, 64),
     help="API processes (HTTP, templates, tokenizing) beside an engine process of its own; 0: one process",
 )
+@click.option(
+    "--models-config",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="a TOML file of models by name: [models.NAME] model = PATH, aliases, backend, batch_size, kv, max_context",
+)
+@click.option(
+    "--models-memory",
+    default=None,
+    callback=_size,
+    metavar="SIZE",
+    help="most the loaded models may hold together (file + KV; e.g. 8G): the least recently used are unloaded",
+)
+@click.option(
+    "--load-timeout",
+    default=ServeOptions.load_timeout,
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    metavar="SEC",
+    help="how long a request waits for its model to load, then 503",
+)
 @backend_option
 @precision_option
 @threads_option
 @plugins_option
 @speculate_options
-def serve(model_name, backend, precision, threads, plugin_names, speculate, draft, api_keys, **options) -> None:
-    """Serve MODEL over HTTP: OpenAI and Anthropic APIs (see docs/api.md)."""
+def serve(
+    model_name, more_models, backend, precision, threads, plugin_names, speculate, draft, api_keys, **options
+) -> None:
+    """Serve MODEL over HTTP: OpenAI and Anthropic APIs (see docs/api.md). Several MODELs, or --models-config,
+    serve each by name: loaded when a request names it, unloaded when --models-memory is exceeded."""
     from leat.cli_models import model_label, running_server
     from leat.cli_progress import transfer
     from leat.pull import resolve
@@ -190,6 +224,13 @@ def serve(model_name, backend, precision, threads, plugin_names, speculate, draf
     options["allow_origins"] = list(options["allow_origins"])
     options["kv"] = options["kv"] or default_kv(precision)
     opts = ServeOptions(model=model_name, backend=backend, precision=precision, **options)
+    if more_models or opts.models_config:
+        params = click.get_current_context().params
+        given = [model_name] if params.get("model_arg") or params.get("model_opt") or not opts.models_config else []
+        with _key_file(api_keys) as key_file:
+            opts.api_key_file = key_file or opts.api_key_file
+            serve_several(opts, [*given, *more_models], threads, speculate, draft, plugin_names)
+        return
     with _key_file(api_keys) as key_file:
         opts.api_key_file = key_file or opts.api_key_file
         open_keys(opts)  # before a pull: a server that would be refused should not fetch its model first
@@ -202,6 +243,30 @@ def serve(model_name, backend, precision, threads, plugin_names, speculate, draf
                 load_model, model_name, backend, precision, threads, speculate, draft, plugin_names
             )
             run_server(opts, load)
+
+
+def serve_several(opts: ServeOptions, names: list[str], threads, speculate, draft, plugin_names) -> None:
+    """``leat serve A B ...`` / ``--models-config``: each model by name, each its own engine (leat_server.models)."""
+    from leat.cli_models import running_server
+    from leat.cli_progress import transfer
+    from leat.pull import resolve
+
+    from leat_server import open_keys, serve_models
+    from leat_server.models import specs_from
+
+    open_keys(opts)
+    specs = specs_from(names, opts.models_config, opts)
+    for spec in specs:  # pulled now, as one model would be: a missing one is an error before the server starts
+        resolve(spec.model, progress=transfer())
+    where = f"http://{'[' + opts.host + ']' if ':' in opts.host else opts.host}:{opts.port}"
+    record = {"model": ", ".join(s.name for s in specs), "path": "", "address": where, "size": 0, "models": []}
+    with running_server(record) as update:
+
+        def load(spec: Any) -> Any:
+            o = spec.options
+            return load_model(spec.model, o.backend, o.precision, threads, speculate, draft, plugin_names)
+
+        serve_models(opts, specs, load, changed=lambda models: update({"models": models.resident()}))
 
 
 def load_model(model_name, backend, precision, threads, speculate, draft, plugin_names) -> Any:

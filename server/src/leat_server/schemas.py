@@ -214,6 +214,12 @@ class EmbeddingRequest(Body):
     user: str | None = None
 
 
+class ModelRequest(Body):
+    """``POST /models/load`` and ``POST /models/unload``: the model, by name or alias."""
+
+    model: str
+
+
 class SessionRequest(Body):
     """``POST /v1/sessions`` (a new empty session) and ``POST /v1/sessions/{name}/fork`` (the fork's name)."""
 

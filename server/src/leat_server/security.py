@@ -38,6 +38,8 @@ COUNTED_PATHS = {
     "/v1/responses",
     "/v1/sessions",
     "/v1/embeddings",
+    "/models/load",
+    "/models/unload",
     "/openapi.json",
 }
 CORS_HEADERS = [

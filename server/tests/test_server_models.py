@@ -1,0 +1,139 @@
+"""Issue #19: several models by name in one ``leat serve`` process, driven by the official openai client. Each
+model's answers are checked against the same file run greedily in this process (leat_server.testing.greedy_text)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from click.testing import CliRunner
+from leat.cli import cli
+from leat.testing import write_tiny_gguf
+from leat_arch_llama.llama import Llama
+from leat_server import ServeOptions
+from leat_server.models import ModelSpec, estimate_bytes
+from leat_server.testing import ServerProcess, greedy_text
+
+PROMPT = "the sky is"
+TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models")
+    alpha = write_tiny_gguf(Llama, folder / "alpha.gguf", params=Llama.tiny(context=256), seed=1)
+    beta = write_tiny_gguf(Llama, folder / "beta.gguf", params=Llama.tiny(context=256), seed=2)
+    broken = folder / "broken.gguf"
+    broken.write_bytes(alpha.read_bytes()[:5000])  # a header whose metadata runs past the end of the file
+    config = folder / "models.toml"
+    config.write_text(f'[models.alpha]\nmodel = "{alpha}"\naliases = ["a", "first"]\nbatch_size = 2\n')
+    return {"alpha": alpha, "beta": beta, "broken": broken, "config": config, "home": folder / "home"}
+
+
+@pytest.fixture(scope="module")
+def expected(files):
+    answers = {name: greedy_text(files[name], PROMPT, TOKENS) for name in ("alpha", "beta")}
+    assert answers["alpha"] != answers["beta"]  # else routing by name could not be told apart
+    return answers
+
+
+@pytest.fixture(scope="module")
+def server(files):
+    args = ["--models-config", str(files["config"]), str(files["broken"]), "--backend", "cpu", "--batch-size", "4"]
+    with ServerProcess(files["beta"], args, env={"LEAT_HOME": str(files["home"])}) as proc:
+        yield proc
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def complete(api: openai.OpenAI, model: str) -> str:
+    answer = api.completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0)
+    assert answer.model in ("alpha", "beta") and answer.usage.completion_tokens == TOKENS
+    return answer.choices[0].text
+
+
+def states(server) -> dict[str, str]:
+    return {m.id: m.model_extra["state"] for m in client(server).models.list().data}
+
+
+def test_requests_alternate_between_models_by_name_and_alias(server, expected, files, monkeypatch):
+    api = client(server)
+    assert states(server)["broken"] == "unloaded"  # loaded only when named
+    for model in ("beta", "alpha", "beta", "a", "first", "beta"):
+        name = "alpha" if model in ("a", "first") else model
+        assert complete(api, model) == expected[name], model
+    chat = api.chat.completions.create(model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert chat.model == "alpha" and chat.choices[0].message.content is not None
+    cards = {m.id: m.model_extra for m in api.models.list().data}
+    assert cards["alpha"]["state"] == cards["beta"]["state"] == "loaded"
+    assert cards["alpha"]["aliases"] == ["a", "first"] and api.models.retrieve("first").id == "alpha"
+    # leat ps lists each resident model of the server
+    monkeypatch.setenv("LEAT_HOME", str(files["home"]))
+    rows = json.loads(CliRunner().invoke(cli, ["ps", "--json"]).stdout)
+    (record,) = [r for r in rows if r["address"] == server.url]
+    resident = {m["model"]: m for m in record["models"]}
+    assert {n: resident[n]["state"] for n in ("alpha", "beta")} == {"alpha": "loaded", "beta": "loaded"}
+    assert resident["alpha"]["path"] == str(files["alpha"])
+    assert resident["alpha"]["size"] > files["alpha"].stat().st_size
+    table = CliRunner().invoke(cli, ["ps"]).stdout.splitlines()
+    assert sorted(line.split()[0] for line in table[1:] if server.url in line)[:2] == ["alpha", "beta"]
+
+
+def test_unknown_model_is_404_listing_the_known_ones(server):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client(server).completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+    message = caught.value.body["message"]
+    assert "gpt-4" in message and all(name in message for name in ("alpha", "a", "first", "beta", "broken"))
+    assert httpx.get(server.url + "/v1/models/nope").status_code == 404
+
+
+def test_a_broken_file_leaves_the_other_models_serving(server, expected):
+    api = client(server)
+    for _ in range(2):  # the first request loads it and waits; the next gets the stored reason at once
+        with pytest.raises(openai.APIStatusError) as caught:
+            api.completions.create(model="broken", prompt="hi", max_tokens=1)
+        assert caught.value.status_code == 503
+        assert "failed to load" in caught.value.message and "truncated" in caught.value.message
+    card = httpx.get(server.url + "/v1/models/broken").json()
+    assert card["state"] == "failed" and "truncated" in card["error"]
+    assert httpx.post(server.url + "/models/load", json={"model": "broken"}).status_code == 503
+    assert complete(api, "beta") == expected["beta"] and complete(api, "alpha") == expected["alpha"]
+    assert server.process.poll() is None and "Traceback" not in server.output()
+
+
+def test_a_budget_for_one_model_swaps_them_and_every_request_succeeds(files, expected):
+    options = ServeOptions(model="", batch_size=2)
+    sizes = [estimate_bytes(ModelSpec(n, str(files[n]), options)) for n in ("alpha", "beta")]
+    budget = int(max(sizes) * 1.5)  # room for one, not both
+    args = [str(files["beta"]), "--backend", "cpu", "--batch-size", "2", "--models-memory", str(budget)]
+    with ServerProcess(files["alpha"], args, env={"LEAT_HOME": str(files["home"])}) as server:
+        api = client(server)
+        for model in ("alpha", "beta", "alpha", "beta"):
+            assert complete(api, model) == expected[model]
+            assert states(server) == {model: "loaded", ({"alpha", "beta"} - {model}).pop(): "unloaded"}
+        cards = {m.id: m.model_extra for m in api.models.list().data}
+        assert cards["alpha"]["size_bytes"] <= budget < cards["alpha"]["size_bytes"] + cards["beta"]["size_bytes"]
+        # requests for both at once: each waits its turn, none fails
+        answers: dict[int, str] = {}
+
+        def ask(i: int) -> None:
+            answers[i] = complete(api, ("alpha", "beta")[i % 2])
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert answers == {i: expected[("alpha", "beta")[i % 2]] for i in range(6)}
+        # the explicit routes: unload leaves nothing resident, load brings a model back without a request
+        (resident,) = [name for name, state in states(server).items() if state == "loaded"]
+        unloaded = httpx.post(server.url + "/models/unload", json={"model": resident}).json()
+        assert unloaded["state"] == "unloaded" and set(states(server).values()) == {"unloaded"}
+        assert httpx.post(server.url + "/models/load", json={"model": "alpha"}).json()["state"] == "loaded"
+        assert states(server) == {"alpha": "loaded", "beta": "unloaded"}
+        assert "unloading alpha to make room for beta" in server.output()
