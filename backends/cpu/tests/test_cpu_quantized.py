@@ -185,15 +185,16 @@ def test_native_attention_follows_float64(kv_dtype, variant):
     from leat.batch import Batch, Row
 
     heads, kv_heads, dim, scale = 6, 2, 32, 0.2
-    layout = KVLayout(kv_heads, dim, window=4 if variant == "window" else None)
+    layout = KVLayout(kv_heads, dim, window=21 if variant == "window" else None)
     rng = np.random.default_rng(3)
-    seqs = {s: [rng.standard_normal((12, h, dim)) for h in (heads, kv_heads, kv_heads)] for s in (0, 1)}
+    seqs = {s: [rng.standard_normal((40, h, dim)) for h in (heads, kv_heads, kv_heads)] for s in (0, 1)}
     sinks = rng.standard_normal(heads)
-    steps = [[(0, 0, 7), (1, 0, 5)], [(1, 5, 1), (0, 7, 3)], [(0, 10, 1), (1, 6, 1)]]
+    # up to 39 keys: blocks of 16 keys and the rest one by one
+    steps = [[(0, 0, 7), (1, 0, 5)], [(1, 5, 1), (0, 7, 30)], [(0, 37, 1), (1, 6, 20)], [(0, 38, 1), (1, 26, 1)]]
     outputs = {}
     for backend in (CPUBackend("f32"), CPUBackend("f64")):
-        kv = backend.allocate_kv([layout], slots=2, context=16, page_size=4, dtype=kv_dtype)
-        kv.tables[0][:] = [[3, 1, 2, 0], [7, 5, 4, 6]]  # pages out of order
+        kv = backend.allocate_kv([layout], slots=2, context=40, page_size=4, dtype=kv_dtype)
+        kv.tables[0][:] = np.random.default_rng(5).permutation(20).reshape(2, 10)  # pages out of order
         got = []
         for spans in steps:
             batch = Batch([Row(s, a, np.zeros(n, np.int64), all_logits=True) for s, a, n in spans])

@@ -127,6 +127,7 @@ def library() -> ctypes.CDLL:
     lib.rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float]
     lib.gated.argtypes = [p, p, p, i64, i32]
     lib.rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i32]
+    lib.keep_freed_memory()
     return lib
 
 

@@ -18,6 +18,9 @@
 #include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <string.h>
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -202,6 +205,33 @@ static inline vf chunk_iq4_xs(const uint8_t *b, int c) {
     int scale = (((b[4 + g / 2] >> (4 * (g % 2))) & 15) | (((sh >> (2 * g)) & 3) << 4)) - 32;
     return f16(b) * (float)scale * lookup(KVALUES_IQ4NL, (bytes(b + 8 + g * 16) >> (4 * s)) & 15);
 }
+
+/* The sums of 16 vectors: lane j of the result is the sum of v[j]'s lanes. Halves, quarters, pairs and lanes of
+ * pairs of vectors are added in a tree (31 shuffles and 15 adds in all), which leaves key j in lane bitrev4(j); a
+ * last shuffle puts it back. */
+static inline vf sum16(const vf *v) {
+    static const vi halves[2] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                                 {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}};
+    static const vi quarters[2] = {{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                                   {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}};
+    static const vi pairs[2] = {{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                                {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}};
+    static const vi lanes[2] = {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+                                {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+    static const vi bitrev = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    vf a[8], b[4], c[2];
+    for (int j = 0; j < 8; j++)
+        a[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1], halves[0]) + __builtin_shuffle(v[2 * j], v[2 * j + 1], halves[1]);
+    for (int j = 0; j < 4; j++)
+        b[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], quarters[0]) + __builtin_shuffle(a[2 * j], a[2 * j + 1], quarters[1]);
+    for (int j = 0; j < 2; j++)
+        c[j] = __builtin_shuffle(b[2 * j], b[2 * j + 1], pairs[0]) + __builtin_shuffle(b[2 * j], b[2 * j + 1], pairs[1]);
+    vf d = __builtin_shuffle(c[0], c[1], lanes[0]) + __builtin_shuffle(c[0], c[1], lanes[1]);
+    return __builtin_shuffle(d, bitrev);
+}
+
+/* tanh(x) = 1 - 2 / (1 + exp(2x)): 1 and -1 where exp overflows or vanishes; absolute error about 1e-7 */
+static inline vf vtanh(vf x) { return 1.0f - 2.0f / (1.0f + vexp(2.0f * x)); }
 
 /* -- integer decoders (the prompt GEMM) -------------------------------------------------------------------------
  * ichunk_<TYPE>(block, c, &scale, &offset): the c-th 16 values of a block as integers q (16 int32 lanes), value =
@@ -635,7 +665,26 @@ static inline vf load_f16(const uint16_t *p) {
             const float *qg = a->q + (t * a->heads + g * group) * a->dim;                                            \
             float peak[group], total[group];                                                                          \
             for (int64_t h = 0; h < group; h++) peak[h] = a->sinks ? a->sinks[g * group + h] : -INFINITY;            \
-            for (int64_t p = begin; p < end; p++) {                                                                   \
+            int64_t p = begin;                                                                                        \
+            for (; p + 16 <= end; p += 16) { /* 16 keys at a time: their 16 dot products reduced together */         \
+                const T *kp[16];                                                                                      \
+                for (int j = 0; j < 16; j++) {                                                                        \
+                    int64_t slot = (int64_t)a->table[(p + j) / a->page_size] * a->page_size + (p + j) % a->page_size; \
+                    kp[j] = (const T *)a->k + (slot * a->kv_heads + g) * a->dim;                                      \
+                }                                                                                                     \
+                for (int64_t h = 0; h < group; h++) {                                                                 \
+                    vf acc[16] = {{0}};                                                                               \
+                    for (int64_t i = 0; i < a->dim; i += 16) {                                                        \
+                        vf qv = load(qg + h * a->dim + i);                                                            \
+                        for (int j = 0; j < 16; j++) acc[j] += qv * LOAD(kp[j] + i);                                  \
+                    }                                                                                                 \
+                    vf s = sum16(acc) * a->scale;                                                                     \
+                    if (a->softcap > 0) s = a->softcap * vtanh(s / a->softcap);                                       \
+                    memcpy(scores + h * length + p, &s, 64);                                                          \
+                    for (int l = 0; l < 16; l++) peak[h] = s[l] > peak[h] ? s[l] : peak[h];                           \
+                }                                                                                                     \
+            }                                                                                                         \
+            for (; p < end; p++) {                                                                                    \
                 int64_t slot = (int64_t)a->table[p / a->page_size] * a->page_size + p % a->page_size;                \
                 const T *kp = (const T *)a->k + (slot * a->kv_heads + g) * a->dim;                                    \
                 for (int64_t h = 0; h < group; h++) {                                                                 \
@@ -652,7 +701,7 @@ static inline vf load_f16(const uint16_t *p) {
             for (int64_t h = 0; h < group; h++) {                                                                     \
                 total[h] = a->sinks ? expf(a->sinks[g * group + h] - peak[h]) : 0;                                    \
                 float *row = scores + h * length;                                                                     \
-                int64_t p = begin;                                                                                    \
+                p = begin;                                                                                            \
                 vf sum = {0};                                                                                         \
                 for (; p + 16 <= end; p += 16) {                                                                      \
                     vf weight = vexp(load(row + p) - peak[h]);                                                        \
@@ -696,6 +745,17 @@ static inline vf load_f16(const uint16_t *p) {
 
 ATTENTION(f32, float, load)
 ATTENTION(f16, uint16_t, load_f16)
+
+/* glibc maps every allocation of 128 KiB or more afresh and hands it back on free, and trims the heap's top past
+ * 128 KiB: so each of a prompt's activations (numpy's, and the GEMM's int16 copies) was new pages, faulted in one by
+ * one (a fifth of SmolLM2's 128-token prompt here). Allocations up to 32 MiB come from the heap instead, and up to
+ * 64 MiB of freed heap is kept for the next. Process-wide; called once, when the kernels load. */
+void keep_freed_memory(void) {
+#if defined(__GLIBC__)
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    mallopt(M_TRIM_THRESHOLD, 64 << 20);
+#endif
+}
 
 /* -- small ops (one pass each, in place of numpy's several) ------------------------------------------------------- */
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight (weight NULL: no scale), for rows of cols values */
