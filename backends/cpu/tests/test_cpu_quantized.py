@@ -74,8 +74,8 @@ def rounded_activations(x: np.ndarray, qtype: Q) -> np.ndarray:
 def test_products_follow_float64(qtype, n):
     w, exact = weight(qtype, 300, 768)  # 300 rows: the last 16-row panel is partial
     x = np.random.default_rng(1).standard_normal((n, 768)).astype(np.float32)
-    prompt = n > native.GEMV_ROWS and native.library().has_gemm()
-    want = (rounded_activations(x, qtype) if prompt else x.astype(np.float64)) @ exact.T
+    rounded = n > native.GEMV_ROWS and native.library().has_gemm()
+    want = (rounded_activations(x, qtype) if rounded else x.astype(np.float64)) @ exact.T
     got = native.matmul(x, w, threads=2)
     assert got.dtype == np.float32 and got.shape == (n, 300)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())

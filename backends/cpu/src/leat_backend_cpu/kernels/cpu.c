@@ -324,6 +324,48 @@ static inline vi ichunk_iq4_xs(const uint8_t *b, int c, float *s, float *o) {
     return ilookup(KVALUES_IQ4NL, (bytes(b + 8 + g * 16) >> (4 * half)) & 15);
 }
 
+/* igroup_<TYPE>(block, g, &scale, &offset0, &offset1): the g-th 32 values of a block as 16 int32 units, unit p holding
+ * values p and p + 16 as two int16 (the order the prompt GEMM and the integer GEMV pair activations in): from the
+ * ichunk_ decoders, or straight from the nibbles for the types of most small models. */
+#define IGROUP(NAME)                                                                                                \
+    static inline vi igroup_##NAME(const uint8_t *b, int g, float *s, float *o0, float *o1) {                      \
+        vi q0 = ichunk_##NAME(b, 2 * g, s, o0), q1 = ichunk_##NAME(b, 2 * g + 1, s, o1);                          \
+        return (q0 & 0xffff) | (q1 << 16);                                                                          \
+    }
+IGROUP(q5_1)
+IGROUP(q8_0)
+IGROUP(mxfp4)
+IGROUP(iq4_nl)
+IGROUP(q2_k)
+IGROUP(q3_k)
+IGROUP(q4_k)
+IGROUP(q5_k)
+IGROUP(q6_k)
+IGROUP(iq4_xs)
+
+typedef int16_t vs __attribute__((vector_size(64)));
+/* byte p of 16 nibble bytes (low nibble value p, high p + 16) as the unit (low, high) */
+static inline vi nibble_units(const uint8_t *q) {
+    vi v = ints(bytes(q));
+    return (v | (v << 12)) & 0x000f000f;
+}
+static inline vi igroup_q4_0(const uint8_t *b, int g, float *s, float *o0, float *o1) {
+    (void)g;
+    *s = f16(b), *o0 = *o1 = 0;
+    return (vi)((vs)nibble_units(b + 2) - 8);
+}
+static inline vi igroup_q4_1(const uint8_t *b, int g, float *s, float *o0, float *o1) {
+    (void)g;
+    *s = f16(b), *o0 = *o1 = f16(b + 2);
+    return nibble_units(b + 4);
+}
+static inline vi igroup_q5_0(const uint8_t *b, int g, float *s, float *o0, float *o1) {
+    (void)g;
+    *s = f16(b), *o0 = *o1 = 0;
+    vi high = (((vi){0} + (int32_t)u32(b + 2)) >> IOTA) & 0x00010001; /* bits p and p + 16 */
+    return (vi)((vs)(nibble_units(b + 6) | (high << 4)) - 16);
+}
+
 /* -- threads --------------------------------------------------------------------------------------------------
  * A job is `total` items cut into chunks that the caller and up to threads - 1 workers take from one atomic counter.
  * The counter's high 32 bits are the job's generation, so a worker late for a job takes nothing from the next one
@@ -451,7 +493,7 @@ typedef struct {
     const uint8_t *w;
     int64_t rows, k, n, row_bytes;
     const int32_t *xu;    /* [n rounded up to TILE][k / 2] pairs of int16 */
-    const float *xs, *xo; /* [n][k / 32] scales; [n][k / 32][2] s * sum(q) of each half group */
+    const float *xs, *xo; /* [n][k / 32] scales; [n][2][k / 32] s * sum(q) of each group's first and second half */
     float *y;
     void (*panel)(const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k, int32_t *units, float *scales,
                   float *offsets);
@@ -475,8 +517,8 @@ static void quantize_x(const float *x, int64_t n, int64_t k, float xmax, int32_t
             _mm512_storeu_si512(xu + t * (k / 2) + 16 * g, pairs);
             float s = finite ? amax / xmax : NAN;
             xs[t * groups + g] = s;
-            xo[(t * groups + g) * 2] = s * (float)_mm512_reduce_add_epi32(q0);
-            xo[(t * groups + g) * 2 + 1] = s * (float)_mm512_reduce_add_epi32(q1);
+            xo[t * 2 * groups + g] = s * (float)_mm512_reduce_add_epi32(q0);
+            xo[(t * 2 + 1) * groups + g] = s * (float)_mm512_reduce_add_epi32(q1);
         }
 }
 
@@ -501,14 +543,14 @@ static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *j, c
         if (offs == 1) {
             __m512 o = _mm512_load_ps(offsets + g * 32);
             for (int t = 0; t < TILE; t++) {
-                const float *h = xo + (t * groups + g) * 2;
-                sums[t] = _mm512_fmadd_ps(o, _mm512_set1_ps(h[0] + h[1]), sums[t]);
+                const float *h = xo + t * 2 * groups + g;
+                sums[t] = _mm512_fmadd_ps(o, _mm512_set1_ps(h[0] + h[groups]), sums[t]);
             }
         } else if (offs == 2) {
             __m512 lo = _mm512_load_ps(offsets + g * 32), hi = _mm512_load_ps(offsets + g * 32 + 16);
             for (int t = 0; t < TILE; t++) {
-                const float *h = xo + (t * groups + g) * 2;
-                sums[t] = _mm512_fmadd_ps(hi, _mm512_set1_ps(h[1]), _mm512_fmadd_ps(lo, _mm512_set1_ps(h[0]), sums[t]));
+                const float *h = xo + t * 2 * groups + g;
+                sums[t] = _mm512_fmadd_ps(hi, _mm512_set1_ps(h[groups]), _mm512_fmadd_ps(lo, _mm512_set1_ps(h[0]), sums[t]));
             }
         }
     }
@@ -557,12 +599,10 @@ static void gemm(gemm_job *j, const float *x, float xmax, int threads) {
         }                                                                                                           \
         for (int64_t r = 0; r < rows; r++)                                                                          \
             for (int64_t b = 0; b < k / QK; b++)                                                                    \
-                _Pragma("GCC unroll 16") for (int c = 0; c < QK / 16; c += 2) {                                     \
-                    const uint8_t *block = w + r * row_bytes + b * BYTES;                                           \
+                _Pragma("GCC unroll 8") for (int c = 0; c < QK / 32; c++) {                                         \
                     float s, lo, hi;                                                                                \
-                    vi q0 = ichunk_##NAME(block, c, &s, &lo), q1 = ichunk_##NAME(block, c + 1, &s, &hi);            \
-                    vi u = (q0 & 0xffff) | (q1 << 16);                                                              \
-                    int64_t g = b * (QK / 32) + c / 2;                                                              \
+                    vi u = igroup_##NAME(w + r * row_bytes + b * BYTES, c, &s, &lo, &hi);                           \
+                    int64_t g = b * (QK / 32) + c;                                                                  \
                     for (int p = 0; p < 16; p++) units[(g * 16 + p) * 16 + r] = u[p];                               \
                     scales[g * 16 + r] = s;                                                                         \
                     offsets[g * 32 + r] = lo;                                                                       \
