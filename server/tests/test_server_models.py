@@ -3,8 +3,10 @@ model's answers are checked against the same file run greedily in this process (
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -14,7 +16,8 @@ from leat.cli import cli
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
 from leat_server import ServeOptions
-from leat_server.models import ModelSpec, estimate_bytes
+from leat_server.errors import APIError
+from leat_server.models import Models, ModelSpec, estimate_bytes
 from leat_server.testing import ServerProcess, greedy_text
 
 PROMPT = "the sky is"
@@ -137,3 +140,57 @@ def test_a_budget_for_one_model_swaps_them_and_every_request_succeeds(files, exp
         assert httpx.post(server.url + "/models/load", json={"model": "alpha"}).json()["state"] == "loaded"
         assert states(server) == {"alpha": "loaded", "beta": "unloaded"}
         assert "unloading alpha to make room for beta" in server.output()
+
+
+class FakeEngine:
+    def __init__(self, name: str, stopped: list[str]):
+        self.name, self.stopped = name, stopped
+
+    def stop(self) -> None:
+        self.stopped.append(self.name)
+
+
+def fake_models(names: str, budget: int | None, gate: threading.Event | None = None, timeout: float = 5.0):
+    """Models whose loading is a stand-in service (its engine records being stopped), each 10 bytes; ``gate``
+    holds every load until it is set."""
+    stopped: list[str] = []
+
+    def load(spec: ModelSpec) -> object:
+        if gate is not None:
+            assert gate.wait(10)
+        return SimpleNamespace(engine=FakeEngine(spec.name, stopped))
+
+    specs = [ModelSpec(n, n, None) for n in names]
+    return Models(specs, load, lambda spec: 10, budget=budget, load_timeout=timeout), stopped
+
+
+def test_the_least_recently_used_idle_model_is_unloaded_first():
+    models, stopped = fake_models("abc", budget=25)  # room for two
+
+    async def use(*names: str) -> None:
+        for name in names:
+            (await models.acquire(name)).release()
+
+    asyncio.run(use("a", "b", "a", "c"))  # b is the least recently used when c needs room
+    assert stopped == ["b"] and [e.state for e in models.entries] == ["loaded", "unloaded", "loaded"]
+
+    async def busy_a_then_b() -> None:
+        held = await models.acquire("a")  # a in use: c goes, though a was used before it
+        await use("b")
+        held.release()
+
+    asyncio.run(busy_a_then_b())
+    assert stopped == ["b", "c"]
+
+
+def test_requests_for_a_loading_model_wait_then_get_a_clear_error():
+    gate = threading.Event()
+    models, _ = fake_models("ab", budget=None, gate=gate, timeout=0.3)
+    with pytest.raises(APIError) as caught:
+        asyncio.run(models.acquire("b"))
+    assert caught.value.status == 503 and caught.value.code == "model_loading" and "still loading" in str(caught.value)
+    assert models.card(models.by_name["b"])["state"] == "loading"
+    gate.set()
+    lease = asyncio.run(models.acquire("b"))
+    assert lease.entry.state == "loaded"
+    lease.release()

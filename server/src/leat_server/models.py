@@ -56,6 +56,7 @@ class Entry:
         self.size: int | None = None  # bytes it holds (estimated: file + KV), known once it has started loading
         self.users = 0  # requests holding a lease on it
         self.waiting = 0  # requests waiting for it to load: once it has, it is not unloaded before they have it
+        self.holds_room = False  # counted against the budget: loaded, or loading once room was made for it
         self.last_used = 0.0
         self.loaded_at: float | None = None
 
@@ -123,7 +124,7 @@ class Models:
         """One loaded model; a request's ``model`` is not read."""
         models = cls([ModelSpec(name, name, None)], _no_loading, lambda spec: 0, routing=False)
         models.default.state, models.default.service = "loaded", service
-        models.default.loaded_at = time.time()
+        models.default.loaded_at, models.default.holds_room = time.time(), True
         return models
 
     # -- finding and leasing ---------------------------------------------------------------------------------
@@ -275,7 +276,7 @@ class Models:
             message = str(e) if isinstance(e, LeatError) else f"{type(e).__name__}: {e}"
             log.error("leat: model %s failed to load: %s", entry.spec.name, message)
             with self._lock:
-                entry.state, entry.error = "failed", message
+                entry.state, entry.error, entry.holds_room = "failed", message, False
                 self._lock.notify_all()
         else:
             with self._lock:
@@ -286,13 +287,13 @@ class Models:
 
     def _make_room(self, entry: Entry) -> None:
         """Unload the least recently used idle models until ``entry`` fits the budget beside the others."""
-        if self.budget is None:
-            return
         deadline, size = time.monotonic() + self.load_timeout, entry.size or 0
         while True:
             with self._lock:
-                others = [e for e in self.entries if e is not entry and e.state in ("loaded", "loading")]
-                if sum(e.size or 0 for e in others) + size <= self.budget:
+                # a model still waiting for room holds none: two such loads wait for each other otherwise
+                others = [e for e in self.entries if e is not entry and e.holds_room]
+                if self.budget is None or sum(e.size or 0 for e in others) + size <= self.budget:
+                    entry.holds_room = True
                     return
                 if size > self.budget:
                     raise LeatError(
@@ -317,6 +318,7 @@ class Models:
     def _take(self, entry: Entry) -> Any:
         """Mark a loaded ``entry`` unloaded (no lease can be had on it from now) and return its service."""
         service, entry.service, entry.state, entry.loaded_at = entry.service, None, "unloaded", None
+        entry.holds_room = False
         return service
 
     def _stop(self, entry: Entry, service: Any) -> None:
