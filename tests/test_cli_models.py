@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from leat.cli import cli
@@ -214,3 +215,14 @@ def test_doctor_says_which_extra_to_install(monkeypatch):
     assert report["machine"]["install"] == install_hints(
         report["machine"]["backends"], report["machine"]["nvidia_driver"]
     )
+
+
+def test_doctor_states_the_cpu_backends_weights_as_loading_counts_them(tiny):
+    """Q8_0 matrices and float32 norms: the figure ``leat doctor`` gives before loading is what the cpu backend
+    counts once it has uploaded every tensor (the matrices as stored, so less than float32 copies)."""
+    import leat
+
+    report = json.loads(CliRunner().invoke(cli, ["doctor", "-m", str(tiny), "--json"]).stdout)
+    model = leat.load(str(tiny), backend="cpu")
+    assert report["model"]["backend_weight_bytes"]["cpu"] == model.backend.allocations.weights
+    assert model.backend.allocations.weights < sum(4 * int(np.prod(t.shape)) for t in model.file.tensors.values())

@@ -135,6 +135,22 @@ def test_upload_keeps_the_file_blocks():
     assert isinstance(reference, np.ndarray) and reference.dtype == np.float32
 
 
+def test_weight_bytes_before_loading_equal_what_upload_keeps():
+    """What ``leat doctor`` states for the cpu backend: the file's blocks for 2-D weights of the kernels' types, float32
+    for the rest (a 1-D f16 norm, a 3-D expert stack, an f16 matrix), as the uploads count them."""
+    rng = np.random.default_rng(0)
+    tensors = [
+        Tensor("w", Q.Q4_1, (8, 256), valid_blocks(rng.standard_normal((8, 256)).astype(np.float32), Q.Q4_1)),
+        Tensor("norm", Q.F16, (256,), rng.standard_normal(256).astype(np.float16)),
+        Tensor("experts", Q.Q8_0, (2, 4, 64), valid_blocks(rng.standard_normal((8, 64)).astype(np.float32), Q.Q8_0)),
+        Tensor("f16", Q.F16, (4, 32), rng.standard_normal((4, 32)).astype(np.float16)),
+    ]
+    backend = CPUBackend("f32")
+    for tensor in tensors:
+        backend.upload(tensor)
+    assert CPUBackend.weight_bytes(tensors) == backend.allocations.weights == 8 * 256 * 20 // 32 + 4 * (256 + 512 + 128)
+
+
 def test_options():
     assert CPUBackend("f32", threads=3).describe() == {
         "backend": "cpu",

@@ -205,6 +205,12 @@ class Backend:
         return None
 
     # -- memory -------------------------------------------------------------------------------------
+    @classmethod
+    def weight_bytes(cls, tensors: Sequence[Tensor]) -> int | None:
+        """Bytes ``tensors`` take in memory once uploaded with the default options, which ``leat doctor`` states
+        before loading anything; None where the backend does not say."""
+        return None
+
     def upload(self, tensor: Tensor) -> Any:
         """Place one GGUF tensor on the device and return the handle ops take as ``weight``."""
         raise self._missing()

@@ -107,7 +107,7 @@ def describe_model(name: str) -> dict[str, Any]:
         for kind, size in KV_ELEMENT_BYTES.items()
     }
     host = plugins.host()
-    support = {}
+    support, memory = {}, {}
     for backend_name, entry in host.registry["backends"].items():
         try:
             cls = entry.load()
@@ -116,7 +116,11 @@ def describe_model(name: str) -> dict[str, Any]:
             continue
         missing = sorted({t.qtype.name for t in file.tensors.values()} - {q.name for q in cls.quant_types})
         support[backend_name] = "all tensor types" if not missing else f"missing {', '.join(missing)}"
+        held = cls.weight_bytes(list(file.tensors.values())) if not missing else None
+        if held is not None:
+            memory[backend_name] = held
     out["backend_support"] = support
+    out["backend_weight_bytes"] = memory
     return out
 
 
@@ -138,7 +142,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"context length {d['context_length']}")
         lines.append("KV bytes per token: " + ", ".join(f"{k} {v}" for k, v in d["kv_bytes_per_token"].items()))
         for name, support in d["backend_support"].items():
-            lines.append(f"backend {name}: {support}")
+            held = d["backend_weight_bytes"].get(name)
+            lines.append(f"backend {name}: {support}" + (f", weights in memory {held / 2**20:.1f} MiB" if held else ""))
     if m["install"]:
         lines.append("")
         lines.append("to install:")

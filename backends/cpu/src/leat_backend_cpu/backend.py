@@ -107,6 +107,13 @@ class CPUBackend(Backend):
         return described | ({"activations": "ggml"} if self.activations == "ggml" else {})
 
     # -- memory -------------------------------------------------------------------------------------
+    @classmethod
+    def weight_bytes(cls, tensors) -> int:
+        """As :meth:`upload` keeps them at the defaults (precision f32, weights quantized): 2-D weights of the kernels'
+        types as the file's blocks (mapped, not copied), every other tensor as float32."""
+        kept = native.KERNEL_TYPES if native.unavailable() is None else frozenset()
+        return sum(t.nbytes if t.qtype in kept and len(t.shape) == 2 else 4 * math.prod(t.shape) for t in tensors)
+
     def upload(self, tensor: Tensor) -> np.ndarray | QuantizedWeight:
         if tensor.qtype not in self.quant_types:
             raise UnsupportedQuantType(
