@@ -13,11 +13,12 @@ import openai
 import pytest
 from click.testing import CliRunner
 from leat.cli import cli
+from leat.errors import LeatError
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
 from leat_server import ServeOptions
 from leat_server.errors import APIError
-from leat_server.models import Models, ModelSpec, estimate_bytes
+from leat_server.models import Models, ModelSpec, estimate_bytes, specs_from
 from leat_server.testing import ServerProcess, greedy_text
 
 PROMPT = "the sky is"
@@ -194,3 +195,24 @@ def test_requests_for_a_loading_model_wait_then_get_a_clear_error():
     lease = asyncio.run(models.acquire("b"))
     assert lease.entry.state == "loaded"
     lease.release()
+
+
+def test_a_config_file_sets_each_models_options_and_is_checked(tmp_path):
+    config = tmp_path / "models.toml"
+    base = ServeOptions(model="", batch_size=8)
+    config.write_text('[models.small]\nmodel = "a.gguf"\naliases = ["s"]\nkv = "q8_0"\nmax_context = 512\n')
+    (spec,) = specs_from([], str(config), base)
+    assert (spec.name, spec.model, spec.aliases) == ("small", "a.gguf", ["s"])
+    assert (spec.options.kv, spec.options.max_context, spec.options.batch_size) == ("q8_0", 512, 8)
+    for text, message in (
+        ('[models.x]\nmodel = "a.gguf"\nbatchsize = 2\n', "unknown key 'batchsize'"),
+        ('[models.x]\nmodel = "a.gguf"\nkv = "f8"\n', "kv must be one of"),
+        ('[models.x]\nmodel = "a.gguf"\nmax_context = 0\n', "max_context must be a positive integer"),
+        ("[models.x]\naliases = []\n", "needs model ="),
+        ("[models.x\n", "--models-config"),
+    ):
+        config.write_text(text)
+        with pytest.raises(LeatError, match=message):
+            specs_from([], str(config), base)
+    with pytest.raises(LeatError, match="--alias names one model"):
+        specs_from(["a.gguf", "b.gguf"], None, ServeOptions(model="", alias="x"))

@@ -192,8 +192,6 @@ def serve_models(options: ServeOptions, specs: list[Any], load_model: Any, chang
     from leat_server.models import Models, estimate_bytes
 
     keys = open_keys(options)
-    if options.api_workers > 0:
-        raise LeatError("--api-workers serves one model; leave it out to serve several models by name")
     where = f"http://{'[' + options.host + ']' if ':' in options.host else options.host}:{options.port}"
     metrics: Any = None
 

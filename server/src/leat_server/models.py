@@ -436,10 +436,11 @@ def specs_from(models: Iterable[str], config: str | None, base: Any) -> list[Mod
     from leat.pull import resolve
 
     models = list(models)
-    specs = []
-    for name in models:
-        label = base.alias if base.alias and len(models) == 1 and not config else None
-        specs.append(ModelSpec(label or _label(name, model_label, resolve), name, base))
+    if base.alias and (len(models) > 1 or config):
+        raise LeatError("--alias names one model; with several, give each its name and aliases in --models-config")
+    if base.api_workers:
+        raise LeatError("--api-workers serves one model; leave it out to serve several models by name")
+    specs = [ModelSpec(base.alias or _label(name, model_label, resolve), name, base) for name in models]
     if config:
         try:
             tables = tomllib.loads(Path(config).expanduser().read_text())
