@@ -86,8 +86,8 @@ LOGIT_BUCKETS = TOKEN_BUCKETS[: TOKEN_BUCKETS.index(64) + 1]
 #: own kernels, which read each quantized weight once instead of decoding it to f16 first (on an H200 the
 #: two tie at 128 tokens a step and cuBLAS leads from 192)
 CUBLAS_MIN_TOKENS = 160
-#: products of this many tokens or more (up to quants.GEMM_FEW_MAX_TOKENS) go to gemm_few
-GEMM_FEW_MIN_TOKENS = 5
+#: products of this many tokens or more go to gemm_few (up to quants.GEMM_FEW_MAX_TOKENS, where gemm_few_shape says)
+GEMM_FEW_MIN_TOKENS = 3
 #: argmax_async answers that may be in flight at once (the engine reads a step's after queueing the next)
 READBACKS = 4
 #: f16 weight rows decoded per cuBLAS product: large enough that a layer's matrices go whole (few, large
@@ -259,9 +259,9 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         # (a chunk of rows at a time), multiplied by cuBLAS (cublas.py); None: the own GEMM
         self.cublas = cublas.open_handle(self.device) if use_cublas and tensor_cores else None
         self.cublas_min_tokens = CUBLAS_MIN_TOKENS
-        #: token counts (first, last) that go to gemm_few; row tiles per block (0: chosen by shape)
+        #: token counts (first, last) that go to gemm_few; its instantiation (None: quants.gemm_few_shape's)
         self.few_tokens = (GEMM_FEW_MIN_TOKENS, quants.GEMM_FEW_MAX_TOKENS)
-        self.few_row_tiles = 0
+        self.few_shape: tuple[int, int] | None = None
         self._f16_weights = Memory(CUBLAS_SCRATCH_BYTES) if self.cublas else None
 
     def describe(self) -> dict[str, Any]:
@@ -301,7 +301,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         names = quants.kernel_names(qtype)
         smem = {quants.gemm_name(qtype, kt): size for kt, size in quants.GEMM_SMEM.items()}
         smem |= {name: quants.GEMV_Q_MAX_SMEM for name in names if name.startswith("gemv_q")}
-        smem |= {quants.gemm_few_name(qtype, *v): quants.gemm_few_smem(*v) for v in quants.GEMM_FEW_VARIANTS}
+        smem |= {quants.gemm_few_name(qtype, v): quants.gemm_few_smem(v) for v in quants.GEMM_FEW_VARIANTS}
         return self._module(qtype.name, "matmul.cu", names, smem)
 
     # -- memory -------------------------------------------------------------------------------------
@@ -578,8 +578,9 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             if smem <= quants.GEMV_Q_MAX_SMEM:
                 return self._gemv_q(x, [(weight, bias)], out=out)[0]
         few = self.few_tokens[0] <= n <= self.few_tokens[1] and (layout.integer or n > quants.GEMV_MAX_TOKENS)
-        if few and self.tensor_cores and k % 8 == 0:
-            self._gemm_few(x, weight, bias, out, n, m, k)
+        shape = (self.few_shape or quants.gemm_few_shape(n, m)) if few and self.tensor_cores and k % 8 == 0 else None
+        if shape is not None:
+            self._gemm_few(x, weight, bias, out, n, shape)
             return out
         if self.cublas is not None and n >= self.cublas_min_tokens and k % 8 == 0:
             self._cublas_product(x, weight, bias, out, n, m, k)
@@ -703,15 +704,12 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         grid = max(1, min(-(-total // 256), 8 * self.device.sm_count))
         self.ops["scale_rows_bias"]((grid,), 256, out, xscale, bias, m, total)
 
-    def _gemm_few(self, x, weight: Matrix, bias, out: DeviceArray, n: int, m: int, k: int) -> None:
-        """gemm_few: tensor cores, each weight read once; 8-token tiles, two row tiles a block when
-        that still gives every multiprocessor a few blocks."""
+    def _gemm_few(self, x, weight: Matrix, bias, out: DeviceArray, n: int, shape: tuple[int, int]) -> None:
+        """gemm_few: tensor cores, each weight read once, 8 * shape[0] tokens and 16 * shape[1] rows a block."""
+        m, k = weight.rows, weight.cols
         xh, xscale = self._f16_rows(x, n, k)
-        tiles = 1 << max(0, (n - 1).bit_length() - 3)  # 8 * tiles >= n: 1, 2, 4 or 8
-        row_tiles = self.few_row_tiles or (2 if -(-m // 32) >= 4 * self.device.sm_count else 1)
-        name = quants.gemm_few_name(weight.qtype, tiles, row_tiles)
-        weight.kernels[name](
-            (-(-m // (16 * row_tiles)),),
+        weight.kernels[quants.gemm_few_name(weight.qtype, shape)](
+            (-(-m // (16 * shape[1])),),
             256,
             weight.ptr,
             weight.blocks,
@@ -722,7 +720,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             m,
             n,
             k,
-            smem=quants.gemm_few_smem(tiles, row_tiles),
+            smem=quants.gemm_few_smem(shape),
         )
 
     def _gemm(self, x, weight: Matrix, bias, out: DeviceArray, n: int, m: int, k: int, kt: int) -> None:

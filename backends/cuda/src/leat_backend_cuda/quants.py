@@ -87,10 +87,10 @@ def gemv_q_shape(tokens: int, mode: int, rows: int, cols: int) -> tuple[int, int
     return (8, 1) if rows >= 8192 and cols <= 8192 else (2, 2)
 
 
-#: (tile count NT, row tiles RT) of every gemm_few instantiation: products of up to 8 * NT tokens, 16 * RT rows a block
-GEMM_FEW_VARIANTS = ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2))
-#: tokens up to which gemm_few runs (more go to the GEMM)
-GEMM_FEW_MAX_TOKENS = 64
+#: (tiles NT, row tiles RT) of every gemm_few instantiation: products of up to 8 * NT tokens, 16 * RT rows a block
+GEMM_FEW_VARIANTS = ((1, 1), (2, 1), (2, 2), (4, 2))
+#: tokens up to which gemm_few may run (gemm_few_shape decides by rows)
+GEMM_FEW_MAX_TOKENS = 32
 GEMM_SMEM = {32: (128 + 64) * (32 + 8) * 2, 256: (128 + 64) * (256 + 8) * 2}
 #: units per block, values per unit, runs per unit of each decoder struct (mirrors quants.cuh)
 UNIT_SHAPES = {
@@ -125,13 +125,31 @@ def gemm_name(qtype: Q, kt: int) -> str:
     return f"gemm<{LAYOUTS[qtype].struct}, {kt}>"
 
 
-def gemm_few_name(qtype: Q, tiles: int, row_tiles: int) -> str:
-    return f"gemm_few<{LAYOUTS[qtype].struct}, {tiles}, {row_tiles}>"
+def gemm_few_name(qtype: Q, shape: tuple[int, int]) -> str:
+    return f"gemm_few<{LAYOUTS[qtype].struct}, {shape[0]}, {shape[1]}>"
 
 
-def gemm_few_smem(tiles: int, row_tiles: int) -> int:
+def gemm_few_smem(shape: tuple[int, int]) -> int:
     """Shared memory of gemm_few: its 8 warps' partial sums, 4 floats per lane and 16 x 8 tile."""
+    tiles, row_tiles = shape
     return 8 * row_tiles * tiles * 4 * 32 * 4
+
+
+def gemm_few_shape(tokens: int, rows: int) -> tuple[int, int] | None:
+    """The gemm_few instantiation for a product of ``tokens`` x ``rows``, or None where the GEMM is faster.
+
+    Measured on an H200 over the 8B bench file's shapes (Q4_K and Q6_K; docs/benchmarks.md): up to 8 tokens,
+    one tile; 9-16, two tiles, two row tiles a block for 4096 rows or more; 17-32 tokens, four tiles and two
+    row tiles, for 4096 rows or more only; beyond that the GEMM, whose tiles share each decoded weight
+    among 64 tokens.
+    """
+    if tokens <= 8:
+        return (1, 1)
+    if tokens <= 16:
+        return (2, 2) if rows >= 4096 else (2, 1)
+    if tokens <= 32 and rows >= 4096:
+        return (4, 2)
+    return None
 
 
 def kernel_names(qtype: Q, extra_gemv: tuple[tuple[int, int, int], ...] = ()) -> list[str]:
@@ -143,7 +161,7 @@ def kernel_names(qtype: Q, extra_gemv: tuple[tuple[int, int, int], ...] = ()) ->
     if layout.integer:
         names += [gemv_q_name(qtype, n, (r, u), m) for n, r, u, m in GEMV_Q_VARIANTS]
     names += [gemm_name(qtype, kt) for kt in ((32, 256) if layout.small_block else (256,))]
-    names += [gemm_few_name(qtype, nt, rt) for nt, rt in GEMM_FEW_VARIANTS]
+    names += [gemm_few_name(qtype, shape) for shape in GEMM_FEW_VARIANTS]
     return list(dict.fromkeys(names))
 
 

@@ -235,14 +235,14 @@ __global__ void __launch_bounds__(128) gemv_q(
 }
 
 // Y = X W^T (+ bias) for a few tokens (up to 8 * NT) on tensor cores, each weight read once: the
-// matrix-vector kernels' access pattern with mma.sync m16n8k16 in place of FMA. A block of 8 warps
-// owns 16 * RT weight rows; its warps share out the rows' units, four consecutive units per step
-// (one per lane of a quad), and add their partial products in shared memory at the end. A lane
-// (g = lane / 4, t = lane % 4) decodes unit 4s + t of rows g and g + 8 straight into A fragments:
-// k-step j of a unit takes the quad's values 4j..4j+3, lane t's at fragment columns 2t, 2t + 1,
-// 2t + 8, 2t + 9. That is a permutation of k, and the B fragments (x as f16: x_to_f16's rows,
-// `xscale` undoes their scaling) follow it: lane t loads x at the same four places, 8 bytes. No
-// weight goes through shared memory and no tile is decoded for tokens that are not there.
+// matrix-vector kernels' access pattern with mma.sync m16n8k16 in place of FMA. A block owns 16 * RT
+// weight rows; its 8 warps share out the rows' units, four consecutive units per step (one per lane
+// of a quad), and add their partial products in shared memory at the end. A lane (g = lane / 4,
+// t = lane % 4) decodes unit 4s + t of rows g and g + 8 of each row tile straight into A fragments:
+// k-step j takes the quad's values 4j..4j+3, lane t's at fragment columns 2t, 2t + 1, 2t + 8, 2t + 9.
+// That is a permutation of k, and the B fragments (x as f16: x_to_f16's rows, `xscale` undoes their
+// scaling) follow it: lane t loads x at the same four places, 8 bytes, once for all RT row tiles.
+// No weight goes through shared memory and no tile is decoded for tokens that are not there.
 template <class T, int NT, int RT>
 __global__ void __launch_bounds__(256) gemm_few(const u8* __restrict__ w, i64 nb, const u16* __restrict__ xh,
                                                 const float* __restrict__ xscale, float* __restrict__ y,
@@ -277,29 +277,31 @@ __global__ void __launch_bounds__(256) gemm_few(const u8* __restrict__ w, i64 nb
         for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) raw[rt][h] = T::load(w, nb, first[rt][h] + blk, unit);
-        const i64 base = (i64)blk * T::BLOCK;
+        u32 a[RT][J][4];  // the unit decoded once, as the A fragments of its J k-steps
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
             float v0[T::UV], v1[T::UV];
             T::template decode<false>(raw[rt][0], unit, v0);
             T::template decode<false>(raw[rt][1], unit, v1);
-            u32 a[J][4];
 #pragma unroll
             for (int j = 0; j < J; ++j) {
-                a[j][0] = pack_f16x2(v0[4 * j] * keep, v0[4 * j + 1] * keep);
-                a[j][1] = pack_f16x2(v1[4 * j] * keep, v1[4 * j + 1] * keep);
-                a[j][2] = pack_f16x2(v0[4 * j + 2] * keep, v0[4 * j + 3] * keep);
-                a[j][3] = pack_f16x2(v1[4 * j + 2] * keep, v1[4 * j + 3] * keep);
+                a[rt][j][0] = pack_f16x2(v0[4 * j] * keep, v0[4 * j + 1] * keep);
+                a[rt][j][1] = pack_f16x2(v1[4 * j] * keep, v1[4 * j + 1] * keep);
+                a[rt][j][2] = pack_f16x2(v0[4 * j + 2] * keep, v0[4 * j + 3] * keep);
+                a[rt][j][3] = pack_f16x2(v1[4 * j + 2] * keep, v1[4 * j + 3] * keep);
             }
+        }
+        const i64 base = (i64)blk * T::BLOCK;
 #pragma unroll
-            for (int j = 0; j < J; ++j) {
-                const i64 at = base + T::run_offset(unit, 4 * j / T::RL) + (4 * j) % T::RL;
+        for (int j = 0; j < J; ++j) {
+            const i64 at = base + T::run_offset(unit, 4 * j / T::RL) + (4 * j) % T::RL;
+            uint2 b[NT];
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const uint2 b = __ldg((const uint2*)(xrow[nt] + at));
-                    mma_f16(acc[rt][nt], a[j], b.x, b.y);
-                }
-            }
+            for (int nt = 0; nt < NT; ++nt) b[nt] = __ldg((const uint2*)(xrow[nt] + at));
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) mma_f16(acc[rt][nt], a[rt][j], b[nt].x, b[nt].y);
         }
     }
 #pragma unroll
