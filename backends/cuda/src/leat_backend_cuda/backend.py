@@ -3,9 +3,12 @@ CUDA graphs.
 
 Activations are float32 :class:`~leat_backend_cuda.driver.DeviceArray` s. Weights stay in their
 GGUF form (see ``quants.py``); matrices of types without kernels are dequantized to float32 on the
-host at upload. Products of up to 8 tokens use the matrix-vector kernels (float32 throughout);
-larger ones the tensor-core GEMM (f16 products, float32 accumulation), unless ``tensor_cores`` is
-off. Every op is asynchronous on one stream; only :meth:`to_host` waits.
+host at upload. Products of quantized weights by 1-2 tokens use the integer matrix-vector kernel
+(gemv_q: x as int16, fused with the norm before and the gated unit or residual after); 3-32 tokens
+gemm_few (tensor cores, each weight read once; ``quants.gemm_few_shape``); more the tensor-core GEMM,
+and from ``CUBLAS_MIN_TOKENS`` cuBLAS where installed (f16 products, float32 accumulation throughout).
+Float weights take the float32 matrix-vector kernel up to 8 tokens. ``tensor_cores=False`` keeps
+every product in float32. Every op is asynchronous on one stream; only :meth:`to_host` waits.
 
 Graphs: :meth:`run` captures one forward per (forward, KV cache, token bucket, logits bucket) the
 first time a batch of that shape comes, with the batch's host arrays bound to static device
