@@ -1,4 +1,4 @@
-"""Tiny qwen3moe, gpt-oss (F32 and MXFP4 experts), deepseek2 and gemma2/gemma3 models on the CUDA backend
+"""Tiny qwen3moe, gpt-oss (F32 and MXFP4 experts), deepseek2, gemma2/gemma3, phi3 and glm4moe models on the CUDA backend
 against the CPU float64 oracle: logits agree (top-1 >= 99%, mean KL < 1e-3) in prefill and in
 graph-replayed decode, and greedy 64-token continuations equal the oracle's (up to a near tie)."""
 
@@ -20,7 +20,9 @@ def _classes():
     gpt_oss = pytest.importorskip("leat_arch_gpt_oss.gpt_oss")
     deepseek = pytest.importorskip("leat_arch_deepseek2.deepseek2")
     gemma = pytest.importorskip("leat_arch_gemma.gemma")
-    return qwen, gpt_oss, deepseek, gemma
+    phi3 = pytest.importorskip("leat_arch_phi3.phi3")
+    glm4moe = pytest.importorskip("leat_arch_glm4moe.glm4moe")
+    return qwen, gpt_oss, deepseek, gemma, phi3, glm4moe
 
 
 #: name -> (module attribute path, tiny overrides, file type, expert type); the architectures' own tiny variants
@@ -58,11 +60,15 @@ CONFIGS = {
     "gemma2-q8_0": ("gemma.Gemma2", {"window": 5}, Q.Q8_0, None),
     "gemma3-f32": ("gemma.Gemma3", {"window": 5, "pattern": 2, "tied": False}, Q.F32, None),
     "gemma3-q4_0": ("gemma.Gemma3", {"window": 5, "pattern": 2}, Q.Q4_0, None),
+    "phi3-f32": ("phi3.Phi3", {}, Q.F32, None),
+    "phi3-q8_0": ("phi3.Phi3", {}, Q.Q8_0, None),
+    "glm4moe-f32": ("glm4moe.Glm4Moe", {}, Q.F32, None),
+    "glm4moe-q8_0": ("glm4moe.Glm4Moe", {}, Q.Q8_0, None),
 }
 
 
 def architecture(name):
-    modules = dict(zip(("qwen", "gpt_oss", "deepseek", "gemma"), _classes()))
+    modules = dict(zip(("qwen", "gpt_oss", "deepseek", "gemma", "phi3", "glm4moe"), _classes()))
     where, overrides, qtype, experts = CONFIGS[name]
     module, cls = where.split(".")
     return getattr(modules[module], cls), overrides, qtype, experts
