@@ -3,12 +3,12 @@
     uv run python scripts/cpu_vs_llamacpp.py --llama-bench /path/to/llama-bench [--model default] [--rounds 3]
         [--threads 2] [--weights quantized|dequantized]
 
-llama-bench is not part of leat: build it from llama.cpp's source (for instance the copy inside
-the llama-cpp-python sdist: `cmake -B build -DGGML_NATIVE=ON && cmake --build build --target
-llama-bench`; add `-DLLAMA_BUILD_SERVER=OFF` where the sdist lacks tools/ui). Each round runs llama-bench
-(pp128, tg64, 2 threads) and then leat on the same file (prompt of 128 tokens, then 64 greedy tokens), so both
-see the same machine load. leat's CPU backend gets the same --threads; `--weights dequantized` measures its
-float32 reference path instead of the quantized one. Prints one JSON line per round and a median summary.
+llama-bench is not part of leat: build it from llama.cpp's source (for instance the copy inside the llama-cpp-python
+sdist: `cmake -B build -DGGML_NATIVE=ON && cmake --build build --target llama-bench`; add `-DLLAMA_BUILD_SERVER=OFF`
+where the sdist lacks tools/ui). Each round runs llama-bench (pp128, tg64, 2 threads) and then leat on the same file
+(prompt of 128 tokens, then 64 greedy tokens), so both see the same machine load. leat's KV cache is f16, as
+llama-bench's is by default. leat's CPU backend gets the same --threads; `--weights dequantized` measures its float32
+reference path instead of the quantized one. Prints one JSON line per round and a median summary.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def llama_bench(binary: str, path: str, threads: int) -> dict[str, float]:
 def leat_bench(model) -> dict[str, float]:
     arch, backend = model.architecture, model.backend
     ids = np.random.default_rng(0).integers(0, arch.vocab_size, 128)
-    kv = backend.allocate_kv(arch.kv_layouts(arch.params), 1, 256)
+    kv = backend.allocate_kv(arch.kv_layouts(arch.params), 1, 256, dtype="f16")
     started = time.perf_counter()
     backend.to_host(arch.forward(Batch([Row(0, 0, ids)]), kv))
     prompt = 128 / (time.perf_counter() - started)
