@@ -14,6 +14,16 @@ import pytest
 from leat_backend_cuda import quants
 
 Q = gguf.GGMLQuantizationType
+# byte offsets of the f16 scale fields (d, and dmin where present) of types gguf-py cannot quantize
+SCALES = {
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+}
 HARNESS = """
 #include "quants.cuh"
 // Rows of W times x: each unit's runs quantized to int16 with a per-run scale, then T::dot (as gemv_q).
@@ -122,7 +132,7 @@ def test_integer_dot_products(decoders, qtype):
         data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype).view(np.uint8)
     except NotImplementedError:  # random blocks with small f16 scales
         data = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-        scales = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}[qtype]
+        scales = SCALES[qtype]
         for offset in scales:
             data[:, offset : offset + 2] = (
                 rng.uniform(0.002, 0.02, len(data)).astype(np.float16).view(np.uint8).reshape(-1, 2)

@@ -17,7 +17,15 @@ pytestmark = pytest.mark.gpu
 Q = gguf.GGMLQuantizationType
 KERNEL_TYPES = sorted(quants.LAYOUTS, key=int)
 # byte offset of the f16 scale fields (d, and dmin where present) of types gguf-py cannot quantize
-SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+SCALES = {
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+}
 
 
 def stored(qtype: Q, rows: int, cols: int, rng, sane: bool = True) -> np.ndarray:

@@ -46,6 +46,8 @@ LAYOUTS: dict[Q, Layout] = {
     Q.Q5_0: Layout("TQ5_0", 32, 1, (2, 4, 16)),
     Q.Q5_1: Layout("TQ5_1", 32, 1, (4, 4, 16)),
     Q.MXFP4: Layout("TMXFP4", 32, 1, (1, 16)),
+    Q.IQ4_NL: Layout("TIQ4_NL", 32, 1, (2, 16)),
+    Q.IQ4_XS: Layout("TIQ4_XS", 256, 8, (8, 128)),
     Q.Q2_K: Layout("TQ2_K", 256, 8, (16, 64, 4)),
     Q.Q3_K: Layout("TQ3_K", 256, 8, (32, 64, 12, 2)),
     Q.Q4_K: Layout("TQ4_K", 256, 8),

@@ -311,6 +311,92 @@ struct TMXFP4 {
 };
 
 // ---------------------------------------------------------------------------------------------
+// IQ4_NL / IQ4_XS: 4-bit indices into llama.cpp's non-linear codebook kvalues_iq4nl (int8), 16
+// bytes of qs per 32 values, byte j holding value j in its low nibble and value j + 16 in its high
+// nibble (as Q4_0).
+
+// The codebook values {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113} of
+// the eight nibbles of q as signed bytes: `lo` those of the low nibbles (byte k of q -> byte k), `hi`
+// those of the high nibbles (llama.cpp's get_int_from_table_16). __byte_perm indexes with bits 0-2
+// of each selector nibble, so each nibble looks up entries 0-7 and 8-15, and its bit 3 picks one.
+__device__ __forceinline__ void iq4nl_values8(u32 q, u32& lo, u32& hi) {
+    const u32 pick = 0x32103210u | ((q & 0x88888888u) >> 1);
+    u32 t[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const u32 s = q >> (16 * i);
+        const u32 low = __byte_perm(0xBFAD9881u, 0xF6EADDCFu, s), high = __byte_perm(0x26190D01u, 0x71594535u, s);
+        t[i] = __byte_perm(low, high, pick >> (16 * i));
+    }
+    lo = __byte_perm(t[0], t[1], 0x6420);
+    hi = __byte_perm(t[0], t[1], 0x7531);
+}
+
+// 16 bytes of qs to 32 values: v[j] = d * kvalue (run 0: low nibbles, run 1: high nibbles).
+__device__ __forceinline__ void iq4_decode(const uint4& q, float d, float* v) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 lo, hi;
+        iq4nl_values8(word_of(q, i), lo, hi);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {  // signed byte s ^ 0x80 = s + 128
+            v[4 * i + k] = d * byte_f32(lo ^ 0x80808080u, k, 128.0f);
+            v[16 + 4 * i + k] = d * byte_f32(hi ^ 0x80808080u, k, 128.0f);
+        }
+    }
+}
+
+// The integer dot products of 16 bytes of qs (runs 0 and 1), scaled by xs.
+__device__ __forceinline__ float iq4_dot(const uint4& q, const u32* xw, const float* xs) {
+    u32 lo[4], hi[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) iq4nl_values8(word_of(q, i), lo[i], hi[i]);
+    const int s0 = dot16(lo[0], lo[1], lo[2], lo[3], xw), s1 = dot16(hi[0], hi[1], hi[2], hi[3], xw + 8);
+    return xs[0] * (float)s0 + xs[1] * (float)s1;
+}
+
+struct TIQ4_NL {  // planes d (f16), qs (16); value = d * kvalue
+    static constexpr int BLOCK = 32, UNITS = 1, UV = 32, NR = 2, RL = 16;
+    struct Raw { uint4 q; u16 d; };
+    static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
+        const uint4* qs = (const uint4*)(w + align16(2 * nb));
+        return {__ldg(qs + blk), __ldg((const u16*)w + blk)};
+    }
+    template <bool EXACT>
+    static __device__ __forceinline__ void decode(const Raw& r, int unit, float (&v)[UV]) {
+        iq4_decode(r.q, f16_to_f32(r.d), v);
+    }
+    static __device__ __forceinline__ float dot(const Raw& r, int unit, const u32* xw, const float* xs, const float* xsum) {
+        return f16_to_f32(r.d) * iq4_dot(r.q, xw, xs);
+    }
+    static __device__ __forceinline__ int run_offset(int unit, int run) { return 16 * run; }
+};
+
+// IQ4_XS: 256 values in 8 sub-blocks of 32. Planes (d (f16), scales_h (u16), scales_l (4 bytes))
+// as one 8-byte head, qs (128). Sub-block ib's 6-bit scale: low 4 bits are bits 4ib.. of scales_l,
+// high 2 bits bits 2ib.. of scales_h; value = (d * (scale - 32)) * kvalue. A unit is a sub-block.
+struct TIQ4_XS {
+    static constexpr int BLOCK = 256, UNITS = 8, UV = 32, NR = 2, RL = 16;
+    struct Raw { uint4 q; uint2 head; };
+    static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
+        const uint4* qs = (const uint4*)(w + align16(8 * nb));
+        return {__ldg(qs + blk * 8 + unit), __ldg((const uint2*)w + blk)};
+    }
+    static __device__ __forceinline__ float scale(const Raw& r, int unit) {
+        const u32 sc = ((r.head.y >> (4 * unit)) & 0xF) | (((r.head.x >> (16 + 2 * unit)) & 3) << 4);
+        return f16_to_f32((u16)(r.head.x & 0xFFFF)) * small_f32(sc, 32.0f);
+    }
+    template <bool EXACT>
+    static __device__ __forceinline__ void decode(const Raw& r, int unit, float (&v)[UV]) {
+        iq4_decode(r.q, scale(r, unit), v);
+    }
+    static __device__ __forceinline__ float dot(const Raw& r, int unit, const u32* xw, const float* xs, const float* xsum) {
+        return scale(r, unit) * iq4_dot(r.q, xw, xs);
+    }
+    static __device__ __forceinline__ int run_offset(int unit, int run) { return 32 * unit + 16 * run; }
+};
+
+// ---------------------------------------------------------------------------------------------
 // Q4_K / Q5_K: 256 values in 8 sub-blocks of 32, each with a 6-bit scale and min packed in 12
 // bytes; value = (d * scale) * q - dmin * min. Raw blocks: d, dmin (f16), scales[12], [qh[32]],
 // qs[128]. Byte l of qs chunk j (32 bytes) holds value 64j + l in its low nibble (sub-block 2j)
