@@ -147,6 +147,7 @@ class Architecture:
         self.params = self.checked_params(file)
         weights = Weights(file, backend)
         self.load_weights(weights)
+        self.classifier = self.load_classifier(weights)
         weights.check_all_used()
 
     # -- description --------------------------------------------------------------------------------
@@ -197,6 +198,30 @@ class Architecture:
     def load_weights(self, weights: Weights) -> None:
         raise NotImplementedError
 
+    def load_classifier(self, w: Weights) -> np.ndarray | None:
+        """A reranker's classifier head, for every family alike: ``cls.output.weight`` [labels, width], one row per
+        ``{arch}.classifier.output_labels`` (one where the file names none), required where the file's pooling type
+        is rank and read where a file of another pooling has one. On the host in float32: :meth:`leat.model.Model.rank`
+        multiplies the last position's hidden state by it. (BERT-style heads, a dense layer with tanh before this
+        one, belong to families with bidirectional attention, which leat has none of.)"""
+        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.CLS_OUT] + ".weight"
+        if self.file.get(gguf.Keys.LLM.POOLING_TYPE, None) != gguf.PoolingType.RANK and not w.has(name):
+            return None
+        labels = self.file.get(gguf.Keys.Classifier.OUTPUT_LABELS, None) or [""]
+        shape = (len(labels), int(self.file.get(gguf.Keys.LLM.EMBEDDING_LENGTH)))
+        try:
+            head = w.host(name, shape)
+        except ModelFileError:
+            raise ModelFileError(
+                f"{self.file.path}: pooling type rank (a reranker) but no classifier head {name}"
+            ) from None
+        if head.shape != shape:
+            raise ModelFileError(
+                f"{self.file.path}: {name} has shape {list(head.shape)}; {len(labels)} output labels and the "
+                f"embedding length make it {list(shape)}"
+            )
+        return head
+
     def forward(self, batch: Batch, kv: Any) -> Any:
         """Run the batch, writing its K/V into ``kv``; return logits [len(batch.logit_index), vocab]."""
         raise NotImplementedError
@@ -224,6 +249,7 @@ class Architecture:
         model.file, model.params = file, params
         recorder = TensorRecorder(file)
         model.load_weights(recorder)
+        model.load_classifier(recorder)
         return recorder.shapes
 
     @classmethod

@@ -289,7 +289,7 @@ class Engine:
         # a decode step queued before the last one's tokens reached the host (its tokens fed on the device)
         self._pipeline = options.pipeline and bool(getattr(self.backend, "feeds_tokens", False))
         self._ahead: tuple[list[tuple[_Running, Row]], Any, Any] | None = None  # rows, output, device timer
-        self._embedding = 0  # embed calls waiting for the step queued ahead: none is queued meanwhile
+        self._embedding = 0  # embed and rank calls waiting for the step queued ahead: none is queued meanwhile
         self.steps_ahead = 0
         self.profile: list[StepProfile] | None = [] if options.profile else None
         self._finished_speculation = {"proposed": 0, "accepted": 0, "verifications": 0}
@@ -502,10 +502,18 @@ class Engine:
         with self._state:
             return self.session_kv.listing()
 
-    # -- embeddings (callable from any thread) -------------------------------------------------------
+    # -- embeddings and reranking (callable from any thread) -----------------------------------------
     def embed(self, prompts: list[list[int]]) -> list[list[float]]:
-        """Each prompt's embedding (:meth:`leat.model.Model.embed`, a KV of its own), run between the scheduler's
-        steps: none is queued ahead meanwhile, so no device step is in flight while these run."""
+        """Each prompt's embedding (:meth:`leat.model.Model.embed`), run between the scheduler's steps."""
+        return self._between_steps(prompts, lambda ids: self.model.embed(ids).tolist())
+
+    def rank(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Each reranker prompt's label probabilities (:meth:`leat.model.Model.rank`), between the scheduler's steps."""
+        return self._between_steps(prompts, lambda ids: self.model.rank(ids).tolist())
+
+    def _between_steps(self, prompts: list[list[int]], run: Callable[[list[int]], list[float]]) -> list[list[float]]:
+        """``run`` on each prompt (a KV of its own), between the scheduler's steps: none is queued ahead meanwhile,
+        so no device step is in flight while these run."""
         for ids in prompts:
             if len(ids) > self.max_context:
                 raise TooLong(f"an input of {len(ids)} tokens is over the context", limit=self.max_context)
@@ -515,7 +523,7 @@ class Engine:
             while True:
                 with self._state:
                     if self._ahead is None:
-                        return [self.model.embed(ids).tolist() for ids in prompts]
+                        return [run(ids) for ids in prompts]
                 time.sleep(0.001)  # the scheduler's next step takes the step queued ahead
         finally:
             with self._wake:

@@ -91,6 +91,7 @@ CALLS: dict[str, Callable[..., Any]] = {
     "create_session": lambda engine, name: engine.create_session(name),
     "restore_session": lambda engine, name: engine.restore_session(name),
     "embed": lambda engine, prompts: engine.embed(prompts),
+    "rank": lambda engine, prompts: engine.rank(prompts),
     "stale_sessions": lambda engine: engine.stale_sessions(),
 }
 
@@ -371,6 +372,9 @@ class RemoteEngine:
 
     def embed(self, prompts: list[list[int]]) -> list[list[float]]:
         return self.call("embed", prompts)
+
+    def rank(self, prompts: list[list[int]]) -> list[list[float]]:
+        return self.call("rank", prompts)
 
     def stale_sessions(self) -> list[str]:
         return self.call("stale_sessions")

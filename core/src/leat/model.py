@@ -22,6 +22,33 @@ from leat.textstream import TextStream
 PREFILL_CHUNK = EngineOptions.prefill_chunk  # prompt tokens per forward where no engine runs (logits, bench)
 
 
+def pooling_type(file: ModelFile) -> gguf.PoolingType:
+    """The pooling the GGUF states (``{arch}.pooling_type``), mean where it states none."""
+    stated = file.get(gguf.Keys.LLM.POOLING_TYPE, None)
+    try:
+        return gguf.PoolingType(int(stated)) if stated is not None else gguf.PoolingType.MEAN
+    except ValueError:
+        raise LeatError(f"this model's pooling type {stated} is none that GGUF defines") from None
+
+
+def rerank_prompt(file: ModelFile, tokenizer: Any, query: str, document: str) -> list[int]:
+    """The prompt a reranker scores ``document`` for ``query`` by, as llama-server builds it (format_prompt_rerank):
+    the file's ``tokenizer.chat_template.rerank`` with ``{query}`` and ``{document}`` replaced, special tokens
+    parsed and none added; without one, [BOS] query [EOS] [SEP] document [EOS], each special token where the
+    tokenizer adds it, the texts tokenized without special tokens (EOS is SEP where the model has no EOS)."""
+    template = file.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE_N.format(name="rerank"), None)
+    if template is not None:
+        text = template.replace("{query}", query).replace("{document}", document)
+        return tokenizer.encode(text, add_special=False, parse_special=True)
+    end = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.sep_id
+    bos = [tokenizer.bos_id] if tokenizer.add_bos else []
+    eos, sep = ([end] if tokenizer.add_eos else []), ([tokenizer.sep_id] if tokenizer.add_sep else [])
+    if None in bos + eos + sep:
+        raise LeatError("this reranker's tokenizer adds a BOS, EOS or SEP token it does not have")
+    words = [tokenizer.encode(text, add_special=False) for text in (query, document)]
+    return bos + words[0] + eos + sep + words[1] + eos
+
+
 def architecture_class(file: ModelFile, host: plugins.PluginHost | None = None) -> type[Architecture]:
     host = host or plugins.host()
     entry = host.get("architectures", file.architecture)
@@ -161,23 +188,31 @@ class Model:
 
     @property
     def pooling(self) -> str:
-        """How :meth:`embed` pools positions: the GGUF's ``pooling_type`` (mean, cls or last), mean when it has none;
-        a LeatError for none and rank, which give no single vector."""
-        stated = self.file.get(gguf.Keys.LLM.POOLING_TYPE, None)
-        try:
-            kind = gguf.PoolingType(int(stated)) if stated is not None else gguf.PoolingType.MEAN
-        except ValueError:
-            raise LeatError(f"this model's pooling type {stated} is none that GGUF defines") from None
-        if kind not in (gguf.PoolingType.MEAN, gguf.PoolingType.CLS, gguf.PoolingType.LAST):
+        """How :meth:`embed` pools positions: the GGUF's ``pooling_type`` (mean, cls or last; mean when it has none),
+        or rank for a reranker (:meth:`rank`); a LeatError for none, which gives no single vector."""
+        kind = pooling_type(self.file)
+        if kind not in (gguf.PoolingType.MEAN, gguf.PoolingType.CLS, gguf.PoolingType.LAST, gguf.PoolingType.RANK):
             raise LeatError(f"this model's pooling type is {kind.name.lower()}: it gives no single embedding")
         return kind.name.lower()
 
     def embed(self, token_ids: Sequence[int]) -> np.ndarray:
         """One embedding of the sequence: its hidden states pooled as :attr:`pooling` says, L2-normalized; float32."""
+        if self.pooling == "rank":
+            raise LeatError("this model is a reranker (pooling type rank): it scores documents for a query, not embeds")
         states = self.hidden(token_ids)
         pooled = {"mean": lambda: states.mean(axis=0), "cls": lambda: states[0], "last": lambda: states[-1]}
         vector = pooled[self.pooling]()
         return (vector / max(float(np.linalg.norm(vector)), 1e-12)).astype(np.float32)
+
+    def rank(self, token_ids: Sequence[int]) -> np.ndarray:
+        """A reranker's label probabilities for one prompt (:func:`rerank_prompt`), float64: the softmax of the
+        classifier head times the last position's hidden state, as llama.cpp's causal rerankers (Qwen3-Reranker,
+        labels ["yes", "no"]) score; the relevance score llama-server reports is the first label's."""
+        if self.pooling != "rank" or self.architecture.classifier is None:
+            raise LeatError(f"this model's pooling type is {self.pooling}, not rank: it is no reranker")
+        logits = self.architecture.classifier.astype(np.float64) @ self.hidden(token_ids)[-1]
+        weights = np.exp(logits - logits.max())
+        return weights / weights.sum()
 
     def _check_tokens(self, ids: np.ndarray) -> None:
         if len(ids) == 0:

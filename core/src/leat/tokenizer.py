@@ -341,6 +341,7 @@ class _PreTokenizer:
     ignore_merges: bool = False
     add_bos: bool = False
     no_bos: bool = False  # llama.cpp sets special_bos_id = LLAMA_TOKEN_NULL
+    add_sep: bool = False
 
 
 def _pre_table() -> dict[str, _PreTokenizer]:
@@ -370,7 +371,7 @@ def _pre_table() -> dict[str, _PreTokenizer]:
         _PreTokenizer("gpt2"),
     )
     add("jais-2", _PreTokenizer("jais2"))
-    add("jina-v1-en jina-v2-code roberta-bpe", _PreTokenizer("gpt2"))
+    add("jina-v1-en jina-v2-code roberta-bpe", _PreTokenizer("gpt2", add_sep=True))
     add("refact", _PreTokenizer("starcoder"))
     add("command-r", _PreTokenizer("starcoder", clean_spaces=False))
     add("qwen2 deepseek-r1-qwen kormo f2llmv2", _PreTokenizer("qwen2", clean_spaces=False))
@@ -817,6 +818,8 @@ class Tokenizer:
     eog_ids: frozenset[int]
     add_bos: bool
     add_eos: bool
+    add_sep: bool  # after a reranker's query (leat.model.rerank_prompt)
+    sep_id: int | None
     model: str  # tokenizer.ggml.model: "gpt2" or "llama"
     pre: str | None  # tokenizer.ggml.pre (BPE only)
 
@@ -911,6 +914,8 @@ class Tokenizer:
 
         self.add_bos = _get(metadata, _KEYS.ADD_BOS, bool, add_bos)
         self.add_eos = _get(metadata, _KEYS.ADD_EOS, bool, add_eos)
+        self.sep_id = special_id(_KEYS.SEP_ID, None)
+        self.add_sep = _get(metadata, _KEYS.ADD_SEP, bool, self._pre is not None and self._pre.add_sep)
 
         # ids found by token text when the metadata does not name them; each found token becomes CONTROL
         def find(current: int | None, texts: Sequence[str]) -> int | None:

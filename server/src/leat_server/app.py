@@ -30,7 +30,7 @@ from litestar.openapi.spec import OpenAPIMediaType, Reference, RequestBody
 from litestar.params import FromPath
 from litestar.response import Stream
 
-from leat_server import anthropic_api, embeddings, openai_api, responses_api
+from leat_server import anthropic_api, embeddings, openai_api, rerank, responses_api
 from leat_server.errors import APIError, bad_request, from_msgspec
 from leat_server.models import Lease, Models
 from leat_server.requestlog import request_log
@@ -41,6 +41,7 @@ from leat_server.schemas import (
     EmbeddingRequest,
     MessagesRequest,
     ModelRequest,
+    RerankRequest,
     ResponsesRequest,
     SessionRequest,
     TokenizeRequest,
@@ -67,6 +68,7 @@ BODIES = {
     "/detokenize": DetokenizeRequest,
     "/v1/sessions": SessionRequest,
     "/v1/embeddings": EmbeddingRequest,
+    **dict.fromkeys(rerank.PATHS, RerankRequest),
     "/models/load": ModelRequest,
     "/models/unload": ModelRequest,
 }
@@ -349,6 +351,12 @@ def create_app(
         lease.release()
         return _json(answer)
 
+    @post(list(rerank.PATHS), status_code=200)
+    async def rank(request: Request) -> Response:
+        lease, _, answer = await prepare(request, RerankRequest, rerank.rerank)
+        lease.release()
+        return _json(answer)
+
     @post("/tokenize", status_code=200)
     async def tokenize(request: Request) -> Response:
         lease, _, answer = await prepare(request, TokenizeRequest, tokens)
@@ -470,6 +478,7 @@ def create_app(
             tokenize,
             detokenize,
             embed,
+            rank,
             list_sessions,
             delete_session,
             create_session,

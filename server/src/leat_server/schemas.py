@@ -214,6 +214,16 @@ class EmbeddingRequest(Body):
     user: str | None = None
 
 
+class RerankRequest(Body):
+    """``POST /v1/rerank`` (llama-server's, and Jina's and Cohere's): ``documents`` ranked by relevance to ``query``."""
+
+    query: str
+    documents: list[str]
+    model: str = ""
+    top_n: Annotated[int, Meta(ge=0)] | None = None
+    return_documents: bool = False
+
+
 class ModelRequest(Body):
     """``POST /models/load`` and ``POST /models/unload``: the model, by name or alias."""
 

@@ -1,0 +1,73 @@
+"""leat's reranking (``leat.model.rerank_prompt`` and ``Model.rank``, what ``POST /v1/rerank`` returns) is
+llama.cpp's, for the same file, query and documents.
+
+The references are llama.cpp's prompt token ids (llama-server's join of query and document, on llama.cpp's
+tokenizer) and pooled outputs recorded by ``scripts/record_llamacpp_rerank.py`` on the tiny rerankers of
+``tests/references/tiny_rerank.py`` (rebuilt here, and checked against the recorded SHA-256): one with the
+Qwen3-Reranker rerank template, one without (llama-server's own join). llama.cpp's pooled output is the softmax of the
+classifier head over the labels ["yes", "no"]; llama-server reports the first as ``relevance_score``. Two llama.cpp
+runs per file: its default F16 KV cache (as ``llama-server`` runs), and an F32 KV cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import leat
+import numpy as np
+import pytest
+from leat.model import rerank_prompt
+
+REFERENCES = Path(__file__).parent / "references"
+MANIFEST = json.loads((REFERENCES / "llamacpp_rerank.json").read_text())
+RERECORD = "re-record with scripts/record_llamacpp_rerank.py (see its docstring) and commit the new references"
+
+# Largest |difference| of a label probability, by the file's weights and llama.cpp's KV cache. Measured with
+# llama-cpp-python 0.3.36, leat at f64 and at f32 alike: the F32 file with an F32 KV cache <= 3.5e-7 (float32
+# rounding); with llama.cpp's default F16 KV cache <= 2.0e-4 (its keys and values rounded to 16 bits); the F16 file
+# <= 5.8e-4 with either cache (llama.cpp rounds activations to F16 before an F16 product). Bars a few times above.
+TOLERANCE = {("F32", "f32kv"): 2e-6, ("F32", "f16kv"): 1e-3, ("F16", "f32kv"): 2e-3, ("F16", "f16kv"): 2e-3}
+
+
+def _tiny_rerank():
+    spec = importlib.util.spec_from_file_location("leat_tests_tiny_rerank", REFERENCES / "tiny_rerank.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tiny = _tiny_rerank()
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    with np.load(REFERENCES / "llamacpp_rerank.npz") as data:
+        return {key: data[key] for key in data.files}
+
+
+@pytest.mark.parametrize("name", sorted(MANIFEST["tiny"]))
+def test_rerank_matches_llamacpp(name, recorded, tmp_path):
+    config = MANIFEST["tiny"][name]
+    built = tiny.build(name, tmp_path / f"{name}.gguf")
+    assert built["sha256"] == config["sha256"], f"{name} no longer builds the recorded file; {RERECORD}"
+    assert built["pairs"] == config["pairs"], RERECORD
+    for precision in ("f64", "f32"):
+        model = leat.load(built["path"], backend="cpu", precision=precision)
+        assert model.pooling == "rank" and model.architecture.classifier.shape[0] == len(config["labels"])
+        for i, (query, document) in enumerate(config["pairs"]):
+            ids = rerank_prompt(model.file, model.tokenizer, query, document)
+            assert ids == config["prompts"][i], f"{name} pair {i}: leat joins query and document unlike llama-server"
+            ours = model.rank(ids)
+            for kind in ("f32kv", "f16kv"):
+                tolerance = TOLERANCE[config["qtype"], kind]
+                error = float(np.abs(ours - recorded[f"{name}/{i}/{kind}"]).max())
+                assert error <= tolerance, f"{name} pair {i} ({len(ids)} tokens), {precision} vs llama.cpp {kind}"
+        # the check can fail: the first position's state, or the logits unsoftmaxed, are far from llama.cpp's
+        states = model.hidden(config["prompts"][0])
+        logits = model.architecture.classifier.astype(np.float64) @ states[-1]
+        first = model.architecture.classifier.astype(np.float64) @ states[0]
+        theirs = recorded[f"{name}/0/f32kv"]
+        for other in (np.exp(first) / np.exp(first).sum(), logits):
+            assert np.abs(other - theirs).max() > 30 * TOLERANCE[config["qtype"], "f32kv"]
