@@ -216,3 +216,22 @@ def test_a_config_file_sets_each_models_options_and_is_checked(tmp_path):
             specs_from([], str(config), base)
     with pytest.raises(LeatError, match="--alias names one model"):
         specs_from(["a.gguf", "b.gguf"], None, ServeOptions(model="", alias="x"))
+
+
+def test_smollm2_and_a_tiny_model_alternate_by_name(files):
+    from leat.errors import PullError
+    from leat.pull import resolve
+
+    try:
+        smollm2 = resolve("default")  # the real model the other tests use (SmolLM2-135M-Instruct, Q4_1)
+    except PullError as error:
+        pytest.skip(f"SmolLM2 is not cached and could not be pulled: {error}")
+    want = {"beta": greedy_text(files["beta"], PROMPT, TOKENS), "smollm2": greedy_text(smollm2, PROMPT, TOKENS)}
+    assert want["smollm2"].strip() and want["smollm2"] != want["beta"]  # else routing could not be told apart
+    with ServerProcess(smollm2, [str(files["beta"]), "--backend", "cpu", "--batch-size", "2"]) as server:
+        api = client(server)
+        (name,) = [m.id for m in api.models.list().data if m.id != "beta"]
+        for model in ("beta", name, "beta", name):
+            answer = api.completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0)
+            assert answer.model == model and answer.choices[0].text == want["beta" if model == "beta" else "smollm2"]
+        assert states(server) == {name: "loaded", "beta": "loaded"}
