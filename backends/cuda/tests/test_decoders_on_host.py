@@ -3,6 +3,7 @@ CUDA builtins they use, equal gguf-py's dequantize bit for bit (and their fused 
 float rounding of it). Needs no GPU; skipped where g++ is missing."""
 
 import ctypes
+import runpy
 import shutil
 import subprocess
 from importlib import resources
@@ -21,9 +22,23 @@ SCALES = {
     Q.Q4_K: (0, 2),
     Q.Q5_K: (0, 2),
     Q.Q6_K: (208,),
-    Q.IQ4_NL: (0,),
-    Q.IQ4_XS: (0,),
+    **{q: (0,) for q in (Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S)},
 }
+# the IQ types with codebooks, decoded from enough random blocks to look up every codeword (2048 at most)
+GRID_TYPES = (Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S, Q.IQ1_M)
+
+
+def sane_scales(data: np.ndarray, qtype: Q, rng) -> None:
+    """Small f16 scales (0.002 to 0.02) written into random blocks of ``qtype`` ([blocks, bytes])."""
+    scale = rng.uniform(0.002, 0.02, len(data)).astype(np.float16).view(np.uint16)
+    if qtype == Q.IQ1_M:  # d's four nibbles are the top nibbles of the four u16 scale words (bytes 48-55)
+        words = data[:, 48:56].copy().view(np.uint16)
+        nibbles = (scale[:, None] >> np.array([0, 4, 8, 12], np.uint16)) & 0xF
+        data[:, 48:56] = (words & 0x0FFF | nibbles << 12).astype(np.uint16).view(np.uint8)
+    for offset in SCALES.get(qtype, ()):
+        data[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+
+
 HARNESS = """
 #include "quants.cuh"
 // Rows of W times x: each unit's runs quantized to int16 with a per-run scale, then T::dot (as gemv_q).
@@ -72,9 +87,8 @@ def decoders(tmp_path_factory):
         pytest.skip("g++ not found")
     folder = tmp_path_factory.mktemp("decoders")
     shutil.copy(Path(__file__).parent / "host" / "common.cuh", folder / "common.cuh")
-    (folder / "quants.cuh").write_text(
-        resources.files("leat_backend_cuda").joinpath("kernels", "quants.cuh").read_text()
-    )
+    for header in ("quants.cuh", "iq_grids.cuh"):
+        (folder / header).write_text(resources.files("leat_backend_cuda").joinpath("kernels", header).read_text())
     structs = sorted({layout.struct for layout in quants.LAYOUTS.values()})
     exports = "".join(
         f'extern "C" void dots_{s}(const u8* w, i64 nb, const float* x, int rows, int k, float* o) '
@@ -99,7 +113,7 @@ def decoders(tmp_path_factory):
 @pytest.mark.parametrize("qtype", sorted(quants.LAYOUTS, key=int), ids=lambda q: q.name)
 def test_decoder_equals_gguf(decoders, qtype):
     rng = np.random.default_rng(int(qtype))
-    rows, cols = 6, 512
+    rows, cols = (32, 8192) if qtype in GRID_TYPES else (6, 512)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     if qtype in (Q.F32, Q.F16):
         data = rng.standard_normal((rows, cols)).astype(np.float32 if qtype == Q.F32 else np.float16).view(np.uint8)
@@ -132,11 +146,7 @@ def test_integer_dot_products(decoders, qtype):
         data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype).view(np.uint8)
     except NotImplementedError:  # random blocks with small f16 scales
         data = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-        scales = SCALES[qtype]
-        for offset in scales:
-            data[:, offset : offset + 2] = (
-                rng.uniform(0.002, 0.02, len(data)).astype(np.float16).view(np.uint8).reshape(-1, 2)
-            )
+        sane_scales(data, qtype, rng)
     data = data.reshape(rows, -1)
     x = (rng.standard_normal(cols) * np.exp(rng.standard_normal(cols))).astype(np.float32)  # uneven magnitudes
     want = gguf.quants.dequantize(data, qtype).reshape(rows, cols).astype(np.float64) @ x.astype(np.float64)
@@ -152,3 +162,10 @@ def test_integer_dot_products(decoders, qtype):
     )
     scale = np.abs(gguf.quants.dequantize(data, qtype).reshape(rows, cols)).astype(np.float64) @ np.abs(x)
     assert np.all(np.abs(got - want) <= 1e-4 * scale), (got, want)
+
+
+def test_codebooks_header_is_gguf_py_tables():
+    """kernels/iq_grids.cuh is what scripts/gen_iq_grids.py writes from gguf-py's tables today."""
+    script = Path(__file__).parents[3] / "scripts" / "gen_iq_grids.py"
+    written = runpy.run_path(str(script))["header"]()
+    assert resources.files("leat_backend_cuda").joinpath("kernels", "iq_grids.cuh").read_text() == written

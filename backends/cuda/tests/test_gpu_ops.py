@@ -23,8 +23,7 @@ SCALES = {
     Q.Q4_K: (0, 2),
     Q.Q5_K: (0, 2),
     Q.Q6_K: (208,),
-    Q.IQ4_NL: (0,),
-    Q.IQ4_XS: (0,),
+    **{q: (0,) for q in (Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S)},
 }
 
 
@@ -41,9 +40,13 @@ def stored(qtype: Q, rows: int, cols: int, rng, sane: bool = True) -> np.ndarray
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         data = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
         if sane:
-            for offset in SCALES[qtype]:
-                scale = rng.uniform(0.002, 0.02, len(data)).astype(np.float16)
+            scale = rng.uniform(0.002, 0.02, len(data)).astype(np.float16).view(np.uint16)
+            for offset in SCALES.get(qtype, ()):
                 data[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+            if qtype == Q.IQ1_M:  # d's four nibbles are the top nibbles of the four u16 scale words (bytes 48-55)
+                words = data[:, 48:56].copy().view(np.uint16)
+                nibbles = (scale[:, None] >> np.array([0, 4, 8, 12], np.uint16)) & 0xF
+                data[:, 48:56] = (words & 0x0FFF | nibbles << 12).astype(np.uint16).view(np.uint8)
         return data.reshape(rows, -1)
 
 

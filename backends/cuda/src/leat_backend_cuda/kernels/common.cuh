@@ -6,6 +6,7 @@ typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
+typedef unsigned long long u64;
 
 #define FULL_MASK 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000u)

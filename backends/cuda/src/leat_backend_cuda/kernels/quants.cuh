@@ -18,6 +18,7 @@
 // int32 accumulation), about one instruction per weight instead of four for decode-then-FMA.
 #pragma once
 #include "common.cuh"
+#include "iq_grids.cuh"
 
 template <bool EXACT>
 __device__ __forceinline__ float mul_sub(float a, float b, float c) {  // a * b - c
@@ -311,9 +312,40 @@ struct TMXFP4 {
 };
 
 // ---------------------------------------------------------------------------------------------
-// IQ4_NL / IQ4_XS: 4-bit indices into llama.cpp's non-linear codebook kvalues_iq4nl (int8), 16
-// bytes of qs per 32 values, byte j holding value j in its low nibble and value j + 16 in its high
-// nibble (as Q4_0).
+// The IQ types: codebooks (llama.cpp's, kernels/iq_grids.cuh) indexed by the block's bits. Each unit
+// is 32 values in two runs of 16, and each type gives them as `words`: eight words of signed bytes,
+// values 0..31 in order, and `scales`: the float scale of each run; value = scale * byte. Codebook<T>
+// decodes and dots them for every type alike. Where gguf-py computes a value as (scale * grid) * sign
+// or scale * (grid + delta), the byte is the signed grid value or 8 * (grid + delta) with the 1/8 in
+// the scale: the same float product, rounded once.
+template <class T>
+struct Codebook {
+    static constexpr int BLOCK = 256, UNITS = 8, UV = 32, NR = 2, RL = 16;
+    template <bool EXACT, class R>
+    static __device__ __forceinline__ void decode(const R& r, int unit, float (&v)[UV]) {
+        u32 q[8];
+        float d[2];
+        T::words(r, unit, q);
+        T::scales(r, unit, d);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) v[4 * i + k] = d[i >> 2] * byte_f32(q[i] ^ 0x80808080u, k, 128.0f);  // s ^ 0x80 = s + 128
+    }
+    template <class R>
+    static __device__ __forceinline__ float dot(const R& r, int unit, const u32* xw, const float* xs, const float* xsum) {
+        u32 q[8];
+        float d[2];
+        T::words(r, unit, q);
+        T::scales(r, unit, d);
+        const int s0 = dot16(q[0], q[1], q[2], q[3], xw), s1 = dot16(q[4], q[5], q[6], q[7], xw + 8);
+        return d[0] * xs[0] * (float)s0 + d[1] * xs[1] * (float)s1;
+    }
+    static __device__ __forceinline__ int run_offset(int unit, int run) { return 32 * unit + 16 * run; }
+};
+
+// IQ4_NL / IQ4_XS: 4-bit indices into the non-linear codebook kvalues_iq4nl (int8), 16 bytes of qs
+// per 32 values, byte j holding value j in its low nibble and value j + 16 in its high nibble (as Q4_0).
 
 // The codebook values {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113} of
 // the eight nibbles of q as signed bytes: `lo` those of the low nibbles (byte k of q -> byte k), `hi`
@@ -331,69 +363,219 @@ __device__ __forceinline__ void iq4nl_values8(u32 q, u32& lo, u32& hi) {
     lo = __byte_perm(t[0], t[1], 0x6420);
     hi = __byte_perm(t[0], t[1], 0x7531);
 }
-
-// 16 bytes of qs to 32 values: v[j] = d * kvalue (run 0: low nibbles, run 1: high nibbles).
-__device__ __forceinline__ void iq4_decode(const uint4& q, float d, float* v) {
+__device__ __forceinline__ void iq4_words(const uint4& qs, u32 (&q)[8]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        u32 lo, hi;
-        iq4nl_values8(word_of(q, i), lo, hi);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {  // signed byte s ^ 0x80 = s + 128
-            v[4 * i + k] = d * byte_f32(lo ^ 0x80808080u, k, 128.0f);
-            v[16 + 4 * i + k] = d * byte_f32(hi ^ 0x80808080u, k, 128.0f);
-        }
-    }
+    for (int i = 0; i < 4; ++i) iq4nl_values8(word_of(qs, i), q[i], q[4 + i]);
 }
 
-// The integer dot products of 16 bytes of qs (runs 0 and 1), scaled by xs.
-__device__ __forceinline__ float iq4_dot(const uint4& q, const u32* xw, const float* xs) {
-    u32 lo[4], hi[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) iq4nl_values8(word_of(q, i), lo[i], hi[i]);
-    const int s0 = dot16(lo[0], lo[1], lo[2], lo[3], xw), s1 = dot16(hi[0], hi[1], hi[2], hi[3], xw + 8);
-    return xs[0] * (float)s0 + xs[1] * (float)s1;
-}
-
-struct TIQ4_NL {  // planes d (f16), qs (16); value = d * kvalue
-    static constexpr int BLOCK = 32, UNITS = 1, UV = 32, NR = 2, RL = 16;
+struct TIQ4_NL : Codebook<TIQ4_NL> {  // planes d (f16), qs (16); value = d * kvalue
+    static constexpr int BLOCK = 32, UNITS = 1;
     struct Raw { uint4 q; u16 d; };
     static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
         const uint4* qs = (const uint4*)(w + align16(2 * nb));
         return {__ldg(qs + blk), __ldg((const u16*)w + blk)};
     }
-    template <bool EXACT>
-    static __device__ __forceinline__ void decode(const Raw& r, int unit, float (&v)[UV]) {
-        iq4_decode(r.q, f16_to_f32(r.d), v);
-    }
-    static __device__ __forceinline__ float dot(const Raw& r, int unit, const u32* xw, const float* xs, const float* xsum) {
-        return f16_to_f32(r.d) * iq4_dot(r.q, xw, xs);
-    }
-    static __device__ __forceinline__ int run_offset(int unit, int run) { return 16 * run; }
+    static __device__ __forceinline__ void words(const Raw& r, int unit, u32 (&q)[8]) { iq4_words(r.q, q); }
+    static __device__ __forceinline__ void scales(const Raw& r, int unit, float (&d)[2]) { d[0] = d[1] = f16_to_f32(r.d); }
 };
 
 // IQ4_XS: 256 values in 8 sub-blocks of 32. Planes (d (f16), scales_h (u16), scales_l (4 bytes))
 // as one 8-byte head, qs (128). Sub-block ib's 6-bit scale: low 4 bits are bits 4ib.. of scales_l,
 // high 2 bits bits 2ib.. of scales_h; value = (d * (scale - 32)) * kvalue. A unit is a sub-block.
-struct TIQ4_XS {
-    static constexpr int BLOCK = 256, UNITS = 8, UV = 32, NR = 2, RL = 16;
+struct TIQ4_XS : Codebook<TIQ4_XS> {
     struct Raw { uint4 q; uint2 head; };
     static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
         const uint4* qs = (const uint4*)(w + align16(8 * nb));
         return {__ldg(qs + blk * 8 + unit), __ldg((const uint2*)w + blk)};
     }
-    static __device__ __forceinline__ float scale(const Raw& r, int unit) {
+    static __device__ __forceinline__ void words(const Raw& r, int unit, u32 (&q)[8]) { iq4_words(r.q, q); }
+    static __device__ __forceinline__ void scales(const Raw& r, int unit, float (&d)[2]) {
         const u32 sc = ((r.head.y >> (4 * unit)) & 0xF) | (((r.head.x >> (16 + 2 * unit)) & 3) << 4);
-        return f16_to_f32((u16)(r.head.x & 0xFFFF)) * small_f32(sc, 32.0f);
+        d[0] = d[1] = f16_to_f32((u16)(r.head.x & 0xFFFF)) * small_f32(sc, 32.0f);
     }
-    template <bool EXACT>
-    static __device__ __forceinline__ void decode(const Raw& r, int unit, float (&v)[UV]) {
-        iq4_decode(r.q, scale(r, unit), v);
+};
+
+// The grid types' signs: ksigns_iq2xs[i] (7 stored bits, bit 7 their parity) and the grid bytes of g
+// negated where bits 0-3 of `signs` are set.
+__device__ __forceinline__ u32 ksigns(u32 i) { return i | ((__popc(i) & 1) << 7); }
+__device__ __forceinline__ u32 with_signs(u32 g, u32 signs) {
+    const u32 m = spread4(signs) * 0xFFu;
+    return __vsub4(g ^ m, m);
+}
+// Eight grid bytes (a u64 entry) with the 8 sign bits of `signs`, as two words.
+__device__ __forceinline__ void signed8(u64 g, u32 signs, u32* q) {
+    q[0] = with_signs((u32)g, signs);
+    q[1] = with_signs((u32)(g >> 32), signs >> 4);
+}
+// (d * (0.5 + s)) * 0.25: the IQ2 types' scale of a 4-bit s (IQ3_XXS: * 0.5).
+__device__ __forceinline__ float iq2_scale(float d, u32 s, float f = 0.25f) { return d * (small_f32(s) + 0.5f) * f; }
+
+// IQ2_XXS: planes d (f16), qs (64 = 8 x 8 bytes, one unit each). A unit's 8 bytes: 4 grid indices
+// (byte l: values 8l..8l+7 from iq2xxs_grid) and a u32 whose bits 7l..7l+6 index the signs of group
+// l and whose bits 28-31 are s; value = (d * (0.5 + s) * 0.25) * grid * sign.
+struct TIQ2_XXS : Codebook<TIQ2_XXS> {
+    struct Raw { uint2 q; u16 d; };
+    static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
+        const uint2* qs = (const uint2*)(w + align16(2 * nb));
+        return {__ldg(qs + blk * 8 + unit), __ldg((const u16*)w + blk)};
     }
-    static __device__ __forceinline__ float dot(const Raw& r, int unit, const u32* xw, const float* xs, const float* xsum) {
-        return scale(r, unit) * iq4_dot(r.q, xw, xs);
+    static __device__ __forceinline__ void words(const Raw& r, int unit, u32 (&q)[8]) {
+#pragma unroll
+        for (int l = 0; l < 4; ++l)
+            signed8(__ldg(iq2xxs_grid + ((r.q.x >> (8 * l)) & 0xFF)), ksigns((r.q.y >> (7 * l)) & 127), q + 2 * l);
     }
-    static __device__ __forceinline__ int run_offset(int unit, int run) { return 32 * unit + 16 * run; }
+    static __device__ __forceinline__ void scales(const Raw& r, int unit, float (&d)[2]) {
+        d[0] = d[1] = iq2_scale(f16_to_f32(r.d), r.q.y >> 28);
+    }
+};
+
+// IQ2_XS: planes d (f16), qs (32 x u16), scales (8). A unit's 4 u16: group l's grid index (bits 0-8,
+// iq2xs_grid) and sign index (bits 9-15); scales[unit]: s of run 0 in the low nibble, of run 1 in
+// the high; value = (d * (0.5 + s) * 0.25) * grid * sign.
+struct TIQ2_XS : Codebook<TIQ2_XS> {
+    struct Raw { uint2 q; u16 d; u8 sc; };
+    static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
+        const i64 qs_at = align16(2 * nb), sc_at = qs_at + align16(64 * nb);
+        return {__ldg((const uint2*)(w + qs_at) + blk * 8 + unit), __ldg((const u16*)w + blk), __ldg(w + sc_at + blk * 8 + unit)};
+    }
+    static __device__ __forceinline__ void words(const Raw& r, int unit, u32 (&q)[8]) {
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const u32 v = ((l < 2 ? r.q.x : r.q.y) >> (16 * (l & 1))) & 0xFFFF;
+            signed8(__ldg(iq2xs_grid + (v & 511)), ksigns(v >> 9), q + 2 * l);
+        }
+    }
+    static __device__ __forceinline__ void scales(const Raw& r, int unit, float (&d)[2]) {
+        const float dd = f16_to_f32(r.d);
+        d[0] = iq2_scale(dd, r.sc & 0xF);
+        d[1] = iq2_scale(dd, r.sc >> 4);
+    }
+};
+
+// IQ2_S: planes d (f16), qs (32), signs (32), qh (8), scales (8). Group l of a unit: grid index
+// qs[4 unit + l] | bits 2l, 2l+1 of qh[unit] << 8 (iq2s_grid), sign bits signs[4 unit + l]; scales as
+// IQ2_XS.
+struct TIQ2_S : Codebook<TIQ2_S> {
+    struct Raw { u32 qs, signs; u16 d; u8 qh, sc; };
+    static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
+        const i64 qs_at = align16(2 * nb), signs_at = qs_at + align16(32 * nb), qh_at = signs_at + align16(32 * nb);
+        const i64 sc_at = qh_at + align16(8 * nb);
+        return {__ldg((const u32*)(w + qs_at) + blk * 8 + unit), __ldg((const u32*)(w + signs_at) + blk * 8 + unit),
+                __ldg((const u16*)w + blk), __ldg(w + qh_at + blk * 8 + unit), __ldg(w + sc_at + blk * 8 + unit)};
+    }
+    static __device__ __forceinline__ void words(const Raw& r, int unit, u32 (&q)[8]) {
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const u32 index = ((r.qs >> (8 * l)) & 0xFF) | ((((u32)r.qh >> (2 * l)) & 3) << 8);
+            signed8(__ldg(iq2s_grid + index), r.signs >> (8 * l), q + 2 * l);
+        }
+    }
+    static __device__ __forceinline__ void scales(const Raw& r, int unit, float (&d)[2]) {
+        const float dd = f16_to_f32(r.d);
+        d[0] = iq2_scale(dd, r.sc & 0xF);
+        d[1] = iq2_scale(dd, r.sc >> 4);
+    }
+};
+
+// IQ3_XXS: planes d (f16), qs (64), scales_and_signs (8 x u32). A unit: qs[8 unit + k] indexes
+// iq3xxs_grid for values 4k..4k+3; its u32 holds the sign indices of groups of 8 (bits 7l..7l+6) and
+// s (bits 28-31); value = (d * (0.5 + s) * 0.5) * grid * sign.
+struct TIQ3_XXS : Codebook<TIQ3_XXS> {
+    struct Raw { uint2 q; u32 aux; u16 d; };
+    static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
+        const i64 qs_at = align16(2 * nb), aux_at = qs_at + align16(64 * nb);
+        return {__ldg((const uint2*)(w + qs_at) + blk * 8 + unit), __ldg((const u32*)(w + aux_at) + blk * 8 + unit),
+                __ldg((const u16*)w + blk)};
+    }
+    static __device__ __forceinline__ void words(const Raw& r, int unit, u32 (&q)[8]) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const u32 g = __ldg(iq3xxs_grid + (((k < 4 ? r.q.x : r.q.y) >> (8 * (k & 3))) & 0xFF));
+            q[k] = with_signs(g, ksigns((r.aux >> (7 * (k >> 1))) & 127) >> (4 * (k & 1)));
+        }
+    }
+    static __device__ __forceinline__ void scales(const Raw& r, int unit, float (&d)[2]) {
+        d[0] = d[1] = iq2_scale(f16_to_f32(r.d), r.aux >> 28, 0.5f);
+    }
+};
+
+// IQ3_S: planes d (f16), qs (64), qh (8), signs (32), scales (4). A unit: iq3s_grid index k (values
+// 4k..4k+3) is qs[8 unit + k] | bit k of qh[unit] << 8; signs[4 unit + l] are the sign bits of values
+// 8l..8l+7; s is nibble unit % 2 of scales[unit / 2]; value = (d * (1 + 2s)) * grid * sign.
+struct TIQ3_S : Codebook<TIQ3_S> {
+    struct Raw { uint2 q; u32 signs; u16 d; u8 qh, sc; };
+    static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
+        const i64 qs_at = align16(2 * nb), qh_at = qs_at + align16(64 * nb), signs_at = qh_at + align16(8 * nb);
+        const i64 sc_at = signs_at + align16(32 * nb);
+        return {__ldg((const uint2*)(w + qs_at) + blk * 8 + unit), __ldg((const u32*)(w + signs_at) + blk * 8 + unit),
+                __ldg((const u16*)w + blk), __ldg(w + qh_at + blk * 8 + unit), __ldg(w + sc_at + blk * 4 + unit / 2)};
+    }
+    static __device__ __forceinline__ void words(const Raw& r, int unit, u32 (&q)[8]) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const u32 index = (((k < 4 ? r.q.x : r.q.y) >> (8 * (k & 3))) & 0xFF) | ((((u32)r.qh >> k) & 1) << 8);
+            q[k] = with_signs(__ldg(iq3s_grid + index), r.signs >> (4 * k));
+        }
+    }
+    static __device__ __forceinline__ void scales(const Raw& r, int unit, float (&d)[2]) {
+        d[0] = d[1] = f16_to_f32(r.d) * small_f32(1 + 2 * ((r.sc >> (4 * (unit & 1))) & 0xF));
+    }
+};
+
+// IQ1_S / IQ1_M: codewords of -1, 0, 1 (iq1s_grid, stored + 1 as nibbles) shifted by delta = +-1/8 per
+// group; the bytes are 8 * (grid + delta) = 8 * nibble - 8 +- 1 and the scales carry the 1/8.
+__device__ __forceinline__ void iq1_words(u32 g, bool negative, u32* q) {
+    const u32 offset = negative ? 0x09090909u : 0x07070707u;
+    q[0] = __vsub4(low_nibbles(g) << 3, offset);
+    q[1] = __vsub4(high_nibbles(g) << 3, offset);
+}
+
+// IQ1_S: planes d (f16), qs (32), qh (8 x u16). A unit: grid index l is qs[4 unit + l] | bits 3l..3l+2
+// of qh[unit] << 8; qh's bits 12-14 are s, bit 15 the sign of delta; value = (d * (2s + 1)) * (grid + delta).
+struct TIQ1_S : Codebook<TIQ1_S> {
+    struct Raw { u32 qs; u16 qh, d; };
+    static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
+        const i64 qs_at = align16(2 * nb), qh_at = qs_at + align16(32 * nb);
+        return {__ldg((const u32*)(w + qs_at) + blk * 8 + unit), __ldg((const u16*)(w + qh_at) + blk * 8 + unit),
+                __ldg((const u16*)w + blk)};
+    }
+    static __device__ __forceinline__ void words(const Raw& r, int unit, u32 (&q)[8]) {
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const u32 index = ((r.qs >> (8 * l)) & 0xFF) | ((((u32)r.qh >> (3 * l)) & 7) << 8);
+            iq1_words(__ldg(iq1s_grid + index), r.qh & 0x8000, q + 2 * l);
+        }
+    }
+    static __device__ __forceinline__ void scales(const Raw& r, int unit, float (&d)[2]) {
+        d[0] = d[1] = f16_to_f32(r.d) * small_f32(2 * ((r.qh >> 12) & 7) + 1) * 0.125f;
+    }
+};
+
+// IQ1_M: planes qs (32), qh (16), scales (4 x u16). A unit: grid index l is qs[4 unit + l] | bits 0-2
+// of nibble l of its u16 of qh << 8, whose bit 3 is the sign of delta; s of run h is bits 6 (unit % 2)
+// + 3h.. of scale word unit / 2; d (f16) is the top nibbles of the four scale words, first word lowest.
+// value = (d * (2s + 1)) * (grid + delta).
+struct TIQ1_M : Codebook<TIQ1_M> {
+    struct Raw { uint2 sc; u32 qs; u16 qh; };
+    static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
+        const i64 qh_at = align16(32 * nb), sc_at = qh_at + align16(16 * nb);
+        return {__ldg((const uint2*)(w + sc_at) + blk), __ldg((const u32*)w + blk * 8 + unit),
+                __ldg((const u16*)(w + qh_at) + blk * 8 + unit)};
+    }
+    static __device__ __forceinline__ void words(const Raw& r, int unit, u32 (&q)[8]) {
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const u32 h = ((u32)r.qh >> (4 * l)) & 0xF;
+            iq1_words(__ldg(iq1s_grid + (((r.qs >> (8 * l)) & 0xFF) | ((h & 7) << 8))), h & 8, q + 2 * l);
+        }
+    }
+    static __device__ __forceinline__ void scales(const Raw& r, int unit, float (&d)[2]) {
+        const u32 bits = ((r.sc.x >> 12) & 0xF) | ((r.sc.x >> 24) & 0xF0) | ((r.sc.y >> 4) & 0xF00) | ((r.sc.y >> 16) & 0xF000);
+        const float dd = f16_to_f32((u16)bits);
+        const u32 word = (unit < 4 ? r.sc.x : r.sc.y) >> (16 * ((unit >> 1) & 1) + 6 * (unit & 1));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) d[h] = dd * small_f32(2 * ((word >> (3 * h)) & 7) + 1) * 0.125f;
+    }
 };
 
 // ---------------------------------------------------------------------------------------------
