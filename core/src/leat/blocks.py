@@ -1,4 +1,4 @@
-"""Building blocks shared by architectures: attention with RoPE and GQA, gated MLPs, logits.
+"""Building blocks shared by architectures: attention with RoPE and GQA, gated MLPs, the pre-norm decoder layer.
 
 Each block is a function of a backend ``B`` and backend arrays, so architectures compose them
 without copying each other.
@@ -17,6 +17,10 @@ from leat.batch import Batch
 from leat.modelfile import ModelFile
 
 K = gguf.Keys
+T = gguf.MODEL_TENSOR
+#: The GGUF kinds of a gated MLP's gate, up and down projections, and of the shared experts beside a MoE's routed ones.
+MLP = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN)
+SHARED_EXPERTS = (T.FFN_GATE_SHEXP, T.FFN_UP_SHEXP, T.FFN_DOWN_SHEXP)
 
 
 @dataclass
@@ -31,6 +35,19 @@ class AttentionWeights:
     o_bias: Any = None
     q_norm: Any = None  # per-head RMSNorm of q and k (Qwen3, Gemma 3)
     k_norm: Any = None
+
+
+@dataclass
+class DecoderLayer:
+    """One pre-norm decoder layer's weights (:func:`decoder_layer`): ``attn_norm`` before the attention, ``ffn_norm``
+    before the feed-forward, which is a SwiGLU ``mlp`` (gate, up, down), routed ``experts``
+    (:class:`leat.moe.MoEWeights`), or both: the MLP then as the shared experts beside the routed ones."""
+
+    attn_norm: Any
+    attn: AttentionWeights
+    ffn_norm: Any
+    mlp: tuple[Any, Any, Any] | None = None
+    experts: Any = None
 
 
 def layer_tensor(kind: gguf.MODEL_TENSOR, layer: int | None = None, suffix: str = "weight") -> str:
@@ -52,7 +69,6 @@ def load_attention(
     qk_norm: bool = False,
 ) -> AttentionWeights:
     """One layer's attention projections (q, k, v, o), then the biases and per-head q/k norms the flags ask for."""
-    T = gguf.MODEL_TENSOR
     q, kv = heads * head_dim, kv_heads * head_dim
 
     def bias(kind: gguf.MODEL_TENSOR, size: int, present: bool) -> Any:
@@ -70,6 +86,23 @@ def load_attention(
         q_norm=weights(layer_tensor(T.ATTN_Q_NORM, layer), (head_dim,)) if qk_norm else None,
         k_norm=weights(layer_tensor(T.ATTN_K_NORM, layer), (head_dim,)) if qk_norm else None,
     )
+
+
+def load_embedding_and_output(weights: Any, vocab: int, width: int, tied: bool) -> tuple[Any, Any, Any]:
+    """The token embedding [vocab, width], the final norm [width] and the output matrix [vocab, width] (the embedding
+    itself when ``tied``: the file has no ``output.weight``)."""
+    embedding = weights(layer_tensor(T.TOKEN_EMBD), (vocab, width))
+    output_norm = weights(layer_tensor(T.OUTPUT_NORM), (width,))
+    return embedding, output_norm, embedding if tied else weights(layer_tensor(T.OUTPUT), (vocab, width))
+
+
+def load_mlp(
+    weights: Any, layer: int, width: int, ffn: int, kinds: tuple[gguf.MODEL_TENSOR, ...] = MLP
+) -> tuple[Any, Any, Any]:
+    """A gated MLP's gate and up [ffn, width] and down [width, ffn] by their GGUF ``kinds`` (:data:`MLP`, or
+    :data:`SHARED_EXPERTS` for a MoE's shared experts, ``ffn`` then their count times the experts' size)."""
+    gate, up, down = (layer_tensor(kind, layer) for kind in kinds)
+    return weights(gate, (ffn, width)), weights(up, (ffn, width)), weights(down, (width, ffn))
 
 
 def rope_scale(file: ModelFile) -> float:
@@ -116,6 +149,40 @@ def attention(
 
 def swiglu(B: Backend, x: Any, gate: Any, up: Any, down: Any) -> Any:
     return B.matmul(B.silu_mul(B.matmul(x, gate), B.matmul(x, up)), down)
+
+
+def feed_forward(B: Backend, x: Any, mlp: tuple[Any, Any, Any] | None, experts: Any = None, moe: Any = None) -> Any:
+    """The SwiGLU ``mlp``, the routed ``experts`` (:meth:`Backend.moe` with the :class:`leat.moe.MoESpec` ``moe``), or
+    their sum where a layer has both (the MLP as shared experts, as llama.cpp adds them)."""
+    dense = None if mlp is None else swiglu(B, x, *mlp)
+    if experts is None:
+        return dense
+    routed = B.moe(x, experts, moe)
+    return routed if dense is None else B.add(routed, dense)
+
+
+def decoder_layer(
+    B: Backend,
+    x: Any,
+    layer: DecoderLayer,
+    batch: Batch,
+    kv: Any,
+    index: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    rope: RopeSpec,
+    norm_eps: float,
+    moe: Any = None,
+    sinks: Any = None,
+) -> Any:
+    """A pre-norm block, layer ``index`` of the KV cache: ``x + attention(rms_norm(x))``, then that plus
+    ``feed_forward(rms_norm(it))`` (:func:`attention` with the heads' ``sinks``, :func:`feed_forward` routing by
+    ``moe``)."""
+    h = B.rms_norm(x, layer.attn_norm, norm_eps)
+    x = B.add(x, attention(B, h, layer.attn, batch, kv, index, heads, kv_heads, head_dim, rope, norm_eps, sinks=sinks))
+    h = B.rms_norm(x, layer.ffn_norm, norm_eps)
+    return B.add(x, feed_forward(B, h, layer.mlp, layer.experts, moe))
 
 
 def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], name: str) -> np.ndarray:

@@ -35,7 +35,6 @@ from leat.rope import ggml_rope
 K = gguf.Keys
 T = gguf.MODEL_TENSOR
 name = blocks.layer_tensor
-DENSE, SHARED = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN), (T.FFN_GATE_SHEXP, T.FFN_UP_SHEXP, T.FFN_DOWN_SHEXP)
 GATING = {int(gguf.ExpertGatingFuncType.SOFTMAX): "softmax", int(gguf.ExpertGatingFuncType.SIGMOID): "sigmoid"}
 
 
@@ -117,13 +116,8 @@ class Layer:
     attn_norm: Any
     attn: mla.MLAWeights
     ffn_norm: Any
-    gate: Any = None  # dense layers
-    up: Any = None
-    down: Any = None
+    mlp: tuple[Any, Any, Any]  # (gate, up, down): the dense MLP, or the shared experts beside `experts`
     experts: MoEWeights | None = None
-    shared_gate: Any = None
-    shared_up: Any = None
-    shared_down: Any = None
 
 
 class DeepSeek2(Architecture):
@@ -172,30 +166,23 @@ class DeepSeek2(Architecture):
 
     def load_weights(self, w: Weights) -> None:
         p = self.params
-        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
-        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
-        self.output = self.embedding if p.tied else w(name(T.OUTPUT), (p.vocab, p.width))
+        self.embedding, self.output_norm, self.output = blocks.load_embedding_and_output(w, p.vocab, p.width, p.tied)
         self.rope, self.scale = self.rope_and_scale(p)
         gating = GATING[p.gating_func]
         groups = {"groups": p.groups or 0, "groups_used": p.groups_used or 0}
         self.moe = MoESpec(p.experts, p.experts_used, gating, bool(p.weights_norm), p.weights_scale or 1.0, **groups)
-        shared = p.expert_ffn * p.shared_experts
+        self.layers = [self.load_layer(w, i) for i in range(p.layers)]
 
-        def mlp(i: int, kinds: tuple[gguf.MODEL_TENSOR, ...], size: int) -> tuple[Any, Any, Any]:
-            gate, up, down = (name(kind, i) for kind in kinds)
-            return w(gate, (size, p.width)), w(up, (size, p.width)), w(down, (p.width, size))
-
-        self.layers = []
-        for i in range(p.layers):
-            attn_norm = w(name(T.ATTN_NORM, i), (p.width,))
-            attn = mla.load_mla(w, i, p.mla, p.width, p.split_kv_b)
-            layer = Layer(attn_norm, attn, w(name(T.FFN_NORM, i), (p.width,)))
-            if i < p.dense_layers:
-                layer.gate, layer.up, layer.down = mlp(i, DENSE, p.ffn)
-            else:
-                layer.experts = load_moe(w, i, p.width, p.expert_ffn, p.experts, False, p.selection_bias)
-                layer.shared_gate, layer.shared_up, layer.shared_down = mlp(i, SHARED, shared)
-            self.layers.append(layer)
+    def load_layer(self, w: Weights, i: int) -> Layer:
+        p = self.params
+        attn_norm = w(name(T.ATTN_NORM, i), (p.width,))
+        attn = mla.load_mla(w, i, p.mla, p.width, p.split_kv_b)
+        ffn_norm = w(name(T.FFN_NORM, i), (p.width,))
+        if i < p.dense_layers:
+            return Layer(attn_norm, attn, ffn_norm, blocks.load_mlp(w, i, p.width, p.ffn))
+        experts = load_moe(w, i, p.width, p.expert_ffn, p.experts, False, p.selection_bias)
+        shared = blocks.load_mlp(w, i, p.width, p.expert_ffn * p.shared_experts, blocks.SHARED_EXPERTS)
+        return Layer(attn_norm, attn, ffn_norm, shared, experts)
 
     def forward(self, batch: Batch, kv: Any) -> Any:
         B, p = self.backend, self.params
@@ -204,12 +191,7 @@ class DeepSeek2(Architecture):
             h = B.rms_norm(x, layer.attn_norm, p.norm_eps)
             x = B.add(x, mla.mla_attention(B, h, layer.attn, p.mla, batch, kv, i, self.rope, self.scale, p.norm_eps))
             h = B.rms_norm(x, layer.ffn_norm, p.norm_eps)
-            if layer.experts is None:
-                h = blocks.swiglu(B, h, layer.gate, layer.up, layer.down)
-            else:
-                shared = blocks.swiglu(B, h, layer.shared_gate, layer.shared_up, layer.shared_down)
-                h = B.add(B.moe(h, layer.experts, self.moe), shared)
-            x = B.add(x, h)
+            x = B.add(x, blocks.feed_forward(B, h, layer.mlp, layer.experts, self.moe))
         x = B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
         return B.matmul(x, self.output)
 

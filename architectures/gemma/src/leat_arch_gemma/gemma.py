@@ -134,10 +134,8 @@ class Gemma(Architecture):
     # -- compute -------------------------------------------------------------------------------------
     def load_weights(self, w: Weights) -> None:
         p = self.params
-        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
-        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
-        untied = not p.tied and self.untied_output
-        self.output = w(name(T.OUTPUT), (p.vocab, p.width)) if untied else self.embedding
+        tied = p.tied or not self.untied_output
+        self.embedding, self.output_norm, self.output = blocks.load_embedding_and_output(w, p.vocab, p.width, tied)
         self.attn_cap, self.final_cap = self.caps(p)
         local_base, local_scaling = self.local_rope(p)
         ropes = {

@@ -19,7 +19,6 @@ As llama.cpp's src/models/glm4-moe.cpp computes it:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import gguf
@@ -28,17 +27,16 @@ from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout
 from leat.batch import Batch
 from leat.hparams import DecoderParams, derived, has_tensor, key, tensor_rows
-from leat.moe import MoESpec, MoEWeights, load_moe
+from leat.moe import MoESpec, load_moe
 from leat.rope import rope_from_metadata
 
 K = gguf.Keys
 T = gguf.MODEL_TENSOR
 name = blocks.layer_tensor
-DENSE, SHARED = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN), (T.FFN_GATE_SHEXP, T.FFN_UP_SHEXP, T.FFN_DOWN_SHEXP)
 GATING = {int(gguf.ExpertGatingFuncType.SOFTMAX): "softmax", int(gguf.ExpertGatingFuncType.SIGMOID): "sigmoid"}
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Glm4MoeParams(DecoderParams):
     rope_dims: int = key(K.Rope.DIMENSION_COUNT, missing=lambda v: v["head_dim"])
     rope_base: float = key(K.Rope.FREQ_BASE, 10000.0)
@@ -62,15 +60,6 @@ class Glm4MoeParams(DecoderParams):
     def trunk(self) -> int:
         """The layers a forward pass runs: all but the multi-token-prediction ones."""
         return self.layers - self.nextn_layers
-
-
-@dataclass
-class Layer:
-    attn_norm: Any
-    attn: blocks.AttentionWeights
-    ffn_norm: Any
-    mlp: tuple[Any, Any, Any]  # (gate, up, down): the dense MLP, or the shared experts beside `experts`
-    experts: MoEWeights | None = None
 
 
 class Unloaded:
@@ -104,9 +93,7 @@ class Glm4Moe(Architecture):
 
     def load_weights(self, w: Weights) -> None:
         p = self.params
-        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
-        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
-        self.output = self.embedding if p.tied else w(name(T.OUTPUT), (p.vocab, p.width))
+        self.embedding, self.output_norm, self.output = blocks.load_embedding_and_output(w, p.vocab, p.width, p.tied)
         self.rope = rope_from_metadata(self.file, p.rope_dims, neox=True)
         groups = {"groups": p.groups or 0, "groups_used": p.groups_used or 0}
         gating = GATING[p.gating_func]
@@ -122,7 +109,7 @@ class Glm4Moe(Architecture):
                 if w.has(name(kind, i)):
                     unloaded(name(kind, i))
 
-    def load_layer(self, w: Weights | Unloaded, i: int) -> Layer:
+    def load_layer(self, w: Weights | Unloaded, i: int) -> blocks.DecoderLayer:
         p = self.params
         attn_norm = w(name(T.ATTN_NORM, i), (p.width,))
         attn = blocks.load_attention(
@@ -130,16 +117,10 @@ class Glm4Moe(Architecture):
         )
         ffn_norm = w(name(T.ATTN_POST_NORM, i), (p.width,))
         if i < p.dense_layers:
-            return Layer(attn_norm, attn, ffn_norm, self.load_mlp(w, i, DENSE, p.ffn))
+            return blocks.DecoderLayer(attn_norm, attn, ffn_norm, blocks.load_mlp(w, i, p.width, p.ffn))
         experts = load_moe(w, i, p.width, p.expert_ffn, p.experts, False, True)
-        return Layer(attn_norm, attn, ffn_norm, self.load_mlp(w, i, SHARED, p.expert_ffn * p.shared_experts), experts)
-
-    def load_mlp(
-        self, w: Weights | Unloaded, i: int, kinds: tuple[gguf.MODEL_TENSOR, ...], size: int
-    ) -> tuple[Any, Any, Any]:
-        gate, up, down = (name(kind, i) for kind in kinds)
-        width = self.params.width
-        return w(gate, (size, width)), w(up, (size, width)), w(down, (width, size))
+        shared = blocks.load_mlp(w, i, p.width, p.expert_ffn * p.shared_experts, blocks.SHARED_EXPERTS)
+        return blocks.DecoderLayer(attn_norm, attn, ffn_norm, shared, experts)
 
     def forward(self, batch: Batch, kv: Any) -> Any:
         return self.backend.matmul(self.hidden(batch, kv), self.output)
@@ -147,15 +128,10 @@ class Glm4Moe(Architecture):
     def hidden(self, batch: Batch, kv: Any) -> Any:
         B, p = self.backend, self.params
         x = B.embed(self.embedding, batch.tokens)
-        for i, layer in enumerate(self.layers):
-            h = B.rms_norm(x, layer.attn_norm, p.norm_eps)
-            h = blocks.attention(
-                B, h, layer.attn, batch, kv, i, p.heads, p.kv_heads, p.head_dim, self.rope, norm_eps=p.norm_eps
+        for i, layer in enumerate(self.layers):  # pre-norm attention, then a SwiGLU MLP or MoE + shared experts
+            x = blocks.decoder_layer(
+                B, x, layer, batch, kv, i, p.heads, p.kv_heads, p.head_dim, self.rope, p.norm_eps, self.moe
             )
-            x = B.add(x, h)
-            h = B.rms_norm(x, layer.ffn_norm, p.norm_eps)
-            mlp = blocks.swiglu(B, h, *layer.mlp)
-            x = B.add(x, mlp if layer.experts is None else B.add(B.moe(h, layer.experts, self.moe), mlp))
         return B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
 
     # -- test models ---------------------------------------------------------------------------------

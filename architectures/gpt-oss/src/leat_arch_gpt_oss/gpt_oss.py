@@ -23,7 +23,7 @@ from typing import Any
 import gguf
 from leat import blocks, moe
 from leat.architecture import Architecture, Weights
-from leat.backend import KVLayout, RopeSpec
+from leat.backend import KVLayout
 from leat.batch import Batch
 from leat.errors import ModelFileError
 from leat.hparams import REQUIRED, key, tensor_rows
@@ -81,13 +81,8 @@ class GptOssParams:
 
 
 @dataclass
-class Layer:
-    attn_norm: Any
-    attn: blocks.AttentionWeights
-    sinks: Any
-    ffn_norm: Any
-    experts: moe.MoEWeights
-    rope: RopeSpec
+class Layer(blocks.DecoderLayer):
+    sinks: Any = None  # [heads]: each query head's learned logit in the softmax's denominator
 
 
 class GptOss(Architecture):
@@ -113,11 +108,10 @@ class GptOss(Architecture):
 
     def load_weights(self, w: Weights) -> None:
         p = self.params
-        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
-        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
-        self.output = w(name(T.OUTPUT), (p.vocab, p.width))
+        self.embedding, self.output_norm, self.output = blocks.load_embedding_and_output(w, p.vocab, p.width, False)
         rope = rope_from_metadata(self.file, p.head_dim, neox=True)
         rope_swa = rope_from_metadata(self.file, p.head_dim, neox=True, base=p.rope_base_swa or p.rope_base)
+        self.ropes = [rope_swa if sliding else rope for sliding in p.sliding_layers]
         self.spec = moe.MoESpec(p.experts, p.experts_used, "softmax_selected", activation="swiglu_oai")
         q, kv = p.heads * p.head_dim, p.kv_heads * p.head_dim
 
@@ -135,20 +129,16 @@ class GptOss(Architecture):
             sinks = w(name(T.ATTN_SINKS, i), (p.heads,))
             ffn_norm = w(name(T.ATTN_POST_NORM, i), (p.width,))
             experts = moe.load_moe(w, i, p.width, p.expert_ffn, p.experts, biases=True, selection_bias=False)
-            self.layers.append(
-                Layer(attn_norm, attn, sinks, ffn_norm, experts, rope_swa if p.sliding_layers[i] else rope)
-            )
+            self.layers.append(Layer(attn_norm, attn, ffn_norm, experts=experts, sinks=sinks))
 
     def forward(self, batch: Batch, kv: Any) -> Any:
         B, p = self.backend, self.params
         x = B.embed(self.embedding, batch.tokens)
-        for i, layer in enumerate(self.layers):
-            h = B.rms_norm(x, layer.attn_norm, p.norm_eps)
-            h = blocks.attention(
-                B, h, layer.attn, batch, kv, i, p.heads, p.kv_heads, p.head_dim, layer.rope, sinks=layer.sinks
+        shape = (p.heads, p.kv_heads, p.head_dim)
+        for i, layer in enumerate(self.layers):  # pre-norm attention with sinks, then a pre-norm MoE
+            x = blocks.decoder_layer(
+                B, x, layer, batch, kv, i, *shape, self.ropes[i], p.norm_eps, self.spec, layer.sinks
             )
-            x = B.add(x, h)
-            x = B.add(x, B.moe(B.rms_norm(x, layer.ffn_norm, p.norm_eps), layer.experts, self.spec))
         x = B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
         return B.matmul(x, self.output)
 

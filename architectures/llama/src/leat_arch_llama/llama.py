@@ -8,7 +8,6 @@ tied to the token embedding (no ``output.weight`` in the file).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import gguf
@@ -23,7 +22,7 @@ T = gguf.MODEL_TENSOR
 name = blocks.layer_tensor
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaParams(DecoderParams):
     rope_base: float = key(K.Rope.FREQ_BASE, 10000.0)
     rope_dims: int | None = key(K.Rope.DIMENSION_COUNT, None, missing=lambda v: v["head_dim"])
@@ -32,16 +31,6 @@ class LlamaParams(DecoderParams):
     tied: bool = derived(lambda file, v: name(T.OUTPUT) not in file.tensors, True)
     rope_freqs: bool = derived(hparams.has_tensor(name(T.ROPE_FREQS)), False)
     qkv_bias: bool = derived(hparams.has_tensor(name(T.ATTN_Q, 0, "bias")), False)
-
-
-@dataclass
-class Layer:
-    attn_norm: Any
-    attn: blocks.AttentionWeights
-    ffn_norm: Any
-    gate: Any
-    up: Any
-    down: Any
 
 
 class Llama(Architecture):
@@ -59,19 +48,15 @@ class Llama(Architecture):
     def load_weights(self, w: Weights) -> None:
         p = self.params
         rope_dims = p.rope_dims or p.head_dim
-        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
-        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
-        self.output = self.embedding if p.tied else w(name(T.OUTPUT), (p.vocab, p.width))
+        self.embedding, self.output_norm, self.output = blocks.load_embedding_and_output(w, p.vocab, p.width, p.tied)
         freq_factors = w.host(name(T.ROPE_FREQS), (rope_dims // 2,)) if p.rope_freqs else None
         self.rope = RopeSpec(rope_dims, p.rope_base, False, p.rope_scale, freq_factors)
         self.layers = [
-            Layer(
+            blocks.DecoderLayer(
                 attn_norm=w(name(T.ATTN_NORM, i), (p.width,)),
                 attn=blocks.load_attention(w, i, p.width, p.heads, p.kv_heads, p.head_dim, qkv_bias=p.qkv_bias),
                 ffn_norm=w(name(T.FFN_NORM, i), (p.width,)),
-                gate=w(name(T.FFN_GATE, i), (p.ffn, p.width)),
-                up=w(name(T.FFN_UP, i), (p.ffn, p.width)),
-                down=w(name(T.FFN_DOWN, i), (p.width, p.ffn)),
+                mlp=blocks.load_mlp(w, i, p.width, p.ffn),
             )
             for i in range(p.layers)
         ]
@@ -82,12 +67,8 @@ class Llama(Architecture):
     def hidden(self, batch: Batch, kv: Any) -> Any:
         B, p = self.backend, self.params
         x = B.embed(self.embedding, batch.tokens)
-        for i, layer in enumerate(self.layers):
-            h = B.rms_norm(x, layer.attn_norm, p.norm_eps)
-            h = blocks.attention(B, h, layer.attn, batch, kv, i, p.heads, p.kv_heads, p.head_dim, self.rope)
-            x = B.add(x, h)
-            h = B.rms_norm(x, layer.ffn_norm, p.norm_eps)
-            x = B.add(x, blocks.swiglu(B, h, layer.gate, layer.up, layer.down))
+        for i, layer in enumerate(self.layers):  # pre-norm attention, then a pre-norm SwiGLU MLP
+            x = blocks.decoder_layer(B, x, layer, batch, kv, i, p.heads, p.kv_heads, p.head_dim, self.rope, p.norm_eps)
         return B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
 
     # -- test models ---------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import gguf
@@ -36,7 +35,7 @@ T = gguf.MODEL_TENSOR
 name = blocks.layer_tensor
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Phi3Params(DecoderParams):
     head_dim: int = derived(lambda file, v: v["width"] // v["heads"])  # llama.cpp: always width / heads
     rope_dims: int = key(K.Rope.DIMENSION_COUNT, missing=lambda v: v["head_dim"])
@@ -48,16 +47,6 @@ class Phi3Params(DecoderParams):
     tied: bool = derived(lambda file, v: name(T.OUTPUT) not in file.tensors, False)
     fused_qkv: bool = derived(has_tensor(name(T.ATTN_QKV, 0)), True)
     long_rope: bool = derived(has_tensor(name(T.ROPE_FACTORS_LONG)), True)
-
-
-@dataclass
-class Layer:
-    attn_norm: Any
-    attn: blocks.AttentionWeights
-    ffn_norm: Any
-    gate: Any
-    up: Any
-    down: Any
 
 
 def split_rows(w: Weights, tensor: str, width: int, sizes: list[int]) -> list[Any]:
@@ -81,9 +70,7 @@ class Phi3(Architecture):
 
     def load_weights(self, w: Weights) -> None:
         p = self.params
-        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
-        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
-        self.output = self.embedding if p.tied else w(name(T.OUTPUT), (p.vocab, p.width))
+        self.embedding, self.output_norm, self.output = blocks.load_embedding_and_output(w, p.vocab, p.width, p.tied)
         factors = None
         if p.long_rope:
             long, short = (w.host(name(t), (p.rope_dims // 2,)) for t in (T.ROPE_FACTORS_LONG, T.ROPE_FACTORS_SHORT))
@@ -91,7 +78,7 @@ class Phi3(Architecture):
         self.rope = rope_from_metadata(self.file, p.rope_dims, neox=True, freq_factors=factors)
         self.layers = [self.load_layer(w, i) for i in range(p.layers)]
 
-    def load_layer(self, w: Weights, i: int) -> Layer:
+    def load_layer(self, w: Weights, i: int) -> blocks.DecoderLayer:
         p = self.params
         q, kv = p.heads * p.head_dim, p.kv_heads * p.head_dim
         attn_norm = w(name(T.ATTN_NORM, i), (p.width,))
@@ -103,7 +90,7 @@ class Phi3(Architecture):
         ffn_norm = w(name(T.FFN_NORM, i), (p.width,))
         down = w(name(T.FFN_DOWN, i), (p.width, p.ffn))
         gate, up = split_rows(w, name(T.FFN_UP, i), p.width, [p.ffn, p.ffn])
-        return Layer(attn_norm, attn, ffn_norm, gate, up, down)
+        return blocks.DecoderLayer(attn_norm, attn, ffn_norm, (gate, up, down))
 
     def forward(self, batch: Batch, kv: Any) -> Any:
         return self.backend.matmul(self.hidden(batch, kv), self.output)
@@ -111,12 +98,8 @@ class Phi3(Architecture):
     def hidden(self, batch: Batch, kv: Any) -> Any:
         B, p = self.backend, self.params
         x = B.embed(self.embedding, batch.tokens)
-        for i, layer in enumerate(self.layers):
-            h = B.rms_norm(x, layer.attn_norm, p.norm_eps)
-            h = blocks.attention(B, h, layer.attn, batch, kv, i, p.heads, p.kv_heads, p.head_dim, self.rope)
-            x = B.add(x, h)
-            h = B.rms_norm(x, layer.ffn_norm, p.norm_eps)
-            x = B.add(x, blocks.swiglu(B, h, layer.gate, layer.up, layer.down))
+        for i, layer in enumerate(self.layers):  # pre-norm attention, then a pre-norm SwiGLU MLP
+            x = blocks.decoder_layer(B, x, layer, batch, kv, i, p.heads, p.kv_heads, p.head_dim, self.rope, p.norm_eps)
         return B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
 
     # -- test models ---------------------------------------------------------------------------------

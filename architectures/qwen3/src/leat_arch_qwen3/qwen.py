@@ -10,7 +10,6 @@ long contexts) follows the file's ``rope.scaling.*`` keys.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import gguf
@@ -27,7 +26,7 @@ name = blocks.layer_tensor
 EXPERTS = name(T.FFN_GATE_EXP, 0)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class QwenParams(DecoderParams):
     ffn: int = key(K.LLM.FEED_FORWARD_LENGTH, 0)  # 0: no dense MLP (Qwen3-MoE)
     norm_eps: float = key(K.Attention.LAYERNORM_RMS_EPS, 1e-6, missing=REQUIRED)
@@ -48,14 +47,6 @@ class QwenParams(DecoderParams):
     qkv_bias: bool = derived(has_tensor(name(T.ATTN_Q, 0, "bias")), False)  # Qwen2: q, k and v biases
 
 
-@dataclass
-class Layer:
-    attn_norm: Any
-    attn: blocks.AttentionWeights
-    ffn_norm: Any
-    mlp: tuple[Any, Any, Any] | moe.MoEWeights  # (gate, up, down) or the experts
-
-
 class Qwen3(Architecture):
     names = ("qwen3",)
     Params = QwenParams
@@ -70,15 +61,13 @@ class Qwen3(Architecture):
 
     def load_weights(self, w: Weights) -> None:
         p = self.params
-        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
-        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
-        self.output = self.embedding if p.tied else w(name(T.OUTPUT), (p.vocab, p.width))
+        self.embedding, self.output_norm, self.output = blocks.load_embedding_and_output(w, p.vocab, p.width, p.tied)
         self.output_bias = w(name(T.OUTPUT, suffix="bias"), (p.vocab,)) if p.output_bias else None
         self.rope = rope_from_metadata(self.file, p.head_dim, neox=True)
         self.experts = moe.MoESpec(p.experts, p.experts_used, "softmax", normalize=True) if p.experts else None
         self.layers = [self.load_layer(w, i) for i in range(p.layers)]
 
-    def load_layer(self, w: Weights, i: int) -> Layer:
+    def load_layer(self, w: Weights, i: int) -> blocks.DecoderLayer:
         p = self.params
         q, kv = p.heads * p.head_dim, p.kv_heads * p.head_dim
         attn_norm = w(name(T.ATTN_NORM, i), (p.width,))
@@ -92,9 +81,9 @@ class Qwen3(Architecture):
         if p.qk_norm:
             attn.q_norm, attn.k_norm = (w(name(t, i), (p.head_dim,)) for t in (T.ATTN_Q_NORM, T.ATTN_K_NORM))
         if p.experts:
-            return Layer(attn_norm, attn, ffn_norm, moe.load_moe(w, i, p.width, p.expert_ffn, p.experts, False, False))
-        mlp = (w(name(t, i), shape) for t, shape in ((T.FFN_GATE, (p.ffn, p.width)), (T.FFN_UP, (p.ffn, p.width))))
-        return Layer(attn_norm, attn, ffn_norm, (*mlp, w(name(T.FFN_DOWN, i), (p.width, p.ffn))))
+            experts = moe.load_moe(w, i, p.width, p.expert_ffn, p.experts, False, False)
+            return blocks.DecoderLayer(attn_norm, attn, ffn_norm, experts=experts)
+        return blocks.DecoderLayer(attn_norm, attn, ffn_norm, blocks.load_mlp(w, i, p.width, p.ffn))
 
     def forward(self, batch: Batch, kv: Any) -> Any:
         return self.backend.matmul(self.hidden(batch, kv), self.output, self.output_bias)
@@ -102,15 +91,10 @@ class Qwen3(Architecture):
     def hidden(self, batch: Batch, kv: Any) -> Any:
         B, p = self.backend, self.params
         x = B.embed(self.embedding, batch.tokens)
-        for i, layer in enumerate(self.layers):
-            h = B.rms_norm(x, layer.attn_norm, p.norm_eps)
-            h = blocks.attention(
-                B, h, layer.attn, batch, kv, i, p.heads, p.kv_heads, p.head_dim, self.rope, norm_eps=p.norm_eps
+        for i, layer in enumerate(self.layers):  # pre-norm attention, then a SwiGLU MLP or MoE
+            x = blocks.decoder_layer(
+                B, x, layer, batch, kv, i, p.heads, p.kv_heads, p.head_dim, self.rope, p.norm_eps, self.experts
             )
-            x = B.add(x, h)
-            h = B.rms_norm(x, layer.ffn_norm, p.norm_eps)
-            h = B.moe(h, layer.mlp, self.experts) if self.experts else blocks.swiglu(B, h, *layer.mlp)
-            x = B.add(x, h)
         return B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
 
     # -- test models ---------------------------------------------------------------------------------

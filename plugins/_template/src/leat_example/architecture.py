@@ -52,26 +52,20 @@ class Example(Architecture):
         self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
         self.rope = RopeSpec(p.head_dim, p.rope_base, True, 1.0, None)  # neox-style: halves rotated together
         self.layers = [
-            {
-                "attn_norm": w(name(T.ATTN_NORM, i), (p.width,)),
-                "attn": blocks.load_attention(w, i, p.width, p.heads, p.kv_heads, p.head_dim),
-                "ffn_norm": w(name(T.FFN_NORM, i), (p.width,)),
-                "gate": w(name(T.FFN_GATE, i), (p.ffn, p.width)),
-                "up": w(name(T.FFN_UP, i), (p.ffn, p.width)),
-                "down": w(name(T.FFN_DOWN, i), (p.width, p.ffn)),
-            }
+            blocks.DecoderLayer(
+                attn_norm=w(name(T.ATTN_NORM, i), (p.width,)),
+                attn=blocks.load_attention(w, i, p.width, p.heads, p.kv_heads, p.head_dim),
+                ffn_norm=w(name(T.FFN_NORM, i), (p.width,)),
+                mlp=blocks.load_mlp(w, i, p.width, p.ffn),  # ffn_gate, ffn_up, ffn_down
+            )
             for i in range(p.layers)
         ]
 
     def forward(self, batch: Batch, kv: Any) -> Any:
         B, p = self.backend, self.params
         x = B.embed(self.embedding, batch.tokens)
-        for i, layer in enumerate(self.layers):
-            h = B.rms_norm(x, layer["attn_norm"], p.norm_eps)
-            h = blocks.attention(B, h, layer["attn"], batch, kv, i, p.heads, p.kv_heads, p.head_dim, self.rope)
-            x = B.add(x, h)
-            h = B.rms_norm(x, layer["ffn_norm"], p.norm_eps)
-            x = B.add(x, blocks.swiglu(B, h, layer["gate"], layer["up"], layer["down"]))
+        for i, layer in enumerate(self.layers):  # pre-norm attention, then a pre-norm SwiGLU MLP
+            x = blocks.decoder_layer(B, x, layer, batch, kv, i, p.heads, p.kv_heads, p.head_dim, self.rope, p.norm_eps)
         x = B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
         return B.matmul(x, self.embedding)
 
