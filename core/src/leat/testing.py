@@ -7,11 +7,14 @@ llama.cpp loads them too and can serve as the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import itertools
 import json
+import sys
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +146,72 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, as hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class TinyModels:
+    """The tiny random-weight files a plugin's llama.cpp references were recorded on, and how to rebuild them.
+
+    ``configs`` maps a name to a configuration: ``qtype`` (a ``GGMLQuantizationType`` name), ``seed``, ``params``
+    (overrides of the architecture's ``tiny()``), ``tokens`` (the prompt's length) and whatever else the plugin
+    keeps there; ``architecture(config)`` is the Architecture class a configuration writes. Files are written by
+    :func:`write_tiny_gguf`, deterministically: the same configuration gives the same bytes. A plugin's
+    ``tests/references/tiny_models.py`` declares one as ``models`` and runs :meth:`main` as a script, which
+    ``scripts/record_llamacpp_tiny.py`` does; :class:`leat.conformance.llamacpp.LlamaCppAgreement` rebuilds the
+    files through it. Subclass to store some tensors in other types (:meth:`types`) or to finish a written file.
+    """
+
+    def __init__(self, configs: dict[str, dict[str, Any]], architecture: Callable[[dict[str, Any]], Any]):
+        self.configs = configs
+        self.architecture = architecture
+
+    def params(self, name: str) -> Any:
+        config = self.configs[name]
+        return self.architecture(config).tiny(**config["params"])
+
+    def tokens(self, name: str) -> np.ndarray:
+        """The prompt fed to configuration ``name``: seeded random token ids (no tokenizer involved)."""
+        config = self.configs[name]
+        rng = np.random.default_rng(1000 + config["seed"])
+        return rng.integers(0, self.params(name).vocab, config["tokens"]).astype(np.int32)
+
+    def types(self, name: str) -> dict[str, gguf.GGMLQuantizationType]:
+        """Tensors stored in another type than the configuration's ``qtype``; a configuration with any also gets a
+        ``dequantized`` copy (see :func:`write_tiny_gguf`)."""
+        return {}
+
+    def build(self, name: str, path: str | Path, dequantized: bool = False) -> Path:
+        """Write the tiny file of configuration ``name`` to ``path`` (the same bytes every time)."""
+        config = self.configs[name]
+        qtype = gguf.GGMLQuantizationType[config["qtype"]]
+        architecture, params = self.architecture(config), self.params(name)
+        return write_tiny_gguf(architecture, path, qtype, config["seed"], params, self.types(name), dequantized)
+
+    def main(self, argv: list[str]) -> None:
+        """``tiny_models.py OUTDIR``: build every file into OUTDIR and print one JSON line, per name its
+        configuration, ``path``, ``sha256``, ``token_ids`` and ``hyperparameters`` (and ``dequantized_path`` and
+        ``dequantized_sha256`` for a dequantized copy)."""
+        if len(argv) != 1:
+            sys.exit("usage: tiny_models.py OUTDIR")
+        out = Path(argv[0])
+        out.mkdir(parents=True, exist_ok=True)
+        built = {}
+        for name, config in self.configs.items():
+            path = self.build(name, out / f"tiny-{name}.gguf")
+            info = {**config, "path": str(path), "sha256": sha256(path), "token_ids": self.tokens(name).tolist()}
+            if self.types(name):
+                copy = self.build(name, out / f"tiny-{name}-dequantized.gguf", dequantized=True)
+                info |= {"dequantized_path": str(copy), "dequantized_sha256": sha256(copy)}
+            built[name] = info | {"hyperparameters": dataclasses.asdict(self.params(name))}
+        print(json.dumps(built))
 
 
 def relative_error(got: Any, want: Any) -> float:

@@ -2,9 +2,8 @@
 
 Shared by ``scripts/record_llamacpp_tiny.py`` (which records llama.cpp's logits on them) and
 ``../test_llamacpp_agreement.py`` (which rebuilds each file, checks its SHA-256 against the recording and
-compares leat with the recorded logits). Files are written by :func:`leat.testing.write_tiny_gguf`,
-deterministically: the same configuration gives the same bytes. Configurations with MXFP4 experts also
-get a ``dequantized`` copy (every quantized tensor's exact values stored as F32), on which llama.cpp
+compares leat with the recorded logits), through :class:`leat.testing.TinyModels`. Configurations with MXFP4
+experts also get a ``dequantized`` copy (every quantized tensor's exact values stored as F32), on which llama.cpp
 computes in plain float: the distance between its two runs is its own quantized arithmetic.
 
 Run as a script (in leat's environment) to build every file into a folder and print one JSON line,
@@ -15,15 +14,11 @@ Run as a script (in leat's environment) to build every file into a folder and pr
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
+from leat.testing import TinyModels
 
 Q = gguf.GGMLQuantizationType
 
@@ -64,55 +59,23 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def architecture() -> Any:
+def architecture(config: dict[str, Any]) -> Any:
     from leat_arch_gpt_oss.gpt_oss import GptOss
 
     return GptOss
 
 
-def params_for(config: dict[str, Any]) -> Any:
-    return architecture().tiny(**config["params"])
+class GptOssModels(TinyModels):
+    def types(self, name: str) -> dict[str, gguf.GGMLQuantizationType]:
+        """The experts of a configuration with ``experts`` in that type (a dequantized copy follows)."""
+        experts = self.configs[name]["experts"]
+        if not experts:
+            return {}
+        shapes = architecture(self.configs[name]).tensor_shapes(self.params(name))
+        return {n: Q[experts] for n in shapes if n.endswith("_exps.weight")}
 
 
-def tokens(name: str) -> np.ndarray:
-    """The prompt fed to configuration ``name``: seeded random token ids (no tokenizer involved)."""
-    config = CONFIGS[name]
-    vocab = params_for(config).vocab
-    return np.random.default_rng(1000 + config["seed"]).integers(0, vocab, config["tokens"]).astype(np.int32)
-
-
-def build(name: str, path: str | Path, dequantized: bool = False) -> Path:
-    """Write the tiny file of configuration ``name`` to ``path`` (the same bytes every time)."""
-    from leat.testing import write_tiny_gguf
-
-    config = CONFIGS[name]
-    params = params_for(config)
-    types = {}
-    if config["experts"]:
-        shapes = architecture().tensor_shapes(params)
-        types = {n: Q[config["experts"]] for n in shapes if n.endswith("_exps.weight")}
-    return write_tiny_gguf(architecture(), path, Q[config["qtype"]], config["seed"], params, types, dequantized)
-
-
-def sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) != 1:
-        sys.exit("usage: tiny_models.py OUTDIR")
-    out = Path(argv[0])
-    out.mkdir(parents=True, exist_ok=True)
-    built = {}
-    for name, config in CONFIGS.items():
-        path = build(name, out / f"tiny-{name}.gguf")
-        info = {**config, "path": str(path), "sha256": sha256(path), "token_ids": tokens(name).tolist()}
-        if config["experts"]:
-            copy = build(name, out / f"tiny-{name}-dequantized.gguf", dequantized=True)
-            info |= {"dequantized_path": str(copy), "dequantized_sha256": sha256(copy)}
-        built[name] = info | {"hyperparameters": dataclasses.asdict(params_for(config))}
-    print(json.dumps(built))
-
+models = GptOssModels(CONFIGS, architecture)
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    models.main(sys.argv[1:])

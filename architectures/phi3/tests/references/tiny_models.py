@@ -2,8 +2,7 @@
 
 Shared by ``scripts/record_llamacpp_tiny.py`` (which records llama.cpp's logits on them) and
 ``../test_llamacpp_agreement.py`` (which rebuilds each file, checks its SHA-256 against the recording and
-compares leat with the recorded logits). Files are written by :func:`leat.testing.write_tiny_gguf`,
-deterministically: the same configuration gives the same bytes.
+compares leat with the recorded logits), through :class:`leat.testing.TinyModels`.
 
 Run as a script (in leat's environment) to build every file into a folder and print one JSON line,
 ``{name: {"path", "sha256", "token_ids", ...configuration}}``::
@@ -13,15 +12,13 @@ Run as a script (in leat's environment) to build every file into a folder and pr
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
+from leat.testing import TinyModels
 
 # name -> quant type, seed, overrides of Phi3.tiny(), prompt length. Phi3.tiny(): 2 layers, width 64, 4 heads of 16
 # with 2 kv heads, fused attn_qkv and ffn_up, RoPE on 8 of 16 dimensions, LongRoPE with a 256-token context trained
@@ -59,49 +56,18 @@ def architecture(config: dict[str, Any]) -> Any:
     return Phi3
 
 
-def params_for(config: dict[str, Any]) -> Any:
-    return architecture(config).tiny(**config["params"])
+class Phi3Models(TinyModels):
+    def build(self, name: str, path: str | Path, dequantized: bool = False) -> Path:
+        path = super().build(name, path, dequantized)
+        # llama.cpp gives the special tokens of a model whose general.name holds "phi3" Phi-3's whitespace
+        # attributes, looking up Phi-3's </s>, <s> and <unk>, which the tiny byte-level vocabulary lacks: loading
+        # fails (unordered_map::at). So the files are renamed in place, to a name of the same length.
+        field = gguf.GGUFReader(path, "r+").fields[gguf.Keys.General.NAME]
+        field.parts[field.data[0]][:] = np.frombuffer(NAME.encode(), np.uint8)
+        return path
 
 
-def tokens(name: str) -> np.ndarray:
-    """The prompt fed to configuration ``name``: seeded random token ids (no tokenizer involved)."""
-    config = CONFIGS[name]
-    vocab = params_for(config).vocab
-    return np.random.default_rng(1000 + config["seed"]).integers(0, vocab, config["tokens"]).astype(np.int32)
-
-
-def build(name: str, path: str | Path) -> Path:
-    """Write the tiny file of configuration ``name`` to ``path`` (the same bytes every time)."""
-    from leat.testing import write_tiny_gguf
-
-    config = CONFIGS[name]
-    qtype = gguf.GGMLQuantizationType[config["qtype"]]
-    path = write_tiny_gguf(architecture(config), path, qtype, config["seed"], params_for(config))
-    # llama.cpp gives the special tokens of a model whose general.name holds "phi3" Phi-3's whitespace attributes,
-    # looking up Phi-3's </s>, <s> and <unk>, which the tiny byte-level vocabulary lacks: loading fails
-    # (unordered_map::at). So the files are renamed in place, to a name of the same length.
-    field = gguf.GGUFReader(path, "r+").fields[gguf.Keys.General.NAME]
-    field.parts[field.data[0]][:] = np.frombuffer(NAME.encode(), np.uint8)
-    return path
-
-
-def sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) != 1:
-        sys.exit("usage: tiny_models.py OUTDIR")
-    out = Path(argv[0])
-    out.mkdir(parents=True, exist_ok=True)
-    built = {}
-    for name, config in CONFIGS.items():
-        path = build(name, out / f"tiny-{name}.gguf")
-        hyper = dataclasses.asdict(params_for(config))
-        built[name] = {**config, "path": str(path), "sha256": sha256(path), "token_ids": tokens(name).tolist()}
-        built[name]["hyperparameters"] = hyper
-    print(json.dumps(built))
-
+models = Phi3Models(CONFIGS, architecture)
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    models.main(sys.argv[1:])

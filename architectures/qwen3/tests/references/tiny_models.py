@@ -2,8 +2,7 @@
 
 Shared by ``scripts/record_llamacpp_tiny.py`` (which records llama.cpp's logits on them) and
 ``../test_llamacpp_agreement.py`` (which rebuilds each file, checks its SHA-256 against the recording and
-compares leat with the recorded logits). Files are written by :func:`leat.testing.write_tiny_gguf`,
-deterministically: the same configuration gives the same bytes.
+compares leat with the recorded logits), through :class:`leat.testing.TinyModels`.
 
 Run as a script (in leat's environment) to build every file into a folder and print one JSON line,
 ``{name: {"path", "sha256", "token_ids", ...configuration}}``::
@@ -13,15 +12,10 @@ Run as a script (in leat's environment) to build every file into a folder and pr
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
-import gguf
-import numpy as np
+from leat.testing import TinyModels
 
 # name -> architecture, quant type, seed, overrides of the architecture's tiny(), prompt length.
 # Qwen3.tiny(): 2 layers, width 48, 4 heads of 16 (head size apart from width/heads), 2 kv heads, tied.
@@ -69,43 +63,7 @@ def architecture(config: dict[str, Any]) -> Any:
     return {"qwen3": Qwen3, "qwen3moe": Qwen3Moe, "qwen2": Qwen2}[config["arch"]]
 
 
-def params_for(config: dict[str, Any]) -> Any:
-    return architecture(config).tiny(**config["params"])
-
-
-def tokens(name: str) -> np.ndarray:
-    """The prompt fed to configuration ``name``: seeded random token ids (no tokenizer involved)."""
-    config = CONFIGS[name]
-    vocab = params_for(config).vocab
-    return np.random.default_rng(1000 + config["seed"]).integers(0, vocab, config["tokens"]).astype(np.int32)
-
-
-def build(name: str, path: str | Path) -> Path:
-    """Write the tiny file of configuration ``name`` to ``path`` (the same bytes every time)."""
-    from leat.testing import write_tiny_gguf
-
-    config = CONFIGS[name]
-    qtype = gguf.GGMLQuantizationType[config["qtype"]]
-    return write_tiny_gguf(architecture(config), path, qtype, config["seed"], params_for(config))
-
-
-def sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) != 1:
-        sys.exit("usage: tiny_models.py OUTDIR")
-    out = Path(argv[0])
-    out.mkdir(parents=True, exist_ok=True)
-    built = {}
-    for name, config in CONFIGS.items():
-        path = build(name, out / f"tiny-{name}.gguf")
-        hyper = dataclasses.asdict(params_for(config))
-        built[name] = {**config, "path": str(path), "sha256": sha256(path), "token_ids": tokens(name).tolist()}
-        built[name]["hyperparameters"] = hyper
-    print(json.dumps(built))
-
+models = TinyModels(CONFIGS, architecture)
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    models.main(sys.argv[1:])
