@@ -1,0 +1,71 @@
+"""The tinygrad backend's kernels compiled for AMD GPUs, on a machine without one.
+
+``amd_kernels.py`` (beside this file) runs a tiny Llama-3 Q4_K model's prefill and decode step through the backend on
+tinygrad's NULL device and compiles every kernel they use for an RDNA3 (gfx1100) and a CDNA3 (gfx942) target, as
+``DEV=AMD:LLVM`` would: tinygrad's LLVM IR renderer and libLLVM's AMDGPU target (LLVM >= 18; `.ci/run` installs
+Debian's libllvm19). Each code object is checked as tinygrad's AMD device reads it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+REFERENCES = HERE.parents[2] / "tests" / "references"
+ARCHS = ["gfx1100", "gfx942"]
+
+
+def amdgpu_llvm_reason() -> str | None:
+    """Why tinygrad's LLVM compiler cannot emit AMD code objects here, or None."""
+    import ctypes
+
+    from tinygrad.runtime.autogen import llvm
+    from tinygrad.runtime.support.c import DLL
+
+    install = "apt-get install libllvm19 (LLVM 18 or newer, with the AMDGPU target; .ci/run installs it)"
+    if llvm.dll.nm not in DLL._loaded_:
+        return f"tinygrad finds no libLLVM ({llvm.dll.emsg}): {install}"
+    found, (major, minor, patch) = llvm.dll._name, (ctypes.c_uint32() for _ in range(3))
+    try:
+        llvm.LLVMGetVersion(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(patch))
+        llvm.LLVMInitializeAMDGPUTargetInfo()
+    except AttributeError as missing:  # LLVMGetVersion is LLVM 16's; a build without AMDGPU lacks its initializers
+        return f"tinygrad's libLLVM ({found}) is too old or has no AMDGPU target ({missing}): {install}"
+    if major.value < 18:
+        return f"tinygrad's libLLVM ({found}) is LLVM {major.value}; its AMDGPU IR needs 18 or newer: {install}"
+    return None
+
+
+@pytest.mark.slow
+def test_every_kernel_of_a_prefill_and_a_decode_step_compiles_for_rdna3_and_cdna3(tmp_path):
+    if (reason := amdgpu_llvm_reason()) is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must compile the AMD kernels: {reason}")
+        pytest.skip(reason)
+    spec = importlib.util.spec_from_file_location("tiny_models", REFERENCES / "tiny_models.py")
+    tiny_models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny_models)
+    model = tiny_models.build("q4_k-llama3", tmp_path / "tiny.gguf")
+    env = os.environ | {
+        "DEV": f"NULL:AMDLLVM:{ARCHS[0]}",
+        "NULL_ALLOW_COPYOUT": "1",
+        "NOOPT": "1",
+        "CACHELEVEL": "0",
+        "CACHEDB": str(tmp_path / "cache.db"),
+        "LEAT_TINYGRAD_PREFILL_JIT": "16",
+    }
+    command = [sys.executable, str(HERE / "amd_kernels.py"), str(model), *ARCHS]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    print(report)
+    # the prefill's eager and jitted chunk and the decode step: products (split and dequantize-then-multiply), norms,
+    # rope, KV writes, paged attention; each kernel once per target
+    assert report["kernels"] >= 40 and all(report[arch]["kernels"] == report["kernels"] for arch in ARCHS), report
