@@ -201,6 +201,23 @@ def test_rms_norm(cuda, oracle):
         )
 
 
+@pytest.mark.parametrize("n,cols", [(3, 768), (24, 4096), (300, 256)])
+def test_a_pending_norm_goes_into_the_f16_rows_of_a_product(cuda, n, cols):
+    """rms_norm's output read as f16 rows (gemm_few, the GEMM, cuBLAS) is made by one kernel, rms_norm_f16,
+    without the float32 rows: the same f16 values and scales as x_to_f16 makes from those rows."""
+    from leat_backend_cuda.backend import Pending, _ready
+
+    rng = np.random.default_rng(n)
+    x, w = cuda_array(cuda, rng.standard_normal((n, cols)) * 3), cuda_array(cuda, rng.standard_normal(cols))
+    pending = cuda.rms_norm(x, w, 1e-5)
+    assert isinstance(pending, Pending)
+    fused = [cuda.to_host(a) for a in cuda._f16_rows(pending, n, cols)]
+    assert pending.waiting("norm")  # the float32 rows were never made
+    plain = [cuda.to_host(a) for a in cuda._f16_rows(_ready(cuda.rms_norm(x, w, 1e-5)), n, cols)]
+    np.testing.assert_array_equal(fused[0], plain[0])
+    np.testing.assert_array_equal(fused[1], plain[1])
+
+
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("dims,head_dim", [(16, 16), (8, 16), (128, 128), (64, 256)])
 def test_rope(cuda, oracle, neox, dims, head_dim):

@@ -49,6 +49,7 @@ OPS_KERNELS = [
     "gelu_mul",
     "take_rows",
     "x_to_f16",
+    "rms_norm_f16",
     "matmul_f32_naive",
     "splitk_sum",
     "scale_rows_bias",
@@ -569,16 +570,17 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
                 self._remember(self._by_input, id(x), siblings, size=4)
             siblings[1].append(product)
             return product
-        x = _ready(x)
+        # x may still be a pending norm: the products that read x as f16 rows take the norm in (_f16_rows)
         out = self._empty(x.shape[:-1] + (m,))
         if weight.kernels is None:
             warps = m * n
-            self.ops["matmul_f32_naive"]((-(-warps // 4),), 128, weight.ptr, x, out, bias, m, n, k)
+            self.ops["matmul_f32_naive"]((-(-warps // 4),), 128, weight.ptr, _ready(x), out, bias, m, n, k)
             return out
         layout = quants.LAYOUTS[weight.qtype]
         if layout.integer and n <= min(quants.GEMV_Q_MAX_TOKENS, self.few_tokens[0] - 1):
             smem = quants.gemv_q_smem(weight.qtype, n, k)
             if smem <= quants.GEMV_Q_MAX_SMEM:
+                x = x if n <= quants.GEMV_Q_FUSED_TOKENS else _ready(x)  # norm fusion: 1-2 tokens
                 return self._gemv_q(x, [(weight, bias)], out=out)[0]
         few = self.few_tokens[0] <= n <= self.few_tokens[1] and (layout.integer or n > quants.GEMV_MAX_TOKENS)
         shape = (self.few_shape or quants.gemm_few_shape(n, m)) if few and self.tensor_cores and k % 8 == 0 else None
@@ -593,6 +595,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             if kt == 256 or (layout.small_block and k % 32 == 0):  # else the float kernel
                 self._gemm(x, weight, bias, out, n, m, k, kt)
                 return out
+        x = _ready(x)
         for start in range(0, n, quants.GEMV_MAX_TOKENS):
             c = min(quants.GEMV_MAX_TOKENS, n - start)
             rows, _ = quants.GEMV_SHAPES[c]
@@ -678,13 +681,18 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         return outs
 
     def _f16_rows(self, x: DeviceArray, n: int, k: int) -> tuple[DeviceArray, DeviceArray]:
-        """``x`` as f16 rows and their scales (x_to_f16), made once for the products that share it."""
+        """``x`` as f16 rows and their scales (x_to_f16), made once for the products that share it; a pending
+        norm goes straight to f16 rows (rms_norm_f16: the same values, no float32 rows in between)."""
         hit = self._halves.get(id(x))
         if hit is not None and hit[0] is x:  # q, k and v (gate and up) read the same activations
             return hit[1], hit[2]
         xh = self._empty((n, k), U16)
         xscale = self._empty((n,), F32)
-        self.ops["x_to_f16"]((n,), _threads(k), x, xh, xscale, k)
+        if isinstance(x, Pending) and x.waiting("norm"):
+            _, source, weight, eps = x.fusion
+            self.ops["rms_norm_f16"]((n,), _threads(k), source, weight, xh, xscale, k, float(eps))
+        else:
+            self.ops["x_to_f16"]((n,), _threads(k), _ready(x), xh, xscale, k)
         self._remember(self._halves, id(x), (x, xh, xscale), size=2)
         return xh, xscale
 
@@ -759,7 +767,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
 
     def rms_norm(self, x: DeviceArray, weight: DeviceArray | None, eps: float) -> DeviceArray:
         x = _ready(x)
-        if self.fuse and x.size // x.shape[-1] <= quants.GEMV_Q_FUSED_TOKENS:
+        if self.fuse:  # its consumer may take it in: gemv_q (1-2 tokens) or the f16 rows of a larger product
             return Pending(x.shape, lambda: self._rms_norm(x, weight, eps), ("norm", x, weight, eps))
         return self._rms_norm(x, weight, eps)
 

@@ -2,15 +2,46 @@
 // activations; the KV cache in float32, f16 or q8_0 (KV = float, u16 or i8).
 #include "kv.cuh"
 
+// 1 / sqrt(mean(x^2) + eps) of one row, every thread of the block taking every blockDim-th value. The loads
+// are unrolled so that several are in flight at once (a row is short: latency, not bandwidth, bounds it).
+__device__ __forceinline__ float rms_factor(const float* __restrict__ xr, int cols, float eps) {
+    float ss = 0.0f;
+#pragma unroll 4
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
+    return 1.0f / sqrtf(block_sum(ss) / cols + eps);
+}
+
 // y = x / sqrt(mean(x^2) + eps) * w over rows of `cols` (w null: no scale). One block per row.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                                     int cols, float eps) {
     const float* xr = x + (i64)blockIdx.x * cols;
     float* yr = y + (i64)blockIdx.x * cols;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
-    const float r = 1.0f / sqrtf(block_sum(ss) / cols + eps);
+    const float r = rms_factor(xr, cols, eps);
+#pragma unroll 4
     for (int c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = w ? xr[c] * r * w[c] : xr[c] * r;
+}
+
+// rms_norm's output as x_to_f16 would make it from the float32 row (the same values, scaled by the same
+// power of two), without the float32 row: the norm of a product's input, fused into its f16 rows.
+extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float* __restrict__ w,
+                                        u16* __restrict__ xh, float* __restrict__ xscale, int cols, float eps) {
+    const float* xr = x + (i64)blockIdx.x * cols;
+    u32* hr = (u32*)(xh + (i64)blockIdx.x * cols);
+    const float r = rms_factor(xr, cols, eps);
+    float mx = 0.0f;
+#pragma unroll 4
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) mx = fmaxf(mx, fabsf(w ? xr[c] * r * w[c] : xr[c] * r));
+    mx = block_max(mx);
+    int e = 0;
+    if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);
+    const float f = ldexpf(1.0f, 15 - e);
+#pragma unroll 4
+    for (int c = threadIdx.x; c < cols / 2; c += blockDim.x) {
+        const float a = w ? xr[2 * c] * r * w[2 * c] : xr[2 * c] * r;
+        const float b = w ? xr[2 * c + 1] * r * w[2 * c + 1] : xr[2 * c + 1] * r;
+        hr[c] = pack_f16x2(a * f, b * f);
+    }
+    if (threadIdx.x == 0) xscale[blockIdx.x] = ldexpf(1.0f, e - 15);
 }
 
 // RoPE on x [n, heads, head_dim]: pair i < dims/2 is (i, i + dims/2) with neox, else (2i, 2i+1),
@@ -401,6 +432,7 @@ extern "C" __global__ void x_to_f16(const float* __restrict__ x, u16* __restrict
     uint2* hr = (uint2*)(xh + (i64)blockIdx.x * cols);
     const int quads = cols / 4;
     float mx = 0.0f;
+#pragma unroll 4
     for (int c = threadIdx.x; c < quads; c += blockDim.x) {
         const float4 v = xr[c];
         mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
@@ -409,6 +441,7 @@ extern "C" __global__ void x_to_f16(const float* __restrict__ x, u16* __restrict
     int e = 0;
     if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);
     const float f = ldexpf(1.0f, 15 - e);
+#pragma unroll 4
     for (int c = threadIdx.x; c < quads; c += blockDim.x) {
         const float4 v = xr[c];
         hr[c] = make_uint2(pack_f16x2(v.x * f, v.y * f), pack_f16x2(v.z * f, v.w * f));
