@@ -1,6 +1,4 @@
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -8,7 +6,7 @@ from leat.backend import KVLayout
 from leat.batch import Batch, Row
 from leat.conformance.architecture import assert_chunked_and_batched_equal_whole, assert_metadata_round_trips
 from leat.modelfile import ModelFile
-from leat.testing import write_tiny_gguf
+from leat.testing import assert_plugin_provides, leat_cli, write_tiny_gguf
 from leat_arch_deepseek2.deepseek2 import DeepSeek2
 from leat_backend_cpu.backend import CPUBackend
 
@@ -106,27 +104,17 @@ def test_yarn_scale_as_llamacpp():
     assert plain == pytest.approx(24**-0.5)
 
 
-def leat(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "leat", *args], check=False, capture_output=True, text=True, timeout=120
-    )
-
-
 def test_plugins_lists_deepseek2():
-    result = leat("plugins")
-    assert result.returncode == 0, result.stderr
-    rows = {row["name"]: row for row in json.loads(result.stdout)}
-    assert rows["leat-arch-deepseek2"]["status"] == "loaded"
-    assert rows["leat-arch-deepseek2"]["provides"]["architectures"] == ["deepseek2"]
+    assert_plugin_provides("leat-arch-deepseek2", "architectures", ["deepseek2"])
 
 
 @pytest.mark.parametrize("overrides", list(VARIANTS.values()), ids=list(VARIANTS))
 def test_cli_doctor_and_generate(tmp_path, overrides):
     path = write_tiny_gguf(DeepSeek2, tmp_path / "ds.gguf", params=DeepSeek2.tiny(**overrides))
-    doctor = leat("doctor", "-m", str(path))
+    doctor = leat_cli("doctor", "-m", str(path))
     assert doctor.returncode == 0, doctor.stderr
     assert "architecture deepseek2" in doctor.stdout and "KV bytes per token: f32 480," in doctor.stdout
-    generated = leat("generate", "-m", str(path), "-p", "hi", "-n", "8", "--backend", "cpu", "--json")
+    generated = leat_cli("generate", "-m", str(path), "-p", "hi", "-n", "8", "--backend", "cpu", "--json")
     assert generated.returncode == 0, generated.stderr
     out = json.loads(generated.stdout)
     assert out["timings"]["generated_tokens"] == 8 or out["timings"]["finish_reason"] == "stop", out

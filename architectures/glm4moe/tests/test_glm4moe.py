@@ -2,22 +2,17 @@
 it. Agreement with llama.cpp (routing, shared experts, the multi-token-prediction layers left out) is
 test_llamacpp_agreement.py's."""
 
-import json
-import os
-import subprocess
-import sys
 from typing import ClassVar
 
 import gguf
 import numpy as np
 import pytest
-from leat.compare import top2_gap
 from leat.conformance import ArchitectureConformance
 from leat.conformance.architecture import assert_chunked_and_batched_equal_whole, assert_metadata_round_trips
 from leat.errors import ModelFileError
 from leat.model import Model
 from leat.modelfile import ModelFile
-from leat.testing import write_tiny_gguf
+from leat.testing import assert_generate_is_greedy, assert_plugin_provides, write_tiny_gguf
 from leat_arch_glm4moe.glm4moe import Glm4Moe
 from leat_backend_cpu.backend import CPUBackend
 
@@ -76,31 +71,15 @@ def test_moe_keys_are_required(tmp_path):
         Glm4Moe(file, CPUBackend("f32"))
 
 
-def leat(*args):
-    env = dict(os.environ, LEAT_PLUGINS="leat-backend-cpu,leat-arch-glm4moe,leat-samplers")
-    return subprocess.run(
-        [sys.executable, "-m", "leat", *args], capture_output=True, text=True, env=env, timeout=120, check=False
-    )
+PLUGINS = "leat-backend-cpu,leat-arch-glm4moe,leat-samplers"
 
 
 def test_leat_plugins_lists_glm4moe():
-    result = leat("plugins")
-    assert result.returncode == 0, result.stderr
-    (plugin,) = [p for p in json.loads(result.stdout) if p["name"] == "leat-arch-glm4moe"]
-    assert plugin["status"] == "loaded"
-    assert plugin["provides"]["architectures"] == ["glm4moe"]
+    assert_plugin_provides("leat-arch-glm4moe", "architectures", ["glm4moe"], plugins=PLUGINS)
 
 
 def test_cli_generate_is_the_oracles_greedy_continuation(tmp_path):
     path = write_tiny_gguf(Glm4Moe, tmp_path / "glm4moe.gguf", gguf.GGMLQuantizationType.Q8_0)
-    result = leat("generate", "-m", str(path), "-p", "hi", "-n", "8", "--backend", "cpu", "--temp", "0", "--json")
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
-    assert len(out["ids"]) == 8 and out["timings"]["finish_reason"] == "length"
-    # greedy: each token is the oracle's argmax after the prompt and the tokens before it (unless near-tied)
     file, backend = ModelFile(path), CPUBackend("f64")
-    ids = np.array(out["prompt_ids"] + out["ids"])
-    logits = Model(file, Glm4Moe(file, backend), backend).logits(ids, native=True)
-    steps = logits[len(out["prompt_ids"]) - 1 : -1]
-    decided = top2_gap(steps) >= 1e-3
-    assert np.array_equal(np.argmax(steps, axis=-1)[decided], np.array(out["ids"])[decided])
+    model = Model(file, Glm4Moe(file, backend), backend)
+    assert_generate_is_greedy(path, lambda ids: model.logits(ids, native=True), plugins=PLUGINS)

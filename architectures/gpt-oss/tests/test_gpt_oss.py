@@ -1,17 +1,11 @@
-import json
-import os
-import subprocess
-import sys
-
 import gguf
 import numpy as np
 import pytest
 from leat.batch import Batch, Row
-from leat.compare import top2_gap
 from leat.conformance.architecture import assert_chunked_and_batched_equal_whole, assert_metadata_round_trips
 from leat.errors import ModelFileError
 from leat.modelfile import ModelFile
-from leat.testing import write_tiny_gguf
+from leat.testing import assert_generate_is_greedy, assert_plugin_provides, leat_cli, write_tiny_gguf
 from leat_arch_gpt_oss.gpt_oss import GptOss
 from leat_backend_cpu.backend import CPUBackend
 
@@ -66,36 +60,18 @@ def test_sliding_window_key_is_required(tmp_path):
         GptOss(ModelFile(path), CPUBackend("f32"))
 
 
-def leat(*args):
-    env = dict(os.environ, LEAT_PLUGINS="leat-backend-cpu,leat-arch-gpt-oss,leat-samplers")
-    return subprocess.run(
-        [sys.executable, "-m", "leat", *args], capture_output=True, text=True, env=env, timeout=120, check=False
-    )
+PLUGINS = "leat-backend-cpu,leat-arch-gpt-oss,leat-samplers"
 
 
 def test_leat_plugins_lists_gpt_oss():
-    result = leat("plugins")
-    assert result.returncode == 0, result.stderr
-    (plugin,) = [p for p in json.loads(result.stdout) if p["name"] == "leat-arch-gpt-oss"]
-    assert plugin["status"] == "loaded"
-    assert plugin["provides"]["architectures"] == ["gpt-oss"]
+    assert_plugin_provides("leat-arch-gpt-oss", "architectures", ["gpt-oss"], plugins=PLUGINS)
 
 
 @pytest.mark.parametrize("variant", ["gpt-oss"])
 def test_cli_doctor_and_generate(tmp_path, variant):
     model, _, path = build(tmp_path, variant, mxfp4=True)
-    doctor = leat("doctor", "-m", str(path), "--json")
+    doctor = leat_cli("doctor", "-m", str(path), "--json", plugins=PLUGINS)
     assert doctor.returncode == 0, doctor.stderr
     assert f'"{model.file.architecture}"' in doctor.stdout
-    result = leat(
-        "generate", "-m", str(path), "-p", "hi", "-n", "8", "--backend", "cpu", "--temperature", "0", "--json"
-    )
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
-    assert len(out["ids"]) == 8 and out["timings"]["finish_reason"] == "length"
-    # greedy: each token is the oracle's argmax after the prompt and the tokens before it (unless near-tied)
-    ids = np.array(out["prompt_ids"] + out["ids"])
-    logits, _ = run(model, model.backend, [Row(0, 0, ids, all_logits=True)])
-    steps = logits[len(out["prompt_ids"]) - 1 : -1]
-    decided = top2_gap(steps) >= 1e-3
-    assert np.array_equal(np.argmax(steps, axis=-1)[decided], np.array(out["ids"])[decided])
+    oracle = lambda ids: run(model, model.backend, [Row(0, 0, ids, all_logits=True)])[0]
+    assert_generate_is_greedy(path, oracle, plugins=PLUGINS)

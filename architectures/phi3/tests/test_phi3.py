@@ -3,21 +3,16 @@
 Agreement with llama.cpp (what the fused tensors, LongRoPE and the unapplied window mean) is
 test_llamacpp_agreement.py's."""
 
-import json
-import os
-import subprocess
-import sys
 from typing import ClassVar
 
 import gguf
 import numpy as np
 import pytest
-from leat.compare import top2_gap
 from leat.conformance import ArchitectureConformance
 from leat.conformance.architecture import assert_chunked_and_batched_equal_whole, assert_metadata_round_trips
 from leat.model import Model
 from leat.modelfile import ModelFile
-from leat.testing import write_tiny_gguf
+from leat.testing import assert_generate_is_greedy, assert_plugin_provides, write_tiny_gguf
 from leat_arch_phi3.phi3 import Phi3
 from leat_backend_cpu.backend import CPUBackend
 
@@ -60,31 +55,15 @@ def test_long_factors_only_past_the_original_context(tmp_path):
     assert long.rope.attn_factor == short.rope.attn_factor == pytest.approx(np.sqrt(1 + np.log(4) / np.log(64)))
 
 
-def leat(*args):
-    env = dict(os.environ, LEAT_PLUGINS="leat-backend-cpu,leat-arch-phi3,leat-samplers")
-    return subprocess.run(
-        [sys.executable, "-m", "leat", *args], capture_output=True, text=True, env=env, timeout=120, check=False
-    )
+PLUGINS = "leat-backend-cpu,leat-arch-phi3,leat-samplers"
 
 
 def test_leat_plugins_lists_phi3():
-    result = leat("plugins")
-    assert result.returncode == 0, result.stderr
-    (plugin,) = [p for p in json.loads(result.stdout) if p["name"] == "leat-arch-phi3"]
-    assert plugin["status"] == "loaded"
-    assert plugin["provides"]["architectures"] == ["phi3"]
+    assert_plugin_provides("leat-arch-phi3", "architectures", ["phi3"], plugins=PLUGINS)
 
 
 def test_cli_generate_is_the_oracles_greedy_continuation(tmp_path):
     path = write_tiny_gguf(Phi3, tmp_path / "phi3.gguf", gguf.GGMLQuantizationType.Q8_0)
-    result = leat("generate", "-m", str(path), "-p", "hi", "-n", "8", "--backend", "cpu", "--temp", "0", "--json")
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
-    assert len(out["ids"]) == 8 and out["timings"]["finish_reason"] == "length"
-    # greedy: each token is the oracle's argmax after the prompt and the tokens before it (unless near-tied)
     file, backend = ModelFile(path), CPUBackend("f64")
-    ids = np.array(out["prompt_ids"] + out["ids"])
-    logits = Model(file, Phi3(file, backend), backend).logits(ids, native=True)
-    steps = logits[len(out["prompt_ids"]) - 1 : -1]
-    decided = top2_gap(steps) >= 1e-3
-    assert np.array_equal(np.argmax(steps, axis=-1)[decided], np.array(out["ids"])[decided])
+    model = Model(file, Phi3(file, backend), backend)
+    assert_generate_is_greedy(path, lambda ids: model.logits(ids, native=True), plugins=PLUGINS)

@@ -1,17 +1,11 @@
-import json
-import os
-import subprocess
-import sys
-
 import gguf
 import numpy as np
 import pytest
 from leat.batch import Batch, Row
-from leat.compare import top2_gap
 from leat.conformance.architecture import assert_chunked_and_batched_equal_whole, assert_metadata_round_trips
 from leat.errors import ModelFileError
 from leat.modelfile import ModelFile
-from leat.testing import write_tiny_gguf
+from leat.testing import assert_generate_is_greedy, assert_plugin_provides, leat_cli, write_tiny_gguf
 from leat_arch_qwen3.qwen import Qwen2, Qwen3, Qwen3Moe
 from leat_backend_cpu.backend import CPUBackend
 
@@ -63,36 +57,18 @@ def test_qwen3moe_requires_its_expert_keys(tmp_path):
         Qwen3Moe(ModelFile(path), CPUBackend("f32"))
 
 
-def leat(*args):
-    env = dict(os.environ, LEAT_PLUGINS="leat-backend-cpu,leat-arch-qwen3,leat-samplers")
-    return subprocess.run(
-        [sys.executable, "-m", "leat", *args], capture_output=True, text=True, env=env, timeout=120, check=False
-    )
+PLUGINS = "leat-backend-cpu,leat-arch-qwen3,leat-samplers"
 
 
 def test_leat_plugins_lists_the_qwen_architectures():
-    result = leat("plugins")
-    assert result.returncode == 0, result.stderr
-    (plugin,) = [p for p in json.loads(result.stdout) if p["name"] == "leat-arch-qwen3"]
-    assert plugin["status"] == "loaded"
-    assert sorted(plugin["provides"]["architectures"]) == ["qwen2", "qwen3", "qwen3moe"]
+    assert_plugin_provides("leat-arch-qwen3", "architectures", ["qwen2", "qwen3", "qwen3moe"], plugins=PLUGINS)
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "qwen3moe-top3", "qwen2"])
 def test_cli_doctor_and_generate(tmp_path, variant):
     model, _, path = build(tmp_path, variant, qtype=gguf.GGMLQuantizationType.F16)
-    doctor = leat("doctor", "-m", str(path), "--json")
+    doctor = leat_cli("doctor", "-m", str(path), "--json", plugins=PLUGINS)
     assert doctor.returncode == 0, doctor.stderr
     assert f'"{model.file.architecture}"' in doctor.stdout
-    result = leat(
-        "generate", "-m", str(path), "-p", "hi", "-n", "8", "--backend", "cpu", "--temperature", "0", "--json"
-    )
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
-    assert len(out["ids"]) == 8 and out["timings"]["finish_reason"] == "length"
-    # greedy: each token is the oracle's argmax after the prompt and the tokens before it (unless near-tied)
-    ids = np.array(out["prompt_ids"] + out["ids"])
-    logits, _ = run(model, model.backend, [Row(0, 0, ids, all_logits=True)])
-    steps = logits[len(out["prompt_ids"]) - 1 : -1]
-    decided = top2_gap(steps) >= 1e-3
-    assert np.array_equal(np.argmax(steps, axis=-1)[decided], np.array(out["ids"])[decided])
+    oracle = lambda ids: run(model, model.backend, [Row(0, 0, ids, all_logits=True)])[0]
+    assert_generate_is_greedy(path, oracle, plugins=PLUGINS)

@@ -12,6 +12,8 @@ import functools
 import hashlib
 import itertools
 import json
+import os
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -221,6 +223,41 @@ def relative_error(got: Any, want: Any) -> float:
     assert got.shape == want.shape, (got.shape, want.shape)
     assert np.isfinite(got).all(), "non-finite values (an element not written?)"
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def leat_cli(*args: str, plugins: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -m leat ARGS`` in a subprocess, its output as text; ``plugins`` is ``LEAT_PLUGINS`` there (None: as
+    here)."""
+    env = dict(os.environ) if plugins is None else dict(os.environ, LEAT_PLUGINS=plugins)
+    command = [sys.executable, "-m", "leat", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+
+
+def assert_plugin_provides(distribution: str, kind: str, names: list[str], plugins: str | None = None) -> None:
+    """``leat plugins`` lists the installed ``distribution`` as loaded, providing exactly ``names`` of ``kind``."""
+    result = leat_cli("plugins", plugins=plugins)
+    assert result.returncode == 0, result.stderr
+    (row,) = [row for row in json.loads(result.stdout) if row["name"] == distribution]
+    assert row["status"] == "loaded", row
+    assert sorted(row["provides"][kind]) == sorted(names), row
+
+
+def assert_generate_is_greedy(path: str | Path, logits: Any, plugins: str | None = None, min_gap: float = 1e-3) -> None:
+    """``leat generate`` of 8 tokens at temperature 0 on the CPU backend succeeds, and each token it gives is the
+    argmax that ``logits`` (a function of token ids giving every position's logits, e.g. the float64 oracle's) gives
+    after the prompt and the tokens before it, wherever the top-2 gap is at least ``min_gap`` (a near-tie may go
+    either way)."""
+    from leat.compare import top2_gap
+
+    command = ("generate", "-m", str(path), "-p", "hi", "-n", "8", "--backend", "cpu", "--temp", "0", "--json")
+    result = leat_cli(*command, plugins=plugins)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert len(out["ids"]) == 8 and out["timings"]["finish_reason"] == "length", out
+    prompt, generated = out["prompt_ids"], np.array(out["ids"])
+    steps = np.asarray(logits(np.array(prompt + out["ids"])))[len(prompt) - 1 : -1]
+    decided = top2_gap(steps) >= min_gap
+    assert np.array_equal(np.argmax(steps, axis=-1)[decided], generated[decided])
 
 
 class FailsOnCall:

@@ -11,7 +11,6 @@ hyperparameters of each)::
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -85,29 +84,18 @@ PROMPT_TEXT = (
 )
 
 
-def sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def params_for(config: dict[str, Any]) -> Any:
+def architecture(config: dict[str, Any]) -> Any:
     from leat_arch_deepseek2.deepseek2 import DeepSeek2
 
-    return DeepSeek2.tiny(**config["params"])
+    return DeepSeek2
 
 
-def build(name: str, path: str | Path) -> Path:
-    """Write the tiny file of configuration ``name`` to ``path`` (deterministic: same bytes every time)."""
-    import gguf
-    from leat.testing import write_tiny_gguf
-    from leat_arch_deepseek2.deepseek2 import DeepSeek2
+def models() -> Any:
+    """The configurations as a :class:`leat.testing.TinyModels` (imported here: record_llamacpp.py reads this file
+    without leat)."""
+    from leat.testing import TinyModels
 
-    config = CONFIGS[name]
-    qtype = gguf.GGMLQuantizationType[config["qtype"]]
-    return write_tiny_gguf(DeepSeek2, path, qtype, config["seed"], params_for(config))
+    return TinyModels(CONFIGS, architecture)
 
 
 def main(argv: list[str]) -> None:
@@ -115,10 +103,12 @@ def main(argv: list[str]) -> None:
         sys.exit("usage: tiny_deepseek2.py OUTDIR")
     out = Path(argv[0])
     out.mkdir(parents=True, exist_ok=True)
-    built = {}
+    from leat.testing import sha256
+
+    built, tiny = {}, models()
     for name, config in CONFIGS.items():
-        path = build(name, out / f"tiny-deepseek2-{name}.gguf")
-        hyper = dataclasses.asdict(params_for(config))
+        path = tiny.build(name, out / f"tiny-deepseek2-{name}.gguf")
+        hyper = dataclasses.asdict(tiny.params(name))
         built[name] = {"path": str(path), "sha256": sha256(path), **config, "hyperparameters": hyper}
     print(json.dumps({"tiny": built}))
 

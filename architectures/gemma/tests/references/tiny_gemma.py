@@ -12,7 +12,6 @@ hyperparameters, and the path of the pulled Gemma 3 270M::
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -144,42 +143,22 @@ GEMMA3_PROMPT = (
 )
 
 
-def sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def architecture(arch: str) -> Any:
     from leat_arch_gemma.gemma import Gemma, Gemma2, Gemma3
 
     return {"gemma": Gemma, "gemma2": Gemma2, "gemma3": Gemma3}[arch]
 
 
-def params_for(config: dict[str, Any]) -> Any:
-    return architecture(config["arch"]).tiny(**config["params"])
+def models() -> Any:
+    """The tiny configurations as a :class:`leat.testing.TinyModels` (imported here: record_llamacpp.py reads this
+    file without leat)."""
+    from leat.testing import TinyModels
 
-
-def build(name: str, path: str | Path) -> Path:
-    """Write the tiny file of configuration ``name`` to ``path`` (deterministic: same bytes every time)."""
-    import gguf
-    from leat.testing import write_tiny_gguf
-
-    config = CONFIGS[name]
-    return write_tiny_gguf(
-        architecture(config["arch"]),
-        path,
-        gguf.GGMLQuantizationType[config["qtype"]],
-        config["seed"],
-        params_for(config),
-    )
+    return TinyModels(CONFIGS, lambda config: architecture(config["arch"]))
 
 
 def describe(name: str) -> dict[str, Any]:
-    config = CONFIGS[name]
-    return {**config, "hyperparameters": dataclasses.asdict(params_for(config))}
+    return {**CONFIGS[name], "hyperparameters": dataclasses.asdict(models().params(name))}
 
 
 def main(argv: list[str]) -> None:
@@ -187,9 +166,11 @@ def main(argv: list[str]) -> None:
         sys.exit("usage: tiny_gemma.py OUTDIR")
     out = Path(argv[0])
     out.mkdir(parents=True, exist_ok=True)
+    from leat.testing import sha256
+
     built = {}
     for name in CONFIGS:
-        path = build(name, out / f"tiny-{name}.gguf")
+        path = models().build(name, out / f"tiny-{name}.gguf")
         built[name] = {"path": str(path), "sha256": sha256(path), **describe(name)}
     from leat.pull import resolve
 

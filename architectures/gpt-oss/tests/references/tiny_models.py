@@ -1,15 +1,11 @@
-"""The tiny random-weight gpt-oss files llama.cpp's references were recorded on, and how to rebuild them.
+"""The tiny random-weight gpt-oss files llama.cpp's references were recorded on
+(:class:`leat.testing.TinyModels`): ``scripts/record_llamacpp_tiny.py`` records on them and
+``../test_llamacpp_agreement.py`` rebuilds them. Run as a script in leat's environment to build them all
+(``uv run python tiny_models.py OUTDIR``).
 
-Shared by ``scripts/record_llamacpp_tiny.py`` (which records llama.cpp's logits on them) and
-``../test_llamacpp_agreement.py`` (which rebuilds each file, checks its SHA-256 against the recording and
-compares leat with the recorded logits), through :class:`leat.testing.TinyModels`. Configurations with MXFP4
-experts also get a ``dequantized`` copy (every quantized tensor's exact values stored as F32), on which llama.cpp
-computes in plain float: the distance between its two runs is its own quantized arithmetic.
-
-Run as a script (in leat's environment) to build every file into a folder and print one JSON line,
-``{name: {"path", "sha256", "token_ids", ...configuration}}``::
-
-    uv run python architectures/gpt-oss/tests/references/tiny_models.py OUTDIR
+Configurations with MXFP4 experts also get a ``dequantized`` copy (every quantized tensor's exact values stored
+as F32), on which llama.cpp computes in plain float: the distance between its two runs is its own quantized
+arithmetic.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""The tiny random-weight Qwen files llama.cpp's references were recorded on, and how to rebuild them.
-
-Shared by ``scripts/record_llamacpp_tiny.py`` (which records llama.cpp's logits on them) and
-``../test_llamacpp_agreement.py`` (which rebuilds each file, checks its SHA-256 against the recording and
-compares leat with the recorded logits), through :class:`leat.testing.TinyModels`.
-
-Run as a script (in leat's environment) to build every file into a folder and print one JSON line,
-``{name: {"path", "sha256", "token_ids", ...configuration}}``::
-
-    uv run python architectures/qwen3/tests/references/tiny_models.py OUTDIR
+"""The tiny random-weight Qwen files llama.cpp's references were recorded on
+(:class:`leat.testing.TinyModels`): ``scripts/record_llamacpp_tiny.py`` records on them and
+``../test_llamacpp_agreement.py`` rebuilds them. Run as a script in leat's environment to build them all
+(``uv run python tiny_models.py OUTDIR``).
 """
 
 from __future__ import annotations
