@@ -328,11 +328,20 @@ class CPUBackend(Backend):
         for row, offset in zip(batch.rows, batch.offsets):
             span = slice(offset, offset + len(row.tokens))
             table = kv.table(layer)[row.slot]
-            positions = np.arange(row.start, row.start + len(row.tokens))
-            where = (table[positions // kv.page_size], positions % kv.page_size)
-            keys_all[where], values_all[where] = k[span], v[span]
             native.attend(
-                q[span], keys_all, values_all, table, row.start, window, scale, softcap, sinks, out[span], self.threads
+                q[span],
+                k[span],
+                v[span],
+                keys_all,
+                values_all,
+                table,
+                row.start,
+                window,
+                scale,
+                softcap,
+                sinks,
+                out[span],
+                self.threads,
             )
         return out
 

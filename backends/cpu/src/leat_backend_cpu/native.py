@@ -123,7 +123,7 @@ def library() -> ctypes.CDLL:
         for name in (qtype.name.lower() for qtype in KERNEL_TYPES):
             getattr(lib, f"gemm_{name}").argtypes = [p, i64, i64, p, i64, p, ctypes.c_float, i32]
     for name in ATTENTION_STORAGE.values():
-        getattr(lib, f"attend_{name}").argtypes = [p] * 6 + [i64] * 9 + [ctypes.c_float] * 2 + [i32]
+        getattr(lib, f"attend_{name}").argtypes = [p] * 8 + [i64] * 9 + [ctypes.c_float] * 2 + [i32]
     lib.rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float]
     lib.gated.argtypes = [p, p, p, i64, i32]
     lib.rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i32]
@@ -207,6 +207,8 @@ def can_attend(keys: np.ndarray, values: np.ndarray) -> bool:
 
 def attend(
     q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
     keys: np.ndarray,
     values: np.ndarray,
     table: np.ndarray,
@@ -219,15 +221,18 @@ def attend(
     threads: int,
 ) -> None:
     """One sequence's attention: queries q [queries, heads, dim] at positions start.. against the pages ``keys`` and
-    ``values`` [pages, page_size, kv_heads, dim] (float32 or float16) through its page-table row ``table``, into
-    ``out`` [queries, heads * value_dim] (a contiguous float32 view). Masks, soft-cap and sinks as
+    ``values`` [pages, page_size, kv_heads, dim] (float32 or float16) through its page-table row ``table``, after
+    the queries' own k and v [queries, kv_heads, dim] are stored there (rounded to the pages' dtype), into ``out``
+    [queries, heads * value_dim] (a contiguous float32 view). Masks, soft-cap and sinks as
     :meth:`leat.backend.Backend.attention` says."""
-    q = np.ascontiguousarray(q, np.float32)
+    q, k, v = (np.ascontiguousarray(a, np.float32) for a in (q, k, v))
     table = np.ascontiguousarray(table, np.int32)
     sinks = None if sinks is None else np.ascontiguousarray(sinks, np.float32)
     (queries, heads, dim), (_, page_size, kv_heads, value_dim) = q.shape, values.shape
     getattr(library(), f"attend_{ATTENTION_STORAGE[keys.dtype]}")(
         address(q),
+        address(k),
+        address(v),
         address(keys),
         address(values),
         address(table),

@@ -693,7 +693,21 @@ static inline vf load_f16(const uint16_t *p) {
 #endif
 }
 
-#define ATTENTION(NAME, T, LOAD)                                                                                     \
+static inline void store_f32(float *to, const float *from, int64_t count) { memcpy(to, from, sizeof(float) * (size_t)count); }
+/* float32 to f16, rounding to nearest even (as numpy's astype) */
+static inline void store_f16(uint16_t *to, const float *from, int64_t count) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= count; i += 16)
+        _mm256_storeu_si256((__m256i *)(to + i), _mm512_cvtps_ph(_mm512_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < count; i++) {
+        _Float16 h = (_Float16)from[i];
+        memcpy(to + i, &h, 2);
+    }
+}
+
+#define ATTENTION(NAME, T, LOAD, STORE)                                                                              \
     static void attend_items_##NAME(const void *arg, int64_t first, int64_t last) {                                 \
         const attention_job *a = arg;                                                                                 \
         int64_t group = a->heads / a->kv_heads, length = a->start + a->queries;                                      \
@@ -774,17 +788,22 @@ static inline vf load_f16(const uint16_t *p) {
         free(scores);                                                                                                 \
         free(mixed);                                                                                                  \
     }                                                                                                                 \
-    void attend_##NAME(const float *q, const void *k, const void *v, const int32_t *table, const float *sinks,       \
-                       float *out, int64_t queries, int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim, \
-                       int64_t page_size, int64_t start, int64_t window, int64_t out_stride, float scale,            \
-                       float softcap, int threads) {                                                                  \
+    void attend_##NAME(const float *q, const float *knew, const float *vnew, void *k, void *v, const int32_t *table,   \
+                       const float *sinks, float *out, int64_t queries, int64_t heads, int64_t kv_heads, int64_t dim,  \
+                       int64_t value_dim, int64_t page_size, int64_t start, int64_t window, int64_t out_stride,       \
+                       float scale, float softcap, int threads) {                                                     \
+        for (int64_t t = 0; t < queries; t++) { /* the queries' own keys and values into their pages first */          \
+            int64_t p = start + t, slot = (int64_t)table[p / page_size] * page_size + p % page_size;                  \
+            STORE((T *)k + slot * kv_heads * dim, knew + t * kv_heads * dim, kv_heads * dim);                         \
+            STORE((T *)v + slot * kv_heads * value_dim, vnew + t * kv_heads * value_dim, kv_heads * value_dim);       \
+        }                                                                                                             \
         attention_job a = {q,         k,        v,   table,     sinks, out,   queries,    heads, kv_heads,           \
                            dim,       value_dim, page_size, start, window, out_stride, scale, softcap};             \
         run(threads, queries * kv_heads, attend_items_##NAME, &a);                                                    \
     }
 
-ATTENTION(f32, float, load)
-ATTENTION(f16, uint16_t, load_f16)
+ATTENTION(f32, float, load, store_f32)
+ATTENTION(f16, uint16_t, load_f16, store_f16)
 
 /* glibc maps every allocation of 128 KiB or more afresh and hands it back on free, and trims the heap's top past
  * 128 KiB: so each of a prompt's activations (numpy's, and the GEMM's int16 copies) was new pages, faulted in one by
