@@ -152,11 +152,8 @@ def write_tiny_gguf(
 
 def sha256(path: str | Path) -> str:
     """The SHA-256 of a file's bytes, as hex."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class TinyModels:
