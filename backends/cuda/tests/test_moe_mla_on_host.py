@@ -200,6 +200,7 @@ PRODUCTS(TF32)
 PRODUCTS(TQ8_0)
 PRODUCTS(TMXFP4)
 PRODUCTS(TQ4_K)
+PRODUCTS(TIQ2_XXS)
 template <typename KV>
 void mla_kv(const float* ql, const float* qr, const float* latent, const float* kr, KV* kc, u16* ks, const int* table,
             const int* slots, const int* pos, float* out, float* ml, float* acc, int n, int heads, int rank, int rope,
@@ -417,7 +418,8 @@ def kernels(tmp_path_factory):
     moe = _kernel("moe.cu").replace("extern __shared__ float sm[];", "float* sm = host_smem;")
     experts = _kernel("experts.cu").replace('#include "quants.cuh"', "")
     harness = "\n".join(['#include "quants.cuh"', moe, experts, _kernel("mla.cu"), EXPORTS])
-    return host_library(tmp_path_factory, "moe-mla-host", harness, {"quants.cuh": _kernel("quants.cuh")})
+    headers = {name: _kernel(name) for name in ("quants.cuh", "iq_grids.cuh")}
+    return host_library(tmp_path_factory, "moe-mla-host", harness, headers)
 
 
 def ptr(a):
@@ -472,10 +474,11 @@ def test_route(kernels, spec):
 
 def upload(qtype, values, rng):
     values = f32(values)
-    if qtype == Q.Q4_K:
+    if qtype in (Q.Q4_K, Q.IQ2_XXS):  # gguf-py cannot quantize them: random blocks with small d (and dmin)
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         data = rng.integers(0, 256, (values.size // block, size), dtype=np.uint8)
-        data[:, 0:4] = rng.uniform(0.0005, 0.002, (len(data), 2)).astype(np.float16).view(np.uint8)
+        scales = 2 if qtype == Q.Q4_K else 1
+        data[:, 0 : 2 * scales] = rng.uniform(0.0005, 0.002, (len(data), scales)).astype(np.float16).view(np.uint8)
     else:
         data = values if qtype == Q.F32 else gguf.quants.quantize(values.reshape(-1, values.shape[-1]), qtype)
     exact = CPUBackend("f64").upload(Tensor("w", qtype, values.shape, data))
@@ -486,7 +489,7 @@ def upload(qtype, values, rng):
     )
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.MXFP4, Q.Q4_K])
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.MXFP4, Q.Q4_K, Q.IQ2_XXS])
 def test_expert_products_ungrouped_and_grouped(kernels, qtype):
     rng = np.random.default_rng(int(qtype))
     e, m, k, n, used = 5, 12, 256, 11, 2

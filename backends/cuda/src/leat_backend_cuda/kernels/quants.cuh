@@ -330,7 +330,7 @@ struct Codebook {
 #pragma unroll
         for (int i = 0; i < 8; ++i)
 #pragma unroll
-            for (int k = 0; k < 4; ++k) v[4 * i + k] = d[i >> 2] * byte_f32(q[i] ^ 0x80808080u, k, 128.0f);  // s ^ 0x80 = s + 128
+            for (int k = 0; k < 4; ++k) v[4 * i + k] = d[i >> 2] * byte_f32(q[i] ^ 0x80808080u, k, 128.0f);  // s + 128
     }
     template <class R>
     static __device__ __forceinline__ float dot(const R& r, int unit, const u32* xw, const float* xs, const float* xsum) {
@@ -376,7 +376,9 @@ struct TIQ4_NL : Codebook<TIQ4_NL> {  // planes d (f16), qs (16); value = d * kv
         return {__ldg(qs + blk), __ldg((const u16*)w + blk)};
     }
     static __device__ __forceinline__ void words(const Raw& r, int unit, u32 (&q)[8]) { iq4_words(r.q, q); }
-    static __device__ __forceinline__ void scales(const Raw& r, int unit, float (&d)[2]) { d[0] = d[1] = f16_to_f32(r.d); }
+    static __device__ __forceinline__ void scales(const Raw& r, int unit, float (&d)[2]) {
+        d[0] = d[1] = f16_to_f32(r.d);
+    }
 };
 
 // IQ4_XS: 256 values in 8 sub-blocks of 32. Planes (d (f16), scales_h (u16), scales_l (4 bytes))
@@ -436,7 +438,8 @@ struct TIQ2_XS : Codebook<TIQ2_XS> {
     struct Raw { uint2 q; u16 d; u8 sc; };
     static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
         const i64 qs_at = align16(2 * nb), sc_at = qs_at + align16(64 * nb);
-        return {__ldg((const uint2*)(w + qs_at) + blk * 8 + unit), __ldg((const u16*)w + blk), __ldg(w + sc_at + blk * 8 + unit)};
+        return {__ldg((const uint2*)(w + qs_at) + blk * 8 + unit), __ldg((const u16*)w + blk),
+                __ldg(w + sc_at + blk * 8 + unit)};
     }
     static __device__ __forceinline__ void words(const Raw& r, int unit, u32 (&q)[8]) {
 #pragma unroll
