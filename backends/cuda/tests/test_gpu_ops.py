@@ -104,7 +104,9 @@ def test_matmul(cuda, oracle, qtype, n):
     assert relative_error(got, want) < bound
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q3_K, Q.F16], ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q3_K, Q.F16, Q.IQ4_NL, Q.IQ2_XXS], ids=lambda q: q.name
+)
 def test_gemm_few_over_long_rows_and_row_tiles(cuda, oracle, qtype):
     """gemm_few (3-32 tokens): rows long enough that each warp takes several steps, the last step
     partial (units not a multiple of 4), every instantiation that covers the tokens (one or two row tiles),
