@@ -367,6 +367,21 @@ __device__ __forceinline__ void iq4_words(const uint4& qs, u32 (&q)[8]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) iq4nl_values8(word_of(qs, i), q[i], q[4 + i]);
 }
+// IQ4_NL's decode: Codebook<T>::decode with each word of qs converted as soon as it is looked up. The same
+// values, in an order after which ptxas leaves gemm_few<TIQ4_NL, ...> without spills (it spills 4-16 bytes of
+// loop invariants otherwise; IQ4_XS has none either way, and its gemv_grouped spills more with this order).
+__device__ __forceinline__ void iq4_decode(const uint4& qs, float d, float (&v)[32]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 lo, hi;
+        iq4nl_values8(word_of(qs, i), lo, hi);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            v[4 * i + k] = d * byte_f32(lo ^ 0x80808080u, k, 128.0f);
+            v[16 + 4 * i + k] = d * byte_f32(hi ^ 0x80808080u, k, 128.0f);
+        }
+    }
+}
 
 struct TIQ4_NL : Codebook<TIQ4_NL> {  // planes d (f16), qs (16); value = d * kvalue
     static constexpr int BLOCK = 32, UNITS = 1;
@@ -378,6 +393,10 @@ struct TIQ4_NL : Codebook<TIQ4_NL> {  // planes d (f16), qs (16); value = d * kv
     static __device__ __forceinline__ void words(const Raw& r, int unit, u32 (&q)[8]) { iq4_words(r.q, q); }
     static __device__ __forceinline__ void scales(const Raw& r, int unit, float (&d)[2]) {
         d[0] = d[1] = f16_to_f32(r.d);
+    }
+    template <bool EXACT>
+    static __device__ __forceinline__ void decode(const Raw& r, int unit, float (&v)[UV]) {
+        iq4_decode(r.q, f16_to_f32(r.d), v);
     }
 };
 
@@ -504,14 +523,14 @@ struct TIQ3_XXS : Codebook<TIQ3_XXS> {
 
 // IQ3_S: planes d (f16), qs (64), qh (8), signs (32), scales (4). A unit: iq3s_grid index k (values
 // 4k..4k+3) is qs[8 unit + k] | bit k of qh[unit] << 8; signs[4 unit + l] are the sign bits of values
-// 8l..8l+7; s is nibble unit % 2 of scales[unit / 2]; value = (d * (1 + 2s)) * grid * sign.
+// 8l..8l+7; s is bits 4 unit.. of scales (a u32); value = (d * (1 + 2s)) * grid * sign.
 struct TIQ3_S : Codebook<TIQ3_S> {
-    struct Raw { uint2 q; u32 signs; u16 d; u8 qh, sc; };
+    struct Raw { uint2 q; u32 signs, sc; u16 d; u8 qh; };
     static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
         const i64 qs_at = align16(2 * nb), qh_at = qs_at + align16(64 * nb), signs_at = qh_at + align16(8 * nb);
         const i64 sc_at = signs_at + align16(32 * nb);
         return {__ldg((const uint2*)(w + qs_at) + blk * 8 + unit), __ldg((const u32*)(w + signs_at) + blk * 8 + unit),
-                __ldg((const u16*)w + blk), __ldg(w + qh_at + blk * 8 + unit), __ldg(w + sc_at + blk * 4 + unit / 2)};
+                __ldg((const u32*)(w + sc_at) + blk), __ldg((const u16*)w + blk), __ldg(w + qh_at + blk * 8 + unit)};
     }
     static __device__ __forceinline__ void words(const Raw& r, int unit, u32 (&q)[8]) {
 #pragma unroll
@@ -521,7 +540,7 @@ struct TIQ3_S : Codebook<TIQ3_S> {
         }
     }
     static __device__ __forceinline__ void scales(const Raw& r, int unit, float (&d)[2]) {
-        d[0] = d[1] = f16_to_f32(r.d) * small_f32(1 + 2 * ((r.sc >> (4 * (unit & 1))) & 0xF));
+        d[0] = d[1] = f16_to_f32(r.d) * small_f32(1 + 2 * ((r.sc >> (4 * unit)) & 0xF));
     }
 };
 
