@@ -192,7 +192,8 @@ class Architecture:
 
     @property
     def vocab_size(self) -> int:
-        raise NotImplementedError
+        """The vocabulary size (rows of the output matrix): by default the hyperparameters' ``vocab``."""
+        return int(self.params.vocab)
 
     # -- compute -------------------------------------------------------------------------------------
     def load_weights(self, weights: Weights) -> None:

@@ -131,10 +131,6 @@ class DeepSeek2(Architecture):
             raise ModelFileError(f"{file.path}: expert_gating_func {p.gating_func} is not softmax (1) or sigmoid (2)")
         return p
 
-    @property
-    def vocab_size(self) -> int:
-        return self.params.vocab
-
     @classmethod
     def kv_layouts(cls, p: DeepSeek2Params) -> list[KVLayout]:
         return [p.mla.layout()] * p.layers

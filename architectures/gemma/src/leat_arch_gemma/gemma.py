@@ -122,10 +122,6 @@ class Gemma(Architecture):
             )
         return p
 
-    @property
-    def vocab_size(self) -> int:
-        return self.params.vocab
-
     @classmethod
     def kv_layouts(cls, p: GemmaParams) -> list[KVLayout]:
         window = cls.window(p)

@@ -83,10 +83,6 @@ class Glm4Moe(Architecture):
     names = ("glm4moe",)
     Params = Glm4MoeParams
 
-    @property
-    def vocab_size(self) -> int:
-        return self.params.vocab
-
     @classmethod
     def kv_layouts(cls, p: Glm4MoeParams) -> list[KVLayout]:
         return [KVLayout(p.kv_heads, p.head_dim)] * p.trunk

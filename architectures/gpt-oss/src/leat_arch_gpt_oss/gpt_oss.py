@@ -98,10 +98,6 @@ class GptOss(Architecture):
             )
         return p
 
-    @property
-    def vocab_size(self) -> int:
-        return self.params.vocab
-
     @classmethod
     def kv_layouts(cls, p: GptOssParams) -> list[KVLayout]:
         return [KVLayout(p.kv_heads, p.head_dim, window=p.window if s else None) for s in p.sliding_layers]

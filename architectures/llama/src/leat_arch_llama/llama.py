@@ -37,10 +37,6 @@ class Llama(Architecture):
     names = ("llama",)
     Params = LlamaParams
 
-    @property
-    def vocab_size(self) -> int:
-        return self.params.vocab
-
     @classmethod
     def kv_layouts(cls, p: LlamaParams) -> list[KVLayout]:
         return [KVLayout(p.kv_heads, p.head_dim)] * p.layers

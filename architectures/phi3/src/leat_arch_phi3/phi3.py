@@ -60,10 +60,6 @@ class Phi3(Architecture):
     names = ("phi3",)
     Params = Phi3Params
 
-    @property
-    def vocab_size(self) -> int:
-        return self.params.vocab
-
     @classmethod
     def kv_layouts(cls, p: Phi3Params) -> list[KVLayout]:
         return [KVLayout(p.kv_heads, p.head_dim)] * p.layers

@@ -51,10 +51,6 @@ class Qwen3(Architecture):
     names = ("qwen3",)
     Params = QwenParams
 
-    @property
-    def vocab_size(self) -> int:
-        return self.params.vocab
-
     @classmethod
     def kv_layouts(cls, p: QwenParams) -> list[KVLayout]:
         return [KVLayout(p.kv_heads, p.head_dim)] * p.layers

@@ -37,10 +37,6 @@ class Example(Architecture):
     names = ("example",)
     Params = ExampleParams
 
-    @property
-    def vocab_size(self) -> int:
-        return self.params.vocab
-
     @classmethod
     def kv_layouts(cls, p: ExampleParams) -> list[KVLayout]:
         return [KVLayout(p.kv_heads, p.head_dim)] * p.layers
