@@ -22,7 +22,7 @@ def rerank(service: Service, body: RerankRequest, owner: str | None) -> dict[str
     if kind != gguf.PoolingType.RANK:
         raise bad_request(
             f"model {service.name!r} is not a reranker (its pooling type is {kind.name.lower()}, not rank); "
-            "serve a reranker GGUF, such as a Qwen3-Reranker, for /v1/rerank",
+            "serve a reranker GGUF (pooling type rank, a classifier head) for /v1/rerank",
             "model",
         )
     if not body.documents:
