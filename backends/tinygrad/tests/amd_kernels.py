@@ -1,13 +1,14 @@
-"""Compile the tinygrad backend's kernels for AMD GPUs without one: prints a JSON report.
+r"""Compile the tinygrad backend's kernels for AMD GPUs without one: prints a JSON report.
 
-    DEV=NULL:AMDLLVM:gfx1100 NULL_ALLOW_COPYOUT=1 NOOPT=1 CACHELEVEL=0 LEAT_TINYGRAD_PREFILL_JIT=16 python amd_kernels.py MODEL.gguf gfx1100 gfx942
+    DEV=NULL:AMDLLVM:gfx1100 NULL_ALLOW_COPYOUT=1 NOOPT=1 CACHELEVEL=0 LEAT_TINYGRAD_PREFILL_JIT=16 \
+        python amd_kernels.py MODEL.gguf gfx1100 gfx942 [--kv f16]
 
 tinygrad's NULL device runs nothing (copies out give zeros with NULL_ALLOW_COPYOUT=1) but schedules and compiles
 every kernel with the renderer ``DEV`` names: AMDLLVM is ``DEV=AMD:LLVM``'s, LLVM IR compiled to an AMDGPU code
 object by libLLVM (LLVM >= 18) in-process. The model's prefill and a decode step (``run_model``) run once with
-NOOPT=1 (for the kernels' ASTs: tinygrad optimizes a kernel when it lowers it), then each AST is lowered with the kernel optimizer on, as on a GPU, and
-compiled for each target in tinygrad's worker pool. Each code object is checked as ``AMDProgram`` reads it (see
-``check``). CACHELEVEL=0: every kernel is compiled, none comes from the disk cache.
+NOOPT=1, for the kernels' ASTs (tinygrad optimizes a kernel when it lowers it); then each AST is lowered with the
+kernel optimizer on, as on a GPU, and compiled for each target in tinygrad's worker pool. Each code object is
+checked as ``AMDProgram`` reads it (``check``). CACHELEVEL=0: every kernel is compiled, none comes from the disk cache.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import struct
 import time
 from dataclasses import replace
 
-# EF_AMDGPU_MACH_AMDGCN_* (LLVM's include/llvm/BinaryFormat/ELF.h), the low byte of a code object's e_flags
-MACH = {"gfx1100": 0x041, "gfx1101": 0x046, "gfx1102": 0x047, "gfx1151": 0x04A, "gfx942": 0x04C, "gfx950": 0x04F}
+# EF_AMDGPU_MACH_AMDGCN_* (LLVM's include/llvm/BinaryFormat/ELF.h), the low byte of a code object's e_flags; LLVM 19
+# knows no gfx950 (MI350: "not a recognized processor")
+MACH = {"gfx1100": 0x041, "gfx1101": 0x046, "gfx1102": 0x047, "gfx1151": 0x04A, "gfx942": 0x04C}
 MACH |= {"gfx1200": 0x048, "gfx1201": 0x04E}
 EM_AMDGPU, ELFOSABI_AMDGPU_HSA, R_AMDGPU_REL64 = 224, 64, 5
 WAVE32 = 0x400  # kernel_code_properties: ENABLE_WAVEFRONT_SIZE32 (RDNA; CDNA runs wave64 only)
