@@ -206,10 +206,11 @@ static inline vf chunk_iq4_xs(const uint8_t *b, int c) {
     return f16(b) * (float)scale * lookup(KVALUES_IQ4NL, (bytes(b + 8 + g * 16) >> (4 * s)) & 15);
 }
 
-/* The sums of 16 vectors: lane j of the result is the sum of v[j]'s lanes. Halves, quarters, pairs and lanes of
- * pairs of vectors are added in a tree (31 shuffles and 15 adds in all), which leaves key j in lane bitrev4(j); a
- * last shuffle puts it back. */
+/* The sums of 16 vectors: lane j of the result is the sum of v[j]'s lanes. With AVX-512, halves, quarters, pairs
+ * and lanes of pairs of vectors are added in a tree (31 two-vector permutes and 15 adds in all), which leaves key j in
+ * lane bitrev4(j); a last permute puts it back. */
 static inline vf sum16(const vf *v) {
+#if defined(__AVX512F__)
     static const vi halves[2] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
                                  {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}};
     static const vi quarters[2] = {{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
@@ -219,15 +220,25 @@ static inline vf sum16(const vf *v) {
     static const vi lanes[2] = {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
                                 {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
     static const vi bitrev = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+#define ADD_PERMUTED(a, b, masks)                                                                                    \
+    ((vf)_mm512_permutex2var_ps((__m512)(a), (__m512i)(masks)[0], (__m512)(b)) +                                    \
+     (vf)_mm512_permutex2var_ps((__m512)(a), (__m512i)(masks)[1], (__m512)(b)))
     vf a[8], b[4], c[2];
-    for (int j = 0; j < 8; j++)
-        a[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1], halves[0]) + __builtin_shuffle(v[2 * j], v[2 * j + 1], halves[1]);
-    for (int j = 0; j < 4; j++)
-        b[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], quarters[0]) + __builtin_shuffle(a[2 * j], a[2 * j + 1], quarters[1]);
-    for (int j = 0; j < 2; j++)
-        c[j] = __builtin_shuffle(b[2 * j], b[2 * j + 1], pairs[0]) + __builtin_shuffle(b[2 * j], b[2 * j + 1], pairs[1]);
-    vf d = __builtin_shuffle(c[0], c[1], lanes[0]) + __builtin_shuffle(c[0], c[1], lanes[1]);
-    return __builtin_shuffle(d, bitrev);
+    for (int j = 0; j < 8; j++) a[j] = ADD_PERMUTED(v[2 * j], v[2 * j + 1], halves);
+    for (int j = 0; j < 4; j++) b[j] = ADD_PERMUTED(a[2 * j], a[2 * j + 1], quarters);
+    for (int j = 0; j < 2; j++) c[j] = ADD_PERMUTED(b[2 * j], b[2 * j + 1], pairs);
+    vf d = ADD_PERMUTED(c[0], c[1], lanes);
+#undef ADD_PERMUTED
+    return (vf)_mm512_permutexvar_ps((__m512i)bitrev, (__m512)d);
+#else
+    vf out;
+    for (int j = 0; j < 16; j++) {
+        float s = 0;
+        for (int l = 0; l < 16; l++) s += v[j][l];
+        out[j] = s;
+    }
+    return out;
+#endif
 }
 
 /* tanh(x) = 1 - 2 / (1 + exp(2x)): 1 and -1 where exp overflows or vanishes; absolute error about 1e-7 */
@@ -702,8 +713,12 @@ static inline void store_f16(uint16_t *to, const float *from, int64_t count) {
         _mm256_storeu_si256((__m256i *)(to + i), _mm512_cvtps_ph(_mm512_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT));
 #endif
     for (; i < count; i++) {
+#if defined(__F16C__)
+        to[i] = _cvtss_sh(from[i], _MM_FROUND_TO_NEAREST_INT);
+#else
         _Float16 h = (_Float16)from[i];
         memcpy(to + i, &h, 2);
+#endif
     }
 }
 
