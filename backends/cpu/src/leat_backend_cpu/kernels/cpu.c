@@ -48,7 +48,17 @@ static inline vf lookup(vsb table, vb index) { return signed_floats((vsb)_mm_shu
 #else
 static inline vf floats(vb v) { return __builtin_convertvector(__builtin_convertvector(v, vi), vf); }
 static inline vf signed_floats(vsb v) { return __builtin_convertvector(__builtin_convertvector(v, vi), vf); }
-static inline vf lookup(vsb table, vb index) { return signed_floats(__builtin_shuffle(table, (vsb)index)); }
+/* table[index] in each of 16 byte lanes (GCC's shuffle; clang has no variable one, so lane by lane) */
+static inline vsb bytes_lookup(vsb table, vb index) {
+#if defined(__clang__)
+    vsb out;
+    for (int i = 0; i < 16; i++) out[i] = table[index[i] & 15];
+    return out;
+#else
+    return __builtin_shuffle(table, (vsb)index);
+#endif
+}
+static inline vf lookup(vsb table, vb index) { return signed_floats(bytes_lookup(table, index)); }
 #endif
 static inline vf load(const float *p) {
     vf v;
@@ -256,7 +266,7 @@ static inline vi ilookup(vsb table, vb index) { return signed_ints((vsb)_mm_shuf
 #else
 static inline vi ints(vb v) { return __builtin_convertvector(v, vi); }
 static inline vi signed_ints(vsb v) { return __builtin_convertvector(v, vi); }
-static inline vi ilookup(vsb table, vb index) { return signed_ints(__builtin_shuffle(table, (vsb)index)); }
+static inline vi ilookup(vsb table, vb index) { return signed_ints(bytes_lookup(table, index)); }
 #endif
 enum { OFFSETS_q4_0 = 0, OFFSETS_q5_0 = 0, OFFSETS_q8_0 = 0, OFFSETS_mxfp4 = 0, OFFSETS_iq4_nl = 0, OFFSETS_q3_k = 0 };
 enum { OFFSETS_q6_k = 0, OFFSETS_iq4_xs = 0, OFFSETS_q4_1 = 1, OFFSETS_q5_1 = 1, OFFSETS_q4_k = 1, OFFSETS_q5_k = 1 };
@@ -699,7 +709,7 @@ static inline vf load_f16(const uint16_t *p) {
     return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 #else
     vf v;
-    for (int i = 0; i < 16; i++) v[i] = (float)((const _Float16 *)p)[i];
+    for (int i = 0; i < 16; i++) v[i] = f16((const uint8_t *)(p + i));
     return v;
 #endif
 }
@@ -716,8 +726,20 @@ static inline void store_f16(uint16_t *to, const float *from, int64_t count) {
 #if defined(__F16C__)
         to[i] = _cvtss_sh(from[i], _MM_FROUND_TO_NEAREST_INT);
 #else
-        _Float16 h = (_Float16)from[i];
-        memcpy(to + i, &h, 2);
+        uint32_t bits, magnitude;
+        memcpy(&bits, from + i, 4);
+        uint16_t sign = (uint16_t)((bits >> 16) & 0x8000);
+        magnitude = bits & 0x7fffffff;
+        if (magnitude > 0x7f800000) /* nan */
+            to[i] = sign | 0x7e00;
+        else if (magnitude >= 0x477ff000) /* rounds past 65504: inf */
+            to[i] = sign | 0x7c00;
+        else if (magnitude < 0x38800000) { /* a subnormal half: a multiple of 2^-24, rounded to nearest even */
+            float scaled;
+            memcpy(&scaled, &magnitude, 4);
+            to[i] = sign | (uint16_t)nearbyintf(scaled * 16777216.0f);
+        } else /* rebias the exponent, round the mantissa's 13 dropped bits to nearest even */
+            to[i] = sign | (uint16_t)((magnitude + 0xc8000fffu + ((magnitude >> 13) & 1)) >> 13);
 #endif
     }
 }
