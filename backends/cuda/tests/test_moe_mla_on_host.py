@@ -267,6 +267,14 @@ extern "C" void attend_q8_0(const float* q, const float* k, const float* v, i8* 
 extern "C" void top_k(const float* x, float* values, int* ids, int rows, int cols, int k) {
     launch({(unsigned)rows, 1, 1}, 1024, [=] { top_k_rows(x, values, ids, cols, k); });
 }
+extern "C" void norm_then_f16(const float* x, const float* w, float* y, u16* xh, float* xscale, int n, int cols,
+                              float eps) {
+    launch({(unsigned)n, 1, 1}, 256, [=] { rms_norm(x, w, y, cols, eps); });
+    launch({(unsigned)n, 1, 1}, 256, [=] { x_to_f16(y, xh, xscale, cols); });
+}
+extern "C" void norm_f16(const float* x, const float* w, u16* xh, float* xscale, int n, int cols, float eps) {
+    launch({(unsigned)n, 1, 1}, 256, [=] { rms_norm_f16(x, w, xh, xscale, cols, eps); });
+}
 extern "C" void rotate(const float* x, float* y, const int* pos, const double* inv_freq, int n, int heads, int head_dim,
                        int dims, int neox, float magnitude) {
     launch({(unsigned)(n * heads), 1, 1}, 32, [=] { rope(x, y, pos, inv_freq, heads, head_dim, dims, neox, magnitude); });
@@ -302,6 +310,25 @@ def host_library(tmp_path_factory, name: str, harness: str, headers: dict[str, s
 def ops_kernels(tmp_path_factory):
     """ops.cu's kv_write, attention, attention_wide and attention_combine on the host (the sink paths)."""
     return host_library(tmp_path_factory, "ops-host", _kernel("ops.cu") + ATTENTION)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_f16_equals_rms_norm_then_x_to_f16(ops_kernels, weighted):
+    """The norm fused into a product's f16 rows (rms_norm_f16) gives x_to_f16's rows of rms_norm's output bit for bit,
+    and those rows times their scales are the float64 norm within f16 rounding."""
+    rng = np.random.default_rng(11)
+    n, cols, eps = 3, 768, 1e-5
+    x = f32(rng.standard_normal((n, cols)) * np.array([[1e-3], [1.0], [50.0]]))
+    w = f32(rng.standard_normal(cols)) if weighted else None
+    y = np.full((n, cols), np.nan, np.float32)
+    two = [(np.zeros((n, cols), np.uint16), np.full(n, np.nan, np.float32)) for _ in range(2)]
+    ops_kernels.norm_then_f16(ptr(x), ptr(w), ptr(y), ptr(two[0][0]), ptr(two[0][1]), n, cols, ctypes.c_float(eps))
+    ops_kernels.norm_f16(ptr(x), ptr(w), ptr(two[1][0]), ptr(two[1][1]), n, cols, ctypes.c_float(eps))
+    np.testing.assert_array_equal(two[1][0], two[0][0])
+    np.testing.assert_array_equal(two[1][1], two[0][1])
+    want = CPUBackend("f64").rms_norm(x.astype(np.float64), None if w is None else w.astype(np.float64), eps)
+    got = two[1][0].view(np.float16).astype(np.float64) * two[1][1][:, None]
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("wide", [0, 1])
