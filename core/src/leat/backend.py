@@ -176,6 +176,9 @@ class Backend:
     #: prompt tokens the engine takes into one step (over several prompts) unless told otherwise: enough to keep
     #: the device's arithmetic busy when many prompts arrive together
     prefill_tokens_per_step: ClassVar[int] = 512
+    #: True when :meth:`attention` honours rows marked ``bidirectional`` (what images in a prompt and vision encoders
+    #: need); the engine refuses images on a backend without it
+    bidirectional: ClassVar[bool] = False
 
     @classmethod
     def probe(cls) -> str | None:
@@ -266,6 +269,10 @@ class Backend:
     def to_host(self, x: Any) -> np.ndarray:
         raise self._missing()
 
+    def from_host(self, x: np.ndarray) -> Any:
+        """An activation holding the host float array ``x`` (an image's pixels on their way to a vision encoder)."""
+        raise self._missing()
+
     def argmax(self, x: Any) -> np.ndarray:
         """The index of each row's largest entry (the first of equals): x [n, m] -> host int64 [n].
 
@@ -334,6 +341,11 @@ class Backend:
         """x / sqrt(mean(x^2) + eps) * weight over the last axis (weight None: no scale)."""
         raise self._missing()
 
+    def layer_norm(self, x: Any, weight: Any, bias: Any, eps: float) -> Any:
+        """(x - mean(x)) / sqrt(var(x) + eps) * weight + bias over the last axis (the population variance;
+        ``weight`` or ``bias`` None: left out), as ggml_norm then its scale and shift (vision encoders)."""
+        raise self._missing()
+
     def rope(self, x: Any, positions: np.ndarray, spec: RopeSpec) -> Any:
         """Rotate x [n, heads, head_dim] by each token's position."""
         raise self._missing()
@@ -360,9 +372,10 @@ class Backend:
             ``kv.table(layer)[slot, p // page_size]``.
         :param layer: which layer's storage, page table and :class:`KVLayout` (its window) apply.
         :param batch: the rows: each row's queries attend to its own slot's cached positions up to and including
-            each query's position. A layer with a window sees only the last ``window`` of them, and its table entries
-            behind the window may be -1: such positions are masked, never read from a page -1 (skip them, or clamp
-            the id).
+            each query's position, or, in a row marked ``bidirectional`` (only where :attr:`bidirectional`), up to
+            and including the row's last position (its k and v are written first). A layer with a window sees only
+            the last ``window`` of them, and its table entries behind the window may be -1: such positions are
+            masked, never read from a page -1 (skip them, or clamp the id).
         :param scale: the factor of each dot product, ``s_ij = scale * (q_i . k_j)``; query i of head h weights
             the unmasked keys j by ``exp(s_ij) / sum_j' exp(s_ij')``.
         :param softcap: None, or a cap on each score before the mask and softmax (Gemma 2):
@@ -395,9 +408,10 @@ class Backend:
         """x * factor, elementwise (Gemma's sqrt(d) embedding scale)."""
         raise self._missing()
 
-    def gelu_mul(self, gate: Any, up: Any) -> Any:
+    def gelu_mul(self, gate: Any, up: Any = None) -> Any:
         """gelu(gate) * up, elementwise (GeGLU), gelu in ggml's tanh approximation:
-        0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715 * g^3))).
+        0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715 * g^3))); ``up`` None: gelu(gate) alone (a vision
+        encoder's MLP; a backend without it raises :class:`~leat.errors.BackendUnavailable`).
 
         (ggml's CPU kernel looks gelu up in a table indexed by g rounded to f16, for |g| < 10; the
         formula is the reference, the table is one of ggml's roundings.)

@@ -40,6 +40,7 @@ from leat.pages import BackendPages, PageBudget, RowPages, size_kv
 from leat.sampling import Sampler, SamplingParams
 from leat.sessions import Session, SessionKV, SessionStore, check_name, model_fingerprint
 from leat.speculative import Controller, Speculation, accept_greedy, verify
+from leat.vision import ImageSpan, keyed, next_chunk
 
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
 MAX_CANDIDATES = 64  # the most top-k candidates per row a step fetches instead of whole logit rows
@@ -76,6 +77,8 @@ class GenerationRequest:
     # logits processors (constrained decoding, logit bias): (float64 logits row, generated ids) -> logits. One that
     # raises ends only its request; a ``label`` attribute names it in the error ("response_format constraint").
     processors: Sequence[Callable[[np.ndarray, Sequence[int]], np.ndarray]] = ()
+    # the prompt's images (leat.vision.Vision.prompt), in order: their spans' inputs are the images' embeddings
+    images: Sequence[ImageSpan] = ()
 
 
 class Event(msgspec.Struct, omit_defaults=True):
@@ -368,6 +371,10 @@ class Engine:
             )
         if request.session is not None:
             check_name(request.session)
+        if request.images and getattr(self.model, "vision", None) is None:
+            raise LeatError("this model has no vision projector for the prompt's images: load one with --mmproj")
+        if request.images and request.session is not None:
+            raise LeatError("images in a session's prompt are not supported yet")
         params = request.sampling
         if not isinstance(params, SamplingParams):
             params = SamplingParams.resolve(params or {}, self.model.file.metadata)
@@ -442,7 +449,8 @@ class Engine:
             if not self._reserve(item, session):
                 return  # wait for pages to come back
             self.waiting.popleft()
-            item.held.prefix_keys = self.budget.prefix_keys(item.request.client, item.tokens[: item.prompt_len])
+            prompt = keyed(item.tokens[: item.prompt_len], item.request.images)
+            item.held.prefix_keys = self.budget.prefix_keys(item.request.client, prompt)
             item.slot = self.free_slots.pop()
             if session is not None:
                 session.busy = True
@@ -456,7 +464,8 @@ class Engine:
         found = self.session_kv.reuse(session, prompt) if session is not None else None
         lender = session if found is not None else None  # the session whose pages this row borrows
         lent = lender.pages if lender is not None else None
-        reuse, shared = found or self.budget.lookup(self.budget.prefix_keys(item.request.client, prompt))
+        keys = self.budget.prefix_keys(item.request.client, keyed(prompt, item.request.images))
+        reuse, shared = found or self.budget.lookup(keys)
         # a session's partly filled last page is copied before writing (a cached prefix is whole pages)
         copy = reuse % self.page_size != 0
         held = self.budget.reserve(item.prompt_len + item.request.max_tokens, shared, copy, lent, keep=session)
@@ -613,15 +622,19 @@ class Engine:
 
     def _rows(self) -> list[tuple[_Running, Row]]:
         """This step's rows: a decode token (and its draft) per decoding request, prefill chunks within budget."""
+        image = self._image_row()
+        if image is not None:
+            return [image]
         rows: list[tuple[_Running, Row]] = []
         budget = self.prefill_budget  # prompt tokens this step may still take
         for item in list(self.running):
             if item.filled < item.prompt_len:
-                chunk = min(item.prompt_len - item.filled, self.prefill_chunk)
-                if chunk > budget:
+                end = min(
+                    next_chunk(item.filled, item.filled + self.prefill_chunk, item.request.images)[0], item.prompt_len
+                )
+                if end - item.filled > budget:
                     continue
-                end = item.filled + chunk
-                budget -= chunk
+                budget -= end - item.filled
             else:
                 end = item.filled + 1
                 try:
@@ -633,6 +646,18 @@ class Engine:
             span = np.asarray(item.tokens[item.filled : end] + item.draft)
             rows.append((item, Row(item.slot, item.filled, span, all_logits=bool(item.draft))))
         return rows
+
+    def _image_row(self) -> tuple[_Running, Row] | None:
+        """The row of the first image a prompt has reached: a step of its own, since its inputs are the image's
+        embeddings rather than token ids, and its positions see each other (:class:`leat.batch.Row`)."""
+        for item in self.running:
+            end, image = next_chunk(item.filled, item.filled, item.request.images)
+            if image is not None:
+                self.budget.pages_for(item.held, item.slot, item.filled, end)
+                inputs = self.model.vision.embeddings(image, item.filled)
+                span = np.asarray(item.tokens[item.filled : end])
+                return item, Row(item.slot, item.filled, span, bidirectional=True, inputs=inputs)
+        return None
 
     def _read(self, out: Any, rows: list[tuple[_Running, Row]]) -> _Readout:
         """The least of the step's output that every row needs brought to the host."""

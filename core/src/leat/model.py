@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import gguf
@@ -146,6 +147,19 @@ class Model:
         self.last_timings = Timings()
         self._session_engine = None
         self.speculation = None  # a leat.speculative.Speculation the engines of generate() use (--speculate)
+        self.vision: Any = None  # a leat.vision.Vision once an mmproj is loaded (load_mmproj)
+
+    def load_mmproj(self, path: str | Path) -> None:
+        """Load the vision projector ``path`` (an mmproj GGUF) beside the model, so that prompts may hold images."""
+        from leat.vision import Vision
+
+        self.vision = Vision(path, self.backend, self.architecture.params.width)
+
+    def image_prompt(self, text: str, images: Sequence[bytes], add_special: bool = True) -> tuple[list[int], list]:
+        """Token ids and image spans of ``text`` holding one ``leat.vision.MARKER`` per image (encoded bytes)."""
+        if self.vision is None:
+            raise LeatError("this model has no vision projector: load one with --mmproj")
+        return self.vision.prompt(self.tokenizer, text, images, add_special)
 
     @property
     def context_length(self) -> int:
@@ -161,9 +175,10 @@ class Model:
         layouts = self.architecture.kv_layouts(self.architecture.params)
         return self.backend.allocate_kv(layouts, slots, context, dtype=dtype)
 
-    def logits(self, token_ids: Sequence[int], native: bool = False) -> np.ndarray:
-        """Logits at every position of a fresh sequence: [len(token_ids), vocab], float32 unless ``native``."""
-        logits = self._every_position(self.architecture.forward, token_ids)
+    def logits(self, token_ids: Sequence[int], native: bool = False, images: Sequence[Any] = ()) -> np.ndarray:
+        """Logits at every position of a fresh sequence: [len(token_ids), vocab], float32 unless ``native``;
+        ``images``: the image spans of :meth:`image_prompt`."""
+        logits = self._every_position(self.architecture.forward, token_ids, images)
         return logits if native else logits.astype(np.float32)
 
     def hidden(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -173,17 +188,22 @@ class Model:
             raise LeatError(f"the {self.file.architecture} architecture plugin gives no hidden states: no embeddings")
         return self._every_position(self.architecture.hidden, token_ids).astype(np.float64)
 
-    def _every_position(self, forward: Any, token_ids: Sequence[int]) -> np.ndarray:
-        """``forward``'s output at every position of a fresh sequence, run in prefill chunks. Called directly, not
-        through ``Backend.run``: a cache used once gains nothing from a captured graph, and would capture one
-        per call."""
+    def _every_position(self, forward: Any, token_ids: Sequence[int], images: Sequence[Any] = ()) -> np.ndarray:
+        """``forward``'s output at every position of a fresh sequence, run in prefill chunks (an image's span one
+        chunk). Called directly, not through ``Backend.run``: a cache used once gains nothing from a captured
+        graph, and would capture one per call."""
+        from leat.vision import next_chunk
+
         ids = np.asarray(token_ids, dtype=np.int64)
         self._check_tokens(ids)
         kv = self.new_kv(len(ids))
-        out = []
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            batch = Batch([Row(0, start, ids[start : start + PREFILL_CHUNK], all_logits=True)])
-            out.append(self.backend.to_host(forward(batch, kv)))
+        out, start = [], 0
+        while start < len(ids):
+            end, image = next_chunk(start, min(start + PREFILL_CHUNK, len(ids)), images)
+            inputs = self.vision.embeddings(image) if image is not None else None
+            row = Row(0, start, ids[start:end], all_logits=True, bidirectional=image is not None, inputs=inputs)
+            out.append(self.backend.to_host(forward(Batch([row]), kv)))
+            start = end
         return np.concatenate(out)
 
     @property
@@ -234,9 +254,11 @@ class Model:
         stop: Sequence[str] = (),
         context: int | None = None,
         session: str | None = None,
+        images: Sequence[bytes] = (),
     ) -> Iterator[Token]:
         """Stream tokens after ``prompt`` (text is tokenized with BOS as the model wants), ending before the
-        first of ``stop`` (that token comes with the text before the stop string).
+        first of ``stop`` (that token comes with the text before the stop string). ``images``: encoded images, one
+        for each ``leat.vision.MARKER`` in the text (see :meth:`image_prompt`).
 
         Runs a single-slot :class:`~leat.engine.Engine` and a :class:`~leat.textstream.TextStream`, so this path
         and the server's share one implementation. With ``session``, the engine stays up between calls and a
@@ -244,11 +266,17 @@ class Model:
         """
         from leat.engine import GenerationRequest
 
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        spans: list[Any] = []
+        if images:
+            if not isinstance(prompt, str):
+                raise LeatError("a prompt with images is text holding their markers, not token ids")
+            ids, spans = self.image_prompt(prompt, images)
+        else:
+            ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_tokens(np.asarray(ids))
         engine, max_tokens = self._engine_for(len(ids), max_tokens, context, session)
         try:
-            handle = engine.submit(GenerationRequest(ids, max_tokens, sampling, session=session))
+            handle = engine.submit(GenerationRequest(ids, max_tokens, sampling, session=session, images=spans))
             yield from self._read(handle, TextStream(self.tokenizer, stop), Timings(prompt_tokens=len(ids)))
         finally:
             if engine is not self._session_engine:

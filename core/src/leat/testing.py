@@ -308,3 +308,67 @@ def _formats_of(plugin: str) -> dict[str, Any]:
     from leat.plugins import PluginHost
 
     return formats(PluginHost([plugin]))
+
+
+def write_tiny_mmproj(path: str | Path, text_width: int, seed: int = 0, **shape: int) -> Path:
+    """Write a random-weight Gemma-3-style vision projector (projector type ``gemma3``: a SigLIP ViT and the
+    average-pool projector, as llama.cpp's mtmd loads it) for a text model of ``text_width``. ``shape`` overrides
+    the defaults: a 32-pixel image of 4-pixel patches, width 32, 4 heads, MLP 64, 2 layers, pooled 2 x 2 (16
+    image tokens)."""
+    s = {"image": 32, "patch": 4, "width": 32, "heads": 4, "ffn": 64, "layers": 2, "merge": 2} | shape
+    V, w, rng = gguf.Keys.ClipVision, s["width"], np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(Path(path), "clip")
+    writer.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, gguf.VisionProjectorType.GEMMA3)
+    writer.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
+    writer.add_bool(V.USE_GELU, True)
+    for key, value in ((V.IMAGE_SIZE, "image"), (V.PATCH_SIZE, "patch"), (V.EMBEDDING_LENGTH, "width")):
+        writer.add_uint32(key, s[value])
+    for key, value in ((V.FEED_FORWARD_LENGTH, "ffn"), (V.BLOCK_COUNT, "layers"), (V.Attention.HEAD_COUNT, "heads")):
+        writer.add_uint32(key, s[value])
+    writer.add_uint32(V.PROJECTION_DIM, text_width)
+    writer.add_uint32(V.Projector.SCALE_FACTOR, s["merge"])
+    writer.add_float32(V.Attention.LAYERNORM_EPS, 1e-6)
+    writer.add_array(V.IMAGE_MEAN, [0.5, 0.5, 0.5])
+    writer.add_array(V.IMAGE_STD, [0.5, 0.5, 0.5])
+
+    def add(name: str, *dims: int, around: float = 0.0) -> None:
+        scale = 0.2 if len(dims) == 1 else dims[-1] ** -0.5
+        writer.add_tensor(name, (around + scale * rng.standard_normal(dims)).astype(np.float32))
+
+    add("v.patch_embd.weight", w, 3, s["patch"], s["patch"])
+    add("v.patch_embd.bias", w)
+    add("v.position_embd.weight", (s["image"] // s["patch"]) ** 2, w)
+    for i in range(s["layers"]):
+        for part, rows, cols in (("attn_q", w, w), ("attn_k", w, w), ("attn_v", w, w), ("attn_out", w, w)):
+            add(f"v.blk.{i}.{part}.weight", rows, cols)
+            add(f"v.blk.{i}.{part}.bias", rows)
+        add(f"v.blk.{i}.ffn_up.weight", s["ffn"], w)
+        add(f"v.blk.{i}.ffn_up.bias", s["ffn"])
+        add(f"v.blk.{i}.ffn_down.weight", w, s["ffn"])
+        add(f"v.blk.{i}.ffn_down.bias", w)
+        for norm in ("ln1", "ln2"):
+            add(f"v.blk.{i}.{norm}.weight", w, around=1.0)
+            add(f"v.blk.{i}.{norm}.bias", w)
+    add("v.post_ln.weight", w, around=1.0)
+    add("v.post_ln.bias", w)
+    add("mm.soft_emb_norm.weight", w, around=1.0)
+    add("mm.input_projection.weight", w, text_width)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def encode_png(rgb: np.ndarray) -> bytes:
+    """``rgb`` [h, w, 3] bytes as a PNG (no filtering), for tests that send images."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    h, w = rgb.shape[:2]
+    rows = b"".join(b"\0" + np.ascontiguousarray(rgb[y], np.uint8).tobytes() for y in range(h))
+    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")

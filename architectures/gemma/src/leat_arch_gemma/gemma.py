@@ -160,8 +160,8 @@ class Gemma(Architecture):
 
     def forward(self, batch: Batch, kv: Any) -> Any:
         B, p = self.backend, self.params
-        # llama.cpp scales by sqrtf(n_embd) in float32, as here
-        x = B.scale(B.embed(self.embedding, batch.tokens), math.sqrt(p.width))
+        # llama.cpp scales by sqrtf(n_embd) in float32, as here; an image's embeddings (batch.inputs) are not scaled
+        x = B.scale(B.embed(self.embedding, batch.tokens), math.sqrt(p.width)) if batch.inputs is None else batch.inputs
         shape, scale = (p.heads, p.kv_heads, p.head_dim), self.query_scale(p)
         for i, layer in enumerate(self.layers):
             h = B.rms_norm(x, layer.attn_norm, p.norm_eps)

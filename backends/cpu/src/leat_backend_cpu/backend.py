@@ -72,6 +72,7 @@ def _from_q8_0(q: np.ndarray, d: np.ndarray, dtype) -> np.ndarray:
 class CPUBackend(Backend):
     name = "cpu"
     quant_types = DEQUANTIZABLE
+    bidirectional = True
 
     def __init__(self, precision: str = "f32", **options: Any):
         if precision not in ("f32", "f64"):
@@ -183,6 +184,9 @@ class CPUBackend(Backend):
         return np.asarray(x)
 
     # -- ops -----------------------------------------------------------------------------------------
+    def from_host(self, x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x, dtype=self.dtype)
+
     def embed(self, weight: np.ndarray | QuantizedWeight, tokens: np.ndarray) -> np.ndarray:
         if isinstance(weight, QuantizedWeight):
             return native.rows(weight, tokens, self.threads)
@@ -215,6 +219,12 @@ class CPUBackend(Backend):
             return native.rms_norm(x, weight, eps)
         y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
         return y * weight if weight is not None else y
+
+    def layer_norm(self, x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, eps: float) -> np.ndarray:
+        centred = x - x.mean(axis=-1, keepdims=True)
+        y = centred / np.sqrt(np.mean(centred * centred, axis=-1, keepdims=True) + eps)
+        y = y * weight if weight is not None else y
+        return y + bias if bias is not None else y
 
     def _rotation(self, positions: np.ndarray, spec: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin [n, 1, dims / 2] of each position's angles; the last ones are kept, since every layer's q and
@@ -271,11 +281,12 @@ class CPUBackend(Backend):
     def scale(self, x: np.ndarray, factor: float) -> np.ndarray:
         return x * self.dtype(factor)
 
-    def gelu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        if self.native:
+    def gelu_mul(self, gate: np.ndarray, up: np.ndarray | None = None) -> np.ndarray:
+        if self.native and up is not None:
             return native.gated(gate, up, gelu=True)
         inner = self.dtype(math.sqrt(2 / math.pi)) * (gate + self.dtype(0.044715) * gate * gate * gate)
-        return self.dtype(0.5) * gate * (1 + np.tanh(inner)) * up
+        gelu = self.dtype(0.5) * gate * (1 + np.tanh(inner))
+        return gelu * up if up is not None else gelu
 
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
         return self.dtype(cap) * np.tanh(x / self.dtype(cap))
@@ -285,7 +296,8 @@ class CPUBackend(Backend):
     ):
         """Paged, causal, windowed GQA attention; scores soft-capped when ``softcap`` is given, and each
         head's ``sinks`` logit added to its softmax denominator when given."""
-        if self.native and native.can_attend(kv.k[layer], kv.v[layer]):
+        seen = any(row.bidirectional for row in batch.rows)
+        if self.native and not seen and native.can_attend(kv.k[layer], kv.v[layer]):
             return self._attend_native(q, k, v, kv, layer, batch, scale, softcap, sinks)
         keys_all, values_all = kv.k[layer], kv.v[layer]
         window = kv.layouts[layer].window
@@ -316,7 +328,7 @@ class CPUBackend(Backend):
             scores = (qs @ keys.transpose(1, 2, 0)[:, None]) * scale
             if softcap is not None:
                 scores = softcap * np.tanh(scores / softcap)
-            weights = self._softmax(scores, start, length, window, sinks)
+            weights = self._softmax(scores, start, length, window, sinks, row.bidirectional)
             mixed = weights @ values.transpose(1, 0, 2)[:, None]  # [kv_heads, group, queries, value_dim]
             out[span] = mixed.transpose(2, 0, 1, 3).reshape(length, heads * value_dim)
         return out
@@ -347,13 +359,19 @@ class CPUBackend(Backend):
 
     @staticmethod
     def _softmax(
-        scores: np.ndarray, start: int, length: int, window: int | None, sinks: np.ndarray | None = None
+        scores: np.ndarray,
+        start: int,
+        length: int,
+        window: int | None,
+        sinks: np.ndarray | None = None,
+        bidirectional: bool = False,
     ) -> np.ndarray:
-        """Softmax over the last axis (key positions 0..start+length-1) of the causal, windowed scores
-        [kv_heads, group, queries, keys]; ``sinks`` [kv_heads * group] join the denominators."""
+        """Softmax over the last axis (key positions 0..start+length-1) of the causal (or, ``bidirectional``, open to
+        the whole span), windowed scores [kv_heads, group, queries, keys]; ``sinks`` [kv_heads * group] join the
+        denominators."""
         query_pos = start + np.arange(length)[:, None]
         key_pos = np.arange(start + length)[None, :]
-        masked = key_pos > query_pos
+        masked = key_pos > (np.full_like(query_pos, start + length - 1) if bidirectional else query_pos)
         if window is not None:
             masked |= key_pos <= query_pos - window
         scores[..., masked] = -np.inf
@@ -412,6 +430,6 @@ class CPUBackend(Backend):
                 keys = keys_all[used].astype(self.dtype)
             keys = keys.reshape(-1, k.shape[-1])[: start + length]
             scores = np.matmul(q[span].transpose(1, 0, 2), keys.T) * scale  # [heads, queries, keys]
-            weights = self._softmax(scores, start, length, window)
+            weights = self._softmax(scores, start, length, window, bidirectional=row.bidirectional)
             out[span] = np.matmul(weights, keys[:, :rank]).transpose(1, 0, 2)
         return out
