@@ -69,6 +69,21 @@ class Weights:
         data = np.asarray(tensor.data).reshape(tensor.shape[0], -1)[rows]
         return self.backend.upload(Tensor(name, tensor.qtype, (len(rows), *tensor.shape[1:]), data))
 
+    def columns(self, name: str, shape: tuple[int, ...], start: int, stop: int) -> Any:
+        """The columns ``start:stop`` of the 2-D tensor ``name`` (of ``shape``), uploaded in its stored type: one input's
+        part of a projection of concatenated inputs. Both ends must fall on the type's block boundaries."""
+        tensor = self.file.tensor(name)
+        self.used.add(name)
+        block = gguf.GGML_QUANT_SIZES[tensor.qtype][0]
+        if start % block or stop % block:
+            raise ModelFileError(
+                f"{self.file.path}: {name} ({tensor.qtype.name}) cannot be split at column {start}:{stop}"
+            )
+        data = np.asarray(tensor.data).reshape(tensor.shape[0], -1)
+        per_block = data.shape[1] // (tensor.shape[1] // block)  # array elements per block of a row
+        part = np.ascontiguousarray(data[:, start // block * per_block : stop // block * per_block])
+        return self.backend.upload(Tensor(name, tensor.qtype, (tensor.shape[0], stop - start), part))
+
     def array(self, name: str, values: np.ndarray) -> Any:
         """Host ``values`` computed at load (from tensors read with :meth:`host`) uploaded as F32 under ``name``."""
         values = np.ascontiguousarray(values, dtype=np.float32)
@@ -106,6 +121,9 @@ class TensorRecorder(Weights):
         return np.zeros(self.shapes[name], np.float32)
 
     def rows(self, name: str, shape: tuple[int, ...], rows: np.ndarray) -> Any:
+        return self(name, shape)
+
+    def columns(self, name: str, shape: tuple[int, ...], start: int, stop: int) -> Any:
         return self(name, shape)
 
     def array(self, name: str, values: np.ndarray) -> Any:
@@ -231,6 +249,26 @@ class Architecture:
         """Optional, for embeddings: run the batch as :meth:`forward` does, but return the final-normed hidden states
         [len(batch.logit_index), width] that ``forward`` would multiply by the output matrix. A family that has it
         serves ``/v1/embeddings`` (:meth:`leat.model.Model.embed`); without it, embeddings are refused."""
+        raise NotImplementedError
+
+    # -- optional: multi-token prediction (a proposer drafts with the model's own nextn layer) --------------
+    def forward_hidden(self, batch: Batch, kv: Any) -> tuple[Any, Any]:
+        """Optional, for proposers that read the target's states (:attr:`leat.speculative.Proposer.reads_hidden`):
+        ``forward``'s logits, and the final-normed hidden state of every position of the batch [len(batch), width]
+        (what :meth:`hidden` gives, before ``batch.logit_index`` picks rows)."""
+        raise NotImplementedError
+
+    def nextn_kv_layouts(self) -> list[KVLayout]:
+        """Optional, with :meth:`nextn`: the KV layout of the file's multi-token-prediction layer, as a list of one;
+        empty (the default) where the file has none."""
+        return []
+
+    def nextn(self, batch: Batch, hidden: Any, kv: Any) -> tuple[Any, Any]:
+        """Optional: the file's multi-token-prediction layer (:mod:`leat.nextn`) on ``batch``, with layer 0 of ``kv`` (a
+        cache of :meth:`nextn_kv_layouts`) as its cache. Each token x_p is paired with its row of ``hidden``
+        [len(batch), width], the final-normed state after x_{p-1} (the target's, or this layer's own while drafting).
+        Returns its logits (a guess at x_{p+1}) and its final-normed hidden states, for the rows ``batch.logit_index``
+        picks. The layer's weights are uploaded on the first call."""
         raise NotImplementedError
 
     # -- test models ---------------------------------------------------------------------------------

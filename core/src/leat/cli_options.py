@@ -137,7 +137,7 @@ def speculate_options(command: Callable) -> Callable:
         "--speculate",
         default=None,
         callback=_registered("proposers", "speculative proposer", extra=("off",)),
-        help="speculative decoding: ngram (prompt lookup), draft (--draft MODEL), off [default: draft with --draft]",
+        help="speculative decoding: ngram (prompt lookup), draft (--draft MODEL), mtp (the model's own nextn layer), off [default: draft with --draft]",
     )(command)
 
 

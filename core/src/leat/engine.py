@@ -587,8 +587,20 @@ class Engine:
             return rows, None, None
         timer = self.backend.timer() if self.profile is not None else None
         with timer or contextlib.nullcontext():
-            out = self.backend.run(self.model.architecture.forward, Batch([r for _, r in rows]), self.kv)
+            out = self._forward(rows, Batch([r for _, r in rows]))
         return rows, out, timer
+
+    def _forward(self, rows: list[tuple[_Running, Row]], batch: Batch) -> Any:
+        """The step's logits; a proposer that reads the target's hidden states gets each speculating row's."""
+        proposer = self.speculation.proposer if self.speculation is not None else None
+        if proposer is None or not proposer.reads_hidden:
+            return self.backend.run(self.model.architecture.forward, batch, self.kv)
+        logits, hidden = self.model.architecture.forward_hidden(batch, self.kv)
+        for (item, row), offset in zip(rows, batch.offsets):
+            if item.speculation is not None:
+                span = self.backend.take_rows(hidden, offset + np.arange(len(row.tokens)))
+                proposer.observe(item.handle.id, row.start, row.tokens, span)
+        return logits
 
     def _queue_next(self, rows: list[tuple[_Running, Row]], ids: Any) -> None:
         """Queue the next step before this one's tokens reach the host: a decode row for each request that will

@@ -30,9 +30,18 @@ class Proposer:
     """
 
     name: str = ""
+    #: True when the proposer drafts from the target's own hidden states (multi-token prediction): the engine then
+    #: steps the target with :meth:`leat.architecture.Architecture.forward_hidden` (not a captured step) and hands
+    #: each speculating request's rows to :meth:`observe`
+    reads_hidden: bool = False
 
     def __init__(self, model: Any, **options: Any):
         self.model = model
+
+    def observe(self, key: int, start: int, tokens: np.ndarray, hidden: Any) -> None:
+        """Where :attr:`reads_hidden`: the target has just run ``tokens`` of request ``key`` from position ``start``
+        (a prompt chunk, or a token and its draft, which verification may yet reject), and ``hidden``
+        [len(tokens), width] (a backend array) are its final-normed hidden states there."""
 
     def propose(self, key: int, tokens: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` token ids likely to follow ``tokens`` (fewer, or none, when it has no guess)."""

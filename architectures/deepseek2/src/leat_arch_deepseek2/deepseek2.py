@@ -13,6 +13,9 @@ As llama.cpp's src/models/deepseek2.cpp computes it:
   routing, optional normalization and scaling of the weights: :mod:`leat.moe`) and add shared experts,
   a SwiGLU MLP ``expert_shared_count`` experts wide.
 * Without ``attention.q_lora_rank`` (or with 0), queries come from ``attn_q`` (DeepSeek-V2-Lite).
+* The last ``nextn_predict_layers`` blocks (``block_count`` counts them) are multi-token-prediction layers
+  (:mod:`leat.nextn`): a forward pass runs the layers before them, as llama.cpp does; the ``mtp`` proposer drafts
+  with the first, whose weights load only then.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import gguf
-from leat import blocks, mla
+from leat import blocks, mla, nextn
 from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch
@@ -90,6 +93,12 @@ class DeepSeek2Params:
     yarn_context: int | None = key(K.Rope.SCALING_ORIG_CTX_LEN, None)  # None: the context length
     yarn_log_mul: float | None = key(K.Rope.SCALING_YARN_LOG_MUL, None)  # as stored: 0.1 * mscale_all_dim
     tied: bool = derived(lambda file, values: name(T.OUTPUT) not in file.tensors, False)
+    nextn_layers: int | None = key(K.LLM.NEXTN_PREDICT_LAYERS, None)
+
+    @property
+    def trunk(self) -> int:
+        """The layers a forward pass runs: all but the multi-token-prediction ones."""
+        return self.layers - (self.nextn_layers or 0)
 
     @property
     def nope(self) -> int:
@@ -120,7 +129,7 @@ class Layer:
     experts: MoEWeights | None = None
 
 
-class DeepSeek2(Architecture):
+class DeepSeek2(nextn.WithNextN, Architecture):
     names = ("deepseek2",)
     Params = DeepSeek2Params
 
@@ -133,7 +142,10 @@ class DeepSeek2(Architecture):
 
     @classmethod
     def kv_layouts(cls, p: DeepSeek2Params) -> list[KVLayout]:
-        return [p.mla.layout()] * p.layers
+        return [p.mla.layout()] * p.trunk
+
+    def nextn_kv_layouts(self) -> list[KVLayout]:
+        return [self.params.mla.layout()] * min(1, self.params.nextn_layers or 0)
 
     @classmethod
     def rope_and_scale(cls, p: DeepSeek2Params) -> tuple[RopeSpec, float]:
@@ -167,9 +179,13 @@ class DeepSeek2(Architecture):
         gating = GATING[p.gating_func]
         groups = {"groups": p.groups or 0, "groups_used": p.groups_used or 0}
         self.moe = MoESpec(p.experts, p.experts_used, gating, bool(p.weights_norm), p.weights_scale or 1.0, **groups)
-        self.layers = [self.load_layer(w, i) for i in range(p.layers)]
+        self.layers = [self.load_layer(w, i) for i in range(p.trunk)]
+        for i in range(p.trunk, p.layers):
+            self.load_layer(nextn.Unloaded(w), i)
+            nextn.skip_nextn(w, i, p.width)
+        self._nextn = None
 
-    def load_layer(self, w: Weights, i: int) -> Layer:
+    def load_layer(self, w: Weights | nextn.Unloaded, i: int) -> Layer:
         p = self.params
         attn_norm = w(name(T.ATTN_NORM, i), (p.width,))
         attn = mla.load_mla(w, i, p.mla, p.width, p.split_kv_b)
@@ -180,16 +196,25 @@ class DeepSeek2(Architecture):
         shared = blocks.load_mlp(w, i, p.width, p.expert_ffn * p.shared_experts, blocks.SHARED_EXPERTS)
         return Layer(attn_norm, attn, ffn_norm, shared, experts)
 
-    def forward(self, batch: Batch, kv: Any) -> Any:
+    def block(self, x: Any, layer: Layer, batch: Batch, kv: Any, i: int) -> Any:
         B, p = self.backend, self.params
-        x = B.embed(self.embedding, batch.tokens)
+        h = B.rms_norm(x, layer.attn_norm, p.norm_eps)
+        x = B.add(x, mla.mla_attention(B, h, layer.attn, p.mla, batch, kv, i, self.rope, self.scale, p.norm_eps))
+        h = B.rms_norm(x, layer.ffn_norm, p.norm_eps)
+        return B.add(x, blocks.feed_forward(B, h, layer.mlp, layer.experts, self.moe))
+
+    def trunk(self, batch: Batch, kv: Any) -> Any:
+        x = self.backend.embed(self.embedding, batch.tokens)
         for i, layer in enumerate(self.layers):
-            h = B.rms_norm(x, layer.attn_norm, p.norm_eps)
-            x = B.add(x, mla.mla_attention(B, h, layer.attn, p.mla, batch, kv, i, self.rope, self.scale, p.norm_eps))
-            h = B.rms_norm(x, layer.ffn_norm, p.norm_eps)
-            x = B.add(x, blocks.feed_forward(B, h, layer.mlp, layer.experts, self.moe))
-        x = B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
-        return B.matmul(x, self.output)
+            x = self.block(x, layer, batch, kv, i)
+        return x
+
+    def forward(self, batch: Batch, kv: Any) -> Any:
+        B = self.backend
+        return B.matmul(
+            B.rms_norm(B.take_rows(self.trunk(batch, kv), batch.logit_index), self.output_norm, self.params.norm_eps),
+            self.output,
+        )
 
     # -- test models ---------------------------------------------------------------------------------
     @classmethod

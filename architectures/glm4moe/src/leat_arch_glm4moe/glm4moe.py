@@ -11,9 +11,9 @@ As llama.cpp's src/models/glm4-moe.cpp computes it:
   the ``exp_probs_b`` selection bias, optional normalization and ``expert_weights_scale``, group-limited routing where
   the file has expert groups: :mod:`leat.moe`) and add shared experts, a SwiGLU MLP ``expert_shared_count`` experts
   wide.
-* The last ``nextn_predict_layers`` blocks (``block_count`` counts them) are the multi-token-prediction layers that
-  speculative decoding could draft with; a forward pass runs only the layers before them, as llama.cpp does, and
-  their tensors are accounted for without being uploaded.
+* The last ``nextn_predict_layers`` blocks (``block_count`` counts them) are multi-token-prediction layers
+  (:mod:`leat.nextn`): a forward pass runs only the layers before them, as llama.cpp does; the ``mtp`` proposer
+  drafts with the first, whose weights load only then.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import dataclasses
 from typing import Any
 
 import gguf
-from leat import blocks
+from leat import blocks, nextn
 from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout
 from leat.batch import Batch
@@ -62,30 +62,16 @@ class Glm4MoeParams(DecoderParams):
         return self.layers - self.nextn_layers
 
 
-class Unloaded:
-    """Weights for layers a forward pass never runs: each tensor counts as consumed and is not uploaded (a test
-    file's description still records it)."""
-
-    def __init__(self, weights: Weights):
-        self.weights = weights
-
-    def __call__(self, tensor: str, shape: tuple[int, ...] | None = None, optional: bool = False) -> None:
-        if self.weights.has(tensor):
-            self.weights.used.add(tensor)
-        else:
-            self.weights(tensor, shape, optional)  # records it, or names it as missing from a real file
-
-    def has(self, tensor: str) -> bool:
-        return self.weights.has(tensor)
-
-
-class Glm4Moe(Architecture):
+class Glm4Moe(nextn.WithNextN, Architecture):
     names = ("glm4moe",)
     Params = Glm4MoeParams
 
     @classmethod
     def kv_layouts(cls, p: Glm4MoeParams) -> list[KVLayout]:
         return [KVLayout(p.kv_heads, p.head_dim)] * p.trunk
+
+    def nextn_kv_layouts(self) -> list[KVLayout]:
+        return [KVLayout(self.params.kv_heads, self.params.head_dim)] * min(1, self.params.nextn_layers)
 
     def load_weights(self, w: Weights) -> None:
         p = self.params
@@ -96,16 +82,11 @@ class Glm4Moe(Architecture):
         self.moe = MoESpec(p.experts, p.experts_used, gating, p.weights_norm, p.weights_scale or 1.0, **groups)
         self.layers = [self.load_layer(w, i) for i in range(p.trunk)]
         for i in range(p.trunk, p.layers):  # multi-token prediction: a MoE layer and the nextn projections
-            unloaded = Unloaded(w)
-            self.load_layer(unloaded, i)
-            nextn = {T.NEXTN_EH_PROJ: (p.width, 2 * p.width), T.NEXTN_ENORM: (p.width,), T.NEXTN_HNORM: (p.width,)}
-            for kind, shape in nextn.items():
-                unloaded(name(kind, i), shape)
-            for kind in (T.NEXTN_EMBED_TOKENS, T.NEXTN_SHARED_HEAD_HEAD, T.NEXTN_SHARED_HEAD_NORM):
-                if w.has(name(kind, i)):
-                    unloaded(name(kind, i))
+            self.load_layer(nextn.Unloaded(w), i)
+            nextn.skip_nextn(w, i, p.width)
+        self._nextn = None
 
-    def load_layer(self, w: Weights | Unloaded, i: int) -> blocks.DecoderLayer:
+    def load_layer(self, w: Weights | nextn.Unloaded, i: int) -> blocks.DecoderLayer:
         p = self.params
         attn_norm = w(name(T.ATTN_NORM, i), (p.width,))
         attn = blocks.load_attention(
@@ -121,14 +102,22 @@ class Glm4Moe(Architecture):
     def forward(self, batch: Batch, kv: Any) -> Any:
         return self.backend.matmul(self.hidden(batch, kv), self.output)
 
+    def block(self, x: Any, layer: blocks.DecoderLayer, batch: Batch, kv: Any, i: int) -> Any:
+        """Pre-norm attention, then a SwiGLU MLP or MoE + shared experts."""
+        p = self.params
+        return blocks.decoder_layer(
+            self.backend, x, layer, batch, kv, i, p.heads, p.kv_heads, p.head_dim, self.rope, p.norm_eps, self.moe
+        )
+
+    def trunk(self, batch: Batch, kv: Any) -> Any:
+        x = self.backend.embed(self.embedding, batch.tokens)
+        for i, layer in enumerate(self.layers):
+            x = self.block(x, layer, batch, kv, i)
+        return x
+
     def hidden(self, batch: Batch, kv: Any) -> Any:
-        B, p = self.backend, self.params
-        x = B.embed(self.embedding, batch.tokens)
-        for i, layer in enumerate(self.layers):  # pre-norm attention, then a SwiGLU MLP or MoE + shared experts
-            x = blocks.decoder_layer(
-                B, x, layer, batch, kv, i, p.heads, p.kv_heads, p.head_dim, self.rope, p.norm_eps, self.moe
-            )
-        return B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
+        B = self.backend
+        return B.rms_norm(B.take_rows(self.trunk(batch, kv), batch.logit_index), self.output_norm, self.params.norm_eps)
 
     # -- test models ---------------------------------------------------------------------------------
     @classmethod

@@ -11,3 +11,4 @@ from leat import hookimpl
 def register_proposers(register: Callable[..., None]) -> None:
     register("ngram", "leat_speculative.proposers:PromptLookup")
     register("draft", "leat_speculative.proposers:DraftModel")
+    register("mtp", "leat_speculative.mtp:MultiTokenPrediction")
