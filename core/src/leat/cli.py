@@ -6,6 +6,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -42,6 +43,15 @@ def _speculate(model: Any, speculate: str | None, draft: str | None) -> None:
         raise click.BadParameter("--speculate draft needs --draft MODEL", param_hint="--draft")
     options = {"draft": _load(draft, model.backend.name, model.backend.precision)} if draft else {}
     model.speculation = Speculation(load_proposer(speculate, model, **options))
+
+
+def _mmproj(model: Any, path: str | None) -> None:
+    """Load the vision projector ``path`` beside ``model`` (a clear error when it does not fit)."""
+    if path is not None:
+        try:
+            model.load_mmproj(path)
+        except LeatError as e:
+            raise click.ClickException(str(e)) from None
 
 
 def _load(model: str, backend: str | None, precision: str, threads: int | None = None, **backend_options: Any):
@@ -231,6 +241,12 @@ def show(model_name: str, template_only: bool, as_json: bool) -> None:
 @max_tokens_option(COMPLETION_MAX_TOKENS)
 @sampling_options
 @click.option("--json", "as_json", is_flag=True, help="print token ids and timings as JSON")
+@click.option(
+    "--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False), help="an image (--mmproj)"
+)
+@click.option(
+    "--mmproj", type=click.Path(exists=True, dir_okay=False), default=None, help="vision projector (mmproj GGUF)"
+)
 @backend_option
 @precision_option
 @threads_option
@@ -242,6 +258,8 @@ def generate(
     prompt_file,
     max_tokens,
     as_json,
+    images,
+    mmproj,
     backend,
     precision,
     threads,
@@ -257,10 +275,16 @@ def generate(
     _select_plugins(plugin_names)
     _threads(threads)
     model = _load(model_name, backend, precision, threads)
+    _mmproj(model, mmproj)
     _speculate(model, speculate, draft)
     sampling = {k: v for k, v in sampling.items() if v is not None}
     ids, text = [], []
-    for token in model.generate(prompt, max_tokens=max_tokens, sampling=sampling):
+    from leat.vision import MARKER
+
+    pictures = [Path(image).read_bytes() for image in images]
+    if pictures and MARKER not in prompt:
+        prompt = MARKER * len(pictures) + prompt
+    for token in model.generate(prompt, max_tokens=max_tokens, sampling=sampling, images=pictures):
         if token.id >= 0:
             ids.append(token.id)
         text.append(token.text)
@@ -268,7 +292,8 @@ def generate(
             click.echo(token.text, nl=False)
     if as_json:
         out = {"model": str(model.file.path), **model.backend.describe(), "prompt": prompt}
-        out |= {"prompt_ids": model.tokenize(prompt), "ids": ids, "text": "".join(text)}
+        prompt_ids = model.image_prompt(prompt, pictures)[0] if pictures else model.tokenize(prompt)
+        out |= {"prompt_ids": prompt_ids, "ids": ids, "text": "".join(text)}
         out["timings"] = model.last_timings.as_dict()
         click.echo(json.dumps(out))
     else:
@@ -283,6 +308,9 @@ def generate(
 @click.option("--system", "-sys", "--system-prompt", default=None, help="system message")
 @sampling_options
 @click.option("--verbose", is_flag=True, help="print timings after each answer")
+@click.option(
+    "--mmproj", type=click.Path(exists=True, dir_okay=False), default=None, help="vision projector (mmproj GGUF)"
+)
 @backend_option
 @precision_option
 @threads_option
@@ -295,6 +323,7 @@ def run(
     max_tokens,
     system,
     verbose,
+    mmproj,
     backend,
     precision,
     threads,
@@ -315,6 +344,7 @@ def run(
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     model = _load(model_name, backend, precision, threads)
+    _mmproj(model, mmproj)
     _speculate(model, speculate, draft)
     sampling = {k: v for k, v in sampling.items() if v is not None}
     if model.chat_template.fallback_reason:

@@ -254,11 +254,11 @@ class Model:
         stop: Sequence[str] = (),
         context: int | None = None,
         session: str | None = None,
-        images: Sequence[bytes] = (),
+        images: Sequence[Any] = (),
     ) -> Iterator[Token]:
         """Stream tokens after ``prompt`` (text is tokenized with BOS as the model wants), ending before the
         first of ``stop`` (that token comes with the text before the stop string). ``images``: encoded images, one
-        for each ``leat.vision.MARKER`` in the text (see :meth:`image_prompt`).
+        for each ``leat.vision.MARKER`` in a text prompt, or with token ids the spans :meth:`image_prompt` gave.
 
         Runs a single-slot :class:`~leat.engine.Engine` and a :class:`~leat.textstream.TextStream`, so this path
         and the server's share one implementation. With ``session``, the engine stays up between calls and a
@@ -267,9 +267,9 @@ class Model:
         from leat.engine import GenerationRequest
 
         spans: list[Any] = []
-        if images:
-            if not isinstance(prompt, str):
-                raise LeatError("a prompt with images is text holding their markers, not token ids")
+        if images and not isinstance(prompt, str):
+            ids, spans = list(prompt), list(images)  # the ids and spans of image_prompt
+        elif images:
             ids, spans = self.image_prompt(prompt, images)
         else:
             ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)

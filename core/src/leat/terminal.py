@@ -11,6 +11,7 @@ HELP = """commands:
   /help            this help
   /system TEXT     set the system message (and start over)
   /reset           forget the conversation
+  /image PATH      attach an image to the next message (needs --mmproj)
   /exit            quit (also /bye, /quit, exit, quit, or Ctrl-D)
   \"\"\"              start or end a multi-line message
 keys: arrows recall earlier messages (kept in LEAT_HOME/history); Ctrl-C clears the line or stops an answer"""
@@ -18,11 +19,17 @@ QUIT = ("/bye", "/exit", "/quit", "exit", "quit")
 HISTORY_LINES = 1000
 
 
-def _stream(model, messages: list[dict[str, Any]], max_tokens: int, sampling: dict, verbose: bool) -> str:
-    ids = model.chat_prompt(messages)
+def _stream(
+    model, messages: list[dict[str, Any]], max_tokens: int, sampling: dict, verbose: bool, images: tuple = ()
+) -> str:
+    if images:  # the whole conversation each turn: images do not go into sessions yet
+        text = model.chat_template.render(messages, add_generation_prompt=True)
+        ids, spans = model.image_prompt(text, images, add_special=False)
+        tokens = model.generate(ids, max_tokens=max_tokens, sampling=sampling, images=spans)
+    else:  # one session for the whole chat: each turn prefills only the new messages
+        tokens = model.generate(model.chat_prompt(messages), max_tokens, sampling, session="terminal")
     parts = []
-    # one session for the whole chat: each turn prefills only the new messages
-    for token in model.generate(ids, max_tokens=max_tokens, sampling=sampling, session="terminal"):
+    for token in tokens:
         parts.append(token.text)
         click.echo(token.text, nl=False)
         sys.stdout.flush()
@@ -35,6 +42,19 @@ def _stream(model, messages: list[dict[str, Any]], max_tokens: int, sampling: di
             err=True,
         )
     return "".join(parts)
+
+
+def _image(model, path: str) -> bytes | None:
+    """The bytes of the image at ``path`` for the next message; None (and why, said) when it cannot be."""
+    if model.vision is None:
+        click.echo("this model has no vision projector: start leat run with --mmproj FILE", err=True)
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        click.echo(f"cannot read {path}: {e.strerror}", err=True)
+        return None
 
 
 def _start(system: str | None) -> list[dict[str, Any]]:
@@ -103,7 +123,7 @@ def chat_loop(model, system: str | None, max_tokens: int, sampling: dict, verbos
 
 
 def _converse(model, system: str | None, max_tokens: int, sampling: dict, verbose: bool) -> None:
-    messages = _start(system)
+    messages, images, pending = _start(system), [], []
     while True:
         text = _read_message()
         if text is None or text.strip() in QUIT:
@@ -113,20 +133,28 @@ def _converse(model, system: str | None, max_tokens: int, sampling: dict, verbos
         if command == "/help":
             click.echo(HELP)
         elif command == "/reset":
-            messages = _start(system)
+            messages, images, pending = _start(system), [], []
             click.echo("conversation cleared", err=True)
         elif command == "/system":
             system = rest.strip() or None
             messages = _start(system)
             click.echo("system message set; conversation cleared", err=True)
+        elif command == "/image":
+            picture = _image(model, rest.strip())
+            if picture is not None:
+                pending.append(picture)
+                click.echo(f"{len(pending)} image(s) attached to your next message", err=True)
         elif command.startswith("/"):
             click.echo(f"unknown command {command}; /help lists them", err=True)
         elif text.strip():
-            messages.append({"role": "user", "content": text})
+            from leat.vision import MARKER
+
+            messages.append({"role": "user", "content": MARKER * len(pending) + text})
             try:
-                answer = _stream(model, messages, max_tokens, sampling, verbose)
+                answer = _stream(model, messages, max_tokens, sampling, verbose, tuple(images + pending))
             except KeyboardInterrupt:
                 click.echo("\n(interrupted)", err=True)
                 messages.pop()
                 continue
+            images, pending = images + pending, []
             messages.append({"role": "assistant", "content": answer})
