@@ -45,6 +45,10 @@ INT_RANGES = {
     K.Rope.DIMENSION_COUNT: (0, 1 << 16),
 }
 # Floats that must be finite and above 0 (epsilons also below 1).
+# keys llama.cpp also reads as one value per layer (get_key_or_arr): Gemma 4's MLP widths and KV heads
+PER_LAYER = {
+    key.split(".", 1)[1] for key in (K.LLM.FEED_FORWARD_LENGTH, K.Attention.HEAD_COUNT, K.Attention.HEAD_COUNT_KV)
+}
 FLOAT_LIMITS = {
     K.Rope.FREQ_BASE: math.inf,
     K.Rope.FREQ_BASE_SWA: math.inf,
@@ -159,10 +163,12 @@ def check_value(architecture: str, key: str, value: Any) -> None:
     """A hyperparameter ``key`` (with the architecture filled in) that an architecture reads must be in range."""
     if key in _int_ranges(architecture):
         low, high = _int_ranges(architecture)[key]
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ModelFileError(f"metadata key {key} must be an integer, not {_show(value)}")
-        if not low <= value <= high:
-            raise ModelFileError(f"metadata key {key} is {value}, outside {low} to {high}")
+        per_layer = isinstance(value, list) and value and key.split(".", 1)[1] in PER_LAYER
+        for item in value if per_layer else [value]:
+            if not isinstance(item, int) or isinstance(item, bool):
+                raise ModelFileError(f"metadata key {key} must be an integer, not {_show(value)}")
+            if not low <= item <= high:
+                raise ModelFileError(f"metadata key {key} is {value}, outside {low} to {high}")
     elif key in _float_limits(architecture):
         high = _float_limits(architecture)[key]
         if not isinstance(value, (int, float)) or isinstance(value, bool):

@@ -1,0 +1,1 @@
+"""leat plugin: the Gemma 4 architecture (gemma4)."""
