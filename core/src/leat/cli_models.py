@@ -69,7 +69,7 @@ def list_table(rows: list[dict[str, Any]]) -> str:
 def describe(path: Path) -> dict[str, Any]:
     """What ``leat show`` prints: the file's metadata (long arrays summarised), chat template and quant mix."""
     from leat.chat import ChatTemplate
-    from leat.modelfile import ModelFile
+    from leat.modelfile import ModelFile, StringArray
 
     file = ModelFile(path)
     mix: Counter[str] = Counter()
@@ -79,7 +79,7 @@ def describe(path: Path) -> dict[str, Any]:
         count[tensor.qtype.name] += 1
     metadata = {}
     for key, value in file.metadata.items():
-        if isinstance(value, list | tuple) and len(value) > 8:
+        if isinstance(value, list | tuple | StringArray) and len(value) > 8:
             value = f"[{len(value)} items]"
         elif key == "tokenizer.chat_template":
             continue

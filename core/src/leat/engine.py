@@ -15,7 +15,6 @@ event marked ``fault="request"``; a failed forward pass ends every request in it
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -25,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -41,6 +40,9 @@ from leat.sampling import Sampler, SamplingParams
 from leat.sessions import Session, SessionKV, SessionStore, check_name, model_fingerprint
 from leat.speculative import Controller, Speculation, accept_greedy, verify
 from leat.vision import ImageSpan, keyed, next_chunk
+
+if TYPE_CHECKING:  # asyncio is imported by aiter() alone: a process that reads no request in an event loop
+    import asyncio  # (leat generate, leat run) does without it
 
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
 MAX_CANDIDATES = 64  # the most top-k candidates per row a step fetches instead of whole logit rows
@@ -151,6 +153,8 @@ class RequestHandle:
                 return
 
     async def aiter(self) -> AsyncIterator[Event]:
+        import asyncio
+
         events: asyncio.Queue[Event] = asyncio.Queue()
         with self._lock:
             self._reader = (asyncio.get_running_loop(), events)

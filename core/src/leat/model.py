@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,11 +140,14 @@ class Model:
     """A loaded model: file, architecture on a backend, tokenizer and chat template."""
 
     def __init__(self, file: ModelFile, architecture: Architecture, backend: Backend, text: Any = None):
-        """``text``: the (tokenizer, chat template) pair of :func:`text_parts`, when already built."""
+        """``text``: the (tokenizer, chat template) pair of :func:`text_parts`, when already built; a template of None
+        is read from the file when first used."""
         self.file = file
         self.architecture = architecture
         self.backend = backend
-        self.tokenizer, self.chat_template = text or text_parts(file)
+        self.tokenizer, template = text or (tokenizer_of(file), None)
+        if template is not None:
+            self.chat_template = template
         self.last_timings = Timings()
         self._session_engine = None
         self.speculation = None  # a leat.speculative.Speculation the engines of generate() use (--speculate)
@@ -160,6 +164,13 @@ class Model:
         if self.vision is None:
             raise LeatError("this model has no vision projector: load one with --mmproj")
         return self.vision.prompt(self.tokenizer, text, images, add_special)
+
+    @functools.cached_property
+    def chat_template(self) -> Any:
+        """The file's chat template, built when first used: plain completion does without it (and jinja2's 5 MiB)."""
+        from leat.chat import ChatTemplate
+
+        return ChatTemplate.from_metadata(self.file.metadata)
 
     @property
     def context_length(self) -> int:
@@ -362,14 +373,20 @@ def load(
     backend_obj = choose_backend(backend, host)(precision=precision, **(backend_options or {}))
     # the tokenizer (pure Python) is built while the weights go to the device (the copies release the GIL)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="leat-tokenizer") as pool:
-        text = pool.submit(text_parts, file)
+        tokenizer = pool.submit(tokenizer_of, file)
         architecture = arch_cls(file, backend_obj)
-        return Model(file, architecture, backend_obj, text.result())
+        return Model(file, architecture, backend_obj, (tokenizer.result(), None))
+
+
+def tokenizer_of(file: ModelFile) -> Any:
+    """The tokenizer a file describes."""
+    from leat.tokenizer import Tokenizer
+
+    return Tokenizer.from_metadata(file.metadata)
 
 
 def text_parts(file: ModelFile) -> tuple[Any, Any]:
     """The tokenizer and chat template a file describes."""
     from leat.chat import ChatTemplate
-    from leat.tokenizer import Tokenizer
 
-    return Tokenizer.from_metadata(file.metadata), ChatTemplate.from_metadata(file.metadata)
+    return tokenizer_of(file), ChatTemplate.from_metadata(file.metadata)

@@ -11,15 +11,14 @@ import hashlib
 import json
 import os
 import shutil
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from leat.errors import PullError
 
 DEFAULT_INDEX = "https://pypi.org/pypi"
+# urllib.request is imported where a request is made: with ssl it is 4-5 MiB of memory that every other command
+# (which resolves a model already pulled) would carry
 
 
 def _index() -> str:
@@ -31,6 +30,9 @@ class _NotFound(Exception):
 
 
 def _get_json(url: str) -> dict:
+    import urllib.error
+    import urllib.request
+
     try:
         with urllib.request.urlopen(url, timeout=60) as response:
             return json.load(response)
@@ -46,6 +48,8 @@ def _get_json(url: str) -> dict:
 
 def release_files(package: str, version: str | None = None) -> tuple[str, list[dict]]:
     """The version (latest when None) and its files as PyPI's JSON API lists them, with absolute URLs."""
+    import urllib.parse
+
     found, files, source = _release_files(package, version)
     # mirrors may list files relative to the JSON document (e.g. "../../packages/...")
     return found, [{**f, "url": urllib.parse.urljoin(source, f["url"])} for f in files]
@@ -83,6 +87,9 @@ def download(url: str, sha256: str, dest: Path, progress: Callable[[int, int], N
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(dest.name + ".partial")
     digest = hashlib.sha256()
+    import urllib.error
+    import urllib.request
+
     try:
         with urllib.request.urlopen(url, timeout=120) as response, open(partial, "wb") as out:
             total = int(response.headers.get("Content-Length") or 0)
