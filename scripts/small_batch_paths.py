@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The CUDA backend's products of a few tokens on one file: gemm_few's instantiations against the matrix-vector
-kernel and the GEMM, per weight shape, then graph-replayed decode steps of 1-64 rows with and without gemm_few.
+kernel and the GEMM, per weight shape, then graph-replayed decode steps of 1-64 rows without gemm_few, with it, and with gate and up in one launch.
 
     python scripts/small_batch_paths.py MODEL.gguf [--tokens 1,4,8,16,24,32,48,64] [--rows 1,2,4,8,16,32,64]
 
@@ -58,21 +58,24 @@ def main() -> None:
             for shape in (s for s in SHAPES if s[0] == tiles):
                 kernel = modules[qtype][quants.gemm_few_name(qtype, shape)]
                 grid = (-(-rows // (16 * shape[1])),)
-                params = (m.ptr, m.blocks, xh, xscale, out, None, rows, n, cols)
+                params = (m.ptr, 0, m.blocks, xh, xscale, out, None, rows, n, cols)
                 smem = quants.gemm_few_smem(shape)
                 call = lambda k=kernel, g=grid, p=params, s=smem: k(g, 256, *p, smem=s)
                 timings.append((f"few {shape}", time_it(backend, call, 20)))
             for label, seconds in timings:
                 rate = m.memory.nbytes / seconds / 1e9
                 print(f"| {qtype.name} {rows}x{cols} | {n} | {label} | {seconds * 1e6:.1f} | {rate:,.0f} |", flush=True)
-    print("\n| decode rows | step ms, without gemm_few | step ms, gemm_few_shape's | tok/s |\n|---|---|---|---|")
+    print(
+        "\n| decode rows | step ms, without gemm_few | gemm_few, gate and up apart | gemm_few_shape's, gated | tok/s |"
+    )
+    print("|---|---|---|---|---|")
     kv = backend.allocate_kv(arch.kv_layouts(arch.params), 64, 1024, dtype="f16")
     tokens = rng.integers(0, arch.vocab_size, 64)
     for n in (int(r) for r in args.rows.split(",")):
         batch = Batch([Row(s, 300, tokens[s : s + 1]) for s in range(n)])
         steps = []
-        for few in (NEVER, default):
-            backend.few_tokens = few
+        for few, gated in ((NEVER, False), (default, False), (default, True)):
+            backend.few_tokens, backend.few_gated = few, gated
             backend._captured.clear()
             backend.to_host(backend.run(arch.forward, batch, kv))
             timer = driver.Timer(backend.device)
@@ -80,7 +83,7 @@ def main() -> None:
                 for _ in range(20):
                     backend.run(arch.forward, batch, kv)
             steps.append(timer.seconds / 20 * 1e3)
-        print(f"| {n} | {steps[0]:.2f} | {steps[1]:.2f} | {n / steps[1] * 1e3:,.0f} |", flush=True)
+        print(f"| {n} | {steps[0]:.2f} | {steps[1]:.2f} | {steps[2]:.2f} | {n / steps[2] * 1e3:,.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -133,6 +133,37 @@ def test_gemm_few_over_long_rows_and_row_tiles(cuda, oracle, qtype):
         cuda.few_tokens, cuda.few_shape = saved
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.F16], ids=lambda q: q.name)
+def test_gated_unit_in_one_gemm_few_launch(cuda, oracle, qtype):
+    """silu(x gate^T) * (x up^T) for 3-32 tokens: gate and up in one gemm_few launch (x read once for both) for every
+    instantiation, against the float64 products; the fused launch really replaced the two products."""
+    from leat_backend_cuda.backend import Pending
+
+    rng = np.random.default_rng(4000 + int(qtype))
+    cols = 2304 if quants.LAYOUTS[qtype].block == 256 else 2336
+    rows = 200
+    gate_data, up_data = stored(qtype, rows, cols, rng), stored(qtype, rows, cols, rng)
+    gate, up = (cuda.upload(Tensor(name, qtype, (rows, cols), d)) for name, d in (("g", gate_data), ("u", up_data)))
+    ref_gate, ref_up = (oracle.upload(Tensor(n, qtype, (rows, cols), d)) for n, d in (("g", gate_data), ("u", up_data)))
+    saved = cuda.few_tokens, cuda.few_shape
+    try:
+        cuda.few_tokens = (1, quants.GEMM_FEW_MAX_TOKENS)
+        for n in (3, 8, 16, 24, 32) if quants.LAYOUTS[qtype].integer else (9, 16, 32):
+            x = rng.standard_normal((n, cols)) * np.logspace(-2, 1, n)[:, None]
+            want = oracle.silu_mul(oracle.matmul(x, ref_gate), oracle.matmul(x, ref_up))
+            for shape in [v for v in quants.GEMM_FEW_VARIANTS if 8 * v[0] >= n]:
+                cuda.few_shape = shape
+                xd = cuda_array(cuda, x)
+                g, u = cuda.matmul(xd, gate), cuda.matmul(xd, up)
+                assert isinstance(g, Pending) and g.waiting("few")
+                got = cuda.to_host(cuda.silu_mul(g, u))
+                assert g.waiting("few") and u.waiting("few")  # neither product was launched alone
+                for t in range(n):
+                    assert relative_error(got[t], want[t]) < 3e-3, (n, shape, t)
+    finally:
+        cuda.few_tokens, cuda.few_shape = saved
+
+
 def test_matmul_without_tensor_cores_is_float32(oracle):
     from leat_backend_cuda.backend import CUDABackend
 

@@ -266,6 +266,8 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         #: token counts (first, last) that go to gemm_few; its instantiation (None: quants.gemm_few_shape's)
         self.few_tokens = (GEMM_FEW_MIN_TOKENS, quants.GEMM_FEW_MAX_TOKENS)
         self.few_shape: tuple[int, int] | None = None
+        #: the gated unit's gate and up products in one gemm_few launch (x read once for both, silu applied in it)
+        self.few_gated = True
         self._f16_weights = Memory(CUBLAS_SCRATCH_BYTES) if self.cublas else None
 
     def describe(self) -> dict[str, Any]:
@@ -305,7 +307,11 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         names = quants.kernel_names(qtype)
         smem = {quants.gemm_name(qtype, kt): size for kt, size in quants.GEMM_SMEM.items()}
         smem |= {name: quants.GEMV_Q_MAX_SMEM for name in names if name.startswith("gemv_q")}
-        smem |= {quants.gemm_few_name(qtype, v): quants.gemm_few_smem(v) for v in quants.GEMM_FEW_VARIANTS}
+        smem |= {
+            quants.gemm_few_name(qtype, v, glu): quants.gemm_few_smem(v, glu)
+            for v in quants.GEMM_FEW_VARIANTS
+            for glu in (False, True)
+        }
         return self._module(qtype.name, "matmul.cu", names, smem)
 
     # -- memory -------------------------------------------------------------------------------------
@@ -571,6 +577,12 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             siblings[1].append(product)
             return product
         # x may still be a pending norm: the products that read x as f16 rows take the norm in (_f16_rows)
+        few = self._few_shape(weight, n, k)
+        if few is not None and self.fuse and self.few_gated and bias is None:  # silu_mul may take it and its sibling
+            shape = x.shape[:-1] + (m,)
+            return Pending(
+                shape, lambda: self._gemm_few(x, weight, None, self._empty(shape), n, few), ("few", x, weight)
+            )
         out = self._empty(x.shape[:-1] + (m,))
         if weight.kernels is None:
             warps = m * n
@@ -582,11 +594,8 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             if smem <= quants.GEMV_Q_MAX_SMEM:
                 x = x if n <= quants.GEMV_Q_FUSED_TOKENS else _ready(x)  # norm fusion: 1-2 tokens
                 return self._gemv_q(x, [(weight, bias)], out=out)[0]
-        few = self.few_tokens[0] <= n <= self.few_tokens[1] and (layout.integer or n > quants.GEMV_MAX_TOKENS)
-        shape = (self.few_shape or quants.gemm_few_shape(n, m)) if few and self.tensor_cores and k % 8 == 0 else None
-        if shape is not None:
-            self._gemm_few(x, weight, bias, out, n, shape)
-            return out
+        if few is not None:
+            return self._gemm_few(x, weight, bias, out, n, few)
         if self.cublas is not None and n >= self.cublas_min_tokens and k % 8 == 0:
             self._cublas_product(x, weight, bias, out, n, m, k)
             return out
@@ -611,6 +620,20 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
                 k,
             )
         return out
+
+    def _few_shape(self, weight: Matrix, n: int, k: int) -> tuple[int, int] | None:
+        """gemm_few's instantiation for ``n`` tokens times ``weight``, or None where another kernel does it."""
+        if (
+            weight.kernels is None
+            or not self.tensor_cores
+            or k % 8
+            or not self.few_tokens[0] <= n <= self.few_tokens[1]
+        ):
+            return None
+        layout = quants.LAYOUTS[weight.qtype]
+        if not layout.integer and n <= quants.GEMV_MAX_TOKENS:
+            return None
+        return self.few_shape or quants.gemm_few_shape(n, weight.rows)
 
     def _fusable(self, weight: Matrix, n: int, k: int) -> bool:
         """Whether a product may wait for its consumer: the integer matrix-vector kernel with fusions."""
@@ -715,14 +738,19 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         grid = max(1, min(-(-total // 256), 8 * self.device.sm_count))
         self.ops["scale_rows_bias"]((grid,), 256, out, xscale, bias, m, total)
 
-    def _gemm_few(self, x, weight: Matrix, bias, out: DeviceArray, n: int, shape: tuple[int, int]) -> None:
-        """gemm_few: tensor cores, each weight read once, 8 * shape[0] tokens and 16 * shape[1] rows a block."""
+    def _gemm_few(
+        self, x, weight: Matrix, bias, out: DeviceArray, n: int, shape: tuple[int, int], up: Matrix | None = None
+    ) -> DeviceArray:
+        """gemm_few: tensor cores, each weight read once, 8 * shape[0] tokens and 16 * shape[1] rows a block; with
+        ``up`` (same type and shape as ``weight``, the gate), silu(x weight^T) * (x up^T) in one launch."""
         m, k = weight.rows, weight.cols
         xh, xscale = self._f16_rows(x, n, k)
-        weight.kernels[quants.gemm_few_name(weight.qtype, shape)](
+        glu = up is not None
+        weight.kernels[quants.gemm_few_name(weight.qtype, shape, glu)](
             (-(-m // (16 * shape[1])),),
             256,
             weight.ptr,
+            up.ptr if up is not None else 0,
             weight.blocks,
             xh,
             xscale,
@@ -731,8 +759,9 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             m,
             n,
             k,
-            smem=quants.gemm_few_smem(shape),
+            smem=quants.gemm_few_smem(shape, glu),
         )
+        return out
 
     def _gemm(self, x, weight: Matrix, bias, out: DeviceArray, n: int, m: int, k: int, kt: int) -> None:
         """The tensor-core GEMM, split over K when its tiles alone would leave most of the GPU idle."""
@@ -982,6 +1011,15 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             ):
                 gate.fused = up.fused = True
                 return self._gemv_q(x, [(wg, None)], up=wu)[0]
+        if isinstance(gate, Pending) and isinstance(up, Pending) and gate.waiting("few") and up.waiting("few"):
+            _, x, wg = gate.fusion
+            _, x2, wu = up.fusion
+            if x is x2 and wg.qtype == wu.qtype and (wg.rows, wg.cols) == (wu.rows, wu.cols):
+                gate.fused = up.fused = True
+                n = x.size // wg.cols
+                shape = self._few_shape(wg, n, wg.cols)
+                assert shape is not None  # the products were deferred because gemm_few takes them
+                return self._gemm_few(x, wg, None, self._empty(gate.shape), n, shape, up=wu)
         return self._elementwise("silu_mul", gate, up, like=gate)
 
     def gelu_mul(self, gate: DeviceArray, up: DeviceArray) -> DeviceArray:

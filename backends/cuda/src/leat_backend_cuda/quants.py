@@ -134,14 +134,16 @@ def gemm_name(qtype: Q, kt: int) -> str:
     return f"gemm<{LAYOUTS[qtype].struct}, {kt}>"
 
 
-def gemm_few_name(qtype: Q, shape: tuple[int, int]) -> str:
-    return f"gemm_few<{LAYOUTS[qtype].struct}, {shape[0]}, {shape[1]}>"
+def gemm_few_name(qtype: Q, shape: tuple[int, int], glu: bool = False) -> str:
+    """gemm_few's instantiation; ``glu``: the gated unit's, gate and up in one launch, silu(gate) * up out."""
+    return f"gemm_few<{LAYOUTS[qtype].struct}, {shape[0]}, {shape[1]}, {str(glu).lower()}>"
 
 
-def gemm_few_smem(shape: tuple[int, int]) -> int:
-    """Shared memory of gemm_few: its 8 warps' partial sums, 4 floats per lane and 16 x 8 tile."""
+def gemm_few_smem(shape: tuple[int, int], glu: bool = False) -> int:
+    """Shared memory of gemm_few: its 8 warps' partial sums, 4 floats per lane and 16 x 8 tile (twice the tiles
+    with ``glu``: gate and up)."""
     tiles, row_tiles = shape
-    return 8 * row_tiles * tiles * 4 * 32 * 4
+    return 8 * row_tiles * tiles * 4 * 32 * 4 * (2 if glu else 1)
 
 
 def gemm_few_shape(tokens: int, rows: int) -> tuple[int, int] | None:
@@ -170,7 +172,7 @@ def kernel_names(qtype: Q, extra_gemv: tuple[tuple[int, int, int], ...] = ()) ->
     if layout.integer:
         names += [gemv_q_name(qtype, n, (r, u), m) for n, r, u, m in GEMV_Q_VARIANTS]
     names += [gemm_name(qtype, kt) for kt in ((32, 256) if layout.small_block else (256,))]
-    names += [gemm_few_name(qtype, shape) for shape in GEMM_FEW_VARIANTS]
+    names += [gemm_few_name(qtype, shape, glu) for shape in GEMM_FEW_VARIANTS for glu in (False, True)]
     return list(dict.fromkeys(names))
 
 

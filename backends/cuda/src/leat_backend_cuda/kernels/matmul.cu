@@ -243,11 +243,14 @@ __global__ void __launch_bounds__(128) gemv_q(
 // That is a permutation of k, and the B fragments (x as f16: x_to_f16's rows, `xscale` undoes their
 // scaling) follow it: lane t loads x at the same four places, 8 bytes, once for all RT row tiles.
 // No weight goes through shared memory and no tile is decoded for tokens that are not there.
-template <class T, int NT, int RT>
-__global__ void __launch_bounds__(256) gemm_few(const u8* __restrict__ w, i64 nb, const u16* __restrict__ xh,
-                                                const float* __restrict__ xscale, float* __restrict__ y,
-                                                const float* __restrict__ bias, int M, int N, int K) {
-    constexpr int WARPS = 8, J = T::UV / 4, C = RT * NT * 4;
+// With GATED the block also multiplies the same rows of w2 (up; w is the gate): the x fragments serve
+// both, and it writes silu(gate) * up (as silu_mul) instead of the two products.
+template <class T, int NT, int RT, bool GATED>
+__global__ void __launch_bounds__(256) gemm_few(const u8* __restrict__ w, const u8* __restrict__ w2, i64 nb,
+                                                const u16* __restrict__ xh, const float* __restrict__ xscale,
+                                                float* __restrict__ y, const float* __restrict__ bias, int M, int N,
+                                                int K) {
+    constexpr int WARPS = 8, J = T::UV / 4, RS = GATED ? 2 * RT : RT, C = RS * NT * 4, OUT = RT * NT * 4 * 32;
     extern __shared__ float partial[];  // [WARPS][C][32]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int m0 = blockIdx.x * 16 * RT;
@@ -260,35 +263,35 @@ __global__ void __launch_bounds__(256) gemm_few(const u8* __restrict__ w, i64 nb
     const u16* xrow[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) xrow[nt] = xh + (i64)min(8 * nt + g, N - 1) * K;
-    float acc[RT][NT][4];
+    float acc[RS][NT][4];
 #pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
+    for (int rs = 0; rs < RS; ++rs)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[rt][nt][c] = 0.0f;
+            for (int c = 0; c < 4; ++c) acc[rs][nt][c] = 0.0f;
 
     for (int s = warp; s < steps; s += WARPS) {
         const int u = 4 * s + t, uc = min(u, upr - 1);
         const int blk = uc / T::UNITS, unit = uc % T::UNITS;
         const float keep = u < upr ? 1.0f : 0.0f;  // a row's last step may run past its units
-        typename T::Raw raw[RT][2];
+        typename T::Raw raw[RS][2];
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
+        for (int rs = 0; rs < RS; ++rs)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) raw[rt][h] = T::load(w, nb, first[rt][h] + blk, unit);
-        u32 a[RT][J][4];  // the unit decoded once, as the A fragments of its J k-steps
+            for (int h = 0; h < 2; ++h) raw[rs][h] = T::load(rs < RT ? w : w2, nb, first[rs % RT][h] + blk, unit);
+        u32 a[RS][J][4];  // the unit decoded once, as the A fragments of its J k-steps
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
+        for (int rs = 0; rs < RS; ++rs) {
             float v0[T::UV], v1[T::UV];
-            T::template decode<false>(raw[rt][0], unit, v0);
-            T::template decode<false>(raw[rt][1], unit, v1);
+            T::template decode<false>(raw[rs][0], unit, v0);
+            T::template decode<false>(raw[rs][1], unit, v1);
 #pragma unroll
             for (int j = 0; j < J; ++j) {
-                a[rt][j][0] = pack_f16x2(v0[4 * j] * keep, v0[4 * j + 1] * keep);
-                a[rt][j][1] = pack_f16x2(v1[4 * j] * keep, v1[4 * j + 1] * keep);
-                a[rt][j][2] = pack_f16x2(v0[4 * j + 2] * keep, v0[4 * j + 3] * keep);
-                a[rt][j][3] = pack_f16x2(v1[4 * j + 2] * keep, v1[4 * j + 3] * keep);
+                a[rs][j][0] = pack_f16x2(v0[4 * j] * keep, v0[4 * j + 1] * keep);
+                a[rs][j][1] = pack_f16x2(v1[4 * j] * keep, v1[4 * j + 1] * keep);
+                a[rs][j][2] = pack_f16x2(v0[4 * j + 2] * keep, v0[4 * j + 3] * keep);
+                a[rs][j][3] = pack_f16x2(v1[4 * j + 2] * keep, v1[4 * j + 3] * keep);
             }
         }
         const i64 base = (i64)blk * T::BLOCK;
@@ -299,25 +302,31 @@ __global__ void __launch_bounds__(256) gemm_few(const u8* __restrict__ w, i64 nb
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) b[nt] = __ldg((const uint2*)(xrow[nt] + at));
 #pragma unroll
-            for (int rt = 0; rt < RT; ++rt)
+            for (int rs = 0; rs < RS; ++rs)
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) mma_f16(acc[rt][nt], a[rt][j], b[nt].x, b[nt].y);
+                for (int nt = 0; nt < NT; ++nt) mma_f16(acc[rs][nt], a[rs][j], b[nt].x, b[nt].y);
         }
     }
 #pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
+    for (int rs = 0; rs < RS; ++rs)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) partial[(warp * C + (rt * NT + nt) * 4 + c) * 32 + lane] = acc[rt][nt][c];
+            for (int c = 0; c < 4; ++c) partial[(warp * C + (rs * NT + nt) * 4 + c) * 32 + lane] = acc[rs][nt][c];
     __syncthreads();
-    for (int i = threadIdx.x; i < C * 32; i += 32 * WARPS) {
-        float sum = 0.0f;
+    for (int i = threadIdx.x; i < OUT; i += 32 * WARPS) {  // the up tiles follow the gate tiles, OUT later
+        float sum = 0.0f, up = 0.0f;
 #pragma unroll
-        for (int v = 0; v < WARPS; ++v) sum += partial[v * C * 32 + i];
+        for (int v = 0; v < WARPS; ++v) {
+            sum += partial[v * C * 32 + i];
+            if (GATED) up += partial[v * C * 32 + OUT + i];
+        }
         const int l = i & 31, c = (i >> 5) & 3, tile = i >> 7, nt = tile % NT, rt = tile / NT;
         const int row = m0 + 16 * rt + (l >> 2) + 8 * (c >> 1), token = 8 * nt + 2 * (l & 3) + (c & 1);
-        if (row < M && token < N) y[(i64)token * M + row] = sum * xscale[token] + (bias ? bias[row] : 0.0f);
+        if (row >= M || token >= N) continue;
+        const float total = sum * xscale[token];
+        y[(i64)token * M + row] =
+            GATED ? total / (1.0f + expf(-total)) * (up * xscale[token]) : total + (bias ? bias[row] : 0.0f);
     }
 }
 
