@@ -69,6 +69,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
             "yarn_context": 32,
         },
     },
+    "f32-v3-mtp": {
+        # a fourth block that is a multi-token-prediction layer (nextn_predict_layers 1): llama.cpp, as leat, runs
+        # the three before it
+        "qtype": "F32",
+        "seed": 6,
+        "tokens": 64,
+        "params": {"layers": 4, "nextn_layers": 1, "gating": "sigmoid", "selection_bias": True, "weights_norm": True},
+    },
     "f16-kv-b-all-moe": {
         "qtype": "F16",
         "seed": 5,
