@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import struct
 import sys
 from array import array
 from collections.abc import Iterator, Sequence
@@ -142,17 +143,21 @@ class _Reader(gguf.GGUFReader):
     def _strings(buf: np.ndarray, offs: int, count: int) -> tuple[StringArray | list[str], int]:
         """An array of strings: a :class:`StringArray` from 1024 strings on (a vocabulary, its merges), else a list."""
         raw, size, starts = memoryview(buf), len(buf), array("q", bytes(8 * (count + 1)))
-        for i in range(count):
-            if offs + 8 > size:
-                raise ModelFileError(f"malformed or truncated: a string's length at byte {offs} runs past the end")
-            length = int.from_bytes(raw[offs : offs + 8], "little")
-            end = offs + 8 + length
-            if end > size:
-                raise ModelFileError(
-                    f"malformed or truncated: a string of {length} bytes at byte {offs} runs past the end"
-                )
-            starts[i] = offs
-            offs = end
+        length_at, i = struct.Struct("<Q").unpack_from, 0
+        try:  # one unpack per string (a vocabulary and its merges: 400k); a string past the end stops the next one
+            for i in range(count):
+                starts[i] = offs
+                offs += 8 + length_at(raw, offs)[0]
+            i = count
+        except struct.error:
+            pass
+        if offs > size:
+            start = starts[i - 1]
+            raise ModelFileError(
+                f"malformed or truncated: a string of {offs - start - 8} bytes at byte {start} runs past the end"
+            )
+        if i < count:
+            raise ModelFileError(f"malformed or truncated: a string's length at byte {offs} runs past the end")
         starts[count] = offs
         strings = StringArray(raw, starts)
         return (strings if count >= 1024 else list(strings)), offs
