@@ -174,10 +174,10 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
 )
 @click.option(
     "--api-workers",
-    default=ServeOptions.api_workers,
-    show_default=True,
+    default=None,
     type=click.IntRange(0, 64),
-    help="API processes (HTTP, templates, tokenizing) beside an engine process of its own; 0: one process",
+    help="API processes (HTTP, templates, tokenizing) beside an engine process of its own; 0: one process "
+    "[default: 0 below 8 cores or with several models, else one per 8 cores up to 4]",
 )
 @click.option(
     "--models-config",
