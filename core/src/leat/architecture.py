@@ -158,6 +158,9 @@ class Architecture:
     names: ClassVar[tuple[str, ...]] = ()
     #: The hyperparameter dataclass, its fields declared with :func:`leat.hparams.key` / :func:`~leat.hparams.derived`.
     Params: ClassVar[type | None] = None
+    #: The vision projectors (an mmproj's ``clip.projector_type``) the family takes images through: each a
+    #: :class:`leat.vision.Projector` (its encoder and the text around an image's embeddings). None: no images.
+    projectors: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, file: ModelFile, backend: Backend):
         self.file = file

@@ -157,7 +157,10 @@ class Model:
         """Load the vision projector ``path`` (an mmproj GGUF) beside the model, so that prompts may hold images."""
         from leat.vision import Vision
 
-        self.vision = Vision(path, self.backend, self.architecture.params.width)
+        projectors = type(self.architecture).projectors
+        if not projectors:
+            raise LeatError(f"the {self.file.architecture} architecture takes no images: no --mmproj for it")
+        self.vision = Vision(path, self.backend, self.architecture.params.width, projectors)
 
     def image_prompt(self, text: str, images: Sequence[bytes], add_special: bool = True) -> tuple[list[int], list]:
         """Token ids and image spans of ``text`` holding one ``leat.vision.MARKER`` per image (encoded bytes)."""

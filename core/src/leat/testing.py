@@ -310,15 +310,15 @@ def _formats_of(plugin: str) -> dict[str, Any]:
     return formats(PluginHost([plugin]))
 
 
-def write_tiny_mmproj(path: str | Path, text_width: int, seed: int = 0, **shape: int) -> Path:
-    """Write a random-weight Gemma-3-style vision projector (projector type ``gemma3``: a SigLIP ViT and the
-    average-pool projector, as llama.cpp's mtmd loads it) for a text model of ``text_width``. ``shape`` overrides
+def write_tiny_mmproj(path: str | Path, text_width: int, projector: str, seed: int = 0, **shape: int) -> Path:
+    """Write a random-weight vision projector of type ``projector`` with a SigLIP ViT and the average-pool
+    projector (as llama.cpp's mtmd loads it) for a text model of ``text_width``. ``shape`` overrides
     the defaults: a 32-pixel image of 4-pixel patches, width 32, 4 heads, MLP 64, 2 layers, pooled 2 x 2 (16
     image tokens)."""
     s = {"image": 32, "patch": 4, "width": 32, "heads": 4, "ffn": 64, "layers": 2, "merge": 2} | shape
     V, w, rng = gguf.Keys.ClipVision, s["width"], np.random.default_rng(seed)
     writer = gguf.GGUFWriter(Path(path), "clip")
-    writer.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, gguf.VisionProjectorType.GEMMA3)
+    writer.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, projector)
     writer.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
     writer.add_bool(V.USE_GELU, True)
     for key, value in ((V.IMAGE_SIZE, "image"), (V.PATCH_SIZE, "patch"), (V.EMBEDDING_LENGTH, "width")):

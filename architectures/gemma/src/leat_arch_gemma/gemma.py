@@ -32,6 +32,7 @@ from leat.batch import Batch
 from leat.errors import ModelFileError
 from leat.hparams import REQUIRED, DecoderParams, derived, key, tensor_rows
 from leat.modelfile import ModelFile
+from leat.vision import Projector
 
 K = gguf.Keys
 T = gguf.MODEL_TENSOR
@@ -211,6 +212,9 @@ class Gemma2(Gemma):
 
 class Gemma3(Gemma):
     names = ("gemma3",)
+    projectors = {  # noqa: RUF012 (a class constant)
+        gguf.VisionProjectorType.GEMMA3: Projector("leat.vision.siglip:SigLIP", "<start_of_image>", "<end_of_image>")
+    }
     post_norms = True
     qk_norm = True
     untied_output = True

@@ -21,13 +21,16 @@ PROMPT = f"the sky is blue because of {MARKER} rayleigh scattering of sunlight i
 
 
 def build(out: Path) -> dict[str, Any]:
+    import gguf
     import numpy as np
     from leat.testing import encode_png, sha256, write_tiny_gguf, write_tiny_mmproj
     from leat_arch_gemma.gemma import Gemma3
 
     params = Gemma3.tiny(**MODEL["params"])
     model = write_tiny_gguf(Gemma3, out / "tiny-gemma3-vision.gguf", seed=MODEL["seed"], params=params)
-    mmproj = write_tiny_mmproj(out / "tiny-mmproj.gguf", params.width, seed=MMPROJ["seed"])
+    mmproj = write_tiny_mmproj(
+        out / "tiny-mmproj.gguf", params.width, gguf.VisionProjectorType.GEMMA3, seed=MMPROJ["seed"]
+    )
     pixels = np.random.default_rng(IMAGE_SEED).integers(0, 256, (32, 32, 3), dtype=np.uint8)
     image = out / "tiny-image.png"
     image.write_bytes(encode_png(pixels))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +36,6 @@ class Projector:
     encoder: str  # "module:Class", built with (ModelFile, Backend)
     begin: str
     end: str
-
-
-#: projector types (the mmproj's ``clip.projector_type``) that leat encodes
-PROJECTORS: dict[str, Projector] = {
-    gguf.VisionProjectorType.GEMMA3: Projector("leat.vision.siglip:SigLIP", "<start_of_image>", "<end_of_image>"),
-}
 
 
 @dataclass(frozen=True)
@@ -82,19 +76,20 @@ def next_chunk(filled: int, end: int, images: Sequence[ImageSpan]) -> tuple[int,
 
 
 class Vision:
-    """An mmproj loaded on a backend: images to embeddings for a text model of ``width``."""
+    """An mmproj loaded on a backend: images to embeddings for a text model of ``width`` whose architecture takes
+    ``projectors`` (:attr:`leat.architecture.Architecture.projectors`)."""
 
-    def __init__(self, path: str | Path, backend: Backend, width: int):
+    def __init__(self, path: str | Path, backend: Backend, width: int, projectors: Mapping[str, Projector]):
         file = ModelFile(path)
         kind = file.get(gguf.Keys.Clip.PROJECTOR_TYPE, None) or file.get(gguf.Keys.ClipVision.PROJECTOR_TYPE, None)
-        if kind not in PROJECTORS:
-            known = ", ".join(sorted(PROJECTORS))
-            raise ModelFileError(f"{file.path.name}: projector type {kind!r} is not one leat encodes ({known})")
+        if kind not in projectors:
+            known = ", ".join(sorted(projectors)) or "none"
+            raise ModelFileError(f"{file.path.name}: projector type {kind!r} is not one this model takes ({known})")
         if not backend.bidirectional:
             raise BackendUnavailable(
                 f"the {backend.name} backend cannot run images yet (no bidirectional attention): use --backend cpu"
             )
-        self.projector = PROJECTORS[kind]
+        self.projector = projectors[kind]
         module, _, name = self.projector.encoder.partition(":")
         self.encoder: Any = getattr(importlib.import_module(module), name)(file, backend)
         if self.encoder.text_width != width:
