@@ -74,7 +74,7 @@ def rounded_activations(x: np.ndarray, qtype: Q) -> np.ndarray:
 def test_products_follow_float64(qtype, n):
     w, exact = weight(qtype, 300, 768)  # 300 rows: the last 16-row panel is partial
     x = np.random.default_rng(1).standard_normal((n, 768)).astype(np.float32)
-    rounded = n > native.GEMV_ROWS and native.library().has_gemm()
+    rounded = n > native.GEMV_ROWS and native.library().has_gemm
     want = (rounded_activations(x, qtype) if rounded else x.astype(np.float64)) @ exact.T
     got = native.matmul(x, w, threads=2)
     assert got.dtype == np.float32 and got.shape == (n, 300)
@@ -251,3 +251,29 @@ print("done")
 """
     result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr
+
+
+def test_direct_calls_equal_ctypes_calls():
+    """kernels/call.c's entry (arguments straight from the arrays) against ctypes (addresses) on the same library."""
+    direct = native.library()
+    if not direct.direct:
+        pytest.skip("the kernels were built without Python's headers: every call goes through ctypes")
+    through_ctypes = native.Kernels(direct.path, direct=False)
+    w, _ = weight(Q.Q4_1, 40, 256)
+    x = np.random.default_rng(3).standard_normal((20, 256)).astype(np.float32)
+    for n, kind in ((2, "gemv"), (20, "gemm" if direct.has_gemm else "gemv")):
+        outs = [np.full((n, 40), np.nan, np.float32) for _ in range(2)]
+        args = (w.address, 40, 256, x[:n], n) + ((32767,) if kind == "gemm" else ())
+        for kernels, out in zip((direct, through_ctypes), outs, strict=True):
+            kernels.entry(f"{kind}_q4_1")(*args[:5], out, *args[5:], 2)
+        assert not np.isnan(outs[0]).any()
+        np.testing.assert_array_equal(outs[0], outs[1])
+    norms = [np.empty_like(x) for _ in range(2)]
+    for kernels, out in zip((direct, through_ctypes), norms, strict=True):
+        kernels.entry("rms_norm")(x, None, out, 20, 256, 1e-5)
+    np.testing.assert_array_equal(norms[0], norms[1])
+    np.testing.assert_allclose(norms[0], x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True)), rtol=1e-5)
+    with pytest.raises((ValueError, BufferError)):  # a strided view has no C-contiguous buffer
+        direct.entry("rms_norm")(x[:, ::2], None, norms[0], 20, 128, 1e-5)
+    with pytest.raises(TypeError, match="signature"):
+        direct._call(0, "ppp", x, x, x)

@@ -10,8 +10,10 @@ file says how).
 
 The source is compiled with the system's C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``) into
 ``$LEAT_HOME/cpu`` (default ``~/.cache/leat/cpu``), keyed by the source, the flags, the compiler's version and the
-CPU's feature flags, so a second start compiles nothing. :func:`unavailable` says why the kernels cannot be built
-here (the backend then takes its numpy path).
+CPU's feature flags, so a second start compiles nothing. Where Python's headers are installed the library is also an
+extension module, and the kernels are called through it (``kernels/call.c``); else, or with ``LEAT_CPU_CTYPES=1``,
+through ctypes. :func:`unavailable` says why the kernels cannot be built here (the backend then takes its numpy
+path).
 """
 
 from __future__ import annotations
@@ -19,13 +21,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -64,10 +71,14 @@ class QuantizedWeight:
     shape: tuple[int, int]
     blocks: np.ndarray
     address: int = field(init=False)
+    kernels: dict[str, Callable[..., None]] = field(init=False)  # its type's gemv, dequant (and gemm) entry points
 
     def __post_init__(self):
         self.blocks = np.ascontiguousarray(self.blocks).view(np.uint8).reshape(self.shape[0], -1)
         self.address = self.blocks.ctypes.data
+        lib = library()
+        kinds = ("gemv", "dequant", "gemm") if lib.has_gemm else ("gemv", "dequant")
+        self.kernels = {kind: lib.entry(f"{kind}_{self.qtype.name.lower()}") for kind in kinds}
 
     @property
     def nbytes(self) -> int:
@@ -91,44 +102,88 @@ def _cpu_flags() -> str:
         return ""
 
 
+# each entry point's arguments: p a pointer (an array, an int address or None), l int64, i int, f float (kernels/call.c)
+SIGNATURES = {
+    "gemv": "pllplpi",
+    "gemm": "pllplpfi",
+    "dequant": "ppllpi",
+    "attend": "p" * 8 + "l" * 9 + "ffi",
+    "rms_norm": "pppllf",
+    "gated": "pppli",
+    "rope": "pppplllli",
+}
+CTYPES = {"p": ctypes.c_void_p, "l": ctypes.c_int64, "i": ctypes.c_int, "f": ctypes.c_float}
+
+
+def _python_headers() -> str | None:
+    """The directory of Python.h, where this Python has its headers."""
+    include = sysconfig.get_paths().get("include")
+    return include if include and (Path(include) / "Python.h").exists() else None
+
+
+class Kernels:
+    """The compiled kernels: ``kernels.entry(name)`` is a callable taking numpy arrays (or addresses) and numbers in
+    the order of the C function's parameters. Built with Python's headers, the library is also an extension module
+    whose ``call`` (kernels/call.c) runs them; without the headers, ctypes does."""
+
+    def __init__(self, path: Path, direct: bool):
+        self.path = path
+        self.lib = ctypes.CDLL(str(path))
+        self.has_gemm = bool(self.lib.has_gemm())
+        self.direct = direct
+        self._call = None
+        if direct:
+            spec = importlib.util.spec_from_file_location("leat_cpu_kernels", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            self._call = module.call
+        self.lib.keep_freed_memory()
+
+    @functools.cache  # noqa: B019 - one Kernels per process (library() is cached)
+    def entry(self, name: str) -> Callable[..., None]:
+        signature = SIGNATURES[name.split("_")[0] if name.split("_")[0] in SIGNATURES else name]
+        function = getattr(self.lib, name)
+        if self._call is not None:
+            return functools.partial(self._call, ctypes.cast(function, ctypes.c_void_p).value, signature)
+        function.argtypes = [CTYPES[kind] for kind in signature]
+
+        def call(*args: Any) -> None:
+            function(*(address(a) if isinstance(a, np.ndarray) else a for a in args))
+
+        return call
+
+
 @functools.cache
-def library() -> ctypes.CDLL:
+def library() -> Kernels:
     """The compiled kernels, built on the first call of this process or loaded from the cache."""
     compiler = _compiler()
     if compiler is None:
         raise OSError(f"no C compiler ({os.environ.get('CC', 'cc')}) to build the quantized kernels")
-    source = resources.files("leat_backend_cpu").joinpath("kernels", "cpu.c").read_text()
+    kernels = resources.files("leat_backend_cpu").joinpath("kernels")
+    source = kernels.joinpath("cpu.c").read_text()
     for qtype in sorted(KERNEL_TYPES):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         source += f"KERNELS({qtype.name.lower()}, {block}, {size})\n"
+    headers = None if os.environ.get("LEAT_CPU_CTYPES") else _python_headers()
+    flags = list(FLAGS)
+    if headers:
+        source += kernels.joinpath("call.c").read_text()
+        flags += [f"-I{headers}", f"-DPYTHON_VERSION={sys.version_info[0]}{sys.version_info[1]}"]
     version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source, *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:24]
+    key = hashlib.sha256("\0".join([source, *flags, version, _cpu_flags()]).encode()).hexdigest()[:24]
     path = cache_dir() / f"cpu-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             (Path(tmp) / "cpu.c").write_text(source)
             built = Path(tmp) / "cpu.so"
-            command = [compiler, *FLAGS, "cpu.c", "-o", built.name]
+            command = [compiler, *flags, "cpu.c", "-o", built.name]
             result = subprocess.run(command, check=False, cwd=tmp, capture_output=True)
             if result.returncode != 0:
                 raise OSError(f"{compiler} could not build the quantized kernels:\n{result.stderr.decode()}")
             os.replace(built, path)  # atomic: another process may be building the same file
-    lib = ctypes.CDLL(str(path))
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name in (qtype.name.lower() for qtype in KERNEL_TYPES):
-        getattr(lib, f"gemv_{name}").argtypes = [p, i64, i64, p, i64, p, i32]
-        getattr(lib, f"dequant_{name}").argtypes = [p, p, i64, i64, p, i32]
-    if lib.has_gemm():
-        for name in (qtype.name.lower() for qtype in KERNEL_TYPES):
-            getattr(lib, f"gemm_{name}").argtypes = [p, i64, i64, p, i64, p, ctypes.c_float, i32]
-    for name in ATTENTION_STORAGE.values():
-        getattr(lib, f"attend_{name}").argtypes = [p] * 8 + [i64] * 9 + [ctypes.c_float] * 2 + [i32]
-    lib.rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float]
-    lib.gated.argtypes = [p, p, p, i64, i32]
-    lib.rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i32]
-    lib.keep_freed_memory()
-    return lib
+    return Kernels(path, direct=headers is not None)
 
 
 def address(array: np.ndarray) -> int:
@@ -149,29 +204,24 @@ def unavailable() -> str | None:
     return None
 
 
-def _kernel(kind: str, weight: QuantizedWeight):
-    return getattr(library(), f"{kind}_{weight.qtype.name.lower()}")
-
-
 def matmul(x: np.ndarray, weight: QuantizedWeight, threads: int) -> np.ndarray:
     """x [n, k] float32 times the transpose of ``weight`` [m, k]: -> [n, m] float32."""
     x = np.ascontiguousarray(x, np.float32)
     (n, k), m = x.shape, weight.shape[0]
     y = np.empty((n, m), np.float32)
     if n <= GEMV_ROWS:
-        _kernel("gemv", weight)(weight.address, m, k, address(x), n, address(y), threads)
-    elif library().has_gemm():
-        gemm = _kernel("gemm", weight)
-        gemm(weight.address, m, k, address(x), n, address(y), activation_range(weight.qtype), threads)
+        weight.kernels["gemv"](weight.address, m, k, x, n, y, threads)
+    elif "gemm" in weight.kernels:
+        weight.kernels["gemm"](weight.address, m, k, x, n, y, activation_range(weight.qtype), threads)
     else:  # no AVX-512 VNNI: tiles of decoded rows times x with BLAS
         tile = max(1, min(m, TILE_BYTES // (4 * k)))
         decoded = np.empty((tile, k), np.float32)
-        dequant = _kernel("dequant", weight)
+        dequant = weight.kernels["dequant"]
         transposed = np.empty((m, n), np.float32)  # tiles of rows of y.T are contiguous: BLAS writes them in place
         for first in range(0, m, tile):
             rows = min(tile, m - first)
             # one thread: decoding is a few percent of the BLAS product, and a second pool would fight BLAS's
-            dequant(weight.address + first * weight.blocks.shape[1], None, rows, k, address(decoded), 1)
+            dequant(weight.address + first * weight.blocks.shape[1], None, rows, k, decoded, 1)
             np.matmul(decoded[:rows], x.T, out=transposed[first : first + rows])
         y[:] = transposed.T
     return y
@@ -186,7 +236,7 @@ def activation_range(qtype: Q) -> int:
 def dequantize(weight: QuantizedWeight, threads: int) -> np.ndarray:
     """All of ``weight`` as float32 [m, k]."""
     out = np.empty(weight.shape, np.float32)
-    _kernel("dequant", weight)(weight.address, None, weight.shape[0], weight.shape[1], out.ctypes.data, threads)
+    weight.kernels["dequant"](weight.address, None, weight.shape[0], weight.shape[1], out, threads)
     return out
 
 
@@ -196,7 +246,7 @@ def rows(weight: QuantizedWeight, ids: np.ndarray, threads: int) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() >= weight.shape[0]):
         raise IndexError(f"row ids must be in [0, {weight.shape[0]}), not {ids.min()}..{ids.max()}")
     out = np.empty((len(ids), weight.shape[1]), np.float32)
-    _kernel("dequant", weight)(weight.address, ids.ctypes.data, len(ids), weight.shape[1], out.ctypes.data, threads)
+    weight.kernels["dequant"](weight.address, ids, len(ids), weight.shape[1], out, threads)
     return out
 
 
@@ -229,15 +279,15 @@ def attend(
     table = np.ascontiguousarray(table, np.int32)
     sinks = None if sinks is None else np.ascontiguousarray(sinks, np.float32)
     (queries, heads, dim), (_, page_size, kv_heads, value_dim) = q.shape, values.shape
-    getattr(library(), f"attend_{ATTENTION_STORAGE[keys.dtype]}")(
-        address(q),
-        address(k),
-        address(v),
-        address(keys),
-        address(values),
-        address(table),
-        None if sinks is None else address(sinks),
-        address(out),
+    library().entry(f"attend_{ATTENTION_STORAGE[keys.dtype]}")(
+        q,
+        k,
+        v,
+        keys,
+        values,
+        table,
+        sinks,
+        out,
         queries,
         heads,
         kv_heads,
@@ -257,8 +307,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     """x / sqrt(mean(x^2) + eps) * weight over the last axis, float32."""
     x = np.ascontiguousarray(x, np.float32)
     out = np.empty_like(x)
-    scale = None if weight is None else address(np.ascontiguousarray(weight, np.float32))
-    library().rms_norm(address(x), scale, address(out), x.size // x.shape[-1], x.shape[-1], eps)
+    scale = None if weight is None else np.ascontiguousarray(weight, np.float32)
+    library().entry("rms_norm")(x, scale, out, x.size // x.shape[-1], x.shape[-1], eps)
     return out
 
 
@@ -266,7 +316,7 @@ def gated(gate: np.ndarray, up: np.ndarray, gelu: bool) -> np.ndarray:
     """silu(gate) * up, or (``gelu``) the tanh GELU of gate times up, float32."""
     gate, up = np.ascontiguousarray(gate, np.float32), np.ascontiguousarray(up, np.float32)
     out = np.empty_like(gate)
-    library().gated(address(gate), address(up), address(out), gate.size, int(gelu))
+    library().entry("gated")(gate, up, out, gate.size, int(gelu))
     return out
 
 
@@ -275,5 +325,5 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dims: int, neox: bool)
     x = np.ascontiguousarray(x, np.float32)
     out = np.empty_like(x)
     n, heads, head_dim = x.shape
-    library().rope(address(x), address(cos), address(sin), address(out), n, heads, head_dim, dims, int(neox))
+    library().entry("rope")(x, cos, sin, out, n, heads, head_dim, dims, int(neox))
     return out

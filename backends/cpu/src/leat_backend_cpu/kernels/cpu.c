@@ -405,7 +405,7 @@ typedef void (*range_fn)(const void *ctx, int64_t first, int64_t last);
 
 /* A spin-wait's step: a pause, and every 64th a yield, so that on a busy machine the thread being waited for (or
  * BLAS's, or another process's) gets the core. */
-static inline void pause(int spin) {
+static inline void spin_wait(int spin) {
     RELAX();
     if (spin % 64 == 63) sched_yield();
 }
@@ -443,7 +443,7 @@ static void *worker(void *arg) {
     for (;;) {
         uint32_t generation = atomic_load(&pool.generation);
         for (int spin = 0; generation == seen && spin < SPINS; spin++) {
-            pause(spin);
+            spin_wait(spin);
             generation = atomic_load(&pool.generation);
         }
         if (generation == seen) {
@@ -483,7 +483,7 @@ static void run(int threads, int64_t total, range_fn fn, const void *ctx) {
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     take_chunks(generation);
-    for (int spin = 0; atomic_load(&pool.done) < total; spin++) pause(spin);
+    for (int spin = 0; atomic_load(&pool.done) < total; spin++) spin_wait(spin);
     pthread_mutex_unlock(&pool.busy);
 }
 
