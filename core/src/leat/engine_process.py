@@ -4,8 +4,8 @@ The engine process owns the model, the backend and the scheduler; frontends (one
 HTTP, templates, tokenizing and text. They talk over a local socket (``multiprocessing.connection``, with an
 authentication key) in msgspec-encoded messages:
 
-* frontend -> engine: :class:`Submit` (token ids, sampling parameters, processor specs), :class:`Cancel`, and
-  :class:`Call` (stats, sessions, embeddings).
+* frontend -> engine: :class:`Submit` (token ids, sampling parameters, processor specs, the images' encoded
+  bytes as :class:`Image`), :class:`Cancel`, and :class:`Call` (stats, sessions, embeddings).
 * engine -> frontend: :class:`Accepted` (or why not: overloaded, too long, invalid), :class:`Outputs` (every
   event of one step for this frontend's requests: one message per step per frontend, never one per token), and
   :class:`Reply`.
@@ -36,6 +36,15 @@ from leat.sessions import SessionInUse
 ProcessorSpec = tuple[str, Any]
 
 
+class Image(msgspec.Struct):
+    """An image of a prompt as it crosses to the engine process: its span's first position and length, and its
+    encoded bytes (the engine process decodes them and runs the encoder, keyed by their digest)."""
+
+    start: int
+    length: int
+    data: bytes
+
+
 class Submit(msgspec.Struct, tag=True):
     rid: int
     prompt_ids: list[int]
@@ -46,6 +55,7 @@ class Submit(msgspec.Struct, tag=True):
     logprobs: int | None = None
     ignore_eos: bool = False
     processors: list[tuple[str, Any, str]] = []  # (kind, payload, label)
+    images: list[Image] = []
 
 
 class Cancel(msgspec.Struct, tag=True):
@@ -107,6 +117,7 @@ def describe(engine: Engine) -> dict[str, Any]:
         "batch_size": int(engine.batch_size),
         "plan": engine.plan,
         "backend": model.backend.describe(),
+        "vision": model.vision.layout() if getattr(model, "vision", None) is not None else None,
     }
 
 
@@ -152,6 +163,17 @@ def build_processor(spec: tuple[str, Any, str], model: Any) -> Callable[[np.ndar
         raise LeatError(f"unknown processor kind {kind!r} (not 'logit_bias' nor a 'module:function' reference)")
     processor.label = label
     return processor
+
+
+def spans(model: Any, images: list[Image]) -> list[Any]:
+    """The image spans of a submitted prompt's images, decoded and preprocessed in the engine process."""
+    if images and getattr(model, "vision", None) is None:
+        raise LeatError("this model has no vision projector for the prompt's images: load one with --mmproj")
+    out = [model.vision.span(image.start, image.data) for image in images]
+    for image, span in zip(images, out):
+        if span.length != image.length:
+            raise LeatError(f"an image was laid out as {image.length} positions; this projector makes {span.length}")
+    return out
 
 
 # -- the engine process's side -----------------------------------------------------------------------------
@@ -223,6 +245,7 @@ class _Frontend:
                 logprobs=message.logprobs,
                 ignore_eos=message.ignore_eos,
                 processors=processors,
+                images=spans(engine.model, message.images),
             )
             handle = engine.submit(request)
         except Overloaded as e:
@@ -401,6 +424,7 @@ class RemoteEngine:
             request.logprobs,
             request.ignore_eos,
             specs,
+            [Image(int(i.start), int(i.length), i.data) for i in request.images],  # type: ignore[attr-defined]
         )
 
     def _connection(self) -> Connection:

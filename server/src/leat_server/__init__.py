@@ -55,6 +55,7 @@ class ServeOptions:
     models_config: str | None = None  # a TOML file of models by name (leat_server.models)
     models_memory: int | None = None  # bytes the loaded models may hold together; None: no limit
     load_timeout: float = 120.0  # how long a request waits for its model to load
+    mmproj: str | None = None  # the model's vision projector (an mmproj GGUF): image parts in prompts
 
     def engine_options(self) -> EngineOptions:
         """The engine's options these set, the rest at their defaults."""

@@ -10,9 +10,11 @@ from msgspec import Struct
 
 from leat_server import constrained
 from leat_server.errors import bad_request, unsupported
+from leat_server.images import Images
 from leat_server.openai_api import plan_tools, sse, template_tools, tool_constraint
 from leat_server.reasoning import Reasoning
 from leat_server.schemas import (
+    AImage,
     AMessage,
     ARedactedThinking,
     AText,
@@ -51,7 +53,9 @@ def _text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def template_messages(system: Any, messages: list[AMessage]) -> list[dict[str, Any]]:
+def template_messages(system: Any, messages: list[AMessage], images: Images) -> list[dict[str, Any]]:
+    """Anthropic messages as chat templates expect them; each image block becomes a marker in its message's text,
+    its bytes kept in ``images``."""
     out: list[dict[str, Any]] = []
     if system:
         out.append({"role": "system", "content": _text(system, "system")})
@@ -64,6 +68,8 @@ def template_messages(system: Any, messages: list[AMessage]) -> list[dict[str, A
         for j, block in enumerate(m.content):
             if isinstance(block, AText):
                 text.append(block.text)
+            elif isinstance(block, AImage):
+                text.append(images.source(block.source, f"{where}[{j}]"))
             elif isinstance(block, AThinking):
                 reasoning.append(block.thinking)
             elif isinstance(block, ARedactedThinking):
@@ -132,13 +138,15 @@ def messages_job(service: Service, body: MessagesRequest, owner: str | None) -> 
         raise unsupported("container", "code-execution containers are not supported")
     tools = _tools(body.tools)
     rendered_tools, mode, forced = plan_tools(service, tools, _choice(body.tool_choice))
-    messages = template_messages(body.system, body.messages)
+    images = Images()
+    messages = template_messages(body.system, body.messages, images)
     reasoning = _reasoning(body.thinking)
-    text, ids = service.render_chat(messages, rendered_tools, reasoning.template_vars())
+    text, ids, spans = service.render_chat(messages, rendered_tools, reasoning.template_vars(), images)
     stops = [s for s in body.stop_sequences or [] if s]
     return Job(
         endpoint="messages",
         prompt_ids=ids,
+        images=spans,
         max_tokens=body.max_tokens,
         sampling=service.sampling({"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}),
         stop=stops,
@@ -167,9 +175,9 @@ def _format(service: Service, body: MessagesRequest) -> list:
 def count_tokens(service: Service, body: CountTokensRequest) -> int:
     tools = _tools(body.tools)
     rendered_tools = template_tools(tools) if tools and _choice(body.tool_choice) != "none" else None
-    _, ids = service.render_chat(
-        template_messages(body.system, body.messages), rendered_tools, _reasoning(body.thinking).template_vars()
-    )
+    images = Images()
+    messages = template_messages(body.system, body.messages, images)
+    _, ids, _ = service.render_chat(messages, rendered_tools, _reasoning(body.thinking).template_vars(), images)
     return len(ids)
 
 

@@ -32,6 +32,7 @@ from litestar.response import Stream
 
 from leat_server import anthropic_api, embeddings, openai_api, rerank, responses_api
 from leat_server.errors import APIError, bad_request, from_msgspec
+from leat_server.images import Images
 from leat_server.models import Lease, Models
 from leat_server.requestlog import request_log
 from leat_server.schemas import (
@@ -365,7 +366,8 @@ def create_app(
 
     def tokens(service: Service, body: TokenizeRequest, owner: str | None) -> dict[str, Any]:
         if body.messages is not None:
-            _, ids = service.render_chat(openai_api.template_messages(body.messages), None, {})
+            images = Images()
+            _, ids, _ = service.render_chat(openai_api.template_messages(body.messages, images), None, {}, images)
         else:
             text = body.content if body.content is not None else body.prompt
             if text is None:

@@ -200,6 +200,12 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
     metavar="SEC",
     help="how long a request waits for its model to load, then 503",
 )
+@click.option(
+    "--mmproj",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="the model's vision projector (mmproj GGUF): image parts in chat requests",
+)
 @backend_option
 @precision_option
 @threads_option
@@ -225,6 +231,8 @@ def serve(
     options["kv"] = options["kv"] or default_kv(precision)
     opts = ServeOptions(model=model_name, backend=backend, precision=precision, **options)
     if more_models or opts.models_config:
+        if opts.mmproj:
+            raise click.UsageError("--mmproj is one model's projector; with several, set mmproj = PATH in its table")
         params = click.get_current_context().params
         given = [model_name] if params.get("model_arg") or params.get("model_opt") or not opts.models_config else []
         with _key_file(api_keys) as key_file:
@@ -240,7 +248,7 @@ def serve(
         with running_server(record | {"size": path.stat().st_size}):
             # a function the engine process can run too (--api-workers: it is started afresh, not forked)
             load = functools.partial(
-                load_model, model_name, backend, precision, threads, speculate, draft, plugin_names
+                load_model, model_name, backend, precision, threads, speculate, draft, plugin_names, opts.mmproj
             )
             run_server(opts, load)
 
@@ -264,12 +272,12 @@ def serve_several(opts: ServeOptions, names: list[str], threads, speculate, draf
 
         def load(spec: Any) -> Any:
             o = spec.options
-            return load_model(spec.model, o.backend, o.precision, threads, speculate, draft, plugin_names)
+            return load_model(spec.model, o.backend, o.precision, threads, speculate, draft, plugin_names, o.mmproj)
 
         serve_models(opts, specs, load, changed=lambda models: update({"models": models.resident()}))
 
 
-def load_model(model_name, backend, precision, threads, speculate, draft, plugin_names) -> Any:
+def load_model(model_name, backend, precision, threads, speculate, draft, plugin_names, mmproj=None) -> Any:
     from leat.cli_models import model_label
 
     _select_plugins(plugin_names)
@@ -278,6 +286,8 @@ def load_model(model_name, backend, precision, threads, speculate, draft, plugin
     say(f"leat: loading {model_name}")
     model = _load(model_name, backend, precision, threads)
     _speculate(model, speculate, draft)
+    if mmproj:
+        model.load_mmproj(mmproj)
     described = model.backend.describe()
     say(
         f"leat: loaded {model_label(model.file.path)} on {described['backend']} ({described['precision']}) "

@@ -31,7 +31,10 @@ from leat_server.errors import APIError
 log = logging.getLogger("leat_server")
 POLL_SECONDS = 0.05  # between looks at a loading model by the requests that wait for it
 # the options a config file may set per model, over the server's own
-PER_MODEL = ("backend", "precision", "batch_size", "kv", "max_context", "prefill_chunk", "max_queue", "tool_parser")
+PER_MODEL = (
+    *("backend", "precision", "batch_size", "kv", "max_context", "prefill_chunk", "max_queue", "tool_parser"),
+    "mmproj",
+)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import Any
 
 from leat_server import constrained
 from leat_server.errors import APIError, bad_request, unsupported
+from leat_server.images import Images
 from leat_server.reasoning import Reasoning
 from leat_server.schemas import (
     ChatCompletionRequest,
@@ -51,7 +52,8 @@ def check_common(body: Sampling) -> None:
 # --- messages -------------------------------------------------------------------------------------------------
 
 
-def message_text(content: Any, where: str) -> str:
+def message_text(content: Any, where: str, images: Images) -> str:
+    """A message's content as text; each image part becomes a marker, its bytes kept in ``images``."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -62,9 +64,13 @@ def message_text(content: Any, where: str) -> str:
             parts.append(part.text)
         elif isinstance(part, RefusalPart):
             parts.append(part.refusal)
+        elif isinstance(part, ImageURLPart):
+            parts.append(images.url(part.image_url.get("url"), f"{where}.content[{j}]"))
         else:
-            kind = "image" if isinstance(part, ImageURLPart) else type(part).__name__.removesuffix("Part").lower()
-            raise unsupported(f"{where}.content[{j}]", f"{kind} input is not supported; this server takes text only")
+            kind = type(part).__name__.removesuffix("Part").lower()
+            raise unsupported(
+                f"{where}.content[{j}]", f"{kind} input is not supported; this server takes text and images"
+            )
     return "".join(parts)
 
 
@@ -78,13 +84,14 @@ def parse_arguments(arguments: str, where: str) -> dict[str, Any]:
     return value
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """OpenAI messages as chat templates expect them: string content, tool-call arguments as objects."""
+def template_messages(messages: list[ChatMessage], images: Images) -> list[dict[str, Any]]:
+    """OpenAI messages as chat templates expect them: string content (image parts' markers in it; their bytes in
+    ``images``), tool-call arguments as objects."""
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = "system" if m.role == "developer" else m.role
-        entry: dict[str, Any] = {"role": role, "content": message_text(m.content, where)}
+        entry: dict[str, Any] = {"role": role, "content": message_text(m.content, where, images)}
         if m.name:
             entry["name"] = m.name
         if m.tool_calls:
@@ -222,7 +229,8 @@ def chat_job(service: Service, body: ChatCompletionRequest, owner: str | None) -
         raise bad_request("reasoning_effort and reasoning.effort differ; send one", "reasoning_effort")
     reasoning = Reasoning.of_effort(body.reasoning_effort or asked.effort, asked.max_tokens, asked.enabled)
     extra = reasoning.template_vars() | dict(body.chat_template_kwargs or {})
-    text, ids = service.render_chat(template_messages(body.messages), template_tools_, extra)
+    images = Images()
+    text, ids, spans = service.render_chat(template_messages(body.messages, images), template_tools_, extra, images)
     processors = service.logit_bias(body.logit_bias) + reasoning.processors(service, text, "reasoning")
     if forced:
         processors += tool_constraint(service, tools, forced)
@@ -231,6 +239,7 @@ def chat_job(service: Service, body: ChatCompletionRequest, owner: str | None) -
     return Job(
         endpoint="chat",
         prompt_ids=ids,
+        images=spans,
         max_tokens=body.max_completion_tokens or body.max_tokens,
         sampling=service.sampling(sampling_fields(body)),
         stop=stop_list(body.stop),

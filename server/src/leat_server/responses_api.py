@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from leat_server.errors import bad_request, from_msgspec, unsupported
+from leat_server.images import Images
 from leat_server.openai_api import format_constraint, plan_tools, sse, tool_constraint
 from leat_server.reasoning import Reasoning
 from leat_server.schemas import (
@@ -21,6 +22,7 @@ from leat_server.schemas import (
     RFunctionCall,
     RFunctionCallOutput,
     RFunctionTool,
+    RInputImage,
     RInputText,
     RItem,
     RMessage,
@@ -36,7 +38,7 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, images: Images) -> str:
     if isinstance(content, str):
         return content
     parts = []
@@ -45,9 +47,11 @@ def _content_text(content: Any, where: str) -> str:
             parts.append(part.text)
         elif isinstance(part, RRefusal):
             parts.append(part.refusal)
+        elif isinstance(part, RInputImage) and part.file_id is None:
+            parts.append(images.url(part.image_url, f"{where}[{j}]"))
         else:
             raise unsupported(
-                f"{where}[{j}]", f"{part.__struct_config__.tag} is not supported; this server takes text only"
+                f"{where}[{j}]", f"{part.__struct_config__.tag} is not supported; this server takes text and images"
             )
     return "".join(parts)
 
@@ -67,7 +71,9 @@ def _items(raw: list[dict[str, Any]]) -> list[Any]:
     return items
 
 
-def template_messages(instructions: str | None, input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(
+    instructions: str | None, input_: str | list[dict[str, Any]], images: Images
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if instructions:
         out.append({"role": "system", "content": instructions})
@@ -78,7 +84,7 @@ def template_messages(instructions: str | None, input_: str | list[dict[str, Any
     for i, item in enumerate(_items(input_)):
         if isinstance(item, RMessage):
             role = "system" if item.role == "developer" else item.role
-            entry = {"role": role, "content": _content_text(item.content, f"input[{i}].content")}
+            entry = {"role": role, "content": _content_text(item.content, f"input[{i}].content", images)}
             if reasoning and role == "assistant":
                 entry["reasoning_content"], reasoning = reasoning, ""
             out.append(entry)
@@ -138,8 +144,9 @@ def responses_job(service: Service, body: ResponsesRequest, owner: str | None) -
         choice = {"name": choice.name}
     rendered_tools, mode, forced = plan_tools(service, tools, choice)
     reasoning = Reasoning.of_effort(body.reasoning.effort if body.reasoning else None)
-    messages = template_messages(body.instructions, body.input)
-    text, ids = service.render_chat(messages, rendered_tools, reasoning.template_vars())
+    images = Images()
+    messages = template_messages(body.instructions, body.input, images)
+    text, ids, spans = service.render_chat(messages, rendered_tools, reasoning.template_vars(), images)
     fmt = body.text.format if body.text else None
     if forced:
         processors = tool_constraint(service, tools, forced)
@@ -149,6 +156,7 @@ def responses_job(service: Service, body: ResponsesRequest, owner: str | None) -
     job = Job(
         endpoint="responses",
         prompt_ids=ids,
+        images=spans,
         max_tokens=body.max_output_tokens,
         sampling=service.sampling({"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed}),
         processors=processors,

@@ -21,13 +21,15 @@ from leat import __version__
 from leat.chat import DEFAULT_LIMITS, RESERVED, RenderLimits
 from leat.chatformat import Delta, OutputParser, ReasoningSplitter, ToolCall, json_calls
 from leat.engine import GenerationRequest, Overloaded, TooLong
-from leat.engine_process import EngineUnavailable, logit_bias
+from leat.engine_process import EngineUnavailable, Image, logit_bias
 from leat.errors import LeatError, TemplateError
 from leat.sampling import SamplingParams
 from leat.sessions import scoped, unscoped
 from leat.textstream import TextStream
+from leat.vision import place
 
 from leat_server.errors import APIError, bad_request, unsupported
+from leat_server.images import Images
 from leat_server.toolcalls import ModelFormat
 
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(GenerationRequest)}
@@ -82,6 +84,7 @@ class Job:
     client: str | None = None  # the client's own tag (``user``): its prefix-cache namespace within the owner's
     session: str | None = None  # as the client names it
     owner: str | None = None  # the API key's owner id (None: the server has no keys); scopes sessions and cache
+    images: list[Any] = field(default_factory=list)  # the prompt's image spans (Service.render_chat)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
     result: Result = field(default_factory=Result)
@@ -127,8 +130,9 @@ class Service:
 
     # -- prompts ---------------------------------------------------------------------------------------------
     def render_chat(
-        self, messages: list[dict], tools: list[dict] | None, extra: dict[str, Any]
-    ) -> tuple[str, list[int]]:
+        self, messages: list[dict], tools: list[dict] | None, extra: dict[str, Any], images: Images
+    ) -> tuple[str, list[int], list[Any]]:
+        """The prompt's text, token ids and image spans (one per marker ``images`` placed in the messages)."""
         taken = sorted(RESERVED & set(extra))
         if taken:
             raise bad_request(
@@ -143,7 +147,27 @@ class Service:
         except TemplateError as e:
             raise bad_request(str(e), param="messages") from None
         # The template writes BOS itself when the model wants one, so only special tokens are parsed here.
-        return text, self.tokenizer.encode(text, add_special=False, parse_special=True)
+        if not images.data:
+            return text, self.tokenizer.encode(text, add_special=False, parse_special=True), []
+        return (text, *self.image_prompt(text, images.data))
+
+    def image_prompt(self, text: str, images: list[bytes]) -> tuple[list[int], list[Any]]:
+        """Token ids and image spans of a rendered prompt holding a marker per image: spans decoded here when the
+        model is in this process, else (an API frontend) the images' bytes for the engine process to decode."""
+        vision = getattr(self.model, "vision", None)
+        layout = vision.layout() if vision is not None else getattr(self.engine, "info", {}).get("vision")
+        if layout is None:
+            raise bad_request(
+                "image input needs a vision projector: this model is served without one (leat serve --mmproj FILE)",
+                "messages",
+            )
+        try:
+            if vision is not None:
+                return self.model.image_prompt(text, images, add_special=False)
+            ids, starts = place(self.tokenizer, text, len(images), **layout, add_special=False)
+        except LeatError as e:
+            raise bad_request(f"image input: {e}", "messages") from None
+        return ids, [Image(start, layout["tokens"], data) for start, data in zip(starts, images)]
 
     def sampling(self, fields: dict[str, Any]) -> SamplingParams:
         try:
@@ -189,6 +213,8 @@ class Service:
             request["ignore_eos"] = True
         if job.processors:
             request["processors"] = job.processors
+        if job.images:
+            request["images"] = job.images
         try:
             handle = self.engine.submit(GenerationRequest(**request))
         except EngineUnavailable as e:

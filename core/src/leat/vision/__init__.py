@@ -75,6 +75,25 @@ def next_chunk(filled: int, end: int, images: Sequence[ImageSpan]) -> tuple[int,
     return end, None
 
 
+def place(
+    tokenizer: Any, text: str, count: int, begin: str, end: str, tokens: int, add_special: bool = True
+) -> tuple[list[int], list[int]]:
+    """``text`` with one :data:`MARKER` per image (``count`` of them) -> token ids, with ``tokens`` placeholder
+    positions between ``begin`` and ``end`` for each image, as llama.cpp's mtmd places them, and each image's
+    first position."""
+    pieces = text.replace(MARKER, begin + MARKER + end).split(MARKER)
+    if len(pieces) - 1 != count:
+        raise LeatError(f"the prompt has {len(pieces) - 1} image markers for {count} images")
+    ids: list[int] = []
+    starts = []
+    for i, piece in enumerate(pieces):
+        ids += tokenizer.encode(piece, add_special=add_special and i == 0, parse_special=True)
+        if i < count:
+            starts.append(len(ids))
+            ids += [0] * tokens  # placeholders: the span's inputs are the image's embeddings
+    return ids, starts
+
+
 class Vision:
     """An mmproj loaded on a backend: images to embeddings for a text model of ``width`` whose architecture takes
     ``projectors`` (:attr:`leat.architecture.Architecture.projectors`)."""
@@ -100,23 +119,22 @@ class Vision:
         self.path = file.path
         self._cache: OrderedDict[bytes, Any] = OrderedDict()
 
+    def layout(self) -> dict[str, Any]:
+        """What :func:`place` needs to lay out this projector's images without the encoder (an API frontend
+        process tokenizes prompts that its engine process's encoder will fill)."""
+        return {"begin": self.projector.begin, "end": self.projector.end, "tokens": int(self.encoder.tokens)}
+
+    def span(self, start: int, data: bytes) -> ImageSpan:
+        """The span from position ``start`` of the image ``data`` (encoded bytes): decoded and preprocessed here."""
+        pixels = self.encoder.preprocess(image.decode(data))
+        return ImageSpan(start, self.encoder.tokens, hashlib.sha256(data).digest(), pixels)
+
     def prompt(
         self, tokenizer: Any, text: str, images: Sequence[bytes], add_special: bool = True
     ) -> tuple[list[int], list[ImageSpan]]:
         """``text`` with one :data:`MARKER` per image of ``images`` (encoded bytes) -> token ids and image spans."""
-        pieces = text.replace(MARKER, self.projector.begin + MARKER + self.projector.end).split(MARKER)
-        if len(pieces) - 1 != len(images):
-            raise LeatError(f"the prompt has {len(pieces) - 1} image markers for {len(images)} images")
-        ids: list[int] = []
-        spans = []
-        for i, piece in enumerate(pieces):
-            ids += tokenizer.encode(piece, add_special=add_special and i == 0, parse_special=True)
-            if i < len(images):
-                data = images[i]
-                pixels = self.encoder.preprocess(image.decode(data))
-                spans.append(ImageSpan(len(ids), self.encoder.tokens, hashlib.sha256(data).digest(), pixels))
-                ids += [0] * self.encoder.tokens  # placeholders: the span's inputs are the image's embeddings
-        return ids, spans
+        ids, starts = place(tokenizer, text, len(images), **self.layout(), add_special=add_special)
+        return ids, [self.span(start, data) for start, data in zip(starts, images)]
 
     def embeddings(self, span: ImageSpan, start: int | None = None) -> Any:
         """The encoder's output for the span's image (a backend array [length, width]; from prompt position

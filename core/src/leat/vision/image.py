@@ -16,6 +16,7 @@ from leat.errors import LeatError
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # PNG colour type -> samples per pixel
+MAX_PIXELS = 1 << 24  # 4096 x 4096: a larger PNG is refused before its pixel data is inflated
 
 
 class ImageError(LeatError):
@@ -55,9 +56,13 @@ def _png(data: bytes) -> np.ndarray:
     width, height, depth, color, _, _, interlace = header
     if depth != 8 or interlace or color not in CHANNELS:
         raise ImageError("only 8-bit, non-interlaced PNGs are read without Pillow (pip install pillow)")
+    if width * height > MAX_PIXELS:
+        raise ImageError(f"this PNG is {width} x {height}: more than {MAX_PIXELS:,} pixels")
     bpp = CHANNELS[color]
-    try:
-        rows = np.frombuffer(zlib.decompress(b"".join(idat)), np.uint8).reshape(height, width * bpp + 1)
+    size = height * (width * bpp + 1)
+    try:  # inflated no further than the header's size, so a small file cannot expand without bound
+        rows = np.frombuffer(zlib.decompressobj().decompress(b"".join(idat), size), np.uint8)
+        rows = rows.reshape(height, width * bpp + 1)
     except (zlib.error, ValueError):
         raise ImageError("this PNG's pixel data is damaged") from None
     pixels = _unfilter(rows, bpp).reshape(height, width, bpp)
