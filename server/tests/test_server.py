@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import subprocess
@@ -11,10 +12,11 @@ import time
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
 from leat.keys import KeyStore
-from leat.testing import write_tiny_gguf
+from leat.testing import encode_png, write_tiny_gguf
 from leat_arch_llama.llama import Llama
 from leat_server.testing import ServerProcess
 
@@ -142,6 +144,12 @@ def test_bad_requests_are_400_in_openai_shape(server, client, http):
             model=MODEL, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
         )
     assert info.value.body["param"] == "messages[0].content[0]"
+    png = "data:image/png;base64," + base64.b64encode(encode_png(np.zeros((2, 2, 3), np.uint8))).decode()
+    with pytest.raises(openai.BadRequestError) as info:  # a well-formed image, but this model has no --mmproj
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png}}]}]
+        )
+    assert "vision projector" in info.value.body["message"] and "--mmproj" in info.value.body["message"]
     assert http.get("/nowhere").status_code == 404
     assert server.process.poll() is None
 
