@@ -37,8 +37,7 @@ ProcessorSpec = tuple[str, Any]
 
 
 class Image(msgspec.Struct):
-    """An image of a prompt as it crosses to the engine process: its span's first position and length, and its
-    encoded bytes (the engine process decodes them and runs the encoder, keyed by their digest)."""
+    """A prompt's image on its way to the engine process, which decodes and encodes it (keyed by digest)."""
 
     start: int
     length: int
@@ -165,17 +164,6 @@ def build_processor(spec: tuple[str, Any, str], model: Any) -> Callable[[np.ndar
     return processor
 
 
-def spans(model: Any, images: list[Image]) -> list[Any]:
-    """The image spans of a submitted prompt's images, decoded and preprocessed in the engine process."""
-    if images and getattr(model, "vision", None) is None:
-        raise LeatError("this model has no vision projector for the prompt's images: load one with --mmproj")
-    out = [model.vision.span(image.start, image.data) for image in images]
-    for image, span in zip(images, out):
-        if span.length != image.length:
-            raise LeatError(f"an image was laid out as {image.length} positions; this projector makes {span.length}")
-    return out
-
-
 # -- the engine process's side -----------------------------------------------------------------------------
 class _Frontend:
     """One connected frontend: its requests' handles, and one message per step with all their events."""
@@ -236,6 +224,8 @@ class _Frontend:
         engine = self.host.engine
         try:
             processors = [build_processor(spec, engine.model) for spec in message.processors]
+            if message.images and getattr(engine.model, "vision", None) is None:
+                raise LeatError("this model has no vision projector for the prompt's images: load one with --mmproj")
             request = GenerationRequest(
                 message.prompt_ids,
                 message.max_tokens,
@@ -245,7 +235,7 @@ class _Frontend:
                 logprobs=message.logprobs,
                 ignore_eos=message.ignore_eos,
                 processors=processors,
-                images=spans(engine.model, message.images),
+                images=[engine.model.vision.span(i.start, i.data) for i in message.images],
             )
             handle = engine.submit(request)
         except Overloaded as e:
@@ -424,7 +414,7 @@ class RemoteEngine:
             request.logprobs,
             request.ignore_eos,
             specs,
-            [Image(int(i.start), int(i.length), i.data) for i in request.images],  # type: ignore[attr-defined]
+            list(request.images),  # type: ignore[arg-type]  # Image structs: a frontend's spans (leat_server.service)
         )
 
     def _connection(self) -> Connection:

@@ -78,9 +78,8 @@ def next_chunk(filled: int, end: int, images: Sequence[ImageSpan]) -> tuple[int,
 def place(
     tokenizer: Any, text: str, count: int, begin: str, end: str, tokens: int, add_special: bool = True
 ) -> tuple[list[int], list[int]]:
-    """``text`` with one :data:`MARKER` per image (``count`` of them) -> token ids, with ``tokens`` placeholder
-    positions between ``begin`` and ``end`` for each image, as llama.cpp's mtmd places them, and each image's
-    first position."""
+    """``text`` with ``count`` :data:`MARKER` -> token ids (``tokens`` placeholders between ``begin`` and ``end`` for
+    each image, as llama.cpp's mtmd places them) and each image's first position."""
     pieces = text.replace(MARKER, begin + MARKER + end).split(MARKER)
     if len(pieces) - 1 != count:
         raise LeatError(f"the prompt has {len(pieces) - 1} image markers for {count} images")
@@ -120,8 +119,7 @@ class Vision:
         self._cache: OrderedDict[bytes, Any] = OrderedDict()
 
     def layout(self) -> dict[str, Any]:
-        """What :func:`place` needs to lay out this projector's images without the encoder (an API frontend
-        process tokenizes prompts that its engine process's encoder will fill)."""
+        """What :func:`place` needs to lay out images without the encoder (in an API frontend process)."""
         return {"begin": self.projector.begin, "end": self.projector.end, "tokens": int(self.encoder.tokens)}
 
     def span(self, start: int, data: bytes) -> ImageSpan:
