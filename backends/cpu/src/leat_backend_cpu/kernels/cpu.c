@@ -744,12 +744,21 @@ static inline void store_f16(uint16_t *to, const float *from, int64_t count) {
     }
 }
 
+/* Keys are read 16 at a time, each page's run of positions from its first slot on (no division per key); the 16
+ * keys' vectors are decoded to float32 once (at most 256 values a head) and read by every head of the group. */
 #define ATTENTION(NAME, T, LOAD, STORE)                                                                              \
+    static inline const T *kv_at_##NAME(const attention_job *a, const void *base, int64_t p, int64_t g,             \
+                                        int64_t dim) {                                                               \
+        int64_t slot = (int64_t)a->table[p / a->page_size] * a->page_size + p % a->page_size;                         \
+        return (const T *)base + (slot * a->kv_heads + g) * dim;                                                      \
+    }                                                                                                                 \
     static void attend_items_##NAME(const void *arg, int64_t first, int64_t last) {                                 \
         const attention_job *a = arg;                                                                                 \
-        int64_t group = a->heads / a->kv_heads, length = a->start + a->queries;                                      \
+        int64_t group = a->heads / a->kv_heads, length = a->start + a->queries, vectors = a->dim / 16;               \
+        int64_t kstride = a->kv_heads * a->dim, vstride = a->kv_heads * a->value_dim;                                \
         float *scores = malloc(sizeof(float) * (size_t)(group * length));                                            \
         vf *mixed = aligned_alloc(64, sizeof(vf) * (size_t)(group * a->value_dim / 16));                             \
+        vf *decoded = a->dim <= 256 ? aligned_alloc(64, sizeof(vf) * 16 * (size_t)vectors) : NULL;                   \
         for (int64_t item = first; item < last; item++) {                                                             \
             int64_t t = item / a->kv_heads, g = item % a->kv_heads;                                                  \
             int64_t end = a->start + t + 1, begin = a->window > 0 && end > a->window ? end - a->window : 0;           \
@@ -759,15 +768,22 @@ static inline void store_f16(uint16_t *to, const float *from, int64_t count) {
             int64_t p = begin;                                                                                        \
             for (; p + 16 <= end; p += 16) { /* 16 keys at a time: their 16 dot products reduced together */         \
                 const T *kp[16];                                                                                      \
-                for (int j = 0; j < 16; j++) {                                                                        \
-                    int64_t slot = (int64_t)a->table[(p + j) / a->page_size] * a->page_size + (p + j) % a->page_size; \
-                    kp[j] = (const T *)a->k + (slot * a->kv_heads + g) * a->dim;                                      \
-                }                                                                                                     \
+                if (p % a->page_size + 16 <= a->page_size) { /* one page */                                          \
+                    kp[0] = kv_at_##NAME(a, a->k, p, g, a->dim);                                                      \
+                    for (int j = 1; j < 16; j++) kp[j] = kp[0] + j * kstride;                                        \
+                } else                                                                                                \
+                    for (int j = 0; j < 16; j++) kp[j] = kv_at_##NAME(a, a->k, p + j, g, a->dim);                    \
+                if (decoded)                                                                                          \
+                    for (int j = 0; j < 16; j++)                                                                      \
+                        for (int64_t i = 0; i < vectors; i++) decoded[j * vectors + i] = LOAD(kp[j] + 16 * i);       \
                 for (int64_t h = 0; h < group; h++) {                                                                 \
                     vf acc[16] = {{0}};                                                                               \
-                    for (int64_t i = 0; i < a->dim; i += 16) {                                                        \
-                        vf qv = load(qg + h * a->dim + i);                                                            \
-                        for (int j = 0; j < 16; j++) acc[j] += qv * LOAD(kp[j] + i);                                  \
+                    for (int64_t i = 0; i < vectors; i++) {                                                           \
+                        vf qv = load(qg + h * a->dim + 16 * i);                                                       \
+                        if (decoded)                                                                                  \
+                            for (int j = 0; j < 16; j++) acc[j] += qv * decoded[j * vectors + i];                    \
+                        else                                                                                          \
+                            for (int j = 0; j < 16; j++) acc[j] += qv * LOAD(kp[j] + 16 * i);                        \
                     }                                                                                                 \
                     vf s = sum16(acc) * a->scale;                                                                     \
                     if (a->softcap > 0) s = a->softcap * vtanh(s / a->softcap);                                       \
@@ -776,8 +792,7 @@ static inline void store_f16(uint16_t *to, const float *from, int64_t count) {
                 }                                                                                                     \
             }                                                                                                         \
             for (; p < end; p++) {                                                                                    \
-                int64_t slot = (int64_t)a->table[p / a->page_size] * a->page_size + p % a->page_size;                \
-                const T *kp = (const T *)a->k + (slot * a->kv_heads + g) * a->dim;                                    \
+                const T *kp = kv_at_##NAME(a, a->k, p, g, a->dim);                                                    \
                 for (int64_t h = 0; h < group; h++) {                                                                 \
                     vf acc = {0};                                                                                     \
                     for (int64_t i = 0; i < a->dim; i += 16) acc += load(qg + h * a->dim + i) * LOAD(kp + i);        \
@@ -806,13 +821,14 @@ static inline void store_f16(uint16_t *to, const float *from, int64_t count) {
                 }                                                                                                     \
             }                                                                                                         \
             memset(mixed, 0, sizeof(vf) * (size_t)(group * a->value_dim / 16));                                      \
-            for (int64_t p = begin; p < end; p++) {                                                                   \
-                int64_t slot = (int64_t)a->table[p / a->page_size] * a->page_size + p % a->page_size;                \
-                const T *vp = (const T *)a->v + (slot * a->kv_heads + g) * a->value_dim;                              \
-                for (int64_t i = 0; i < a->value_dim / 16; i++) {                                                     \
-                    vf value = LOAD(vp + 16 * i);                                                                     \
-                    for (int64_t h = 0; h < group; h++) mixed[h * a->value_dim / 16 + i] += scores[h * length + p] * value; \
-                }                                                                                                     \
+            for (p = begin; p < end;) { /* a page's run of positions at a time */                                    \
+                int64_t stop = (p / a->page_size + 1) * a->page_size;                                                 \
+                const T *vp = kv_at_##NAME(a, a->v, p, g, a->value_dim);                                              \
+                for (stop = stop < end ? stop : end; p < stop; p++, vp += vstride)                                    \
+                    for (int64_t i = 0; i < a->value_dim / 16; i++) {                                                 \
+                        vf value = LOAD(vp + 16 * i);                                                                 \
+                        for (int64_t h = 0; h < group; h++) mixed[h * a->value_dim / 16 + i] += scores[h * length + p] * value; \
+                    }                                                                                                 \
             }                                                                                                         \
             for (int64_t h = 0; h < group; h++) {                                                                     \
                 float *o = a->out + t * a->out_stride + (g * group + h) * a->value_dim;                              \
@@ -824,6 +840,7 @@ static inline void store_f16(uint16_t *to, const float *from, int64_t count) {
         }                                                                                                             \
         free(scores);                                                                                                 \
         free(mixed);                                                                                                  \
+        free(decoded);                                                                                                \
     }                                                                                                                 \
     void attend_##NAME(const float *q, const float *knew, const float *vnew, void *k, void *v, const int32_t *table,   \
                        const float *sinks, float *out, int64_t queries, int64_t heads, int64_t kv_heads, int64_t dim,  \
