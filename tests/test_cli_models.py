@@ -22,8 +22,8 @@ pytest.importorskip("leat_backend_cpu")
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("LEAT_HOME", str(tmp_path / "home"))
+def home(tmp_path, monkeypatch, leat_home):
+    monkeypatch.setenv("LEAT_HOME", str(leat_home(tmp_path / "home")))
     return tmp_path / "home"
 
 

@@ -74,9 +74,9 @@ class Terminal:
 
 
 @pytest.fixture
-def chat(tmp_path):
+def chat(tmp_path, leat_home):
     model = write_tiny_gguf(llama.Llama, tmp_path / "tiny.gguf")
-    env = {**os.environ, "LEAT_HOME": str(tmp_path / "home"), "TERM": "xterm"}
+    env = {**os.environ, "LEAT_HOME": str(leat_home(tmp_path / "home")), "TERM": "xterm"}
     args = [sys.executable, "-m", "leat", "run", str(model), "--backend", "cpu", "-n", "2", "--temp", "0"]
     opened = []
 

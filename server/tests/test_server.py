@@ -25,8 +25,8 @@ ALLOWED_ORIGIN = "http://app.example:3000"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("leat-home")
+def server(leat_home):
+    home = leat_home()
     model = write_tiny_gguf(Llama, home / "tiny.gguf", params=Llama.tiny(context=1024))
     store = KeyStore(home / "keys.json")
     key = store.add("tests")

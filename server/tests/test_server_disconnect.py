@@ -27,10 +27,10 @@ STEPS = LONG // 10
 
 
 @pytest.fixture(scope="module", params=["in-process", "api-workers"])
-def server(request, tmp_path_factory):
+def server(request, leat_home):
     """The engine in the server's process, or (``--api-workers 2``) in one of its own behind two API processes: a
     cancel then travels to it as a message. Each API process counts its own cancels, so only the first checks them."""
-    home = tmp_path_factory.mktemp("leat-home")
+    home = leat_home()
     model = write_tiny_gguf(Llama, home / "tiny.gguf", params=Llama.tiny(context=CONTEXT))
     args = ["--backend", "cpu", "--batch-size", str(SLOTS)]
     if request.param == "api-workers":

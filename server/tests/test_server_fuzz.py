@@ -22,8 +22,8 @@ EXAMPLES = 150  # the most cases per operation and mode
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("leat-home")
+def server(leat_home):
+    home = leat_home()
     model = write_tiny_gguf(Llama, home / "tiny.gguf", params=Llama.tiny(context=256))  # short answers: more cases
     store = KeyStore(home / "keys.json")
     key = store.add("fuzz")

@@ -44,8 +44,8 @@ def runaway_model(path):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("leat-home")
+def server(leat_home):
+    home = leat_home()
     model = runaway_model(home / "tiny.gguf")
     store = KeyStore(home / "keys.json")
     keys = {"alice": store.add("alice"), "bob": store.add("bob")}
@@ -299,10 +299,11 @@ def test_a_burst_is_admitted_up_to_free_slots_plus_queue(tmp_path):
     assert admitted == 16
 
 
-def test_sigterm_ends_the_server_during_a_runaway_template(tmp_path):
+def test_sigterm_ends_the_server_during_a_runaway_template(tmp_path, leat_home):
     """Before: the server never exited (the loops held the event loop, so the signal was never handled)."""
     model = runaway_model(tmp_path / "tiny.gguf")
-    with ServerProcess(model, ["--backend", "cpu", "--template-timeout", "60"], env={"LEAT_HOME": str(tmp_path)}) as s:
+    env = {"LEAT_HOME": str(leat_home())}
+    with ServerProcess(model, ["--backend", "cpu", "--template-timeout", "60"], env=env) as s:
 
         def spin():
             with httpx.Client(base_url=s.url, timeout=90) as c, contextlib.suppress(httpx.HTTPError):

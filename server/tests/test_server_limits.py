@@ -28,8 +28,8 @@ def test_remote_bind_without_keys_is_refused(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def full_server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("leat-home")
+def full_server(leat_home):
+    home = leat_home()
     model = write_tiny_gguf(Llama, home / "tiny.gguf", params=Llama.tiny(context=1024))
     # One slot and no room to wait: while a request runs, every other one is refused at once.
     args = ["--backend", "cpu", "--batch-size", "1", "--max-queue", "0"]

@@ -26,7 +26,7 @@ TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, leat_home):
     folder = tmp_path_factory.mktemp("models")
     alpha = write_tiny_gguf(Llama, folder / "alpha.gguf", params=Llama.tiny(context=256), seed=1)
     beta = write_tiny_gguf(Llama, folder / "beta.gguf", params=Llama.tiny(context=256), seed=2)
@@ -34,7 +34,7 @@ def files(tmp_path_factory):
     broken.write_bytes(alpha.read_bytes()[:5000])  # a header whose metadata runs past the end of the file
     config = folder / "models.toml"
     config.write_text(f'[models.alpha]\nmodel = "{alpha}"\naliases = ["a", "first"]\nbatch_size = 2\n')
-    return {"alpha": alpha, "beta": beta, "broken": broken, "config": config, "home": folder / "home"}
+    return {"alpha": alpha, "beta": beta, "broken": broken, "config": config, "home": leat_home(folder / "home")}
 
 
 @pytest.fixture(scope="module")

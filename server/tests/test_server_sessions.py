@@ -16,8 +16,8 @@ HISTORY = [{"role": "user", "content": "tell me a story about a lighthouse keepe
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    home = tmp_path_factory.mktemp("leat-home")
+def setup(leat_home):
+    home = leat_home()
     model = write_tiny_gguf(Llama, home / "tiny.gguf", params=Llama.tiny(context=1024))
     store = KeyStore(home / "keys.json")
     keys = {"alice": store.add("alice"), "bob": store.add("bob")}
