@@ -40,7 +40,7 @@ def run(*args, cwd=None, timeout=600) -> str:
 
 
 @pytest.fixture(scope="module")
-def authored(tmp_path_factory):
+def authored(tmp_path_factory, leat_home):
     """Run both docs' blocks, each from the root of its own copy of the repository; returns the two plugin folders
     and the blocks' output."""
     if shutil.which("uv") is None:
@@ -57,7 +57,7 @@ def authored(tmp_path_factory):
                 (clone / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / name, clone / name)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "UV_", "LEAT_PLUGINS"))}
-        env["LEAT_HOME"] = str(base / "home")
+        env["LEAT_HOME"] = str(leat_home(base / "home"))  # the CPU kernels compiled once, not in each block
         if "UV_CACHE_DIR" in os.environ:
             env["UV_CACHE_DIR"] = os.environ["UV_CACHE_DIR"]
         script = "set -euo pipefail\n" + shell_block(ROOT / "docs" / "plugins" / doc)
