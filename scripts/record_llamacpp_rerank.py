@@ -5,16 +5,15 @@ Run it with a Python that has llama-cpp-python (CPU build) and numpy installed, 
 
     /path/to/python-with-llama_cpp scripts/record_llamacpp_rerank.py
 
-The files are built by leat's own environment (``uv run python tests/references/tiny_rerank.py OUTDIR``; set
-``LEAT_PYTHON`` to another command if ``uv`` is not how leat runs here), so they are exactly the files the test
-rebuilds. Each query-document pair becomes a prompt as llama-server's ``format_prompt_rerank``
-(tools/server/server-common.cpp) builds it, with llama.cpp's own tokenizer and vocabulary flags: the file's
-``rerank`` chat template with ``{query}`` and ``{document}`` replaced, tokenized with special tokens parsed and none
-added; else BOS (if the vocabulary adds one), the query, EOS (if it adds one; SEP where it has no EOS), SEP (if it
-adds one), the document, EOS (if it adds one). llama.cpp then runs as ``llama-server --reranking`` does on the CPU:
-``embedding=True``, the pooling the file states (rank), each prompt a fresh sequence; its pooled output is the
-classifier's ``n_cls_out`` values (for qwen3 a softmax over the labels), of which llama-server reports the first as
-``relevance_score``. Twice: its default F16 KV cache, and an F32 KV cache (``type_k = type_v = F32``).
+The files are those of ``tests/references/tiny_rerank.py``, built by leat's environment. Each query-document pair
+becomes a prompt as llama-server's ``format_prompt_rerank`` (tools/server/server-common.cpp) builds it, with
+llama.cpp's own tokenizer and vocabulary flags: the file's ``rerank`` chat template with ``{query}`` and
+``{document}`` replaced, tokenized with special tokens parsed and none added; else BOS (if the vocabulary adds one),
+the query, EOS (if it adds one; SEP where it has no EOS), SEP (if it adds one), the document, EOS (if it adds one).
+llama.cpp then runs as ``llama-server --reranking`` does on the CPU, with the pooling the file states (rank), each
+prompt a fresh sequence; its pooled output is the classifier's ``n_cls_out`` values (for qwen3 a softmax over the
+labels), of which llama-server reports the first as ``relevance_score``. Twice: its default F16 KV cache, and an F32
+KV cache (``scripts/llamacpp_pooled.py`` says how).
 
 Writes into ``tests/references`` (committed):
 
@@ -26,29 +25,7 @@ Writes into ``tests/references`` (committed):
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import shlex
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
-import numpy as np
-
-REPO = Path(__file__).resolve().parents[1]
-REFERENCES = REPO / "tests" / "references"
-THREADS = 2
-N_CTX = 1024
-
-
-def build_models(out: Path) -> dict:
-    command = os.environ.get("LEAT_PYTHON")
-    python = shlex.split(command) if command else ["uv", "run", "--project", str(REPO), "python"]
-    script = REFERENCES / "tiny_rerank.py"
-    result = subprocess.run([*python, str(script), str(out)], cwd=REPO, check=True, capture_output=True, text=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+from llamacpp_pooled import pooled, record
 
 
 def rerank_prompt(llm, query: str, document: str) -> list[int]:
@@ -73,64 +50,21 @@ def rerank_prompt(llm, query: str, document: str) -> list[int]:
     return out
 
 
-def scores(path: str, pairs: list[list[str]], f32_kv: bool) -> tuple[list[list[int]], list[np.ndarray], list[str]]:
-    """llama.cpp's prompt and pooled output for each pair (each a fresh sequence), and the file's labels."""
+def scores(llm, description: dict) -> tuple[list, dict]:
+    """llama.cpp's pooled output for each pair, and the file's manifest entry: its prompts and labels too."""
     import llama_cpp
 
-    kv = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if f32_kv else {}
-    llm = llama_cpp.Llama(
-        path, embedding=True, n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, verbose=False, n_threads=THREADS, **kv
-    )
     model = llm._model.model
-    n_out = llama_cpp.llama_model_n_cls_out(model)
-    labels = [llama_cpp.llama_model_cls_label(model, i).decode() for i in range(n_out)]
-    prompts, out = [], []
-    for query, document in pairs:
-        tokens = rerank_prompt(llm, query, document)
-        llm._ctx.kv_cache_clear()
-        llm._batch.reset()
-        llm._batch.add_sequence(tokens, 0, True)
-        llm._ctx.decode(llm._batch)
-        pointer = llama_cpp.llama_get_embeddings_seq(llm._ctx.ctx, 0)
-        if not pointer:
-            raise SystemExit(f"{path}: llama.cpp gave no pooled output (is the file's pooling type rank?)")
-        prompts.append([int(t) for t in tokens])
-        out.append(np.array(pointer[:n_out], dtype=np.float32))
-    del llm
-    return prompts, out, labels
-
-
-def main() -> None:
-    import llama_cpp
-
-    manifest: dict = {
-        "llama_cpp_python": llama_cpp.__version__,
-        "settings": {
-            "backend": "cpu",
-            "n_threads": THREADS,
-            "n_ctx": N_CTX,
-            "embedding": True,
-            "pooling": "as the file states (rank)",
-            "prompt": "llama-server's format_prompt_rerank on llama.cpp's tokenizer",
-            "kv_cache": {"f16kv": "llama.cpp default (F16)", "f32kv": "F32"},
-        },
-        "system_info": llama_cpp.llama_print_system_info().decode().strip(),
-        "platform": platform.platform(),
-        "tiny": {},
-    }
-    arrays: dict[str, np.ndarray] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, info in build_models(Path(tmp)).items():
-            for kind, f32_kv in (("f16kv", False), ("f32kv", True)):
-                prompts, outputs, labels = scores(info["path"], info["pairs"], f32_kv)
-                for i, values in enumerate(outputs):
-                    arrays[f"{name}/{i}/{kind}"] = values
-            manifest["tiny"][name] = {k: v for k, v in info.items() if k not in ("path", "template")}
-            manifest["tiny"][name].update(has_template=info["template"] is not None, labels=labels, prompts=prompts)
-            print(f"{name}: {len(info['pairs'])} pairs, labels {labels}", file=sys.stderr)
-    np.savez_compressed(REFERENCES / "llamacpp_rerank.npz", **arrays)
-    (REFERENCES / "llamacpp_rerank.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    labels = [llama_cpp.llama_model_cls_label(model, i).decode() for i in range(llama_cpp.llama_model_n_cls_out(model))]
+    prompts = [[int(t) for t in rerank_prompt(llm, query, document)] for query, document in description["pairs"]]
+    entry = {k: v for k, v in description.items() if k not in ("path", "template")}
+    entry.update(has_template=description["template"] is not None, labels=labels, prompts=prompts)
+    return [pooled(llm, tokens, len(labels)) for tokens in prompts], entry
 
 
 if __name__ == "__main__":
-    main()
+    settings = {
+        "pooling": "as the file states (rank)",
+        "prompt": "llama-server's format_prompt_rerank on llama.cpp's tokenizer",
+    }
+    record("rerank", 1024, settings, scores)

@@ -11,16 +11,16 @@ cache (as ``llama-embedding`` runs), and an F32 KV cache, which leaves only floa
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
-import leat
 import numpy as np
 import pytest
 
 REFERENCES = Path(__file__).parent / "references"
-MANIFEST = json.loads((REFERENCES / "llamacpp_embeddings.json").read_text())
-RERECORD = "re-record with scripts/record_llamacpp_embeddings.py (see its docstring) and commit the new references"
+spec = importlib.util.spec_from_file_location("leat_tests_pooled", REFERENCES / "llamacpp_pooled.py")
+pooled = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pooled)
+RECORDING = pooled.Recording("embeddings")
 
 # Largest |difference| of an element of the unit vectors, by the file's weights and llama.cpp's KV cache. Measured
 # with llama-cpp-python 0.3.36, leat at f64 and at f32 alike: F32 files with an F32 KV cache <= 2.8e-7 (float32
@@ -29,34 +29,14 @@ RERECORD = "re-record with scripts/record_llamacpp_embeddings.py (see its docstr
 TOLERANCE = {("F32", "f32kv"): 2e-6, ("F32", "f16kv"): 1e-3, ("F16", "f32kv"): 1e-3, ("F16", "f16kv"): 1e-3}
 
 
-def _tiny_embeddings():
-    spec = importlib.util.spec_from_file_location("leat_tests_tiny_embeddings", REFERENCES / "tiny_embeddings.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-tiny = _tiny_embeddings()
-
-
-@pytest.fixture(scope="module")
-def recorded():
-    with np.load(REFERENCES / "llamacpp_embeddings.npz") as data:
-        return {key: data[key] for key in data.files}
-
-
 def unit(vector: np.ndarray) -> np.ndarray:
     return vector / np.linalg.norm(vector)
 
 
-@pytest.mark.parametrize("name", sorted(MANIFEST["tiny"]))
-def test_embeddings_match_llamacpp(name, recorded, tmp_path):
-    config = MANIFEST["tiny"][name]
-    built = tiny.build(name, tmp_path / f"{name}.gguf")
-    assert built["sha256"] == config["sha256"], f"{name} no longer builds the recorded file; {RERECORD}"
-    assert built["inputs"] == config["inputs"], RERECORD
-    for precision in ("f64", "f32"):
-        model = leat.load(built["path"], backend="cpu", precision=precision)
+@pytest.mark.parametrize("name", RECORDING.names)
+def test_embeddings_match_llamacpp(name, tmp_path):
+    config, recorded = RECORDING.manifest["tiny"][name], RECORDING.arrays
+    for precision, model in RECORDING.models(name, tmp_path, "inputs"):
         assert model.pooling == config["pooling"].lower()
         for i, ids in enumerate(config["inputs"]):
             ours = model.embed(ids).astype(np.float64)

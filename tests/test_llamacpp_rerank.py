@@ -12,17 +12,17 @@ runs per file: its default F16 KV cache (as ``llama-server`` runs), and an F32 K
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
-import leat
 import numpy as np
 import pytest
 from leat.model import rerank_prompt
 
 REFERENCES = Path(__file__).parent / "references"
-MANIFEST = json.loads((REFERENCES / "llamacpp_rerank.json").read_text())
-RERECORD = "re-record with scripts/record_llamacpp_rerank.py (see its docstring) and commit the new references"
+spec = importlib.util.spec_from_file_location("leat_tests_pooled", REFERENCES / "llamacpp_pooled.py")
+pooled = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pooled)
+RECORDING = pooled.Recording("rerank")
 
 # Largest |difference| of a label probability, by the file's weights and llama.cpp's KV cache. Measured with
 # llama-cpp-python 0.3.36, leat at f64 and at f32 alike: the F32 file with an F32 KV cache <= 3.5e-7 (float32
@@ -31,30 +31,10 @@ RERECORD = "re-record with scripts/record_llamacpp_rerank.py (see its docstring)
 TOLERANCE = {("F32", "f32kv"): 2e-6, ("F32", "f16kv"): 1e-3, ("F16", "f32kv"): 2e-3, ("F16", "f16kv"): 2e-3}
 
 
-def _tiny_rerank():
-    spec = importlib.util.spec_from_file_location("leat_tests_tiny_rerank", REFERENCES / "tiny_rerank.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-tiny = _tiny_rerank()
-
-
-@pytest.fixture(scope="module")
-def recorded():
-    with np.load(REFERENCES / "llamacpp_rerank.npz") as data:
-        return {key: data[key] for key in data.files}
-
-
-@pytest.mark.parametrize("name", sorted(MANIFEST["tiny"]))
-def test_rerank_matches_llamacpp(name, recorded, tmp_path):
-    config = MANIFEST["tiny"][name]
-    built = tiny.build(name, tmp_path / f"{name}.gguf")
-    assert built["sha256"] == config["sha256"], f"{name} no longer builds the recorded file; {RERECORD}"
-    assert built["pairs"] == config["pairs"], RERECORD
-    for precision in ("f64", "f32"):
-        model = leat.load(built["path"], backend="cpu", precision=precision)
+@pytest.mark.parametrize("name", RECORDING.names)
+def test_rerank_matches_llamacpp(name, tmp_path):
+    config, recorded = RECORDING.manifest["tiny"][name], RECORDING.arrays
+    for precision, model in RECORDING.models(name, tmp_path, "pairs"):
         assert model.pooling == "rank" and model.architecture.classifier.shape[0] == len(config["labels"])
         for i, (query, document) in enumerate(config["pairs"]):
             ids = rerank_prompt(model.file, model.tokenizer, query, document)

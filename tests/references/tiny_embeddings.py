@@ -6,17 +6,11 @@ compares leat's embeddings with the recorded ones). Each file is a tiny model of
 that states its ``{arch}.pooling_type``, so llama.cpp and leat pool the same way (llama.cpp gives per-token vectors,
 not one, for a file that states none). Deterministic: the same configuration gives the same bytes.
 
-Run as a script (in leat's environment) to build every file into a folder and print one JSON line,
-``{name: {"path", "sha256", "inputs", ...configuration}}``::
-
-    uv run python tests/references/tiny_embeddings.py OUTDIR
+``llamacpp_pooled.py embeddings OUTDIR`` builds every file into a folder (how the recording script gets them).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +45,7 @@ def inputs(seed: int, vocab: int, bos: int) -> list[list[int]]:
 
 def build(name: str, path: Path) -> dict[str, Any]:
     """Write configuration ``name`` to ``path``; its description (with the token ids of every input)."""
-    from leat.testing import write_tiny_gguf
+    from leat.testing import sha256, write_tiny_gguf
 
     config = CONFIGS[name]
     base = architecture(config["arch"])
@@ -65,16 +59,6 @@ def build(name: str, path: Path) -> dict[str, Any]:
 
     params = base.tiny(context=256)
     write_tiny_gguf(Pooled, path, qtype=gguf.GGMLQuantizationType[config["qtype"]], seed=config["seed"], params=params)
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    sha = sha256(path)
     bos = int(gguf.GGUFReader(path).fields["tokenizer.ggml.bos_token_id"].contents())
     return {**config, "path": str(path), "sha256": sha, "inputs": inputs(config["seed"], params.vocab, bos)}
-
-
-def main() -> None:
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
-    print(json.dumps({name: build(name, out / f"tiny-{name}.gguf") for name in CONFIGS}))
-
-
-if __name__ == "__main__":
-    main()

@@ -10,17 +10,11 @@ rank, ``classifier.output_labels`` ["yes", "no"] and a ``cls.output.weight`` hea
 tokenizer adds EOS, so that join has every piece a causal model's can have). Deterministic: the same configuration
 gives the same bytes.
 
-Run as a script (in leat's environment) to build every file into a folder and print one JSON line,
-``{name: {"path", "sha256", "pairs", ...configuration}}``::
-
-    uv run python tests/references/tiny_rerank.py OUTDIR
+``llamacpp_pooled.py rerank OUTDIR`` builds every file into a folder (how the recording script gets them).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +44,7 @@ PAIRS = [[query, document] for query in QUERIES for document in DOCUMENTS]
 
 def build(name: str, path: Path) -> dict[str, Any]:
     """Write configuration ``name`` to ``path``; its description (with the query-document pairs)."""
-    from leat.testing import write_tiny_gguf
+    from leat.testing import sha256, write_tiny_gguf
     from leat_arch_qwen3.qwen import Qwen3
 
     config = CONFIGS[name]
@@ -69,15 +63,5 @@ def build(name: str, path: Path) -> dict[str, Any]:
     params = Qwen3.tiny(context=1024, vocab=512)
     qtype = gguf.GGMLQuantizationType[config["qtype"]]
     write_tiny_gguf(Reranker, path, qtype=qtype, seed=config["seed"], params=params)
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    sha = sha256(path)
     return {**config, "path": str(path), "sha256": sha, "pairs": PAIRS}
-
-
-def main() -> None:
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
-    print(json.dumps({name: build(name, out / f"tiny-{name}.gguf") for name in CONFIGS}))
-
-
-if __name__ == "__main__":
-    main()
