@@ -133,6 +133,32 @@ def test_gemm_few_over_long_rows_and_row_tiles(cuda, oracle, qtype):
         cuda.few_tokens, cuda.few_shape = saved
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.IQ4_XS, Q.F16], ids=lambda q: q.name)
+def test_gemm_rows_over_token_tiles_and_splits(cuda, oracle, qtype):
+    """gemm_rows (33-128 tokens): every instantiation, one and several token tiles (blockIdx.z), K whole and split
+    into partial sums, rows not a multiple of a block's, against the float64 product with a bias."""
+    rng = np.random.default_rng(5000 + int(qtype))
+    rows, cols = 200, 2304
+    data = stored(qtype, rows, cols, rng)
+    weight = cuda.upload(Tensor("w", qtype, (rows, cols), data))
+    reference = oracle.upload(Tensor("w", qtype, (rows, cols), data))
+    bias = rng.standard_normal(rows)
+    saved = cuda.rows_tokens, cuda.rows_shape, cuda.rows_blocks
+    try:
+        cuda.rows_tokens = (33, 128)
+        for n in (33, 64, 100):
+            x = rng.standard_normal((n, cols)) * np.logspace(-3, 3, n)[:, None]
+            want = oracle.matmul(x, reference, bias)
+            for shape in quants.GEMM_ROWS_VARIANTS:
+                for blocks in (1, 1000):  # K whole; split into its 9 chunks
+                    cuda.rows_shape, cuda.rows_blocks = shape, blocks
+                    got = cuda.to_host(cuda.matmul(cuda_array(cuda, x), weight, cuda_array(cuda, bias)))
+                    for t in range(n):
+                        assert relative_error(got[t], want[t]) < 2e-3, (n, shape, blocks, t)
+    finally:
+        cuda.rows_tokens, cuda.rows_shape, cuda.rows_blocks = saved
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.F16], ids=lambda q: q.name)
 def test_gated_unit_in_one_gemm_few_launch(cuda, oracle, qtype):
     """silu(x gate^T) * (x up^T) for 3-32 tokens: gate and up in one gemm_few launch (x read once for both) for every

@@ -92,6 +92,13 @@ LOGIT_BUCKETS = TOKEN_BUCKETS[: TOKEN_BUCKETS.index(64) + 1]
 CUBLAS_MIN_TOKENS = 160
 #: products of this many tokens or more go to gemm_few (up to quants.GEMM_FEW_MAX_TOKENS, where gemm_few_shape says)
 GEMM_FEW_MIN_TOKENS = 3
+#: products of this many tokens up to GEMM_ROWS_MAX_TOKENS go to gemm_rows (x shared in shared memory by a block's
+#: warps, weights decoded straight into fragments) instead of the GEMM
+GEMM_ROWS_MIN_TOKENS = 33
+GEMM_ROWS_MAX_TOKENS = 128
+#: blocks per multiprocessor gemm_rows's split over K aims at (H200, the 8B file's products at 33-128 tokens: gate
+#: and up best split in 2, q, o and down in 8, the output matrix not at all: about two blocks per SM)
+GEMM_ROWS_BLOCKS_PER_SM = 2
 #: argmax_async answers that may be in flight at once (the engine reads a step's after queueing the next)
 READBACKS = 4
 #: f16 weight rows decoded per cuBLAS product: large enough that a layer's matrices go whole (few, large
@@ -268,6 +275,11 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         self.few_shape: tuple[int, int] | None = None
         #: the gated unit's gate and up products in one gemm_few launch (x read once for both, silu applied in it)
         self.few_gated = True
+        #: token counts (first, last) that go to gemm_rows, its instantiation (None: NT 8, RT 2) and the blocks its
+        #: split over K aims at
+        self.rows_tokens = (GEMM_ROWS_MIN_TOKENS, GEMM_ROWS_MAX_TOKENS)
+        self.rows_shape: tuple[int, int] | None = None
+        self.rows_blocks = GEMM_ROWS_BLOCKS_PER_SM * self.device.sm_count
         self._f16_weights = Memory(CUBLAS_SCRATCH_BYTES) if self.cublas else None
 
     def describe(self) -> dict[str, Any]:
@@ -599,6 +611,8 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         if self.cublas is not None and n >= self.cublas_min_tokens and k % 8 == 0:
             self._cublas_product(x, weight, bias, out, n, m, k)
             return out
+        if self.tensor_cores and self.rows_tokens[0] <= n <= self.rows_tokens[1] and k % quants.GEMM_ROWS_KC == 0:
+            return self._gemm_rows(x, weight, bias, out, n)
         if (n > quants.GEMV_MAX_TOKENS or layout.integer) and self.tensor_cores:
             kt = 256 if k % 256 == 0 else 32
             if kt == 256 or (layout.small_block and k % 32 == 0):  # else the float kernel
@@ -761,6 +775,28 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             k,
             smem=quants.gemm_few_smem(shape, glu),
         )
+        return out
+
+    def _gemm_rows(self, x, weight: Matrix, bias, out: DeviceArray, n: int) -> DeviceArray:
+        """gemm_rows: a block's warps share x in shared memory, each decodes its rows' weights into fragments; split
+        over K so that the grid has about ``rows_blocks`` blocks (partial sums added by splitk_sum)."""
+        m, k = weight.rows, weight.cols
+        xh, xscale = self._f16_rows(x, n, k)
+        shape = self.rows_shape or (8, 2)
+        grid = (-(-m // (64 * shape[1])), 1, -(-n // (8 * shape[0])))
+        chunks = k // quants.GEMM_ROWS_KC
+        splits = max(1, min(chunks, int(self.rows_blocks / (grid[0] * grid[2]) + 0.5)))
+        chunk = -(-chunks // splits) * quants.GEMM_ROWS_KC
+        splits = -(-k // chunk)
+        target = out if splits == 1 else self._empty((splits, n, m))
+        weight.kernels[quants.gemm_rows_name(weight.qtype, shape)](
+            (grid[0], splits, grid[2]), 128, weight.ptr, weight.blocks, xh, xscale, target, bias, m, n, k, chunk
+        )
+        if splits > 1:
+            total = n * m
+            self.ops["splitk_sum"](
+                (max(1, min(-(-total // 256), 8 * self.device.sm_count)),), 256, target, out, total, splits
+            )
         return out
 
     def _gemm(self, x, weight: Matrix, bias, out: DeviceArray, n: int, m: int, k: int, kt: int) -> None:

@@ -146,6 +146,16 @@ def gemm_few_smem(shape: tuple[int, int], glu: bool = False) -> int:
     return 8 * row_tiles * tiles * 4 * 32 * 4 * (2 if glu else 1)
 
 
+#: (tiles NT, row tiles RT) of every gemm_rows instantiation: 8 * NT tokens a block column, 64 * RT rows a block
+GEMM_ROWS_VARIANTS = ((8, 2), (8, 1), (4, 2))
+#: K values of x a gemm_rows block stages in shared memory at a time (ROWS_KC in matmul.cu): K must be a multiple
+GEMM_ROWS_KC = 256
+
+
+def gemm_rows_name(qtype: Q, shape: tuple[int, int]) -> str:
+    return f"gemm_rows<{LAYOUTS[qtype].struct}, {shape[0]}, {shape[1]}>"
+
+
 def gemm_few_shape(tokens: int, rows: int) -> tuple[int, int] | None:
     """The gemm_few instantiation for a product of ``tokens`` x ``rows``, or None where the GEMM is faster.
 
@@ -173,6 +183,7 @@ def kernel_names(qtype: Q, extra_gemv: tuple[tuple[int, int, int], ...] = ()) ->
         names += [gemv_q_name(qtype, n, (r, u), m) for n, r, u, m in GEMV_Q_VARIANTS]
     names += [gemm_name(qtype, kt) for kt in ((32, 256) if layout.small_block else (256,))]
     names += [gemm_few_name(qtype, shape, glu) for shape in GEMM_FEW_VARIANTS for glu in (False, True)]
+    names += [gemm_rows_name(qtype, shape) for shape in GEMM_ROWS_VARIANTS]
     return list(dict.fromkeys(names))
 
 

@@ -330,6 +330,96 @@ __global__ void __launch_bounds__(256) gemm_few(const u8* __restrict__ w, const 
     }
 }
 
+// Y = X W^T (+ bias) for up to 8 * NT tokens a block column (blockIdx.z: which 8 * NT tokens), on tensor
+// cores, each weight decoded once straight into A fragments as gemm_few does, but with x staged in shared
+// memory ROWS_KC values of K at a time and shared by the block's 4 warps, each of which owns RT row tiles of
+// 16 rows: x is read from L2 once per 64 * RT rows (gemm_few: once per 16 * RT), and no weight goes through
+// shared memory (the GEMM decodes its tiles there and reads them back with ldmatrix, which bounds it at 33-128
+// tokens). Split K: block y covers K from y * kchunk (a multiple of ROWS_KC) and writes its partial sums to
+// y + blockIdx.y * N * M (bias in part 0 only) for splitk_sum.
+#define ROWS_KC 256
+template <class T, int NT, int RT>
+__global__ void __launch_bounds__(128) gemm_rows(const u8* __restrict__ w, i64 nb, const u16* __restrict__ xh,
+                                                 const float* __restrict__ xscale, float* __restrict__ y,
+                                                 const float* __restrict__ bias, int M, int N, int K, int kchunk) {
+    constexpr int J = T::UV / 4, LD = ROWS_KC + 8, STEPS = ROWS_KC / T::UV / 4;
+    static_assert(ROWS_KC % (4 * T::UV) == 0, "a chunk of K holds whole quad steps");
+    __shared__ __align__(16) u16 xs[8 * NT][LD];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int m0 = (blockIdx.x * 4 + warp) * 16 * RT, n0 = blockIdx.z * 8 * NT;
+    const int bpr = K / T::BLOCK, kbegin = blockIdx.y * kchunk, kend = min(K, kbegin + kchunk);
+    if (blockIdx.y > 0) {
+        y += (i64)blockIdx.y * N * M;
+        bias = nullptr;
+    }
+    i64 first[RT][2];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) first[rt][h] = (i64)min(m0 + 16 * rt + g + 8 * h, M - 1) * bpr;
+    float acc[RT][NT][4];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[rt][nt][c] = 0.0f;
+    for (int k0 = kbegin; k0 < kend; k0 += ROWS_KC) {
+        __syncthreads();  // the last chunk's x has been read
+        for (int idx = threadIdx.x; idx < 8 * NT * (ROWS_KC / 8); idx += 128) {
+            const int tok = idx / (ROWS_KC / 8), c = idx % (ROWS_KC / 8);
+            uint4 val = make_uint4(0, 0, 0, 0);
+            if (n0 + tok < N) val = __ldg((const uint4*)(xh + (i64)(n0 + tok) * K + k0) + c);
+            *(uint4*)&xs[tok][8 * c] = val;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s) {
+            const int u = 4 * s + t;  // the chunk's unit u: its block, its unit within the block
+            const int blk = k0 / T::BLOCK + u / T::UNITS, unit = u % T::UNITS;
+            typename T::Raw raw[RT][2];
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) raw[rt][h] = T::load(w, nb, first[rt][h] + blk, unit);
+            u32 a[RT][J][4];
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt) {
+                float v0[T::UV], v1[T::UV];
+                T::template decode<false>(raw[rt][0], unit, v0);
+                T::template decode<false>(raw[rt][1], unit, v1);
+#pragma unroll
+                for (int j = 0; j < J; ++j) {
+                    a[rt][j][0] = pack_f16x2(v0[4 * j], v0[4 * j + 1]);
+                    a[rt][j][1] = pack_f16x2(v1[4 * j], v1[4 * j + 1]);
+                    a[rt][j][2] = pack_f16x2(v0[4 * j + 2], v0[4 * j + 3]);
+                    a[rt][j][3] = pack_f16x2(v1[4 * j + 2], v1[4 * j + 3]);
+                }
+            }
+            const int base = (u / T::UNITS) * T::BLOCK;  // the unit's block, from the chunk's start
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+                const int at = base + T::run_offset(unit, 4 * j / T::RL) + (4 * j) % T::RL;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const uint2 b = *(const uint2*)&xs[8 * nt + g][at];
+#pragma unroll
+                    for (int rt = 0; rt < RT; ++rt) mma_f16(acc[rt][nt], a[rt][j], b.x, b.y);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int row = m0 + 16 * rt + g + 8 * (c >> 1), token = n0 + 8 * nt + 2 * t + (c & 1);
+                if (row < M && token < N) y[(i64)token * M + row] = acc[rt][nt][c] * xscale[token] + (bias ? bias[row] : 0.0f);
+            }
+}
+
 // One unit of a block decoded to f16 at its places in `dst` (the block's first value), 16-byte stores:
 // the GEMM's shared-memory tile and dequantize_f16's rows alike.
 template <class T>
