@@ -774,7 +774,8 @@ class _TextIndex:
 
     def __init__(self, texts: Sequence[str], ids: np.ndarray | None = None, first: bool = False):
         found = np.arange(len(texts)) if ids is None else ids
-        hashes = np.fromiter((hash(texts[i]) for i in found.tolist()), np.int64, len(found))
+        # every text hashed in order (iterating a StringArray decodes without per-item indexing), then the ids kept
+        hashes = np.fromiter((hash(text) for text in texts), np.int64, len(texts))[found]
         order = np.lexsort((found if first else -found, hashes))  # by hash, then the id that wins first
         self._hashes, self._ids = (
             array("q", hashes[order].tobytes()),
