@@ -24,6 +24,7 @@ from leat.cli_options import (
     precision_option,
     sampling_options,
     speculate_options,
+    tensor_parallel_option,
     text_file_option,
     threads_option,
 )
@@ -54,8 +55,16 @@ def _mmproj(model: Any, path: str | None) -> None:
             raise click.ClickException(str(e)) from None
 
 
-def _load(model: str, backend: str | None, precision: str, threads: int | None = None, **backend_options: Any):
-    """Resolve (pulling with progress) and load ``model``; a backend's refusal of an option is a usage error."""
+def _load(
+    model: str,
+    backend: str | None,
+    precision: str,
+    threads: int | None = None,
+    tensor_parallel: int = 1,
+    **backend_options: Any,
+):
+    """Resolve (pulling with progress) and load ``model`` (split over ``tensor_parallel`` backends); a backend's
+    refusal of an option is a usage error."""
     from leat.cli_progress import transfer
     from leat.model import load
     from leat.pull import resolve
@@ -64,7 +73,7 @@ def _load(model: str, backend: str | None, precision: str, threads: int | None =
     if threads is not None:
         backend_options["threads"] = threads
     try:
-        return load(model, backend=backend, precision=precision, backend_options=backend_options)
+        return load(model, backend, precision, backend_options=backend_options, tensor_parallel=tensor_parallel)
     except ValueError as e:  # a backend constructor's check of its precision or options
         raise click.UsageError(str(e)) from None
 
@@ -250,6 +259,7 @@ def show(model_name: str, template_only: bool, as_json: bool) -> None:
 @backend_option
 @precision_option
 @threads_option
+@tensor_parallel_option
 @plugins_option
 @speculate_options
 def generate(
@@ -263,6 +273,7 @@ def generate(
     backend,
     precision,
     threads,
+    tensor_parallel,
     plugin_names,
     speculate,
     draft,
@@ -274,7 +285,7 @@ def generate(
         raise click.UsageError("give a prompt: -p TEXT or -f FILE")
     _select_plugins(plugin_names)
     _threads(threads)
-    model = _load(model_name, backend, precision, threads)
+    model = _load(model_name, backend, precision, threads, tensor_parallel)
     _mmproj(model, mmproj)
     _speculate(model, speculate, draft)
     sampling = {k: v for k, v in sampling.items() if v is not None}
@@ -314,6 +325,7 @@ def generate(
 @backend_option
 @precision_option
 @threads_option
+@tensor_parallel_option
 @plugins_option
 @speculate_options
 def run(
@@ -327,6 +339,7 @@ def run(
     backend,
     precision,
     threads,
+    tensor_parallel,
     plugin_names,
     speculate,
     draft,
@@ -343,7 +356,7 @@ def run(
     _threads(threads)
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
-    model = _load(model_name, backend, precision, threads)
+    model = _load(model_name, backend, precision, threads, tensor_parallel)
     _mmproj(model, mmproj)
     _speculate(model, speculate, draft)
     sampling = {k: v for k, v in sampling.items() if v is not None}
@@ -478,6 +491,7 @@ def _workloads(ctx: click.Context, param: click.Parameter, value: str) -> list[s
 @backend_option
 @precision_option
 @threads_option
+@tensor_parallel_option
 @plugins_option
 @speculate_options
 def bench(
@@ -494,6 +508,7 @@ def bench(
     backend,
     precision,
     threads,
+    tensor_parallel,
     plugin_names,
     speculate,
     draft,
@@ -511,7 +526,7 @@ def bench(
 
     _select_plugins(plugin_names)
     _threads(threads)
-    model = _load(model_name, backend, precision, threads)
+    model = _load(model_name, backend, precision, threads, tensor_parallel)
     _speculate(model, speculate, draft)
     label = model_label(model.file.path)
     if model.speculation is not None:

@@ -89,6 +89,15 @@ threads_option = click.option(
     default=None,
     help="CPU threads for the numerical libraries (default: all cores); passed to the backend as its threads option",
 )
+tensor_parallel_option = click.option(
+    "-tp",
+    "--tensor-parallel",
+    "tensor_parallel",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="split the model over N backends of the chosen kind (heads, MLP rows and experts; see docs/tensor-parallel.md)",
+)
 kv_option = click.option(
     "--kv",
     "-ctk",

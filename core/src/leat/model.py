@@ -365,15 +365,24 @@ def load(
     pull: bool = True,
     host: plugins.PluginHost | None = None,
     backend_options: dict[str, Any] | None = None,
+    tensor_parallel: int = 1,
 ) -> Model:
     """Load ``model`` (a path, or a name ``leat pull`` understands) on ``backend`` (None: best usable), whose
-    constructor also gets ``backend_options`` (e.g. the cpu backend's ``activations="ggml"``)."""
+    constructor also gets ``backend_options`` (e.g. the cpu backend's ``activations="ggml"``); ``tensor_parallel``
+    above 1 splits it over that many backends of the kind (:mod:`leat.parallel`)."""
     from leat.pull import resolve
 
     path = resolve(model, pull=pull)
     file = ModelFile(path)
     arch_cls = architecture_class(file, host)
-    backend_obj = choose_backend(backend, host)(precision=precision, **(backend_options or {}))
+    backend_cls = choose_backend(backend, host)
+    if tensor_parallel > 1:
+        from leat.parallel import TensorParallel, check_split
+
+        check_split(arch_cls, file, tensor_parallel)
+        backend_obj: Backend = TensorParallel.of(backend_cls, tensor_parallel, precision, **(backend_options or {}))
+    else:
+        backend_obj = backend_cls(precision=precision, **(backend_options or {}))
     # the tokenizer (pure Python) is built while the weights go to the device (the copies release the GIL)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="leat-tokenizer") as pool:
         tokenizer = pool.submit(tokenizer_of, file)

@@ -104,16 +104,18 @@ def rank_tensors(tensors: Sequence[Tensor], ranks: int) -> list[Tensor]:
     return out
 
 
-def check_split(params: Any, layouts: list[KVLayout], ranks: int, path: Any = "model") -> None:
-    """A model whose attention heads do not divide over ``ranks`` is refused before any weight is read."""
-    heads = getattr(params, "heads", None)
+def check_split(architecture: Any, file: Any, ranks: int) -> None:
+    """A model (``file`` of the Architecture class ``architecture``) whose attention heads do not divide over
+    ``ranks`` is refused before any weight is read."""
+    params = architecture.checked_params(file)
+    layouts, heads = architecture.kv_layouts(params), getattr(params, "heads", None)
     counts = {"query heads": heads} if isinstance(heads, int) else {}
     counts |= {f"KV heads (layer {i})": l.kv_heads for i, l in enumerate(layouts) if not l.latent}
     for what, count in counts.items():
         if count % ranks:
             fits = ", ".join(str(n) for n in range(1, count + 1) if count % n == 0)
             raise LeatError(
-                f"{path}: {count} {what} do not split over --tensor-parallel {ranks}: each rank holds whole heads; "
+                f"{file.path.name}: {count} {what} do not split over --tensor-parallel {ranks}: each rank holds whole heads; "
                 f"use one of {fits}"
             )
 
@@ -312,7 +314,9 @@ class TensorParallel(Backend):
         if weight.axis == 1:  # row-parallel: each rank's columns times its part of x, then the all-reduce
             if x.axis != len(x.parts[0].shape) - 1:
                 raise LeatError(f"tensor parallel: {weight.name} takes an input split along its last axis")
-            return Sharded(self.collective.sum(self._map(lambda r, p, w, c: r.matmul(p, w, c), x.parts, weight.parts, b)))
+            return Sharded(
+                self.collective.sum(self._map(lambda r, p, w, c: r.matmul(p, w, c), x.parts, weight.parts, b))
+            )
         xs = self.whole(x)
         y = self._map(lambda rank, p, w, c: rank.matmul(p, w, c), xs, weight.parts, b)
         return Sharded(y, None if weight.axis is None else len(x.parts[0].shape) - 1)

@@ -28,6 +28,7 @@ from leat.cli_options import (
     plugins_option,
     precision_option,
     speculate_options,
+    tensor_parallel_option,
     threads_option,
 )
 from leat.cli_progress import say
@@ -209,10 +210,21 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
 @backend_option
 @precision_option
 @threads_option
+@tensor_parallel_option
 @plugins_option
 @speculate_options
 def serve(
-    model_name, more_models, backend, precision, threads, plugin_names, speculate, draft, api_keys, **options
+    model_name,
+    more_models,
+    backend,
+    precision,
+    threads,
+    tensor_parallel,
+    plugin_names,
+    speculate,
+    draft,
+    api_keys,
+    **options,
 ) -> None:
     """Serve MODEL over HTTP: OpenAI and Anthropic APIs (see docs/api.md). Several MODELs, or --models-config,
     serve each by name: loaded when a request names it, unloaded when --models-memory is exceeded."""
@@ -237,7 +249,7 @@ def serve(
         given = [model_name] if params.get("model_arg") or params.get("model_opt") or not opts.models_config else []
         with _key_file(api_keys) as key_file:
             opts.api_key_file = key_file or opts.api_key_file
-            serve_several(opts, [*given, *more_models], threads, speculate, draft, plugin_names)
+            serve_several(opts, [*given, *more_models], threads, speculate, draft, plugin_names, tensor_parallel)
         return
     with _key_file(api_keys) as key_file:
         opts.api_key_file = key_file or opts.api_key_file
@@ -248,12 +260,23 @@ def serve(
         with running_server(record | {"size": path.stat().st_size}):
             # a function the engine process can run too (--api-workers: it is started afresh, not forked)
             load = functools.partial(
-                load_model, model_name, backend, precision, threads, speculate, draft, plugin_names, opts.mmproj
+                load_model,
+                model_name,
+                backend,
+                precision,
+                threads,
+                speculate,
+                draft,
+                plugin_names,
+                opts.mmproj,
+                tensor_parallel,
             )
             run_server(opts, load)
 
 
-def serve_several(opts: ServeOptions, names: list[str], threads, speculate, draft, plugin_names) -> None:
+def serve_several(
+    opts: ServeOptions, names: list[str], threads, speculate, draft, plugin_names, tensor_parallel=1
+) -> None:
     """``leat serve A B ...`` / ``--models-config``: each model by name, each its own engine (leat_server.models)."""
     from leat.cli_models import running_server
     from leat.cli_progress import transfer
@@ -272,19 +295,23 @@ def serve_several(opts: ServeOptions, names: list[str], threads, speculate, draf
 
         def load(spec: Any) -> Any:
             o = spec.options
-            return load_model(spec.model, o.backend, o.precision, threads, speculate, draft, plugin_names, o.mmproj)
+            return load_model(
+                spec.model, o.backend, o.precision, threads, speculate, draft, plugin_names, o.mmproj, tensor_parallel
+            )
 
         serve_models(opts, specs, load, changed=lambda models: update({"models": models.resident()}))
 
 
-def load_model(model_name, backend, precision, threads, speculate, draft, plugin_names, mmproj=None) -> Any:
+def load_model(
+    model_name, backend, precision, threads, speculate, draft, plugin_names, mmproj=None, tensor_parallel=1
+) -> Any:
     from leat.cli_models import model_label
 
     _select_plugins(plugin_names)
     _threads(threads)
     start = time.perf_counter()
     say(f"leat: loading {model_name}")
-    model = _load(model_name, backend, precision, threads)
+    model = _load(model_name, backend, precision, threads, tensor_parallel)
     _speculate(model, speculate, draft)
     if mmproj:
         model.load_mmproj(mmproj)
