@@ -245,18 +245,18 @@ class TensorParallel(Backend):
         self._tally()
         return ShardedKV.create(layouts, slots, context, pages, page_size, groups, ranks=ranks)
 
-    def set_pages(self, kv: ShardedKV, slot: int, pages: np.ndarray, group: int = 0) -> None:
+    def set_pages(self, kv: Any, slot: int, pages: np.ndarray, group: int = 0) -> None:
         super().set_pages(kv, slot, pages, group)
         for rank, own in zip(self.ranks, kv.ranks, strict=True):
             rank.set_pages(own, slot, pages, group)
 
-    def copy_page(self, kv: ShardedKV, source: int, target: int, group: int = 0) -> None:
+    def copy_page(self, kv: Any, source: int, target: int, group: int = 0) -> None:
         self._map(lambda rank, own: rank.copy_page(own, source, target, group), kv.ranks)
 
-    def read_pages(self, kv: ShardedKV, pages: list[int], group: int = 0) -> list[np.ndarray]:
+    def read_pages(self, kv: Any, pages: list[int], group: int = 0) -> list[np.ndarray]:
         return [a for part in self._map(lambda rank, own: rank.read_pages(own, pages, group), kv.ranks) for a in part]
 
-    def write_pages(self, kv: ShardedKV, pages: list[int], contents: list[np.ndarray], group: int = 0) -> None:
+    def write_pages(self, kv: Any, pages: list[int], contents: list[np.ndarray], group: int = 0) -> None:
         each = len(contents) // self.n  # every rank holds the same storages of its own heads
         mine = [contents[r * each : (r + 1) * each] for r in range(self.n)]
         self._map(lambda rank, own, part: rank.write_pages(own, pages, part, group), kv.ranks, mine)
