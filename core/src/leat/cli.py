@@ -373,15 +373,21 @@ def run(
 @cli.command()
 @model_argument(default=None)
 @click.option("--json", "as_json", is_flag=True)
+@tensor_parallel_option
+@click.option(
+    "--device-memory", type=click.FloatRange(0, min_open=True), default=None, metavar="GIB", help="memory of one device"
+)
 @plugins_option
-def doctor(model_name, as_json, plugin_names) -> None:
-    """Check this machine, and describe MODEL without loading its weights."""
+def doctor(model_name, as_json, tensor_parallel, device_memory, plugin_names) -> None:
+    """Check this machine, and describe MODEL without loading its weights (with --tensor-parallel N: what each of N
+    devices holds, and whether it fits)."""
     from leat.doctor import describe_model, machine_report, render
 
     _select_plugins(plugin_names)
     report: dict[str, Any] = {"leat": __version__, "machine": machine_report()}
     if model_name:
-        report["model"] = describe_model(model_name)
+        memory = device_memory * 2**30 if device_memory else None
+        report["model"] = describe_model(model_name, tensor_parallel, memory)
     click.echo(json.dumps(report, indent=2) if as_json else render(report))
 
 

@@ -83,7 +83,9 @@ def install_hints(backends: dict[str, Any], nvidia_driver: bool) -> list[str]:
     return hints
 
 
-def describe_model(name: str) -> dict[str, Any]:
+def describe_model(name: str, tensor_parallel: int = 1, device_memory: float | None = None) -> dict[str, Any]:
+    """What ``name`` is and needs; with ``tensor_parallel`` N above 1, also what each of N devices holds and whether it
+    fits ``device_memory`` bytes (None: the machine's memory shared by the ranks for the cpu backend, else unknown)."""
     from leat.model import architecture_class
     from leat.pull import resolve
 
@@ -121,7 +123,48 @@ def describe_model(name: str) -> dict[str, Any]:
             memory[backend_name] = held
     out["backend_support"] = support
     out["backend_weight_bytes"] = memory
+    if tensor_parallel > 1:
+        out["tensor_parallel"] = _split_fit(file, arch, layouts, tensor_parallel, device_memory)
     return out
+
+
+def _split_fit(file: ModelFile, arch: Any, layouts: list, ranks: int, device_memory: float | None) -> dict[str, Any]:
+    """Per device of ``ranks``: the weights each backend would hold, the f16 KV of one sequence of the model's context,
+    and whether the two fit; or why the model does not split."""
+    from leat.parallel import check_split, rank_tensors
+
+    try:
+        check_split(arch, file, ranks)
+    except LeatError as e:
+        return {"ranks": ranks, "refused": str(e)}
+    context = int(file.get("{arch}.context_length", 0)) or 4096
+    kv = int(sum(layout.bytes_per_token(2) // (1 if layout.latent else ranks) for layout in layouts) * context)
+    tensors = rank_tensors(list(file.tensors.values()), ranks)
+    fit: dict[str, Any] = {"ranks": ranks, "kv_bytes_per_rank": kv, "context": context, "backends": {}}
+    for backend_name, entry in plugins.host().registry["backends"].items():
+        held = entry.load().weight_bytes(tensors)
+        memory = device_memory or (_memory_bytes() or 0) / ranks if backend_name == "cpu" else device_memory
+        fits = None if held is None or not memory else held + kv <= memory
+        fit["backends"][backend_name] = {"weight_bytes_per_rank": held, "memory_per_rank": memory, "fits": fits}
+    return fit
+
+
+def render_split(fit: dict[str, Any]) -> list[str]:
+    if "refused" in fit:
+        return [f"tensor parallel {fit['ranks']}: {fit['refused']}"]
+    lines = []
+    for name, b in fit["backends"].items():
+        if b["weight_bytes_per_rank"] is None:
+            continue
+        need = (b["weight_bytes_per_rank"] + fit["kv_bytes_per_rank"]) / 2**30
+        verdict = {True: "fits", False: "does not fit", None: "fit unknown (give --device-memory GIB)"}[b["fits"]]
+        memory = f" in {b['memory_per_rank'] / 2**30:.1f} GiB" if b["memory_per_rank"] else ""
+        lines.append(
+            f"tensor parallel {fit['ranks']} on {name}: each rank holds {b['weight_bytes_per_rank'] / 2**20:.1f} MiB "
+            f"of weights + {fit['kv_bytes_per_rank'] / 2**20:.1f} MiB of f16 KV for one {fit['context']}-token "
+            f"sequence = {need:.2f} GiB: {verdict}{memory}"
+        )
+    return lines
 
 
 def render(report: dict[str, Any]) -> str:
@@ -144,6 +187,7 @@ def render(report: dict[str, Any]) -> str:
         for name, support in d["backend_support"].items():
             held = d["backend_weight_bytes"].get(name)
             lines.append(f"backend {name}: {support}" + (f", weights in memory {held / 2**20:.1f} MiB" if held else ""))
+        lines.extend(render_split(d["tensor_parallel"]) if "tensor_parallel" in d else [])
     if m["install"]:
         lines.append("")
         lines.append("to install:")
