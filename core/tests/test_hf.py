@@ -118,12 +118,12 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def hub(tmp_path, monkeypatch):
+def hub(tmp_path, monkeypatch, leat_home):
     server = Hub()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("LEAT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("LEAT_HOME", str(leat_home(tmp_path / "home")))  # the CPU backend's kernels shared
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
     monkeypatch.delenv("HF_TOKEN", raising=False)
     yield server
@@ -145,6 +145,46 @@ def test_choose_files():
     assert hf.parse("owner/repo:Q8_0") == hf.HfSpec("owner", "repo", "Q8_0")
     assert hf.parse("hf:owner/repo") == hf.HfSpec("owner", "repo", None)
     assert hf.parse("dir/model.gguf") is None and hf.parse("smollm2") is None
+
+
+def test_choose_mmproj_as_llamacpp_hf():
+    files = ["m-Q4_K_M.gguf", "mmproj-m-F16.gguf", "mmproj-m-Q8_0.gguf", "mmproj-m-BF16.gguf", "README.md"]
+    assert hf.choose_mmproj(files, "m-Q4_K_M.gguf") == "mmproj-m-Q8_0.gguf"  # 8 bits is nearest 4
+    assert hf.choose_mmproj(files, "m-F32.gguf") == "mmproj-m-BF16.gguf"  # 16 and 16: the first by name
+    split = "Q8_0/m-Q8_0-00001-of-00002.gguf"
+    assert hf.choose_mmproj([*files, "Q8_0/mmproj-F32.gguf", "other/mmproj-Q8_0.gguf"], split) == "Q8_0/mmproj-F32.gguf"
+    assert hf.choose_mmproj(files, split) == "mmproj-m-Q8_0.gguf"  # a folder above the model's
+    assert hf.choose_mmproj(["m-Q4_K_M.gguf", "sub/mmproj-F16.gguf"], "m-Q4_K_M.gguf") is None  # not beside it
+    assert hf.choose_mmproj(["m-Q4_K_M.gguf"], "m-Q4_K_M.gguf") is None
+
+
+def test_pull_fetches_the_projector_and_no_mmproj_skips_it(hub, tmp_path):
+    model, f16, q8 = (gguf_bytes(tmp_path, seed) for seed in (11, 12, 13))
+    hub.repos["someone/vision-GGUF"] = {
+        "v-Q4_K_M.gguf": model,
+        "v-Q8_0.gguf": model,
+        "mmproj-v-F16.gguf": f16,
+        "mmproj-v-Q8_0.gguf": q8,
+    }
+    plain = pull.pull("someone/vision-GGUF:Q8_0", mmproj=False)
+    assert pull.projector(plain) is None and sorted(p.name for p in plain.parent.iterdir()) == [
+        "manifest.json",
+        "v-Q8_0.gguf",
+    ]
+    hub.requests.clear()
+    path = pull.pull("someone/vision-GGUF:Q8_0")  # the same commit, now with its projector: only that is fetched
+    assert path == plain and path.read_bytes() == model
+    assert pull.projector(path) == path.parent / "mmproj-v-Q8_0.gguf" and pull.projector(path).read_bytes() == q8
+    assert [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p] == [
+        f"/someone/vision-GGUF/resolve/{COMMIT}/mmproj-v-Q8_0.gguf"
+    ]
+    assert pull.verify("someone/vision-GGUF:Q8_0") == path  # the projector is one of the model's files
+    default = pull.resolve("someone/vision-GGUF")  # pulled on first use, as `leat run` does: projector included
+    assert pull.projector(default).read_bytes() == q8
+    rows = {m["name"]: m for m in pull.list_models()}
+    assert rows["someone/vision-GGUF:Q8_0"]["mmproj"] == path.parent / "mmproj-v-Q8_0.gguf"
+    assert rows["someone/vision-GGUF:Q8_0"]["size"] == len(model) + len(q8)
+    assert pull.projector(tmp_path / "m11.gguf") is None  # a file outside the model cache has none
 
 
 def test_pull_default_quant_and_split(hub, tmp_path):
@@ -220,7 +260,8 @@ def test_cli_pull_then_generate_and_doctor_by_name(hub, tmp_path):
     llama = pytest.importorskip("leat_arch_llama.llama")
     pytest.importorskip("leat_backend_cpu")
     data = write_tiny_gguf(llama.Llama, tmp_path / "tiny.gguf").read_bytes()
-    hub.repos["someone/llama-GGUF"] = {"llama-tiny-Q4_K_M.gguf": data}
+    projector = gguf_bytes(tmp_path, 7)  # a GGUF that is no projector: the model still answers text, with a note
+    hub.repos["someone/llama-GGUF"] = {"llama-tiny-Q4_K_M.gguf": data, "mmproj-llama-tiny-F16.gguf": projector}
     runner = CliRunner()
     pulled = runner.invoke(cli, ["pull", "someone/llama-GGUF"], catch_exceptions=False)
     assert pulled.exit_code == 0 and Path(pulled.stdout.strip()).read_bytes() == data
@@ -242,8 +283,45 @@ def test_cli_pull_then_generate_and_doctor_by_name(hub, tmp_path):
     generated = runner.invoke(cli, args, catch_exceptions=False)
     assert generated.exit_code == 0, generated.output
     assert json.loads(generated.stdout)["model"] == pulled.stdout.strip()
+    assert "note: mmproj-llama-tiny-F16.gguf, the vision projector pulled with the model, is not loaded" in (
+        generated.stderr
+    )
     doctor = runner.invoke(cli, ["doctor", "-m", "someone/llama-GGUF:Q4_K_M", "--json"], catch_exceptions=False)
     assert doctor.exit_code == 0 and json.loads(doctor.stdout)["model"]
     listed = json.loads(runner.invoke(cli, ["list", "--json"]).stdout)
     assert [m["name"] for m in listed] == ["someone/llama-GGUF:Q4_K_M"]
     assert hub.requests == []  # every command found the pulled model by its name, offline
+
+
+def test_cli_pulled_projector_is_loaded_by_name(hub, tmp_path):
+    """`leat pull` fetches a tiny Gemma 3 repository's projector; `leat generate --image` by the model's name then
+    reads the image exactly as with --mmproj FILE, --no-mmproj leaves it out, and `leat list` shows it."""
+    from click.testing import CliRunner
+    from leat.cli import cli
+    from leat.testing import encode_png, write_tiny_gguf, write_tiny_mmproj
+
+    gemma = pytest.importorskip("leat_arch_gemma.gemma")
+    pytest.importorskip("leat_backend_cpu")
+    params = gemma.Gemma3.tiny()
+    model = write_tiny_gguf(gemma.Gemma3, tmp_path / "g.gguf", seed=2, params=params)
+    mmproj = write_tiny_mmproj(tmp_path / "mmproj-g-F16.gguf", params.width, gguf.VisionProjectorType.GEMMA3, seed=102)
+    image = tmp_path / "noise.png"
+    image.write_bytes(encode_png(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)))
+    hub.repos["someone/gemma-GGUF"] = {"g-Q4_K_M.gguf": model.read_bytes(), "mmproj-g-F16.gguf": mmproj.read_bytes()}
+    runner = CliRunner()
+    assert runner.invoke(cli, ["pull", "someone/gemma-GGUF"], catch_exceptions=False).exit_code == 0
+    args = ["generate", "-p", "what is it", "-n", "4", "--temperature", "0", "--json", "--backend", "cpu"]
+    args += ["--image", str(image)]
+
+    def generate(*extra: str):
+        return runner.invoke(cli, [*args, *extra], catch_exceptions=False)
+
+    pulled, explicit = generate("someone/gemma-GGUF"), generate(str(model), "--mmproj", str(mmproj))
+    assert pulled.exit_code == 0 and explicit.exit_code == 0, pulled.output + explicit.output
+    first, second = json.loads(pulled.stdout), json.loads(explicit.stdout)
+    assert first["prompt_ids"] == second["prompt_ids"] and first["ids"] == second["ids"]
+    assert len(first["prompt_ids"]) > 16  # the image's 16 positions are in the prompt
+    refused = runner.invoke(cli, [*args, "someone/gemma-GGUF", "--no-mmproj"])
+    assert refused.exit_code != 0 and "no vision projector" in str(refused.exception)
+    listed = runner.invoke(cli, ["list"]).stdout.splitlines()
+    assert listed[0].split()[-1] == "PROJECTOR" and listed[1].split()[-1] == "mmproj-g-F16.gguf"

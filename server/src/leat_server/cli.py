@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import click
-from leat.cli import _load, _select_plugins, _speculate, _threads
+from leat.cli import _load, _mmproj, _select_plugins, _speculate, _threads
 from leat.cli_options import (
     _registered,
     backend_option,
     default_kv,
     kv_option,
+    mmproj_options,
     model_argument,
     plugins_option,
     precision_option,
@@ -201,12 +202,7 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
     metavar="SEC",
     help="how long a request waits for its model to load, then 503",
 )
-@click.option(
-    "--mmproj",
-    default=None,
-    type=click.Path(exists=True, dir_okay=False),
-    help="the model's vision projector (mmproj GGUF): image parts in chat requests",
-)
+@mmproj_options
 @backend_option
 @precision_option
 @threads_option
@@ -241,6 +237,7 @@ def serve(
     _threads(threads)
     options["allow_origins"] = list(options["allow_origins"])
     options["kv"] = options["kv"] or default_kv(precision)
+    no_mmproj = options.pop("no_mmproj")
     opts = ServeOptions(model=model_name, backend=backend, precision=precision, **options)
     if more_models or opts.models_config:
         if opts.mmproj:
@@ -249,7 +246,9 @@ def serve(
         given = [model_name] if params.get("model_arg") or params.get("model_opt") or not opts.models_config else []
         with _key_file(api_keys) as key_file:
             opts.api_key_file = key_file or opts.api_key_file
-            serve_several(opts, [*given, *more_models], threads, speculate, draft, plugin_names, tensor_parallel)
+            serve_several(
+                opts, [*given, *more_models], threads, speculate, draft, plugin_names, tensor_parallel, no_mmproj
+            )
         return
     with _key_file(api_keys) as key_file:
         opts.api_key_file = key_file or opts.api_key_file
@@ -268,14 +267,14 @@ def serve(
                 speculate,
                 draft,
                 plugin_names,
-                opts.mmproj,
+                opts.mmproj or (False if no_mmproj else None),
                 tensor_parallel,
             )
             run_server(opts, load)
 
 
 def serve_several(
-    opts: ServeOptions, names: list[str], threads, speculate, draft, plugin_names, tensor_parallel=1
+    opts: ServeOptions, names: list[str], threads, speculate, draft, plugin_names, tensor_parallel=1, no_mmproj=False
 ) -> None:
     """``leat serve A B ...`` / ``--models-config``: each model by name, each its own engine (leat_server.models)."""
     from leat.cli_models import running_server
@@ -295,8 +294,9 @@ def serve_several(
 
         def load(spec: Any) -> Any:
             o = spec.options
+            mmproj = o.mmproj or (False if no_mmproj else None)
             return load_model(
-                spec.model, o.backend, o.precision, threads, speculate, draft, plugin_names, o.mmproj, tensor_parallel
+                spec.model, o.backend, o.precision, threads, speculate, draft, plugin_names, mmproj, tensor_parallel
             )
 
         serve_models(opts, specs, load, changed=lambda models: update({"models": models.resident()}))
@@ -305,6 +305,7 @@ def serve_several(
 def load_model(
     model_name, backend, precision, threads, speculate, draft, plugin_names, mmproj=None, tensor_parallel=1
 ) -> Any:
+    """Load a model to serve; ``mmproj``: its projector's path, None for the one pulled with it, False for none."""
     from leat.cli_models import model_label
 
     _select_plugins(plugin_names)
@@ -313,8 +314,7 @@ def load_model(
     say(f"leat: loading {model_name}")
     model = _load(model_name, backend, precision, threads, tensor_parallel)
     _speculate(model, speculate, draft)
-    if mmproj:
-        model.load_mmproj(mmproj)
+    _mmproj(model, mmproj or None, mmproj is not False)
     described = model.backend.describe()
     say(
         f"leat: loaded {model_label(model.file.path)} on {described['backend']} ({described['precision']}) "
