@@ -17,9 +17,9 @@ import argparse
 import numpy as np
 from leat.batch import Batch, Row
 from leat.modelfile import ModelFile
-from leat_backend_cuda import driver, quants
+from leat_backend_cuda import quants
 from leat_backend_cuda.backend import CUDABackend, _ready
-from leat_backend_cuda.bench import architecture, matrices, time_it
+from leat_backend_cuda.bench import architecture, matrices, step_ms, time_it
 
 OFF = (1 << 30, 1 << 30)  # rows_tokens that no product falls in
 
@@ -61,13 +61,7 @@ def main() -> None:
         steps = []
         for rows_tokens in (OFF, default[0]):
             backend.rows_tokens = rows_tokens
-            backend._captured.clear()
-            backend.to_host(backend.run(arch.forward, batch, kv))
-            timer = driver.Timer(backend.device)
-            with timer:
-                for _ in range(20):
-                    backend.run(arch.forward, batch, kv)
-            steps.append(timer.seconds / 20 * 1e3)
+            steps.append(step_ms(backend, arch.forward, batch, kv))
         print(f"| {n} | {steps[0]:.2f} | {steps[1]:.2f} |", flush=True)
 
 

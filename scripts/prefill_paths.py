@@ -18,8 +18,8 @@ import numpy as np
 from leat.batch import Batch, Row
 from leat.model import architecture_class
 from leat.modelfile import ModelFile
-from leat_backend_cuda import driver
 from leat_backend_cuda.backend import CUDABackend
+from leat_backend_cuda.bench import step_ms
 
 OWN, CUBLAS = 1 << 30, 1
 
@@ -59,13 +59,7 @@ def main() -> None:
         times = []
         for threshold in (OWN, CUBLAS):
             backend.cublas_min_tokens = threshold
-            backend._captured.clear()  # a graph per path
-            backend.to_host(backend.run(arch.forward, batch, kv))
-            timer = driver.Timer(backend.device)
-            with timer:
-                for _ in range(10):
-                    backend.run(arch.forward, batch, kv)
-            times.append(timer.seconds / 10 * 1e3)
+            times.append(step_ms(backend, arch.forward, batch, kv, 10))
         print(f"| {rows} decode rows + {chunk}-token chunk | {times[0]:.2f} | {times[1]:.2f} |", flush=True)
 
 

@@ -20,7 +20,7 @@ from leat.batch import Batch, Row
 from leat.modelfile import ModelFile
 from leat_backend_cuda import compiler, driver, quants
 from leat_backend_cuda.backend import CUDABackend, _ready
-from leat_backend_cuda.bench import architecture, matrices, time_it
+from leat_backend_cuda.bench import architecture, matrices, step_ms, time_it
 
 NEVER = (1 << 30, 1 << 30)  # few_tokens that no product falls in
 SHAPES = [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2)]
@@ -76,13 +76,7 @@ def main() -> None:
         steps = []
         for few, gated in ((NEVER, False), (default, False), (default, True)):
             backend.few_tokens, backend.few_gated = few, gated
-            backend._captured.clear()
-            backend.to_host(backend.run(arch.forward, batch, kv))
-            timer = driver.Timer(backend.device)
-            with timer:
-                for _ in range(20):
-                    backend.run(arch.forward, batch, kv)
-            steps.append(timer.seconds / 20 * 1e3)
+            steps.append(step_ms(backend, arch.forward, batch, kv))
         print(f"| {n} | {steps[0]:.2f} | {steps[1]:.2f} | {steps[2]:.2f} | {n / steps[2] * 1e3:,.0f} |", flush=True)
 
 

@@ -268,6 +268,18 @@ def variant(backend: CUDABackend, qtype, kind: str, shape: tuple[int, int, int])
     return _variants[key][name]
 
 
+def step_ms(backend: CUDABackend, forward, batch, kv, reps: int = 20) -> float:
+    """Milliseconds of one forward step of ``batch`` as the engine runs it (``backend.run``: graph-replayed where a
+    graph fits), captured afresh (so a path changed since is what runs), then ``reps`` steps timed on the device."""
+    backend._captured.clear()
+    backend.to_host(backend.run(forward, batch, kv))
+    timer = driver.Timer(backend.device)
+    with timer:
+        for _ in range(reps):
+            backend.run(forward, batch, kv)
+    return timer.seconds / reps * 1e3
+
+
 def time_it(backend: CUDABackend, call, reps: int) -> float:
     """Device seconds per call: ``reps`` calls captured in a graph, replayed twice, the second timed."""
     call()

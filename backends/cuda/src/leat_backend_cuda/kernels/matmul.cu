@@ -234,6 +234,24 @@ __global__ void __launch_bounds__(128) gemv_q(
     }
 }
 
+// A unit of rows g and g + 8 (raw0, raw1) decoded once, as the mma A fragments of its UV / 4 k-steps: k-step j
+// takes the quad's values 4j..4j+3, lane t's at fragment columns 2t, 2t + 1, 2t + 8, 2t + 9 (gemm_few below says
+// why); `keep` 0 blanks a unit past a row's end.
+template <class T>
+__device__ __forceinline__ void unit_fragments(const typename T::Raw& raw0, const typename T::Raw& raw1, int unit,
+                                               float keep, u32 (&a)[T::UV / 4][4]) {
+    float v0[T::UV], v1[T::UV];
+    T::template decode<false>(raw0, unit, v0);
+    T::template decode<false>(raw1, unit, v1);
+#pragma unroll
+    for (int j = 0; j < T::UV / 4; ++j) {
+        a[j][0] = pack_f16x2(v0[4 * j] * keep, v0[4 * j + 1] * keep);
+        a[j][1] = pack_f16x2(v1[4 * j] * keep, v1[4 * j + 1] * keep);
+        a[j][2] = pack_f16x2(v0[4 * j + 2] * keep, v0[4 * j + 3] * keep);
+        a[j][3] = pack_f16x2(v1[4 * j + 2] * keep, v1[4 * j + 3] * keep);
+    }
+}
+
 // Y = X W^T (+ bias) for a few tokens (up to 8 * NT) on tensor cores, each weight read once: the
 // matrix-vector kernels' access pattern with mma.sync m16n8k16 in place of FMA. A block owns 16 * RT
 // weight rows; its 8 warps share out the rows' units, four consecutive units per step (one per lane
@@ -282,18 +300,7 @@ __global__ void __launch_bounds__(256) gemm_few(const u8* __restrict__ w, const 
             for (int h = 0; h < 2; ++h) raw[rs][h] = T::load(rs < RT ? w : w2, nb, first[rs % RT][h] + blk, unit);
         u32 a[RS][J][4];  // the unit decoded once, as the A fragments of its J k-steps
 #pragma unroll
-        for (int rs = 0; rs < RS; ++rs) {
-            float v0[T::UV], v1[T::UV];
-            T::template decode<false>(raw[rs][0], unit, v0);
-            T::template decode<false>(raw[rs][1], unit, v1);
-#pragma unroll
-            for (int j = 0; j < J; ++j) {
-                a[rs][j][0] = pack_f16x2(v0[4 * j] * keep, v0[4 * j + 1] * keep);
-                a[rs][j][1] = pack_f16x2(v1[4 * j] * keep, v1[4 * j + 1] * keep);
-                a[rs][j][2] = pack_f16x2(v0[4 * j + 2] * keep, v0[4 * j + 3] * keep);
-                a[rs][j][3] = pack_f16x2(v1[4 * j + 2] * keep, v1[4 * j + 3] * keep);
-            }
-        }
+        for (int rs = 0; rs < RS; ++rs) unit_fragments<T>(raw[rs][0], raw[rs][1], unit, keep, a[rs]);
         const i64 base = (i64)blk * T::BLOCK;
 #pragma unroll
         for (int j = 0; j < J; ++j) {
@@ -384,18 +391,7 @@ __global__ void __launch_bounds__(128) gemm_rows(const u8* __restrict__ w, i64 n
                 for (int h = 0; h < 2; ++h) raw[rt][h] = T::load(w, nb, first[rt][h] + blk, unit);
             u32 a[RT][J][4];
 #pragma unroll
-            for (int rt = 0; rt < RT; ++rt) {
-                float v0[T::UV], v1[T::UV];
-                T::template decode<false>(raw[rt][0], unit, v0);
-                T::template decode<false>(raw[rt][1], unit, v1);
-#pragma unroll
-                for (int j = 0; j < J; ++j) {
-                    a[rt][j][0] = pack_f16x2(v0[4 * j], v0[4 * j + 1]);
-                    a[rt][j][1] = pack_f16x2(v1[4 * j], v1[4 * j + 1]);
-                    a[rt][j][2] = pack_f16x2(v0[4 * j + 2], v0[4 * j + 3]);
-                    a[rt][j][3] = pack_f16x2(v1[4 * j + 2], v1[4 * j + 3]);
-                }
-            }
+            for (int rt = 0; rt < RT; ++rt) unit_fragments<T>(raw[rt][0], raw[rt][1], unit, 1.0f, a[rt]);
             const int base = (u / T::UNITS) * T::BLOCK;  // the unit's block, from the chunk's start
 #pragma unroll
             for (int j = 0; j < J; ++j) {
