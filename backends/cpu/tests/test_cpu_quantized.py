@@ -277,3 +277,28 @@ def test_direct_calls_equal_ctypes_calls():
         direct.entry("rms_norm")(x[:, ::2], None, norms[0], 20, 128, 1e-5)
     with pytest.raises(TypeError, match="signature"):
         direct._call(0, "ppp", x, x, x)
+
+
+def test_kernels_fall_back_to_ctypes_when_the_python_entry_does_not_build(monkeypatch):
+    built = native.library().path  # already in the cache: loads through ctypes as well
+    builds = []
+
+    def build(compiler, source, flags):
+        builds.append(any(flag.startswith("-I") for flag in flags))
+        if builds[-1]:
+            raise OSError("cc could not build the quantized kernels: Python.h: no such file")
+        return built
+
+    monkeypatch.setattr(native, "_python_headers", lambda: "/nowhere")
+    monkeypatch.setattr(native, "_build", build)
+    native.library.cache_clear()
+    try:
+        kernels = native.library()
+        assert builds == [True, False] and not kernels.direct
+        w, exact = weight(Q.Q8_0, 8, 64)
+        x = np.ones((1, 64), np.float32)
+        y = np.empty((1, 8), np.float32)
+        kernels.entry("gemv_q8_0")(w.address, 8, 64, x, 1, y, 1)
+        np.testing.assert_allclose(y[0], exact.sum(axis=1), rtol=1e-5)
+    finally:
+        native.library.cache_clear()

@@ -156,7 +156,8 @@ class Kernels:
 
 @functools.cache
 def library() -> Kernels:
-    """The compiled kernels, built on the first call of this process or loaded from the cache."""
+    """The compiled kernels, built on the first call of this process or loaded from the cache: with their Python entry
+    point where Python's headers are (and it builds and loads), else for ctypes alone."""
     compiler = _compiler()
     if compiler is None:
         raise OSError(f"no C compiler ({os.environ.get('CC', 'cc')}) to build the quantized kernels")
@@ -166,10 +167,17 @@ def library() -> Kernels:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         source += f"KERNELS({qtype.name.lower()}, {block}, {size})\n"
     headers = None if os.environ.get("LEAT_CPU_CTYPES") else _python_headers()
-    flags = list(FLAGS)
     if headers:
-        source += kernels.joinpath("call.c").read_text()
-        flags += [f"-I{headers}", f"-DPYTHON_VERSION={sys.version_info[0]}{sys.version_info[1]}"]
+        flags = [*FLAGS, f"-I{headers}", f"-DPYTHON_VERSION={sys.version_info[0]}{sys.version_info[1]}"]
+        try:
+            return Kernels(_build(compiler, source + kernels.joinpath("call.c").read_text(), flags), direct=True)
+        except (OSError, ImportError):  # headers of another build of Python, say: the kernels without call.c
+            pass
+    return Kernels(_build(compiler, source, list(FLAGS)), direct=False)
+
+
+def _build(compiler: str, source: str, flags: list[str]) -> Path:
+    """The library of ``source`` in the cache, compiled there first when it is not."""
     version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([source, *flags, version, _cpu_flags()]).encode()).hexdigest()[:24]
     path = cache_dir() / f"cpu-{key}.so"
@@ -183,7 +191,7 @@ def library() -> Kernels:
             if result.returncode != 0:
                 raise OSError(f"{compiler} could not build the quantized kernels:\n{result.stderr.decode()}")
             os.replace(built, path)  # atomic: another process may be building the same file
-    return Kernels(path, direct=headers is not None)
+    return path
 
 
 def address(array: np.ndarray) -> int:
