@@ -9,6 +9,7 @@ missing key) becomes a one-line :class:`ModelFileError` naming the file.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 import struct
 import sys
@@ -85,7 +86,7 @@ class StringArray(Sequence[str]):
         starts = self._starts
         base = starts[0]
         data = bytes(self._raw[base : starts[len(starts) - 1]])  # one copy: slicing bytes beats a view per string
-        return (data[a - base + 8 : b - base].decode("utf-8", "replace") for a, b in zip(starts, starts[1:]))
+        return (data[a - base + 8 : b - base].decode("utf-8", "replace") for a, b in itertools.pairwise(starts))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, str) or len(other) != len(self):
