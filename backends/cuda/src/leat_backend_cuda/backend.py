@@ -782,7 +782,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         over K so that the grid has about ``rows_blocks`` blocks (partial sums added by splitk_sum)."""
         m, k = weight.rows, weight.cols
         xh, xscale = self._f16_rows(x, n, k)
-        shape = self.rows_shape or (8, 2)
+        shape = self.rows_shape or quants.GEMM_ROWS_VARIANTS[0]
         grid = (-(-m // (64 * shape[1])), 1, -(-n // (8 * shape[0])))
         chunks = k // quants.GEMM_ROWS_KC
         splits = max(1, min(chunks, int(self.rows_blocks / (grid[0] * grid[2]) + 0.5)))

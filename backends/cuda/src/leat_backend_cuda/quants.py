@@ -146,8 +146,10 @@ def gemm_few_smem(shape: tuple[int, int], glu: bool = False) -> int:
     return 8 * row_tiles * tiles * 4 * 32 * 4 * (2 if glu else 1)
 
 
-#: (tiles NT, row tiles RT) of every gemm_rows instantiation: 8 * NT tokens a block column, 64 * RT rows a block
-GEMM_ROWS_VARIANTS = ((8, 2), (8, 1), (4, 2))
+#: (tiles NT, row tiles RT) of every gemm_rows instantiation: 8 * NT tokens a block column, 64 * RT rows a block.
+#: One: on the H200 (8, 1) and (4, 2) won only where the products are smallest (docs/benchmarks.md), and every
+#: instantiation is compiled for every type
+GEMM_ROWS_VARIANTS = ((8, 2),)
 #: K values of x a gemm_rows block stages in shared memory at a time (ROWS_KC in matmul.cu): K must be a multiple
 GEMM_ROWS_KC = 256
 
