@@ -117,7 +117,11 @@ def test_thinking_off_and_budgets_in_every_api(client, server):
     assert all(item.type != "reasoning" for item in responses.output)
     assert responses.usage.output_tokens_details.reasoning_tokens == 0
     thinking = client.responses.create(model="tiny", input="hello there", max_output_tokens=8)
-    assert thinking.output[0].type == "reasoning" and thinking.usage.output_tokens_details.reasoning_tokens == 8
+    # (no ignore_eos in the Responses API: the random model may end its answer before 8 tokens, as it did once in
+    # seven runs on a loaded machine, 16 of its prompt tokens from the prefix cache)
+    used = thinking.usage.output_tokens
+    assert thinking.output[0].type == "reasoning" and 0 < thinking.usage.output_tokens_details.reasoning_tokens <= used
+    assert used == 8 or thinking.status == "completed"  # 8 unless the model ended it
 
 
 def test_bad_reasoning_fields_are_400(server):
