@@ -29,10 +29,22 @@ def expected_text(model_path):
     return greedy_text(model_path, PROMPT, 24)
 
 
+def serve(model_path) -> ServerProcess:
+    args = ["--backend", "cpu", "--api-workers", "2", "--batch-size", "4", "--max-queue", "16"]
+    return ServerProcess(model_path, args, timeout=120)
+
+
 @pytest.fixture
 def server(model_path):
-    args = ["--backend", "cpu", "--api-workers", "2", "--batch-size", "4", "--max-queue", "16"]
-    with ServerProcess(model_path, args, timeout=120) as proc:
+    """A server of the test's own, whose processes it kills."""
+    with serve(model_path) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def shared_server(model_path):
+    """One server for the tests that only send it requests."""
+    with serve(model_path) as proc:
         yield proc
 
 
@@ -59,9 +71,9 @@ def complete(client, **extra):
     return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, **extra)
 
 
-def test_requests_through_separate_processes_equal_the_model(server, expected_text):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    engine_pid, workers = pids(server)
+def test_requests_through_separate_processes_equal_the_model(shared_server, expected_text):
+    client = openai.OpenAI(base_url=shared_server.url + "/v1", api_key="unused", max_retries=0)
+    engine_pid, workers = pids(shared_server)
     assert len(workers) == 2 and engine_pid not in workers
     whole = complete(client)
     assert whole.choices[0].text == expected_text
@@ -79,10 +91,10 @@ def test_requests_through_separate_processes_equal_the_model(server, expected_te
     assert results == [expected_text] * 8
 
 
-def test_the_anthropic_client_through_separate_processes(server):
+def test_the_anthropic_client_through_separate_processes(shared_server):
     import anthropic
 
-    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    claude = anthropic.Anthropic(base_url=shared_server.url, api_key="unused", max_retries=0)
     hello = [{"role": "user", "content": "Hello"}]
     greedy = {"temperature": 0}  # newer clients no longer offer it as an argument; the API still takes it
     whole = claude.messages.create(model="tiny", max_tokens=10, messages=hello, extra_body=greedy)
