@@ -61,6 +61,9 @@ def run_alone(name: str, folder: Path) -> tuple[str, str, float]:
     lines = [line for line in tests.stdout.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
     summary = lines[-1].strip("= ") if lines else (tests.stdout + tests.stderr).strip().splitlines()[-1]
     status = "ok" if tests.returncode == 0 else "FAILED"
+    for line in tests.stdout.splitlines():  # which tests, so that a run's log says what failed alone
+        if line.startswith(("FAILED ", "ERROR ")):
+            print(f"  {name}: {line}", flush=True)
     return status, summary, time.perf_counter() - started
 
 
