@@ -793,11 +793,13 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             (grid[0], splits, grid[2]), 128, weight.ptr, weight.blocks, xh, xscale, target, bias, m, n, k, chunk
         )
         if splits > 1:
-            total = n * m
-            self.ops["splitk_sum"](
-                (max(1, min(-(-total // 256), 8 * self.device.sm_count)),), 256, target, out, total, splits
-            )
+            self._split_sum(target, out, n * m, splits)
         return out
+
+    def _split_sum(self, parts: DeviceArray, out: DeviceArray, total: int, splits: int) -> None:
+        """``out`` = the sum of a split-K product's ``splits`` partial outputs of ``total`` values each."""
+        grid = max(1, min(-(-total // 256), 8 * self.device.sm_count))
+        self.ops["splitk_sum"]((grid,), 256, parts, out, total, splits)
 
     def _gemm(self, x, weight: Matrix, bias, out: DeviceArray, n: int, m: int, k: int, kt: int) -> None:
         """The tensor-core GEMM, split over K when its tiles alone would leave most of the GPU idle."""
@@ -826,9 +828,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
             smem=quants.GEMM_SMEM[kt],
         )
         if splits > 1:
-            total = n * m
-            grid = max(1, min(-(-total // 256), 8 * self.device.sm_count))
-            self.ops["splitk_sum"]((grid,), 256, target, out, total, splits)
+            self._split_sum(target, out, n * m, splits)
 
     def rms_norm(self, x: DeviceArray, weight: DeviceArray | None, eps: float) -> DeviceArray:
         x = _ready(x)
