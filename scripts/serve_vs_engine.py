@@ -20,6 +20,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -36,6 +37,13 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> float:
         except OSError:
             time.sleep(0.1)
     raise SystemExit(f"the server did not answer /health within {timeout:.0f} s")
+
+
+def stamp_lines(stream, path: str, start: float) -> None:
+    with open(path, "w") as output:
+        for line in stream:
+            output.write(f"[{time.perf_counter() - start:7.2f} s] {line}")
+            output.flush()
 
 
 def stop(process: subprocess.Popen) -> float:
@@ -57,8 +65,9 @@ def serve_runs(args: argparse.Namespace, spec: str) -> list[dict]:
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
     log = f"{args.log_dir}/serve-{batch}.log" if args.log_dir else os.devnull
-    with open(log, "w") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # each line of the server's output with the seconds since it started, so the log shows where "ready" went
+    threading.Thread(target=stamp_lines, args=(process.stdout, log, time.perf_counter()), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     rows = []
     try:
@@ -72,14 +81,35 @@ def serve_runs(args: argparse.Namespace, spec: str) -> list[dict]:
             if args.warmup:  # as leat bench does: one untimed round first (graph captures, allocations)
                 subprocess.run([*load, "-n", str(c)], check=False, capture_output=True, timeout=args.load_timeout)
             load += ["-n", str(c * args.requests_per_client)]
+            before = engine_counters(url)
             out = subprocess.run(load, check=False, capture_output=True, text=True, timeout=args.load_timeout)
             result = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {"error": out.stderr}
-            rows.append({"what": "serve", "batch_size": int(batch), **result})
+            after = engine_counters(url)
+            steps = {key: round(after[key] - before[key], 3) for key in after if key in before}
+            if "busy_seconds" in steps and result.get("wall_s"):
+                steps["busy_share"] = round(steps["busy_seconds"] / result["wall_s"], 3)
+            rows.append({"what": "serve", "batch_size": int(batch), **result, "engine": steps})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         rows.append({"what": "serve stop", "batch_size": int(batch), "seconds": round(stop(process), 2)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The engine's step counters from the server's /metrics (leat_engine_*_total), to tell how the load's tokens
+    were batched: steps, those carrying a prompt chunk, decode steps queued ahead, seconds spent in steps."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    counters = {}
+    for line in text.splitlines():
+        if line.startswith("leat_engine_") and "_total " in line:
+            name, value = line.split()
+            counters[name.removeprefix("leat_engine_").removesuffix("_total")] = float(value)
+    return counters
 
 
 def bench_runs(args: argparse.Namespace) -> list[dict]:
@@ -95,21 +125,29 @@ def bench_runs(args: argparse.Namespace) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| what | batch | c | requests | failed | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms |"]
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines = ["| what | batch | c | requests | failed | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | engine steps |"]
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["what"] == "serve":
             cells = [r.get(k) for k in ("requests", "failed", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99")]
             lines.append(
                 f"| serve | {r['batch_size']} | {r.get('concurrency')} | "
                 + " | ".join(str(c) for c in cells)
-                + f" | {r.get('itl_ms_p50')} |"
+                + f" | {r.get('itl_ms_p50')} | {steps_cell(r.get('engine') or {})} |"
             )
         elif r["what"] == "bench":
-            lines.append(f"| bench {r.get('test', '')} | | | | | {r['tokens_per_second']:.1f} | | | |")
+            lines.append(f"| bench {r.get('test', '')} | | | | | {r['tokens_per_second']:.1f} | | | | |")
         else:
-            lines.append(f"| {r['what']} | {r['batch_size']} | | | | {r['seconds']} s | | | |")
+            lines.append(f"| {r['what']} | {r['batch_size']} | | | | {r['seconds']} s | | | | |")
     return "\n".join(lines)
+
+
+def steps_cell(steps: dict[str, float]) -> str:
+    """``N (P with prompts, A ahead), busy B%`` from the engine counters of one load run."""
+    if "steps" not in steps:
+        return ""
+    busy = f", busy {100 * steps['busy_share']:.0f}%" if "busy_share" in steps else ""
+    return f"{steps['steps']:.0f} ({steps.get('prefill_steps', 0):.0f} with prompts, {steps.get('steps_ahead', 0):.0f} ahead){busy}"
 
 
 def main() -> None:

@@ -288,7 +288,8 @@ class Engine:
         self._state = threading.RLock()  # pages, slots, running and sessions: the scheduler's, or a session call's
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.steps = 0
+        # steps, those carrying a prompt chunk (never queued ahead), seconds in steps (the rest waited for work)
+        self.steps, self.prefill_steps, self.busy = 0, 0, 0.0
         # events of the step just taken: on a backend whose forward returns before the device finishes, they are
         # sent while the next step runs on the device, not between the two
         self._outbox: list[tuple[RequestHandle, Event]] = []
@@ -408,6 +409,9 @@ class Engine:
             "max_context": self.max_context,
             "batch_size": self.batch_size,
             "steps": self.steps,
+            "prefill_steps": self.prefill_steps,
+            "steps_ahead": self.steps_ahead,
+            "busy_seconds": self.busy,
             **({"speculation": self._speculation_stats()} if self.speculation is not None else {}),
             "allocations": {"weights": a.weights, "kv": a.kv, "scratch": a.scratch},
         }
@@ -561,6 +565,7 @@ class Engine:
         read = time.perf_counter()
         decode_only = all(row.start >= item.prompt_len for item, row in rows)
         self.steps += 1
+        self.prefill_steps += not decode_only
         first = np.cumsum([0] + [len(row.tokens) if row.all_logits else 1 for _, row in rows])
         for (item, row), at in zip(rows, first):
             if item.ended:  # a queued step's row of a request that ended before it: its token is dropped
@@ -579,6 +584,7 @@ class Engine:
             device = timer.seconds if timer is not None else None
             done = time.perf_counter()
             self.profile.append(StepProfile(len(rows), tokens, launched - began, read - launched, done - read, device))
+        self.busy += time.perf_counter() - began
 
     def _launch(self) -> tuple[list[tuple[_Running, Row]], Any, Any]:
         """This step's rows, output and device timer: the step the last one queued, or a new one."""

@@ -33,10 +33,15 @@ class EngineCollector:
         for kind, value in (stats.get("allocations") or {}).items():
             allocations.add_metric([kind], float(value))
         yield allocations
-        if "steps" in stats:
-            yield CounterMetricFamily(
-                "leat_engine_steps", "forward passes the scheduler ran", value=float(stats["steps"])
-            )
+        counters = {
+            "steps": ("leat_engine_steps", "forward passes the scheduler ran"),
+            "prefill_steps": ("leat_engine_prefill_steps", "forward passes that carried a prompt chunk"),
+            "steps_ahead": ("leat_engine_steps_ahead", "decode steps queued before the last one's tokens were read"),
+            "busy_seconds": ("leat_engine_busy_seconds", "seconds the scheduler spent in steps"),
+        }
+        for key, (name, help_text) in counters.items():
+            if key in stats:
+                yield CounterMetricFamily(name, help_text, value=float(stats[key]))
 
 
 class Metrics:

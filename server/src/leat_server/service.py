@@ -197,7 +197,7 @@ class Service:
         return [logit_bias(table)]
 
     # -- running ---------------------------------------------------------------------------------------------
-    def submit(self, job: Job) -> Any:
+    def submit(self, job: Job, count: bool = True) -> Any:
         session = self.session_name(job.owner, job.session) if job.session is not None else None
         room = self.max_context - len(job.prompt_ids)
         max_tokens = job.max_tokens if job.max_tokens is not None else max(room, 1)
@@ -223,7 +223,7 @@ class Service:
             if isinstance(e, Overloaded | TooLong):
                 raise
             raise bad_request(str(e), param="prompt") from None
-        if self.metrics:
+        if self.metrics and count:
             self.metrics.submitted(job.endpoint, len(job.prompt_ids))
         return handle
 
@@ -324,6 +324,15 @@ class Service:
                 if self.metrics:
                     self.metrics.finished(job.endpoint, job.result, time.perf_counter() - job.started)
 
+    async def warm_up(self) -> None:
+        """Generate one token for a one-token prompt the way a request does (the engine and its sampler, the
+        text stream), so that imports, threads and tables made on first use are made before the first request.
+        Not counted in the metrics."""
+        job = Job("warmup", [0], 1, self.sampling({"temperature": 0}), ignore_eos=True)
+        job.settled = True  # nothing to count
+        async for _ in self.stream(job, self.submit(job, count=False)):
+            pass
+
     def abandon(self, job: Job, handle: Any) -> None:
         """Cancel ``job``'s engine request (its client is gone, or its answer was cut short): the engine frees its
         slot and KV pages at its next step, and it is counted as cancelled. Does nothing for a request that has
@@ -343,7 +352,7 @@ class Service:
     def _take(self, job: Job, event: Any, text: TextStream, pending: list[TokenLogprob]) -> list[Piece]:
         """The pieces one step's tokens make, up to the one that completes a stop string."""
         result = job.result
-        if not result.token_ids and self.metrics:
+        if not result.token_ids and self.metrics and not job.settled:
             self.metrics.first_token(job.endpoint, time.perf_counter() - job.started)
         read = text.ids_read
         chunk = text.feed(event.ids)
