@@ -161,6 +161,9 @@ class Architecture:
     #: The vision projectors (an mmproj's ``clip.projector_type``) the family takes images through: each a
     #: :class:`leat.vision.Projector` (its encoder and the text around an image's embeddings). None: no images.
     projectors: ClassVar[dict[str, Any]] = {}
+    #: True for a family with layers that keep a recurrent state per sequence (:meth:`Backend.gated_delta_net`), which
+    #: cannot rewind: the engine then reuses no cached prefix, keeps no sessions and drafts nothing for it
+    recurrent: ClassVar[bool] = False
 
     def __init__(self, file: ModelFile, backend: Backend):
         self.file = file

@@ -21,6 +21,7 @@ from leat.errors import BackendUnavailable, LeatError
 from leat.modelfile import Tensor
 
 if TYPE_CHECKING:
+    from leat.deltanet import DeltaNet
     from leat.moe import MoESpec, MoEWeights
 
 
@@ -179,6 +180,9 @@ class Backend:
     #: True when :meth:`attention` honours rows marked ``bidirectional`` (what images in a prompt and vision encoders
     #: need); the engine refuses images on a backend without it
     bidirectional: ClassVar[bool] = False
+    #: True when the backend keeps a recurrent state per sequence (:meth:`gated_delta_net`); a family with recurrent
+    #: layers refuses a backend without it when it loads
+    recurrent_state: ClassVar[bool] = False
 
     @classmethod
     def probe(cls) -> str | None:
@@ -394,6 +398,10 @@ class Backend:
         """silu(gate) * up, elementwise."""
         raise self._missing()
 
+    def sigmoid_mul(self, gate: Any, x: Any) -> Any:
+        """sigmoid(gate) * x, elementwise (Qwen3.5's gated attention output)."""
+        raise self._missing()
+
     def add(self, a: Any, b: Any) -> Any:
         raise self._missing()
 
@@ -457,5 +465,21 @@ class Backend:
         [n, heads, rope]), scores each cached key j with ``scale * (q_latent . latent_j + q_rope . k_rope_j)``;
         causal and window masks and the softmax are as :meth:`attention`, and the values are the cached
         latents: returns [n, heads, rank] (still latent; :meth:`head_matmul` with ``attn_v_b`` decompresses).
+        """
+        raise self._missing()
+
+    def gated_delta_net(
+        self, mixed: Any, alpha: Any, beta: Any, net: DeltaNet, kv: Any, layer: int, batch: Batch
+    ) -> Any:
+        """A gated delta-net layer (:mod:`leat.deltanet`, whose ``run`` is the reference) over each row of ``batch``:
+        ``mixed`` [n, channels] (the qkv projection), ``alpha`` and ``beta`` [n, v_heads] -> [n, v_heads, head_dim].
+
+        The recurrent state: per (``layer``, slot), the convolution's last ``kernel - 1`` inputs and the state
+        matrices (:attr:`DeltaNet.state_shapes`), kept by the backend with ``kv`` (made on a layer's first call, one
+        per slot of ``kv``; ``layer`` numbers these states apart from the KV layers). A row starting at position 0 is
+        a new sequence and starts from zeros; a row starting at p continues the state its slot holds after p
+        positions. The state cannot rewind: a row starting anywhere else raises :class:`~leat.errors.LeatError`, so
+        a model with such layers (:attr:`leat.architecture.Architecture.recurrent`) reuses no cached prefix, keeps
+        no sessions and drafts nothing; its KV pages (for its attention layers) are handled as any model's.
         """
         raise self._missing()

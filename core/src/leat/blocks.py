@@ -189,6 +189,8 @@ def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], name: str) -
     """Weights for tiny test models: norms near 1, everything else small and centred."""
     if name.startswith("rope_freqs"):  # Llama 3 style: low frequencies stretched up to 8x
         return np.linspace(1.0, 8.0, shape[0], dtype=np.float32)
+    if name.endswith(".ssm_a"):  # a state-space layer's decay rates, -exp(A_log), are negative
+        return -np.exp(0.5 * rng.standard_normal(shape)).astype(np.float32)
     if name.endswith("norm.weight"):
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     fan_in = shape[-1]

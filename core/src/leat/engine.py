@@ -275,6 +275,10 @@ class Engine:
         self.max_queue = options.max_queue
         self.kv_dtype = options.kv
         self.speculation = speculation
+        # a recurrent state cannot rewind: no cached prefix, session or draft can be continued from
+        self.recurrent = model.architecture.recurrent
+        if self.recurrent and speculation is not None:
+            raise LeatError("this model keeps a recurrent state per sequence, which cannot rewind: it cannot speculate")
         self.top_k_candidates = options.top_k_candidates
         self._allocate(options)
         fingerprint = model_fingerprint(model, options.kv, self.page_size, self.windows)
@@ -376,6 +380,8 @@ class Engine:
             )
         if request.session is not None:
             check_name(request.session)
+            if self.recurrent:
+                raise LeatError("this model keeps a recurrent state per sequence, which sessions do not keep yet")
         if request.images and getattr(self.model, "vision", None) is None:
             raise LeatError("this model has no vision projector for the prompt's images: load one with --mmproj")
         if request.images and request.session is not None:
@@ -458,7 +464,7 @@ class Engine:
                 return  # wait for pages to come back
             self.waiting.popleft()
             prompt = keyed(item.tokens[: item.prompt_len], item.request.images)
-            item.held.prefix_keys = self.budget.prefix_keys(item.request.client, prompt)
+            item.held.prefix_keys = self._prefix_keys(item.request.client, prompt)
             item.slot = self.free_slots.pop()
             if session is not None:
                 session.busy = True
@@ -472,7 +478,7 @@ class Engine:
         found = self.session_kv.reuse(session, prompt) if session is not None else None
         lender = session if found is not None else None  # the session whose pages this row borrows
         lent = lender.pages if lender is not None else None
-        keys = self.budget.prefix_keys(item.request.client, keyed(prompt, item.request.images))
+        keys = self._prefix_keys(item.request.client, keyed(prompt, item.request.images))
         reuse, shared = found or self.budget.lookup(keys)
         # a session's partly filled last page is copied before writing (a cached prefix is whole pages)
         copy = reuse % self.page_size != 0
@@ -483,6 +489,9 @@ class Engine:
             self.session_kv.lend_window(lender)
         item.held, item.filled, item.cached = held, reuse, reuse
         return True
+
+    def _prefix_keys(self, client: str | None, prompt: list[Any]) -> list[bytes]:
+        return [] if self.recurrent else self.budget.prefix_keys(client, prompt)
 
     # -- sessions (callable from any thread) ---------------------------------------------------------
     def fork_session(self, source: str, target: str) -> None:

@@ -96,9 +96,12 @@ def add_tiny_tokenizer(writer: gguf.GGUFWriter, vocab_size: int, pre: str = "lla
     writer.add_chat_template(CHATML)
 
 
-# Matrices llama.cpp's converter and llama-quantize always keep in F32 (MoE routers); the converter
-# also keeps every tensor not named ``*.weight`` (biases, including 2-D expert biases) in F32.
-F32_MATRICES = tuple(gguf.TENSOR_NAMES[t].split(".")[-1] + ".weight" for t in (gguf.MODEL_TENSOR.FFN_GATE_INP,))
+# Matrices llama.cpp's converter and llama-quantize always keep in F32 (MoE routers, state-space convolutions); the
+# converter also keeps every tensor not named ``*.weight`` (biases, including 2-D expert biases) in F32.
+F32_MATRICES = tuple(
+    gguf.TENSOR_NAMES[t].split(".")[-1] + ".weight"
+    for t in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.SSM_CONV1D)
+)
 
 
 def quantizable(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> bool:

@@ -24,7 +24,8 @@ import gguf
 import numpy as np
 from leat.backend import Allocations, Backend, KVPages, RopeSpec
 from leat.batch import Batch
-from leat.errors import UnsupportedQuantType
+from leat.deltanet import DeltaNet, run
+from leat.errors import LeatError, UnsupportedQuantType
 from leat.modelfile import Tensor
 from leat.moe import MoESpec, MoEWeights, activate, route
 from threadpoolctl import ThreadpoolController
@@ -51,6 +52,8 @@ class KVCache(KVPages):
     dtype: str = "f32"
     k_scale: list[np.ndarray] = field(default_factory=list)  # q8_0: one f16 scale per 32 values
     v_scale: list[np.ndarray] = field(default_factory=list)
+    # per recurrent layer: each slot's convolution inputs, delta-net state and positions taken in (Backend.gated_delta_net)
+    recurrent: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 def _q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -73,6 +76,7 @@ class CPUBackend(Backend):
     name = "cpu"
     quant_types = DEQUANTIZABLE
     bidirectional = True
+    recurrent_state = True
 
     def __init__(self, precision: str = "f32", **options: Any):
         if precision not in ("f32", "f64"):
@@ -268,6 +272,50 @@ class CPUBackend(Backend):
             return native.gated(gate, up, gelu=False)
         with np.errstate(over="ignore"):  # exp overflow for very negative gates gives the right limit, 0
             return gate / (1.0 + np.exp(-gate)) * up
+
+    def gated_delta_net(
+        self,
+        mixed: np.ndarray,
+        alpha: np.ndarray,
+        beta: np.ndarray,
+        net: DeltaNet,
+        kv: KVCache,
+        layer: int,
+        batch: Batch,
+    ) -> np.ndarray:
+        if layer not in kv.recurrent:
+            tail, state = net.state_shapes
+            kv.recurrent[layer] = (
+                np.zeros((kv.slots, *tail), self.dtype),
+                np.zeros((kv.slots, *state), self.dtype),
+                np.zeros(kv.slots, np.int64),
+            )
+            self.allocations.kv += sum(a.nbytes for a in kv.recurrent[layer])
+        tails, states, taken = kv.recurrent[layer]
+        out = np.empty((len(batch), net.v_heads, net.head_dim), self.dtype)
+        for row, start, stop in zip(batch.rows, batch.offsets, batch.offsets[1:]):
+            if row.start == 0:
+                tails[row.slot], states[row.slot] = 0, 0
+            elif row.start != taken[row.slot]:
+                raise LeatError(
+                    f"slot {row.slot} of recurrent layer {layer} holds the state after {taken[row.slot]} positions, "
+                    f"and a recurrent state cannot continue at position {row.start}"
+                )
+            out[start:stop] = run(
+                net, mixed[start:stop], alpha[start:stop], beta[start:stop], tails[row.slot], states[row.slot]
+            )
+            taken[row.slot] = row.start + len(row.tokens)
+        return out
+
+    def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        if self.native:
+            return native.gated(gate, up, gelu=False)
+        with np.errstate(over="ignore"):  # exp overflow for very negative gates gives the right limit, 0
+            return gate / (1.0 + np.exp(-gate)) * up
+
+    def sigmoid_mul(self, gate: np.ndarray, x: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):  # as silu_mul: exp overflow gives the right limit, 0
+            return x / (1.0 + np.exp(-gate))
 
     def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return a + b
