@@ -1,0 +1,1 @@
+"""leat plugin: the Qwen3.5 architecture (qwen35)."""
