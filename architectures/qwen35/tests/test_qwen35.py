@@ -2,13 +2,14 @@
 delta-net against a float64 loop written here, what it refuses, and the plugin as the CLI sees it. Agreement with
 llama.cpp is test_llamacpp_agreement.py's."""
 
+from typing import Any, ClassVar
+
 import gguf
 import numpy as np
 import pytest
 from leat.backend import Backend, KVLayout
 from leat.batch import Batch, Row
 from leat.conformance import ArchitectureConformance
-from leat.conformance.architecture import assert_chunked_and_batched_equal_whole, assert_metadata_round_trips
 from leat.deltanet import DeltaNet
 from leat.engine import Engine
 from leat.errors import BackendUnavailable, LeatError
@@ -19,7 +20,9 @@ from leat.testing import assert_generate_is_greedy, assert_plugin_provides, writ
 from leat_arch_qwen35.qwen35 import Qwen35, imrope_factors
 from leat_backend_cpu.backend import CPUBackend
 
-VARIANTS = {
+# the kit's metadata round trip and chunked-and-batched check run on each (each slot's recurrent state continues
+# across chunks and decode steps, apart from the other slots')
+VARIANTS: dict[str, dict[str, Any]] = {
     "interval": {},
     "listed": {"layers": 5, "recurrent_layers": (True, False, True, True, False), "k_heads": 4, "tied": False},
 }
@@ -27,6 +30,9 @@ PLUGINS = "leat-backend-cpu,leat-arch-qwen35,leat-samplers"
 
 
 class TestQwen35Conformance(ArchitectureConformance):
+    capabilities: ClassVar[frozenset[str]] = frozenset({"embeddings"})
+    variants: ClassVar[dict[str, dict[str, Any]]] = VARIANTS
+
     @pytest.fixture
     def architecture(self):
         return Qwen35
@@ -35,19 +41,6 @@ class TestQwen35Conformance(ArchitectureConformance):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return write_tiny_gguf(Qwen35, tmp_path_factory.mktemp("qwen35") / "qwen35.gguf")
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_metadata_round_trips(tmp_path, variant):
-    assert_metadata_round_trips(Qwen35, Qwen35.tiny(**VARIANTS[variant]), tmp_path, floats=("norm_eps",))
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_chunked_and_batched_equal_whole(tmp_path, variant):
-    """Each slot's recurrent state continues across chunks and decode steps, apart from the other slots'."""
-    path = write_tiny_gguf(Qwen35, tmp_path / f"{variant}.gguf", params=Qwen35.tiny(**VARIANTS[variant]))
-    backend = CPUBackend("f64")
-    assert_chunked_and_batched_equal_whole(Qwen35(ModelFile(path), backend), backend)
 
 
 def test_layer_kinds_and_the_kv_cache_of_the_full_layers():

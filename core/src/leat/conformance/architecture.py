@@ -20,11 +20,14 @@ class ArchitectureConformance:
     The checks run on the kit's reference backend (leat[conformance]), in float64 unless said otherwise; ``tokens``
     sets how many positions are compared, ``qtypes`` which storage types the tiny files are written in.
     ``capabilities`` selects optional checks: "embeddings" (the family implements :meth:`Architecture.hidden`).
+    ``variants`` names overrides of ``tiny()`` (the family's other shapes) that the metadata round trip and the
+    chunked-and-batched check also run on.
     """
 
     tokens: ClassVar[int] = 40
     qtypes: ClassVar[tuple[str, ...]] = ("F32", "Q8_0")
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    variants: ClassVar[dict[str, dict[str, Any]]] = {}
 
     @pytest.fixture
     def architecture(self) -> type[Architecture]:
@@ -103,6 +106,18 @@ class ArchitectureConformance:
             model.architecture.forward(Batch([Row(1, len(b) - 1, b[-1:]), Row(0, len(a) - 1, a[-1:])]), kv)
         )
         np.testing.assert_allclose(step, np.stack([alone[1][-1], alone[0][-1]]), rtol=1e-9, atol=1e-9)
+
+    def test_metadata_round_trips(self, architecture, variant, tmp_path):
+        assert_metadata_round_trips(architecture, architecture.tiny(**self.variants[variant]), tmp_path)
+
+    def test_chunked_and_batched_equal_whole(self, architecture, variant, tmp_path):
+        from leat.modelfile import ModelFile
+        from leat.testing import write_tiny_gguf
+
+        params = architecture.tiny(**self.variants[variant])
+        backend = cpu_oracle()("f64")
+        model = architecture(ModelFile(write_tiny_gguf(architecture, tmp_path / "tiny.gguf", params=params)), backend)
+        assert_chunked_and_batched_equal_whole(model, backend, params.vocab)
 
     @pytest.mark.leat_needs("embeddings")
     def test_forward_is_the_hidden_state_times_the_output(self, architecture, tiny_file):

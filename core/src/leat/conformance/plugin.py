@@ -28,11 +28,15 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """``qtype``: the storage types the subclass declares (``qtypes`` / ``model_qtypes``)."""
+    """``qtype``: the storage types the subclass declares (``qtypes`` / ``model_qtypes``); ``variant``: an
+    architecture's ``variants``."""
     cls = metafunc.cls
-    if cls is None or not issubclass(cls, KITS) or "qtype" not in metafunc.fixturenames:
+    if cls is None or not issubclass(cls, KITS):
         return
-    metafunc.parametrize("qtype", list(_qtypes(cls)))
+    if "qtype" in metafunc.fixturenames:
+        metafunc.parametrize("qtype", list(_qtypes(cls)))
+    if "variant" in metafunc.fixturenames:
+        metafunc.parametrize("variant", list(cls.variants))
 
 
 def _qtypes(cls: Any) -> tuple[str, ...]:
@@ -42,7 +46,8 @@ def _qtypes(cls: Any) -> tuple[str, ...]:
 def _applies(item: pytest.Item, cls: Any) -> bool:
     needs = {mark.args[0] for mark in item.iter_markers("leat_needs")}
     no_types = "qtype" in getattr(item, "fixturenames", ()) and not _qtypes(cls)
-    return needs <= cls.capabilities and not no_types
+    no_variants = "variant" in getattr(item, "fixturenames", ()) and not getattr(cls, "variants", None)
+    return needs <= cls.capabilities and not no_types and not no_variants
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
