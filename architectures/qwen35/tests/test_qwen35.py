@@ -17,7 +17,7 @@ from leat.model import Model
 from leat.modelfile import ModelFile
 from leat.speculative import Speculation
 from leat.testing import assert_generate_is_greedy, assert_plugin_provides, write_tiny_gguf
-from leat_arch_qwen35.qwen35 import Qwen35, imrope_factors
+from leat_arch_qwen35.qwen35 import Qwen35, Qwen35Moe, imrope_factors
 from leat_backend_cpu.backend import CPUBackend
 
 # the kit's metadata round trip and chunked-and-batched check run on each (each slot's recurrent state continues
@@ -130,8 +130,16 @@ def test_the_engine_reuses_no_prefix_and_refuses_sessions_and_speculation(tiny):
     assert engine._prefix_keys(None, list(range(40))) == []
 
 
+class TestQwen35MoeConformance(ArchitectureConformance):
+    qtypes: ClassVar[tuple[str, ...]] = ("F32",)
+
+    @pytest.fixture
+    def architecture(self):
+        return Qwen35Moe
+
+
 def test_leat_plugins_lists_qwen35():
-    assert_plugin_provides("leat-arch-qwen35", "architectures", ["qwen35"], plugins=PLUGINS)
+    assert_plugin_provides("leat-arch-qwen35", "architectures", ["qwen35", "qwen35moe"], plugins=PLUGINS)
 
 
 def test_cli_generate_is_the_oracles_greedy_continuation(tmp_path):

@@ -399,7 +399,8 @@ class Backend:
         raise self._missing()
 
     def sigmoid_mul(self, gate: Any, x: Any) -> Any:
-        """sigmoid(gate) * x, elementwise (Qwen3.5's gated attention output)."""
+        """sigmoid(gate) * x, elementwise (Qwen3.5's gated attention output); a gate [n, 1] scales each row of x
+        [n, m] (its MoE's shared expert)."""
         raise self._missing()
 
     def add(self, a: Any, b: Any) -> Any:

@@ -13,6 +13,8 @@ As llama.cpp's src/models/qwen35.cpp computes it:
   sections, so it is NEOX RoPE over ``rope.dimension_count`` dimensions, where pairs outside the sections stay
   unrotated), and multiplies the attention's output by ``sigmoid(gate)`` before ``attn_output``.
 
+Qwen3.5 MoE (``qwen35moe``, :class:`Qwen35Moe`) has the same layers with a MoE MLP.
+
 The linear layers keep a recurrent state per sequence (:meth:`leat.backend.Backend.gated_delta_net`), so a backend
 must keep one, and the engine reuses no prefix, keeps no sessions and drafts nothing for these models.
 """
@@ -25,7 +27,7 @@ from typing import Any
 
 import gguf
 import numpy as np
-from leat import blocks
+from leat import blocks, moe
 from leat.architecture import Architecture, Weights
 from leat.backend import Backend, KVLayout, RopeSpec
 from leat.batch import Batch
@@ -91,7 +93,9 @@ class Layer:
     attn_norm: Any
     mixer: FullAttention | LinearAttention
     ffn_norm: Any
-    mlp: tuple[Any, Any, Any]
+    mlp: tuple[Any, Any, Any]  # qwen35moe: the shared expert's
+    experts: moe.MoEWeights | None = None
+    shared_gate: Any = None  # [1, width]: the shared expert's output is scaled by sigmoid(x . shared_gate)
 
 
 class Qwen35(Architecture):
@@ -121,10 +125,16 @@ class Qwen35(Architecture):
                 attn_norm=w(name(T.ATTN_NORM, i), (p.width,)),
                 mixer=self.load_full(w, i, full.index(i)) if i in full else self.load_linear(w, i),
                 ffn_norm=w(name(T.ATTN_POST_NORM, i), (p.width,)),
-                mlp=blocks.load_mlp(w, i, p.width, p.ffn),
+                mlp=self.load_mlp(w, i),
             )
             for i in range(p.layers)
         ]
+
+    def load_mlp(self, w: Weights, i: int) -> tuple[Any, Any, Any]:
+        return blocks.load_mlp(w, i, self.params.width, self.params.ffn)
+
+    def feed_forward(self, x: Any, layer: Layer) -> Any:
+        return blocks.swiglu(self.backend, x, *layer.mlp)
 
     def load_full(self, w: Weights, i: int, cache: int) -> FullAttention:
         p = self.params
@@ -191,7 +201,7 @@ class Qwen35(Architecture):
             x = B.add(
                 x, self.attention(h, m, batch, kv) if isinstance(m, FullAttention) else self.linear(h, m, i, batch, kv)
             )
-            x = B.add(x, blocks.swiglu(B, B.rms_norm(x, layer.ffn_norm, p.norm_eps), *layer.mlp))
+            x = B.add(x, self.feed_forward(B.rms_norm(x, layer.ffn_norm, p.norm_eps), layer))
         return B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
 
     # -- test models ---------------------------------------------------------------------------------
@@ -203,6 +213,47 @@ class Qwen35(Architecture):
             layers=4, width=64, ffn=96, heads=4, kv_heads=2, head_dim=32, rope_dims=16, rope_sections=(3, 3, 2, 0),
             conv_kernel=4, state_size=16, k_heads=2, v_heads=4, inner=64, vocab=300, context=256, norm_eps=1e-6,
         )  # fmt: skip
+        return dataclasses.replace(params, **overrides)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen35MoeParams(Qwen35Params):
+    ffn: int = key(K.LLM.FEED_FORWARD_LENGTH, 0)
+    experts: int = key(K.LLM.EXPERT_COUNT)
+    experts_used: int = key(K.LLM.EXPERT_USED_COUNT)
+    expert_ffn: int = key(K.LLM.EXPERT_FEED_FORWARD_LENGTH)
+    shared_ffn: int = key(K.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+
+
+class Qwen35Moe(Qwen35):
+    """Qwen3.5 MoE (``qwen35moe``): each layer's MLP is softmax-routed experts (the chosen weights renormalised)
+    plus a shared expert whose output is scaled by ``sigmoid(x . ffn_gate_inp_shexp)``, as Qwen3-Next's."""
+
+    names = ("qwen35moe",)
+    Params = Qwen35MoeParams
+
+    def load_weights(self, w: Weights) -> None:
+        p = self.params
+        self.routing = moe.MoESpec(p.experts, p.experts_used, "softmax", normalize=True)
+        super().load_weights(w)
+        for i, layer in enumerate(self.layers):
+            layer.experts = moe.load_moe(w, i, p.width, p.expert_ffn, p.experts, False, False)
+            gate = name(T.FFN_GATE_INP_SHEXP, i)
+            layer.shared_gate = w.array(gate, w.host(gate, (p.width,)).reshape(1, p.width))
+
+    def load_mlp(self, w: Weights, i: int) -> tuple[Any, Any, Any]:
+        return blocks.load_mlp(w, i, self.params.width, self.params.shared_ffn, blocks.SHARED_EXPERTS)
+
+    def feed_forward(self, x: Any, layer: Layer) -> Any:
+        B = self.backend
+        shared = B.sigmoid_mul(B.matmul(x, layer.shared_gate), super().feed_forward(x, layer))
+        return B.add(B.moe(x, layer.experts, self.routing), shared)
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> Qwen35MoeParams:
+        """Qwen35.tiny()'s layers with 8 experts of 32, 2 per token, and a shared expert of 48."""
+        base = dataclasses.asdict(Qwen35.tiny()) | {"ffn": 0}
+        params = Qwen35MoeParams(**base, experts=8, experts_used=2, expert_ffn=32, shared_ffn=48)
         return dataclasses.replace(params, **overrides)
 
 

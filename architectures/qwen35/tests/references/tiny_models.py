@@ -30,13 +30,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "tokens": 64,
     },
     "qwen35-f16": {"qtype": "F16", "seed": 2, "params": {"interval": 2}, "tokens": 64},
+    # Qwen35Moe.tiny(): those layers with 8 experts of 32 (2 per token) and a gated shared expert of 48
+    "qwen35moe-f32": {"qtype": "F32", "seed": 3, "params": {}, "tokens": 64, "moe": True},
 }
 
 
 def architecture(config: dict[str, Any]) -> Any:
-    from leat_arch_qwen35.qwen35 import Qwen35
+    from leat_arch_qwen35.qwen35 import Qwen35, Qwen35Moe
 
-    return Qwen35
+    return Qwen35Moe if config.get("moe") else Qwen35
 
 
 models = TinyModels(CONFIGS, architecture)
