@@ -74,7 +74,8 @@ def rounded_activations(x: np.ndarray, qtype: Q) -> np.ndarray:
 def test_products_follow_float64(qtype, n):
     w, exact = weight(qtype, 300, 768)  # 300 rows: the last 16-row panel is partial
     x = np.random.default_rng(1).standard_normal((n, 768)).astype(np.float32)
-    rounded = n > native.GEMV_ROWS and native.library().has_gemm
+    integer = n > native.GEMV_ROWS or qtype in native.INTEGER_GEMV  # the GEMM's, or the integer GEMV's rounding
+    rounded = integer and native.library().has_gemm
     want = (rounded_activations(x, qtype) if rounded else x.astype(np.float64)) @ exact.T
     got = native.matmul(x, w, threads=2)
     assert got.dtype == np.float32 and got.shape == (n, 300)
@@ -84,9 +85,10 @@ def test_products_follow_float64(qtype, n):
     np.testing.assert_allclose(got, exact_product, rtol=0, atol=1e-4 * np.abs(exact_product).max())
 
 
-def test_prompt_rows_do_not_depend_on_the_batch_or_threads():
-    w, _ = weight(Q.Q4_K, 200, 512)
-    x = np.random.default_rng(2).standard_normal((30, 512)).astype(np.float32)
+@pytest.mark.parametrize("qtype, n", [(Q.Q4_K, 30), (Q.Q4_1, native.GEMV_ROWS)])  # the GEMM, the integer GEMV
+def test_product_rows_do_not_depend_on_the_batch_or_threads(qtype, n):
+    w, _ = weight(qtype, 200, 512)
+    x = np.random.default_rng(2).standard_normal((n, 512)).astype(np.float32)
     x[7, 3] = np.nan
     together = native.matmul(x, w, threads=2)
     assert np.isnan(together[7]).all() and not np.isnan(np.delete(together, 7, axis=0)).any()

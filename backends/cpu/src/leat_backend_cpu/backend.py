@@ -15,6 +15,7 @@ float summation order, not llama.cpp's logits (see the notes in core/tests/test_
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -28,14 +29,22 @@ from leat.deltanet import DeltaNet, run
 from leat.errors import LeatError, UnsupportedQuantType
 from leat.modelfile import Tensor
 from leat.moe import MoESpec, MoEWeights, activate, route
-from threadpoolctl import ThreadpoolController
 
 from leat_backend_cpu import ggml_activations, native
 from leat_backend_cpu.native import QuantizedWeight
 
 Q = gguf.GGMLQuantizationType
 SINGLE_THREAD_ROWS = 8
-_blas = ThreadpoolController()
+
+
+@functools.cache
+def _blas() -> Any:
+    """numpy's BLAS thread pools (threadpoolctl, imported on the reference paths' first product only)."""
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
+
+
 # The types gguf-py can dequantize (it raises NotImplementedError for the others).
 DEQUANTIZABLE = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
@@ -104,6 +113,8 @@ class CPUBackend(Backend):
         if self.weights == "quantized" and native.unavailable():
             self.weights = "dequantized"  # no C compiler here: today's path, which describe() reports
         self.native = self.weights == "quantized"  # the C kernels run the ops, not numpy
+        if self.native:
+            native.keep_freed_memory(False)  # until allocate_kv
 
     def describe(self) -> dict[str, Any]:
         described = {"backend": self.name, "precision": self.precision, "threads": self.threads}
@@ -147,6 +158,8 @@ class CPUBackend(Backend):
         if dtype not in ("f32", "f16", "q8_0"):
             raise ValueError(f"KV dtype must be f32, f16 or q8_0, not {dtype!r}")
         kv = KVCache.create(layouts, slots, context, pages, page_size, groups, dtype=dtype)
+        if self.native:
+            native.keep_freed_memory(True)  # the model is loaded: keep the steps' freed activations
         storage = {"f32": self.dtype, "f16": np.float16, "q8_0": np.int8}[dtype]
         for layer, layout in enumerate(layouts):
             count = kv.layer_pages(layer)
@@ -212,7 +225,7 @@ class CPUBackend(Backend):
         if x.shape[0] <= SINGLE_THREAD_ROWS:
             # A few rows are a memory-bound matrix-vector product: a second BLAS thread adds little, and
             # when the cores are busy its spin-waits slowed decode 3x here (measured on 2 cores).
-            with _blas.limit(limits=1, user_api="blas"):
+            with _blas().limit(limits=1, user_api="blas"):
                 y = x @ weight.T
         else:
             y = x @ weight.T

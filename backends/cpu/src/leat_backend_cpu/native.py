@@ -1,10 +1,12 @@
 """The C kernels of the CPU backend's quantized path (``kernels/cpu.c``), compiled on first use.
 
-Products with 2-D weights kept as the file's GGUF blocks: a few activation rows (decode) go through ``gemv``, which
-decodes each block in vector registers and multiplies in float32; more rows (a prompt) go through ``gemm``, which
-rounds the activations to int16 per 32 values (:func:`activation_range`), decodes 16 weight rows at a time to int16
-and multiplies them with AVX-512 VNNI integer dot products, each decoded panel reused by every token (CPUs without
-VNNI decode tiles of rows to float32 for BLAS instead). Attention over float32 or f16 KV pages, rms_norm, the gated
+Products with 2-D weights kept as the file's GGUF blocks: more activation rows than ``GEMV_ROWS`` (a prompt) go
+through ``gemm``, which rounds the activations to int16 per 32 values (:func:`activation_range`), decodes 16 weight
+rows at a time to int16 and multiplies them with AVX-512 VNNI integer dot products, each decoded panel reused by every
+token (CPUs without VNNI decode tiles of rows to float32 for BLAS instead). A few rows (decode steps) go through
+``igemv`` for the types of :data:`INTEGER_GEMV` (the same int16 activations, each 32 weight values decoded to int16 in
+registers for one dot-product instruction), else ``gemv``, which decodes blocks in registers and multiplies in
+float32. Attention over float32 or f16 KV pages, rms_norm, the gated
 activations and rope are one C call each. Work is split over ``threads`` threads (the caller's and a pool's; the C
 file says how).
 
@@ -58,6 +60,9 @@ FLAGS = (
 )
 ATTENTION_STORAGE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}  # KV page dtypes attend() reads
 GEMV_ROWS = 8  # activation rows up to which a product decodes blocks in registers
+# types whose decode products take int16 activations and VNNI dot products (igemv_), where the GEMM does: faster
+# than the float32 GEMV here for these (one thread, SmolLM2's weights 6.9 -> 5.9 ms); the others keep it
+INTEGER_GEMV = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0})
 # float32 bytes of weight rows decoded at once for a prompt's BLAS product, without VNNI: a whole weight of a small
 # model, since each BLAS call forks and joins its threads, which costs milliseconds on a busy machine
 TILE_BYTES = 8 << 20
@@ -78,6 +83,7 @@ class QuantizedWeight:
         self.address = self.blocks.ctypes.data
         lib = library()
         kinds = ("gemv", "dequant", "gemm") if lib.has_gemm else ("gemv", "dequant")
+        kinds += ("igemv",) if lib.has_gemm and self.qtype in INTEGER_GEMV else ()
         self.kernels = {kind: lib.entry(f"{kind}_{self.qtype.name.lower()}") for kind in kinds}
 
     @property
@@ -106,6 +112,7 @@ def _cpu_flags() -> str:
 SIGNATURES = {
     "gemv": "pllplpi",
     "gemm": "pllplpfi",
+    "igemv": "pllplpfi",
     "dequant": "ppllpi",
     "attend": "p" * 8 + "l" * 9 + "ffi",
     "rms_norm": "pppllf",
@@ -138,7 +145,6 @@ class Kernels:
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             self._call = module.call
-        self.lib.keep_freed_memory()
 
     @functools.cache  # noqa: B019 - one Kernels per process (library() is cached)
     def entry(self, name: str) -> Callable[..., None]:
@@ -217,7 +223,9 @@ def matmul(x: np.ndarray, weight: QuantizedWeight, threads: int) -> np.ndarray:
     x = np.ascontiguousarray(x, np.float32)
     (n, k), m = x.shape, weight.shape[0]
     y = np.empty((n, m), np.float32)
-    if n <= GEMV_ROWS:
+    if n <= GEMV_ROWS and "igemv" in weight.kernels:
+        weight.kernels["igemv"](weight.address, m, k, x, n, y, activation_range(weight.qtype), threads)
+    elif n <= GEMV_ROWS:
         weight.kernels["gemv"](weight.address, m, k, x, n, y, threads)
     elif "gemm" in weight.kernels:
         weight.kernels["gemm"](weight.address, m, k, x, n, y, activation_range(weight.qtype), threads)
@@ -309,6 +317,12 @@ def attend(
         softcap or 0.0,
         threads,
     )
+
+
+def keep_freed_memory(keep: bool) -> None:
+    """Whether glibc keeps freed memory (up to 64 MiB, blocks up to 32 MiB) for the next allocation: off while a model
+    loads, on from its KV cache (``kernels/cpu.c`` says why)."""
+    library().lib.keep_freed_memory(int(keep))
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:

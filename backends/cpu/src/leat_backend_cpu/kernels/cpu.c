@@ -610,6 +610,29 @@ static void gemm(gemm_job *j, const float *x, float xmax, int threads) {
     free(xs);
     free(xo);
 }
+
+/* -- decode GEMV with integer dot products ------------------------------------------------------------------------
+ * A few activation rows (decode steps), rounded to int16 per 32 values as the prompt GEMM rounds them: each weight
+ * row's 32-value groups are decoded in registers to int16 pairs (igroup_), one vpdpwssd sums a group's 32 products
+ * exactly in int32 lanes, and the lanes gain them times (weight scale * x scale) in float32, plus offset * s * sum(q)
+ * for types with offsets. Per 32 values that is two floating-point instructions where the float32 GEMV takes six
+ * (Zen 4 issues one 512-bit of them a cycle: that GEMV's bound). y[t][r] depends on x[t] alone, as in the GEMM. */
+static inline __m512 igemv_group(__m512 sum, vi units, const int32_t *xu, float scale) {
+    __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), (__m512i)units, _mm512_loadu_si512(xu));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(scale), sum);
+}
+
+static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn rows) {
+    int64_t groups = j->k / 32;
+    int32_t *xu = malloc(sizeof(int32_t) * (size_t)(j->n * j->k / 2));
+    float *xs = malloc(sizeof(float) * (size_t)(j->n * groups)), *xo = malloc(sizeof(float) * (size_t)(j->n * groups * 2));
+    quantize_x(x, j->n, j->k, xmax, xu, xs, xo);
+    j->xu = xu, j->xs = xs, j->xo = xo;
+    run(threads, j->rows, rows, j);
+    free(xu);
+    free(xs);
+    free(xo);
+}
 #define GEMM_KERNELS(NAME, QK, BYTES)                                                                               \
     static void panel_##NAME(const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k, int32_t *units,         \
                              float *scales, float *offsets) {                                                      \
@@ -634,6 +657,47 @@ static void gemm(gemm_job *j, const float *x, float xmax, int threads) {
                      int threads) {                                                                                 \
         gemm_job j_ = {w, rows, k, n, k / QK * BYTES, NULL, NULL, NULL, y, panel_##NAME, OFFSETS_##NAME};          \
         gemm(&j_, x, xmax, threads);                                                                                \
+    } \
+    /* two accumulators (even and odd groups: blocks, or a block's groups); offsets (none for some types) apart */  \
+    static inline __m512 igemv_block_##NAME(__m512 sum, const uint8_t *block, int c, const int32_t *xu,           \
+                                            const float *xs, const float *xo, int64_t g, int64_t groups,           \
+                                            float *offset) {                                                       \
+        float s, lo, hi;                                                                                            \
+        vi u = igroup_##NAME(block, c, &s, &lo, &hi);                                                               \
+        if (OFFSETS_##NAME) *offset += lo * xo[g] + hi * xo[groups + g];                                            \
+        return igemv_group(sum, u, xu + 16 * g, s * xs[g]);                                                         \
+    }                                                                                                               \
+    static void igemv_rows_##NAME(const void *arg, int64_t first, int64_t last) {                                 \
+        const gemm_job *j = arg;                                                                                    \
+        int64_t groups = j->k / 32, blocks = j->k / QK;                                                             \
+        for (int64_t r = first; r < last; r++)                                                                      \
+            for (int64_t t = 0; t < j->n; t++) {                                                                    \
+                const uint8_t *row = j->w + r * j->row_bytes;                                                       \
+                const int32_t *xu = j->xu + t * (j->k / 2);                                                         \
+                const float *xs = j->xs + t * groups, *xo = j->xo + t * 2 * groups;                                 \
+                __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();                                       \
+                float offset = 0;                                                                                   \
+                if (QK == 32) {                                                                                     \
+                    int64_t b = 0;                                                                                  \
+                    for (; b + 1 < blocks; b += 2) {                                                                \
+                        even = igemv_block_##NAME(even, row + b * BYTES, 0, xu, xs, xo, b, groups, &offset);        \
+                        odd = igemv_block_##NAME(odd, row + (b + 1) * BYTES, 0, xu, xs, xo, b + 1, groups, &offset); \
+                    }                                                                                               \
+                    if (b < blocks) even = igemv_block_##NAME(even, row + b * BYTES, 0, xu, xs, xo, b, groups, &offset); \
+                } else                                                                                              \
+                    for (int64_t b = 0; b < blocks; b++)                                                            \
+                        _Pragma("GCC unroll 8") for (int c = 0; c < QK / 32; c += 2) {                              \
+                            int64_t g = b * (QK / 32) + c;                                                          \
+                            even = igemv_block_##NAME(even, row + b * BYTES, c, xu, xs, xo, g, groups, &offset);    \
+                            odd = igemv_block_##NAME(odd, row + b * BYTES, c + 1, xu, xs, xo, g + 1, groups, &offset); \
+                        }                                                                                           \
+                j->y[t * j->rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + offset;                    \
+            }                                                                                                       \
+    }                                                                                                               \
+    void igemv_##NAME(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax,  \
+                      int threads) {                                                                                \
+        gemm_job j_ = {w, rows, k, n, k / QK * BYTES, NULL, NULL, NULL, y, panel_##NAME, OFFSETS_##NAME};          \
+        igemv(&j_, x, xmax, threads, igemv_rows_##NAME);                                                            \
     }
 #else
 #define GEMM 0
@@ -861,12 +925,14 @@ ATTENTION(f16, uint16_t, load_f16, store_f16)
 
 /* glibc maps every allocation of 128 KiB or more afresh and hands it back on free, and trims the heap's top past
  * 128 KiB: so each of a prompt's activations (numpy's, and the GEMM's int16 copies) was new pages, faulted in one by
- * one (a fifth of SmolLM2's 128-token prompt here). Allocations up to 32 MiB come from the heap instead, and up to
- * 64 MiB of freed heap is kept for the next. Process-wide; called once, when the kernels load. */
-void keep_freed_memory(void) {
+ * one (a fifth of SmolLM2's 128-token prompt here). With keep, allocations up to 32 MiB come from the heap instead,
+ * and up to 64 MiB of freed heap is kept for the next. Without, both stay at 128 KiB (glibc's defaults, less its
+ * raising of them as mapped blocks are freed): while a model loads, its transient arrays are handed back rather than
+ * left in a heap that the tokenizer's objects then pin (1.7 MiB of `leat generate`'s peak RSS). Process-wide. */
+void keep_freed_memory(int keep) {
 #if defined(__GLIBC__)
-    mallopt(M_MMAP_THRESHOLD, 32 << 20);
-    mallopt(M_TRIM_THRESHOLD, 64 << 20);
+    mallopt(M_MMAP_THRESHOLD, keep ? 32 << 20 : 128 << 10);
+    mallopt(M_TRIM_THRESHOLD, keep ? 64 << 20 : 128 << 10);
 #endif
 }
 
