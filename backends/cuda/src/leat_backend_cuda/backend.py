@@ -35,6 +35,7 @@ from leat_backend_cuda import compiler, cublas, driver, quants
 from leat_backend_cuda.driver import DeviceArray, Memory
 from leat_backend_cuda.mla import LatentAttentionOps
 from leat_backend_cuda.moe import ExpertOps
+from leat_backend_cuda.vision import VisionOps
 
 Q = gguf.GGMLQuantizationType
 F32, I32, U16 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint16)
@@ -219,10 +220,11 @@ def _ready(x: Any) -> Any:
     return x.materialize() if isinstance(x, Pending) else x
 
 
-class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
+class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, Backend):
     name = "cuda"
     asynchronous = True
     feeds_tokens = True
+    bidirectional = True
     prefill_tokens_per_step = 2048
     quant_types = frozenset(quants.LAYOUTS) | _host_dequantizable()
 
@@ -889,6 +891,8 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         softcap: float | None = None,
         sinks: DeviceArray | None = None,
     ) -> DeviceArray:
+        if any(row.bidirectional for row in batch.rows):
+            return self._attend_open(q, k, v, kv, layer, batch, scale, softcap or 0.0, sinks)
         return self._attend(q, k, v, kv, layer, batch, scale, softcap or 0.0, sinks)
 
     def _attend(
@@ -898,29 +902,7 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         n, heads, dk = q.shape
         kv_heads, dv = v.shape[1], v.shape[2]
         slots, positions, span = self._token_rows(batch)
-        self._sync_pages(kv)
-        kind = KV_DTYPES[kv.dtype][0]
-        k_scale, v_scale = (kv.k_scale[layer], kv.v_scale[layer]) if kv.dtype == "q8_0" else (None, None)
-        table = kv.device_tables[kv.group_of[layer]]  # a windowed group's entries behind the window are -1
-        per_slot = kv.tables[0].shape[1]
-        self.ops[f"kv_write<{kind}>"](
-            (n,),
-            128,
-            k,
-            v,
-            kv.k[layer],
-            kv.v[layer],
-            k_scale,
-            v_scale,
-            table,
-            slots,
-            positions,
-            kv_heads,
-            dk,
-            dv,
-            per_slot,
-            kv.page_size,
-        )
+        kind, k_scale, v_scale, table, per_slot = self._write_kv(k, v, kv, layer, slots, positions)
         # a prefill (some row has several tokens; never a captured decode step): tensor cores over an f16
         # cache; a q8_0 cache's prefill takes attention_wide below (flash.cu reads f16 tiles only)
         flash = n > quants.GEMV_MAX_TOKENS and n > len(batch.rows) and kind == "u16" and dk == dv
@@ -979,6 +961,35 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         if splits > 1:
             self.ops["attention_combine"]((n * heads,), _threads(dv), part_ml, part_acc, out, splits, dv, sinks, heads)
         return out
+
+    def _write_kv(self, k, v, kv: KVCache, layer: int, slots, positions) -> tuple:
+        """Each token's k and v into ``layer``'s pages: the KV kernels' element kind, the q8_0 scale planes (or
+        None), the layer's device page table and the pages per slot, which the attention kernels read with."""
+        n, kv_heads, dk = k.shape
+        self._sync_pages(kv)
+        kind = KV_DTYPES[kv.dtype][0]
+        k_scale, v_scale = (kv.k_scale[layer], kv.v_scale[layer]) if kv.dtype == "q8_0" else (None, None)
+        table = kv.device_tables[kv.group_of[layer]]  # a windowed group's entries behind the window are -1
+        per_slot = kv.tables[0].shape[1]
+        self.ops[f"kv_write<{kind}>"](
+            (n,),
+            128,
+            k,
+            v,
+            kv.k[layer],
+            kv.v[layer],
+            k_scale,
+            v_scale,
+            table,
+            slots,
+            positions,
+            kv_heads,
+            dk,
+            v.shape[2],
+            per_slot,
+            kv.page_size,
+        )
+        return kind, k_scale, v_scale, table, per_slot
 
     def _flash(self, q, kv: KVCache, layer: int, batch: Batch, table, slots, positions, scale: float, softcap: float):
         """Tensor-core attention for a prefill over an f16 cache (kernels/flash.cu): the batch's rows cut
@@ -1058,7 +1069,9 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
                 return self._gemm_few(x, wg, None, self._empty(gate.shape), n, shape, up=wu)
         return self._elementwise("silu_mul", gate, up, like=gate)
 
-    def gelu_mul(self, gate: DeviceArray, up: DeviceArray) -> DeviceArray:
+    def gelu_mul(self, gate: DeviceArray, up: DeviceArray | None = None) -> DeviceArray:
+        if up is None:
+            return self._gelu(gate)
         return self._elementwise("gelu_mul", gate, up, like=gate)
 
     def add(self, a: DeviceArray, b: DeviceArray) -> DeviceArray:
@@ -1147,6 +1160,8 @@ class CUDABackend(ExpertOps, LatentAttentionOps, Backend):
         n = len(batch)
         if not self.graphs or not isinstance(kv, KVCache) or n > TOKEN_BUCKETS[-1]:
             return None
+        if batch.inputs is not None or any(r.bidirectional for r in batch.rows):
+            return None  # an image's row (its inputs are embeddings, not tokens; it attends both ways): eagerly
         chunks = (r for r in batch.rows if len(r.tokens) > 1 and not r.all_logits)
         if sum(len(r.tokens) * (r.start + len(r.tokens)) for r in chunks) > self.flat_attention_budget:
             return None

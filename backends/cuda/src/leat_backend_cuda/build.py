@@ -12,7 +12,7 @@ import argparse
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from leat_backend_cuda import compiler, mla, moe, quants
+from leat_backend_cuda import compiler, mla, moe, quants, vision
 
 
 def programs() -> list[tuple[str, list[str]]]:
@@ -23,6 +23,7 @@ def programs() -> list[tuple[str, list[str]]]:
         + [("matmul.cu", quants.kernel_names(q)) for q in quants.LAYOUTS]
         + moe.programs()
         + mla.programs()
+        + vision.programs()
     )
 
 

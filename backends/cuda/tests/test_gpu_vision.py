@@ -1,0 +1,148 @@
+"""Images on the CUDA backend against the float64 CPU oracle: the ops images add (layer_norm, gelu without up,
+attention over bidirectional rows, vision.py) on random inputs, then the tiny Gemma 3 model and mmproj llama.cpp's
+vision references were recorded on (architectures/gemma/tests/references/tiny_vision.py: a sliding window shorter
+than the image's span): the image embeddings, and the logits of the text after the image, computed at once and
+step by step through ``run`` (graphs for the text, the image's row eagerly)."""
+
+import importlib.util
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from leat.backend import KVLayout
+from leat.batch import Batch, Row
+from leat.compare import compare
+from leat.model import load
+from leat.modelfile import Tensor
+
+pytestmark = pytest.mark.gpu
+TINY_VISION = Path(__file__).parents[3] / "architectures" / "gemma" / "tests" / "references" / "tiny_vision.py"
+# Embeddings: the encoder's products of 64 patches go through the tensor-core GEMM (f16 operands, float32 sums).
+# The oracle with every product's operands rounded to f16 as x_to_f16 rounds them is 4.3e-4 of the largest entry
+# from the float64 one on these files; the bar leaves ten times that.
+EMBEDDING_BAR = 5e-3
+
+
+def test_layer_norm(cuda, oracle):
+    rng = np.random.default_rng(31)
+    for rows, cols in ((3, 32), (5, 1152), (2, 72)):
+        x = rng.standard_normal((rows, cols)) * 3 + 20  # a large mean: the variance is taken about it
+        w, b = rng.standard_normal(cols), rng.standard_normal(cols)
+        for weight, bias in ((w, b), (None, None)):
+            want = oracle.layer_norm(x, weight, bias, 1e-6)
+            args = [None if a is None else cuda.from_host(a) for a in (weight, bias)]
+            got = cuda.to_host(cuda.layer_norm(cuda.from_host(x), *args, 1e-6))
+            assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+
+
+def test_gelu_without_up(cuda, oracle):
+    g = np.random.default_rng(32).standard_normal((7, 300)) * 4
+    got = cuda.to_host(cuda.gelu_mul(cuda.from_host(g)))
+    np.testing.assert_allclose(got, oracle.gelu_mul(g), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 32), (16, 16, 72), (8, 4, 256)])
+def test_bidirectional_attention(cuda, oracle, kv_dtype, window, heads, kv_heads, dim):
+    """A prefix, then a batch of a causal row (slot 0) and a bidirectional one (slot 1, after its prefix; pages in
+    reverse order), then a decode step of each: every query of the bidirectional row sees the row's last position,
+    its window counted back from its own."""
+    if kv_dtype == "q8_0" and dim % 32:
+        pytest.skip("q8_0 KV needs head dimensions that are multiples of 32")
+    rng = np.random.default_rng(dim + (window or 0))
+    layouts = [KVLayout(kv_heads, dim, window=window)]
+    kvs = [b.allocate_kv(layouts, slots=2, context=96, page_size=16, dtype=kv_dtype) for b in (cuda, oracle)]
+    for b, kv in zip((cuda, oracle), kvs):
+        b.set_pages(kv, 1, kv.page_table[1][::-1].copy())
+    steps = [
+        [Row(1, 0, np.zeros(20, int))],
+        [Row(0, 0, np.zeros(9, int)), Row(1, 20, np.zeros(40, int), bidirectional=True)],
+        [Row(0, 9, np.zeros(1, int)), Row(1, 60, np.zeros(1, int))],
+    ]
+    for rows in steps:
+        batch = Batch(rows)
+        q, k, v = (rng.standard_normal((len(batch), h, dim)) for h in (heads, kv_heads, kv_heads))
+        want = oracle.attention(q, k, v, kvs[1], 0, batch, dim**-0.5)
+        got = cuda.to_host(cuda.attention(*(cuda.from_host(t) for t in (q, k, v)), kvs[0], 0, batch, dim**-0.5))
+        # f16 KV rounds k and v to 11 bits, q8_0 to 8
+        bound = {"f32": 1e-5, "f16": 2e-3, "q8_0": 2e-2}[kv_dtype]
+        assert np.abs(got - want).max() < bound * np.abs(want).max()
+
+
+def test_bidirectional_attention_with_softcap_and_sinks(cuda, oracle):
+    rng = np.random.default_rng(33)
+    heads, kv_heads, dim = 6, 2, 64
+    kvs = [b.allocate_kv([KVLayout(kv_heads, dim)], slots=1, context=32, dtype="f32") for b in (cuda, oracle)]
+    sinks = Tensor("sinks", gguf.GGMLQuantizationType.F32, (heads,), rng.standard_normal(heads).astype(np.float32))
+    batch = Batch([Row(0, 0, np.zeros(24, int), bidirectional=True)])
+    q, k, v = (rng.standard_normal((24, h, dim)) * 2 for h in (heads, kv_heads, kv_heads))
+    want = oracle.attention(q, k, v, kvs[1], 0, batch, 0.2, softcap=4.0, sinks=oracle.upload(sinks))
+    got = cuda.attention(*(cuda.from_host(t) for t in (q, k, v)), kvs[0], 0, batch, 0.2, 4.0, cuda.upload(sinks))
+    assert np.abs(cuda.to_host(got) - want).max() < 1e-5 * np.abs(want).max()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    spec = importlib.util.spec_from_file_location("tiny_vision", TINY_VISION)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build(tmp_path_factory.mktemp("vision"))
+
+
+def _loaded(files: dict, **options):
+    model = load(files["model"], pull=False, **options)
+    model.load_mmproj(files["mmproj"])
+    ids, spans = model.image_prompt(files["prompt"], [Path(files["image"]).read_bytes()])
+    return model, ids, spans
+
+
+@pytest.fixture(scope="module")
+def models(tiny):
+    return _loaded(tiny, backend="cuda"), _loaded(tiny, backend="cpu", precision="f64")
+
+
+def test_image_embeddings_match_the_oracle(models):
+    (gpu, _, spans), (cpu, _, oracle_spans) = models
+    got = gpu.backend.to_host(gpu.vision.embeddings(spans[0]))
+    want = cpu.backend.to_host(cpu.vision.embeddings(oracle_spans[0]))
+    assert got.shape == want.shape == (spans[0].length, gpu.architecture.params.width)
+    error = np.abs(got - want).max() / np.abs(want).max()
+    assert error < EMBEDDING_BAR, f"max |cuda - oracle| is {error:.3g} of the largest embedding entry"
+
+
+def _after(spans, ids) -> np.ndarray:
+    return np.arange(spans[0].start + spans[0].length, len(ids))
+
+
+def test_logits_after_the_image_match_the_oracle(models):
+    (gpu, ids, spans), (cpu, _, oracle_spans) = models
+    want = cpu.logits(ids, images=oracle_spans, native=True)
+    after = _after(spans, ids)
+    agreement = compare(want[after], gpu.logits(ids, images=spans)[after], label="cuda, text after the image")
+    assert not agreement.failures(top1=0.99, kl=1e-3), str(agreement)
+    causal = cpu.logits(ids, images=[], native=True)  # the image's placeholders as tokens: far from the image's
+    assert compare(want[after], causal[after], label="no image").failures(top1=0.99, kl=1e-3)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_steps_through_run_match_the_oracle(models, kv_dtype):
+    """As the engine steps a prompt: the text before the image as one chunk, the image's row (its embeddings as
+    inputs, run eagerly), then the text after it one token a step (replayed graphs)."""
+    (gpu, ids, spans), (cpu, _, oracle_spans) = models
+    backend, forward, span = gpu.backend, gpu.architecture.forward, spans[0]
+    kv = gpu.new_kv(len(ids), dtype=kv_dtype)
+    tokens = np.asarray(ids)
+    backend.run(forward, Batch([Row(0, 0, tokens[: span.start])]), kv)
+    end = span.start + span.length
+    image = Row(0, span.start, tokens[span.start : end], bidirectional=True, inputs=gpu.vision.embeddings(span))
+    out = [backend.to_host(backend.run(forward, Batch([image]), kv))[-1]]
+    for position in range(end, len(ids) - 1):
+        out.append(
+            backend.to_host(backend.run(forward, Batch([Row(0, position, tokens[position : position + 1])]), kv))[0]
+        )
+    assert backend.graph_failures == []
+    want = cpu.logits(ids, images=oracle_spans, native=True)[end - 1 : len(ids) - 1]
+    agreement = compare(want, np.stack(out), label=f"cuda through run, {kv_dtype} KV")
+    assert not agreement.failures(top1=0.99, kl=1e-3), str(agreement)
