@@ -138,6 +138,36 @@ class TestQwen35MoeConformance(ArchitectureConformance):
         return Qwen35Moe
 
 
+def test_the_engine_continues_each_slots_state_and_resets_it_for_the_next_request(tiny):
+    """Greedy requests through two slots, prefilled in chunks of 8 beside the other slot's decode steps, then two more
+    once those finished, one of them sharing a 24-token prefix with an earlier one (whose cached pages the engine
+    would reuse for another model, continuing a state that is not there). Each continuation is the one the oracle
+    gives decoding the request alone."""
+    from leat.engine import GenerationRequest
+
+    file, backend = ModelFile(tiny), CPUBackend("f64")
+    model = Model(file, Qwen35(file, backend), backend)
+    rng = np.random.default_rng(4)
+    shared = rng.integers(0, 300, 24).tolist()
+    waves = [
+        [shared + [5, 6], rng.integers(0, 300, 19).tolist(), [3]],
+        [shared + [7], rng.integers(0, 300, 30).tolist()],
+    ]
+    engine = Engine(model, batch_size=2, max_context=64, page_size=8, prefill_chunk=8)
+    engine.start()
+    try:
+        for prompts in waves:
+            handles = [engine.submit(GenerationRequest(p, 5, {"temperature": 0}, ignore_eos=True)) for p in prompts]
+            for prompt, events in zip(prompts, [list(handle) for handle in handles]):
+                assert events[-1].finish_reason == "length" and events[-1].usage["cached_tokens"] == 0, events[-1]
+                ids = list(prompt)
+                for _ in range(5):
+                    ids.append(int(np.argmax(model.logits(np.array(ids), native=True)[-1])))
+                assert [t for event in events for t in event.ids] == ids[len(prompt) :]
+    finally:
+        engine.stop()
+
+
 def test_leat_plugins_lists_qwen35():
     assert_plugin_provides("leat-arch-qwen35", "architectures", ["qwen35", "qwen35moe"], plugins=PLUGINS)
 
