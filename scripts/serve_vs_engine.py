@@ -70,6 +70,7 @@ def serve_runs(args: argparse.Namespace, spec: str) -> list[dict]:
     threading.Thread(target=stamp_lines, args=(process.stdout, log, time.perf_counter()), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     rows = []
+    seeds = 0  # every request of every run a prompt of its own: none finds another's prefix cached
     try:
         ready = wait_ready(url, process, args.ready_timeout)
         rows.append({"what": "serve ready", "batch_size": int(batch), "seconds": round(ready, 2)})
@@ -79,8 +80,11 @@ def serve_runs(args: argparse.Namespace, spec: str) -> list[dict]:
             load += ["--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens)]
             load += ["--vocab", str(args.vocab)]
             if args.warmup:  # as leat bench does: one untimed round first (graph captures, allocations)
-                subprocess.run([*load, "-n", str(c)], check=False, capture_output=True, timeout=args.load_timeout)
-            load += ["-n", str(c * args.requests_per_client)]
+                warm = [*load, "-n", str(c), "--seed", str(seeds)]
+                subprocess.run(warm, check=False, capture_output=True, timeout=args.load_timeout)
+                seeds += c
+            load += ["-n", str(c * args.requests_per_client), "--seed", str(seeds)]
+            seeds += c * args.requests_per_client
             before = engine_counters(url)
             out = subprocess.run(load, check=False, capture_output=True, text=True, timeout=args.load_timeout)
             result = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {"error": out.stderr}

@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=32000, help="token ids are drawn below this")
     ap.add_argument("--chat", action="store_true")
+    ap.add_argument("--seed", type=int, default=0, help="request i's prompt is drawn from seed + i")
     ap.add_argument("--api-key")
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
@@ -108,7 +109,7 @@ def main() -> None:
                 i = next(next_id, None)
             if i is None:
                 return
-            r = one_request(args, i)
+            r = one_request(args, args.seed + i)
             with lock:
                 results.append(r)
 

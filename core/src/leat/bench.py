@@ -14,6 +14,7 @@ standard deviation over the repetitions, like llama-bench's ``t/s`` column.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -88,6 +89,7 @@ def batched_decode(
     from leat.engine import Engine, GenerationRequest
 
     engine = Engine(model, batch_size=concurrency, max_context=prompt_tokens + n + 1, kv=kv, profile=profile).start()
+    seeds = itertools.count()  # new prompts each run: none finds the last run's prefix cached, as a server's would not
 
     def run() -> int:
         if profile:
@@ -96,15 +98,12 @@ def batched_decode(
             engine.submit(
                 GenerationRequest(list(_tokens(model, prompt_tokens, seed)), n, {"temperature": 0.0}, ignore_eos=True)
             )
-            for seed in range(concurrency)
+            for seed in itertools.islice(seeds, concurrency)
         ]
-        generated = 0
-        for handle in handles:
-            for event in handle:
-                if event.kind == "error":
-                    raise RuntimeError(event.error)
-                if event.kind == "done":
-                    generated += event.usage["completion_tokens"]
+        events = [event for handle in handles for event in handle]
+        if error := next((event.error for event in events if event.kind == "error"), None):
+            raise RuntimeError(error)
+        generated = sum(event.usage["completion_tokens"] for event in events if event.kind == "done")
         run.profile = list(engine.profile or [])  # type: ignore[attr-defined]
         return generated
 
