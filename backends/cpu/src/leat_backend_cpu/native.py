@@ -76,7 +76,10 @@ class QuantizedWeight:
     shape: tuple[int, int]
     blocks: np.ndarray
     address: int = field(init=False)
-    kernels: dict[str, Callable[..., None]] = field(init=False)  # its type's gemv, dequant (and gemm) entry points
+    kernels: dict[str, Callable[..., None]] = field(init=False)  # its type's gemv, dequant (gemm, igemv) entry points
+    # a decode step's product: step(x, n, y, *step_range, threads), igemv's (with its activation range) or gemv's
+    step: Callable[..., None] = field(init=False)
+    step_range: tuple[int, ...] = field(init=False)
 
     def __post_init__(self):
         self.blocks = np.ascontiguousarray(self.blocks).view(np.uint8).reshape(self.shape[0], -1)
@@ -85,6 +88,9 @@ class QuantizedWeight:
         kinds = ("gemv", "dequant", "gemm") if lib.has_gemm else ("gemv", "dequant")
         kinds += ("igemv",) if lib.has_gemm and self.qtype in INTEGER_GEMV else ()
         self.kernels = {kind: lib.entry(f"{kind}_{self.qtype.name.lower()}") for kind in kinds}
+        integer = "igemv" in self.kernels
+        self.step = functools.partial(self.kernels["igemv" if integer else "gemv"], self.address, *self.shape)
+        self.step_range = (activation_range(self.qtype),) if integer else ()
 
     @property
     def nbytes(self) -> int:
@@ -223,10 +229,8 @@ def matmul(x: np.ndarray, weight: QuantizedWeight, threads: int) -> np.ndarray:
     x = np.ascontiguousarray(x, np.float32)
     (n, k), m = x.shape, weight.shape[0]
     y = np.empty((n, m), np.float32)
-    if n <= GEMV_ROWS and "igemv" in weight.kernels:
-        weight.kernels["igemv"](weight.address, m, k, x, n, y, activation_range(weight.qtype), threads)
-    elif n <= GEMV_ROWS:
-        weight.kernels["gemv"](weight.address, m, k, x, n, y, threads)
+    if n <= GEMV_ROWS:
+        weight.step(x, n, y, *weight.step_range, threads)
     elif "gemm" in weight.kernels:
         weight.kernels["gemm"](weight.address, m, k, x, n, y, activation_range(weight.qtype), threads)
     else:  # no AVX-512 VNNI: tiles of decoded rows times x with BLAS
