@@ -384,8 +384,6 @@ class Engine:
                 raise LeatError("this model keeps a recurrent state per sequence, which sessions do not keep yet")
         if request.images and getattr(self.model, "vision", None) is None:
             raise LeatError("this model has no vision projector for the prompt's images: load one with --mmproj")
-        if request.images and request.session is not None:
-            raise LeatError("images in a session's prompt are not supported yet")
         params = request.sampling
         if not isinstance(params, SamplingParams):
             params = SamplingParams.resolve(params or {}, self.model.file.metadata)
@@ -474,11 +472,11 @@ class Engine:
         """Share what can be reused (a session's pages or cached prefix pages), reserve the rest."""
         if session is not None and session.hibernated and not self.session_kv.restore(session):
             return False
-        prompt = item.tokens[: item.prompt_len - 1]
+        prompt = keyed(item.tokens[: item.prompt_len - 1], item.request.images)  # an image's positions by its digest
         found = self.session_kv.reuse(session, prompt) if session is not None else None
         lender = session if found is not None else None  # the session whose pages this row borrows
         lent = lender.pages if lender is not None else None
-        keys = self._prefix_keys(item.request.client, keyed(prompt, item.request.images))
+        keys = self._prefix_keys(item.request.client, prompt)
         reuse, shared = found or self.budget.lookup(keys)
         # a session's partly filled last page is copied before writing (a cached prefix is whole pages)
         copy = reuse % self.page_size != 0
@@ -887,7 +885,7 @@ class Engine:
         item.ended = True
         self.budget.remember(item.held, item.filled)
         if item.request.session:
-            kept = item.tokens[: item.filled]
+            kept = keyed(item.tokens[: item.filled], item.request.images)
             self.session_kv.keep(item.request.session, kept, item.held.pages, failed=reason == "error")
         self.budget.release(item.held)
         if item.speculation is not None and self.speculation is not None:
