@@ -902,7 +902,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, Backend):
         n, heads, dk = q.shape
         kv_heads, dv = v.shape[1], v.shape[2]
         slots, positions, span = self._token_rows(batch)
-        kind, k_scale, v_scale, table, per_slot = self._write_kv(k, v, kv, layer, slots, positions)
+        kind, (_, _, k_scale, v_scale, table), per_slot = self._write_kv(k, v, kv, layer, slots, positions)
         # a prefill (some row has several tokens; never a captured decode step): tensor cores over an f16
         # cache; a q8_0 cache's prefill takes attention_wide below (flash.cu reads f16 tiles only)
         flash = n > quants.GEMV_MAX_TOKENS and n > len(batch.rows) and kind == "u16" and dk == dv
@@ -962,34 +962,20 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, Backend):
             self.ops["attention_combine"]((n * heads,), _threads(dv), part_ml, part_acc, out, splits, dv, sinks, heads)
         return out
 
-    def _write_kv(self, k, v, kv: KVCache, layer: int, slots, positions) -> tuple:
-        """Each token's k and v into ``layer``'s pages: the KV kernels' element kind, the q8_0 scale planes (or
-        None), the layer's device page table and the pages per slot, which the attention kernels read with."""
+    def _write_kv(self, k, v, kv: KVCache, layer: int, slots, positions) -> tuple[str, tuple, int]:
+        """Each token's k and v into ``layer``'s pages: the KV kernels' element kind, the cache as the attention
+        kernels take it (K, V, q8_0's scale planes or None, the layer's device page table) and the pages per slot."""
         n, kv_heads, dk = k.shape
         self._sync_pages(kv)
         kind = KV_DTYPES[kv.dtype][0]
-        k_scale, v_scale = (kv.k_scale[layer], kv.v_scale[layer]) if kv.dtype == "q8_0" else (None, None)
+        scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.dtype == "q8_0" else (None, None)
         table = kv.device_tables[kv.group_of[layer]]  # a windowed group's entries behind the window are -1
+        cache = (kv.k[layer], kv.v[layer], *scales, table)
         per_slot = kv.tables[0].shape[1]
         self.ops[f"kv_write<{kind}>"](
-            (n,),
-            128,
-            k,
-            v,
-            kv.k[layer],
-            kv.v[layer],
-            k_scale,
-            v_scale,
-            table,
-            slots,
-            positions,
-            kv_heads,
-            dk,
-            v.shape[2],
-            per_slot,
-            kv.page_size,
+            (n,), 128, k, v, *cache, slots, positions, kv_heads, dk, v.shape[2], per_slot, kv.page_size
         )
-        return kind, k_scale, v_scale, table, per_slot
+        return kind, cache, per_slot
 
     def _flash(self, q, kv: KVCache, layer: int, batch: Batch, table, slots, positions, scale: float, softcap: float):
         """Tensor-core attention for a prefill over an f16 cache (kernels/flash.cu): the batch's rows cut

@@ -70,29 +70,21 @@ class VisionOps:
         if dl is None:
             raise LeatError(f"attention heads of {max(dk, dv)} dimensions exceed the kernel's {32 * OPEN_LANES[-1]}")
         slots, positions, _ = self._token_rows(batch)
-        kind, k_scale, v_scale, table, per_slot = self._write_kv(k, v, kv, layer, slots, positions)
+        kind, cache, per_slot = self._write_kv(k, v, kv, layer, slots, positions)
         out = self._empty((n, heads * dv))
-        self._vision_module()[f"attention_open<{kind}, {dl}>"](
+        sizes = (n, heads, kv_heads, dk, dv, per_slot, kv.page_size, kv.layouts[layer].window or 0)
+        last = self._ints(last_positions(batch))
+        kernel = self._vision_module()[f"attention_open<{kind}, {dl}>"]
+        kernel(
             (-(-n * heads // 4),),
             128,
             q,
-            kv.k[layer],
-            kv.v[layer],
-            k_scale,
-            v_scale,
-            table,
+            *cache,
             slots,
             positions,
-            self._ints(last_positions(batch)),
+            last,
             out,
-            n,
-            heads,
-            kv_heads,
-            dk,
-            dv,
-            per_slot,
-            kv.page_size,
-            kv.layouts[layer].window or 0,
+            *sizes,
             float(scale),
             float(softcap),
             sinks,
