@@ -6,6 +6,8 @@ from leat_backend_cpu.backend import CPUBackend
 
 
 class TestCPUBackendConformance(BackendConformance):
+    capabilities = BackendConformance.capabilities | {"recurrent"}
+
     @pytest.fixture(params=["f32", "f32-dequantized", "f64"])  # the quantized path and the two references
     def backend(self, request):
         precision, _, weights = request.param.partition("-")

@@ -30,7 +30,7 @@ class BackendConformance:
     ``tolerance`` to state your precision's bounds, ``model_qtypes`` to choose the tiny model files' storage types,
     and ``capabilities`` to say which optional checks apply: "windows" (windowed layers in page groups of their
     own), "softcap" and "sinks" (those options of :meth:`Backend.attention`), "q8_0_kv"
-    (``allocate_kv(dtype="q8_0")``) and "moe" (:meth:`Backend.moe`).
+    (``allocate_kv(dtype="q8_0")``), "moe" (:meth:`Backend.moe`) and "recurrent" (:meth:`Backend.gated_delta_net`).
     """
 
     tolerance: ClassVar[dict[str, float]] = {"f16": 2e-3, "bf16": 2e-2, "f32": 5e-5, "f64": 1e-12}
@@ -286,6 +286,26 @@ class BackendConformance:
                 want[t] += we * (down[e] @ h + down_bias[e])
         tol = self.tolerance.get(backend.precision, 1e-4)
         np.testing.assert_allclose(got.reshape(n, d), want, rtol=tol, atol=tol * 10)
+
+    @pytest.mark.leat_needs("recurrent")
+    def test_gated_delta_net_two_sequences_in_steps(self, backend):
+        """Prefills of 5 and 3 tokens in slots 0 and 1 of one batch, then a decode step of each: every output as
+        :func:`leat.deltanet.run` gives for the sequence whole (its state continues in its own slot)."""
+        from leat.deltanet import DeltaNet, run
+
+        conv, dt_bias, a_log, mixed, alpha, beta = self.inputs((64, 4), (4,), (4,), (10, 64), (10, 4), (10, 4), seed=7)
+        net = DeltaNet(2, 4, 8, conv * 0.5, dt_bias, -np.exp(a_log), 1e-6)
+        spans = {0: slice(0, 6), 1: slice(6, 10)}
+        want = {
+            s: run(net, mixed[r], alpha[r], beta[r], np.zeros((3, 64)), np.zeros((4, 8, 8))) for s, r in spans.items()
+        }
+        kv = backend.allocate_kv([KVLayout(1, 8)], slots=2, context=16)
+        for rows in [[(0, 0, 5), (1, 0, 3)], [(1, 3, 1), (0, 5, 1)]]:
+            picks = np.concatenate([np.arange(spans[s].start + p, spans[s].start + p + n) for s, p, n in rows])
+            batch = Batch([Row(s, p, np.zeros(n, np.int64)) for s, p, n in rows])
+            device = [self.to_device(backend, x[picks]) for x in (mixed, alpha, beta)]
+            got = backend.gated_delta_net(*device, net, kv, 0, batch)
+            self.check(backend, got, np.concatenate([want[s][p : p + n] for s, p, n in rows]))
 
     def test_silu_mul_and_add(self, backend):
         x, y = np.linspace(-30, 30, 64), np.linspace(2, -3, 64)
