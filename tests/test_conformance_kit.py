@@ -64,8 +64,9 @@ def test_capabilities_select_checks_at_collection(tmp_path):
     assert result.returncode == 0, out
     assert "leat conformance kit" in out  # the pytest11 plugin loaded itself
     assert "skipped" not in out
-    # windows, softcap, softcap with sinks, q8_0_kv and moe's two are deselected; sinks and the F32 model check run
-    assert "6 deselected" in out, out
+    # windows, softcap, softcap with sinks, q8_0_kv, moe's two and recurrent are deselected; sinks and the F32 model
+    # check run
+    assert "7 deselected" in out, out
     assert "test_attention_sinks PASSED" in subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", str(tmp_path), "-k", "sinks or tiny"],
         capture_output=True,
