@@ -118,6 +118,8 @@ def describe_model(name: str, tensor_parallel: int = 1, device_memory: float | N
             continue
         missing = sorted({t.qtype.name for t in file.tensors.values()} - {q.name for q in cls.quant_types})
         support[backend_name] = "all tensor types" if not missing else f"missing {', '.join(missing)}"
+        if arch.recurrent and not cls.recurrent_state:
+            support[backend_name] += "; keeps no recurrent state, which this model's layers need"
         held = cls.weight_bytes(list(file.tensors.values())) if not missing else None
         if held is not None:
             memory[backend_name] = held
