@@ -280,12 +280,6 @@ class CPUBackend(Backend):
     ) -> np.ndarray:
         return self._attend(q, k, v, kv, layer, batch, scale, softcap, sinks)
 
-    def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        if self.native:
-            return native.gated(gate, up, gelu=False)
-        with np.errstate(over="ignore"):  # exp overflow for very negative gates gives the right limit, 0
-            return gate / (1.0 + np.exp(-gate)) * up
-
     def gated_delta_net(
         self,
         mixed: np.ndarray,
