@@ -225,16 +225,22 @@ def test_matmul_through_cublas(cuda, oracle, qtype):
     cols = 768 if quants.LAYOUTS[qtype].block == 256 else 96
     rows, n = 75, 40
     data = stored(qtype, rows, cols, rng)
-    weight = cuda.upload(Tensor("w", qtype, (rows, cols), data))
+    budget, cuda.f16_budget = cuda.f16_budget, 1 << 30  # a kept f16 copy (a test's arrays map no file)
+    try:
+        weight = cuda.upload(Tensor("w", qtype, (rows, cols), data))
+    finally:
+        cuda.f16_budget = budget
     reference = oracle.upload(Tensor("w", qtype, (rows, cols), data))
     bias = rng.standard_normal(rows)
     x = rng.standard_normal((n, cols)) * np.logspace(-6, 6, n)[:, None]
     want = oracle.matmul(x, reference, bias - bias)
-    scratch, threshold = cuda._f16_weights, cuda.cublas_min_tokens
+    scratch, threshold, kept = cuda._f16_weights, cuda.cublas_min_tokens, weight.f16
+    assert kept is not None  # the fixture's budget keeps an f16 copy: products multiply it; then decoded in chunks
     try:
         cuda.cublas_min_tokens = n
-        for rows_per_chunk in (rows, 16):
-            cuda._f16_weights = driver.Memory(rows_per_chunk * cols * 2)
+        for rows_per_chunk in (None, rows, 16):
+            if rows_per_chunk is not None:
+                cuda._f16_weights, weight.f16 = driver.Memory(rows_per_chunk * cols * 2), None
             got = cuda.to_host(cuda.matmul(cuda_array(cuda, x), weight))
             for row in range(n):
                 assert relative_error(got[row], want[row]) < 2e-3
@@ -425,8 +431,18 @@ def test_argmax(cuda):
 
 def test_allocations_are_counted(cuda):
     cuda.from_host(np.ones(4))
-    before = cuda.allocations.weights
-    cuda.upload(Tensor("w", Q.Q6_K, (4, 256), stored(Q.Q6_K, 4, 256, np.random.default_rng(0))))
+    before, budget = cuda.allocations.weights, cuda.f16_budget
+    try:
+        cuda.f16_budget = 0
+        cuda.upload(Tensor("w", Q.Q6_K, (4, 256), stored(Q.Q6_K, 4, 256, np.random.default_rng(0))))
+    finally:
+        cuda.f16_budget = budget
     # the GGUF bytes (4 blocks of 210), no dequantized copy; each of the 4 planes padded to 16 bytes
     assert 0 <= cuda.allocations.weights - before - 4 * 210 < 4 * 16
+    copies, cuda.f16_budget = cuda.allocations.by_type.get("f16 copies", 0), 1 << 20
+    try:
+        cuda.upload(Tensor("w", Q.Q6_K, (4, 256), stored(Q.Q6_K, 4, 256, np.random.default_rng(0))))
+    finally:
+        cuda.f16_budget = budget
+    assert cuda.allocations.by_type["f16 copies"] - copies == 2 * 4 * 256  # within the budget: a kept f16 copy
     assert cuda.allocations.kv > 0 and cuda.allocations.scratch > 0

@@ -316,6 +316,36 @@ def test_products_of_many_tokens_go_to_cublas_a_chunk_of_rows_at_a_time(fake):
     assert not backend.cublas.calls and any(f.startswith("_Z9gemm_rows") for f, _, _ in fake.launches)
 
 
+def test_a_weight_kept_in_f16_goes_to_cublas_whole_without_decoding(fake):
+    """Within ``f16_budget`` the upload decodes a matrix to f16 rows once; a product of many tokens then multiplies
+    that copy in one cuBLAS call and decodes nothing. Past the budget a matrix keeps no copy."""
+    rng = np.random.default_rng(4)
+    rows, cols, n = 75, 256, 40
+    data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), Q.Q8_0)
+    backend = CUDABackend(use_cublas=False)
+    backend.f16_budget = 2 * rows * cols + 1  # room for one copy
+    fake.launches.clear()
+    weight = backend.upload(Tensor("w", Q.Q8_0, (rows, cols), data))
+    assert weight.f16 is not None and weight.f16.nbytes == 2 * rows * cols
+    assert sum(f.startswith("_Z14dequantize_f16I5TQ8_0") for f, _, _ in fake.launches) == 1
+    assert backend.upload(Tensor("w2", Q.Q8_0, (rows, cols), data)).f16 is None  # the budget is spent
+    backend.cublas, backend.cublas_min_tokens = RecordingCublas(), n
+    fake.launches.clear()
+    out = backend.matmul(backend.from_host(rng.standard_normal((n, cols))), weight)
+    assert not any(f.startswith("_Z14dequantize_f16") for f, _, _ in fake.launches)
+    assert backend.cublas.calls == [(weight.f16.ptr, backend.cublas.calls[0][1], out.ptr, rows, n, cols, rows)]
+
+
+def test_the_f16_budget_follows_the_size_of_the_mapped_file(tmp_path):
+    """A GGUF's tensors view its mmap: the backend reads the file's size from them (none for an array in memory)."""
+    from leat_backend_cuda.backend import _mapped_size
+
+    path = write_tiny_gguf(Llama, tmp_path / "m.gguf", Q.Q8_0)
+    tensor = next(iter(ModelFile(path).tensors.values()))
+    assert _mapped_size(tensor.data) == path.stat().st_size
+    assert _mapped_size(np.zeros(4)) is None
+
+
 def test_a_step_fed_from_the_last_argmax_gathers_its_tokens_on_the_device(fake, tmp_path):
     """run(..., fed=(ids, index)) on the graph path: the inputs go up, gather_ints puts the last step's argmax
     (rows ``index``) in the token slots, then the graph replays, with no wait for the host."""

@@ -18,6 +18,7 @@ buffers, and replays it afterwards: a step then costs one small upload and one l
 from __future__ import annotations
 
 import math
+import mmap
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -105,6 +106,10 @@ READBACKS = 4
 #: f16 weight rows decoded per cuBLAS product: large enough that a layer's matrices go whole (few, large
 #: products beat chunks small enough to stay in L2; docs/benchmarks.md has the measurement)
 CUBLAS_SCRATCH_BYTES = 128 << 20
+#: the share of the device's memory that weights decoded to f16 once, at load, may take (see ``f16_budget``),
+#: for a file of at most F16_WEIGHTS_FILE_SHARE of it (its copies take up to ~4x its size)
+F16_WEIGHTS_SHARE = 0.25
+F16_WEIGHTS_FILE_SHARE = F16_WEIGHTS_SHARE / 4
 FLAT_ATTENTION_BUDGET = 128 * 2048
 
 
@@ -133,6 +138,7 @@ class Matrix:
     blocks: int
     memory: Memory
     kernels: driver.Module | None  # None: float32 rows not a multiple of 8 (the naive kernel)
+    f16: Memory | None = None  # the weight decoded to f16 rows once, for cuBLAS's prefill products (see f16_budget)
 
     @property
     def ptr(self) -> int:
@@ -162,6 +168,13 @@ class _Ids:
     def result(self) -> np.ndarray:
         self.event.wait()
         return self.landing.array[: self.device.nbytes].view(np.int32).astype(np.int64)
+
+
+def _mapped_size(array: Any) -> int | None:
+    """The size of the mapped file an array views (a GGUF's tensors are views of its mmap), or None."""
+    while array is not None and not isinstance(array, mmap.mmap):
+        array = getattr(array, "base", None)
+    return len(array) if array is not None else None
 
 
 def _with_tokens(batch: Batch, fed: Any) -> Batch:
@@ -283,6 +296,12 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, Backend):
         self.rows_shape: tuple[int, int] | None = None
         self.rows_blocks = GEMM_ROWS_BLOCKS_PER_SM * self.device.sm_count
         self._f16_weights = Memory(CUBLAS_SCRATCH_BYTES) if self.cublas else None
+        #: bytes of f16 weight copies the upload may keep: a prefill product through cuBLAS then multiplies the
+        #: kept copy instead of decoding the weight again each step (on the H200 the decoding took 28% of a
+        #: 512-token step, scripts/kernel_profile.py). Matrices get copies in load order while they fit; decode
+        #: steps still read the quantized weights. 0: none kept (the decode-each-step path, less memory). None:
+        #: decided at the first upload, from the size of the file it maps (a small file's copies, or none)
+        self.f16_budget: int | None = None if self.cublas else 0
 
     def describe(self) -> dict[str, Any]:
         free, total = self.device.free_memory()
@@ -374,7 +393,24 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, Backend):
             self.device.synchronize()  # the host copy may be a temporary (a dequantized tensor)
         self._count(tensor.qtype.name, memory.nbytes)
         blocks = quants.blocks_of(qtype, rows, cols) if kernels else 0
-        return Matrix(tensor.name, qtype, shape, rows, cols, blocks, memory, kernels)
+        matrix = Matrix(tensor.name, qtype, shape, rows, cols, blocks, memory, kernels)
+        if self.f16_budget is None:
+            total, file = self.device.free_memory()[1], _mapped_size(tensor.data)
+            self.f16_budget = int(F16_WEIGHTS_SHARE * total) if file and file <= F16_WEIGHTS_FILE_SHARE * total else 0
+        if kernels and len(shape) == 2 and cols % 8 == 0 and 2 * rows * cols <= self.f16_budget:
+            self.f16_budget -= 2 * rows * cols
+            matrix.f16 = Memory(2 * rows * cols)
+            self._decode_f16(matrix, matrix.f16, 0, rows)
+            self._count("f16 copies", matrix.f16.nbytes)
+        return matrix
+
+    def _decode_f16(self, weight: Matrix, out: Memory, start: int, count: int) -> None:
+        """Rows ``start`` to ``start + count`` of ``weight`` decoded to f16 rows at ``out``."""
+        layout = quants.LAYOUTS[weight.qtype]
+        per_row = weight.cols // layout.block
+        units = count * per_row * layout.units
+        decode = weight.kernels[f"dequantize_f16<{layout.struct}>"]
+        decode((-(-units // 256),), 256, weight.ptr, weight.blocks, out, start * per_row, count * per_row)
 
     def _upload_planes(self, qtype: Q, raw: np.ndarray) -> Memory:
         """A tensor of a planar layout (quants.device_bytes): the file's bytes uploaded as they are, then split
@@ -739,17 +775,14 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, Backend):
         """``out = x weight^T + bias`` through cuBLAS: the weight decoded to f16 rows a chunk at a time
         (``CUBLAS_SCRATCH_BYTES`` at a time), then one epilogue applies x's scales."""
         xh, xscale = self._f16_rows(x, n, k)
-        layout = quants.LAYOUTS[weight.qtype]
-        per_row = k // layout.block
-        rows = max(1, min(m, self._f16_weights.nbytes // (2 * k)))
-        decode = weight.kernels[f"dequantize_f16<{layout.struct}>"]
-        for start in range(0, m, rows):
-            count = min(rows, m - start)
-            units = count * per_row * layout.units
-            decode(
-                (-(-units // 256),), 256, weight.ptr, weight.blocks, self._f16_weights, start * per_row, count * per_row
-            )
-            self.cublas.gemm_f16(self._f16_weights.ptr, xh.ptr, out.ptr + 4 * start, count, n, k, m)
+        if weight.f16 is not None:  # decoded once, at load
+            self.cublas.gemm_f16(weight.f16.ptr, xh.ptr, out.ptr, m, n, k, m)
+        else:
+            rows = max(1, min(m, self._f16_weights.nbytes // (2 * k)))
+            for start in range(0, m, rows):
+                count = min(rows, m - start)
+                self._decode_f16(weight, self._f16_weights, start, count)
+                self.cublas.gemm_f16(self._f16_weights.ptr, xh.ptr, out.ptr + 4 * start, count, n, k, m)
         total = n * m
         grid = max(1, min(-(-total // 256), 8 * self.device.sm_count))
         self.ops["scale_rows_bias"]((grid,), 256, out, xscale, bias, m, total)
