@@ -53,7 +53,7 @@ def check(lib: bytes, arch: str) -> dict:
 
 def run_model(path: str, kv_dtype: str) -> None:
     """A prefill chunk (16 tokens: eager, then captured under TinyJit as full chunks are) and a decode step (captured
-    under TinyJit) through ``Backend.run``, as the engine runs them."""
+    under TinyJit) through ``Backend.run``, as the engine runs them; then gemv.py's kernels (``run_gemv``)."""
     import leat
     import numpy as np
     from leat.batch import Batch, Row
@@ -65,6 +65,20 @@ def run_model(path: str, kv_dtype: str) -> None:
     backend.set_pages(kv, 0, np.arange(2))
     for row in (Row(0, 0, np.arange(1, 17)), Row(0, 16, np.array([17]))):
         backend.to_host(backend.run(forward, Batch([row]), kv))
+    run_gemv()
+
+
+def run_gemv() -> None:
+    """gemv.py's kernel of every type it has, for two rows (the tiny model's decode step has one row of Q4_K)."""
+    import gguf
+    import numpy as np
+    from leat_backend_tinygrad.gemv import LAYOUTS, as_words, gemv
+    from tinygrad import Tensor
+
+    for qtype in LAYOUTS:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        stored = as_words(np.zeros((64, 512 // block, size), np.uint8), qtype)
+        gemv(Tensor.zeros(2, 512).contiguous(), Tensor(stored), qtype).realize()
 
 
 def main(path: str, archs: list[str], kv_dtype: str = "f32") -> dict:
@@ -84,6 +98,7 @@ def main(path: str, archs: list[str], kv_dtype: str = "f32") -> dict:
     began = time.perf_counter()
     run_model(path, kv_dtype)
     report: dict = {"kernels": len(asts), "run_s": round(time.perf_counter() - began, 1)}
+    report["gemv"] = sorted(ast.arg.name for ast in asts.values() if ast.arg.name.startswith("gemv_"))
     target = Device[Device.DEFAULT].renderer.target
     tasks = [(ast, AMDLLVMRenderer(replace(target, arch=arch))) for arch in archs for ast in asts.values()]
     began, pool = time.perf_counter(), get_worker_pool()

@@ -60,6 +60,7 @@ def test_every_kernel_of_a_prefill_and_a_decode_step_compiles_for_rdna3_and_cdna
         "CACHELEVEL": "0",
         "CACHEDB": str(tmp_path / "cache.db"),
         "LEAT_TINYGRAD_PREFILL_JIT": "16",
+        "LEAT_TINYGRAD_HALF": "1",  # float16 prefill products, as on a GPU (the suite's other tests hold float32)
     }
     command = [sys.executable, str(HERE / "amd_kernels.py"), str(model), *ARCHS]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -69,3 +70,9 @@ def test_every_kernel_of_a_prefill_and_a_decode_step_compiles_for_rdna3_and_cdna
     # the prefill's eager and jitted chunk and the decode step: products (split and dequantize-then-multiply), norms,
     # rope, KV writes, paged attention; each kernel once per target
     assert report["kernels"] >= 40 and all(report[arch]["kernels"] == report["kernels"] for arch in ARCHS), report
+    # gemv.py's quantized products of every type (amd_kernels.run_gemv: two rows), and the model's own (one row)
+    import gguf
+    from leat_backend_tinygrad.gemv import LAYOUTS
+
+    names = {f"gemv_{q.name.lower()}_2_64_{512 // gguf.GGML_QUANT_SIZES[q][0]}" for q in LAYOUTS}
+    assert names <= set(report["gemv"]) and any(name.startswith("gemv_q4_k_1_") for name in report["gemv"]), report

@@ -34,13 +34,14 @@ from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
+from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, as_words, gemv
 from leat_backend_tinygrad.kv import KVCache, PagedKV
 from leat_backend_tinygrad.quants import DEQUANTIZERS
 
 Q = gguf.GGMLQuantizationType
 # Types gguf-py can dequantize: those without a kernel here are dequantized to float32 at load.
 LOAD_DEQUANTIZED = frozenset(
-    {Q.BF16, Q.Q2_K, Q.Q3_K, Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S}
+    {Q.BF16, Q.Q2_K, Q.Q3_K, Q.TQ1_0, Q.TQ2_0, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S}
     | {Q.IQ1_S, Q.IQ1_M, Q.IQ4_NL, Q.IQ4_XS}
 )
 SPLIT = 16  # a few-row product with a quantized weight sums each output in this many partial sums
@@ -83,8 +84,9 @@ def _share_kernel_cache_across_threads() -> None:
 
 @dataclass
 class Weight:
-    """One uploaded GGUF tensor: ``data`` on the device (float values, or uint8 blocks
-    [..., blocks, block_bytes] for a type in DEQUANTIZERS), ``host`` the stored bytes (the file's map)."""
+    """One uploaded GGUF tensor: ``data`` on the device (float values, or blocks [..., blocks, block_bytes] for a
+    type in DEQUANTIZERS, as uint8 or, for gemv's types, the words its kernel reads), ``host`` the stored bytes
+    (the file's map)."""
 
     data: Tensor
     qtype: Q
@@ -99,6 +101,7 @@ class Weight:
 
     def _values(self, data: Tensor, shape: tuple[int, ...]) -> Tensor:
         if self.qtype in DEQUANTIZERS:
+            data = data.bitcast(dtypes.uint8) if data.dtype != dtypes.uint8 else data  # words (gemv.as_words)
             return DEQUANTIZERS[self.qtype](data).reshape(shape)
         return data.cast(dtypes.float32) if data.dtype != dtypes.float32 else data
 
@@ -157,6 +160,12 @@ class TinygradBackend(PagedKV, Backend):
         # GPU devices only: on tinygrad's CPU device the fused product is as fast
         cpu = self.device.split(":")[0] in ("CPU", "PYTHON")
         self.gemm_rows = int(os.environ.get("LEAT_TINYGRAD_GEMM_ROWS", "0" if cpu else "16"))
+        # those products in float16 (weight copy and x; float32 sums) for tensor cores: GPU devices by default.
+        # Agreement then is the backend bar against the f64 oracle (top-1 >= 99%, mean KL < 1e-3), not float32's
+        # ~1e-13. LEAT_TINYGRAD_HALF=0 keeps them float32.
+        self.half_products = os.environ.get("LEAT_TINYGRAD_HALF", "0" if cpu else "1") != "0"
+        # products with up to this many rows and a weight of a gemv.py type use its kernel (0: never)
+        self.gemv_rows = int(os.environ.get("LEAT_TINYGRAD_GEMV_ROWS", str(MAX_ROWS)))
         # one-row prefill chunks of these lengths run under TinyJit too (the engine's full chunks)
         lengths = os.environ.get("LEAT_TINYGRAD_PREFILL_JIT", str(PREFILL_CHUNK))
         self.prefill_lengths = frozenset(int(x) for x in lengths.split(",") if x.strip())
@@ -187,7 +196,7 @@ class TinygradBackend(PagedKV, Backend):
         qtype, host = tensor.qtype, np.asarray(tensor.data)
         if qtype in DEQUANTIZERS:
             block, size = gguf.GGML_QUANT_SIZES[qtype]
-            stored = host.view(np.uint8).reshape(*tensor.shape[:-1], tensor.shape[-1] // block, size)
+            stored = as_words(host.view(np.uint8).reshape(*tensor.shape[:-1], tensor.shape[-1] // block, size), qtype)
         elif qtype in (Q.F32, Q.F16):
             stored = host.view(np.float32 if qtype == Q.F32 else np.float16).reshape(tensor.shape)
         elif qtype in LOAD_DEQUANTIZED:
@@ -328,10 +337,20 @@ class TinygradBackend(PagedKV, Backend):
         x = self._values(x)
         quantized = isinstance(weight, Weight) and weight.qtype in DEQUANTIZERS
         if quantized and self.gemm_rows and x.shape[0] >= self.gemm_rows:
-            # Many rows (prefill): dequantize the blocks once into a float32 copy, then a plain product.
+            # Many rows (prefill): dequantize the blocks once into a copy (float32, or float16), then a plain product.
             # Fused into the product, the dequantization would be repeated for every tile of rows (the 8B
-            # file's first pp512 did not finish in minutes that way). float32 keeps prefill equal to decode.
-            y = x @ weight.values().contiguous().T
+            # file's first pp512 did not finish in minutes that way). In float16 (half_products) tinygrad's
+            # tensor-core kernels take the product, summing in float32.
+            if self.half_products:
+                y = x.cast(dtypes.float16).matmul(
+                    weight.values().cast(dtypes.float16).contiguous().T, dtype=dtypes.float32
+                )
+            else:
+                y = x @ weight.values().contiguous().T
+        elif quantized and weight.qtype in LAYOUTS and x.shape[0] <= self.gemv_rows and weight.data.ndim == 3:
+            # Few rows (decode) of Q8_0, Q4_0, Q4_K, Q6_K, MXFP4: our own kernel, one thread group per output
+            # reading the row's blocks in storage order (gemv.py)
+            y = gemv(x, weight.data, weight.qtype)
         elif quantized and weight.shape[-1] % SPLIT == 0:
             # Few rows (decode): the product in SPLIT partial sums per output, then their sum, as two kernels.
             # tinygrad gives a one-row product with the dequantization fused one thread per few outputs, each

@@ -133,6 +133,21 @@ def q6_k(b: Tensor) -> Tensor:
     return _flat(((d * scales).unsqueeze(-1) * q).reshape(*lead, QK_K))
 
 
+def _e2m1(n: Tensor) -> Tensor:
+    """gguf's doubled E2M1 values of nibbles: 0, 1, 2, 3, 4, 6, 8, 12 for 0..7, negated for 8..15."""
+    m = n % 8
+    magnitude = (m < 4).where(m, (m < 6).where(m * 2 - 4, m * 4 - 16))
+    return (n >= 8).where(-magnitude, magnitude).cast(dtypes.float32)
+
+
+def mxfp4(b: Tensor) -> Tensor:
+    # 17 bytes: E8M0 exponent e, 16 bytes of nibbles (byte j: element j low, j + 16 high); d = 2^(e - 128), made as
+    # ggml_e8m0_to_fp32_half makes it (e < 2: the subnormal 0x00200000 << e)
+    e = b[..., :1].cast(dtypes.int32)
+    d = (e < 2).where((e == 1).where(0x00400000, 0x00200000), (e - 1) * (1 << 23)).bitcast(dtypes.float32)
+    return _flat(d * _e2m1(_nibbles(b[..., 1:])))
+
+
 #: block dequantizers by GGUF type; the other types are dequantized at load (see TinygradBackend.upload)
 DEQUANTIZERS: dict[Q, Callable[[Tensor], Tensor]] = {
     Q.Q8_0: q8_0,
@@ -143,4 +158,5 @@ DEQUANTIZERS: dict[Q, Callable[[Tensor], Tensor]] = {
     Q.Q4_K: q4_k,
     Q.Q5_K: q5_k,
     Q.Q6_K: q6_k,
+    Q.MXFP4: mxfp4,
 }

@@ -1,0 +1,201 @@
+"""Few-row products with a quantized weight as tinygrad kernels of our own (UOp programs, ``Tensor.custom_kernel``).
+
+``y[n, o] = sum_k x[n, k] * w[o, k]`` with ``w`` in its GGUF blocks. One thread group per output ``o``: its
+``LANES`` threads read the row's blocks in storage order, each lane one unit of a block's quants (Q4_K: 16 bytes,
+one 128-bit load; Q8_0, Q4_0, Q6_K: one uint16 word; MXFP4: one byte; the widest aligned loads the block sizes
+allow), neighbouring lanes neighbouring units (coalesced); a group covers whole blocks per step. Each lane
+decodes its unit with the block's scales (the same float32 operations as gguf-py's dequantizers, so each weight
+value is gguf's bit for bit), multiplies them by every row of ``x`` (the weight is read once for all rows) and
+keeps one float32 sum per row; the group's partial sums are added in local memory (tinygrad's GROUP_REDUCE).
+Devices without local memory (tinygrad's CPU device) run the lanes as a loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+from tinygrad import Device, Tensor, UOp, dtypes
+from tinygrad.uop.ops import AxisType, KernelInfo, Ops
+
+Q = gguf.GGMLQuantizationType
+LANES = 64  # threads per output: 2 warps of 32 (CUDA), 1 wave of 64 (CDNA), 2 of 32 (RDNA)
+MAX_ROWS = 8  # products with up to this many rows of x use the kernel; each row is one more sum per thread
+
+Decoded = list[tuple[UOp, UOp]]  # (element offset in the block, float32 value)
+Word = Callable[[int | UOp], UOp]  # the block's little-endian word i (of the layout's word size)
+Byte = Callable[[int | UOp], UOp]  # the block's byte i, as int32
+
+
+def _f16(word: UOp) -> UOp:
+    """float32 of a float16's bits held in a uint16 (or the low 16 bits of a wider word)."""
+    return word.cast(dtypes.uint16).bitcast(dtypes.float16).cast(dtypes.float32)
+
+
+def _part(word: UOp, k: int) -> UOp:
+    """Byte k of a word, as int32."""
+    return ((word >> (k * 8)) & 0xFF).cast(dtypes.int32)
+
+
+def _i8(byte: UOp) -> UOp:
+    return byte.cast(dtypes.uint8).bitcast(dtypes.int8).cast(dtypes.float32)
+
+
+# Each decoder gets the block's words and bytes and the lane's unit (one range per axis of the layout's units; the
+# units are separate ranges so tinygrad never splits a lane range with // and %, which loses its group reduce).
+
+
+def q8_0(w: Word, b: Byte, u: UOp) -> Decoded:
+    # 17 uint16: f16 d, then 16 words of two int8 quants; unit u = word 1 + u, elements 2u, 2u + 1
+    d, word = _f16(w(0)), w(1 + u)
+    return [(u * 2 + k, d * _i8(_part(word, k))) for k in (0, 1)]
+
+
+def q4_0(w: Word, b: Byte, u: UOp) -> Decoded:
+    # 9 uint16: f16 d, then 8 words of nibbles; byte j holds element j (low) and j + 16 (high), offset 8
+    d, word = _f16(w(0)), w(1 + u)
+    out = []
+    for k in (0, 1):
+        byte, j = _part(word, k), u * 2 + k
+        out += [(j, d * ((byte & 15) - 8).cast(dtypes.float32)), (j + 16, d * ((byte >> 4) - 8).cast(dtypes.float32))]
+    return out
+
+
+def _k_scale_min(b: Byte, j: UOp) -> tuple[UOp, UOp]:
+    """Q4_K's six-bit scale and min of sub-block ``j`` (0..7) from the 12 bytes at 4..15 (gguf's get_scale_min):
+    j < 4: the low six bits of bytes j and j + 4; else the low/high nibble of byte j + 4 with the top two bits of
+    bytes j - 4 and j."""
+    low = j < 4
+    jj = low.where(j, j - 4)
+    s = [b(4 + jj), b(8 + jj), b(12 + jj)]  # bytes jj, jj + 4, jj + 8 of the scales
+    sc = low.where(s[0] & 63, (s[2] & 15) | ((s[0] >> 6) << 4))
+    mn = low.where(s[1] & 63, (s[2] >> 4) | ((s[1] >> 6) << 4))
+    return sc.cast(dtypes.float32), mn.cast(dtypes.float32)
+
+
+def q4_k(w: Word, b: Byte, c: UOp, g: UOp) -> Decoded:
+    # 36 uint32: f16 d | f16 dmin, 12 bytes of scales/mins, 32 words of nibbles in 4 chunks c of 32 bytes: byte i of
+    # chunk c holds element 64c + i (low nibble, sub-block 2c) and 64c + 32 + i (high, 2c + 1). Unit (c, g): the
+    # 16 bytes 16g .. 16g + 15 of chunk c, words 4 + 8c + 4g .. + 3 (16-byte aligned: one 128-bit load), one
+    # decode of the two sub-blocks' scales for its 32 elements.
+    head = w(0)
+    d, dmin = _f16(head & 0xFFFF), _f16(head >> 16)
+    words = [w(4 + c * 8 + g * 4 + t) for t in range(4)]
+    out = []
+    for half in (0, 1):
+        sc, mn = _k_scale_min(b, c * 2 + half)
+        scale, offset = d * sc, dmin * mn
+        for t, word in enumerate(words):
+            for k in range(4):
+                q = (_part(word, k) >> (4 * half)) & 15
+                out.append((c * 64 + half * 32 + g * 16 + t * 4 + k, scale * q.cast(dtypes.float32) - offset))
+    return out
+
+
+def q6_k(w: Word, b: Byte, h: UOp, g: UOp, r8: UOp) -> Decoded:
+    # 105 uint16: 128 bytes of low nibbles (words 0..63), 64 bytes of 2-bit highs (64..95), 16 int8 scales (bytes
+    # 192..207), f16 d (word 104). Half h (128 elements) uses ql[64h:64h+64], qh[32h:32h+32]; for l < 32 the four
+    # elements 128h + l + 32r are (ql[l] low, ql[l+32] low, ql[l] high, ql[l+32] high) | ((qh[l] >> 2r) & 3) << 4,
+    # minus 32, each times d * scale[element // 16]. Unit (h, g, r8): p = 8g + r8, l = 2p + k for the word's bytes k.
+    p = g * 8 + r8
+    d = _f16(w(104))
+    low_a, low_b, high = w(h * 32 + p), w(h * 32 + 16 + p), w(64 + h * 16 + p)
+    out = []
+    for r in range(4):
+        scale = d * _i8(b(192 + h * 8 + r * 2 + g))  # scale of element 128h + 32r + l: l // 16 = g
+        for k in (0, 1):
+            low = (_part(low_a if r % 2 == 0 else low_b, k) >> (4 * (r // 2))) & 15
+            q = (low | (((_part(high, k) >> (2 * r)) & 3) << 4)) - 32
+            out.append((h * 128 + r * 32 + p * 2 + k, scale * q.cast(dtypes.float32)))
+    return out
+
+
+def _e2m1(n: UOp) -> UOp:
+    """gguf's doubled E2M1 values (0, 1, 2, 3, 4, 6, 8, 12, then negated) of a nibble, as float32."""
+    m = n & 7
+    magnitude = (m < 4).where(m, (m < 6).where(m * 2 - 4, m * 4 - 16))
+    return ((n & 8) != 0).where(-magnitude, magnitude).cast(dtypes.float32)
+
+
+def mxfp4(w: Word, b: Byte, u: UOp) -> Decoded:
+    # 17 bytes: E8M0 exponent e, 16 bytes of nibbles (byte j: element j low, j + 16 high); d = 2^(e - 128) as
+    # ggml_e8m0_to_fp32_half makes it (e < 2: the subnormal 0x00200000 << e)
+    e = b(0)
+    bits = (e < 2).where(e.const_like(0x00200000) << e, (e - 1) << 23)
+    d, byte = bits.bitcast(dtypes.float32), b(1 + u)
+    return [(u, d * _e2m1(byte & 15)), (u + 16, d * _e2m1(byte >> 4))]
+
+
+@dataclass(frozen=True)
+class Layout:
+    word: Any  # the tinygrad dtype a block's words are read as
+    units: tuple[int, ...]  # a block's lanes, one range per axis (each lane decodes one unit of its quants)
+    decode: Callable[..., Decoded]
+
+
+LAYOUTS: dict[Q, Layout] = {
+    Q.Q8_0: Layout(dtypes.uint16, (16,), q8_0),
+    Q.Q4_0: Layout(dtypes.uint16, (8,), q4_0),
+    Q.Q4_K: Layout(dtypes.uint32, (4, 2), q4_k),
+    Q.Q6_K: Layout(dtypes.uint16, (2, 2, 8), q6_k),
+    Q.MXFP4: Layout(dtypes.uint8, (16,), mxfp4),
+}
+
+
+def _kernel(qtype: Q, rows: int, outputs: int, blocks: int, local: bool):
+    layout, (block_size, _) = LAYOUTS[qtype], gguf.GGML_QUANT_SIZES[qtype]
+    per_step = math.gcd(max(LANES // math.prod(layout.units), 1), blocks)  # whole blocks a group reads per step
+    lane_type = AxisType.GROUP_REDUCE if local else AxisType.REDUCE
+
+    def fxn(out: UOp, x: UOp, weight: UOp) -> UOp:
+        o = UOp.range(outputs, 0, AxisType.GLOBAL)
+        step = UOp.range(blocks // per_step, 1, AxisType.REDUCE)
+        # the last unit axis gets the lowest id: tinygrad makes it threadIdx.x, so neighbouring threads read
+        # neighbouring words
+        sizes = (per_step, *layout.units)
+        lanes = [UOp.range(n, 1 + len(sizes) - i, lane_type) for i, n in enumerate(sizes)]
+        block = step * per_step + lanes[0]
+
+        size = layout.word.itemsize
+
+        def word(i: int | UOp) -> UOp:
+            return weight[o, block, i]
+
+        def byte(i: int | UOp) -> UOp:
+            shift = (i % size) * 8
+            return ((word(i // size) >> (shift if isinstance(shift, int) else shift.cast(layout.word))) & 0xFF).cast(
+                dtypes.int32
+            )
+
+        decoded = layout.decode(word, byte, *lanes[1:])
+        stores = []
+        for n in range(rows):
+            terms = [value * x[n, block * block_size + at] for at, value in decoded]
+            stores.append(out[n, o].store(sum(terms[1:], terms[0]).reduce(step, *lanes, arg=Ops.ADD)).end(o))
+        name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}"
+        return UOp.sink(*stores, arg=KernelInfo(name=name, opts_to_apply=()))
+
+    return fxn
+
+
+def as_words(stored: np.ndarray, qtype: Q) -> np.ndarray:
+    """Blocks [..., blocks, block_bytes] (uint8) viewed as the little-endian words the kernel reads (a type of
+    LAYOUTS; others unchanged). The backend stores such weights as words: a custom kernel's input must be a
+    plain buffer, and a bitcast view of one is copied."""
+    if qtype not in LAYOUTS or LAYOUTS[qtype].word == dtypes.uint8:
+        return stored
+    return stored.view(np.dtype(f"<u{LAYOUTS[qtype].word.itemsize}"))
+
+
+def gemv(x: Tensor, words: Tensor, qtype: Q) -> Tensor:
+    """float32 [rows, outputs] = x [rows, k] @ w.T for a weight of ``qtype`` (one of LAYOUTS) stored as its blocks'
+    words [outputs, blocks, block_words] (``as_words``), as one kernel."""
+    outputs, blocks, _ = words.shape
+    local = Device[x.device].renderer.has_local
+    out = Tensor.empty(x.shape[0], outputs, dtype=dtypes.float32, device=x.device)
+    fxn = _kernel(qtype, x.shape[0], outputs, blocks, local)
+    return out.custom_kernel(x.cast(dtypes.float32).contiguous(), words, fxn=fxn)[0]
