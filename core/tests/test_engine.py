@@ -495,6 +495,36 @@ def test_on_an_asynchronous_backend_a_steps_events_go_out_while_the_next_step_ru
     assert calls[-1] == "send"
 
 
+def test_on_an_asynchronous_backend_a_step_with_a_prompt_chunk_sends_the_last_steps_events_first(model, monkeypatch):
+    """A step that carries a prompt chunk is slow to launch (an eager forward of many tokens): the running requests'
+    tokens of the step before go out before it is launched, not after."""
+    import leat.engine as engine_module
+
+    calls = []
+    run, deliver = model.backend.run, engine_module.deliver
+    monkeypatch.setattr(model.backend, "asynchronous", True, raising=False)
+
+    def recorded_run(forward, batch, kv, *rest):
+        calls.append("prompt" if any(len(row.tokens) > 1 for row in batch.rows) else "run")
+        return run(forward, batch, kv, *rest)
+
+    monkeypatch.setattr(model.backend, "run", recorded_run)
+    monkeypatch.setattr(engine_module, "deliver", lambda events: calls.append("send") or deliver(events))
+    first, second = prompts(2, seed=9)
+    engine = Engine(model, batch_size=2, max_context=128).start()
+    try:
+        running = iter(engine.submit(GenerationRequest(first, 30, GREEDY, ignore_eos=True)))
+        next(running)  # decoding now
+        later = engine.submit(GenerationRequest(second, 4, GREEDY))
+        assert tokens(later)[0] == alone(model, second, n=4)
+        list(running)
+    finally:
+        engine.stop()
+    launch = calls.index("prompt", 1)  # the second prompt's chunk, launched while the first request decodes
+    before = calls[:launch]
+    assert before.count("send") == before.count("run") + before.count("prompt"), calls[: launch + 1]
+
+
 def test_page_tables_are_written_only_when_a_rows_pages_change(model, monkeypatch):
     writes = []
     set_pages = model.backend.set_pages

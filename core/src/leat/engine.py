@@ -602,6 +602,8 @@ class Engine:
         rows = self._rows()
         if not rows:
             return rows, None, None
+        if self._overlap and any(len(row.tokens) > 1 and not row.all_logits for _, row in rows):
+            self._flush()  # a step with a prompt chunk is slow to launch: the last step's tokens go out first
         timer = self.backend.timer() if self.profile is not None else None
         with timer or contextlib.nullcontext():
             out = self._forward(rows, Batch([r for _, r in rows]))
