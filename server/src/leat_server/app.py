@@ -463,8 +463,8 @@ def create_app(
             await workers.run(decode, b'{"model": "", "prompt": [0], "max_tokens": 1}', bodies["/v1/completions"])
             for service in models.loaded():
                 await service.warm_up()
-        except (LeatError, APIError) as e:  # never keeps the server from serving: its first request pays instead
-            log.warning("warming up failed: %s", e)
+        except Exception as e:  # noqa: BLE001 - never keeps the server from serving: its first request pays instead
+            log.warning("warming up failed: %s: %s", type(e).__name__, e)
 
     def stop_sweeping(app: Litestar) -> None:
         app.state.sweeper.cancel()
