@@ -61,7 +61,8 @@ FLAGS = (
 ATTENTION_STORAGE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}  # KV page dtypes attend() reads
 GEMV_ROWS = 8  # activation rows up to which a product decodes blocks in registers
 # types whose decode products take int16 activations and VNNI dot products (igemv_), where the GEMM does: faster
-# than the float32 GEMV here for these (one thread, SmolLM2's weights 6.9 -> 5.9 ms); the others keep it
+# than the float32 GEMV here for these (one thread, SmolLM2's weights 6.9 -> 5.9 ms on a busy machine, 8.0 -> 7.6 on
+# a quieter one, where memory bandwidth bounds both); the others keep it
 INTEGER_GEMV = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0})
 # float32 bytes of weight rows decoded at once for a prompt's BLAS product, without VNNI: a whole weight of a small
 # model, since each BLAS call forks and joins its threads, which costs milliseconds on a busy machine
