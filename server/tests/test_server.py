@@ -75,6 +75,14 @@ def test_models_and_health(server, client, http):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"  # /health needs no key
 
 
+def test_the_server_warmed_up_before_its_first_request_and_did_not_count_it(http):
+    """Before it answers, the server generated one token through its engine (a first request pays nothing once
+    paid); /metrics counts no request and no prompt token for it."""
+    assert metric(http, "leat_engine_steps_total") >= 1
+    assert metric(http, "leat_prompt_tokens_total") == 0
+    assert "leat_requests_total{" not in http.get("/metrics").text
+
+
 def test_chat_whole_and_streamed_agree(client):
     whole = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0)
     choice = whole.choices[0]
