@@ -52,8 +52,9 @@ def check(lib: bytes, arch: str) -> dict:
 
 
 def run_model(path: str, kv_dtype: str) -> None:
-    """A prefill chunk (16 tokens: eager, then captured under TinyJit as full chunks are) and a decode step (captured
-    under TinyJit) through ``Backend.run``, as the engine runs them; then gemv.py's kernels (``run_gemv``)."""
+    """A prefill chunk (16 tokens: eager, then captured under TinyJit as full chunks are), a decode step and a 5-token
+    chunk padded to 16 (both captured under TinyJit) through ``Backend.run``, as the engine runs them; then gemv.py's
+    kernels (``run_gemv``)."""
     import leat
     import numpy as np
     from leat.batch import Batch, Row
@@ -61,9 +62,10 @@ def run_model(path: str, kv_dtype: str) -> None:
     model = leat.load(path, backend="tinygrad")
     backend, forward = model.backend, model.architecture.forward
     layouts = model.architecture.kv_layouts(model.architecture.params)
-    kv = backend.allocate_kv(layouts, slots=1, context=32, dtype=kv_dtype)
-    backend.set_pages(kv, 0, np.arange(2))
-    for row in (Row(0, 0, np.arange(1, 17)), Row(0, 16, np.array([17]))):
+    kv = backend.allocate_kv(layouts, slots=1, context=48, dtype=kv_dtype)
+    backend.set_pages(kv, 0, np.arange(3))
+    # a full chunk, a decode step, then a shorter chunk (a prompt's last: padded to 16 under TinyJit)
+    for row in (Row(0, 0, np.arange(1, 17)), Row(0, 16, np.array([17])), Row(0, 17, np.arange(18, 23))):
         backend.to_host(backend.run(forward, Batch([row]), kv))
     run_gemv()
 

@@ -462,8 +462,8 @@ GREEDY = {"temperature": 0}
 def test_prefill_chunks_of_a_jitted_length_replay_under_tinyjit(tmp_path, monkeypatch):
     """One-row prefill chunks of a length in ``prefill_lengths`` (the engine's full chunk, 512, by default) run
     under a TinyJit of their own: the first is captured, later ones at other positions and pages replay it.
-    Every position's logits equal the CPU float64 oracle's; a chunk whose pages are not adjacent in storage,
-    or of another length, runs eagerly."""
+    Every position's logits equal the CPU float64 oracle's; a chunk whose pages are not adjacent in storage runs
+    eagerly, a shorter one replays one TinyJit padded to the jitted length."""
     monkeypatch.setenv("LEAT_TINYGRAD_PREFILL_JIT", "8")
     path = str(_tiny_models().build("q4_k-llama3", tmp_path / "tiny.gguf"))
     ids = np.arange(1, 41)
@@ -485,6 +485,14 @@ def test_prefill_chunks_of_a_jitted_length_replay_under_tinyjit(tmp_path, monkey
     print(agreement)
     assert not agreement.failures(**BARS) and agreement.mean_kl < 1e-9, f"{agreement}"
     assert not backend._one_run(kv, Row(0, 20, ids[:8])) and backend._one_run(kv, Row(0, 8, ids[:16]))
+    # shorter chunks (a prompt's last) pad to the jitted length and replay one TinyJit whatever their length; the
+    # padded rows' KV writes keep the storage rows after the chunk (the K/V of positions 37-39 written above)
+    kept = [k[35:40].numpy() for k in kv.k]
+    for length in (5, 3, 6):  # run as an eager step would, captured, replayed
+        out = backend.to_host(backend.run(forward, Batch([Row(0, 32, ids[32 : 32 + length])]), kv))
+        np.testing.assert_allclose(out, want[31 + length : 32 + length], rtol=1e-5, atol=1e-5)
+    assert backend._jits[(forward, id(kv), "padded", 8, False)].cnt == 3
+    assert all(np.array_equal(k[35:40].numpy(), before) for k, before in zip(kv.k, kept))
 
 
 def test_a_decode_step_that_routes_experts_runs_eagerly(backend):

@@ -21,7 +21,7 @@ import os
 import shutil
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import gguf
@@ -118,6 +118,8 @@ class _Step:
     positions: Tensor | None = None  # [rows] int32
     pages: list[Tensor] = field(default_factory=list)  # per page group: [rows, pages_per_slot] int32, -1 as 0
     at: list[list[UOp]] = field(default_factory=list)  # per page group, per row: bound storage row of its token
+    valid: Tensor | None = None  # a padded prefill chunk: [1] int32, its real tokens (KV rows past them are kept)
+    last: Tensor | None = None  # a padded prefill chunk: [1] int32, the row of its last real token (its logits)
 
 
 class _NotJittable(Exception):
@@ -222,7 +224,7 @@ class TinygradBackend(PagedKV, Backend):
 
     # -- steps under TinyJit --------------------------------------------------------------------------
     def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any) -> Any:
-        """One forward step; a decode batch (one token per row) runs under TinyJit.
+        """One forward step; a decode batch (one token per row) or a one-row prefill chunk runs under TinyJit.
 
         The batch is padded to a bucket of DECODE_BUCKETS with copies of its first row (which write the
         same K/V to the same place); each (forward, KV cache, bucket) has its own TinyJit. Its inputs are
@@ -231,7 +233,9 @@ class TinygradBackend(PagedKV, Backend):
         the stored rows on the device, rope gathers rows of a cos/sin table made on the host). The first
         call captures the kernels (TinyJit's usual eager first call is skipped: everything it would
         initialise is realized already), later ones replay them: no graph building or scheduling in
-        Python. A forward that needs host values inside the step (MoE routing) runs eagerly from then on.
+        Python. One-row prefill chunks of a length in ``prefill_lengths`` run under a TinyJit of their own, and
+        shorter ones padded to a power of two (``_padded_length``). A forward that needs host values inside the
+        step (MoE routing) runs eagerly from then on.
         ``LEAT_TINYGRAD_JIT=0`` turns the JIT off. The logits of a replay stay valid until the next step of
         the same bucket.
         """
@@ -244,6 +248,8 @@ class TinygradBackend(PagedKV, Backend):
         elif len(batch.rows) == 1 and n in self.prefill_lengths and self._one_run(kv, batch.rows[0]):
             bucket = n
             key = (forward, id(kv), "prefill", n, batch.rows[0].all_logits)
+        elif (bucket := self._padded_length(kv, batch)) is not None:
+            key = (forward, id(kv), "padded", bucket, batch.rows[0].all_logits)
         else:
             return forward(batch, kv)
         jit = self._jits.get(key)
@@ -255,10 +261,21 @@ class TinygradBackend(PagedKV, Backend):
             if not any(k[1] == id(kv) for k in self._jits):
                 weakref.finalize(kv, self._forget, id(kv))  # a cache's jits go with it
             jit = self._jits[key] = TinyJit(self._jitted_step)
-            jit.cnt = 1  # capture on the first call: weights, KV storage and rope tables are realized already
+            # capture on the first call: weights, KV storage and rope tables are realized already; a padded chunk's
+            # on its second (its first runs as an eager step would: a one-off prompt pays no capture)
+            jit.cnt = 0 if key[2] == "padded" else 1
         for spec in self._rope_specs.values():  # tables made inside a capture would be copied again at each replay
             self._rope_table(spec, kv.context)
-        padded = Batch(batch.rows + [batch.rows[0]] * (bucket - n)) if bucket > len(batch.rows) else batch
+        extra: list[Tensor] = []
+        if key[2] == "padded":  # the chunk's last token repeated up to the bucket; valid and last are inputs
+            row = batch.rows[0]
+            tokens = np.concatenate([row.tokens, np.repeat(row.tokens[-1:], bucket - n)])
+            padded = Batch([replace(row, tokens=tokens)])
+            extra = [self._tensor(np.array([n], np.int32)), self._tensor(np.array([n - 1], np.int32))]
+        elif bucket > len(batch.rows):
+            padded = Batch(batch.rows + [batch.rows[0]] * (bucket - n))
+        else:
+            padded = batch
         positions = padded.positions.astype(np.int32)
         starts = np.asarray([row.start for row in padded.rows], np.int64)
         pages, at = [], []
@@ -271,7 +288,7 @@ class TinygradBackend(PagedKV, Backend):
             at.extend(self._at_variable(len(at)).bind(int(a)) for a in page * kv.page_size + starts % kv.page_size)
         self._step = _Step(forward, kv, padded)
         try:
-            logits = jit(self._tensor(padded.tokens.astype(np.int32)), self._tensor(positions), *pages, *at)
+            logits = jit(self._tensor(padded.tokens.astype(np.int32)), self._tensor(positions), *pages, *at, *extra)
         except _NotJittable:
             self._eager.add(forward)
             self._forget(id(kv))
@@ -280,7 +297,28 @@ class TinygradBackend(PagedKV, Backend):
             self._step = None
         if logits is None:
             return forward(batch, kv)
+        if key[2] == "padded" and not batch.rows[0].all_logits:
+            return logits
         return logits[:n] if n < bucket else logits
+
+    def _padded_length(self, kv: KVCache, batch: Batch) -> int | None:
+        """The jitted length a one-row prefill chunk shorter than the longest jitted one pads to (a power of two,
+        at least 16 or the longest), or None where it cannot: its tokens not on one run of adjacent storage rows, the padded
+        rows past the cache's context or storage, or a q8_0 cache (whose padded rows' writes are not masked)."""
+        row, n = batch.rows[0], len(batch)
+        if len(batch.rows) != 1 or kv.dtype == "q8_0" or not self.prefill_lengths or row.inputs is not None:
+            return None
+        if row.bidirectional:
+            return None
+        longest = max(self.prefill_lengths)
+        bucket = max(min(16, longest), 1 << (n - 1).bit_length())
+        if n < 2 or bucket > longest or row.start + bucket > kv.context or not self._one_run(kv, row):
+            return None
+        for layer, storage in enumerate(kv.k):
+            page = int(kv.tables[kv.group_of[layer]][row.slot][row.start // kv.page_size])
+            if page * kv.page_size + row.start % kv.page_size + bucket > storage.shape[0]:
+                return None
+        return bucket
 
     def _one_run(self, kv: KVCache, row) -> bool:
         """Whether the row's tokens land on one run of adjacent storage rows in every page group (a prefill
@@ -298,6 +336,8 @@ class TinygradBackend(PagedKV, Backend):
         step.tokens, step.positions, step.pages = tokens, positions, list(inputs[:groups])
         rows = len(step.batch.rows)
         step.at = [list(inputs[groups + g * rows : groups + (g + 1) * rows]) for g in range(groups)]
+        if len(inputs) > groups * (1 + rows):
+            step.valid, step.last = inputs[groups * (1 + rows) :]
         return step.forward(step.batch, step.kv).contiguous()
 
     def _at_variable(self, index: int) -> UOp:
@@ -477,6 +517,11 @@ class TinygradBackend(PagedKV, Backend):
         return self._values(x).reshape(shape)
 
     def take_rows(self, x: Tensor, index: np.ndarray) -> Tensor:
+        step = self._step
+        if step is not None and step.last is not None and index is step.batch.logit_index:
+            if step.batch.rows[0].all_logits:
+                return self._values(x)  # every row; run() keeps the real ones
+            return self._values(x)[step.last]  # the last real token's row, an input of the padded step
         x, index = self._values(x), np.asarray(index)
         if len(index) and np.array_equal(index, np.arange(index[0], index[0] + len(index))):
             return x[int(index[0]) : int(index[0]) + len(index)]

@@ -47,7 +47,7 @@ def _from_q8_0(q: Tensor, d: Tensor) -> Tensor:
 
 class PagedKV:
     """The Backend's KV methods for :class:`~leat_backend_tinygrad.backend.TinygradBackend` (a mixin: it uses
-    the backend's ``device``, ``allocations``, ``_tensor`` and ``_kv_at``)."""
+    the backend's ``device``, ``allocations``, ``_tensor``, ``_kv_at`` and ``_step``)."""
 
     def allocate_kv(self, layouts, slots, context, pages=None, page_size=16, dtype="f32", groups=None) -> KVCache:
         if dtype not in ("f32", "f16", "q8_0"):
@@ -119,7 +119,11 @@ class PagedKV:
         storage = (kv.k if which == "k" else kv.v)[layer]
         scales = (kv.k_scale if which == "k" else kv.v_scale)[layer] if kv.dtype == "q8_0" else None
         if at is not None:
-            self._put(storage, scales, at, values[span])
+            chunk, step = values[span], self._step
+            if step is not None and step.valid is not None:  # a padded chunk: storage rows past its tokens kept
+                keep = Tensor.arange(chunk.shape[0]).reshape(-1, 1, 1) < step.valid.reshape(1, 1, 1)
+                chunk = keep.where(chunk.cast(storage.dtype), storage[at : at + chunk.shape[0]])
+            self._put(storage, scales, at, chunk)
             return
         size, table = kv.page_size, kv.table(layer)[row.slot]
         position, end, done = row.start, row.start + len(row.tokens), 0
