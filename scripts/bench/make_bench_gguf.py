@@ -23,7 +23,7 @@ so text prompts tokenize as with the real model: Llama 3's, Qwen2/3's (qwen3, qw
 DeepSeek-LLM's (deepseek2, as DeepSeek-V2-Lite's). gpt-oss's o200k is not available offline: its
 file takes the Qwen2 tokenizer padded with [PADn] tokens to o200k_harmony's 201,088 entries, so
 the embedding and output matrices have the real model's size. The vocab files are not kept in this
-repository (19 MB): copy ggml-vocab-llama-bpe.gguf, ggml-vocab-qwen2.gguf and
+repository (17 MB): copy ggml-vocab-llama-bpe.gguf, ggml-vocab-qwen2.gguf and
 ggml-vocab-deepseek-llm.gguf there from llama.cpp's models/ folder (as shipped in the
 llama-cpp-python 0.3.36 sdist on PyPI; MIT).
 
