@@ -14,15 +14,17 @@ def ada_programs() -> list[tuple[str, list[str]]]:
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_89"])
-def test_every_kernel_compiles(arch, tmp_path, monkeypatch):
-    monkeypatch.setenv("LEAT_HOME", str(tmp_path))
+def test_every_kernel_compiles(arch, monkeypatch):
+    """Every program compiles without a warning. Through the kernel cache the other tests use (content-addressed:
+    source, headers, options, names and NVRTC version), so a program another test or an earlier run compiled from
+    these very sources is not compiled twice; its cached build log is checked as a fresh one would be."""
     programs = build.programs() if arch == "sm_90" else ada_programs()
     monkeypatch.setattr(build, "programs", lambda: programs)
     results = build.build_all(arch, use_cache=True)
     assert len(results) == len(programs)
-    for (file, names), (first, _, size, cached) in zip(programs, results):
-        assert first == names[0] and size > 0 and not cached
-        built = compiler.compile_program(file, names, arch)  # from the cache the build just wrote
+    for (file, names), (first, _, size, _) in zip(programs, results):
+        assert first == names[0] and size > 0
+        built = compiler.compile_program(file, names, arch)  # from the cache the build wrote or found
         assert built.cached and set(built.names) == set(names)
         assert built.cubin[:4] == b"\x7fELF"
         assert all(built.params[name] for name in names)
