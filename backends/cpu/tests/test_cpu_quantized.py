@@ -138,8 +138,8 @@ def test_upload_keeps_the_file_blocks():
 
 
 def test_weight_bytes_before_loading_equal_what_upload_keeps():
-    """What ``leat doctor`` states for the cpu backend: the file's blocks for 2-D weights of the kernels' types, float32
-    for the rest (a 1-D f16 norm, a 3-D expert stack, an f16 matrix), as the uploads count them."""
+    """What ``leat doctor`` states for the cpu backend: the file's blocks for 2-D and 3-D weights (an expert stack) of
+    the kernels' types, float32 for the rest (a 1-D f16 norm, an f16 matrix), as the uploads count them."""
     rng = np.random.default_rng(0)
     tensors = [
         Tensor("w", Q.Q4_1, (8, 256), valid_blocks(rng.standard_normal((8, 256)).astype(np.float32), Q.Q4_1)),
@@ -150,7 +150,41 @@ def test_weight_bytes_before_loading_equal_what_upload_keeps():
     backend = CPUBackend("f32")
     for tensor in tensors:
         backend.upload(tensor)
-    assert CPUBackend.weight_bytes(tensors) == backend.allocations.weights == 8 * 256 * 20 // 32 + 4 * (256 + 512 + 128)
+    kept = 8 * 256 * 20 // 32 + 2 * 4 * 64 * 34 // 32 + 4 * (256 + 128)
+    assert CPUBackend.weight_bytes(tensors) == backend.allocations.weights == kept
+
+
+@pytest.mark.parametrize("qtype", [Q.MXFP4, Q.Q5_0, Q.Q4_K], ids=lambda q: q.name)  # gpt-oss's, the integer GEMV's
+def test_experts_stay_as_the_file_blocks(qtype):
+    """A MoE layer's 3-D expert stacks and MLA's per-head matrices are kept as the file's blocks, and moe and head_matmul
+    multiply them as dense products do, prompt (GEMM) and decode (GEMV) rows alike: against the same weights
+    dequantized (float64 products through the activations' rounding, as test_products_follow_float64 checks)."""
+    from leat.moe import MoESpec, MoEWeights
+
+    experts, d, ffn = 4, 256, 512
+    rng = np.random.default_rng(5)
+    shapes = {"gate": (experts, ffn, d), "up": (experts, ffn, d), "down": (experts, d, ffn)}
+    tensors = {
+        name: Tensor(name, qtype, shape, valid_blocks(rng.standard_normal((shape[0] * shape[1], shape[2])), qtype))
+        for name, shape in shapes.items()
+    }
+    quantized, reference = CPUBackend("f32"), CPUBackend("f64")
+    kept = {name: quantized.upload(tensor) for name, tensor in tensors.items()}
+    assert all(isinstance(w, native.QuantizedStack) for w in kept.values())
+    assert np.shares_memory(kept["gate"][3].blocks, tensors["gate"].data)
+    assert quantized.allocations.weights == sum(t.data.nbytes for t in tensors.values())
+    router = rng.standard_normal((experts, d)).astype(np.float32)
+    spec = MoESpec(experts, 2, "softmax", normalize=True)
+    for n in (3, 20):  # decode and prompt rows
+        x = rng.standard_normal((n, d)).astype(np.float32)
+        got = quantized.moe(x, MoEWeights(router, kept["gate"], kept["up"], kept["down"]), spec)
+        exact = {name: reference.upload(tensor) for name, tensor in tensors.items()}
+        want = reference.moe(x.astype(np.float64), MoEWeights(router, exact["gate"], exact["up"], exact["down"]), spec)
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+        heads = rng.standard_normal((n, experts, ffn)).astype(np.float32)  # times "down" as per-head [d, ffn]
+        want = reference.head_matmul(heads.astype(np.float64), exact["down"])
+        np.testing.assert_allclose(quantized.head_matmul(heads, kept["down"]), want, atol=1e-4 * np.abs(want).max())
 
 
 def test_options():

@@ -1,7 +1,8 @@
 """The numpy CPU backend: float32 compute, and the float64 oracle every other backend is checked against.
 
-At float32 (the default ``weights="quantized"``), 2-D weights of the types :data:`leat_backend_cpu.native.KERNEL_TYPES`
-names stay as the file's blocks (no copy), and products, attention over float32 or f16 KV, and the small ops run in
+At float32 (the default ``weights="quantized"``), 2-D and 3-D weights (a MoE layer's stacked experts) of the types
+:data:`leat_backend_cpu.native.KERNEL_TYPES` names stay as the file's blocks (no copy), and products (the experts'
+too), attention over float32 or f16 KV, and the small ops run in
 the C kernels of :mod:`leat_backend_cpu.native` over ``threads`` threads (default: the cores this process may use,
 or ``$LEAT_THREADS``). The reference paths, ``precision="f64"`` (the float64 oracle) and ``weights="dequantized"``
 (float32), and every weight of another type, dequantize once at upload with ``gguf.quants.dequantize`` and keep
@@ -31,7 +32,7 @@ from leat.modelfile import Tensor
 from leat.moe import MoESpec, MoEWeights, activate, route
 
 from leat_backend_cpu import ggml_activations, native
-from leat_backend_cpu.native import QuantizedWeight
+from leat_backend_cpu.native import QuantizedStack, QuantizedWeight
 
 Q = gguf.GGMLQuantizationType
 SINGLE_THREAD_ROWS = 8
@@ -125,18 +126,19 @@ class CPUBackend(Backend):
     # -- memory -------------------------------------------------------------------------------------
     @classmethod
     def weight_bytes(cls, tensors) -> int:
-        """As :meth:`upload` keeps them at the defaults (precision f32, weights quantized): 2-D weights of the kernels'
-        types as the file's blocks (mapped, not copied), every other tensor as float32."""
+        """As :meth:`upload` keeps them at the defaults (precision f32, weights quantized): 2-D and 3-D weights of the
+        kernels' types as the file's blocks (mapped, not copied), every other tensor as float32."""
         kept = native.KERNEL_TYPES if native.unavailable() is None else frozenset()
-        return sum(t.nbytes if t.qtype in kept and len(t.shape) == 2 else 4 * math.prod(t.shape) for t in tensors)
+        return sum(t.nbytes if t.qtype in kept and len(t.shape) in (2, 3) else 4 * math.prod(t.shape) for t in tensors)
 
-    def upload(self, tensor: Tensor) -> np.ndarray | QuantizedWeight:
+    def upload(self, tensor: Tensor) -> np.ndarray | QuantizedWeight | QuantizedStack:
         if tensor.qtype not in self.quant_types:
             raise UnsupportedQuantType(
                 f"tensor {tensor.name} is {tensor.qtype.name}, which the cpu backend cannot dequantize"
             )
-        if self.native and tensor.qtype in native.KERNEL_TYPES and len(tensor.shape) == 2:
-            weight = QuantizedWeight(tensor.qtype, tensor.shape, tensor.data)
+        if self.native and tensor.qtype in native.KERNEL_TYPES and len(tensor.shape) in (2, 3):
+            kept = QuantizedWeight if len(tensor.shape) == 2 else QuantizedStack
+            weight = kept(tensor.qtype, tensor.shape, tensor.data)
             self._count(tensor.qtype, weight.nbytes)
             return weight
         values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.qtype).reshape(tensor.shape)
@@ -447,19 +449,26 @@ class CPUBackend(Backend):
         for expert in np.unique(ids):
             rows, slot = np.nonzero(ids == expert)
             h = x[rows]
-            gate = h @ weights.gate[expert].T
-            up = h @ weights.up[expert].T
+            gate = self._product(h, weights.gate[expert])
+            up = self._product(h, weights.up[expert])
             if weights.gate_bias is not None:
                 gate = gate + weights.gate_bias[expert]
             if weights.up_bias is not None:
                 up = up + weights.up_bias[expert]
-            y = activate(gate, up, spec) @ weights.down[expert].T
+            y = self._product(activate(gate, up, spec), weights.down[expert])
             if weights.down_bias is not None:
                 y = y + weights.down_bias[expert]
             out[rows] += y * gains[rows, slot][:, None]  # a token selects an expert at most once
         return out
 
-    def head_matmul(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    def _product(self, x: np.ndarray, weight: np.ndarray | QuantizedWeight) -> np.ndarray:
+        """x times the transpose of one matrix of a 3-D weight (an expert's, a head's): no bias, no activation
+        rounding, whatever ``activations`` says."""
+        return native.matmul(x, weight, self.threads) if isinstance(weight, QuantizedWeight) else x @ weight.T
+
+    def head_matmul(self, x: np.ndarray, weight: np.ndarray | QuantizedStack) -> np.ndarray:
+        if isinstance(weight, QuantizedStack):
+            return np.stack([self._product(x[:, head], weight[head]) for head in range(x.shape[1])], axis=1)
         return np.matmul(x.transpose(1, 0, 2), weight.transpose(0, 2, 1)).transpose(1, 0, 2)
 
     def mla_attention(self, q_latent, q_rope, latent, k_rope, kv: KVCache, layer: int, batch: Batch, scale: float):

@@ -98,6 +98,28 @@ class QuantizedWeight:
         return self.blocks.nbytes
 
 
+@dataclass(eq=False)
+class QuantizedStack:
+    """A 3-D GGUF tensor as stored (a MoE layer's experts, MLA's per-head matrices): ``stack[i]`` is matrix i, a
+    :class:`QuantizedWeight` over its rows of ``blocks`` [count, rows, bytes per row] (the file's bytes, not a copy)."""
+
+    qtype: Q
+    shape: tuple[int, int, int]
+    blocks: np.ndarray
+    matrices: tuple[QuantizedWeight, ...] = field(init=False)
+
+    def __post_init__(self):
+        self.blocks = np.ascontiguousarray(self.blocks).view(np.uint8).reshape(self.shape[0], self.shape[1], -1)
+        self.matrices = tuple(QuantizedWeight(self.qtype, self.shape[1:], matrix) for matrix in self.blocks)
+
+    def __getitem__(self, index: int) -> QuantizedWeight:
+        return self.matrices[index]
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+
 def cache_dir() -> Path:
     home = os.environ.get("LEAT_HOME")
     return Path(home) / "cpu" if home else Path.home() / ".cache" / "leat" / "cpu"
