@@ -98,19 +98,22 @@ def compile_program(
             _check(nvrtc.nvrtcAddNameExpression(prog, name.encode())[0], f"nvrtcAddNameExpression({name})")
         opts = [o.encode() for o in options]
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        # NVRTC writes into the buffers it is given: bytearrays, never bytes (``b" " * 1`` is the interpreter's
+        # shared one-byte object: an empty log's terminator once turned every later b" " into b"\x00")
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        log = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, log)
         log_text = log.decode(errors="replace").rstrip("\x00 \n")
         if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(f"NVRTC could not compile {file} for {arch}:\n{log_text}")
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(err, "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin)[0], "nvrtcGetCUBIN")
+        cubin_buffer = bytearray(size)
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin_buffer)[0], "nvrtcGetCUBIN")
+        cubin = bytes(cubin_buffer)
         err, size = nvrtc.nvrtcGetPTXSize(prog)
         _check(err, "nvrtcGetPTXSize")
-        ptx = b" " * size
+        ptx = bytearray(size)
         _check(nvrtc.nvrtcGetPTX(prog, ptx)[0], "nvrtcGetPTX")
         lowered = {n: n for n in names if "<" not in n}
         for name in templated:
