@@ -164,6 +164,9 @@ class Architecture:
     #: True for a family with layers that keep a recurrent state per sequence (:meth:`Backend.gated_delta_net`), which
     #: cannot rewind: the engine then reuses no cached prefix, keeps no sessions and drafts nothing for it
     recurrent: ClassVar[bool] = False
+    #: True for a drafter that runs only beside its target (a proposer plugin's ``--draft`` file): its ``forward``
+    #: refuses with what the file is for, and no text is generated with it alone
+    drafts_only: ClassVar[bool] = False
 
     def __init__(self, file: ModelFile, backend: Backend):
         self.file = file

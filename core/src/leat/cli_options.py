@@ -141,12 +141,15 @@ def sampling_options(command: Callable) -> Callable:
 
 
 def speculate_options(command: Callable) -> Callable:
-    command = click.option("--draft", default=None, help="draft model for --speculate draft (same vocabulary)")(command)
+    command = click.option(
+        "--draft", default=None, help="draft model for --speculate draft (same vocabulary) or assistant"
+    )(command)
     return click.option(
         "--speculate",
         default=None,
         callback=_registered("proposers", "speculative proposer", extra=("off",)),
-        help="speculative decoding: ngram (prompt lookup), draft (--draft MODEL), mtp (the model's own nextn layer), off [default: draft with --draft]",
+        help="speculative decoding: ngram (prompt lookup), draft (--draft MODEL), mtp (the model's own nextn layer), "
+        "assistant (a drafter that reads the target's states, --draft FILE), off [default: draft with --draft]",
     )(command)
 
 

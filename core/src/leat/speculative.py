@@ -38,10 +38,18 @@ class Proposer:
     def __init__(self, model: Any, **options: Any):
         self.model = model
 
-    def observe(self, key: int, start: int, tokens: np.ndarray, hidden: Any) -> None:
+    def forward_hidden(self, batch: Any, kv: Any) -> tuple[Any, Any]:
+        """Where :attr:`reads_hidden`: the target's step on ``batch``, as
+        :meth:`leat.architecture.Architecture.forward_hidden` (which this default calls). A proposer that reads more
+        of the step (a drafter that attends to the target's keys and values) overrides it and keeps what :meth:`observe`,
+        called next for each speculating row, slices at ``at``."""
+        return self.model.architecture.forward_hidden(batch, kv)
+
+    def observe(self, key: int, start: int, tokens: np.ndarray, hidden: Any, at: int = 0) -> None:
         """Where :attr:`reads_hidden`: the target has just run ``tokens`` of request ``key`` from position ``start``
         (a prompt chunk, or a token and its draft, which verification may yet reject), and ``hidden``
-        [len(tokens), width] (a backend array) are its final-normed hidden states there."""
+        [len(tokens), width] (a backend array) are its final-normed hidden states there; ``at`` is the row's first
+        position in the step's batch."""
 
     def propose(self, key: int, tokens: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` token ids likely to follow ``tokens`` (fewer, or none, when it has no guess)."""

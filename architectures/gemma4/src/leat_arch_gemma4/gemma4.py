@@ -212,11 +212,35 @@ class Gemma4(Architecture):
         return inputs
 
     def forward(self, batch: Batch, kv: Any) -> Any:
-        logits = self.backend.matmul(self.hidden(batch, kv), self.output)
+        return self.logits(self.hidden(batch, kv))
+
+    def logits(self, hidden: Any) -> Any:
+        logits = self.backend.matmul(hidden, self.output)
         cap = self.params.final_softcap
         return self.backend.softcap(logits, cap) if cap else logits
 
     def hidden(self, batch: Batch, kv: Any) -> Any:
+        x, _ = self.layers_out(batch, kv)
+        return self.backend.rms_norm(
+            self.backend.take_rows(x, batch.logit_index), self.output_norm, self.params.norm_eps
+        )
+
+    def forward_hidden(self, batch: Batch, kv: Any) -> tuple[Any, Any]:
+        logits, hidden, _ = self.forward_shared_kv(batch, kv)
+        return logits, hidden
+
+    def forward_shared_kv(self, batch: Batch, kv: Any) -> tuple[Any, Any, list[tuple[Any, Any]]]:
+        """:meth:`forward_hidden`'s logits and states, and the keys and values (as the cache holds them) of every
+        position of the batch in the KV layers that the last two layers read: a Gemma 4 assistant drafter attends to
+        these (the last sliding layer's source, then the last full layer's, as llama.cpp shares them)."""
+        B, p = self.backend, self.params
+        x, computed = self.layers_out(batch, kv)
+        h = B.rms_norm(x, self.output_norm, p.norm_eps)
+        shared = [computed[p.kv_source(p.layers - 2)], computed[p.kv_source(p.layers - 1)]]
+        return self.logits(B.take_rows(h, batch.logit_index)), h, shared
+
+    def layers_out(self, batch: Batch, kv: Any) -> tuple[Any, dict[int, tuple[Any, Any]]]:
+        """The last layer's output at every position, and each KV layer's k and v of this batch."""
         B, p = self.backend, self.params
         x = B.scale(B.embed(self.embedding, batch.tokens), math.sqrt(p.width))
         inputs = self.per_layer_inputs(x, batch) if p.per_layer else []
@@ -233,7 +257,7 @@ class Gemma4(Architecture):
                 x = B.add(x, B.rms_norm(h, norm, p.norm_eps))
             if layer.output_scale is not None:
                 x = B.scale(x, layer.output_scale)
-        return B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
+        return x, computed
 
     # -- test models ---------------------------------------------------------------------------------
     @classmethod

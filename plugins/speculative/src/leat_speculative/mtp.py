@@ -75,7 +75,7 @@ class MultiTokenPrediction(Proposer):
             state.kv, state.capacity = kv, capacity
         return state
 
-    def observe(self, key: int, start: int, tokens: np.ndarray, hidden: Any) -> None:
+    def observe(self, key: int, start: int, tokens: np.ndarray, hidden: Any, at: int = 0) -> None:
         self._state(key, start + len(tokens)).spans.append(_Span(start, np.asarray(tokens), hidden))
 
     def propose(self, key: int, tokens: Sequence[int], k: int) -> list[int]:

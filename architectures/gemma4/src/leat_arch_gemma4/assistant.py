@@ -1,0 +1,177 @@
+"""Gemma 4's assistant drafter (``gemma4-assistant``): a small model that drafts for a Gemma 4 target from the target's
+own hidden state and KV cache.
+
+As llama.cpp's src/models/gemma4-assistant.cpp computes it, for token x_p at position p and h, the target's
+final-normed hidden state after x_{p-1} (``embedding_length_out`` wide, the target's width):
+
+* ``cur = nextn.pre_projection @ [embed_target(x_p) * sqrt(width_out) ; h]``: the token's row of the *target's*
+  embedding first.
+* Each layer is Gemma 4's post-normed GeGLU block whose attention has queries only (q RMS-normed per head, NEOX RoPE
+  at p, full layers dividing their frequencies by ``rope_freqs``, scores unscaled): sliding layers read the keys and
+  values of the target's last sliding layer, full layers those of its last full layer (the layers they share their
+  KV with), at the positions before p; ``layer_output_scale`` multiplies each layer's output.
+* ``rms_norm(cur) * output_norm`` times the assistant's own ``token_embd`` gives its logits (no soft-capping), a
+  guess at x_{p+1}; ``nextn.post_projection`` of it is the next h. Every further draft token is read at the same
+  position p with that h (llama.cpp's ``draft-mtp`` with a shared KV).
+
+``masked_embd_centroids`` / ``masked_embd_ordering``, where a file has them, are not used (nor are they by llama.cpp).
+The drafting itself (which K/V, which h) is :mod:`leat_arch_gemma4.drafter`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+from leat import blocks
+from leat.architecture import Architecture, Weights
+from leat.backend import KVLayout, RopeSpec
+from leat.batch import Batch, Row
+from leat.errors import LeatError, ModelFileError
+from leat.hparams import key
+from leat.modelfile import ModelFile
+from leat.nextn import Unloaded
+
+from leat_arch_gemma4.gemma4 import Gemma4Params
+
+K = gguf.Keys
+T = gguf.MODEL_TENSOR
+name = blocks.layer_tensor
+# llama.cpp's names (src/llama-arch.cpp), which gguf-py 0.19 does not export yet
+PRE_PROJECTION, POST_PROJECTION = "nextn.pre_projection.weight", "nextn.post_projection.weight"
+UNUSED = ("masked_embd_centroids.weight", "masked_embd_ordering")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AssistantParams(Gemma4Params):
+    """Gemma 4's keys, and the target's width (the hidden state read and written)."""
+
+    width_out: int = key(K.LLM.EMBEDDING_LENGTH_OUT)
+    nextn_layers: int = key(K.LLM.NEXTN_PREDICT_LAYERS, missing=lambda v: v["layers"])
+
+
+@dataclass
+class AssistantLayer:
+    attn_norm: Any
+    q: Any
+    q_norm: Any
+    o: Any
+    post_attn_norm: Any
+    ffn_norm: Any
+    gate: Any
+    up: Any
+    down: Any
+    post_ffn_norm: Any
+    output_scale: float
+
+
+class Gemma4Assistant(Architecture):
+    names = ("gemma4-assistant",)
+    Params = AssistantParams
+    drafts_only = True
+
+    @classmethod
+    def read_params(cls, file: ModelFile) -> AssistantParams:
+        p = super().read_params(file)
+        if len(p.pattern) != p.layers:
+            raise ModelFileError(
+                f"{file.path}: sliding_window_pattern has {len(p.pattern)} flags for {p.layers} layers"
+            )
+        if p.width_out == p.width:
+            raise ModelFileError(f"{file.path}: a Gemma 4 assistant's embedding_length_out is its target's width")
+        return p
+
+    @classmethod
+    def kv_layouts(cls, p: AssistantParams) -> list[KVLayout]:
+        # it reads its target's KV: this one layer is never written, and only lets an engine be made for the file,
+        # whose forward then says what the file is for
+        return [KVLayout(1, p.head_dim)]
+
+    def load_weights(self, w: Weights) -> None:
+        p = self.params
+        self.embedding = w(name(T.TOKEN_EMBD), (p.vocab, p.width))
+        self.output_norm = w(name(T.OUTPUT_NORM), (p.width,))
+        for tensor in UNUSED:
+            if w.has(tensor):
+                Unloaded(w)(tensor)
+        pre = (p.width, 2 * p.width_out)
+        self.from_token = w.columns(PRE_PROJECTION, pre, 0, p.width_out)
+        self.from_hidden = w.columns(PRE_PROJECTION, pre, p.width_out, 2 * p.width_out)
+        self.post_projection = w(POST_PROJECTION, (p.width_out, p.width))
+        factors = w.host(name(T.ROPE_FREQS), (p.head_dim // 2,)) if not all(p.pattern) else None
+        self.ropes = [
+            RopeSpec(p.rope_dims_swa, p.rope_base_swa, True)
+            if p.pattern[i]
+            else RopeSpec(p.rope_dims, p.rope_base, True, freq_factors=factors)
+            for i in range(p.layers)
+        ]
+        self.layers = [self.load_layer(w, i) for i in range(p.layers)]
+
+    def load_layer(self, w: Weights, i: int) -> AssistantLayer:
+        p = self.params
+        size, ffn = p.head_size(i), p.per(p.ffn, i)
+
+        def norm(kind: gguf.MODEL_TENSOR, width: int = p.width) -> Any:
+            return w(name(kind, i), (width,))
+
+        return AssistantLayer(
+            attn_norm=norm(T.ATTN_NORM),
+            q=w(name(T.ATTN_Q, i), (p.heads * size, p.width)),
+            q_norm=norm(T.ATTN_Q_NORM, size),
+            o=w(name(T.ATTN_OUT, i), (p.width, p.heads * size)),
+            post_attn_norm=norm(T.ATTN_POST_NORM),
+            ffn_norm=norm(T.FFN_NORM),
+            gate=w(name(T.FFN_GATE, i), (ffn, p.width)),
+            up=w(name(T.FFN_UP, i), (ffn, p.width)),
+            down=w(name(T.FFN_DOWN, i), (p.width, ffn)),
+            post_ffn_norm=norm(T.FFN_POST_NORM),
+            output_scale=float(w.host(name(T.LAYER_OUT_SCALE, i), (1,))[0]),
+        )
+
+    def forward(self, batch: Batch, kv: Any) -> Any:
+        raise LeatError(
+            f"{self.file.path.name} is a Gemma 4 assistant (gemma4-assistant): it drafts for its Gemma 4 target and "
+            f"runs no text alone; load the target and pass this file with --speculate assistant --draft FILE"
+        )
+
+    def draft(
+        self, token: int, hidden: Any, position: int, target_embedding: Any, kv: Any, last: list[tuple[Any, Any]]
+    ) -> tuple[Any, Any]:
+        """One draft step at ``position``: ``token`` with ``hidden`` [1, width_out] (the target's state after the
+        position before, or this model's own from the step before), over the target's keys and values of the
+        positions before ``position`` held in ``kv`` (layer 0 its last sliding layer's, layer 1 its last full
+        layer's), of which ``last`` holds the position before's pair per layer: the attention op writes the row's
+        keys and values as it reads, so that one is written again, unchanged. ``target_embedding`` is the target's
+        uploaded ``token_embd``. Returns the logits [1, vocab] and the next hidden state [1, width_out]."""
+        B, p = self.backend, self.params
+        x = B.scale(B.embed(target_embedding, np.array([token], np.int64)), math.sqrt(p.width_out))
+        cur = B.add(B.matmul(x, self.from_token), B.matmul(hidden, self.from_hidden))
+        at, read = np.array([position], np.int64), Batch([Row(0, position - 1, np.zeros(1, np.int64))])
+        for i, layer in enumerate(self.layers):
+            source, size = 0 if p.pattern[i] else 1, p.head_size(i)
+            h = B.rms_norm(cur, layer.attn_norm, p.norm_eps)
+            q = B.rms_norm(B.reshape(B.matmul(h, layer.q), (1, p.heads, size)), layer.q_norm, p.norm_eps)
+            q = B.rope(q, at, self.ropes[i])
+            h = B.matmul(B.attention(q, *last[source], kv, source, read, 1.0), layer.o)
+            attended = B.add(B.rms_norm(h, layer.post_attn_norm, p.norm_eps), cur)
+            h = B.rms_norm(attended, layer.ffn_norm, p.norm_eps)
+            h = B.matmul(B.gelu_mul(B.matmul(h, layer.gate), B.matmul(h, layer.up)), layer.down)
+            cur = B.scale(B.add(B.rms_norm(h, layer.post_ffn_norm, p.norm_eps), attended), layer.output_scale)
+        out = B.rms_norm(cur, self.output_norm, p.norm_eps)
+        return B.matmul(out, self.embedding), B.matmul(out, self.post_projection)
+
+    # -- test models ---------------------------------------------------------------------------------
+    @classmethod
+    def tiny(cls, **overrides: Any) -> AssistantParams:
+        """An assistant for :meth:`leat_arch_gemma4.gemma4.Gemma4.tiny` (width 64): 32 wide, a sliding layer (heads
+        of 16, window 8) then a full one (heads of 32, proportional RoPE), 4 query heads, MLPs 64 wide."""
+        params = AssistantParams(
+            layers=2, width=32, ffn=64, heads=4, kv_heads=1, head_dim=32, head_dim_swa=16, rope_dims=32,
+            rope_dims_swa=16, rope_base=1e6, rope_base_swa=10000.0, window=8, pattern=(True, False), vocab=300,
+            context=256, output_scale=True, separate_v=False, width_out=64, nextn_layers=2,
+        )  # fmt: skip
+        return dataclasses.replace(params, **overrides)

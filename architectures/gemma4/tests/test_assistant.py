@@ -1,0 +1,181 @@
+"""Gemma 4's assistant drafter: the ``assistant`` proposer's drafts against a float64 numpy reference of llama.cpp's
+graph (the file's tensors dequantized by gguf), greedy output with it equal to plain decoding, and what it refuses."""
+
+import math
+
+import gguf
+import leat
+import numpy as np
+import pytest
+from leat.batch import Batch, Row
+from leat.conformance.architecture import assert_metadata_round_trips
+from leat.engine import Engine, GenerationRequest
+from leat.errors import LeatError
+from leat.modelfile import ModelFile
+from leat.speculative import Speculation, load_proposer
+from leat.testing import write_tiny_gguf
+from leat_arch_gemma4.assistant import POST_PROJECTION, PRE_PROJECTION, Gemma4Assistant
+from leat_arch_gemma4.drafter import Assistant
+from leat_arch_gemma4.gemma4 import Gemma4
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The tiny E2B-shaped target (6 layers, window 8, the last two sharing layers 2 and 3's KV) and a tiny assistant
+    in Q8_0 (its pre-projection split at the target's width, a block edge), both on the float64 oracle."""
+    folder = tmp_path_factory.mktemp("assistant")
+    target = leat.load(str(write_tiny_gguf(Gemma4, folder / "target.gguf")), backend="cpu", precision="f64")
+    path = write_tiny_gguf(Gemma4Assistant, folder / "assistant.gguf", qtype=Q8_0, seed=3)
+    return target, leat.load(str(path), backend="cpu", precision="f64")
+
+
+def tensor(file, tensor_name):
+    t = file.tensors[tensor_name]
+    return gguf.quants.dequantize(t.data, t.qtype).reshape(t.shape).astype(np.float64)
+
+
+def rms(x, weight, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
+
+
+def neox(x, position, dims, base, factors):
+    half = dims // 2
+    angle = position * base ** (-2.0 * np.arange(half) / dims) / (1.0 if factors is None else factors[:half])
+    cos, sin, out = np.cos(angle), np.sin(angle), x.copy()
+    out[:, :half] = x[:, :half] * cos - x[:, half:dims] * sin
+    out[:, half:dims] = x[:, half:dims] * cos + x[:, :half] * sin
+    return out
+
+
+def reference(target, assistant, tokens, k):
+    """The assistant's logits at each of k greedy draft steps after ``tokens``, as llama.cpp's graph computes them,
+    in float64 from the files' tensors: the target's states and K/V from one fresh pass over all but the last token."""
+    arch, a, last = target.architecture, assistant.architecture.params, len(tokens) - 1
+    batch = Batch([Row(0, 0, np.asarray(tokens[:-1]), all_logits=True)])
+    _, states, shared = arch.forward_shared_kv(batch, target.new_kv(256))
+    file = ModelFile(assistant.file.path)
+
+    def w(kind, layer=None):
+        return tensor(file, gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight")
+
+    T = gguf.MODEL_TENSOR
+    embedding, hidden, token, out = tensor(target.file, "token_embd.weight"), states[-1], tokens[-1], []
+    for _ in range(k):
+        cur = tensor(file, PRE_PROJECTION) @ np.concatenate([embedding[token] * math.sqrt(a.width_out), hidden])
+        for i in range(a.layers):
+            sliding, size = a.pattern[i], a.head_size(i)
+            keys, values = (np.asarray(x, np.float64) for x in shared[0 if sliding else 1])
+            x = rms(cur, w(T.ATTN_NORM, i), a.norm_eps)
+            q = rms((w(T.ATTN_Q, i) @ x).reshape(a.heads, size), w(T.ATTN_Q_NORM, i), a.norm_eps)
+            if sliding:
+                q = neox(q, last, a.rope_dims_swa, a.rope_base_swa, None)
+            else:
+                q = neox(q, last, a.rope_dims, a.rope_base, w(T.ROPE_FREQS))
+            seen = slice(max(0, last - a.window + 1) if sliding else 0, last)  # the positions before, in the window
+            group = a.heads // keys.shape[1]
+            heads = []
+            for h in range(a.heads):
+                scores = keys[seen, h // group] @ q[h]
+                weights = np.exp(scores - scores.max())
+                heads.append(weights / weights.sum() @ values[seen, h // group])
+            attended = rms(w(T.ATTN_OUT, i) @ np.concatenate(heads), w(T.ATTN_POST_NORM, i), a.norm_eps) + cur
+            x = rms(attended, w(T.FFN_NORM, i), a.norm_eps)
+            g = w(T.FFN_GATE, i) @ x
+            gelu = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+            x = w(T.FFN_DOWN, i) @ (gelu * (w(T.FFN_UP, i) @ x))
+            cur = (rms(x, w(T.FFN_POST_NORM, i), a.norm_eps) + attended) * w(T.LAYER_OUT_SCALE, i)[0]
+        normed = rms(cur, w(T.OUTPUT_NORM), a.norm_eps)
+        logits, hidden = w(T.TOKEN_EMBD) @ normed, tensor(file, POST_PROJECTION) @ normed
+        out.append(logits)
+        token = int(np.argmax(logits))
+    return out
+
+
+class Recording(Assistant):
+    """Drafts 3 tokens whatever the controller asks (the engine keeps the first k), and records them."""
+
+    def __init__(self, model, draft):
+        super().__init__(model, draft=draft)
+        self.proposals = []
+
+    def propose(self, key, tokens, k):
+        draft = super().propose(key, tokens, 3)
+        self.proposals.append((list(tokens), draft))
+        return draft
+
+
+def run(model, prompts, speculation=None, n=16):
+    engine = Engine(model, batch_size=3, max_context=256, page_size=8, prefill_chunk=16, speculation=speculation)
+    handles = [engine.submit(GenerationRequest(p, n, {"temperature": 0})) for p in prompts]
+    engine.start()
+    try:
+        events = [list(handle) for handle in handles]
+        assert all(e[-1].kind == "done" for e in events), [e[-1] for e in events]
+        return [[t for e in each for t in e.ids] for each in events], engine.stats()[
+            "speculation" if speculation else "steps"
+        ]
+    finally:
+        engine.stop()
+
+
+def test_greedy_equals_plain_decoding_and_drafts_follow_the_reference(models):
+    """Three requests in one batch (prompts over several chunks and past the window of 8), drafting at every step:
+    the output is plain decoding's, and every draft checked is the reference's greedy chain after the tokens the
+    request had kept (rejected drafts' K/V and states dropped)."""
+    target, assistant = models
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 290, n).tolist() for n in (5, 30, 70)]
+    expected, _ = run(target, prompts)
+    proposer = Recording(target, assistant)
+    got, stats = run(target, prompts, Speculation(proposer, max_draft=3, threshold=0.0))
+    assert got == expected
+    assert stats["proposed"] > 3 * 12 and len(proposer.proposals) > 30, stats
+    for tokens, draft in proposer.proposals[::7]:
+        assert draft == [int(np.argmax(x)) for x in reference(target, assistant, tokens, 3)], len(tokens)
+    assert not proposer.states  # every request's copy is forgotten when it ends
+
+
+def test_draft_logits_match_the_reference(models):
+    """The logits of each draft step, through the proposer's own path (a prompt in two chunks, its copy of the
+    target's K/V past the window), against the reference in float64."""
+    target, assistant = models
+    proposer = Assistant(target, draft=assistant)
+    logits = []
+    step = proposer.assistant.draft
+
+    def recorded(*args):
+        out = step(*args)
+        logits.append(np.array(out[0][0]))
+        return out
+
+    proposer.assistant.draft = recorded
+    tokens = np.random.default_rng(4).integers(0, 300, 21).tolist()
+    kv = target.new_kv(256)
+    for start, stop in ((0, 12), (12, 20)):
+        _, hidden = proposer.forward_hidden(Batch([Row(0, start, np.asarray(tokens[start:stop]))]), kv)
+        proposer.observe(9, start, np.asarray(tokens[start:stop]), hidden, 0)
+    draft = proposer.propose(9, tokens, 4)
+    want = reference(target, assistant, tokens, 4)
+    np.testing.assert_allclose(np.array(logits), np.array(want), rtol=1e-9, atol=1e-9)
+    assert draft == [int(np.argmax(x)) for x in want]
+
+
+def test_metadata_round_trips(tmp_path):
+    assert_metadata_round_trips(Gemma4Assistant, Gemma4Assistant.tiny(), tmp_path, floats=("norm_eps",))
+
+
+def test_refusals(models, tmp_path):
+    target, assistant = models
+    with pytest.raises(LeatError, match="needs the assistant model"):
+        load_proposer("assistant", target)
+    with pytest.raises(LeatError, match="is not a Gemma 4 assistant"):
+        load_proposer("assistant", target, draft=target)
+    with pytest.raises(LeatError, match="drafts for a Gemma 4 model"):
+        load_proposer("assistant", assistant, draft=assistant)
+    wide = write_tiny_gguf(Gemma4Assistant, tmp_path / "wide.gguf", params=Gemma4Assistant.tiny(width_out=96))
+    with pytest.raises(LeatError, match="embedding_length_out is 96, the target's width 64"):
+        load_proposer("assistant", target, draft=str(wide))
+    with pytest.raises(LeatError, match="runs no text alone"):
+        list(assistant.generate([1, 2], max_tokens=1))
