@@ -614,11 +614,11 @@ class Engine:
         proposer = self.speculation.proposer if self.speculation is not None else None
         if proposer is None or not proposer.reads_hidden:
             return self.backend.run(self.model.architecture.forward, batch, self.kv)
-        logits, hidden = self.model.architecture.forward_hidden(batch, self.kv)
+        logits, hidden = proposer.forward_hidden(batch, self.kv)
         for (item, row), offset in zip(rows, batch.offsets):
             if item.speculation is not None:
                 span = self.backend.take_rows(hidden, offset + np.arange(len(row.tokens)))
-                proposer.observe(item.handle.id, row.start, row.tokens, span)
+                proposer.observe(item.handle.id, row.start, row.tokens, span, int(offset))
         return logits
 
     def _queue_next(self, rows: list[tuple[_Running, Row]], ids: Any) -> None:
