@@ -16,7 +16,6 @@ into the model's directory, named by the manifest's ``mmproj``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -224,6 +223,8 @@ def _download(spec: HfSpec, name: str, revision: str, partial: Path, progress) -
 
 
 def _sha256(path: Path) -> tuple[str, int]:
+    import hashlib  # here: its import loads OpenSSL (leat.sha256)
+
     digest, size = hashlib.sha256(), 0
     with open(path, "rb") as f:
         while block := f.read(_BLOCK):

@@ -8,9 +8,10 @@ are evicted least-recently-used when free pages run out.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from leat.sha256 import sha256
 
 
 class PagePool:
@@ -87,7 +88,7 @@ class PagePool:
     # -- prefix cache --------------------------------------------------------------------------------
     def prefix_keys(self, client: str | None, tokens: Sequence[int]) -> list[bytes]:
         """One chained hash per full page of ``tokens``, isolated per client."""
-        keys, digest = [], hashlib.sha256((client or "").encode())
+        keys, digest = [], sha256((client or "").encode())
         size = self.page_size
         for start in range(0, len(tokens) - size + 1, size):
             digest.update(b"".join(int(t).to_bytes(4, "little") for t in tokens[start : start + size]))

@@ -8,7 +8,6 @@ missing key) becomes a one-line :class:`ModelFileError` naming the file.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import re
 import struct
@@ -309,6 +308,8 @@ class ModelFile:
         return sum(t.nbytes for t in self.tensors.values())
 
     def sha256(self) -> str:
+        import hashlib  # here: its import loads OpenSSL (leat.sha256)
+
         digest = hashlib.sha256()
         for part in self.parts:
             with open(part, "rb") as f:

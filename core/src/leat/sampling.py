@@ -13,6 +13,9 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import random
+import sys
+import types
 import typing
 from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar
@@ -34,6 +37,19 @@ def gguf_key(key: str) -> dict[str, str]:
     """``msgspec.Meta(extra=gguf_key(KEY))`` on a sampling field: a model file may recommend its value under ``KEY``
     (``general.sampling.*``), used when a request leaves the field out."""
     return {"gguf": key}
+
+
+def generator(seed: int | None) -> np.random.Generator:
+    """numpy's default generator for ``seed`` (None: from the OS's entropy). numpy.random's first import gets a
+    ``secrets`` with the real one's ``randbits`` (``SystemRandom``'s), all numpy takes from it: the real module brings
+    hmac and OpenSSL's libcrypto (:mod:`leat.sha256`). A later ``import secrets`` gets the real one."""
+    if "numpy.random" not in sys.modules and "secrets" not in sys.modules:
+        sys.modules["secrets"] = types.SimpleNamespace(randbits=random.SystemRandom().getrandbits)  # type: ignore[assignment]
+        try:
+            import numpy.random  # noqa: F401
+        finally:
+            del sys.modules["secrets"]
+    return np.random.default_rng(seed)
 
 
 def _recommended_key(field: msgspec.structs.FieldInfo) -> str | None:
@@ -76,7 +92,12 @@ class Stage:
 
     def __init__(self, params: SamplingParams, rng: np.random.Generator | None = None):
         self.params = params
-        self.rng = rng if rng is not None else np.random.default_rng(params.seed)
+        if rng is not None:
+            self.rng = rng
+
+    @functools.cached_property
+    def rng(self) -> np.random.Generator:  # made on first use: a greedy chain never draws
+        return generator(self.params.seed)
 
     def enabled(self) -> bool:
         return True
@@ -224,7 +245,11 @@ class Sampler:
     def __init__(self, stages: list[Stage], selector: Selector, seed: int | None = None):
         self.stages = stages
         self.selector = selector
-        self.rng = np.random.default_rng(seed)
+        self.seed = seed
+
+    @functools.cached_property
+    def rng(self) -> np.random.Generator:  # made on first use: a greedy chain never draws
+        return generator(self.seed)
 
     @classmethod
     def build(cls, params: SamplingParams, host: plugins.PluginHost | None = None) -> Sampler:
@@ -232,7 +257,8 @@ class Sampler:
         greedy = params.temperature <= 0
         selector = _load(host, "greedy" if greedy else "categorical", Selector)(params)
         sampler = cls([], selector, params.seed)
-        chain = (stage(params, sampler.rng) for stage in stages(host) if stage.changes_argmax or not greedy)
+        rng = None if greedy else sampler.rng
+        chain = (stage(params, rng) for stage in stages(host) if stage.changes_argmax or not greedy)
         sampler.stages = [stage for stage in chain if stage.enabled()]
         return sampler
 

@@ -18,7 +18,6 @@ on disk under their byte limit, removing the least recently used.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
@@ -32,6 +31,7 @@ import numpy as np
 
 from leat.errors import LeatError
 from leat.pages import DevicePages, PageBudget
+from leat.sha256 import sha256
 
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 MAX_NAME = 128
@@ -91,7 +91,7 @@ def model_fingerprint(model: Any, kv_dtype: str, page_size: int, windows: Sequen
     """What a stored session's KV depends on: the weights, the backend's precision, the KV format (its page
     groups' ``windows`` included)."""
     f = model.file
-    digest = hashlib.sha256()
+    digest = sha256()
     layout = [FORMAT, str(f.architecture), f.weight_bytes(), len(f.tensors), kv_dtype, page_size, list(windows)]
     digest.update(json.dumps(layout).encode())
     digest.update(json.dumps(model.backend.describe(), sort_keys=True, default=str).encode())

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -38,6 +37,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+from leat.sha256 import sha256
 
 Q = gguf.GGMLQuantizationType
 # the types kernels/cpu.c decodes (its functions are named by the type's lower-case name)
@@ -214,7 +214,7 @@ def library() -> Kernels:
 def _build(compiler: str, source: str, flags: list[str]) -> Path:
     """The library of ``source`` in the cache, compiled there first when it is not."""
     version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source, *flags, version, _cpu_flags()]).encode()).hexdigest()[:24]
+    key = sha256("\0".join([source, *flags, version, _cpu_flags()]).encode()).hexdigest()[:24]
     path = cache_dir() / f"cpu-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,6 @@ within it.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -23,6 +22,7 @@ import numpy as np
 from leat.backend import Backend
 from leat.errors import BackendUnavailable, LeatError, ModelFileError
 from leat.modelfile import ModelFile
+from leat.sha256 import sha256
 from leat.vision import image
 
 MARKER = "<__media__>"
@@ -51,7 +51,7 @@ class ImageSpan:
     def key_ids(self) -> list[int]:
         """Stand-ins for the span's placeholder ids in prefix keys: derived from the digest, so that two images'
         spans never share a cached page."""
-        seed = hashlib.sha256(self.digest)
+        seed = sha256(self.digest)
         return [int.from_bytes(seed.copy().digest()[:4], "little") ^ i for i in range(self.length)]
 
 
@@ -125,7 +125,7 @@ class Vision:
     def span(self, start: int, data: bytes) -> ImageSpan:
         """The span from position ``start`` of the image ``data`` (encoded bytes): decoded and preprocessed here."""
         pixels = self.encoder.preprocess(image.decode(data))
-        return ImageSpan(start, self.encoder.tokens, hashlib.sha256(data).digest(), pixels)
+        return ImageSpan(start, self.encoder.tokens, sha256(data).digest(), pixels)
 
     def prompt(
         self, tokenizer: Any, text: str, images: Sequence[bytes], add_special: bool = True
