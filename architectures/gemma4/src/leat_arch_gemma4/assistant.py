@@ -168,9 +168,10 @@ class Gemma4Assistant(Architecture):
     @classmethod
     def tiny(cls, **overrides: Any) -> AssistantParams:
         """An assistant for :meth:`leat_arch_gemma4.gemma4.Gemma4.tiny` (width 64): 32 wide, a sliding layer (heads
-        of 16, window 8) then a full one (heads of 32, proportional RoPE), 4 query heads, MLPs 64 wide."""
+        of 16, window 8) then a full one (heads of 32, proportional RoPE), 4 query heads over the target's 2 and 1 KV
+        heads there, MLPs 64 wide."""
         params = AssistantParams(
-            layers=2, width=32, ffn=64, heads=4, kv_heads=1, head_dim=32, head_dim_swa=16, rope_dims=32,
+            layers=2, width=32, ffn=64, heads=4, kv_heads=(2, 1), head_dim=32, head_dim_swa=16, rope_dims=32,
             rope_dims_swa=16, rope_base=1e6, rope_base_swa=10000.0, window=8, pattern=(True, False), vocab=300,
             context=256, output_scale=True, separate_v=False, width_out=64, nextn_layers=2,
         )  # fmt: skip

@@ -79,8 +79,8 @@ class Assistant(Proposer):
         ]
         layouts = target.kv_layouts(t)
         for layer, source in ((i, swa if a.pattern[i] else full) for i in range(a.layers)):
-            if a.head_size(layer) != layouts[source].head_dim or a.heads % layouts[source].kv_heads:
-                problems.append(f"its layer {layer}'s heads do not fit the target's layer {source}'s KV")
+            if (a.head_size(layer), a.per(a.kv_heads, layer)) != (layouts[source].head_dim, layouts[source].kv_heads):
+                problems.append(f"its layer {layer}'s KV heads are not the target's layer {source}'s")
         problems = [problem for problem in problems if problem]
         if problems:
             raise LeatError(f"{draft.file.path.name} does not draft for {model.file.path.name}: {'; '.join(problems)}")
