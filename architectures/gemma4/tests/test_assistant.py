@@ -23,9 +23,9 @@ from leat_arch_gemma4.gemma4 import Gemma4
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 REFERENCES = Path(__file__).parent / "references"
-_spec = importlib.util.spec_from_file_location("tiny_assistant", REFERENCES / "tiny_assistant.py")
-tiny_assistant = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny_assistant)
+_spec = importlib.util.spec_from_file_location("tiny_drafters", REFERENCES / "tiny_drafters.py")
+tiny_drafters = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny_drafters)
 
 
 @pytest.fixture(scope="module")
@@ -175,19 +175,20 @@ def test_draft_logits_match_the_reference(models):
 
 def test_draft_logits_match_llamacpp(tmp_path):
     """llama.cpp's assistant (``draft-mtp`` against the target's context, F16 KV cache), recorded by
-    scripts/record_llamacpp_assistant.py on the files references/tiny_assistant.py builds: the same greedy draft at
+    scripts/record_llamacpp_drafters.py on the files references/tiny_drafters.py builds: the same greedy draft at
     every step, each logit within 0.12 (the target's own bar against llama.cpp: its F16 cache and GELU table).
     Measured: 0.094 at most, of logits spread over 6.2."""
-    info = tiny_assistant.build(tmp_path)
-    recorded = json.loads((REFERENCES / "assistant_llamacpp.json").read_text())
-    assert recorded["sha256"] == info["sha256"], "the tiny files changed: run scripts/record_llamacpp_assistant.py"
-    reference_ = np.load(REFERENCES / "assistant_llamacpp.npz")
-    assert reference_["tokens"].tolist() == info["tokens"]
+    ((name, info),) = tiny_drafters.build(tmp_path).items()
+    recorded = json.loads((REFERENCES / "drafters_llamacpp.json").read_text())["drafters"][name]
+    assert recorded["sha256"] == info["sha256"], "the tiny files changed: run scripts/record_llamacpp_drafters.py"
+    reference_ = np.load(REFERENCES / "drafters_llamacpp.npz")
+    assert reference_[f"{name}/tokens"].tolist() == info["tokens"]
     target = leat.load(info["target"], backend="cpu", precision="f64")
     assistant = leat.load(info["assistant"], backend="cpu", precision="f64")
     got = drafted_logits(target, assistant, info["tokens"], info["steps"])
-    assert got.argmax(-1).tolist() == reference_["logits"].argmax(-1).tolist()
-    assert np.abs(got - reference_["logits"]).max() < 0.12
+    want = reference_[f"{name}/logits"]
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert np.abs(got - want).max() < 0.12
 
 
 def test_metadata_round_trips(tmp_path):

@@ -25,6 +25,7 @@ from leat_backend_cpu.backend import CPUBackend
 VARIANTS: dict[str, dict[str, Any]] = {
     "interval": {},
     "listed": {"layers": 5, "recurrent_layers": (True, False, True, True, False), "k_heads": 4, "tied": False},
+    "mtp": {"layers": 5, "nextn_layers": 1},  # a multi-token-prediction layer after the four a forward pass runs
 }
 PLUGINS = "leat-backend-cpu,leat-arch-qwen35,leat-samplers"
 

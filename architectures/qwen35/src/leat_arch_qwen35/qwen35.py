@@ -15,6 +15,11 @@ As llama.cpp's src/models/qwen35.cpp computes it:
 
 Qwen3.5 MoE (``qwen35moe``, :class:`Qwen35Moe`) has the same layers with a MoE MLP.
 
+The last ``nextn_predict_layers`` blocks (``block_count`` counts them) are multi-token-prediction layers
+(:mod:`leat.nextn`; llama.cpp's ``graph_mtp``): a full-attention layer of the family (its MLP or MoE) between the
+nextn projections. A forward pass runs the layers before them, as llama.cpp does; the ``mtp`` proposer would draft
+with them, but the engine does not speculate for these models (a rejected draft's recurrent state cannot rewind).
+
 The linear layers keep a recurrent state per sequence (:meth:`leat.backend.Backend.gated_delta_net`), so a backend
 must keep one, and the engine reuses no prefix, keeps no sessions and drafts nothing for these models.
 """
@@ -27,7 +32,7 @@ from typing import Any
 
 import gguf
 import numpy as np
-from leat import blocks, moe
+from leat import blocks, moe, nextn
 from leat.architecture import Architecture, Weights
 from leat.backend import Backend, KVLayout, RopeSpec
 from leat.batch import Batch
@@ -56,10 +61,18 @@ class Qwen35Params(DecoderParams):
     inner: int = key(K.SSM.INNER_SIZE, missing=lambda v: v["v_heads"] * v["state_size"])
     interval: int = key(K.LLM.FULL_ATTENTION_INTERVAL, 4)
     recurrent_layers: tuple[bool, ...] | None = key(RECURRENT_LAYERS, None)
+    nextn_layers: int | None = key(K.LLM.NEXTN_PREDICT_LAYERS, None)
     vocab: int = key(K.LLM.VOCAB_SIZE, read=tensor_rows(name(T.TOKEN_EMBD)))
     tied: bool = derived(lambda file, v: name(T.OUTPUT) not in file.tensors, True)
 
+    @property
+    def trunk(self) -> int:
+        """The layers a forward pass runs: all but the multi-token-prediction ones."""
+        return self.layers - (self.nextn_layers or 0)
+
     def linear(self, layer: int) -> bool:
+        if layer >= self.trunk:
+            return False  # a multi-token-prediction layer is full attention
         if self.recurrent_layers is not None:
             return bool(self.recurrent_layers[layer])
         return (layer + 1) % self.interval != 0
@@ -98,7 +111,7 @@ class Layer:
     shared_gate: Any = None  # [1, width]: the shared expert's output is scaled by sigmoid(x . shared_gate)
 
 
-class Qwen35(Architecture):
+class Qwen35(nextn.WithNextN, Architecture):
     names = ("qwen35",)
     Params = Qwen35Params
     recurrent = True
@@ -113,30 +126,40 @@ class Qwen35(Architecture):
 
     @classmethod
     def kv_layouts(cls, p: Qwen35Params) -> list[KVLayout]:
-        return [KVLayout(p.kv_heads, p.head_dim) for i in range(p.layers) if not p.linear(i)]
+        return [KVLayout(p.kv_heads, p.head_dim) for i in range(p.trunk) if not p.linear(i)]
+
+    def nextn_kv_layouts(self) -> list[KVLayout]:
+        return [KVLayout(self.params.kv_heads, self.params.head_dim)] * min(1, self.params.nextn_layers or 0)
 
     def load_weights(self, w: Weights) -> None:
         p = self.params
         self.embedding, self.output_norm, self.output = blocks.load_embedding_and_output(w, p.vocab, p.width, p.tied)
         self.rope = RopeSpec(p.rope_dims, p.rope_base, True, freq_factors=imrope_factors(p.rope_dims, p.rope_sections))
-        full = [i for i in range(p.layers) if not p.linear(i)]
-        self.layers = [
-            Layer(
-                attn_norm=w(name(T.ATTN_NORM, i), (p.width,)),
-                mixer=self.load_full(w, i, full.index(i)) if i in full else self.load_linear(w, i),
-                ffn_norm=w(name(T.ATTN_POST_NORM, i), (p.width,)),
-                mlp=self.load_mlp(w, i),
-            )
-            for i in range(p.layers)
-        ]
+        self.layers = [self.load_layer(w, i) for i in range(p.trunk)]
+        for i in range(p.trunk, p.layers):  # multi-token prediction: a full-attention layer and the nextn projections
+            self.load_layer(nextn.Unloaded(w), i)
+            nextn.skip_nextn(w, i, p.width)
+        self._nextn = None
 
-    def load_mlp(self, w: Weights, i: int) -> tuple[Any, Any, Any]:
+    def load_layer(self, w: Weights | nextn.Unloaded, i: int) -> Layer:
+        """Layer i; a full one's KV is the i-th full layer's of the cache (a nextn layer's: its own cache's first)."""
+        p = self.params
+        full = [j for j in range(p.trunk) if not p.linear(j)]
+        cache = full.index(i) if i in full else 0
+        return Layer(
+            attn_norm=w(name(T.ATTN_NORM, i), (p.width,)),
+            mixer=self.load_linear(w, i) if p.linear(i) else self.load_full(w, i, cache),
+            ffn_norm=w(name(T.ATTN_POST_NORM, i), (p.width,)),
+            mlp=self.load_mlp(w, i),
+        )
+
+    def load_mlp(self, w: Weights | nextn.Unloaded, i: int) -> tuple[Any, Any, Any]:
         return blocks.load_mlp(w, i, self.params.width, self.params.ffn)
 
     def feed_forward(self, x: Any, layer: Layer) -> Any:
         return blocks.swiglu(self.backend, x, *layer.mlp)
 
-    def load_full(self, w: Weights, i: int, cache: int) -> FullAttention:
+    def load_full(self, w: Weights | nextn.Unloaded, i: int, cache: int) -> FullAttention:
         p = self.params
         d, kv = p.head_dim, p.kv_heads * p.head_dim
         shape = (2 * p.heads * d, p.width)
@@ -193,16 +216,23 @@ class Qwen35(Architecture):
     def forward(self, batch: Batch, kv: Any) -> Any:
         return self.backend.matmul(self.hidden(batch, kv), self.output)
 
-    def hidden(self, batch: Batch, kv: Any) -> Any:
+    def block(self, x: Any, layer: Layer, batch: Batch, kv: Any, i: int) -> Any:
         B, p = self.backend, self.params
-        x = B.embed(self.embedding, batch.tokens)
+        h, m = B.rms_norm(x, layer.attn_norm, p.norm_eps), layer.mixer
+        x = B.add(
+            x, self.attention(h, m, batch, kv) if isinstance(m, FullAttention) else self.linear(h, m, i, batch, kv)
+        )
+        return B.add(x, self.feed_forward(B.rms_norm(x, layer.ffn_norm, p.norm_eps), layer))
+
+    def trunk(self, batch: Batch, kv: Any) -> Any:
+        x = self.backend.embed(self.embedding, batch.tokens)
         for i, layer in enumerate(self.layers):
-            h, m = B.rms_norm(x, layer.attn_norm, p.norm_eps), layer.mixer
-            x = B.add(
-                x, self.attention(h, m, batch, kv) if isinstance(m, FullAttention) else self.linear(h, m, i, batch, kv)
-            )
-            x = B.add(x, self.feed_forward(B.rms_norm(x, layer.ffn_norm, p.norm_eps), layer))
-        return B.rms_norm(B.take_rows(x, batch.logit_index), self.output_norm, p.norm_eps)
+            x = self.block(x, layer, batch, kv, i)
+        return x
+
+    def hidden(self, batch: Batch, kv: Any) -> Any:
+        B = self.backend
+        return B.rms_norm(B.take_rows(self.trunk(batch, kv), batch.logit_index), self.output_norm, self.params.norm_eps)
 
     # -- test models ---------------------------------------------------------------------------------
     @classmethod
@@ -236,12 +266,21 @@ class Qwen35Moe(Qwen35):
         p = self.params
         self.routing = moe.MoESpec(p.experts, p.experts_used, "softmax", normalize=True)
         super().load_weights(w)
-        for i, layer in enumerate(self.layers):
-            layer.experts = moe.load_moe(w, i, p.width, p.expert_ffn, p.experts, False, False)
-            gate = name(T.FFN_GATE_INP_SHEXP, i)
-            layer.shared_gate = w.array(gate, w.host(gate, (p.width,)).reshape(1, p.width))
+        for i, layer in enumerate(self.layers):  # after every layer's other tensors: the tiny files' recorded order
+            self.load_experts(w, i, layer)
 
-    def load_mlp(self, w: Weights, i: int) -> tuple[Any, Any, Any]:
+    def load_layer(self, w: Weights | nextn.Unloaded, i: int) -> Layer:
+        layer = super().load_layer(w, i)
+        return self.load_experts(w, i, layer) if i >= self.params.trunk else layer
+
+    def load_experts(self, w: Weights | nextn.Unloaded, i: int, layer: Layer) -> Layer:
+        p = self.params
+        layer.experts = moe.load_moe(w, i, p.width, p.expert_ffn, p.experts, False, False)
+        gate = name(T.FFN_GATE_INP_SHEXP, i)
+        layer.shared_gate = w.array(gate, w.host(gate, (p.width,)).reshape(1, p.width))
+        return layer
+
+    def load_mlp(self, w: Weights | nextn.Unloaded, i: int) -> tuple[Any, Any, Any]:
         return blocks.load_mlp(w, i, self.params.width, self.params.shared_ffn, blocks.SHARED_EXPERTS)
 
     def feed_forward(self, x: Any, layer: Layer) -> Any:

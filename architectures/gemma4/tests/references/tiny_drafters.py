@@ -1,8 +1,8 @@
 """The tiny Gemma 4 target and assistant that llama.cpp's drafter logits were recorded on
-(``scripts/record_llamacpp_assistant.py``; ``../test_assistant.py`` rebuilds them): the target is ``Gemma4.tiny()``
+(``scripts/record_llamacpp_drafters.py``; ``../test_assistant.py`` rebuilds them): the target is ``Gemma4.tiny()``
 (E2B's shape: window 8, the last two layers sharing layers 2 and 3's KV), the assistant ``Gemma4Assistant.tiny()``
-in Q8_0. Run as a script in leat's environment (``uv run python tiny_assistant.py OUTDIR``) to write them; it prints
-one JSON line: the files, their SHA-256 and the prompt.
+in Q8_0. Run as a script in leat's environment (``uv run python tiny_drafters.py OUTDIR``) to write them; it prints
+one JSON line: per configuration the files, their SHA-256, the prompt and the draft steps.
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ def build(folder: str | Path) -> dict[str, Any]:
         Gemma4Assistant, folder / "gemma4-assistant.gguf", gguf.GGMLQuantizationType.Q8_0, seed=3
     )
     tokens = np.random.default_rng(4).integers(0, 300, PROMPT).tolist()
+    files = {"target": str(target), "assistant": str(assistant)}
     return {
-        "target": str(target),
-        "assistant": str(assistant),
-        "sha256": {"target": sha256(target), "assistant": sha256(assistant)},
-        "tokens": tokens,
-        "steps": STEPS,
+        "gemma4-assistant": {
+            **files,
+            "sha256": {role: sha256(path) for role, path in files.items()},
+            "tokens": tokens,
+            "steps": STEPS,
+        }
     }
 
 
