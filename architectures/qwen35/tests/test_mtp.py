@@ -1,7 +1,7 @@
 """Qwen3.5's multi-token-prediction layer: it drafts as llama.cpp's ``draft-mtp`` does (logits recorded by
-scripts/record_llamacpp_drafters.py on the files references/tiny_drafters.py builds), and the engine still refuses
-to speculate for these models: a rejected draft would leave the linear layers' recurrent state past the tokens kept,
-and that state cannot rewind."""
+scripts/record_llamacpp_drafters.py on the files references/tiny_drafters.py builds), and greedy decoding with it
+(or with prompt lookup) equals plain decoding: after a rejected draft the linear layers' recurrent state rewinds to
+the tokens kept (:meth:`leat.backend.Backend.gated_delta_net`)."""
 
 import importlib.util
 import json
@@ -11,9 +11,9 @@ import leat
 import numpy as np
 import pytest
 from leat.batch import Batch, Row
-from leat.engine import Engine
+from leat.engine import Engine, GenerationRequest
 from leat.errors import LeatError
-from leat.speculative import Speculation, load_proposer
+from leat.speculative import Proposer, Speculation, load_proposer
 
 REFERENCES = Path(__file__).parent / "references"
 _spec = importlib.util.spec_from_file_location("tiny_drafters", REFERENCES / "tiny_drafters.py")
@@ -57,8 +57,51 @@ def test_the_nextn_layer_drafts_as_llamacpp(files, name):
     assert np.abs(got - want).max() < 0.01
 
 
-def test_speculation_with_it_is_refused(files):
+def run(model, prompts, speculation=None, n=16):
+    engine = Engine(model, batch_size=3, max_context=256, page_size=8, prefill_chunk=16, speculation=speculation)
+    handles = [engine.submit(GenerationRequest(p, n, {"temperature": 0})) for p in prompts]
+    engine.start()
+    try:
+        events = [list(handle) for handle in handles]
+        assert all(e[-1].kind == "done" for e in events), [e[-1] for e in events]
+        return [[t for e in each for t in e.ids] for each in events], engine.stats().get("speculation")
+    finally:
+        engine.stop()
+
+
+class Oracle(Proposer):
+    """Proposes each request's plain greedy continuation (``expected``, by prompt) with its third token wrong: two
+    accepted, then a rejection inside the verified row."""
+
+    def __init__(self, expected):
+        super().__init__(None)
+        self.expected = expected
+
+    def propose(self, key, tokens, k):
+        for prompt, out in self.expected:
+            if tokens[: len(prompt)] == prompt:
+                draft = out[len(tokens) - len(prompt) :][:3]
+                return draft[:2] + [(t + 1) % 300 for t in draft[2:]]
+        return []
+
+
+@pytest.mark.parametrize("name", ["qwen35-mtp", "qwen35moe-mtp"])
+def test_greedy_speculation_equals_plain_decoding(files, name):
+    """Three requests in one batch (prompts over several chunks), drafting at every step with the nextn layer (on
+    random weights every draft is rejected), then with drafts whose third token is wrong: the recurrent state rewinds
+    into the verified row, and the output is plain decoding's."""
+    model = leat.load(files[name]["target"], backend="cpu", precision="f64")
+    prompts = [np.random.default_rng(1).integers(0, 290, n).tolist() for n in (7, 40, 90)]
+    expected, _ = run(model, prompts)
+    got, stats = run(model, prompts, Speculation(load_proposer("mtp", model), max_draft=3, threshold=0.0))
+    assert got == expected
+    assert stats["verifications"] > 12, stats
+    got, stats = run(model, prompts, Speculation(Oracle(list(zip(prompts, expected))), max_draft=3, threshold=0.0))
+    assert got == expected
+    assert 6 < stats["accepted"] < stats["proposed"], stats
+
+
+def test_a_draft_model_with_a_recurrent_state_is_refused(files):
     model = leat.load(files["qwen35-mtp"]["target"], backend="cpu")
-    proposer = load_proposer("mtp", model)  # the layer is one the mtp proposer runs
-    with pytest.raises(LeatError, match="recurrent state per sequence, which cannot rewind: it cannot speculate"):
-        Engine(model, speculation=Speculation(proposer))
+    with pytest.raises(LeatError, match="keeps a recurrent state, which cannot rewind"):
+        load_proposer("draft", model, draft=model)

@@ -15,7 +15,6 @@ from leat.engine import Engine
 from leat.errors import BackendUnavailable, LeatError
 from leat.model import Model
 from leat.modelfile import ModelFile
-from leat.speculative import Speculation
 from leat.testing import assert_generate_is_greedy, assert_plugin_provides, write_tiny_gguf
 from leat_arch_qwen35.qwen35 import Qwen35, Qwen35Moe, imrope_factors
 from leat_backend_cpu.backend import CPUBackend
@@ -109,6 +108,32 @@ def test_gated_delta_net_matches_a_float64_loop_across_steps(precision):
         )
 
 
+def test_a_row_inside_a_verified_draft_rewinds_to_the_tokens_kept():
+    """A row that wanted every position's logits (a verified draft) of 4 tokens, then a row starting after its
+    second: the state continues from the first two tokens (as one pass over the kept tokens, then the new ones). A
+    plain row of several tokens (a prompt chunk) is not rewound into."""
+    rng = np.random.default_rng(4)
+    net = DeltaNet(
+        2, 4, 8, rng.standard_normal((2 * 16 + 32, 4)), rng.standard_normal(4), -np.exp(rng.standard_normal(4)), 1e-6
+    )
+    mixed, alpha, beta = rng.standard_normal((12, 64)), rng.standard_normal((12, 4)), rng.standard_normal((12, 4))
+    kept = np.r_[0:5, 8:12]  # positions 0-4, then 5-7 rejected, then the row from 5 again with new inputs
+    want = reference_delta_net(net, mixed[kept], alpha[kept], beta[kept])
+    backend = CPUBackend("f64")
+    kv = backend.allocate_kv([KVLayout(1, 8)], 1, 16)
+
+    def step(rows, start, **row):
+        inputs = (x[rows] for x in (mixed, alpha, beta))
+        return backend.gated_delta_net(*inputs, net, kv, 0, Batch([Row(0, start, np.zeros(len(rows)), **row)]))
+
+    step(np.r_[0:3], 0)
+    step(np.r_[3:8], 3, all_logits=True)  # a token and its 4-token draft, of which 2 are kept (positions 3, 4)
+    got = step(np.r_[8:12], 5)
+    np.testing.assert_allclose(got, want[5:], rtol=1e-10, atol=1e-12)
+    with pytest.raises(LeatError, match="holds the state after 9 positions.*cannot continue at position 7"):
+        step(np.r_[8:9], 7)  # inside a plain row
+
+
 def test_a_backend_without_a_recurrent_state_is_refused_before_loading(tiny):
     class Stateless(CPUBackend):
         name = "stateless"
@@ -118,13 +143,11 @@ def test_a_backend_without_a_recurrent_state_is_refused_before_loading(tiny):
         Qwen35(ModelFile(tiny), Stateless("f32"))
 
 
-def test_the_engine_reuses_no_prefix_and_refuses_sessions_and_speculation(tiny):
+def test_the_engine_reuses_no_prefix_and_refuses_sessions(tiny):
     from leat.engine import GenerationRequest
 
     file, backend = ModelFile(tiny), CPUBackend("f32")
     model = Model(file, Qwen35(file, backend), backend)
-    with pytest.raises(LeatError, match="cannot speculate"):
-        Engine(model, speculation=Speculation(proposer=None))
     engine = Engine(model, batch_size=2, max_context=64)
     with pytest.raises(LeatError, match="sessions do not keep"):
         engine.submit(GenerationRequest(prompt_ids=[1, 2, 3], max_tokens=2, session="s"))

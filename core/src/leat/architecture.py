@@ -162,7 +162,7 @@ class Architecture:
     #: :class:`leat.vision.Projector` (its encoder and the text around an image's embeddings). None: no images.
     projectors: ClassVar[dict[str, Any]] = {}
     #: True for a family with layers that keep a recurrent state per sequence (:meth:`Backend.gated_delta_net`), which
-    #: cannot rewind: the engine then reuses no cached prefix, keeps no sessions and drafts nothing for it
+    #: rewinds only into a verified draft: the engine then reuses no cached prefix and keeps no sessions for it
     recurrent: ClassVar[bool] = False
     #: True for a drafter that runs only beside its target (a proposer plugin's ``--draft`` file): its ``forward``
     #: refuses with what the file is for, and no text is generated with it alone

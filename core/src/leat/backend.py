@@ -479,8 +479,9 @@ class Backend:
         matrices (:attr:`DeltaNet.state_shapes`), kept by the backend with ``kv`` (made on a layer's first call, one
         per slot of ``kv``; ``layer`` numbers these states apart from the KV layers). A row starting at position 0 is
         a new sequence and starts from zeros; a row starting at p continues the state its slot holds after p
-        positions. The state cannot rewind: a row starting anywhere else raises :class:`~leat.errors.LeatError`, so
-        a model with such layers (:attr:`leat.architecture.Architecture.recurrent`) reuses no cached prefix, keeps
-        no sessions and drafts nothing; its KV pages (for its attention layers) are handled as any model's.
+        positions, or rewinds to it where p lies inside the slot's last row and that row wanted every position's
+        logits (``Row.all_logits``: a verified draft, whose rejected tail is dropped). A row starting anywhere else
+        raises :class:`~leat.errors.LeatError`, so a model with such layers (:attr:`leat.architecture.Architecture.
+        recurrent`) reuses no cached prefix and keeps no sessions; its KV pages are handled as any model's.
         """
         raise self._missing()

@@ -17,11 +17,12 @@ Qwen3.5 MoE (``qwen35moe``, :class:`Qwen35Moe`) has the same layers with a MoE M
 
 The last ``nextn_predict_layers`` blocks (``block_count`` counts them) are multi-token-prediction layers
 (:mod:`leat.nextn`; llama.cpp's ``graph_mtp``): a full-attention layer of the family (its MLP or MoE) between the
-nextn projections. A forward pass runs the layers before them, as llama.cpp does; the ``mtp`` proposer would draft
-with them, but the engine does not speculate for these models (a rejected draft's recurrent state cannot rewind).
+nextn projections. A forward pass runs the layers before them, as llama.cpp does; the ``mtp`` proposer drafts with
+them.
 
 The linear layers keep a recurrent state per sequence (:meth:`leat.backend.Backend.gated_delta_net`), so a backend
-must keep one, and the engine reuses no prefix, keeps no sessions and drafts nothing for these models.
+must keep one; it rewinds only into a verified draft (past a rejected one), so the engine reuses no prefix and keeps
+no sessions for these models.
 """
 
 from __future__ import annotations

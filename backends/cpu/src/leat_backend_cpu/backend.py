@@ -64,6 +64,10 @@ class KVCache(KVPages):
     v_scale: list[np.ndarray] = field(default_factory=list)
     # per recurrent layer: each slot's convolution inputs, delta-net state and positions taken in (Backend.gated_delta_net)
     recurrent: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # per (recurrent layer, slot): its last verified draft's row (start, the state before it, its inputs), to rewind to
+    drafts: dict[tuple[int, int], tuple[int, np.ndarray, np.ndarray, tuple[np.ndarray, ...]]] = field(
+        default_factory=dict
+    )
 
 
 def _q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -303,18 +307,31 @@ class CPUBackend(Backend):
         tails, states, taken = kv.recurrent[layer]
         out = np.empty((len(batch), net.v_heads, net.head_dim), self.dtype)
         for row, start, stop in zip(batch.rows, batch.offsets, batch.offsets[1:]):
+            slot, inputs = row.slot, (mixed[start:stop], alpha[start:stop], beta[start:stop])
             if row.start == 0:
-                tails[row.slot], states[row.slot] = 0, 0
-            elif row.start != taken[row.slot]:
-                raise LeatError(
-                    f"slot {row.slot} of recurrent layer {layer} holds the state after {taken[row.slot]} positions, "
-                    f"and a recurrent state cannot continue at position {row.start}"
-                )
-            out[start:stop] = run(
-                net, mixed[start:stop], alpha[start:stop], beta[start:stop], tails[row.slot], states[row.slot]
-            )
-            taken[row.slot] = row.start + len(row.tokens)
+                tails[slot], states[slot] = 0, 0
+            elif row.start != taken[slot]:
+                self._rewind(kv, net, layer, slot, row.start)
+            kv.drafts.pop((layer, slot), None)
+            if row.all_logits and len(row.tokens) > 1:
+                copies = tuple(x.copy() for x in inputs)
+                kv.drafts[layer, slot] = (row.start, tails[slot].copy(), states[slot].copy(), copies)
+            out[start:stop] = run(net, *inputs, tails[slot], states[slot])
+            taken[slot] = row.start + len(row.tokens)
         return out
+
+    def _rewind(self, kv: KVCache, net: DeltaNet, layer: int, slot: int, position: int) -> None:
+        """The slot's state after ``position``, inside its last verified draft: the state before that row, then the
+        row's inputs up to there (the same arithmetic as the row's own pass)."""
+        tails, states, taken = kv.recurrent[layer]
+        begin, tail, state, inputs = kv.drafts.get((layer, slot), (taken[slot], None, None, ()))
+        if not begin < position < taken[slot]:
+            raise LeatError(
+                f"slot {slot} of recurrent layer {layer} holds the state after {taken[slot]} positions, "
+                f"and a recurrent state cannot continue at position {position}"
+            )
+        tails[slot], states[slot] = tail, state
+        run(net, *(x[: position - begin] for x in inputs), tails[slot], states[slot])
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         if self.native:

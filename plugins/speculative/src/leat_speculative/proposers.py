@@ -90,6 +90,11 @@ class DraftModel(Proposer):
                 f"({len(draft_vocab or ())} tokens) from the target's ({len(target_vocab or ())}); "
                 f"choose a draft of the same model family"
             )
+        if draft.architecture.recurrent:
+            raise LeatError(
+                f"the draft model {draft.file.path.name} keeps a recurrent state, which cannot rewind to the common "
+                f"prefix of its next proposal; choose a draft without one, or --speculate ngram"
+            )
         self.draft = draft
         self.states: dict[int, _DraftState] = {}
 
