@@ -275,10 +275,8 @@ class Engine:
         self.max_queue = options.max_queue
         self.kv_dtype = options.kv
         self.speculation = speculation
-        # a recurrent state cannot rewind: no cached prefix, session or draft can be continued from
+        # a recurrent state rewinds only into a verified draft (Backend.gated_delta_net): no cached prefix or session
         self.recurrent = model.architecture.recurrent
-        if self.recurrent and speculation is not None:
-            raise LeatError("this model keeps a recurrent state per sequence, which cannot rewind: it cannot speculate")
         self.top_k_candidates = options.top_k_candidates
         self._allocate(options)
         fingerprint = model_fingerprint(model, options.kv, self.page_size, self.windows)
