@@ -1,5 +1,5 @@
-"""`leat generate` imports what it uses: no OpenSSL, no numpy.random for a greedy request. What each held of its
-peak RSS (issue #17) is in docs/benchmarks.md; these check the imports, not a figure."""
+"""`leat generate` imports what it uses: no OpenSSL, no numpy.random for a greedy request, none of gguf's writing
+modules. What each held of its peak RSS (issue #17) is in docs/benchmarks.md; these check the imports, not a figure."""
 
 import hashlib
 import json
@@ -13,7 +13,7 @@ from leat.sha256 import sha256
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
 
-NEVER = ["_hashlib", "hmac", "secrets"]
+NEVER = ["_hashlib", "hmac", "secrets", "yaml", "gguf.gguf_writer", "gguf.metadata", "gguf.vocab"]
 # runs `leat generate ARGS...` in this process, then prints the modules imported so far, for each argument list
 CODE = """
 import json, sys
@@ -38,9 +38,26 @@ def generated(tmp_path_factory) -> list[tuple[str, set[str]]]:
     return [(text, set(json.loads(chunk.split("\n")[0]))) for text, chunk in zip(texts, rest, strict=True)]
 
 
-def test_a_greedy_generate_imports_no_openssl_or_numpy_random(generated):
+def test_a_greedy_generate_imports_no_openssl_numpy_random_or_gguf_writer(generated):
     _, modules = generated[0]
     assert sorted(modules & {*NEVER, "numpy.random"}) == []
+    assert "gguf.gguf_reader" in modules
+
+
+def test_gguf_is_whole_on_first_use_of_another_name():
+    code = (
+        "import threading, leat, gguf\n"
+        "assert type(gguf).__name__ == '_Lean' and 'GGUFWriter' not in vars(gguf)\n"
+        "found = []\n"
+        "threads = [threading.Thread(target=lambda: found.append(gguf.GGUFWriter)) for _ in range(4)]\n"
+        "[t.start() for t in threads], [t.join() for t in threads]\n"
+        "from gguf import get_tensor_name_map, Keys\n"
+        "import gguf.metadata\n"
+        "print(len(found), type(gguf).__name__, found[0].__module__, hasattr(gguf, 'no such name'))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["4", "module", "gguf.gguf_writer", "False"]
 
 
 def test_seeded_sampling_imports_numpy_random_without_secrets_and_repeats(generated):

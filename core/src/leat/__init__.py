@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from importlib import metadata
 
+from leat import gguf_lean
+
+gguf_lean.install()
+
 from leat.hookspecs import hookimpl
 
 DISTRIBUTION = "leat-core"  # the import name is leat; `leat` on PyPI is another project
