@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -85,19 +86,41 @@ def serve_runs(args: argparse.Namespace, spec: str) -> list[dict]:
                 seeds += c
             load += ["-n", str(c * args.requests_per_client), "--seed", str(seeds)]
             seeds += c * args.requests_per_client
-            before = engine_counters(url)
+            before, logged = engine_counters(url), os.path.getsize(log) if args.log_dir else 0
             out = subprocess.run(load, check=False, capture_output=True, text=True, timeout=args.load_timeout)
             result = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {"error": out.stderr}
             after = engine_counters(url)
             steps = {key: round(after[key] - before[key], 3) for key in after if key in before}
             if "busy_seconds" in steps and result.get("wall_s"):
                 steps["busy_share"] = round(steps["busy_seconds"] / result["wall_s"], 3)
-            rows.append({"what": "serve", "batch_size": int(batch), **result, "engine": steps})
+            server = server_timings(log, logged) if args.log_dir else {}
+            rows.append({"what": "serve", "batch_size": int(batch), **result, "engine": steps, "server": server})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         rows.append({"what": "serve stop", "batch_size": int(batch), "seconds": round(stop(process), 2)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+LOGGED = re.compile(r"first byte (\d+) ms, \d+ bytes; accepted at (\d+) ms, first token (\d+) ms after")
+
+
+def server_timings(log: str, offset: int) -> dict[str, float]:
+    """Medians over the run's requests of the server's own timings (its request log, from where the request
+    reached it): when the engine accepted it, the engine's first token after that, the first byte out."""
+    time.sleep(0.5)  # the last requests' lines are written as their responses end
+    with open(log) as f:
+        f.seek(offset)
+        found = [tuple(int(x) for x in m.groups()) for m in LOGGED.finditer(f.read())]
+    if not found:
+        return {}
+    first, accepted, engine = (sorted(column)[len(column) // 2] for column in zip(*found))
+    return {
+        "requests": len(found),
+        "accepted_ms_p50": accepted,
+        "engine_first_ms_p50": engine,
+        "first_byte_ms_p50": first,
+    }
 
 
 def engine_counters(url: str) -> dict[str, float]:
@@ -129,21 +152,28 @@ def bench_runs(args: argparse.Namespace) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| what | batch | c | requests | failed | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | engine steps |"]
-    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    header = "| what | batch | c | requests | failed | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | engine steps "
+    lines = [header + "| server p50 ms: accepted / engine's first token after / first byte |"]
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["what"] == "serve":
             cells = [r.get(k) for k in ("requests", "failed", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99")]
             lines.append(
                 f"| serve | {r['batch_size']} | {r.get('concurrency')} | "
                 + " | ".join(str(c) for c in cells)
-                + f" | {r.get('itl_ms_p50')} | {steps_cell(r.get('engine') or {})} |"
+                + f" | {r.get('itl_ms_p50')} | {steps_cell(r.get('engine') or {})} | {server_cell(r.get('server') or {})} |"
             )
         elif r["what"] == "bench":
-            lines.append(f"| bench {r.get('test', '')} | | | | | {r['tokens_per_second']:.1f} | | | | |")
+            lines.append(f"| bench {r.get('test', '')} | | | | | {r['tokens_per_second']:.1f} | | | | | |")
         else:
-            lines.append(f"| {r['what']} | {r['batch_size']} | | | | {r['seconds']} s | | | | |")
+            lines.append(f"| {r['what']} | {r['batch_size']} | | | | {r['seconds']} s | | | | | |")
     return "\n".join(lines)
+
+
+def server_cell(server: dict[str, float]) -> str:
+    if not server:
+        return ""
+    return f"{server['accepted_ms_p50']} / {server['engine_first_ms_p50']} / {server['first_byte_ms_p50']}"
 
 
 def steps_cell(steps: dict[str, float]) -> str:

@@ -228,6 +228,9 @@ def create_app(
         except BaseException:
             lease.release()
             raise
+        job = made[0] if isinstance(made, tuple) else made
+        if isinstance(job, Job):
+            request.scope["leat.job"] = job  # its timings for the request log
         return lease, body, made
 
     async def finish(request: Request, service: Service, job: Job, handle: Any) -> None:
@@ -296,7 +299,7 @@ def create_app(
         lease, body, job = await prepare(request, bodies["/v1/chat/completions"], openai_api.chat_job)
         with lease:
             service = lease.service
-            handle = service.submit(job)
+            handle = await service.submit(job)
             if body.stream:
                 include = bool(body.stream_options and body.stream_options.include_usage)
                 return _stream(lease, job, handle, openai_api.chat_stream(service, job, handle, include))
@@ -308,7 +311,7 @@ def create_app(
         lease, body, (job, echo) = await prepare(request, bodies["/v1/completions"], openai_api.completion_job)
         with lease:
             service = lease.service
-            handle = service.submit(job)
+            handle = await service.submit(job)
             if body.stream:
                 include = bool(body.stream_options and body.stream_options.include_usage)
                 return _stream(lease, job, handle, openai_api.completion_stream(service, job, handle, echo, include))
@@ -320,7 +323,7 @@ def create_app(
         lease, body, job = await prepare(request, MessagesRequest, anthropic_api.messages_job)
         with lease:
             service = lease.service
-            handle = service.submit(job)
+            handle = await service.submit(job)
             if body.stream:
                 stream = anthropic_api.messages_stream(service, job, handle)
                 return _stream(lease, job, handle, stream, anthropic=True)
@@ -340,7 +343,7 @@ def create_app(
         lease, body, (job, echo) = await prepare(request, ResponsesRequest, responses_api.responses_job)
         with lease:
             service = lease.service
-            handle = service.submit(job)
+            handle = await service.submit(job)
             if body.stream:
                 return _stream(lease, job, handle, responses_api.responses_stream(service, job, handle, echo))
             await finish(request, service, job, handle)

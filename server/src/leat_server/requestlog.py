@@ -1,5 +1,8 @@
 """A line per request at info level, with its timings: ``127.0.0.1 POST /v1/chat/completions 200 in 845 ms
-(first byte 12 ms, 2310 bytes)``. The first byte of a streamed answer is when its first event left."""
+(first byte 12 ms, 2310 bytes; accepted at 3 ms, first token 9 ms after)``. The first byte of a streamed answer is
+when its first event left; a generation also says when the engine accepted it (after the body was read, decoded,
+templated and tokenized, and the engine answered) and how long the engine took from then to its first token (its
+queue and prefill), so a slow first byte shows whose it was."""
 
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ def request_log(app: Any) -> Any:
             client = (scope.get("client") or ("-",))[0]
             first = f"first byte {1000 * (seen['first'] - start):.0f} ms, " if seen["first"] else ""
             log.info(
-                "%s %s %s %s in %.0f ms (%s%d bytes)",
+                "%s %s %s %s in %.0f ms (%s%d bytes%s)",
                 client,
                 scope["method"],
                 scope["path"],
@@ -44,6 +47,16 @@ def request_log(app: Any) -> Any:
                 1000 * (end - start),
                 first,
                 seen["bytes"],
+                _engine_part(scope.get("leat.job"), start),
             )
 
     return logged
+
+
+def _engine_part(job: Any, start: float) -> str:
+    """When the engine accepted the request's job, and its first token after that (the engine's own count)."""
+    if getattr(job, "accepted", None) is None:
+        return ""
+    ttft = job.result.timings.get("ttft_seconds")
+    after = f", first token {1000 * ttft:.0f} ms after" if ttft is not None else ""
+    return f"; accepted at {1000 * (job.accepted - start):.0f} ms{after}"
