@@ -3,7 +3,7 @@
 the hardware's limits: each kernel's time, the DRAM bytes it moved (Nsight Compute's counters) and so its TB/s, and
 for the weight products the TFLOP/s their shapes imply.
 
-    python scripts/kernel_profile.py FILE --step decode --context 128
+    python scripts/kernel_profile.py FILE --step decode --context 128 [--rows 64]
     python scripts/kernel_profile.py FILE --step prefill --tokens 512
 
 It runs itself under ``ncu`` (``--ncu PATH``; Nsight Compute, found on the PATH or in /usr/local/cuda/bin), which
@@ -44,12 +44,13 @@ def inner(args: argparse.Namespace) -> None:
     backend = CUDABackend(graphs=False)
     arch = architecture(file, None)(file, backend)
     context = args.context + args.tokens + 1
-    kv = backend.allocate_kv(arch.kv_layouts(arch.params), 1, context, dtype=args.kv)
+    rows = args.rows if args.step == "decode" else 1
+    kv = backend.allocate_kv(arch.kv_layouts(arch.params), rows, context, dtype=args.kv)
     ids = np.random.default_rng(0).integers(0, arch.vocab_size, context, dtype=np.int64)
     if args.step == "decode":
-        if args.context:
-            _ready(arch.forward(Batch([Row(0, 0, ids[: args.context])]), kv))
-        batch = Batch([Row(0, args.context, ids[args.context : args.context + 1])])
+        for slot in range(rows if args.context else 0):
+            _ready(arch.forward(Batch([Row(slot, 0, ids[: args.context])]), kv))
+        batch = Batch([Row(slot, args.context, ids[args.context : args.context + 1]) for slot in range(rows)])
     else:
         batch = Batch([Row(0, 0, ids[: args.tokens])])
     for _ in range(2):  # compiled, allocated and warm
@@ -121,6 +122,7 @@ def main() -> None:
     ap.add_argument("--step", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--context", type=int, default=128, help="decode: positions already in the cache")
     ap.add_argument("--tokens", type=int, default=512, help="prefill: the step's tokens")
+    ap.add_argument("--rows", type=int, default=1, help="decode: sequences in the step (one token each)")
     ap.add_argument("--kv", default="f16")
     ap.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
