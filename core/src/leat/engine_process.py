@@ -351,8 +351,9 @@ class RemoteEngine:
         handle = self._handles[rid] = RemoteHandle(rid, self)
         try:
             answer = await self._ask_async(rid, self._submit_message(rid, request))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # nobody reads it: the engine drops it (its last event goes nowhere)
             handle.cancel()
+            self._handles.pop(rid, None)
             raise
         return self._accepted(handle, answer)
 
