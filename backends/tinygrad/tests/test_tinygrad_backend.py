@@ -375,7 +375,8 @@ def test_tiny_llama_matches_the_f64_oracle(name, tmp_path, monkeypatch):
         assert not agreement.failures(**BARS), f"{agreement}"
 
 
-ARCHITECTURES = ["qwen3", "qwen3moe", "gemma2", "gemma3", "gpt-oss", "deepseek2"]
+# qwen35's own test is test_qwen35_prefill_chunks_jitted_and_padded_continue_the_recurrent_state
+ARCHITECTURES = ["qwen3", "qwen3moe", "gemma2", "gemma3", "gpt-oss", "deepseek2", "qwen35moe"]
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
@@ -426,7 +427,9 @@ def test_smollm2_greedy_matches_cpu():
     assert len(got) == GREEDY_TOKENS and got[:n] == want[:n], f"compared {n} steps\ncpu f64:  {want}\ntinygrad: {got}"
 
 
-@pytest.mark.parametrize("name", ["gemma3"])  # sliding-window layers: two page groups; SmolLM2's test is llama's
+# gemma3: sliding-window layers, two page groups (SmolLM2's test is llama's); qwen35: recurrent states, read and
+# written per slot in the jitted decode steps (the bucket's padding rows among them) and padded prefill chunks
+@pytest.mark.parametrize("name", ["gemma3", "qwen35"])
 def test_engine_decode_under_tinyjit_matches_the_f64_oracle(name, tmp_path):
     """Three greedy requests decoded together by the engine: decode steps of 3 rows (padded to the bucket of
     4), and of fewer while the others prefill, replay a TinyJit per bucket after capturing it."""
@@ -493,6 +496,39 @@ def test_prefill_chunks_of_a_jitted_length_replay_under_tinyjit(tmp_path, monkey
         np.testing.assert_allclose(out, want[31 + length : 32 + length], rtol=1e-5, atol=1e-5)
     assert backend._jits[(forward, id(kv), "padded", 8, False)].cnt == 3
     assert all(np.array_equal(k[35:40].numpy(), before) for k, before in zip(kv.k, kept))
+
+
+def test_qwen35_prefill_chunks_jitted_and_padded_continue_the_recurrent_state(tmp_path, monkeypatch):
+    """Tiny Qwen3.5's prompt in chunks through run(), in slot 1: a jitted-length chunk captured at position 0 (its
+    state from zeros) and replayed at 8 (continuing), then shorter chunks padded to 8 (run, captured, replayed;
+    the padding tokens leave the state and the convolution's inputs as they were). Every position's logits against
+    the CPU float64 oracle; a row that does not continue its slot's state is refused."""
+    from leat import plugins
+    from leat.errors import LeatError
+    from leat.testing import write_tiny_gguf
+
+    monkeypatch.setenv("LEAT_TINYGRAD_PREFILL_JIT", "8")
+    entry = plugins.host().get("architectures", "qwen35")
+    if entry is None:
+        pytest.skip("no installed plugin serves qwen35")
+    path = str(write_tiny_gguf(entry.load(), tmp_path / "tiny-qwen35.gguf"))
+    ids = np.arange(1, 30)
+    want = leat.load(path, backend="cpu", precision="f64").logits(ids.tolist(), native=True)
+    model = leat.load(path, backend="tinygrad")
+    backend, forward = model.backend, model.architecture.forward
+    kv = backend.allocate_kv(model.architecture.kv_layouts(model.architecture.params), slots=2, context=32, page_size=4)
+    got = []
+    for start, stop in [(0, 8), (8, 16), (16, 21), (21, 24), (24, 29)]:
+        out = backend.run(forward, Batch([Row(1, start, ids[start:stop], all_logits=True)]), kv)
+        got.append(np.asarray(backend.to_host(out)))
+    counts = {key[2]: jit.cnt for key, jit in backend._jits.items()}
+    assert counts == {"prefill": 3, "padded": 3}, counts  # each captured once and replayed
+    agreement = compare(want, np.concatenate(got), label="qwen35 jitted and padded chunks vs cpu f64")
+    print(agreement)
+    assert not agreement.failures(**BARS) and agreement.mean_kl < 1e-9, f"{agreement}"
+    assert all(taken[1] == 29 for *_, taken in kv.recurrent.values()) and len(kv.recurrent) == 3
+    with pytest.raises(LeatError, match="cannot continue at position 20"):
+        backend.run(forward, Batch([Row(1, 20, ids[:3])]), kv)
 
 
 def test_a_decode_step_that_routes_experts_runs_eagerly(backend):

@@ -1,5 +1,7 @@
 """The tinygrad backend through leat's conformance kit, as a third-party plugin would use it."""
 
+from typing import ClassVar
+
 import pytest
 from leat.conformance import BackendConformance
 from leat_backend_tinygrad.backend import TinygradBackend, probe_reason
@@ -9,6 +11,8 @@ if probe_reason() is not None:
 
 
 class TestTinygradBackendConformance(BackendConformance):
+    capabilities: ClassVar[frozenset[str]] = frozenset({"windows", "recurrent"})
+
     @pytest.fixture
     def backend(self):
         from tinygrad.helpers import NOOPT

@@ -11,7 +11,7 @@ KV writes and MoE routing force computation. Compiled kernels go to tinygrad's c
 
 Decode steps (one token per row) run under TinyJit, one per (forward, KV cache, batch-size bucket), and so
 do full-length prefill chunks: see :meth:`TinygradBackend.run`. The paged KV cache is in
-:mod:`leat_backend_tinygrad.kv`.
+:mod:`leat_backend_tinygrad.kv`, the gated delta-net's recurrent state (Qwen3.5) in :mod:`leat_backend_tinygrad.deltanet`.
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ import gguf
 import numpy as np
 from leat.backend import Backend, KVLayout, RopeSpec
 from leat.batch import Batch
+from leat.deltanet import DeltaNet
 from leat.errors import UnsupportedQuantType
 from leat.model import PREFILL_CHUNK
 from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
+from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, as_words, gemv
 from leat_backend_tinygrad.kv import KVCache, PagedKV
 from leat_backend_tinygrad.quants import DEQUANTIZERS
@@ -120,6 +122,10 @@ class _Step:
     at: list[list[UOp]] = field(default_factory=list)  # per page group, per row: bound storage row of its token
     valid: Tensor | None = None  # a padded prefill chunk: [1] int32, its real tokens (KV rows past them are kept)
     last: Tensor | None = None  # a padded prefill chunk: [1] int32, the row of its last real token (its logits)
+    slots: list[UOp] = field(default_factory=list)  # per row: its slot, a bound Variable (recurrent states)
+    # recurrent states' writes (storage view, new value realized), made once the step's output is: a step that
+    # turns out not jittable (MoE routing) writes none, and a bucket's padding rows write their first row's value
+    pending: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
 
 class _NotJittable(Exception):
@@ -142,9 +148,10 @@ def _rope_key(spec: RopeSpec) -> tuple:
     return spec.dims, spec.base, spec.neox, spec.scale, spec.attn_factor, factors
 
 
-class TinygradBackend(PagedKV, Backend):
+class TinygradBackend(RecurrentState, PagedKV, Backend):
     name = "tinygrad"
     quant_types = frozenset(DEQUANTIZERS) | {Q.F32, Q.F16} | LOAD_DEQUANTIZED
+    recurrent_state = True
 
     @classmethod
     def probe(cls) -> str | None:
@@ -176,6 +183,7 @@ class TinygradBackend(PagedKV, Backend):
         self._step: _Step | None = None
         self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._rope_specs: dict[tuple, RopeSpec] = {}  # every spec rope has seen, by _rope_key
+        self._nets: weakref.WeakKeyDictionary[DeltaNet, tuple[Tensor, ...]] = weakref.WeakKeyDictionary()
 
     def describe(self) -> dict[str, Any]:
         from tinygrad.helpers import CACHEDB
@@ -235,7 +243,8 @@ class TinygradBackend(PagedKV, Backend):
         initialise is realized already), later ones replay them: no graph building or scheduling in
         Python. One-row prefill chunks of a length in ``prefill_lengths`` run under a TinyJit of their own, and
         shorter ones padded to a power of two (``_padded_length``). A forward that needs host values inside the
-        step (MoE routing) runs eagerly from then on.
+        step (MoE routing) runs eagerly from then on. Recurrent states (``gated_delta_net``) are read and written
+        per row through its slot, a bound Variable; run() checks that the rows continue them and counts their tokens.
         ``LEAT_TINYGRAD_JIT=0`` turns the JIT off. The logits of a replay stay valid until the next step of
         the same bucket.
         """
@@ -286,9 +295,12 @@ class TinygradBackend(PagedKV, Backend):
                 raise ValueError(f"a slot has no page for position {starts[int(np.argmin(page))]}")
             pages.append(self._tensor(np.maximum(rows, 0).astype(np.int32)))
             at.extend(self._at_variable(len(at)).bind(int(a)) for a in page * kv.page_size + starts % kv.page_size)
+        slots = [UOp.variable(f"slot_{i}", 0, 1 << 20).bind(row.slot) for i, row in enumerate(padded.rows)]
+        self._check_recurrent(kv, list(kv.recurrent), batch.rows)
         self._step = _Step(forward, kv, padded)
         try:
-            logits = jit(self._tensor(padded.tokens.astype(np.int32)), self._tensor(positions), *pages, *at, *extra)
+            tokens = self._tensor(padded.tokens.astype(np.int32))
+            logits = jit(tokens, self._tensor(positions), *slots, *pages, *at, *extra)
         except _NotJittable:
             self._eager.add(forward)
             self._forget(id(kv))
@@ -297,6 +309,7 @@ class TinygradBackend(PagedKV, Backend):
             self._step = None
         if logits is None:
             return forward(batch, kv)
+        self._took(kv, list(kv.recurrent), batch.rows)
         if key[2] == "padded" and not batch.rows[0].all_logits:
             return logits
         return logits[:n] if n < bucket else logits
@@ -331,14 +344,19 @@ class TinygradBackend(PagedKV, Backend):
         return True
 
     def _jitted_step(self, tokens: Tensor, positions: Tensor, *inputs: Any) -> Tensor:
-        step = self._step
+        step, rows = self._step, len(self._step.batch.rows)
+        step.slots, inputs = list(inputs[:rows]), inputs[rows:]
         groups = len(step.kv.tables)
         step.tokens, step.positions, step.pages = tokens, positions, list(inputs[:groups])
-        rows = len(step.batch.rows)
         step.at = [list(inputs[groups + g * rows : groups + (g + 1) * rows]) for g in range(groups)]
         if len(inputs) > groups * (1 + rows):
             step.valid, step.last = inputs[groups * (1 + rows) :]
-        return step.forward(step.batch, step.kv).contiguous()
+        out = step.forward(step.batch, step.kv).contiguous()
+        if step.pending:
+            out.realize()
+            for target, value in step.pending:
+                target.assign(value).realize()
+        return out
 
     def _at_variable(self, index: int) -> UOp:
         return UOp.variable(f"kv_at_{index}", 0, 1 << 30)
@@ -496,6 +514,9 @@ class TinygradBackend(PagedKV, Backend):
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         return self._values(gate).silu() * self._values(up)
+
+    def sigmoid_mul(self, gate: Tensor, x: Tensor) -> Tensor:
+        return self._values(gate).sigmoid() * self._values(x)
 
     def gelu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         g = self._values(gate)

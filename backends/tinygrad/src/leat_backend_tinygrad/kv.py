@@ -24,6 +24,9 @@ class KVCache(KVPages):
     dtype: str = "f32"
     k_scale: list[Tensor] = field(default_factory=list)  # q8_0: one f16 scale per 32 values
     v_scale: list[Tensor] = field(default_factory=list)
+    # per recurrent layer (Backend.gated_delta_net): each slot's convolution inputs [slots, kernel - 1, channels] and
+    # delta-net state [slots, v_heads, d, d] on the device, and the positions each slot has taken in (host)
+    recurrent: dict[int, tuple[Tensor, Tensor, np.ndarray]] = field(default_factory=dict)
 
     def storages(self, group: int | None = None) -> list[Tensor]:
         """Every layer's storage, or only that of ``group``'s layers."""
