@@ -33,6 +33,7 @@ from leat.errors import LeatError, UnsupportedQuantType
 from leat.modelfile import Tensor
 
 from leat_backend_cuda import compiler, cublas, driver, quants
+from leat_backend_cuda.deltanet import RecurrentOps
 from leat_backend_cuda.driver import DeviceArray, Memory
 from leat_backend_cuda.mla import LatentAttentionOps
 from leat_backend_cuda.moe import ExpertOps
@@ -153,6 +154,7 @@ class KVCache(KVPages):
     k_scale: list[Memory] = field(default_factory=list)  # q8_0: per layer, the f16 scale planes (see KV_DTYPES)
     v_scale: list[Memory] = field(default_factory=list)
     device_tables: list[Memory] = field(default_factory=list)  # per group: the device copy of tables[g]
+    recurrent: dict[int, Any] = field(default_factory=dict)  # per recurrent layer: its deltanet.Recurrent
     dirty: bool = True
 
 
@@ -233,11 +235,12 @@ def _ready(x: Any) -> Any:
     return x.materialize() if isinstance(x, Pending) else x
 
 
-class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, Backend):
+class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backend):
     name = "cuda"
     asynchronous = True
     feeds_tokens = True
     bidirectional = True
+    recurrent_state = True
     prefill_tokens_per_step = 2048
     quant_types = frozenset(quants.LAYOUTS) | _host_dequantizable()
 
@@ -1155,6 +1158,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, Backend):
                 self._uncapturable.add(key)
                 return forward(_with_tokens(batch, fed), kv)
         tokens, logits = shape
+        self._replaying(kv, batch)  # the recurrent states the graph continues (deltanet.py)
         n, picked = len(batch), len(batch.logit_index)
         inputs = np.zeros(3 * tokens + logits, np.int32)
         inputs[:n] = batch.tokens

@@ -12,7 +12,7 @@ import argparse
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from leat_backend_cuda import compiler, mla, moe, quants, vision
+from leat_backend_cuda import compiler, deltanet, mla, moe, quants, vision
 
 
 def programs() -> list[tuple[str, list[str]]]:
@@ -24,6 +24,7 @@ def programs() -> list[tuple[str, list[str]]]:
         + moe.programs()
         + mla.programs()
         + vision.programs()
+        + deltanet.programs()
     )
 
 

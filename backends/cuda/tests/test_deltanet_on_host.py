@@ -1,0 +1,96 @@
+"""The gated delta-net kernels (kernels/deltanet.cu: deltanet_conv, deltanet_recur, sigmoid_mul) compiled for the host
+with g++ and run with each CUDA thread a fiber (test_moe_mla_on_host.py's harness), launched as deltanet.py launches
+them, against leat.deltanet.run in float64: two sequences in two slots through a prefill batch with a padding token
+and then decode steps in the other order, each slot's state continuing apart from the other's; a row at position 0
+starts from zeros whatever its slot held. No GPU needed; skipped where g++ is missing."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+from leat.deltanet import DeltaNet, run
+
+_spec = importlib.util.spec_from_file_location("moe_mla_on_host", Path(__file__).parent / "test_moe_mla_on_host.py")
+host = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(host)
+ptr, f32 = host.ptr, host.f32
+
+HARNESS = r"""
+extern "C" void conv4(const float* mixed, const float* conv, const int* slot, const int* pos, float* tails, float* x,
+                      int n, int channels) {
+    launch({(unsigned)((channels + 127) / 128), (unsigned)n, 1}, 128,
+           [=] { deltanet_conv<4>(mixed, conv, slot, pos, tails, x, n, channels); });
+}
+#define RECUR(D)                                                                                                  \
+    extern "C" void recur##D(const float* x, const float* alpha, const float* beta, const float* dt_bias,        \
+                             const float* a, const int* slot, const int* pos, float* states, float* out, int n,   \
+                             int k_heads, int v_heads, float eps) {                                               \
+        launch({(unsigned)n, (unsigned)v_heads, (unsigned)((D + 31) / 32)}, 32, [=] {                            \
+            deltanet_recur<D>(x, alpha, beta, dt_bias, a, slot, pos, states, out, n, k_heads, v_heads, eps);      \
+        });                                                                                                       \
+    }
+RECUR(8)
+RECUR(64)
+extern "C" void gate(const float* g, const float* x, float* y, long long n, int cols, int gate_cols) {
+    launch({2, 1, 1}, 64, [=] { sigmoid_mul(g, x, y, n, cols, gate_cols); });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    return host.host_library(tmp_path_factory, "deltanet-host", host._kernel("deltanet.cu") + HARNESS)
+
+
+def step(kernels, net, mixed, alpha, beta, slots, positions, tails, states):
+    """One step's tokens (their slots and positions; slot -1: padding) through both kernels, as deltanet.py does."""
+    n, channels, d = len(mixed), net.conv.shape[0], net.head_dim
+    x, out = np.zeros((n, channels), np.float32), np.zeros((n, net.v_heads, d), np.float32)
+    slot, pos = np.asarray(slots, np.int32), np.asarray(positions, np.int32)
+    # kept in names until the calls return (a pointer to a temporary outlives its array)
+    mixed, alpha, beta, conv, dt_bias, a = (f32(v) for v in (mixed, alpha, beta, net.conv, net.dt_bias, net.a))
+    kernels.conv4(ptr(mixed), ptr(conv), ptr(slot), ptr(pos), ptr(tails), ptr(x), n, channels)
+    recur = getattr(kernels, f"recur{d}")
+    args = [ptr(x), ptr(alpha), ptr(beta), ptr(dt_bias), ptr(a), ptr(slot), ptr(pos), ptr(states)]
+    recur(*args, ptr(out), n, net.k_heads, net.v_heads, host.ctypes.c_float(net.eps))
+    return out
+
+
+@pytest.mark.parametrize("k_heads, v_heads, d", [(2, 4, 8), (1, 2, 64)])
+def test_two_slots_prefill_with_padding_then_decode_steps(kernels, k_heads, v_heads, d):
+    rng = np.random.default_rng(d)
+    channels = (2 * k_heads + v_heads) * d
+    net = DeltaNet(
+        k_heads, v_heads, d, rng.standard_normal((channels, 4)) * 0.5, rng.standard_normal(v_heads),
+        -np.exp(rng.standard_normal(v_heads)), 1e-6,
+    )  # fmt: skip
+    lengths = {0: 7, 1: 4}  # slot -> tokens: a prefill of 5 and 2, then two decode steps each
+    inputs = {s: [rng.standard_normal((t, w)) for w in (channels, v_heads, v_heads)] for s, t in lengths.items()}
+    want = {s: run(net, *inputs[s], np.zeros((3, channels)), np.zeros((v_heads, d, d))) for s in lengths}
+    # stale values in both slots: a row at position 0 must not read them
+    tails = f32(rng.standard_normal((2, 3, channels)))
+    states = f32(rng.standard_normal((2, v_heads, d, d)))
+    steps = [[(0, 0, 5), (1, 0, 2), (-1, 0, 1)], [(1, 2, 1), (0, 5, 1)], [(0, 6, 1), (1, 3, 1)]]
+    for rows in steps:
+        picked = [[inputs[max(s, 0)][i][p : p + t] for i in range(3)] for s, p, t in rows]
+        slots = np.concatenate([np.full(t, s) for s, _, t in rows])
+        positions = np.concatenate([np.arange(p, p + t) for _, p, t in rows])
+        got = step(
+            kernels, net, *(np.concatenate([x[i] for x in picked]) for i in range(3)), slots, positions, tails, states
+        )
+        at = 0
+        for s, p, t in rows:
+            if s >= 0:
+                np.testing.assert_allclose(got[at : at + t], want[s][p : p + t], rtol=2e-4, atol=2e-5)
+            at += t
+
+
+def test_sigmoid_mul_by_element_and_by_row(kernels):
+    rng = np.random.default_rng(1)
+    x = f32(rng.standard_normal((5, 24)) * 3)
+    for gate in (f32(rng.standard_normal((5, 24)) * 4), f32(rng.standard_normal((5, 1)) * 4)):
+        y = np.zeros_like(x)
+        kernels.gate(ptr(gate), ptr(x), ptr(y), x.size, x.shape[1], gate.shape[1])
+        want = x.astype(np.float64) / (1 + np.exp(-gate.astype(np.float64)))
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
