@@ -2,7 +2,7 @@
 // linear-attention layers. float32 throughout. The recurrent state lives in device memory per slot: each token's
 // slot and position come from the step's device arrays (tok_slot, tok_pos: a graph's inputs), so a replayed graph
 // reads and writes the states of the slots its batch names. A row of the batch is a run of consecutive tokens of
-// one slot; a run whose first position is 0 starts a sequence from zeros; padding tokens (slot -1) do nothing.
+// one slot; a run whose first position is 0 starts a sequence from zeros; padding tokens (slot -1) output zeros.
 #include "common.cuh"
 
 // Whether token i begins a run: the first token of its row (the tokens before it belong to another slot).
@@ -19,6 +19,7 @@ __global__ void deltanet_conv(const float* __restrict__ mixed, const float* __re
                               const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
                               float* __restrict__ tails, float* __restrict__ x, int n, int channels) {
     const int i = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < channels && tok_slot[i] < 0) x[(i64)i * channels + c] = 0.0f;
     if (c >= channels || !run_start(tok_slot, i)) return;
     const int slot = tok_slot[i];
     const bool fresh = tok_pos[i] == 0;
@@ -56,6 +57,7 @@ __global__ void __launch_bounds__(32)
                    const int* __restrict__ tok_pos, float* __restrict__ states, float* __restrict__ out, int n,
                    int k_heads, int v_heads, float eps) {
     const int i = blockIdx.x, h = blockIdx.y, lane = threadIdx.x, r = blockIdx.z * 32 + lane;
+    if (tok_slot[i] < 0 && r < D) out[((i64)i * v_heads + h) * D + r] = 0.0f;
     if (!run_start(tok_slot, i)) return;
     const int slot = tok_slot[i], channels = (2 * k_heads + v_heads) * D, key = (h % k_heads) * D;
     const bool row = r < D, fresh = tok_pos[i] == 0;
