@@ -6,15 +6,18 @@ experts with the gated activation in one launch (``gemv_id``: pair (token, j) mu
 ``ids[token, j]``), the down product of the same experts, and the weighted sum: five launches. Nothing
 is read back to the host, so the layer is captured in decode graphs like any other op.
 
-First version, correct rather than fast: the expert products decode and multiply in float32 (no int16
-activations, no tensor cores). Up to GROUPED_TOKENS tokens, ``gemv_id`` runs one (token, expert) pair
-per block row; more tokens are first grouped by expert on the device (``moe_group``) and
-``gemv_grouped`` decodes each weight once per GROUPED_PAIRS pairs of the same expert. A grouped
-tensor-core GEMM is the next step for prefill.
+Up to GROUPED_TOKENS tokens, ``gemv_id`` runs one (token, expert) pair per block row, decoding and
+multiplying in float32. More tokens are first grouped by expert on the device (``moe_group``); then, for
+the types in TENSOR_TYPES (those of the MoE bench files' experts and MLA's per-head matrices),
+``gemm_grouped`` multiplies each chunk of GEMM_PAIRS pairs of one expert on tensor cores (f16 products of
+x_to_f16's rows, float32 sums; each weight decoded once per chunk straight into mma fragments), and for
+the other types (or with LEAT_CUDA_MOE_GEMM=0) ``gemv_grouped`` decodes each weight once per
+GROUPED_PAIRS pairs in float32.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import gguf
@@ -30,6 +33,12 @@ F32, I32 = np.dtype(np.float32), np.dtype(np.int32)
 MOE_KERNELS = ["moe_route", "moe_group", "head_group", "moe_glu", "moe_combine", "gemv_id_f32"]
 GROUPED_PAIRS = 8  # pairs per block of gemv_grouped (its NC)
 GROUPED_TOKENS = 8  # more tokens than this: expert products grouped by expert
+#: expert (and per-head) types with gemm_grouped, the tensor-core product of many tokens
+TENSOR_TYPES = (Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0, Q.MXFP4)
+#: gemm_grouped's (NT, RT): chunks of 8 NT pairs, 64 RT rows a block; with the gated activation (gate and up
+#: fragments both held) half the rows
+GEMM_SHAPE, GEMM_GLU_SHAPE = (8, 2), (8, 1)
+GEMM_PAIRS = 8 * GEMM_SHAPE[0]
 GATING = {"softmax": 0, "softmax_selected": 1, "sigmoid": 2}
 ACTIVATION = {"silu": 0, "swiglu_oai": 1}
 
@@ -37,9 +46,22 @@ ACTIVATION = {"silu": 0, "swiglu_oai": 1}
 def expert_kernels(qtype: Q) -> list[str]:
     """gemv_id and gemv_grouped for ``qtype`` (experts.cu), plain and with the gated activation."""
     struct = quants.LAYOUTS[qtype].struct
-    return [f"gemv_id<{struct}, {glu}>" for glu in ("false", "true")] + [
-        f"gemv_grouped<{struct}, {GROUPED_PAIRS}, {glu}>" for glu in ("false", "true")
-    ]
+    names = [f"gemv_id<{struct}, {glu}>" for glu in ("false", "true")]
+    names += [f"gemv_grouped<{struct}, {GROUPED_PAIRS}, {glu}>" for glu in ("false", "true")]
+    if qtype in TENSOR_TYPES:
+        names += [gemm_grouped_name(qtype, glu) for glu in (False, True)]
+    return names
+
+
+def gemm_grouped_name(qtype: Q, glu: bool) -> str:
+    nt, rt = GEMM_GLU_SHAPE if glu else GEMM_SHAPE
+    return f"gemm_grouped<{quants.LAYOUTS[qtype].struct}, {nt}, {rt}, {str(glu).lower()}>"
+
+
+def group_warps(pairs: int, experts: int) -> int:
+    """Warps of moe_group's block: one per 32 pairs, at most 32, and their shared [warps][experts] counts within
+    the 48 KiB a block may take without opting in."""
+    return max(1, min(32, -(-pairs // 32), 12288 // experts))
 
 
 def programs() -> list[tuple[str, list[str]]]:
@@ -67,15 +89,16 @@ class ExpertOps:
         ids: DeviceArray | None,
         x_div: int,
         bias: Any = None,
-        groups: tuple[DeviceArray, DeviceArray, DeviceArray] | None = None,
+        groups: tuple[DeviceArray, DeviceArray, DeviceArray, int] | None = None,
         up: Any = None,
         up_bias: Any = None,
         spec: MoESpec | None = None,
     ) -> DeviceArray:
         """y [pairs, M]: pair p times matrix ``ids[p]`` (or ``p % E`` without ids) of the stacked
         ``weight`` [E, M, K] by row ``p // x_div`` of x, plus ``bias[e]`` ([E, M] or [M] when E is 1).
-        ``groups`` (moe_group's start, chunk_start, order of ``ids``): each weight decoded once per
-        GROUPED_PAIRS pairs. With ``up`` (of weight's type and shape), ``spec``'s gated activation of
+        ``groups`` (moe_group's start, chunk_start, order of ``ids`` in chunks of GROUPED_PAIRS or
+        GEMM_PAIRS, and that chunk size): each weight decoded once per chunk, by gemv_grouped or (GEMM_PAIRS)
+        gemm_grouped. With ``up`` (of weight's type and shape), ``spec``'s gated activation of
         the two products (plus ``up_bias``)."""
         shape = weight.shape
         experts, m, k = (shape[0], shape[1], shape[2]) if len(shape) == 3 else (1, shape[0], shape[1])
@@ -98,12 +121,51 @@ class ExpertOps:
                 module[names[fused]](
                     (pairs, grid_y), 128, weight.ptr, weight.blocks, ids, experts, x, x_div, out, bias, m, k, *glu
                 )
+            elif groups[3] == GEMM_PAIRS:
+                xh, xscale = self._f16_rows(x, x.size // k, k)
+                rows = 64 * (GEMM_GLU_SHAPE if fused else GEMM_SHAPE)[1]
+                module[gemm_grouped_name(weight.qtype, bool(fused))](
+                    (-(-pairs // GEMM_PAIRS) + experts, -(-m // rows)),
+                    128,
+                    weight.ptr,
+                    weight.blocks,
+                    *groups[:3],
+                    experts,
+                    xh,
+                    xscale,
+                    x_div,
+                    out,
+                    bias,
+                    m,
+                    k,
+                    *glu,
+                )
             else:
                 blocks = -(-pairs // GROUPED_PAIRS) + experts
                 module[names[2 + fused]](
-                    (blocks, grid_y), 128, weight.ptr, weight.blocks, *groups, experts, x, x_div, out, bias, m, k, *glu
+                    (blocks, grid_y),
+                    128,
+                    weight.ptr,
+                    weight.blocks,
+                    *groups[:3],
+                    experts,
+                    x,
+                    x_div,
+                    out,
+                    bias,
+                    m,
+                    k,
+                    *glu,
                 )
         return out
+
+    def _chunk_pairs(self, *matrices: Any) -> int:
+        """Pairs per chunk of a grouping that ``matrices`` are all multiplied with: GEMM_PAIRS where gemm_grouped
+        takes every one (tensor cores, a type of TENSOR_TYPES, LEAT_CUDA_MOE_GEMM not 0), else GROUPED_PAIRS."""
+        gemm = self.tensor_cores and os.environ.get("LEAT_CUDA_MOE_GEMM", "1") != "0"
+        if gemm and all(w.kernels is not None and w.qtype in TENSOR_TYPES for w in matrices):
+            return GEMM_PAIRS
+        return GROUPED_PAIRS
 
     def _dense(self, bias: Any) -> DeviceArray | None:
         """A bias as float32 on the device: vectors are uploaded so; 2-D biases must be F32 (as GGUF
@@ -119,8 +181,11 @@ class ExpertOps:
         n, d = x.size // x.shape[-1], x.shape[-1]
         k, experts = spec.experts_used, spec.experts
         ops = self._moe_module()
-        # router logits in float32 (gemv_id with one matrix), not the f16 GEMM: routing follows logit order
-        logits = self._product_id(x, weights.router, n, None, 1, weights.router_bias)
+        # router logits in float32 (gemv_id, or gemv_grouped with one matrix), not on tensor cores: routing follows
+        # logit order
+        grouped = n > GROUPED_TOKENS and weights.router.kernels is not None
+        groups = self._head_groups(n, 1, GROUPED_PAIRS) if grouped else None
+        logits = self._product_id(x, weights.router, n, None, 1, weights.router_bias, groups)
         ids, gains = self._empty((n, k), I32), self._empty((n, k))
         limited = spec.groups if spec.groups > 1 else 0
         smem = 4 * (2 * experts + limited) + experts + limited + 4
@@ -141,11 +206,13 @@ class ExpertOps:
             smem=smem,
         )
         groups = None
-        if n > GROUPED_TOKENS:
-            groups = (self._empty((experts + 1,), I32), self._empty((experts + 1,), I32), self._empty((n * k,), I32))
-            threads = max(32, min(1024, -(-experts // 32) * 32))
-            ops["moe_group"]((1,), threads, ids, n * k, experts, GROUPED_PAIRS, *groups)
         gate, up = weights.gate, weights.up
+        if n > GROUPED_TOKENS:
+            chunk = self._chunk_pairs(gate, up, weights.down)
+            tables = (self._empty((experts + 1,), I32), self._empty((experts + 1,), I32), self._empty((n * k,), I32))
+            warps = group_warps(n * k, experts)
+            ops["moe_group"]((1,), 32 * warps, ids, n * k, experts, chunk, *tables, smem=4 * warps * experts)
+            groups = (*tables, chunk)
         if gate.kernels is not None and (gate.qtype, gate.shape) == (up.qtype, up.shape):  # one launch for both
             h = self._product_id(x, gate, n * k, ids, k, weights.gate_bias, groups, up, weights.up_bias, spec)
         else:
@@ -167,9 +234,13 @@ class ExpertOps:
         n, heads, _ = x.shape
         if len(weight.shape) != 3 or weight.shape[0] != heads:
             raise ValueError(f"head_matmul: x has {heads} heads but {weight.name} is {weight.shape}")
-        groups = None
-        if n > GROUPED_TOKENS:  # each head's matrix decoded once per GROUPED_PAIRS tokens
-            groups = (self._empty((heads + 1,), I32), self._empty((heads + 1,), I32), self._empty((n * heads,), I32))
-            self._moe_module()["head_group"]((1,), 256, n, heads, GROUPED_PAIRS, *groups)
+        # each head's matrix decoded once per chunk of tokens
+        groups = self._head_groups(n, heads, self._chunk_pairs(weight)) if n > GROUPED_TOKENS else None
         out = self._product_id(x, weight, n * heads, None, 1, groups=groups)
         return out.view((n, heads, weight.shape[1]))
+
+    def _head_groups(self, n: int, heads: int, chunk: int) -> tuple[DeviceArray, DeviceArray, DeviceArray, int]:
+        """The grouping of pairs t * heads + h by matrix h (head_group), in chunks of ``chunk`` pairs."""
+        tables = (self._empty((heads + 1,), I32), self._empty((heads + 1,), I32), self._empty((n * heads,), I32))
+        self._moe_module()["head_group"]((1,), 256, n, heads, chunk, *tables)
+        return (*tables, chunk)

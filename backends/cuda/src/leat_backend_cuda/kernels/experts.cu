@@ -11,6 +11,7 @@
 // is the gated activation of the two products (moe.cu's moe_glu): act 0 silu(g) u, act 1 gpt-oss's
 // clamped SwiGLU with `alpha` and `limit`. Without it w2, bias2 and the activation are unused.
 #include "quants.cuh"
+#include "mma.cuh"
 
 __device__ __forceinline__ float gated(float g, float u, int act, float alpha, float limit) {
     if (act == 0) return g / (1.0f + expf(-g)) * u;
@@ -69,6 +70,17 @@ __global__ void __launch_bounds__(128) gemv_id(const u8* __restrict__ w, i64 nb,
     }
 }
 
+// The matrix of chunk i (moe.cu's moe_group): the last e with chunk_start[e] <= i.
+__device__ __forceinline__ int chunk_matrix(const int* __restrict__ chunk_start, int E, int i) {
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (chunk_start[mid] <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 // The same products for many tokens, the pairs grouped by matrix (moe.cu's moe_group): block i of
 // the first dimension takes chunk c of up to NC consecutive pairs of matrix e, where chunk_start[e]
 // <= i < chunk_start[e + 1] and c = i - chunk_start[e] (blocks past chunk_start[E] return), so each
@@ -85,13 +97,7 @@ __global__ void __launch_bounds__(128) gemv_grouped(const u8* __restrict__ w, i6
     const int i = blockIdx.x, lane = threadIdx.x & 31;
     const int row0 = (blockIdx.y * 4 + (threadIdx.x >> 5)) * R;
     if (i >= chunk_start[E] || row0 >= M) return;
-    int lo = 0, hi = E - 1;  // the last e with chunk_start[e] <= i
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (chunk_start[mid] <= i) lo = mid;
-        else hi = mid - 1;
-    }
-    const i64 e = lo;
+    const i64 e = chunk_matrix(chunk_start, E, i);
     const int first = start[e] + (i - chunk_start[e]) * NC, count = min(NC, start[e + 1] - first);
     int pair[NC];
     const float* xr[NC];
@@ -143,4 +149,113 @@ __global__ void __launch_bounds__(128) gemv_grouped(const u8* __restrict__ w, i6
             if (lane == 0 && c < count && row0 + r < M) y[(i64)pair[c] * M + row0 + r] = total;
         }
     }
+}
+
+// A unit of rows g and g + 8 (raw0, raw1) decoded once as the mma A fragments of its UV / 4 k-steps, as
+// matmul.cu's gemm_rows takes them: k-step j holds the quad's values 4j..4j+3, lane t's at fragment columns 2t,
+// 2t + 1, 2t + 8, 2t + 9 (a permutation of k that the B fragments follow); `keep` 0 blanks a unit past the end.
+template <class T>
+__device__ __forceinline__ void expert_fragments(const typename T::Raw& raw0, const typename T::Raw& raw1, int unit,
+                                                 float keep, u32 (&a)[T::UV / 4][4]) {
+    float v0[T::UV], v1[T::UV];
+    T::template decode<false>(raw0, unit, v0);
+    T::template decode<false>(raw1, unit, v1);
+#pragma unroll
+    for (int j = 0; j < T::UV / 4; ++j) {
+        a[j][0] = pack_f16x2(v0[4 * j] * keep, v0[4 * j + 1] * keep);
+        a[j][1] = pack_f16x2(v1[4 * j] * keep, v1[4 * j + 1] * keep);
+        a[j][2] = pack_f16x2(v0[4 * j + 2] * keep, v0[4 * j + 3] * keep);
+        a[j][3] = pack_f16x2(v1[4 * j + 2] * keep, v1[4 * j + 3] * keep);
+    }
+}
+
+// gemv_grouped's products on tensor cores, for prefill: block (i, y) takes chunk i of up to 8 * NT pairs of one
+// matrix e (the grouping of gemv_grouped with NC = 8 * NT) and rows [64 RT y, 64 RT (y + 1)) of it. x comes as f16
+// rows with a scale each (ops.cu's x_to_f16: x = xh * xscale); the chunk's pairs' rows are gathered into shared
+// memory GROUPED_KC values of K at a time and shared by the 4 warps, each of which owns RT tiles of 16 rows and
+// decodes their weights straight into mma.sync A fragments (matmul.cu's gemm_rows, whose weight is one matrix and
+// whose tokens are consecutive): each weight of matrix e is decoded once per 8 * NT of its pairs. f16 products,
+// float32 sums. With GLU, the same rows of w2 (up) too, and the gated activation of the two is written.
+// Grid (P / (8 NT) + E, ceil(M / (64 RT))); K a multiple of T::BLOCK and of 8.
+#define GROUPED_KC 256
+template <class T, int NT, int RT, bool GLU>
+__global__ void __launch_bounds__(128) gemm_grouped(
+    const u8* __restrict__ w, i64 nb, const int* __restrict__ start, const int* __restrict__ chunk_start,
+    const int* __restrict__ order, int E, const u16* __restrict__ xh, const float* __restrict__ xscale, int x_div,
+    float* __restrict__ y, const float* __restrict__ bias, int M, int K, const u8* __restrict__ w2,
+    const float* __restrict__ bias2, int act, float alpha, float limit) {
+    constexpr int J = T::UV / 4, LD = GROUPED_KC + 8, RS = GLU ? 2 * RT : RT, NC = 8 * NT;
+    static_assert(GROUPED_KC % T::BLOCK == 0, "a chunk of K holds whole blocks");
+    __shared__ __align__(16) u16 xs[NC][LD];
+    __shared__ int pairs[NC];  // the chunk's pairs; -1 past its end
+    const int i = blockIdx.x;
+    if (i >= chunk_start[E]) return;  // the whole block
+    const int e = chunk_matrix(chunk_start, E, i);
+    const int first = start[e] + (i - chunk_start[e]) * NC, count = min(NC, start[e + 1] - first);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int m0 = (blockIdx.y * 4 + warp) * 16 * RT, bpr = K / T::BLOCK;
+    for (int c = threadIdx.x; c < NC; c += blockDim.x) pairs[c] = c < count ? order[first + c] : -1;
+    i64 wrow[RT][2];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) wrow[rt][h] = ((i64)e * M + min(m0 + 16 * rt + g + 8 * h, M - 1)) * bpr;
+    float acc[RS][NT][4];
+#pragma unroll
+    for (int rs = 0; rs < RS; ++rs)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[rs][nt][c] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += GROUPED_KC) {
+        const int kc = min(GROUPED_KC, K - k0);
+        __syncthreads();  // `pairs` written; the last chunk's x read
+        for (int idx = threadIdx.x; idx < NC * (GROUPED_KC / 8); idx += blockDim.x) {
+            const int tok = idx / (GROUPED_KC / 8), c = idx % (GROUPED_KC / 8), p = pairs[tok];
+            uint4 val = make_uint4(0, 0, 0, 0);
+            if (p >= 0 && 8 * c < kc) val = __ldg((const uint4*)(xh + (i64)(p / x_div) * K + k0) + c);
+            *(uint4*)&xs[tok][8 * c] = val;
+        }
+        __syncthreads();
+        if (m0 >= M) continue;  // a warp past the matrix's rows still meets the block's barriers
+        const int units = kc / T::BLOCK * T::UNITS;
+#pragma unroll 2
+        for (int s = 0; 4 * s < units; ++s) {
+            const int u = 4 * s + t, uc = min(u, units - 1);  // a chunk's last step may run past its units
+            const int blk = k0 / T::BLOCK + uc / T::UNITS, unit = uc % T::UNITS;
+            typename T::Raw raw[RS][2];
+#pragma unroll
+            for (int rs = 0; rs < RS; ++rs)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) raw[rs][h] = T::load(rs < RT ? w : w2, nb, wrow[rs % RT][h] + blk, unit);
+            u32 a[RS][J][4];
+#pragma unroll
+            for (int rs = 0; rs < RS; ++rs) expert_fragments<T>(raw[rs][0], raw[rs][1], unit, u < units ? 1.0f : 0.0f, a[rs]);
+            const int base = (uc / T::UNITS) * T::BLOCK;  // the unit's block, from the chunk's start
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+                const int at = base + T::run_offset(unit, 4 * j / T::RL) + (4 * j) % T::RL;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const uint2 b = *(const uint2*)&xs[8 * nt + g][at];
+#pragma unroll
+                    for (int rs = 0; rs < RS; ++rs) mma_f16(acc[rs][nt], a[rs][j], b.x, b.y);
+                }
+            }
+        }
+    }
+    if (m0 >= M) return;
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int row = m0 + 16 * rt + g + 8 * (c >> 1), p = pairs[8 * nt + 2 * t + (c & 1)];
+                if (row >= M || p < 0) continue;
+                const float s = xscale[p / x_div];
+                float total = acc[rt][nt][c] * s + (bias ? bias[(i64)e * M + row] : 0.0f);
+                if (GLU) total = gated(total, acc[rt + RT][nt][c] * s + (bias2 ? bias2[(i64)e * M + row] : 0.0f), act, alpha, limit);
+                y[(i64)p * M + row] = total;
+            }
 }

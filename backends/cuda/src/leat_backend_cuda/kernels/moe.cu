@@ -107,15 +107,34 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(
         for (int j = 0; j < k; ++j) out_w[j] *= scale;
 }
 
-// The P pairs of ids [P] grouped by expert, for experts.cu's gemv_grouped: start [E + 1] (pairs of
-// expert e are order[start[e] .. start[e + 1]), in ascending pair order) and chunk_start [E + 1] (the
-// prefix sums of ceil(count / NC)). One block; thread e counts and lists expert e's pairs.
+// The P pairs of ids [P] grouped by expert, for experts.cu's gemv_grouped and gemm_grouped: start [E + 1] (pairs
+// of expert e are order[start[e] .. start[e + 1]), in ascending pair order) and chunk_start [E + 1] (the prefix
+// sums of ceil(count / NC)). One block; warp w takes pairs [w * per, (w + 1) * per), 32 at a time (lanes with the
+// same expert found by __match_any_sync): it counts them per expert into row w of the shared [warps][E] table,
+// which then becomes where row w's pairs of each expert start, and lists them there in a second pass.
+// Dynamic shared memory: 4 * warps * E bytes.
 extern "C" __global__ void moe_group(const int* __restrict__ ids, int P, int E, int NC, int* __restrict__ start,
                                      int* __restrict__ chunk_start, int* __restrict__ order) {
+    extern __shared__ float sm[];
+    int* count = (int*)sm;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int per = (P + warps - 1) / warps, lo = warp * per, hi = min(P, lo + per);
+    for (int i = threadIdx.x; i < warps * E; i += blockDim.x) count[i] = 0;
+    __syncthreads();
+    for (int p0 = lo; p0 < hi; p0 += 32) {
+        const int e = p0 + lane < hi ? ids[p0 + lane] : -1;
+        const unsigned same = __match_any_sync(FULL_MASK, e);
+        if (e >= 0 && lane == __ffs(same) - 1) count[warp * E + e] += __popc(same);
+    }
+    __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int count = 0;
-        for (int p = 0; p < P; ++p) count += ids[p] == e;
-        start[e + 1] = count;
+        int total = 0;
+        for (int w = 0; w < warps; ++w) {
+            const int c = count[w * E + e];
+            count[w * E + e] = total;
+            total += c;
+        }
+        start[e + 1] = total;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -126,10 +145,13 @@ extern "C" __global__ void moe_group(const int* __restrict__ ids, int P, int E, 
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int at = start[e];
-        for (int p = 0; p < P; ++p)
-            if (ids[p] == e) order[at++] = p;
+    for (int p0 = lo; p0 < hi; p0 += 32) {
+        const int p = p0 + lane, e = p < hi ? ids[p] : -1;
+        const unsigned same = __match_any_sync(FULL_MASK, e);
+        if (e >= 0) order[start[e] + count[warp * E + e] + __popc(same & ((1u << lane) - 1))] = p;
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(same) - 1) count[warp * E + e] += __popc(same);
+        __syncwarp();
     }
 }
 
