@@ -21,8 +21,18 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     for (int c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = w ? xr[c] * r * w[c] : xr[c] * r;
 }
 
+// The power of two a row of largest magnitude `mx` is scaled by on its way to f16: none where mx is in
+// [2^-6, 2^15) (no overflow; elements below f16's normal range, 2^-14, are under 2^-8 of the largest and keep
+// f16's absolute precision, 2^-25), else the one that puts mx in [2^14, 2^15). Rows left as they are (scale 1)
+// need no epilogue after cuBLAS (scale_rows_bias skips them).
+__device__ __forceinline__ int f16_shift(float mx) {
+    int e = 0;
+    if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);  // mx in [2^(e-1), 2^e)
+    return (e >= -5 && e <= 15) ? 0 : 15 - e;
+}
+
 // rms_norm's output as x_to_f16 would make it from the float32 row (the same values, scaled by the same
-// power of two), without the float32 row: the norm of a product's input, fused into its f16 rows.
+// power of two, f16_shift), without the float32 row: the norm of a product's input, fused into its f16 rows.
 extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float* __restrict__ w,
                                         u16* __restrict__ xh, float* __restrict__ xscale, int cols, float eps) {
     const float* xr = x + (i64)blockIdx.x * cols;
@@ -31,17 +41,15 @@ extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float
     float mx = 0.0f;
 #pragma unroll 4
     for (int c = threadIdx.x; c < cols; c += blockDim.x) mx = fmaxf(mx, fabsf(w ? xr[c] * r * w[c] : xr[c] * r));
-    mx = block_max(mx);
-    int e = 0;
-    if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);
-    const float f = ldexpf(1.0f, 15 - e);
+    const int shift = f16_shift(block_max(mx));
+    const float f = ldexpf(1.0f, shift);
 #pragma unroll 4
     for (int c = threadIdx.x; c < cols / 2; c += blockDim.x) {
         const float a = w ? xr[2 * c] * r * w[2 * c] : xr[2 * c] * r;
         const float b = w ? xr[2 * c + 1] * r * w[2 * c + 1] : xr[2 * c + 1] * r;
         hr[c] = pack_f16x2(a * f, b * f);
     }
-    if (threadIdx.x == 0) xscale[blockIdx.x] = ldexpf(1.0f, e - 15);
+    if (threadIdx.x == 0) xscale[blockIdx.x] = ldexpf(1.0f, -shift);
 }
 
 // RoPE on x [n, heads, head_dim]: pair i < dims/2 is (i, i + dims/2) with neox, else (2i, 2i+1),
@@ -421,9 +429,8 @@ extern "C" __global__ void take_rows(const float* __restrict__ x, const int* __r
     for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
 }
 
-// Rows of x [n, cols] as f16 for the tensor-core GEMM, each scaled by a power of two that puts its
-// largest magnitude in [2^14, 2^15): no f16 overflow, and small rows keep their precision.
-// `xscale` gets the inverse factor. One block per row.
+// Rows of x [n, cols] as f16 for the tensor-core GEMM, each scaled by a power of two (f16_shift): no f16
+// overflow, and small rows keep their precision. `xscale` gets the inverse factor. One block per row.
 extern "C" __global__ void x_to_f16(const float* __restrict__ x, u16* __restrict__ xh, float* __restrict__ xscale,
                                     int cols) {
     // rows of a GEMM's input (cols a multiple of 8): 16-byte loads, 8-byte stores; the second pass
@@ -437,16 +444,14 @@ extern "C" __global__ void x_to_f16(const float* __restrict__ x, u16* __restrict
         const float4 v = xr[c];
         mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
     }
-    mx = block_max(mx);
-    int e = 0;
-    if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);
-    const float f = ldexpf(1.0f, 15 - e);
+    const int shift = f16_shift(block_max(mx));
+    const float f = ldexpf(1.0f, shift);
 #pragma unroll 4
     for (int c = threadIdx.x; c < quads; c += blockDim.x) {
         const float4 v = xr[c];
         hr[c] = make_uint2(pack_f16x2(v.x * f, v.y * f), pack_f16x2(v.z * f, v.w * f));
     }
-    if (threadIdx.x == 0) xscale[blockIdx.x] = ldexpf(1.0f, e - 15);
+    if (threadIdx.x == 0) xscale[blockIdx.x] = ldexpf(1.0f, -shift);
 }
 
 // One plane of a quantized tensor's device layout (quants.device_bytes): bytes [offset, offset + size)
@@ -468,12 +473,15 @@ extern "C" __global__ void gather_ints(const int* __restrict__ src, const int* _
     if (i < n) dst[i] = src[index[i]];
 }
 
-// y [n, m] = y * xscale[t] + bias (or 0): the epilogue of a cuBLAS product of x_to_f16's rows.
+// y [n, m] = y * xscale[t] + bias (or 0): the epilogue of a cuBLAS product of x_to_f16's rows. Without a bias,
+// rows of scale 1 (most: f16_shift) are neither read nor written.
 extern "C" __global__ void scale_rows_bias(float* __restrict__ y, const float* __restrict__ xscale,
                                            const float* __restrict__ bias, int m, i64 total) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const i64 t = i / m;
-        y[i] = y[i] * xscale[t] + (bias ? bias[i - t * m] : 0.0f);
+        const float s = xscale[t];
+        if (bias) y[i] = y[i] * s + bias[i - t * m];
+        else if (s != 1.0f) y[i] *= s;
     }
 }
 
