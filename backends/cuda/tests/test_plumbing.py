@@ -242,7 +242,7 @@ def test_steps_with_prefill_chunks_replay_a_graph(fake, tmp_path):
     mixed = Batch([Row(0, 20, np.array([5])), Row(1, 0, np.arange(70) % 300), Row(2, 9, np.array([3]))])
     out = backend.run(model.forward, mixed, kv)
     assert not backend.graph_failures and out.shape == (3, model.params.vocab)
-    assert [k[2:] for k in backend._captured] == [(96, 3)]  # 72 tokens, 3 logits rows
+    assert [k[2:] for k in backend._captured] == [(96, 3, False)]  # 72 tokens, 3 logits rows, a chunk among them
     fake.launches.clear()
     again = Batch([Row(2, 10, np.array([4])), Row(0, 21, np.array([6])), Row(1, 70, np.arange(80) % 300)])
     backend.run(model.forward, again, kv)
