@@ -76,7 +76,6 @@ def test_per_layer_widths_and_kv_heads_are_read_and_range_checked():
 
 def test_leat_plugins_lists_gemma4():
     assert_plugin_provides("leat-arch-gemma4", "architectures", ["gemma4", "gemma4-assistant"], plugins=PLUGINS)
-    assert_plugin_provides("leat-arch-gemma4", "proposers", ["assistant"], plugins=PLUGINS)
 
 
 def test_cli_generate_is_the_oracles_greedy_continuation(tmp_path):

@@ -3,27 +3,30 @@ scripts/record_llamacpp_drafters.py on the files references/tiny_drafters.py bui
 (or with prompt lookup) equals plain decoding: after a rejected draft the linear layers' recurrent state rewinds to
 the tokens kept (:meth:`leat.backend.Backend.gated_delta_net`)."""
 
-import importlib.util
 import json
+import runpy
 from pathlib import Path
 
 import leat
 import numpy as np
 import pytest
 from leat.batch import Batch, Row
-from leat.engine import Engine, GenerationRequest
+from leat.engine import Engine
 from leat.errors import LeatError
+from leat.model import Model
+from leat.modelfile import ModelFile
 from leat.speculative import Proposer, Speculation, load_proposer
+from leat_arch_qwen35.qwen35 import Qwen35
+from leat_backend_cpu.backend import CPUBackend
+from leat_speculative.testing import greedy
 
 REFERENCES = Path(__file__).parent / "references"
-_spec = importlib.util.spec_from_file_location("tiny_drafters", REFERENCES / "tiny_drafters.py")
-tiny_drafters = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny_drafters)
+build_tiny_drafters = runpy.run_path(str(REFERENCES / "tiny_drafters.py"))["build"]
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    return tiny_drafters.build(tmp_path_factory.mktemp("qwen35-mtp"))
+    return build_tiny_drafters(tmp_path_factory.mktemp("qwen35-mtp"))
 
 
 def drafted_logits(model, tokens, k):
@@ -57,18 +60,6 @@ def test_the_nextn_layer_drafts_as_llamacpp(files, name):
     assert np.abs(got - want).max() < 0.01
 
 
-def run(model, prompts, speculation=None, n=16):
-    engine = Engine(model, batch_size=3, max_context=256, page_size=8, prefill_chunk=16, speculation=speculation)
-    handles = [engine.submit(GenerationRequest(p, n, {"temperature": 0})) for p in prompts]
-    engine.start()
-    try:
-        events = [list(handle) for handle in handles]
-        assert all(e[-1].kind == "done" for e in events), [e[-1] for e in events]
-        return [[t for e in each for t in e.ids] for each in events], engine.stats().get("speculation")
-    finally:
-        engine.stop()
-
-
 class Oracle(Proposer):
     """Proposes each request's plain greedy continuation (``expected``, by prompt) with its third token wrong: two
     accepted, then a rejection inside the verified row."""
@@ -92,11 +83,11 @@ def test_greedy_speculation_equals_plain_decoding(files, name):
     into the verified row, and the output is plain decoding's."""
     model = leat.load(files[name]["target"], backend="cpu", precision="f64")
     prompts = [np.random.default_rng(1).integers(0, 290, n).tolist() for n in (7, 40, 90)]
-    expected, _ = run(model, prompts)
-    got, stats = run(model, prompts, Speculation(load_proposer("mtp", model), max_draft=3, threshold=0.0))
+    expected, _ = greedy(model, prompts)
+    got, stats = greedy(model, prompts, Speculation(load_proposer("mtp", model), max_draft=3, threshold=0.0))
     assert got == expected
     assert stats["verifications"] > 12, stats
-    got, stats = run(model, prompts, Speculation(Oracle(list(zip(prompts, expected))), max_draft=3, threshold=0.0))
+    got, stats = greedy(model, prompts, Speculation(Oracle(list(zip(prompts, expected))), max_draft=3, threshold=0.0))
     assert got == expected
     assert 6 < stats["accepted"] < stats["proposed"], stats
 
@@ -105,3 +96,14 @@ def test_a_draft_model_with_a_recurrent_state_is_refused(files):
     model = leat.load(files["qwen35-mtp"]["target"], backend="cpu")
     with pytest.raises(LeatError, match="keeps a recurrent state, which cannot rewind"):
         load_proposer("draft", model, draft=model)
+
+
+def test_a_backend_that_does_not_rewind_the_state_is_refused(files):
+    class NoRewind(CPUBackend):
+        rewinds_drafts = False
+
+    file = ModelFile(files["qwen35-mtp"]["target"])
+    backend = NoRewind("f32")
+    model = Model(file, Qwen35(file, backend), backend)
+    with pytest.raises(LeatError, match="the cpu backend does not rewind past a rejected draft yet"):
+        Engine(model, speculation=Speculation(load_proposer("mtp", model)))

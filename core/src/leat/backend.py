@@ -183,6 +183,9 @@ class Backend:
     #: True when the backend keeps a recurrent state per sequence (:meth:`gated_delta_net`); a family with recurrent
     #: layers refuses a backend without it when it loads
     recurrent_state: ClassVar[bool] = False
+    #: True when that state also rewinds into a verified draft (:meth:`gated_delta_net`); the engine refuses to
+    #: speculate for a recurrent model on a backend without it
+    rewinds_drafts: ClassVar[bool] = False
 
     @classmethod
     def probe(cls) -> str | None:
@@ -479,8 +482,8 @@ class Backend:
         matrices (:attr:`DeltaNet.state_shapes`), kept by the backend with ``kv`` (made on a layer's first call, one
         per slot of ``kv``; ``layer`` numbers these states apart from the KV layers). A row starting at position 0 is
         a new sequence and starts from zeros; a row starting at p continues the state its slot holds after p
-        positions, or rewinds to it where p lies inside the slot's last row and that row wanted every position's
-        logits (``Row.all_logits``: a verified draft, whose rejected tail is dropped). A row starting anywhere else
+        positions, or (where :attr:`rewinds_drafts`) rewinds to it where p lies inside the slot's last row and that
+        row wanted every position's logits (``Row.all_logits``: a verified draft). A row starting anywhere else
         raises :class:`~leat.errors.LeatError`, so a model with such layers (:attr:`leat.architecture.Architecture.
         recurrent`) reuses no cached prefix and keeps no sessions; its KV pages are handled as any model's.
         """

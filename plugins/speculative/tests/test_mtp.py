@@ -7,7 +7,6 @@ import pytest
 from leat import nextn
 from leat.architecture import Weights
 from leat.batch import Batch, Row
-from leat.engine import Engine, GenerationRequest
 from leat.errors import LeatError
 from leat.speculative import Speculation, load_proposer
 from leat.testing import write_tiny_gguf
@@ -15,6 +14,7 @@ from leat_arch_deepseek2.deepseek2 import DeepSeek2
 from leat_arch_glm4moe.glm4moe import Glm4Moe
 from leat_arch_llama.llama import Llama
 from leat_speculative.mtp import MultiTokenPrediction
+from leat_speculative.testing import greedy
 
 FAMILIES = {"deepseek2": DeepSeek2, "glm4moe": Glm4Moe}
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -45,19 +45,6 @@ class Recording(MultiTokenPrediction):
         return draft
 
 
-def run(model, prompts, speculation=None, n=16):
-    engine = Engine(model, batch_size=3, max_context=512, page_size=8, prefill_chunk=16, speculation=speculation)
-    handles = [engine.submit(GenerationRequest(p, n, {"temperature": 0})) for p in prompts]
-    engine.start()
-    try:
-        events = [list(handle) for handle in handles]
-        assert all(e[-1].kind == "done" for e in events), [e[-1] for e in events]
-        out = [[t for e in each for t in e.ids] for each in events]
-        return out, engine.stats().get("speculation")
-    finally:
-        engine.stop()
-
-
 def drafts_from_scratch(model, tokens, k):
     """The nextn layer run over the whole sequence at once, fresh: pairs (x_p, h_{p-1}) with the target's states
     from one pass (zeros before x_0), then k - 1 steps on its own states."""
@@ -78,9 +65,9 @@ def test_greedy_equals_plain_decoding_and_drafts_follow_the_layer(model):
     from scratch over the tokens the request had kept (rejected drafts' states dropped)."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 290, n).tolist() for n in (7, 40, 250)]
-    expected, _ = run(model, prompts)
+    expected, _ = greedy(model, prompts, context=512)
     proposer = Recording(model)
-    got, stats = run(model, prompts, Speculation(proposer, max_draft=3, threshold=0.0))
+    got, stats = greedy(model, prompts, Speculation(proposer, max_draft=3, threshold=0.0), context=512)
     assert got == expected
     assert stats["proposed"] > 3 * 12, stats
     assert len(proposer.proposals) > 30

@@ -10,8 +10,8 @@ from leat_speculative.proposers import DraftModel, PromptLookup
 
 def test_registered_under_the_hook():
     host = plugins.host()
-    assert {"ngram", "draft", "mtp"} <= set(host.registry["proposers"])
-    assert set(host.plugins["leat-speculative"].provides["proposers"]) == {"ngram", "draft", "mtp"}
+    assert {"ngram", "draft", "mtp", "assistant"} <= set(host.registry["proposers"])
+    assert set(host.plugins["leat-speculative"].provides["proposers"]) == {"ngram", "draft", "mtp", "assistant"}
     assert isinstance(load_proposer("ngram", None), PromptLookup)
     with pytest.raises(PluginError, match="not registered"):
         load_proposer("nope", None)

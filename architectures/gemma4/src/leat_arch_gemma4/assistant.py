@@ -15,7 +15,9 @@ final-normed hidden state after x_{p-1} (``embedding_length_out`` wide, the targ
   position p with that h (llama.cpp's ``draft-mtp`` with a shared KV).
 
 ``masked_embd_centroids`` / ``masked_embd_ordering``, where a file has them, are not used (nor are they by llama.cpp).
-The drafting itself (which K/V, which h) is :mod:`leat_arch_gemma4.drafter`'s.
+leat-speculative's ``assistant`` proposer drafts with it (``--speculate assistant --draft FILE``), keeping a copy
+per request of the two target layers it reads (:meth:`Gemma4Assistant.shared_kv_layouts`, from
+:meth:`leat_arch_gemma4.gemma4.Gemma4.forward_shared_kv`).
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ import gguf
 import numpy as np
 from leat import blocks
 from leat.architecture import Architecture, Weights
-from leat.backend import KVLayout, RopeSpec
+from leat.backend import KVLayout
 from leat.batch import Batch, Row
 from leat.errors import LeatError, ModelFileError
 from leat.hparams import key
 from leat.modelfile import ModelFile
 from leat.nextn import Unloaded
 
-from leat_arch_gemma4.gemma4 import Gemma4Params
+from leat_arch_gemma4.gemma4 import Gemma4, Gemma4Params, check_pattern, feed_forward, layer_ropes, load_layer
 
 K = gguf.Keys
 T = gguf.MODEL_TENSOR
@@ -53,20 +55,9 @@ class AssistantParams(Gemma4Params):
     width_out: int = key(K.LLM.EMBEDDING_LENGTH_OUT)
     nextn_layers: int = key(K.LLM.NEXTN_PREDICT_LAYERS, missing=lambda v: v["layers"])
 
-
-@dataclass
-class AssistantLayer:
-    attn_norm: Any
-    q: Any
-    q_norm: Any
-    o: Any
-    post_attn_norm: Any
-    ffn_norm: Any
-    gate: Any
-    up: Any
-    down: Any
-    post_ffn_norm: Any
-    output_scale: float
+    @property
+    def kv_layers(self) -> int:
+        return 0  # every layer reads the target's KV
 
 
 class Gemma4Assistant(Architecture):
@@ -76,11 +67,7 @@ class Gemma4Assistant(Architecture):
 
     @classmethod
     def read_params(cls, file: ModelFile) -> AssistantParams:
-        p = super().read_params(file)
-        if len(p.pattern) != p.layers:
-            raise ModelFileError(
-                f"{file.path}: sliding_window_pattern has {len(p.pattern)} flags for {p.layers} layers"
-            )
+        p = check_pattern(file, super().read_params(file))
         if p.width_out == p.width:
             raise ModelFileError(f"{file.path}: a Gemma 4 assistant's embedding_length_out is its target's width")
         return p
@@ -102,35 +89,8 @@ class Gemma4Assistant(Architecture):
         self.from_token = w.columns(PRE_PROJECTION, pre, 0, p.width_out)
         self.from_hidden = w.columns(PRE_PROJECTION, pre, p.width_out, 2 * p.width_out)
         self.post_projection = w(POST_PROJECTION, (p.width_out, p.width))
-        factors = w.host(name(T.ROPE_FREQS), (p.head_dim // 2,)) if not all(p.pattern) else None
-        self.ropes = [
-            RopeSpec(p.rope_dims_swa, p.rope_base_swa, True)
-            if p.pattern[i]
-            else RopeSpec(p.rope_dims, p.rope_base, True, freq_factors=factors)
-            for i in range(p.layers)
-        ]
-        self.layers = [self.load_layer(w, i) for i in range(p.layers)]
-
-    def load_layer(self, w: Weights, i: int) -> AssistantLayer:
-        p = self.params
-        size, ffn = p.head_size(i), p.per(p.ffn, i)
-
-        def norm(kind: gguf.MODEL_TENSOR, width: int = p.width) -> Any:
-            return w(name(kind, i), (width,))
-
-        return AssistantLayer(
-            attn_norm=norm(T.ATTN_NORM),
-            q=w(name(T.ATTN_Q, i), (p.heads * size, p.width)),
-            q_norm=norm(T.ATTN_Q_NORM, size),
-            o=w(name(T.ATTN_OUT, i), (p.width, p.heads * size)),
-            post_attn_norm=norm(T.ATTN_POST_NORM),
-            ffn_norm=norm(T.FFN_NORM),
-            gate=w(name(T.FFN_GATE, i), (ffn, p.width)),
-            up=w(name(T.FFN_UP, i), (ffn, p.width)),
-            down=w(name(T.FFN_DOWN, i), (p.width, ffn)),
-            post_ffn_norm=norm(T.FFN_POST_NORM),
-            output_scale=float(w.host(name(T.LAYER_OUT_SCALE, i), (1,))[0]),
-        )
+        self.ropes = layer_ropes(w, p)
+        self.layers = [load_layer(w, p, i) for i in range(p.layers)]
 
     def forward(self, batch: Batch, kv: Any) -> Any:
         raise LeatError(
@@ -138,17 +98,41 @@ class Gemma4Assistant(Architecture):
             f"runs no text alone; load the target and pass this file with --speculate assistant --draft FILE"
         )
 
+    def shared_kv_layouts(self, target: Any) -> list[KVLayout]:
+        """The layouts of a copy of the target's last sliding layer's KV source, then its last full layer's, which
+        this model reads: the sliding one's window one shorter (a query at p reads p - window + 1 .. p - 1 from a row
+        at p - 1, :meth:`draft`). A :class:`~leat.errors.LeatError` says why where this model does not fit
+        ``target``."""
+        if not isinstance(target, Gemma4):
+            raise LeatError(f"a Gemma 4 assistant drafts for a Gemma 4 model (gemma4); {target.file.path.name} is not")
+        t, a, layouts = target.params, self.params, target.kv_layouts(target.params)
+        swa, full = t.kv_source(t.layers - 2), t.kv_source(t.layers - 1)
+        problems = [
+            f"its embedding_length_out is {a.width_out}, the target's width {t.width}"
+            if a.width_out != t.width
+            else "",
+            f"its vocabulary has {a.vocab} tokens, the target's {t.vocab}" if a.vocab != t.vocab else "",
+            "the target's last two layers are not a sliding then a full one" if t.pattern[-2:] != (True, False) else "",
+        ]
+        for layer, source in ((i, swa if a.pattern[i] else full) for i in range(a.layers)):
+            if (a.head_size(layer), a.per(a.kv_heads, layer)) != (layouts[source].head_dim, layouts[source].kv_heads):
+                problems.append(f"its layer {layer}'s KV heads are not the target's layer {source}'s")
+        if any(problems):
+            reasons = "; ".join(problem for problem in problems if problem)
+            raise LeatError(f"{self.file.path.name} does not draft for {target.file.path.name}: {reasons}")
+        return [dataclasses.replace(layouts[swa], window=a.window - 1), layouts[full]]
+
     def draft(
-        self, token: int, hidden: Any, position: int, target_embedding: Any, kv: Any, last: list[tuple[Any, Any]]
+        self, token: int, hidden: Any, position: int, target: Any, kv: Any, last: list[tuple[Any, Any]]
     ) -> tuple[Any, Any]:
         """One draft step at ``position``: ``token`` with ``hidden`` [1, width_out] (the target's state after the
         position before, or this model's own from the step before), over the target's keys and values of the
         positions before ``position`` held in ``kv`` (layer 0 its last sliding layer's, layer 1 its last full
         layer's), of which ``last`` holds the position before's pair per layer: the attention op writes the row's
-        keys and values as it reads, so that one is written again, unchanged. ``target_embedding`` is the target's
-        uploaded ``token_embd``. Returns the logits [1, vocab] and the next hidden state [1, width_out]."""
+        keys and values as it reads, so that one is written again, unchanged. The token's embedding is ``target``'s.
+        Returns the logits [1, vocab] and the next hidden state [1, width_out]."""
         B, p = self.backend, self.params
-        x = B.scale(B.embed(target_embedding, np.array([token], np.int64)), math.sqrt(p.width_out))
+        x = B.scale(B.embed(target.embedding, np.array([token], np.int64)), math.sqrt(p.width_out))
         cur = B.add(B.matmul(x, self.from_token), B.matmul(hidden, self.from_hidden))
         at, read = np.array([position], np.int64), Batch([Row(0, position - 1, np.zeros(1, np.int64))])
         for i, layer in enumerate(self.layers):
@@ -158,9 +142,9 @@ class Gemma4Assistant(Architecture):
             q = B.rope(q, at, self.ropes[i])
             h = B.matmul(B.attention(q, *last[source], kv, source, read, 1.0), layer.o)
             attended = B.add(B.rms_norm(h, layer.post_attn_norm, p.norm_eps), cur)
-            h = B.rms_norm(attended, layer.ffn_norm, p.norm_eps)
-            h = B.matmul(B.gelu_mul(B.matmul(h, layer.gate), B.matmul(h, layer.up)), layer.down)
-            cur = B.scale(B.add(B.rms_norm(h, layer.post_ffn_norm, p.norm_eps), attended), layer.output_scale)
+            cur = feed_forward(B, attended, layer, p.norm_eps)
+            if layer.output_scale is not None:
+                cur = B.scale(cur, layer.output_scale)
         out = B.rms_norm(cur, self.output_norm, p.norm_eps)
         return B.matmul(out, self.embedding), B.matmul(out, self.post_projection)
 

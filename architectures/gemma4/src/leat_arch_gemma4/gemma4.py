@@ -105,17 +105,75 @@ class Layer:
     per_layer: tuple[Any, Any, Any, Any, Any] | None  # model projection rows, token embedding columns, gate, proj, norm
 
 
+def check_pattern(file: ModelFile, p: Any) -> Any:
+    if len(p.pattern) != p.layers:
+        raise ModelFileError(f"{file.path}: sliding_window_pattern has {len(p.pattern)} flags for {p.layers} layers")
+    return p
+
+
+def layer_ropes(w: Weights, p: Gemma4Params) -> list[RopeSpec]:
+    """Each layer's RoPE: the sliding layers' own; the full layers' divide their frequencies by ``rope_freqs``."""
+    factors = w.host(name(T.ROPE_FREQS), (p.head_dim // 2,)) if not all(p.pattern) else None
+    return [
+        RopeSpec(p.rope_dims_swa, p.rope_base_swa, True)
+        if p.pattern[i]
+        else RopeSpec(p.rope_dims, p.rope_base, True, freq_factors=factors)
+        for i in range(p.layers)
+    ]
+
+
+def load_layer(w: Weights, p: Gemma4Params, i: int) -> Layer:
+    """Layer i's weights (a layer that reads another's KV, ``i >= p.kv_layers``, has no k or v)."""
+    size, kv_heads, ffn, n = p.head_size(i), p.per(p.kv_heads, i), p.per(p.ffn, i), p.per_layer
+    own_kv = i < p.kv_layers
+
+    def norm(kind: gguf.MODEL_TENSOR, width: int = p.width) -> Any:
+        return w(name(kind, i), (width,))
+
+    per_layer = None
+    if n:
+        rows, total = np.arange(i * n, (i + 1) * n), (p.layers * n, p.width)
+        per_layer = (
+            w.rows(name(T.PER_LAYER_MODEL_PROJ), total, rows),
+            w.columns(name(T.PER_LAYER_TOKEN_EMBD), (p.vocab, p.layers * n), i * n, (i + 1) * n),
+            w(name(T.PER_LAYER_INP_GATE, i), (n, p.width)),
+            w(name(T.PER_LAYER_PROJ, i), (p.width, n)),
+            norm(T.PER_LAYER_POST_NORM),
+        )
+    scale = w.host(name(T.LAYER_OUT_SCALE, i), (1,)) if p.output_scale else None
+    return Layer(
+        attn_norm=norm(T.ATTN_NORM),
+        q=w(name(T.ATTN_Q, i), (p.heads * size, p.width)),
+        q_norm=norm(T.ATTN_Q_NORM, size),
+        k=w(name(T.ATTN_K, i), (kv_heads * size, p.width)) if own_kv else None,
+        k_norm=norm(T.ATTN_K_NORM, size) if own_kv else None,
+        v=w(name(T.ATTN_V, i), (kv_heads * size, p.width)) if own_kv and p.separate_v else None,
+        o=w(name(T.ATTN_OUT, i), (p.width, p.heads * size)),
+        post_attn_norm=norm(T.ATTN_POST_NORM),
+        ffn_norm=norm(T.FFN_NORM),
+        gate=w(name(T.FFN_GATE, i), (ffn, p.width)),
+        up=w(name(T.FFN_UP, i), (ffn, p.width)),
+        down=w(name(T.FFN_DOWN, i), (p.width, ffn)),
+        post_ffn_norm=norm(T.FFN_POST_NORM),
+        output_scale=None if scale is None else float(scale[0]),
+        per_layer=per_layer,
+    )
+
+
+def feed_forward(B: Any, x: Any, layer: Layer, eps: float) -> Any:
+    """``x`` plus the layer's post-normed GeGLU MLP of ``rms_norm(x)``."""
+    h = B.rms_norm(x, layer.ffn_norm, eps)
+    h = B.matmul(B.gelu_mul(B.matmul(h, layer.gate), B.matmul(h, layer.up)), layer.down)
+    return B.add(x, B.rms_norm(h, layer.post_ffn_norm, eps))
+
+
 class Gemma4(Architecture):
     names = ("gemma4",)
     Params = Gemma4Params
 
     @classmethod
     def read_params(cls, file: ModelFile) -> Gemma4Params:
-        p = super().read_params(file)
-        if len(p.pattern) != p.layers:
-            raise ModelFileError(
-                f"{file.path}: sliding_window_pattern has {len(p.pattern)} flags for {p.layers} layers"
-            )
+        p = check_pattern(file, super().read_params(file))
         if any(name(T.FFN_GATE_INP, i) in file.tensors for i in range(p.layers)):
             raise ModelFileError(
                 f"{file.path}: a Gemma 4 MoE model (ffn_gate_inp): leat-arch-gemma4 runs the dense ones only, since "
@@ -137,54 +195,10 @@ class Gemma4(Architecture):
     def load_weights(self, w: Weights) -> None:
         p = self.params
         self.embedding, self.output_norm, self.output = blocks.load_embedding_and_output(w, p.vocab, p.width, p.tied)
-        full = [i for i in range(p.layers) if not p.pattern[i]]
-        factors = w.host(name(T.ROPE_FREQS), (p.head_dim // 2,)) if full else None
-        self.ropes = [
-            RopeSpec(p.rope_dims_swa, p.rope_base_swa, True)
-            if p.pattern[i]
-            else RopeSpec(p.rope_dims, p.rope_base, True, freq_factors=factors)
-            for i in range(p.layers)
-        ]
+        self.ropes = layer_ropes(w, p)
         if p.per_layer:
             self.per_layer_norm = w(name(T.PER_LAYER_PROJ_NORM), (p.per_layer,))
-        self.layers = [self.load_layer(w, i) for i in range(p.layers)]
-
-    def load_layer(self, w: Weights, i: int) -> Layer:
-        p = self.params
-        size, kv_heads, ffn, n = p.head_size(i), p.per(p.kv_heads, i), p.per(p.ffn, i), p.per_layer
-        own_kv = i < p.kv_layers
-
-        def norm(kind: gguf.MODEL_TENSOR, width: int = p.width) -> Any:
-            return w(name(kind, i), (width,))
-
-        per_layer = None
-        if n:
-            rows, total = np.arange(i * n, (i + 1) * n), (p.layers * n, p.width)
-            per_layer = (
-                w.rows(name(T.PER_LAYER_MODEL_PROJ), total, rows),
-                w.columns(name(T.PER_LAYER_TOKEN_EMBD), (p.vocab, p.layers * n), i * n, (i + 1) * n),
-                w(name(T.PER_LAYER_INP_GATE, i), (n, p.width)),
-                w(name(T.PER_LAYER_PROJ, i), (p.width, n)),
-                norm(T.PER_LAYER_POST_NORM),
-            )
-        scale = w.host(name(T.LAYER_OUT_SCALE, i), (1,)) if p.output_scale else None
-        return Layer(
-            attn_norm=norm(T.ATTN_NORM),
-            q=w(name(T.ATTN_Q, i), (p.heads * size, p.width)),
-            q_norm=norm(T.ATTN_Q_NORM, size),
-            k=w(name(T.ATTN_K, i), (kv_heads * size, p.width)) if own_kv else None,
-            k_norm=norm(T.ATTN_K_NORM, size) if own_kv else None,
-            v=w(name(T.ATTN_V, i), (kv_heads * size, p.width)) if own_kv and p.separate_v else None,
-            o=w(name(T.ATTN_OUT, i), (p.width, p.heads * size)),
-            post_attn_norm=norm(T.ATTN_POST_NORM),
-            ffn_norm=norm(T.FFN_NORM),
-            gate=w(name(T.FFN_GATE, i), (ffn, p.width)),
-            up=w(name(T.FFN_UP, i), (ffn, p.width)),
-            down=w(name(T.FFN_DOWN, i), (p.width, ffn)),
-            post_ffn_norm=norm(T.FFN_POST_NORM),
-            output_scale=None if scale is None else float(scale[0]),
-            per_layer=per_layer,
-        )
+        self.layers = [load_layer(w, p, i) for i in range(p.layers)]
 
     def attention(self, x: Any, i: int, batch: Batch, kv: Any, computed: dict[int, tuple[Any, Any]]) -> Any:
         """Layer i's attention; ``computed`` holds each KV layer's k and v of this batch, for the shared layers."""
@@ -247,10 +261,7 @@ class Gemma4(Architecture):
         computed: dict[int, tuple[Any, Any]] = {}
         for i, layer in enumerate(self.layers):
             h = self.attention(B.rms_norm(x, layer.attn_norm, p.norm_eps), i, batch, kv, computed)
-            x = B.add(x, B.rms_norm(h, layer.post_attn_norm, p.norm_eps))
-            h = B.rms_norm(x, layer.ffn_norm, p.norm_eps)
-            h = B.matmul(B.gelu_mul(B.matmul(h, layer.gate), B.matmul(h, layer.up)), layer.down)
-            x = B.add(x, B.rms_norm(h, layer.post_ffn_norm, p.norm_eps))
+            x = feed_forward(B, B.add(x, B.rms_norm(h, layer.post_attn_norm, p.norm_eps)), layer, p.norm_eps)
             if layer.per_layer is not None:
                 gate, projection, norm = layer.per_layer[2:]
                 h = B.matmul(B.gelu_mul(B.matmul(x, gate), inputs[i]), projection)

@@ -1,5 +1,5 @@
-"""Registers the Gemma 4 architecture, its assistant drafter's, and the proposer that drafts with it. Imports nothing
-heavy."""
+"""Registers the Gemma 4 architecture and its assistant drafter's (leat-speculative's ``assistant`` proposer drafts
+with it). Imports nothing heavy."""
 
 from leat import hookimpl
 
@@ -8,8 +8,3 @@ from leat import hookimpl
 def register_architectures(register):
     register("gemma4", "leat_arch_gemma4.gemma4:Gemma4")
     register("gemma4-assistant", "leat_arch_gemma4.assistant:Gemma4Assistant")
-
-
-@hookimpl
-def register_proposers(register):
-    register("assistant", "leat_arch_gemma4.drafter:Assistant")

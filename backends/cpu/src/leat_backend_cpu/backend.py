@@ -91,6 +91,7 @@ class CPUBackend(Backend):
     quant_types = DEQUANTIZABLE
     bidirectional = True
     recurrent_state = True
+    rewinds_drafts = True
 
     def __init__(self, precision: str = "f32", **options: Any):
         if precision not in ("f32", "f64"):

@@ -28,6 +28,7 @@ class _Span:
     start: int
     tokens: np.ndarray
     hidden: Any  # the target's states at positions start, start + 1, ...
+    kv: list[tuple[Any, Any]] = field(default_factory=list)  # what else of the target's step a proposer keeps there
 
 
 @dataclass
@@ -35,13 +36,48 @@ class _State:
     kv: Any
     capacity: int
     spans: list[_Span] = field(default_factory=list)  # observed since the last proposal
+    last: list[tuple[Any, Any]] = field(default_factory=list)
 
 
-class MultiTokenPrediction(Proposer):
+class OwnCache(Proposer):
+    """A proposer that reads the target's states and keeps a KV cache of ``layouts`` per request."""
+
+    reads_hidden = True
+    layouts: list[Any]
+    what = "the drafter's context"
+
+    def __init__(self, model: Any, **options: Any):
+        super().__init__(model)
+        self.backend = model.backend
+        self.states: dict[int, _State] = {}
+
+    def _state(self, key: int, need: int) -> _State:
+        """The request's state, its KV holding at least ``need`` positions (grown by copying its pages)."""
+        state = self.states.get(key)
+        if state is not None and state.capacity >= need:
+            return state
+        context = self.model.context_length
+        if need > context:
+            raise LeatError(f"{self.what} ({context}) is shorter than {need}")
+        capacity = min(max(256, 1 << (need - 1).bit_length()), context)
+        kv = self.backend.allocate_kv(self.layouts, 1, capacity)
+        if state is None:
+            state = self.states[key] = _State(kv, capacity)
+        else:
+            pages = list(range(state.kv.page_table.shape[1]))
+            self.backend.write_pages(kv, pages, self.backend.read_pages(state.kv, pages))
+            state.kv, state.capacity = kv, capacity
+        return state
+
+    def forget(self, key: int) -> None:
+        self.states.pop(key, None)
+
+
+class MultiTokenPrediction(OwnCache):
     """Drafts greedily with the model's multi-token-prediction layer (files that keep ``nextn_predict_layers``)."""
 
     name = "mtp"
-    reads_hidden = True
+    what = "the multi-token-prediction layer's context"
 
     def __init__(self, model: Any, **options: Any):
         super().__init__(model)
@@ -54,26 +90,7 @@ class MultiTokenPrediction(Proposer):
                 f"that drafts with them; use --speculate ngram or --draft MODEL instead"
             )
         self.architecture = architecture
-        self.backend = model.backend
-        self.states: dict[int, _State] = {}
-
-    def _state(self, key: int, need: int) -> _State:
-        """The request's state, its KV holding at least ``need`` positions (grown by copying its pages)."""
-        state = self.states.get(key)
-        if state is not None and state.capacity >= need:
-            return state
-        context = self.model.context_length
-        if need > context:
-            raise LeatError(f"the multi-token-prediction layer's context ({context}) is shorter than {need}")
-        capacity = min(max(256, 1 << (need - 1).bit_length()), context)
-        kv = self.backend.allocate_kv(self.architecture.nextn_kv_layouts(), 1, capacity)
-        if state is None:
-            state = self.states[key] = _State(kv, capacity)
-        else:
-            pages = list(range(state.kv.page_table.shape[1]))
-            self.backend.write_pages(kv, pages, self.backend.read_pages(state.kv, pages))
-            state.kv, state.capacity = kv, capacity
-        return state
+        self.layouts = architecture.nextn_kv_layouts()
 
     def observe(self, key: int, start: int, tokens: np.ndarray, hidden: Any, at: int = 0) -> None:
         self._state(key, start + len(tokens)).spans.append(_Span(start, np.asarray(tokens), hidden))
@@ -109,6 +126,3 @@ class MultiTokenPrediction(Proposer):
                 return draft
             row = Row(0, last + len(draft), np.asarray(draft[-1:], dtype=np.int64))
             out = self.architecture.nextn(Batch([row]), hidden, state.kv)
-
-    def forget(self, key: int) -> None:
-        self.states.pop(key, None)

@@ -12,3 +12,4 @@ def register_proposers(register: Callable[..., None]) -> None:
     register("ngram", "leat_speculative.proposers:PromptLookup")
     register("draft", "leat_speculative.proposers:DraftModel")
     register("mtp", "leat_speculative.mtp:MultiTokenPrediction")
+    register("assistant", "leat_speculative.assistant:Assistant")

@@ -76,12 +76,7 @@ class DraftModel(Proposer):
 
     def __init__(self, model: Any, draft: Any = None, **options: Any):
         super().__init__(model)
-        if draft is None:
-            raise LeatError("the draft proposer needs a draft model: --draft MODEL")
-        if isinstance(draft, str):
-            from leat.model import load
-
-            draft = load(draft, backend=model.backend.name, precision=model.backend.precision)
+        draft = draft_model(model, draft, "the draft proposer needs a draft model: --draft MODEL")
         target_vocab = model.file.metadata.get(gguf.Keys.Tokenizer.LIST)
         draft_vocab = draft.file.metadata.get(gguf.Keys.Tokenizer.LIST)
         if target_vocab is None or list(target_vocab) != list(draft_vocab or ()):
@@ -134,3 +129,15 @@ class DraftModel(Proposer):
 
     def forget(self, key: int) -> None:
         self.states.pop(key, None)
+
+
+def draft_model(model: Any, draft: Any, missing: str) -> Any:
+    """``draft`` (a loaded model, or anything ``leat.load`` takes: loaded on ``model``'s backend and precision); a
+    :class:`~leat.errors.LeatError` saying ``missing`` where there is none."""
+    if draft is None:
+        raise LeatError(missing)
+    if isinstance(draft, str):
+        from leat.model import load
+
+        draft = load(draft, backend=model.backend.name, precision=model.backend.precision)
+    return draft
