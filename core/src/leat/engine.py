@@ -277,6 +277,11 @@ class Engine:
         self.speculation = speculation
         # a recurrent state rewinds only into a verified draft (Backend.gated_delta_net): no cached prefix or session
         self.recurrent = model.architecture.recurrent
+        if self.recurrent and speculation is not None and not self.backend.rewinds_drafts:
+            raise LeatError(
+                f"this model keeps a recurrent state, which the {self.backend.name} backend does not rewind past a "
+                f"rejected draft yet: speculate on --backend cpu, or without --speculate"
+            )
         self.top_k_candidates = options.top_k_candidates
         self._allocate(options)
         fingerprint = model_fingerprint(model, options.kv, self.page_size, self.windows)
