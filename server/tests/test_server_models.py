@@ -204,10 +204,14 @@ def test_a_config_file_sets_each_models_options_and_is_checked(tmp_path):
     (spec,) = specs_from([], str(config), base)
     assert (spec.name, spec.model, spec.aliases) == ("small", "a.gguf", ["s"])
     assert (spec.options.kv, spec.options.max_context, spec.options.batch_size) == ("q8_0", 512, 8)
+    config.write_text('[models.small]\nmodel = "a.gguf"\nprefill_budget = 1024\n')
+    (spec,) = specs_from([], str(config), base)
+    assert spec.options.engine_options().prefill_budget == 1024 and base.engine_options().prefill_budget is None
     for text, message in (
         ('[models.x]\nmodel = "a.gguf"\nbatchsize = 2\n', "unknown key 'batchsize'"),
         ('[models.x]\nmodel = "a.gguf"\nkv = "f8"\n', "kv must be one of"),
         ('[models.x]\nmodel = "a.gguf"\nmax_context = 0\n', "max_context must be a positive integer"),
+        ('[models.x]\nmodel = "a.gguf"\nprefill_budget = 0\n', "prefill_budget must be a positive integer"),
         ("[models.x]\naliases = []\n", "needs model ="),
         ("[models.x\n", "--models-config"),
     ):

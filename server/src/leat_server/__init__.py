@@ -38,6 +38,7 @@ class ServeOptions:
     kv_full_windows: bool = not EngineOptions.window_pages
     max_queue: int = EngineOptions.max_queue
     prefill_chunk: int = EngineOptions.prefill_chunk
+    prefill_budget: int | None = EngineOptions.prefill_budget  # None: the backend's prompt tokens per step
     session_store: str | None = EngineOptions.session_store
     max_sessions: int = 256
     session_ttl: float = 24 * 3600.0
@@ -66,6 +67,7 @@ class ServeOptions:
             window_pages=not self.kv_full_windows,
             max_queue=self.max_queue,
             prefill_chunk=self.prefill_chunk,
+            prefill_budget=self.prefill_budget,
             session_store=self.session_store,
         )
 

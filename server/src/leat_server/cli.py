@@ -114,7 +114,16 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
     default=ServeOptions.prefill_chunk,
     show_default=True,
     type=click.IntRange(1),
-    help="prompt tokens per scheduler step",
+    help="the most tokens of one prompt in a scheduler step",
+)
+@click.option(
+    "--prefill-budget",
+    "--max-num-batched-tokens",
+    "prefill_budget",
+    default=None,
+    type=click.IntRange(1),
+    help="the most prompt tokens of a step over all prompts (several short prompts share a step); "
+    "default: the backend's (2048 on cuda, 512 on cpu)",
 )
 @click.option(
     "--session-store",

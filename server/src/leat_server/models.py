@@ -33,7 +33,7 @@ POLL_SECONDS = 0.05  # between looks at a loading model by the requests that wai
 # the options a config file may set per model, over the server's own
 PER_MODEL = (
     *("backend", "precision", "batch_size", "kv", "max_context", "prefill_chunk", "max_queue", "tool_parser"),
-    "mmproj",
+    *("mmproj", "prefill_budget"),
 )
 
 
@@ -474,7 +474,7 @@ def _spec(config: str, name: str, table: Any, base: Any) -> ModelSpec:
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         raise LeatError(f'{where}: aliases must be a list of names, e.g. aliases = ["small"]')
     options = dataclasses.replace(base, **{k: table[k] for k in PER_MODEL if k in table})
-    for key in ("batch_size", "max_context", "prefill_chunk"):
+    for key in ("batch_size", "max_context", "prefill_chunk", "prefill_budget"):
         value = getattr(options, key)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise LeatError(f"{where}: {key} must be a positive integer, not {value!r}")
