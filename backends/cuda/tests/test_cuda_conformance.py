@@ -11,6 +11,8 @@ pytestmark = pytest.mark.gpu
 class TestCUDABackendConformance(BackendConformance):
     """Float32 kernels throughout (tensor cores off): the kit's float32 bounds."""
 
+    capabilities: ClassVar[frozenset[str]] = frozenset({"windows", "recurrent"})
+
     @pytest.fixture
     def backend(self):
         from leat_backend_cuda.backend import CUDABackend
