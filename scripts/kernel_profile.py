@@ -8,7 +8,8 @@ for the weight products the TFLOP/s their shapes imply.
 
 It runs itself under ``ncu`` (``--ncu PATH``; Nsight Compute, found on the PATH or in /usr/local/cuda/bin), which
 replays each kernel of the one step it marks (cuProfilerStart/Stop) to read ``gpu__time_duration``,
-``dram__bytes_read`` and ``dram__bytes_write``; the step runs eagerly (a graph replays the same kernels). Rows are
+``dram__bytes_read`` and ``dram__bytes_write``, at the clocks the GPU runs at (``--clock-control none``; ncu's own
+default locks them to the base clock); the step runs eagerly (a graph replays the same kernels). Rows are
 kernels grouped by name (template arguments kept, so each weight type is its own row). A product's FLOPs are
 2 x tokens x rows x columns of the weights of the type named in its kernel (the step's weights of each type are
 listed from the model); kernels whose name names no type get none. Serialized replay removes the overlap of
@@ -125,6 +126,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="decode: sequences in the step (one token each)")
     ap.add_argument("--kv", default="f16")
     ap.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
+    ap.add_argument(
+        "--clock-control",
+        choices=("none", "base"),
+        default="none",
+        help="none: the clocks the GPU runs at when serving; base: ncu's default, locked to the base clock",
+    )
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.step == "decode":
@@ -135,6 +142,7 @@ def main() -> None:
         inner(args)
         return
     command = [args.ncu, "--profile-from-start", "off", "--metrics", ",".join(METRICS), "--csv", "--page", "raw"]
+    command += ["--clock-control", args.clock_control]
     command += ["--print-units", "base", sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--inner"]
     out = subprocess.run(command, capture_output=True, text=True, check=False)
     step = re.search(r"STEP [^\n]+", out.stdout)  # the profiled process's line, wherever ncu's output put it
