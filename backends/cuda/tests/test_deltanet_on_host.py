@@ -57,17 +57,25 @@ def step(kernels, net, mixed, alpha, beta, slots, positions, tails, states):
     return out
 
 
-@pytest.mark.parametrize("k_heads, v_heads, d", [(2, 4, 8), (1, 2, 64)])
-def test_two_slots_prefill_with_padding_then_decode_steps(kernels, k_heads, v_heads, d):
+def sequences(k_heads, v_heads, d, lengths):
+    """A random delta-net layer (convolution over 4 tokens), random inputs of a sequence per slot of ``lengths``
+    (slot -> tokens) and the outputs leat.deltanet.run gives for each whole, in float64 (test_gpu_qwen35.py's too)."""
     rng = np.random.default_rng(d)
     channels = (2 * k_heads + v_heads) * d
     net = DeltaNet(
         k_heads, v_heads, d, rng.standard_normal((channels, 4)) * 0.5, rng.standard_normal(v_heads),
         -np.exp(rng.standard_normal(v_heads)), 1e-6,
     )  # fmt: skip
-    lengths = {0: 7, 1: 4}  # slot -> tokens: a prefill of 5 and 2, then two decode steps each
     inputs = {s: [rng.standard_normal((t, w)) for w in (channels, v_heads, v_heads)] for s, t in lengths.items()}
     want = {s: run(net, *inputs[s], np.zeros((3, channels)), np.zeros((v_heads, d, d))) for s in lengths}
+    return net, inputs, want
+
+
+@pytest.mark.parametrize("k_heads, v_heads, d", [(2, 4, 8), (1, 2, 64)])
+def test_two_slots_prefill_with_padding_then_decode_steps(kernels, k_heads, v_heads, d):
+    # slot -> tokens: a prefill of 5 and 2, then two decode steps each
+    net, inputs, want = sequences(k_heads, v_heads, d, {0: 7, 1: 4})
+    channels, rng = net.conv.shape[0], np.random.default_rng(0)
     # stale values in both slots: a row at position 0 must not read them
     tails = f32(rng.standard_normal((2, 3, channels)))
     states = f32(rng.standard_normal((2, v_heads, d, d)))

@@ -4,17 +4,22 @@ the tiny qwen35 and qwen35moe models' logits in prefill and in graph-replayed de
 and their greedy continuations; steps replayed as graphs (decode rows, and a prompt chunk beside them) equal the same
 steps run eagerly, and leave the same recurrent state behind."""
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 from leat.backend import KVLayout
 from leat.batch import Batch, Row
 from leat.compare import compare, first_near_tie, top2_gap
-from leat.deltanet import DeltaNet, run
 from leat.modelfile import ModelFile
 from leat.testing import write_tiny_gguf
 from leat_backend_cpu.backend import CPUBackend
 
 pytestmark = pytest.mark.gpu
+_spec = importlib.util.spec_from_file_location("deltanet_on_host", Path(__file__).with_name("test_deltanet_on_host.py"))
+on_host = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(on_host)
 BARS = {"top1": 0.99, "kl": 1e-3}
 
 
@@ -43,15 +48,7 @@ def load(name, path, backend):
 def test_gated_delta_net_two_slots_in_steps(cuda, k_heads, v_heads, d):
     """Prefills of 9 and 4 tokens in slots 1 and 0 of one batch, then two decode steps of both: every output as
     leat.deltanet.run gives for each sequence whole, in float64."""
-    rng = np.random.default_rng(d)
-    channels = (2 * k_heads + v_heads) * d
-    net = DeltaNet(
-        k_heads, v_heads, d, rng.standard_normal((channels, 4)) * 0.5, rng.standard_normal(v_heads),
-        -np.exp(rng.standard_normal(v_heads)), 1e-6,
-    )  # fmt: skip
-    lengths = {1: 11, 0: 6}
-    inputs = {s: [rng.standard_normal((t, w)) for w in (channels, v_heads, v_heads)] for s, t in lengths.items()}
-    want = {s: run(net, *inputs[s], np.zeros((3, channels)), np.zeros((v_heads, d, d))) for s in lengths}
+    net, inputs, want = on_host.sequences(k_heads, v_heads, d, {1: 11, 0: 6})
     kv = cuda.allocate_kv([KVLayout(1, 16)], slots=2, context=16)
     for rows in [[(1, 0, 9), (0, 0, 4)], [(0, 4, 1), (1, 9, 1)], [(1, 10, 1), (0, 5, 1)]]:
         picked = [np.concatenate([inputs[s][i][p : p + t] for s, p, t in rows]) for i in range(3)]
