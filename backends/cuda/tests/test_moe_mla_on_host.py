@@ -210,9 +210,6 @@ PRODUCTS(TQ8_0)
 PRODUCTS(TMXFP4)
 PRODUCTS(TQ4_K)
 PRODUCTS(TIQ2_XXS)
-template <typename KV>
-void mla_kv(const float* ql, const float* qr, const float* latent, const float* kr, KV* kc, u16* ks, const int* table,
-            const int* slots, const int* pos, float* out, float* ml, float* acc, int n, int heads, int rank, int rope,
 #define GEMM(T)                                                                                                  \
     extern "C" void gemm_##T(const u8* w, i64 nb, const int* start, const int* chunk_start, const int* order, int E, \
                              const u16* xh, const float* xs, int x_div, float* y, const float* bias, int M, int K,    \
@@ -233,6 +230,9 @@ GEMM(TQ5_0)
 GEMM(TMXFP4)
 GEMM(TQ4_K)
 GEMM(TQ6_K)
+template <typename KV>
+void mla_kv(const float* ql, const float* qr, const float* latent, const float* kr, KV* kc, u16* ks, const int* table,
+            const int* slots, const int* pos, float* out, float* ml, float* acc, int n, int heads, int rank, int rope,
             int per_slot, int page_size, int window, int split, int splits, float scale) {
     launch({(unsigned)n, 1, 1}, 128, [=] { mla_kv_write<KV>(latent, kr, kc, ks, table, slots, pos, rank, rope, per_slot, page_size); });
     launch({(unsigned)n, (unsigned)((heads + 3) / 4), (unsigned)splits}, 128, [=] {
@@ -526,6 +526,7 @@ def kernels(tmp_path_factory):
     experts = _kernel("experts.cu").replace('#include "quants.cuh"', "")
     harness = "\n".join(['#include "quants.cuh"', moe, experts, _kernel("mla.cu"), EXPORTS])
     headers = {name: _kernel(name) for name in ("quants.cuh", "iq_grids.cuh")}
+    headers["mma.cuh"] = (Path(__file__).parent / "host" / "mma.cuh").read_text()  # experts.cu's gemm_grouped
     return host_library(tmp_path_factory, "moe-mla-host", harness, headers)
 
 
@@ -579,8 +580,11 @@ def test_route(kernels, spec):
     np.testing.assert_allclose(w[decided], want_w[decided], rtol=2e-6, atol=1e-7)
 
 
+# byte offsets of the f16 scales of the types gguf-py cannot quantize (their blocks are random, with small scales)
+RANDOM_BLOCKS = {Q.Q4_K: (0, 2), Q.IQ2_XXS: (0,), Q.Q6_K: (208,)}
+
+
 def upload(qtype, values, rng):
-    headers["mma.cuh"] = (Path(__file__).parent / "host" / "mma.cuh").read_text()  # experts.cu's gemm_grouped
     values = f32(values)
     if qtype in RANDOM_BLOCKS:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -634,10 +638,6 @@ def test_expert_products_ungrouped_and_grouped(kernels, qtype):
     np.testing.assert_array_equal(order, np.argsort(ids.reshape(-1), kind="stable"))
     grouped = np.full((n * used, m), np.nan, np.float32)
     getattr(kernels, f"grouped_{struct}")(
-# byte offsets of the f16 scales of the types gguf-py cannot quantize (their blocks are random, with small scales)
-RANDOM_BLOCKS = {Q.Q4_K: (0, 2), Q.IQ2_XXS: (0,), Q.Q6_K: (208,)}
-
-
         ptr(stored),
         ctypes.c_longlong(nb),
         ptr(start),
@@ -703,6 +703,60 @@ RANDOM_BLOCKS = {Q.Q4_K: (0, 2), Q.IQ2_XXS: (0,), Q.Q6_K: (208,)}
         np.testing.assert_allclose(fused, want_h, rtol=1e-5, atol=1e-5 * np.abs(want_h).max())
 
 
+def f16_rows(x):
+    """x as ops.cu's x_to_f16 makes it: f16 rows scaled by a power of two each (the largest value in [2^14, 2^15)),
+    and the scales that undo it."""
+    exponent = np.frexp(np.abs(x).max(axis=1))[1]
+    scale = np.ldexp(1.0, exponent - 15).astype(np.float32)
+    return np.ascontiguousarray((x / scale[:, None]).astype(np.float16).view(np.uint16)), scale
+
+
+@pytest.mark.parametrize("qtype", moe.TENSOR_TYPES, ids=lambda q: q.name)
+def test_tensor_core_grouped_products(kernels, qtype):
+    """gemm_grouped (mma.sync emulated by tests/host/mma.cuh) against float64 products of the f16 inputs it takes,
+    and the plain products within f16 rounding of the exact ones: uneven loads (expert 0 has no pair, expert 3 every token: two
+    chunks, the second of 6 pairs), 40 rows (not a whole row tile), K past the last whole 256 where blocks allow;
+    x rows shared by the pairs of a token (gate and up: plain, and gated both ways) and one row per pair (down)."""
+    rng = np.random.default_rng(int(qtype))
+    e, m, n, used = 4, 40, 70, 2
+    k = 512 if quants.LAYOUTS[qtype].block == 256 else 320
+    stored, nb, exact = upload(qtype, rng.standard_normal((e, m, k)) / 8, rng)
+    stored_up, _, exact_up = upload(qtype, rng.standard_normal((e, m, k)) / 8, rng)
+    bias, bias_up = f32(rng.standard_normal((e, m))), f32(rng.standard_normal((e, m)))
+    ids = np.stack([np.full(n, 3), rng.choice([1, 2], n)], axis=1).astype(np.int32)
+    pairs, chunk = n * used, 8 * 8  # the harness's gemm_grouped: NT 8
+    start, chunk_start, order = (np.full(s, -7, np.int32) for s in (e + 1, e + 1, pairs))
+    kernels.group(ptr(ids), pairs, e, chunk, ptr(start), ptr(chunk_start), ptr(order))
+    counts = np.bincount(ids.reshape(-1), minlength=e)
+    assert counts[0] == 0 and counts[3] == n
+    np.testing.assert_array_equal(np.diff(chunk_start), -(-counts // chunk))
+    np.testing.assert_array_equal(order, np.argsort(ids.reshape(-1), kind="stable"))
+    run = getattr(kernels, f"gemm_{quants.LAYOUTS[qtype].struct}")
+    rounded = [w.astype(np.float16).astype(np.float64) for w in (exact, exact_up)]
+    for x_div in (used, 1):  # a token's row for each of its pairs (gate, up), or a row per pair (down)
+        x = f32(rng.standard_normal((pairs // x_div, k)) * rng.uniform(0.01, 10, (pairs // x_div, 1)))
+        xh, xscale = f16_rows(x)
+        xr = np.repeat(xh.view(np.float16).astype(np.float64) * xscale[:, None], x_div, axis=0)
+        for act in (None, 0, 1) if x_div > 1 else (None,):
+            w_up, b_up = (None, None) if act is None else (stored_up, bias_up)
+            got = np.full((pairs, m), np.nan, np.float32)
+            blocks = -(-pairs // chunk) + e
+            args = (ptr(start), ptr(chunk_start), ptr(order), e, ptr(xh), ptr(xscale), x_div, ptr(got), ptr(bias), m, k)
+            run(ptr(stored), ctypes.c_longlong(nb), *args, blocks, ptr(w_up), ptr(b_up), act or 0)
+            want, exactly = ([], [])
+            for weights, b in zip((rounded, (exact, exact_up)), (want, exactly)):
+                xe = xr if weights is rounded else np.repeat(x.astype(np.float64), x_div, axis=0)
+                g = np.einsum("pmk,pk->pm", weights[0][ids.reshape(-1)], xe) + bias[ids.reshape(-1)]
+                if act is not None:
+                    u = np.einsum("pmk,pk->pm", weights[1][ids.reshape(-1)], xe) + bias_up[ids.reshape(-1)]
+                    g = activate(g, u, MoESpec(e, used, activation=("silu", "swiglu_oai")[act]))
+                b.append(g)
+            assert np.isfinite(got).all()
+            np.testing.assert_allclose(got, want[0], rtol=0, atol=2e-4 * np.abs(want[0]).max())
+            if act is None:  # (the gated activations amplify the products' f16 rounding near their clamps)
+                np.testing.assert_allclose(got, exactly[0], rtol=0, atol=2e-3 * np.abs(exactly[0]).max())
+
+
 def test_head_groups(kernels):
     n, heads = 11, 3
     start, chunk_start, order = (np.full(s, -7, np.int32) for s in (heads + 1, heads + 1, n * heads))
@@ -757,60 +811,6 @@ def test_whole_moe_layer(kernels, spec):
     kernels.glu(
         ptr(g),
         ptr(u),
-def f16_rows(x):
-    """x as ops.cu's x_to_f16 makes it: f16 rows scaled by a power of two each (the largest value in [2^14, 2^15)),
-    and the scales that undo it."""
-    exponent = np.frexp(np.abs(x).max(axis=1))[1]
-    scale = np.ldexp(1.0, exponent - 15).astype(np.float32)
-    return np.ascontiguousarray((x / scale[:, None]).astype(np.float16).view(np.uint16)), scale
-
-
-@pytest.mark.parametrize("qtype", moe.TENSOR_TYPES, ids=lambda q: q.name)
-def test_tensor_core_grouped_products(kernels, qtype):
-    """gemm_grouped (mma.sync emulated by tests/host/mma.cuh) against float64 products of the f16 inputs it takes,
-    and the plain products within f16 rounding of the exact ones: uneven loads (expert 0 has no pair, expert 3 every token: two
-    chunks, the second of 6 pairs), 40 rows (not a whole row tile), K past the last whole 256 where blocks allow;
-    x rows shared by the pairs of a token (gate and up: plain, and gated both ways) and one row per pair (down)."""
-    rng = np.random.default_rng(int(qtype))
-    e, m, n, used = 4, 40, 70, 2
-    k = 512 if quants.LAYOUTS[qtype].block == 256 else 320
-    stored, nb, exact = upload(qtype, rng.standard_normal((e, m, k)) / 8, rng)
-    stored_up, _, exact_up = upload(qtype, rng.standard_normal((e, m, k)) / 8, rng)
-    bias, bias_up = f32(rng.standard_normal((e, m))), f32(rng.standard_normal((e, m)))
-    ids = np.stack([np.full(n, 3), rng.choice([1, 2], n)], axis=1).astype(np.int32)
-    pairs = n * used
-    start, chunk_start, order = (np.full(s, -7, np.int32) for s in (e + 1, e + 1, pairs))
-    kernels.group(ptr(ids), pairs, e, moe.GEMM_PAIRS, ptr(start), ptr(chunk_start), ptr(order))
-    counts = np.bincount(ids.reshape(-1), minlength=e)
-    assert counts[0] == 0 and counts[3] == n
-    np.testing.assert_array_equal(np.diff(chunk_start), -(-counts // moe.GEMM_PAIRS))
-    np.testing.assert_array_equal(order, np.argsort(ids.reshape(-1), kind="stable"))
-    run = getattr(kernels, f"gemm_{quants.LAYOUTS[qtype].struct}")
-    rounded = [w.astype(np.float16).astype(np.float64) for w in (exact, exact_up)]
-    for x_div in (used, 1):  # a token's row for each of its pairs (gate, up), or a row per pair (down)
-        x = f32(rng.standard_normal((pairs // x_div, k)) * rng.uniform(0.01, 10, (pairs // x_div, 1)))
-        xh, xscale = f16_rows(x)
-        xr = np.repeat(xh.view(np.float16).astype(np.float64) * xscale[:, None], x_div, axis=0)
-        for act in (None, 0, 1) if x_div > 1 else (None,):
-            w_up, b_up = (None, None) if act is None else (stored_up, bias_up)
-            got = np.full((pairs, m), np.nan, np.float32)
-            blocks = -(-pairs // moe.GEMM_PAIRS) + e
-            args = (ptr(start), ptr(chunk_start), ptr(order), e, ptr(xh), ptr(xscale), x_div, ptr(got), ptr(bias), m, k)
-            run(ptr(stored), ctypes.c_longlong(nb), *args, blocks, ptr(w_up), ptr(b_up), act or 0)
-            want, exactly = ([], [])
-            for weights, b in zip((rounded, (exact, exact_up)), (want, exactly)):
-                xe = xr if weights is rounded else np.repeat(x.astype(np.float64), x_div, axis=0)
-                g = np.einsum("pmk,pk->pm", weights[0][ids.reshape(-1)], xe) + bias[ids.reshape(-1)]
-                if act is not None:
-                    u = np.einsum("pmk,pk->pm", weights[1][ids.reshape(-1)], xe) + bias_up[ids.reshape(-1)]
-                    g = activate(g, u, MoESpec(e, used, activation=("silu", "swiglu_oai")[act]))
-                b.append(g)
-            assert np.isfinite(got).all()
-            np.testing.assert_allclose(got, want[0], rtol=0, atol=2e-4 * np.abs(want[0]).max())
-            if act is None:  # (the gated activations amplify the products' f16 rounding near their clamps)
-                np.testing.assert_allclose(got, exactly[0], rtol=0, atol=2e-3 * np.abs(exactly[0]).max())
-
-
         ptr(h),
         ctypes.c_longlong(g.size),
         int(spec.activation == "swiglu_oai"),

@@ -9,7 +9,7 @@ is read back to the host, so the layer is captured in decode graphs like any oth
 Up to GROUPED_TOKENS tokens, ``gemv_id`` runs one (token, expert) pair per block row, decoding and
 multiplying in float32. More tokens are first grouped by expert on the device (``moe_group``); then, for
 the types in TENSOR_TYPES (those of the MoE bench files' experts and MLA's per-head matrices),
-``gemm_grouped`` multiplies each chunk of GEMM_PAIRS pairs of one expert on tensor cores (f16 products of
+``gemm_grouped`` multiplies each chunk of 8 * gemm_tiles() pairs of one expert on tensor cores (f16 products of
 x_to_f16's rows, float32 sums; each weight decoded once per chunk straight into mma fragments), and for
 the other types (or with LEAT_CUDA_MOE_GEMM=0) ``gemv_grouped`` decodes each weight once per
 GROUPED_PAIRS pairs in float32.
@@ -35,10 +35,10 @@ GROUPED_PAIRS = 8  # pairs per block of gemv_grouped (its NC)
 GROUPED_TOKENS = 8  # more tokens than this: expert products grouped by expert
 #: expert (and per-head) types with gemm_grouped, the tensor-core product of many tokens
 TENSOR_TYPES = (Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0, Q.MXFP4)
-#: gemm_grouped's (NT, RT): chunks of 8 NT pairs, 64 RT rows a block; with the gated activation (gate and up
-#: fragments both held) half the rows
-GEMM_SHAPE, GEMM_GLU_SHAPE = (8, 2), (8, 1)
-GEMM_PAIRS = 8 * GEMM_SHAPE[0]
+#: gemm_grouped's tiles of 8 pairs a chunk (NT) instantiated: the first by default, LEAT_CUDA_MOE_TILES picks another
+GEMM_TILES = (8, 4)
+#: gemm_grouped's 16-row tiles per warp (RT), by whether it applies the gated activation (gate and up both held)
+GEMM_ROW_TILES = {False: 2, True: 1}
 GATING = {"softmax": 0, "softmax_selected": 1, "sigmoid": 2}
 ACTIVATION = {"silu": 0, "swiglu_oai": 1}
 
@@ -49,13 +49,18 @@ def expert_kernels(qtype: Q) -> list[str]:
     names = [f"gemv_id<{struct}, {glu}>" for glu in ("false", "true")]
     names += [f"gemv_grouped<{struct}, {GROUPED_PAIRS}, {glu}>" for glu in ("false", "true")]
     if qtype in TENSOR_TYPES:
-        names += [gemm_grouped_name(qtype, glu) for glu in (False, True)]
+        names += [gemm_grouped_name(qtype, glu, nt) for nt in GEMM_TILES for glu in (False, True)]
     return names
 
 
-def gemm_grouped_name(qtype: Q, glu: bool) -> str:
-    nt, rt = GEMM_GLU_SHAPE if glu else GEMM_SHAPE
-    return f"gemm_grouped<{quants.LAYOUTS[qtype].struct}, {nt}, {rt}, {str(glu).lower()}>"
+def gemm_grouped_name(qtype: Q, glu: bool, tiles: int) -> str:
+    return f"gemm_grouped<{quants.LAYOUTS[qtype].struct}, {tiles}, {GEMM_ROW_TILES[glu]}, {str(glu).lower()}>"
+
+
+def gemm_tiles() -> int:
+    """gemm_grouped's NT (chunks of 8 NT pairs): GEMM_TILES[0], or LEAT_CUDA_MOE_TILES where it names another."""
+    tiles = int(os.environ.get("LEAT_CUDA_MOE_TILES", GEMM_TILES[0]))
+    return tiles if tiles in GEMM_TILES else GEMM_TILES[0]
 
 
 def group_warps(pairs: int, experts: int) -> int:
@@ -96,9 +101,8 @@ class ExpertOps:
     ) -> DeviceArray:
         """y [pairs, M]: pair p times matrix ``ids[p]`` (or ``p % E`` without ids) of the stacked
         ``weight`` [E, M, K] by row ``p // x_div`` of x, plus ``bias[e]`` ([E, M] or [M] when E is 1).
-        ``groups`` (moe_group's start, chunk_start, order of ``ids`` in chunks of GROUPED_PAIRS or
-        GEMM_PAIRS, and that chunk size): each weight decoded once per chunk, by gemv_grouped or (GEMM_PAIRS)
-        gemm_grouped. With ``up`` (of weight's type and shape), ``spec``'s gated activation of
+        ``groups`` (moe_group's start, chunk_start, order of ``ids`` in chunks, and their size): each weight
+        decoded once per chunk, by gemv_grouped (chunks of GROUPED_PAIRS) or gemm_grouped (8 NT pairs). With ``up`` (of weight's type and shape), ``spec``'s gated activation of
         the two products (plus ``up_bias``)."""
         shape = weight.shape
         experts, m, k = (shape[0], shape[1], shape[2]) if len(shape) == 3 else (1, shape[0], shape[1])
@@ -121,11 +125,10 @@ class ExpertOps:
                 module[names[fused]](
                     (pairs, grid_y), 128, weight.ptr, weight.blocks, ids, experts, x, x_div, out, bias, m, k, *glu
                 )
-            elif groups[3] == GEMM_PAIRS:
+            elif groups[3] != GROUPED_PAIRS:
                 xh, xscale = self._f16_rows(x, x.size // k, k)
-                rows = 64 * (GEMM_GLU_SHAPE if fused else GEMM_SHAPE)[1]
-                module[gemm_grouped_name(weight.qtype, bool(fused))](
-                    (-(-pairs // GEMM_PAIRS) + experts, -(-m // rows)),
+                module[gemm_grouped_name(weight.qtype, bool(fused), groups[3] // 8)](
+                    (-(-pairs // groups[3]) + experts, -(-m // (64 * GEMM_ROW_TILES[bool(fused)]))),
                     128,
                     weight.ptr,
                     weight.blocks,
@@ -160,11 +163,11 @@ class ExpertOps:
         return out
 
     def _chunk_pairs(self, *matrices: Any) -> int:
-        """Pairs per chunk of a grouping that ``matrices`` are all multiplied with: GEMM_PAIRS where gemm_grouped
+        """Pairs per chunk of a grouping that ``matrices`` are all multiplied with: 8 * gemm_tiles() where gemm_grouped
         takes every one (tensor cores, a type of TENSOR_TYPES, LEAT_CUDA_MOE_GEMM not 0), else GROUPED_PAIRS."""
         gemm = self.tensor_cores and os.environ.get("LEAT_CUDA_MOE_GEMM", "1") != "0"
         if gemm and all(w.kernels is not None and w.qtype in TENSOR_TYPES for w in matrices):
-            return GEMM_PAIRS
+            return 8 * gemm_tiles()
         return GROUPED_PAIRS
 
     def _dense(self, bias: Any) -> DeviceArray | None:
