@@ -291,6 +291,12 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         # ("rope,combine" by default; "" for neither, one op per kernel as before)
         fusions = os.environ.get("LEAT_CUDA_ATTENTION_FUSION", "rope,combine").split(",")
         self.rope_fusion, self.combine_fusion = "rope" in fusions, "combine" in fusions
+        #: gemv_q: the first loads of a block's rows issued before x is quantized (LEAT_CUDA_GEMV_AHEAD=0: after);
+        #: for one token without the gated unit, an instantiation (rows per warp, units per lane) in place of
+        #: quants.gemv_q_shape's; blocks per multiprocessor (None: as many as fit)
+        self.gemv_ahead = os.environ.get("LEAT_CUDA_GEMV_AHEAD", "1") != "0"
+        self.gemv_shape: tuple[int, int] | None = None
+        self.gemv_blocks: int | None = None
         self._counters = Memory(4 * ATTENTION_COUNTERS)  # zero between launches: each merging block resets its own
         self.device.fill(self._counters.ptr, 0, self._counters.nbytes)
         self._uncapturable: set[tuple] = set()  # graph keys whose capture failed: those shapes run eagerly
@@ -748,10 +754,12 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         first = segments[0][0]
         outs = [out] if out is not None else [self._empty(x.shape[:-1] + (w.rows,)) for w, _ in segments]
         shape = quants.gemv_q_shape(n, mode, sum(w.rows for w, _ in segments), k)
+        if self.gemv_shape and n == 1 and not mode & quants.GEMV_Q_GLU:
+            shape = self.gemv_shape
         kernel = first.kernels[quants.gemv_q_name(first.qtype, n, shape, mode)]
         smem = quants.gemv_q_smem(first.qtype, n, k)
         groups = sum(-(-w.rows // (4 * shape[0])) for w, _ in segments)
-        grid = min(groups, self.device.sm_count * kernel.occupancy(128, smem))
+        grid = min(groups, self.device.sm_count * (self.gemv_blocks or kernel.occupancy(128, smem)))
         padded = list(zip(segments, outs)) + [((None, None), None)] * (3 - len(segments))
         weights = [s[0] for s, _ in padded]
         second = up if up is not None else weights[1]
@@ -770,6 +778,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             float(eps),
             *[w.rows if w else 0 for w in weights],
             k,
+            int(self.gemv_ahead),
             smem=smem,
         )
         return outs
