@@ -212,6 +212,9 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, qtype):
     eager = model.forward(decode, kv)
     backend.to_host(eager)
     steps = [f for f, _, _ in fake.launches if f != "attention_combine"]
+    # RoPE, the KV write and attention of decode rows: one launch a layer
+    attention = [f for f, _, _ in fake.launches if "attention" in f or "kv_write" in f or f == "rope"]
+    assert len(attention) == model.params.layers and all(f.startswith("_Z14rope_attention") for f in attention)
     # quantized weights: norms, residual adds and the gated unit run inside the matrix-vector products
     if qtype != Q.F32:
         assert not {"rms_norm", "add", "silu_mul"} & {f for f, _, _ in fake.launches}
