@@ -935,10 +935,13 @@ def test_rope_magnitude(ops_kernels, neox):
 KV_HOST = {"f32": np.float32, "f16": np.uint16, "q8_0": np.int8}
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize(
-    "heads,kv_heads,dims,neox,window,softcap,with_sinks",
-    [(6, 2, 32, False, 0, 0.0, False), (5, 5, 16, True, 6, 0.0, True), (9, 1, 32, True, 0, 8.0, False)],
+    "kv_dtype,heads,kv_heads,dims,neox,window,softcap,with_sinks",
+    [
+        *[(kv, 6, 2, 32, False, 0, 0.0, False) for kv in ("f32", "f16", "q8_0")],
+        ("q8_0", 5, 5, 16, True, 6, 0.0, True),
+        ("f16", 9, 1, 32, True, 0, 8.0, False),
+    ],
 )
 def test_fused_rope_attention_equals_the_ops_one_by_one(
     ops_kernels, kv_dtype, heads, kv_heads, dims, neox, window, softcap, with_sinks
