@@ -501,8 +501,9 @@ def test_prefill_chunks_of_a_jitted_length_replay_under_tinyjit(tmp_path, monkey
 def test_qwen35_prefill_chunks_jitted_and_padded_continue_the_recurrent_state(tmp_path, monkeypatch):
     """Tiny Qwen3.5's prompt in chunks through run(), in slot 1: a jitted-length chunk captured at position 0 (its
     state from zeros) and replayed at 8 (continuing), then shorter chunks padded to 8 (run, captured, replayed;
-    the padding tokens leave the state and the convolution's inputs as they were). Every position's logits against
-    the CPU float64 oracle; a row that does not continue its slot's state is refused."""
+    the padding tokens leave the state and the convolution's inputs as they were). The full chunks' every logits
+    and the short ones' last against the CPU float64 oracle; a row that does not continue its slot's state is
+    refused."""
     from leat import plugins
     from leat.errors import LeatError
     from leat.testing import write_tiny_gguf
@@ -517,18 +518,50 @@ def test_qwen35_prefill_chunks_jitted_and_padded_continue_the_recurrent_state(tm
     model = leat.load(path, backend="tinygrad")
     backend, forward = model.backend, model.architecture.forward
     kv = backend.allocate_kv(model.architecture.kv_layouts(model.architecture.params), slots=2, context=32, page_size=4)
-    got = []
+    got, positions = [], []
     for start, stop in [(0, 8), (8, 16), (16, 21), (21, 24), (24, 29)]:
-        out = backend.run(forward, Batch([Row(1, start, ids[start:stop], all_logits=True)]), kv)
-        got.append(np.asarray(backend.to_host(out)))
+        every = stop - start == 8  # the padded chunks' last logits (a shorter row wanting all is a draft: eager)
+        out = backend.run(forward, Batch([Row(1, start, ids[start:stop], all_logits=every)]), kv)
+        got.append(np.asarray(backend.to_host(out)).reshape(-1, want.shape[1]))
+        positions += list(range(start, stop)) if every else [stop - 1]
     counts = {key[2]: jit.cnt for key, jit in backend._jits.items()}
     assert counts == {"prefill": 3, "padded": 3}, counts  # each captured once and replayed
-    agreement = compare(want, np.concatenate(got), label="qwen35 jitted and padded chunks vs cpu f64")
+    agreement = compare(want[positions], np.concatenate(got), label="qwen35 jitted and padded chunks vs cpu f64")
     print(agreement)
     assert not agreement.failures(**BARS) and agreement.mean_kl < 1e-9, f"{agreement}"
     assert all(taken[1] == 29 for *_, taken in kv.recurrent.values()) and len(kv.recurrent) == 3
     with pytest.raises(LeatError, match="cannot continue at position 20"):
         backend.run(forward, Batch([Row(1, 20, ids[:3])]), kv)
+
+
+def test_gated_delta_net_rewinds_into_a_verified_draft(backend):
+    """Verified drafts (rows wanting every position's logits) in slot 1, each followed by a row that starts inside
+    it: a jitted decode step (run() rewinds before it) and a padded chunk. The inputs are rows of tables gathered by
+    token id, as embed gathers on the device; every output as leat.deltanet.run gives for the tokens kept."""
+    from leat.deltanet import DeltaNet, run
+
+    rng = np.random.default_rng(5)
+    channels, heads, d = 48, 2, 8
+    net = DeltaNet(
+        2, heads, d, rng.standard_normal((channels, 4)) * 0.5, rng.standard_normal(heads), -np.ones(heads), 1e-6
+    )
+    tables = [rng.standard_normal((15, width)) for width in (channels, heads, heads)]
+    weights = [backend.upload(FileTensor(f"t{i}", Q.F32, t.shape, f32(t))) for i, t in enumerate(tables)]
+
+    def forward(batch, kv):
+        return backend.gated_delta_net(*(backend.embed(w, batch.tokens) for w in weights), net, kv, 0, batch)
+
+    def want(ids):
+        return run(net, *(t[ids] for t in tables), np.zeros((3, channels)), np.zeros((heads, d, d)))
+
+    kv = backend.allocate_kv([KVLayout(1, 8)], slots=2, context=16, page_size=4)
+    steps = [(0, [0, 1, 2, 3, 4], False), (5, [5, 6, 7, 8], True), (7, [9], False), (8, [10, 11, 12], True)]
+    kept = [0, 1, 2, 3, 4, 5, 6, 9, 10, 13, 14]
+    for start, ids, draft in steps + [(9, [13, 14], False)]:
+        out = backend.run(forward, Batch([Row(1, start, np.array(ids), all_logits=draft)]), kv)
+        got = np.asarray(backend.to_host(out))[: len(ids)]  # a padded chunk's step gives its padding rows too
+        np.testing.assert_allclose(got, want(kept[:start] + ids)[start:], rtol=1e-4, atol=1e-5)
+    assert (forward, id(kv), 1) in backend._jits and kv.recurrent[0][2][1] == 11 and not kv.drafts
 
 
 def test_a_decode_step_that_routes_experts_runs_eagerly(backend):

@@ -152,6 +152,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
     name = "tinygrad"
     quant_types = frozenset(DEQUANTIZERS) | {Q.F32, Q.F16} | LOAD_DEQUANTIZED
     recurrent_state = True
+    rewinds_drafts = True
 
     @classmethod
     def probe(cls) -> str | None:
@@ -251,6 +252,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         n = len(batch)
         if not self.jit or forward in self._eager or not isinstance(kv, KVCache):
             return forward(batch, kv)
+        if kv.recurrent and any(self._drafting(row) for row in batch.rows):
+            return forward(batch, kv)  # a verified draft keeps the state before it (deltanet.RecurrentState)
         if n == len(batch.rows) and n <= DECODE_BUCKETS[-1]:
             bucket = next(b for b in DECODE_BUCKETS if b >= n)
             key: tuple = (forward, id(kv), bucket)
@@ -296,7 +299,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             pages.append(self._tensor(np.maximum(rows, 0).astype(np.int32)))
             at.extend(self._at_variable(len(at)).bind(int(a)) for a in page * kv.page_size + starts % kv.page_size)
         slots = [UOp.variable(f"slot_{i}", 0, 1 << 20).bind(row.slot) for i, row in enumerate(padded.rows)]
-        self._check_recurrent(kv, list(kv.recurrent), batch.rows)
+        self._enter(kv, list(kv.recurrent), batch.rows)
         self._step = _Step(forward, kv, padded)
         try:
             tokens = self._tensor(padded.tokens.astype(np.int32))

@@ -113,7 +113,9 @@ class RecurrentState:
     Eagerly, each row reads its slot's state (zeros at position 0) and writes it back once the outputs are realized.
     In a jitted step (:meth:`run`) the slot is a bound Variable and a row at position 0 is told by the step's
     positions; the writes wait for the step's output (``_Step.pending``), and run() checks and advances the
-    positions taken for the whole step."""
+    positions taken for the whole step. A verified draft (a row of several tokens that wants every position's logits)
+    runs eagerly and keeps the state before it and its inputs (``KVCache.drafts``); a later row starting inside it
+    rewinds the slot's state to there first, by running the kept prefix again from the kept state."""
 
     def _net(self, net: DeltaNet) -> tuple[Tensor, Tensor, Tensor]:
         if net not in self._nets:
@@ -122,20 +124,47 @@ class RecurrentState:
             )
         return self._nets[net]
 
-    def _check_recurrent(self, kv: Any, layers: list[int], rows: list[Row]) -> None:
+    def _drafting(self, row: Row) -> bool:
+        """Whether the row may be a verified draft, which a later row may rewind into: several tokens that want every
+        position's logits, other than a jitted prefill chunk's length (a prompt's, as Model.logits asks)."""
+        return row.all_logits and len(row.tokens) > 1 and len(row.tokens) not in self.prefill_lengths
+
+    def _enter(self, kv: Any, layers: list[int], rows: list[Row]) -> None:
+        """Check that each row starts a sequence, continues its slot's state or starts inside its last verified draft
+        (the state then rewound to there)."""
         for layer in layers:
             taken = kv.recurrent[layer][2]
             for row in rows:
-                if row.start not in (0, taken[row.slot]):
+                if row.start in (0, taken[row.slot]):
+                    continue
+                draft = kv.drafts.get((layer, row.slot))
+                if draft is None or not draft[0] < row.start < taken[row.slot]:
                     raise LeatError(
                         f"slot {row.slot} of recurrent layer {layer} holds the state after {taken[row.slot]} "
                         f"positions, and a recurrent state cannot continue at position {row.start}"
                     )
+                self._rewind(kv, layer, row.slot, row.start - draft[0], draft)
+
+    def _rewind(self, kv: Any, layer: int, slot: int, kept: int, draft: tuple) -> None:
+        """The slot's state after the first ``kept`` tokens of its last verified draft."""
+        _, net, tail, state, mixed, alpha, beta = draft
+        conv, dt_bias, a = self._net(net)
+        tails, states, taken = kv.recurrent[layer]
+        padded = tail.cat(mixed[:kept].unsqueeze(0), dim=1)
+        x = conv_silu(padded, conv, kept)
+        _, new = chunk(net, x, alpha[:kept].unsqueeze(0), beta[:kept].unsqueeze(0), dt_bias, a, state)
+        new_tail, new = padded[:, kept : kept + net.kernel - 1].contiguous(), new.contiguous()
+        Tensor.realize(new_tail, new)
+        tails[slot : slot + 1].assign(new_tail).realize()
+        states[slot : slot + 1].assign(new).realize()
+        taken[slot] = draft[0] + kept
 
     def _took(self, kv: Any, layers: list[int], rows: list[Row]) -> None:
         for layer in layers:
             for row in rows:
                 kv.recurrent[layer][2][row.slot] = row.start + len(row.tokens)
+                if not self._drafting(row):
+                    kv.drafts.pop((layer, row.slot), None)
 
     def gated_delta_net(
         self, mixed: Any, alpha: Any, beta: Any, net: DeltaNet, kv: Any, layer: int, batch: Batch
@@ -150,11 +179,11 @@ class RecurrentState:
         tails, states, _ = kv.recurrent[layer]
         step = self._stepping(batch)
         if step is None:
-            self._check_recurrent(kv, [layer], batch.rows)
+            self._enter(kv, [layer], batch.rows)
         # rows of one length go together (a decode step's); others one by one
         same = len({len(row.tokens) for row in batch.rows}) == 1
         groups = [list(range(len(batch.rows)))] if same else [[i] for i in range(len(batch.rows))]
-        outs, writes = [], []
+        outs, writes, drafts = [], [], {}
         for group in groups:
             t, kernel = len(batch.rows[group[0]].tokens), net.kernel
             spans = [slice(int(batch.offsets[i]), int(batch.offsets[i]) + t) for i in group]
@@ -166,6 +195,9 @@ class RecurrentState:
                     tail[n], state[n] = fresh.where(0, tail[n]), fresh.where(0, state[n])
                 elif batch.rows[i].start == 0:
                     tail[n], state[n] = tail[n].zeros_like(), state[n].zeros_like()
+                if step is None and self._drafting(row := batch.rows[i]):  # the state before it, and its inputs
+                    kept = (tail[n], state[n], mixed[spans[n]], alpha[spans[n]], beta[spans[n]])
+                    drafts[row.slot] = (row.start, net, *(x.clone() for x in kept))  # copies, not views
             padded = Tensor.cat(*(p.cat(mixed[s].unsqueeze(0), dim=1) for p, s in zip(tail, spans)))
             x = conv_silu(padded, conv, t)
             alphas, betas = (Tensor.stack(*(y[s] for s in spans)) for y in (alpha, beta))
@@ -179,11 +211,13 @@ class RecurrentState:
                     (states[s : s + 1], new[n : n + 1].contiguous()),
                 ]
         out = (outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:])).contiguous()
-        Tensor.realize(out, *(value for _, value in writes))  # the outputs read the states before they are written
+        kept = [x for draft in drafts.values() for x in draft[2:]]
+        Tensor.realize(out, *(value for _, value in writes), *kept)  # they read the states before they are written
         if step is not None:
             step.pending += writes
             return out
         for target, value in writes:
             target.assign(value).realize()
         self._took(kv, [layer], batch.rows)
+        kv.drafts.update({(layer, slot): draft for slot, draft in drafts.items()})
         return out

@@ -27,6 +27,8 @@ class KVCache(KVPages):
     # per recurrent layer (Backend.gated_delta_net): each slot's convolution inputs [slots, kernel - 1, channels] and
     # delta-net state [slots, v_heads, d, d] on the device, and the positions each slot has taken in (host)
     recurrent: dict[int, tuple[Tensor, Tensor, np.ndarray]] = field(default_factory=dict)
+    # per (recurrent layer, slot): its last verified draft (start, net, state before it, its inputs), to rewind into
+    drafts: dict[tuple[int, int], tuple] = field(default_factory=dict)
 
     def storages(self, group: int | None = None) -> list[Tensor]:
         """Every layer's storage, or only that of ``group``'s layers."""
