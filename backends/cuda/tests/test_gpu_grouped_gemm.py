@@ -46,13 +46,14 @@ def test_moe_uneven_loads(cuda, oracle, qtype, monkeypatch):
     assert (ids == 3).any(axis=1).all() and not (ids == 0).any()
     decided = selection_margin(logits, spec, selection) > 1e-4
     assert decided.sum() >= n - 1
-    # gemm_grouped with each instantiated chunk size, then gemv_grouped in float32
-    for path, tiles, bound in [("1", t, 2e-3) for t in moe.GEMM_TILES] + [("0", 8, 1e-5)]:
+    # gemm_grouped in each instantiation (chunk size, stages of x), then gemv_grouped in float32
+    for path, (tiles, stages), bound in [("1", v, 2e-3) for v in moe.GEMM_VARIANTS] + [("0", (8, 2), 1e-5)]:
         monkeypatch.setenv("LEAT_CUDA_MOE_GEMM", path)
         monkeypatch.setenv("LEAT_CUDA_MOE_TILES", str(tiles))
+        monkeypatch.setenv("LEAT_CUDA_MOE_STAGES", str(stages))
         got = cuda.to_host(cuda.moe(cuda.from_host(x), MoEWeights(**{k: v[0] for k, v in pair.items()}), spec))
         assert np.isfinite(got).all()
-        assert relative_error(got[decided], want[decided]) < bound, (path, tiles)
+        assert relative_error(got[decided], want[decided]) < bound, (path, tiles, stages)
 
 
 @pytest.mark.parametrize("qtype", moe.TENSOR_TYPES, ids=lambda q: q.name)

@@ -211,19 +211,26 @@ PRODUCTS(TMXFP4)
 PRODUCTS(TQ4_K)
 PRODUCTS(TIQ2_XXS)
 #define GEMM(T)                                                                                                  \
-    extern "C" void gemm_##T(const u8* w, i64 nb, const int* start, const int* chunk_start, const int* order, int E, \
-                             const u16* xh, const float* xs, int x_div, float* y, const float* bias, int M, int K,    \
-                             int blocks, const u8* w2, const float* bias2, int act) {                            \
+    template <int S>                                                                                             \
+    void gemm_##T##_stages(const u8* w, i64 nb, const int* start, const int* chunk_start, const int* order, int E, \
+                           const u16* xh, const float* xs, int x_div, float* y, const float* bias, int M, int K,    \
+                           int blocks, const u8* w2, const float* bias2, int act) {                              \
         if (w2)                                                                                                  \
             launch({(unsigned)blocks, (unsigned)((M + 63) / 64), 1}, 128, [=] {                                  \
-                gemm_grouped<T, 8, 1, true>(w, nb, start, chunk_start, order, E, xh, xs, x_div, y, bias, M, K, w2, \
-                                            bias2, act, 1.702f, 7.0f);                                           \
+                gemm_grouped<T, 8, 1, true, S>(w, nb, start, chunk_start, order, E, xh, xs, x_div, y, bias, M, K,  \
+                                               w2, bias2, act, 1.702f, 7.0f);                                    \
             });                                                                                                  \
         else                                                                                                     \
             launch({(unsigned)blocks, (unsigned)((M + 127) / 128), 1}, 128, [=] {                                \
-                gemm_grouped<T, 8, 2, false>(w, nb, start, chunk_start, order, E, xh, xs, x_div, y, bias, M, K, w2, \
-                                             bias2, act, 1.702f, 7.0f);                                          \
+                gemm_grouped<T, 8, 2, false, S>(w, nb, start, chunk_start, order, E, xh, xs, x_div, y, bias, M, K, \
+                                                w2, bias2, act, 1.702f, 7.0f);                                   \
             });                                                                                                  \
+    }                                                                                                            \
+    extern "C" void gemm_##T(const u8* w, i64 nb, const int* start, const int* chunk_start, const int* order, int E, \
+                             const u16* xh, const float* xs, int x_div, float* y, const float* bias, int M, int K,    \
+                             int blocks, const u8* w2, const float* bias2, int act, int stages) {                \
+        (stages == 1 ? gemm_##T##_stages<1> : gemm_##T##_stages<2>)(w, nb, start, chunk_start, order, E, xh, xs,  \
+                                                                    x_div, y, bias, M, K, blocks, w2, bias2, act); \
     }
 GEMM(TQ8_0)
 GEMM(TQ5_0)
@@ -524,6 +531,7 @@ def test_top_k_rows(ops_kernels):
 def kernels(tmp_path_factory):
     moe = _kernel("moe.cu").replace("extern __shared__ float sm[];", "float* sm = host_smem;")
     experts = _kernel("experts.cu").replace('#include "quants.cuh"', "")
+    experts = experts.replace("extern __shared__ uint4 grouped_smem[];", "uint4* grouped_smem = (uint4*)host_smem;")
     harness = "\n".join(['#include "quants.cuh"', moe, experts, _kernel("mla.cu"), EXPORTS])
     headers = {name: _kernel(name) for name in ("quants.cuh", "iq_grids.cuh")}
     headers["mma.cuh"] = (Path(__file__).parent / "host" / "mma.cuh").read_text()  # experts.cu's gemm_grouped
@@ -716,7 +724,8 @@ def test_tensor_core_grouped_products(kernels, qtype):
     """gemm_grouped (mma.sync emulated by tests/host/mma.cuh) against float64 products of the f16 inputs it takes,
     and the plain products within f16 rounding of the exact ones: uneven loads (expert 0 has no pair, expert 3 every token: two
     chunks, the second of 6 pairs), 40 rows (not a whole row tile), K past the last whole 256 where blocks allow;
-    x rows shared by the pairs of a token (gate and up: plain, and gated both ways) and one row per pair (down)."""
+    x rows shared by the pairs of a token (gate and up: plain, and gated both ways; x staged in two buffers) and one
+    row per pair (down; one buffer)."""
     rng = np.random.default_rng(int(qtype))
     e, m, n, used = 4, 40, 70, 2
     k = 512 if quants.LAYOUTS[qtype].block == 256 else 320
@@ -742,7 +751,8 @@ def test_tensor_core_grouped_products(kernels, qtype):
             got = np.full((pairs, m), np.nan, np.float32)
             blocks = -(-pairs // chunk) + e
             args = (ptr(start), ptr(chunk_start), ptr(order), e, ptr(xh), ptr(xscale), x_div, ptr(got), ptr(bias), m, k)
-            run(ptr(stored), ctypes.c_longlong(nb), *args, blocks, ptr(w_up), ptr(b_up), act or 0)
+            stages = 2 if x_div > 1 else 1  # x copied into two buffers in turn, or one
+            run(ptr(stored), ctypes.c_longlong(nb), *args, blocks, ptr(w_up), ptr(b_up), act or 0, stages)
             want, exactly = ([], [])
             for weights, b in zip((rounded, (exact, exact_up)), (want, exactly)):
                 xe = xr if weights is rounded else np.repeat(x.astype(np.float64), x_div, axis=0)

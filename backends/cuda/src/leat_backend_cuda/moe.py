@@ -9,7 +9,7 @@ is read back to the host, so the layer is captured in decode graphs like any oth
 Up to GROUPED_TOKENS tokens, ``gemv_id`` runs one (token, expert) pair per block row, decoding and
 multiplying in float32. More tokens are first grouped by expert on the device (``moe_group``); then, for
 the types in TENSOR_TYPES (those of the MoE bench files' experts and MLA's per-head matrices),
-``gemm_grouped`` multiplies each chunk of 8 * gemm_tiles() pairs of one expert on tensor cores (f16 products of
+``gemm_grouped`` multiplies each chunk of 8 NT pairs of one expert on tensor cores (f16 products of
 x_to_f16's rows, float32 sums; each weight decoded once per chunk straight into mma fragments), and for
 the other types (or with LEAT_CUDA_MOE_GEMM=0) ``gemv_grouped`` decodes each weight once per
 GROUPED_PAIRS pairs in float32.
@@ -35,8 +35,10 @@ GROUPED_PAIRS = 8  # pairs per block of gemv_grouped (its NC)
 GROUPED_TOKENS = 8  # more tokens than this: expert products grouped by expert
 #: expert (and per-head) types with gemm_grouped, the tensor-core product of many tokens
 TENSOR_TYPES = (Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0, Q.MXFP4)
-#: gemm_grouped's tiles of 8 pairs a chunk (NT) instantiated: the first by default, LEAT_CUDA_MOE_TILES picks another
-GEMM_TILES = (8, 4)
+#: gemm_grouped's (tiles of 8 pairs a chunk NT, stages of x in shared memory) instantiated: the first by default;
+#: LEAT_CUDA_MOE_TILES and LEAT_CUDA_MOE_STAGES pick another
+GEMM_VARIANTS = ((8, 2), (8, 1), (4, 2))
+GEMM_TILES = tuple(sorted({nt for nt, _ in GEMM_VARIANTS}, reverse=True))
 #: gemm_grouped's 16-row tiles per warp (RT), by whether it applies the gated activation (gate and up both held)
 GEMM_ROW_TILES = {False: 2, True: 1}
 GATING = {"softmax": 0, "softmax_selected": 1, "sigmoid": 2}
@@ -49,18 +51,28 @@ def expert_kernels(qtype: Q) -> list[str]:
     names = [f"gemv_id<{struct}, {glu}>" for glu in ("false", "true")]
     names += [f"gemv_grouped<{struct}, {GROUPED_PAIRS}, {glu}>" for glu in ("false", "true")]
     if qtype in TENSOR_TYPES:
-        names += [gemm_grouped_name(qtype, glu, nt) for nt in GEMM_TILES for glu in (False, True)]
+        names += [gemm_grouped_name(qtype, glu, v) for v in GEMM_VARIANTS for glu in (False, True)]
     return names
 
 
-def gemm_grouped_name(qtype: Q, glu: bool, tiles: int) -> str:
-    return f"gemm_grouped<{quants.LAYOUTS[qtype].struct}, {tiles}, {GEMM_ROW_TILES[glu]}, {str(glu).lower()}>"
+def gemm_grouped_name(qtype: Q, glu: bool, variant: tuple[int, int]) -> str:
+    tiles, stages = variant
+    return f"gemm_grouped<{quants.LAYOUTS[qtype].struct}, {tiles}, {GEMM_ROW_TILES[glu]}, {str(glu).lower()}, {stages}>"
 
 
-def gemm_tiles() -> int:
-    """gemm_grouped's NT (chunks of 8 NT pairs): GEMM_TILES[0], or LEAT_CUDA_MOE_TILES where it names another."""
-    tiles = int(os.environ.get("LEAT_CUDA_MOE_TILES", GEMM_TILES[0]))
-    return tiles if tiles in GEMM_TILES else GEMM_TILES[0]
+def gemm_smem(variant: tuple[int, int]) -> int:
+    """gemm_grouped's dynamic shared memory: its stages of x, 8 NT rows of GROUPED_KC + 8 f16 values each."""
+    tiles, stages = variant
+    return stages * 8 * tiles * (256 + 8) * 2
+
+
+def gemm_variant(tiles: int | None = None) -> tuple[int, int]:
+    """The gemm_grouped instantiation (NT, stages) to run: GEMM_VARIANTS[0], or the one LEAT_CUDA_MOE_TILES and
+    LEAT_CUDA_MOE_STAGES name (``tiles``: NT already chosen), where it is instantiated."""
+    default = GEMM_VARIANTS[0]
+    tiles = tiles or int(os.environ.get("LEAT_CUDA_MOE_TILES", str(default[0])))
+    wanted = (tiles, int(os.environ.get("LEAT_CUDA_MOE_STAGES", "2")))
+    return wanted if wanted in GEMM_VARIANTS else next((v for v in GEMM_VARIANTS if v[0] == tiles), default)
 
 
 def group_warps(pairs: int, experts: int) -> int:
@@ -116,7 +128,8 @@ class ExpertOps:
             kernel((pairs, grid_y), 128, weight.ptr, ids, experts, x, x_div, out, bias, m, k)
         else:
             names = expert_kernels(weight.qtype)
-            module = self._module(f"experts-{weight.qtype.name}", "experts.cu", names, {})
+            smem = {gemm_grouped_name(weight.qtype, g, v): gemm_smem(v) for v in GEMM_VARIANTS for g in (False, True)}
+            module = self._module(f"experts-{weight.qtype.name}", "experts.cu", names, smem)
             fused = int(up is not None)
             glu = (None, None, 0, 0.0, 0.0)
             if fused:
@@ -127,7 +140,8 @@ class ExpertOps:
                 )
             elif groups[3] != GROUPED_PAIRS:
                 xh, xscale = self._f16_rows(x, x.size // k, k)
-                module[gemm_grouped_name(weight.qtype, bool(fused), groups[3] // 8)](
+                variant = gemm_variant(groups[3] // 8)
+                module[gemm_grouped_name(weight.qtype, bool(fused), variant)](
                     (-(-pairs // groups[3]) + experts, -(-m // (64 * GEMM_ROW_TILES[bool(fused)]))),
                     128,
                     weight.ptr,
@@ -142,6 +156,7 @@ class ExpertOps:
                     m,
                     k,
                     *glu,
+                    smem=gemm_smem(variant),
                 )
             else:
                 blocks = -(-pairs // GROUPED_PAIRS) + experts
@@ -163,11 +178,11 @@ class ExpertOps:
         return out
 
     def _chunk_pairs(self, *matrices: Any) -> int:
-        """Pairs per chunk of a grouping that ``matrices`` are all multiplied with: 8 * gemm_tiles() where gemm_grouped
+        """Pairs per chunk of a grouping that ``matrices`` are all multiplied with: 8 NT where gemm_grouped
         takes every one (tensor cores, a type of TENSOR_TYPES, LEAT_CUDA_MOE_GEMM not 0), else GROUPED_PAIRS."""
         gemm = self.tensor_cores and os.environ.get("LEAT_CUDA_MOE_GEMM", "1") != "0"
         if gemm and all(w.kernels is not None and w.qtype in TENSOR_TYPES for w in matrices):
-            return 8 * gemm_tiles()
+            return 8 * gemm_variant()[0]
         return GROUPED_PAIRS
 
     def _dense(self, bias: Any) -> DeviceArray | None:

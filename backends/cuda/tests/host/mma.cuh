@@ -25,3 +25,11 @@ inline void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     __syncwarp();
     for (int i = 0; i < 4; ++i) c[i] += sums[i];
 }
+
+// cp.async as a plain copy (the host's copies are done when issued; the kernels' barriers still order them)
+inline void cp_async16(void* dst, const void* src, int bytes) {
+    if (bytes) memcpy(dst, src, 16);
+    else memset(dst, 0, 16);
+}
+inline void cp_async_commit() {}
+template <int N> void cp_async_wait() {}

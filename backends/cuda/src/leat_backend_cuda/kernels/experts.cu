@@ -176,9 +176,11 @@ __device__ __forceinline__ void expert_fragments(const typename T::Raw& raw0, co
 // decodes their weights straight into mma.sync A fragments (matmul.cu's gemm_rows, whose weight is one matrix and
 // whose tokens are consecutive): each weight of matrix e is decoded once per 8 * NT of its pairs. f16 products,
 // float32 sums. With GLU, the same rows of w2 (up) too, and the gated activation of the two is written.
+// STAGES 2: x is copied with cp.async into two buffers in turn, the next piece of K while this one is multiplied
+// (STAGES 1: copied, then multiplied). Dynamic shared memory: STAGES * 8 NT * (GROUPED_KC + 8) * 2 bytes.
 // Grid (P / (8 NT) + E, ceil(M / (64 RT))); K a multiple of T::BLOCK and of 8.
 #define GROUPED_KC 256
-template <class T, int NT, int RT, bool GLU>
+template <class T, int NT, int RT, bool GLU, int STAGES>
 __global__ void __launch_bounds__(128) gemm_grouped(
     const u8* __restrict__ w, i64 nb, const int* __restrict__ start, const int* __restrict__ chunk_start,
     const int* __restrict__ order, int E, const u16* __restrict__ xh, const float* __restrict__ xscale, int x_div,
@@ -186,8 +188,8 @@ __global__ void __launch_bounds__(128) gemm_grouped(
     const float* __restrict__ bias2, int act, float alpha, float limit) {
     constexpr int J = T::UV / 4, LD = GROUPED_KC + 8, RS = GLU ? 2 * RT : RT, NC = 8 * NT;
     static_assert(GROUPED_KC % T::BLOCK == 0, "a chunk of K holds whole blocks");
-    __shared__ __align__(16) u16 xs[NC][LD];
-    __shared__ int pairs[NC];  // the chunk's pairs; -1 past its end
+    extern __shared__ uint4 grouped_smem[];  // x: [STAGES][NC][LD] f16
+    __shared__ int pairs[NC];                // the chunk's pairs; -1 past its end
     const int i = blockIdx.x;
     if (i >= chunk_start[E]) return;  // the whole block
     const int e = chunk_matrix(chunk_start, E, i);
@@ -207,42 +209,57 @@ __global__ void __launch_bounds__(128) gemm_grouped(
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[rs][nt][c] = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += GROUPED_KC) {
-        const int kc = min(GROUPED_KC, K - k0);
-        __syncthreads();  // `pairs` written; the last chunk's x read
+    u16* xs = (u16*)grouped_smem;
+    auto stage = [&](int k0, u16* buf) {  // the pairs' x [k0, k0 + GROUPED_KC) into buf, zeros past K and count
         for (int idx = threadIdx.x; idx < NC * (GROUPED_KC / 8); idx += blockDim.x) {
             const int tok = idx / (GROUPED_KC / 8), c = idx % (GROUPED_KC / 8), p = pairs[tok];
-            uint4 val = make_uint4(0, 0, 0, 0);
-            if (p >= 0 && 8 * c < kc) val = __ldg((const uint4*)(xh + (i64)(p / x_div) * K + k0) + c);
-            *(uint4*)&xs[tok][8 * c] = val;
+            const bool real = p >= 0 && k0 + 8 * c < K;
+            cp_async16(buf + tok * LD + 8 * c, real ? xh + (i64)(p / x_div) * K + k0 + 8 * c : xh, real ? 16 : 0);
         }
-        __syncthreads();
-        if (m0 >= M) continue;  // a warp past the matrix's rows still meets the block's barriers
-        const int units = kc / T::BLOCK * T::UNITS;
+        cp_async_commit();
+    };
+    __syncthreads();  // `pairs` written
+    if (STAGES == 2) stage(0, xs);
+    for (int k0 = 0, b = 0; k0 < K; k0 += GROUPED_KC, b = STAGES == 2 ? b ^ 1 : 0) {
+        if (STAGES == 1) {
+            stage(k0, xs);
+            cp_async_wait<0>();
+        } else if (k0 + GROUPED_KC < K) {
+            stage(k0 + GROUPED_KC, xs + (b ^ 1) * NC * LD);  // the buffer the last piece was multiplied from
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();  // this piece of x is in
+        const u16* xb = xs + b * NC * LD;
+        const int units = min(GROUPED_KC, K - k0) / T::BLOCK * T::UNITS;
+        if (m0 < M) {  // a warp past the matrix's rows still meets the block's barriers
 #pragma unroll 2
-        for (int s = 0; 4 * s < units; ++s) {
-            const int u = 4 * s + t, uc = min(u, units - 1);  // a chunk's last step may run past its units
-            const int blk = k0 / T::BLOCK + uc / T::UNITS, unit = uc % T::UNITS;
-            typename T::Raw raw[RS][2];
+            for (int s = 0; 4 * s < units; ++s) {
+                const int u = 4 * s + t, uc = min(u, units - 1);  // a piece's last step may run past its units
+                const int blk = k0 / T::BLOCK + uc / T::UNITS, unit = uc % T::UNITS;
+                typename T::Raw raw[RS][2];
 #pragma unroll
-            for (int rs = 0; rs < RS; ++rs)
+                for (int rs = 0; rs < RS; ++rs)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) raw[rs][h] = T::load(rs < RT ? w : w2, nb, wrow[rs % RT][h] + blk, unit);
-            u32 a[RS][J][4];
+                    for (int h = 0; h < 2; ++h) raw[rs][h] = T::load(rs < RT ? w : w2, nb, wrow[rs % RT][h] + blk, unit);
+                u32 a[RS][J][4];
 #pragma unroll
-            for (int rs = 0; rs < RS; ++rs) expert_fragments<T>(raw[rs][0], raw[rs][1], unit, u < units ? 1.0f : 0.0f, a[rs]);
-            const int base = (uc / T::UNITS) * T::BLOCK;  // the unit's block, from the chunk's start
+                for (int rs = 0; rs < RS; ++rs) expert_fragments<T>(raw[rs][0], raw[rs][1], unit, u < units ? 1.0f : 0.0f, a[rs]);
+                const int base = (uc / T::UNITS) * T::BLOCK;  // the unit's block, from the piece's start
 #pragma unroll
-            for (int j = 0; j < J; ++j) {
-                const int at = base + T::run_offset(unit, 4 * j / T::RL) + (4 * j) % T::RL;
+                for (int j = 0; j < J; ++j) {
+                    const int at = base + T::run_offset(unit, 4 * j / T::RL) + (4 * j) % T::RL;
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const uint2 b = *(const uint2*)&xs[8 * nt + g][at];
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const uint2 bf = *(const uint2*)&xb[(8 * nt + g) * LD + at];
 #pragma unroll
-                    for (int rs = 0; rs < RS; ++rs) mma_f16(acc[rs][nt], a[rs][j], b.x, b.y);
+                        for (int rs = 0; rs < RS; ++rs) mma_f16(acc[rs][nt], a[rs][j], bf.x, bf.y);
+                    }
                 }
             }
         }
+        __syncthreads();  // every warp is done with buffer b before it is filled again
     }
     if (m0 >= M) return;
 #pragma unroll

@@ -24,3 +24,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const u16* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
 }
+
+// 16 bytes from global to shared memory, not through registers (cp.async, sm_80 and later); `bytes` 0 writes 16
+// zeros and reads nothing. cp_async_commit closes the thread's copies issued so far into a group; cp_async_wait<N>
+// waits until at most N of its groups are in flight (a barrier after it shows the copies to the whole block).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    const u32 a = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
