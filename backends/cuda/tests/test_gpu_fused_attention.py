@@ -9,7 +9,7 @@ import pytest
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch, Row
 from leat.modelfile import ModelFile, Tensor
-from leat.testing import relative_error, write_tiny_gguf
+from leat.testing import relative_error
 from leat_arch_llama.llama import Llama
 
 pytestmark = pytest.mark.gpu
@@ -142,14 +142,6 @@ def test_a_rope_read_elsewhere_is_launched(cuda, oracle):
     assert relative_error(cuda.to_host(got), want) < 1e-5
 
 
-@pytest.fixture(scope="module")
-def tiny_hd32(tmp_path_factory):
-    """A tiny Q8_0 llama whose head dimension (32) a q8_0 cache can hold."""
-    path = tmp_path_factory.mktemp("fused") / "hd32.gguf"
-    params = Llama.tiny(head_dim=32, context=512)
-    return write_tiny_gguf(Llama, path, gguf.GGMLQuantizationType.Q8_0, params=params, seed=5)
-
-
 def model_steps(model, kv_dtype):
     """Logits of a 70- and a 9-token prompt in two slots, then decode steps of both rows and of one, replayed as
     graphs (the one-token graph captures rope_attention, the two-token one rope_kv_write and attention)."""
@@ -166,8 +158,8 @@ def model_steps(model, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
-def test_a_model_with_attention_fusion_equals_one_op_per_kernel(cuda, monkeypatch, tiny_hd32, kv_dtype):
-    model = Llama(ModelFile(tiny_hd32), cuda)
+def test_a_model_with_attention_fusion_equals_one_op_per_kernel(cuda, monkeypatch, tiny_q8_0, kv_dtype):
+    model = Llama(ModelFile(tiny_q8_0), cuda)
     logits = []
     for fused in (True, False):
         with monkeypatch.context() as m:

@@ -198,6 +198,13 @@ __device__ __forceinline__ void attend_keys(const float (&qv)[GB][DL], float (&m
     }
 }
 
+// What every attention kernel takes after its queries and its cache (K, V, q8_0's scale planes).
+#define ATTENTION_PARAMS                                                                                          \
+    const int *__restrict__ page_table, const int *__restrict__ tok_slot, const int *__restrict__ tok_pos,       \
+        float *__restrict__ out, float *part_ml, float *part_acc, int *counters, int heads, int kv_heads, int dk, \
+        int dv, int pages_per_slot, int page_size, int window, int split, float scale, float softcap,            \
+        const float *__restrict__ sinks
+
 // What every attention block knows first: its token t, KV head kvh, first query head g0 of the group, split z
 // of nsplit, the token's slot and position, and its positions [begin, end) (empty for a padding token).
 #define ATTENTION_BLOCK                                                                                 \
@@ -228,13 +235,9 @@ __device__ __forceinline__ void attend_keys(const float (&qv)[GB][DL], float (&m
 // is written; with several, (max, sum) and the unnormalized sums go to `part_*`, merged by
 // attention_combine, or in this launch where `counters` is given (attention_finish).
 template <typename KV, int DL, int GB>
-__global__ void __launch_bounds__(128) attention(
-    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const u16* __restrict__ ks,
-    const u16* __restrict__ vs, const int* __restrict__ page_table,
-    const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
-    float* part_ml, float* part_acc, int* counters, int heads, int kv_heads, int dk, int dv,
-    int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
-    const float* __restrict__ sinks) {
+__global__ void __launch_bounds__(128) attention(const float* __restrict__ q, const KV* __restrict__ kc,
+                                                 const KV* __restrict__ vc, const u16* __restrict__ ks,
+                                                 const u16* __restrict__ vs, ATTENTION_PARAMS) {
     ATTENTION_BLOCK;
     ATTENTION_STATES;
     float qv[GB][DL];
@@ -260,13 +263,10 @@ __global__ void __launch_bounds__(128) attention(
 // from shared memory, as the cache reads it back (kv_stored), so no block waits for another's store. Otherwise
 // as attention (the same key loop, so the same results as rope, kv_write and attention launched one by one).
 template <typename KV, int DL, int GB>
-__global__ void __launch_bounds__(128) rope_attention(
-    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-    const double* __restrict__ inv_freq, int dims, int neox, float magnitude, KV* kc, KV* vc, u16* ks, u16* vs,
-    const int* __restrict__ page_table, const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
-    float* __restrict__ out, float* part_ml, float* part_acc, int* counters, int heads, int kv_heads, int dk, int dv,
-    int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
-    const float* __restrict__ sinks) {
+__global__ void __launch_bounds__(128) rope_attention(const float* __restrict__ q, const float* __restrict__ k,
+                                                      const float* __restrict__ v, const double* __restrict__ inv_freq,
+                                                      int dims, int neox, float magnitude, KV* kc, KV* vc, u16* ks,
+                                                      u16* vs, ATTENTION_PARAMS) {
     __shared__ __align__(16) float sq[GB][DL * 32], sk[DL * 32], sv[DL * 32], cs[DL * 16], sn[DL * 16];
     ATTENTION_BLOCK;
     ATTENTION_STATES;
@@ -318,13 +318,9 @@ __global__ void __launch_bounds__(128) rope_attention(
 // FMAs in flight (the per-key warp reductions of `attention` leave it waiting on latency when the
 // keys are many, as in a prefill).
 template <typename KV, int DL, int GB>
-__global__ void __launch_bounds__(128) attention_wide(
-    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const u16* __restrict__ ks,
-    const u16* __restrict__ vs, const int* __restrict__ page_table,
-    const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
-    float* part_ml, float* part_acc, int* counters, int heads, int kv_heads, int dk, int dv,
-    int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
-    const float* __restrict__ sinks) {
+__global__ void __launch_bounds__(128) attention_wide(const float* __restrict__ q, const KV* __restrict__ kc,
+                                                      const KV* __restrict__ vc, const u16* __restrict__ ks,
+                                                      const u16* __restrict__ vs, ATTENTION_PARAMS) {
     __shared__ __align__(16) float sq[GB][DL * 32];
     ATTENTION_BLOCK;
     for (int idx = threadIdx.x; idx < GB * DL * 32; idx += blockDim.x) {
