@@ -9,7 +9,7 @@ import pytest
 from leat.backend import KVLayout, RopeSpec
 from leat.batch import Batch, Row
 from leat.modelfile import ModelFile, Tensor
-from leat.testing import relative_error
+from leat.testing import relative_error, write_tiny_gguf
 from leat_arch_llama.llama import Llama
 
 pytestmark = pytest.mark.gpu
@@ -146,7 +146,7 @@ def model_steps(model, kv_dtype):
     """Logits of a 70- and a 9-token prompt in two slots, then decode steps of both rows and of one, replayed as
     graphs (the one-token graph captures rope_attention, the two-token one rope_kv_write and attention)."""
     backend = model.backend
-    kv = backend.allocate_kv(Llama.kv_layouts(model.params), 2, 128, dtype=kv_dtype)
+    kv = backend.allocate_kv(type(model).kv_layouts(model.params), 2, 128, dtype=kv_dtype)
     tokens = np.random.default_rng(6).integers(0, model.params.vocab, 100)
     out = [backend.to_host(model.forward(Batch([Row(0, 0, tokens[:70]), Row(1, 0, tokens[70:79])]), kv))]
     for step in range(6):
@@ -157,9 +157,24 @@ def model_steps(model, kv_dtype):
     return np.concatenate(out)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    """A tiny Qwen3 (each head's q and k RMS-normed before RoPE), head dimension 32."""
+    from leat_arch_qwen3.qwen import Qwen3
+
+    path = tmp_path_factory.mktemp("fused-qwen3") / "qwen3.gguf"
+    return write_tiny_gguf(Qwen3, path, gguf.GGMLQuantizationType.Q8_0, params=Qwen3.tiny(head_dim=32), seed=7)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
-def test_a_model_with_attention_fusion_equals_one_op_per_kernel(cuda, monkeypatch, tiny_q8_0, kv_dtype):
-    model = Llama(ModelFile(tiny_q8_0), cuda)
+def test_a_model_with_attention_fusion_equals_one_op_per_kernel(
+    cuda, monkeypatch, tiny_q8_0, tiny_qwen3, family, kv_dtype
+):
+    """Llama, and Qwen3 whose q and k norms rope_attention takes in as well."""
+    from leat_arch_qwen3.qwen import Qwen3
+
+    model = Llama(ModelFile(tiny_q8_0), cuda) if family == "llama" else Qwen3(ModelFile(tiny_qwen3), cuda)
     logits = []
     for fused in (True, False):
         with monkeypatch.context() as m:

@@ -922,10 +922,15 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         return table
 
     def rope(self, x: DeviceArray, positions: np.ndarray, spec: RopeSpec) -> DeviceArray:
-        x = _ready(x)
-        if self.fuse and self.rope_fusion:  # attention may take it in (rope_attention, rope_kv_write)
-            return Pending(x.shape, lambda: self._rope_launch(x, positions, spec), ("rope", x, positions, spec))
-        return self._rope_launch(x, positions, spec)
+        if not (self.fuse and self.rope_fusion):
+            return self._rope_launch(_ready(x), positions, spec)
+        # attention may take it in (rope_attention, rope_kv_write), rope_attention with a pending per-head norm of x
+        # before it (Qwen3's q and k norms): the fusion holds x as the projection left it and the norm's (weight, eps)
+        norm = x.fusion[2:] if isinstance(x, Pending) and x.waiting("norm") and x.fusion[1].shape == x.shape else None
+        source = x.fusion[1] if norm else _ready(x)
+        return Pending(
+            x.shape, lambda: self._rope_launch(_ready(x), positions, spec), ("rope", source, positions, spec, norm)
+        )
 
     def _rope_launch(self, x: DeviceArray, positions: np.ndarray, spec: RopeSpec) -> DeviceArray:
         n, heads, head_dim = x.shape
@@ -945,20 +950,23 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         )
         return out
 
-    def _rope_taken(self, q: Any, k: Any, batch: Batch) -> tuple | None:
-        """The RoPE attention applies itself, as (inv_freq table, dims, neox, magnitude): where q and k are both
-        pending ropes of the batch's positions by one spec (heads of up to 256 dimensions, a step's keys of up
-        to 32 KiB); else None."""
+    def _rope_taken(self, q: Any, k: Any, batch: Batch) -> tuple[tuple, tuple] | None:
+        """The RoPE attention applies itself, as (inv_freq table, dims, neox, magnitude), and the per-head norms
+        before it, as (normed, q's weight, k's weight, eps): where q and k are both pending ropes of the batch's
+        positions by one spec (heads of up to 256 dimensions, a step's keys of up to 32 KiB), both with a norm of
+        one eps or neither; else None."""
         if not (isinstance(q, Pending) and isinstance(k, Pending) and q.waiting("rope") and k.waiting("rope")):
             return None
-        (_, xq, at, spec), (_, xk, at_k, spec_k) = q.fusion, k.fusion
+        (_, xq, at, spec, q_norm), (_, xk, at_k, spec_k, k_norm) = q.fusion, k.fusion
         dk = xq.shape[-1]
         if at is not batch.positions or at_k is not at or spec_k is not spec or xk.shape[-1] != dk:
             return None
         if spec.dims > dk or dk > 256 or xk.shape[1] * dk > ROPE_KV_WRITE_KEYS:
             return None
-        q.fused = k.fused = True
-        return self._rope_table(spec), spec.dims, int(spec.neox), float(spec.attn_factor)
+        if (q_norm is None) != (k_norm is None) or (q_norm and q_norm[1] != k_norm[1]):
+            return None
+        norms = (1, q_norm[0], k_norm[0], float(q_norm[1])) if q_norm else (0, None, None, 0.0)
+        return (self._rope_table(spec), spec.dims, int(spec.neox), float(spec.attn_factor)), norms
 
     def attention(
         self,
@@ -979,19 +987,23 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
     def _attend(
         self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float, sinks=None
     ) -> DeviceArray:
-        rope = self._rope_taken(q, k, batch)
-        q, k, v = (q.fusion[1], k.fusion[1], _ready(v)) if rope else (_ready(q), _ready(k), _ready(v))
         n, _, dk = q.shape
         dv = v.shape[2]
-        rows = self._token_rows(batch)
-        slots, positions, _ = rows
         # a prefill (some row has several tokens; never a captured decode step): tensor cores over an f16
         # cache; a q8_0 cache's prefill takes attention_wide below (flash.cu reads f16 tiles only)
         flash = n > quants.GEMV_MAX_TOKENS and n > len(batch.rows) and kv.dtype == "f16" and dk == dv
-        if rope and not flash and _one_token_per_slot(batch):  # RoPE, KV write and attention: one launch
+        single = not flash and _one_token_per_slot(batch)  # RoPE, KV write and attention may be one launch
+        taken = self._rope_taken(q, k, batch)
+        if taken and taken[1][0] and not single:  # rope_kv_write takes no norms: norms and ropes launched as they are
+            taken = None
+        rope, norms = taken or (None, None)
+        q, k, v = (q.fusion[1], k.fusion[1], _ready(v)) if rope else (_ready(q), _ready(k), _ready(v))
+        rows = self._token_rows(batch)
+        slots, positions, _ = rows
+        if rope and single:
             store = self._kv_cache(kv, layer)
             return self._attention_launch(
-                "rope_attention", (q, k, v, *rope), store, kv, layer, dv, rows, scale, softcap, sinks
+                "rope_attention", (q, k, v, *rope, *norms), store, kv, layer, dv, rows, scale, softcap, sinks
             )
         if rope:
             q, store = self._rope_write_kv(q, k, v, rope, kv, layer, slots, positions)

@@ -257,7 +257,8 @@ __global__ void __launch_bounds__(128) attention(const float* __restrict__ q, co
 }
 
 // attention for a step whose tokens are each their slot's only token (decode rows), with RoPE and the KV write
-// in the same launch: q and k come as the projections left them (one rope spec, dims <= dk). Each block ropes
+// in the same launch: q and k come as the projections left them (one rope spec, dims <= dk), or with `normed`
+// before their per-head RMS norms (weights q_norm and k_norm or null, one eps). Each block ropes
 // its query heads and its KV head's key in shared memory (the token's cos and sin computed once); the block of
 // head chunk 0 and split 0 stores the key and value (kv_put); every block attends to the token's own position
 // from shared memory, as the cache reads it back (kv_stored), so no block waits for another's store. Otherwise
@@ -265,8 +266,10 @@ __global__ void __launch_bounds__(128) attention(const float* __restrict__ q, co
 template <typename KV, int DL, int GB>
 __global__ void __launch_bounds__(128) rope_attention(const float* __restrict__ q, const float* __restrict__ k,
                                                       const float* __restrict__ v, const double* __restrict__ inv_freq,
-                                                      int dims, int neox, float magnitude, KV* kc, KV* vc, u16* ks,
-                                                      u16* vs, ATTENTION_PARAMS) {
+                                                      int dims, int neox, float magnitude, int normed,
+                                                      const float* __restrict__ q_norm,
+                                                      const float* __restrict__ k_norm, float eps, KV* kc, KV* vc,
+                                                      u16* ks, u16* vs, ATTENTION_PARAMS) {
     __shared__ __align__(16) float sq[GB][DL * 32], sk[DL * 32], sv[DL * 32], cs[DL * 16], sn[DL * 16];
     ATTENTION_BLOCK;
     ATTENTION_STATES;
@@ -281,6 +284,15 @@ __global__ void __launch_bounds__(128) rope_attention(const float* __restrict__ 
             sv[d] = d < dv ? v[((i64)t * kv_heads + kvh) * dv + d] : 0.0f;
     }
     __syncthreads();
+    if (normed) {  // each head's RMS norm first (Qwen3's q and k norms), as rms_norm with the block's 128 threads
+        for (int r = 0; r <= GB; ++r) {
+            float* x = r < GB ? sq[r] : sk;
+            const float* w = r < GB ? q_norm : k_norm;
+            const float f = rms_factor(x, dk, eps);
+            for (int d = threadIdx.x; d < dk; d += blockDim.x) x[d] = w ? x[d] * f * w[d] : x[d] * f;
+            __syncthreads();
+        }
+    }
     for (int idx = threadIdx.x; idx < (GB + 1) * (dk / 2); idx += blockDim.x) {
         const int r = idx / (dk / 2), i = idx % (dk / 2);
         float* x = r < GB ? sq[r] : sk;
