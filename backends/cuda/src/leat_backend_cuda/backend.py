@@ -291,6 +291,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         # ("rope,combine" by default; "" for neither, one op per kernel as before)
         fusions = os.environ.get("LEAT_CUDA_ATTENTION_FUSION", "rope,combine").split(",")
         self.rope_fusion, self.combine_fusion = "rope" in fusions, "combine" in fusions
+        self.attention_blocks = 2  # blocks per multiprocessor a step's attention is split over the sequence for
         #: gemv_q: the first loads of a block's rows issued before x is quantized (LEAT_CUDA_GEMV_AHEAD=0: after);
         #: for one token without the gated unit, an instantiation (rows per warp, units per lane) in place of
         #: quants.gemv_q_shape's; blocks per multiprocessor (None: as many as fit)
@@ -1032,9 +1033,9 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             raise LeatError(f"attention heads of {max(dk, dv)} dimensions exceed the kernel's 256")
         chunks = -(-(heads // kv_heads) // GROUP_HEADS)
         base = n * kv_heads * chunks
-        # about two blocks per multiprocessor (measured: more splits cost more in the combine than they
-        # gain at depth 4096)
-        splits = max(1, min(-(-2 * self.device.sm_count // base), -(-span // 64)))
+        # about attention_blocks blocks per multiprocessor (two: measured with attention_combine, more splits cost
+        # more in the combine than they gained at depth 4096)
+        splits = max(1, min(-(-self.attention_blocks * self.device.sm_count // base), -(-span // 64)))
         split = -(-span // splits)
         split = -(-split // 64) * 64
         splits = -(-span // split)
