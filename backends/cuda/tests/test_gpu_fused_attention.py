@@ -13,7 +13,8 @@ from leat.testing import relative_error, write_tiny_gguf
 from leat_arch_llama.llama import Llama
 
 pytestmark = pytest.mark.gpu
-TOLERANCE = {"f32": 1e-5, "f16": 2e-3, "q8_0": 2e-3}  # against the oracle, as test_gpu_ops.py's attention tests
+# against the oracle, as test_gpu_ops.py's attention tests (f16: its flash test's, the prefills' kernel here)
+TOLERANCE = {"f32": 1e-5, "f16": 3e-3, "q8_0": 2e-3}
 
 
 class Launches:
@@ -29,8 +30,9 @@ class Launches:
 
 def attend(backend, q, k, v, kv, batch, spec, softcap=None, sinks=None):
     positions = batch.positions
+    scale = q.shape[-1] ** -0.5
     out = backend.attention(
-        backend.rope(q, positions, spec), backend.rope(k, positions, spec), v, kv, 0, batch, 0.3, softcap, sinks
+        backend.rope(q, positions, spec), backend.rope(k, positions, spec), v, kv, 0, batch, scale, softcap, sinks
     )
     return backend.to_host(out)
 
