@@ -210,6 +210,18 @@ PRODUCTS(TQ8_0)
 PRODUCTS(TMXFP4)
 PRODUCTS(TQ4_K)
 PRODUCTS(TIQ2_XXS)
+extern "C" void mla_pieces(const float* ql, const float* qr, u16* qh, float* qs, int rows, int rank, int rope,
+                           const float* kc, const int* table, int slot, int span, int per_slot, int page_size,
+                           u16* keys) {
+    launch({(unsigned)rows, 1, 1}, 128, [=] { mla_q_f16(ql, qr, qh, qs, rank, rope); });
+    launch({(unsigned)span, 1, 1}, 128, [=] {
+        mla_keys_f16<float>(kc, nullptr, table, slot, rank + rope, per_slot, page_size, keys);
+    });
+}
+extern "C" void mla_probs(const float* s, u16* p, const float* qs, const int* pos, int rows, int heads, int span,
+                          int window, float scale) {
+    launch({(unsigned)rows, 1, 1}, 256, [=] { mla_softmax_f16(s, p, qs, pos, heads, span, window, scale); });
+}
 #define GEMM(T)                                                                                                  \
     template <int S>                                                                                             \
     void gemm_##T##_stages(const u8* w, i64 nb, const int* start, const int* chunk_start, const int* order, int E, \
@@ -775,6 +787,40 @@ def test_tensor_core_grouped_products(kernels, qtype):
             np.testing.assert_allclose(got, want[0], rtol=0, atol=2e-4 * np.abs(want[0]).max())
             if act is None:  # (the gated activations amplify the products' f16 rounding near their clamps)
                 np.testing.assert_allclose(got, exactly[0], rtol=0, atol=2e-3 * np.abs(exactly[0]).max())
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_mla_gemm_prefill_pieces(kernels, window):
+    """mla.py's cuBLAS prefill with the two products done here in float64 on the kernels' f16 operands: the query
+    rows (mla_q_f16: f16 rows scaled by powers of two), the keys gathered from a paged cache (mla_keys_f16), the
+    causal, windowed softmax (mla_softmax_f16); the output within f16 rounding of float64 attention."""
+    rng = np.random.default_rng(5 + window)
+    heads, rank, rope, start, n, page = 3, 32, 8, 5, 20, 16
+    span, dk, rows = start + n, rank + rope, n * heads
+    ql, qr = f32(rng.standard_normal((rows, rank)) * 4), f32(rng.standard_normal((rows, rope)))
+    table = np.array([[2, 0]], np.int32)  # positions 0-15 on page 2, 16-24 on page 0
+    kc = f32(rng.standard_normal((3 * page, dk)))
+    qh, qs, keys = np.zeros((rows, dk), np.uint16), np.zeros(rows, np.float32), np.zeros((span, dk), np.uint16)
+    kernels.mla_pieces(
+        ptr(ql), ptr(qr), ptr(qh), ptr(qs), rows, rank, rope, ptr(kc), ptr(table), 0, span, 2, page, ptr(keys)
+    )
+    cached = kc[table[0, np.arange(span) // page] * page + np.arange(span) % page]
+    np.testing.assert_array_equal(keys.view(np.float16), cached.astype(np.float16))
+    q = np.concatenate([ql, qr], axis=1)
+    np.testing.assert_array_equal(qh.view(np.float16), (q / qs[:, None]).astype(np.float16))
+    assert (np.abs(qh.view(np.float16)).max(axis=1) >= 2**14).all()
+    k16 = keys.view(np.float16).astype(np.float64)
+    scores = f32(qh.view(np.float16).astype(np.float64) @ k16.T)
+    pos = np.arange(start, start + n, dtype=np.int32)
+    probs = np.full((rows, span), 0xFFFF, np.uint16)
+    kernels.mla_probs(ptr(scores), ptr(probs), ptr(qs), ptr(pos), rows, heads, span, window, ctypes.c_float(0.3))
+    got = probs.view(np.float16).astype(np.float64) @ k16[:, :rank]
+    s = q.astype(np.float64) @ cached.astype(np.float64).T * 0.3
+    at, c = pos[np.arange(rows) // heads][:, None], np.arange(span)[None]
+    s = np.where((c <= at) & ((window == 0) | (c > at - window)), s, -np.inf)
+    w = np.exp(s - s.max(axis=1, keepdims=True))
+    want = (w / w.sum(axis=1, keepdims=True)) @ cached[:, :rank].astype(np.float64)
+    assert np.abs(got - want).max() < 3e-3 * np.abs(want).max()
 
 
 def test_head_groups(kernels):

@@ -7,20 +7,31 @@ entries, split over the sequence and merged by ops.cu's ``attention_combine`` li
 
 from __future__ import annotations
 
+import ctypes
+import os
 from typing import Any
 
+import numpy as np
 from leat.batch import Batch
 from leat.errors import LeatError
 
+from leat_backend_cuda import cublas
 from leat_backend_cuda.driver import DeviceArray, Module
 from leat_backend_cuda.moe import _ready
 
 MLA_HEADS = 4  # query heads per block (the GB template argument)
 MLA_LANES = (1, 2, 4, 8, 12, 18)  # dims per lane instantiated (DL): up to 576 = DeepSeek's 512 + 64
 KV_TYPES = {"f32": "float", "f16": "u16", "q8_0": "i8"}  # q8_0: quants and scale planes as backend.KV_DTYPES
-MLA_KERNELS = [f"mla_kv_write<{kv}>" for kv in KV_TYPES.values()] + [
-    f"mla_attention<{kv}, {dl}, {MLA_HEADS}>" for kv in KV_TYPES.values() for dl in MLA_LANES
-]
+MLA_KERNELS = (
+    [f"mla_kv_write<{kv}>" for kv in KV_TYPES.values()]
+    + [f"mla_attention<{kv}, {dl}, {MLA_HEADS}>" for kv in KV_TYPES.values() for dl in MLA_LANES]
+    + [f"mla_keys_f16<{kv}>" for kv in KV_TYPES.values()]
+    + ["mla_q_f16", "mla_softmax_f16"]
+)
+#: rows of at least this many tokens take the cuBLAS prefill (with LEAT_CUDA_MLA_GEMM=1)
+MLA_GEMM_MIN_TOKENS = 16
+#: scores (query rows x keys) one cuBLAS product of the prefill writes at most: more queries go in pieces
+MLA_GEMM_SCORES = 1 << 25
 
 
 def programs() -> list[tuple[str, list[str]]]:
@@ -62,6 +73,9 @@ class LatentAttentionOps:
         ops[f"mla_kv_write<{kind}>"](
             (n,), 128, latent, k_rope, kv.k[layer], scales, table, slots, positions, rank, rope, per_slot, kv.page_size
         )
+        gemm = os.environ.get("LEAT_CUDA_MLA_GEMM", "0") == "1" and self.cublas is not None
+        if gemm and all(len(r.tokens) >= MLA_GEMM_MIN_TOKENS and not r.bidirectional for r in batch.rows):
+            return self._mla_gemm(q_latent, q_rope, kv, layer, batch, scale, kind, scales, positions)
         chunks = -(-heads // MLA_HEADS)
         # about two blocks per multiprocessor, splits of at least 64 positions (as the GQA kernels)
         splits = max(1, min(-(-2 * self.device.sm_count // (n * chunks)), -(-span // 64)))
@@ -99,3 +113,57 @@ class LatentAttentionOps:
             threads = max(32, min(256, -(-rank // 32) * 32))
             self.ops["attention_combine"]((n * heads,), threads, *parts, out, splits, rank, None, heads)
         return out
+
+    def _mla_gemm(
+        self,
+        q_latent: Any,
+        q_rope: Any,
+        kv: Any,
+        layer: int,
+        batch: Batch,
+        scale: float,
+        kind: str,
+        scales: Any,
+        pos: Any,
+    ) -> DeviceArray:
+        """Latent attention of prefill rows on tensor cores through cuBLAS: per row (sequence), its keys (the cache's
+        positions up to its last token) as f16 rows, scores = queries x keys (f16, float32 sums), their causal
+        (windowed) softmax in f16, out = probabilities x values (the keys' first ``rank`` entries). The queries
+        are f16 rows scaled per row (mla_q_f16); a row's queries go in pieces of at most MLA_GEMM_SCORES scores."""
+        n, heads, rank = q_latent.shape
+        dk = rank + q_rope.shape[-1]
+        ops = self._mla_module()
+        table, per_slot = layer_table(kv, layer)
+        window = kv.layouts[layer].window or 0
+        qh, qscale = self._empty((n * heads, dk), np.dtype(np.uint16)), self._empty((n * heads,))
+        ops["mla_q_f16"]((n * heads,), 128, q_latent, q_rope, qh, qscale, rank, q_rope.shape[-1])
+        out = self._empty((n, heads, rank))
+        first = 0
+        for row in batch.rows:
+            count, span = len(row.tokens), row.start + len(row.tokens)
+            keys = self._empty((span, dk), np.dtype(np.uint16))
+            ops[f"mla_keys_f16<{kind}>"](
+                (span,), 128, kv.k[layer], scales, table, row.slot, dk, per_slot, kv.page_size, keys
+            )
+            step = max(1, min(count, MLA_GEMM_SCORES // (heads * span)))
+            for a in range(first, first + count, step):
+                rows = min(step, first + count - a) * heads
+                scores, probs = self._empty((rows, span)), self._empty((rows, span), np.dtype(np.uint16))
+                self.cublas.gemm_f16(keys.ptr, qh.ptr + 2 * a * heads * dk, scores.ptr, span, rows, dk, span)
+                part = (qscale.view((rows,), a * heads), pos.view((rows // heads,), a))
+                ops["mla_softmax_f16"]((rows,), 256, scores, probs, *part, heads, span, window, float(scale))
+                self._gemm_f16_nn(keys.ptr, dk, probs.ptr, span, out.ptr + 4 * a * heads * rank, rank, rows, span)
+            first += count
+        return out
+
+    def _gemm_f16_nn(self, a: int, lda: int, b: int, ldb: int, c: int, m: int, n: int, k: int) -> None:
+        """``c[j, i] = sum_l a[l, i] * b[j, l]`` for i < m, j < n: ``a`` f16 rows ``lda`` apart ([k, >= m]), ``b``
+        f16 rows ``ldb`` apart ([n, k]), ``c`` float32 rows m long: cuBLAS's column-major ``c = a b`` of both
+        untransposed (the probabilities times the values)."""
+        cb = self.cublas
+        one, zero = ctypes.byref(cb._one), ctypes.byref(cb._zero)
+        status = cb.lib.cublasGemmEx(
+            cb.handle, cublas._OP_N, cublas._OP_N, m, n, k, one, a, cublas._R_16F, lda, b, cublas._R_16F, ldb,
+            zero, c, cublas._R_32F, m, cublas._COMPUTE_32F, cublas._GEMM_DEFAULT,
+        )  # fmt: skip
+        cublas._check(status, "cublasGemmEx")

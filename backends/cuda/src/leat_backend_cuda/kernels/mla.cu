@@ -87,3 +87,54 @@ __global__ void __launch_bounds__(128) mla_attention(
     attention_store<GB, DL>(m, l, acc, min(GB, heads - h0), (i64)t * heads + h0, heads, rank, z, nsplit, nullptr, out,
                             part_ml, part_acc);
 }
+
+// Prefill through cuBLAS (mla.py, LEAT_CUDA_MLA_GEMM=1): a sequence's queries times its keys in one f16 GEMM, the
+// causal softmax of the scores (mla_softmax_f16), the probabilities times the values in another. The pieces:
+
+// Query rows [q_latent, q_rope] (rows = tokens x heads) as f16, each scaled by a power of two (its largest value in
+// [2^14, 2^15), as ops.cu's x_to_f16), and the scales that undo it. One block per row.
+extern "C" __global__ void mla_q_f16(const float* __restrict__ q_latent, const float* __restrict__ q_rope,
+                                     u16* __restrict__ qh, float* __restrict__ qscale, int rank, int rope) {
+    const i64 r = blockIdx.x;
+    const int dk = rank + rope;
+    const float *ql = q_latent + r * rank, *qr = q_rope + r * rope - rank;
+    float mx = 0.0f;
+    for (int d = threadIdx.x; d < dk; d += blockDim.x) mx = fmaxf(mx, fabsf(d < rank ? ql[d] : qr[d]));
+    mx = block_max(mx);
+    int e = 0;
+    if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);
+    const float f = ldexpf(1.0f, 15 - e);
+    for (int d = threadIdx.x; d < dk; d += blockDim.x) qh[r * dk + d] = f32_to_f16((d < rank ? ql[d] : qr[d]) * f);
+    if (threadIdx.x == 0) qscale[r] = ldexpf(1.0f, e - 15);
+}
+
+// The cached keys of positions [0, gridDim.x) of `slot` as f16 rows [positions, dk] (their first `rank` entries
+// are the values). One block per position.
+template <typename KV>
+__global__ void mla_keys_f16(const KV* __restrict__ kc, const u16* __restrict__ ks, const int* __restrict__ page_table,
+                             int slot, int dk, int pages_per_slot, int page_size, u16* __restrict__ keys) {
+    const int p = blockIdx.x;
+    const i64 row = (i64)page_table[(i64)slot * pages_per_slot + p / page_size] * page_size + p % page_size;
+    for (int d = threadIdx.x; d < dk; d += blockDim.x) keys[(i64)p * dk + d] = f32_to_f16(kv_load(kc, ks, row, dk, d));
+}
+
+// Row r of the scores s [rows, span] (query row r: token r / heads, at position pos[r / heads]; column c: the key
+// at position c) as softmax probabilities in f16 (p): over the keys in [lo, pos] (lo = pos - window + 1 with a
+// window, else 0), of the scores times `scale` and the query row's f16 scale; 0 for every other key. One block per
+// row.
+extern "C" __global__ void mla_softmax_f16(const float* __restrict__ s, u16* __restrict__ p,
+                                           const float* __restrict__ qscale, const int* __restrict__ pos, int heads,
+                                           int span, int window, float scale) {
+    const i64 r = blockIdx.x;
+    const int at = pos[r / heads], lo = window > 0 ? max(0, at - window + 1) : 0, hi = min(at, span - 1);
+    const float f = scale * qscale[r];
+    const float* sr = s + r * span;
+    float mx = NEG_INF;
+    for (int c = lo + threadIdx.x; c <= hi; c += blockDim.x) mx = fmaxf(mx, sr[c] * f);
+    mx = block_max(mx);
+    float sum = 0.0f;
+    for (int c = lo + threadIdx.x; c <= hi; c += blockDim.x) sum += expf(sr[c] * f - mx);
+    const float inv = 1.0f / block_sum(sum);
+    for (int c = threadIdx.x; c < span; c += blockDim.x)
+        p[r * span + c] = f32_to_f16(c >= lo && c <= hi ? expf(sr[c] * f - mx) * inv : 0.0f);
+}
