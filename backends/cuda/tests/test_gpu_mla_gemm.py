@@ -1,6 +1,7 @@
-"""MLA prefill through cuBLAS (mla.py's _mla_gemm, LEAT_CUDA_MLA_GEMM=1) on the device against the float64 oracle:
-rows of 16 tokens or more after earlier chunks of the same sequences, two sequences in a step, windows, every
-latent cache type, DeepSeek-V2-Lite's shape, queries in pieces. Its kernels on the host: test_moe_mla_on_host.py."""
+"""MLA prefill through cuBLAS (mla.py's _mla_gemm; LEAT_CUDA_MLA_GEMM=0 switches it off) on the device against
+the float64 oracle: rows of 16 tokens or more after earlier chunks of the same sequences, two sequences in a step,
+windows, every latent cache type, DeepSeek-V2-Lite's shape, queries in pieces. Its kernels on the host:
+test_moe_mla_on_host.py."""
 
 import numpy as np
 import pytest

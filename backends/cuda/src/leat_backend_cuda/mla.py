@@ -28,7 +28,7 @@ MLA_KERNELS = (
     + [f"mla_keys_f16<{kv}>" for kv in KV_TYPES.values()]
     + ["mla_q_f16", "mla_softmax_f16"]
 )
-#: rows of at least this many tokens take the cuBLAS prefill (with LEAT_CUDA_MLA_GEMM=1)
+#: rows of at least this many tokens take the cuBLAS prefill (where cuBLAS is; LEAT_CUDA_MLA_GEMM=0: never)
 MLA_GEMM_MIN_TOKENS = 16
 #: scores (query rows x keys) one cuBLAS product of the prefill writes at most: more queries go in pieces
 MLA_GEMM_SCORES = 1 << 25
@@ -73,7 +73,7 @@ class LatentAttentionOps:
         ops[f"mla_kv_write<{kind}>"](
             (n,), 128, latent, k_rope, kv.k[layer], scales, table, slots, positions, rank, rope, per_slot, kv.page_size
         )
-        gemm = os.environ.get("LEAT_CUDA_MLA_GEMM", "0") == "1" and self.cublas is not None
+        gemm = os.environ.get("LEAT_CUDA_MLA_GEMM", "1") != "0" and self.cublas is not None
         if gemm and all(len(r.tokens) >= MLA_GEMM_MIN_TOKENS and not r.bidirectional for r in batch.rows):
             return self._mla_gemm(q_latent, q_rope, kv, layer, batch, scale, kind, scales, positions)
         chunks = -(-heads // MLA_HEADS)

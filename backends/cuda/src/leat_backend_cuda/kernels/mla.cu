@@ -88,8 +88,9 @@ __global__ void __launch_bounds__(128) mla_attention(
                             part_ml, part_acc);
 }
 
-// Prefill through cuBLAS (mla.py, LEAT_CUDA_MLA_GEMM=1): a sequence's queries times its keys in one f16 GEMM, the
-// causal softmax of the scores (mla_softmax_f16), the probabilities times the values in another. The pieces:
+// Prefill through cuBLAS (mla.py; LEAT_CUDA_MLA_GEMM=0 keeps mla_attention): a sequence's queries times its keys
+// in one f16 GEMM, the causal softmax of the scores (mla_softmax_f16), the probabilities times the values in
+// another. The pieces:
 
 // Query rows [q_latent, q_rope] (rows = tokens x heads) as f16, each scaled by a power of two (its largest value in
 // [2^14, 2^15), as ops.cu's x_to_f16), and the scales that undo it. One block per row.
