@@ -47,7 +47,7 @@ def test_moe_uneven_loads(cuda, oracle, qtype, monkeypatch):
     decided = selection_margin(logits, spec, selection) > 1e-4
     assert decided.sum() >= n - 1
     # gemm_grouped in each instantiation (chunk size, stages of x), then gemv_grouped in float32
-    for path, (tiles, stages), bound in [("1", v, 2e-3) for v in moe.GEMM_VARIANTS] + [("0", (8, 2), 1e-5)]:
+    for path, (tiles, stages), bound in [("1", v, 2e-3) for v in moe.GEMM_VARIANTS] + [("0", (8, 2), 1e-4)]:
         monkeypatch.setenv("LEAT_CUDA_MOE_GEMM", path)
         monkeypatch.setenv("LEAT_CUDA_MOE_TILES", str(tiles))
         monkeypatch.setenv("LEAT_CUDA_MOE_STAGES", str(stages))

@@ -3,6 +3,9 @@ the float64 oracle: rows of 16 tokens or more after earlier chunks of the same s
 windows, every latent cache type, DeepSeek-V2-Lite's shape, queries in pieces. Its kernels on the host:
 test_moe_mla_on_host.py."""
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 from leat.backend import KVLayout
@@ -11,6 +14,9 @@ from leat.testing import relative_error
 from leat_backend_cuda import mla
 
 pytestmark = pytest.mark.gpu
+_spec = importlib.util.spec_from_file_location("gpu_moe_mla", Path(__file__).parent / "test_gpu_moe_mla.py")
+gpu_moe_mla = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_moe_mla)
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
@@ -23,13 +29,7 @@ def test_mla_prefill_through_cublas(cuda, oracle, monkeypatch, kv_dtype, window,
     monkeypatch.setattr(mla, "MLA_GEMM_SCORES", 10 * heads * 64)  # every row's queries in pieces
     rng = np.random.default_rng(heads + len(kv_dtype))
     layouts = [KVLayout(1, rank + rope, rank, window=window, latent=True)]
-    kvs = [b.allocate_kv(layouts, slots=3, context=96, page_size=16, dtype=kv_dtype) for b in (cuda, oracle)]
-    for b, kv in zip((cuda, oracle), kvs):
-        b.set_pages(kv, 1, kv.page_table[1][::-1].copy())
-    seqs = {
-        s: [rng.standard_normal(shape) for shape in ((90, heads, rank), (90, heads, rope), (90, rank), (90, rope))]
-        for s in (0, 1)
-    }
+    kvs, seqs = gpu_moe_mla.latent_caches(cuda, oracle, layouts, kv_dtype, 96, (heads, rank, rope), 90, rng)
     for step in ([(0, 0, 37)], [(0, 37, 16), (1, 0, 50)], [(1, 50, 30)]):
         batch = Batch([Row(s, start, np.zeros(n, int), all_logits=True) for s, start, n in step])
         args = [np.concatenate([seqs[s][i][a : a + n] for s, a, n in step]) for i in range(4)]

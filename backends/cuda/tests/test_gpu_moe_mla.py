@@ -112,19 +112,24 @@ def test_head_matmul_rows_not_a_multiple_of_8(cuda, oracle):
     assert relative_error(got, oracle.head_matmul(x, weight[1])) < 1e-6
 
 
+def latent_caches(cuda, oracle, layouts, kv_dtype, context, dims, tokens, rng):
+    """Latent caches of three slots on both backends (slot 1's pages in reverse order), and two sequences' random
+    MLA inputs (q_latent, q_rope, latent, k_rope) of ``tokens`` tokens for ``dims`` (heads, rank, rope)."""
+    heads, rank, rope = dims
+    kvs = [b.allocate_kv(layouts, slots=3, context=context, page_size=16, dtype=kv_dtype) for b in (cuda, oracle)]
+    for b, kv in zip((cuda, oracle), kvs):
+        b.set_pages(kv, 1, kv.page_table[1][::-1].copy())
+    shapes = ((tokens, heads, rank), (tokens, heads, rope), (tokens, rank), (tokens, rope))
+    return kvs, {s: [rng.standard_normal(shape) for shape in shapes] for s in (0, 1)}
+
+
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("heads,rank,rope", [(4, 32, 8), (3, 64, 16), (16, 512, 64)])
 def test_mla_attention_prefill_then_decode(cuda, oracle, kv_dtype, window, heads, rank, rope):
     rng = np.random.default_rng(heads)
     layouts = [KVLayout(1, rank + rope, rank, window=window, latent=True)] * 2
-    kvs = [b.allocate_kv(layouts, slots=3, context=80, page_size=16, dtype=kv_dtype) for b in (cuda, oracle)]
-    for b, kv in zip((cuda, oracle), kvs):
-        b.set_pages(kv, 1, kv.page_table[1][::-1].copy())
-    seqs = {
-        s: [rng.standard_normal(shape) for shape in ((40, heads, rank), (40, heads, rope), (40, rank), (40, rope))]
-        for s in (0, 1)
-    }
+    kvs, seqs = latent_caches(cuda, oracle, layouts, kv_dtype, 80, (heads, rank, rope), 40, rng)
     steps = [[(0, 0, 23), (1, 0, 9)], [(1, 9, 1), (0, 23, 3)], [(0, 26, 1), (1, 10, 1)]]
     for step in steps:
         batch = Batch([Row(s, start, np.zeros(n, int), all_logits=True) for s, start, n in step])
