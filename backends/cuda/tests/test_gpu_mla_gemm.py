@@ -1,7 +1,7 @@
 """MLA prefill through cuBLAS (mla.py's _mla_gemm; LEAT_CUDA_MLA_GEMM=0 switches it off) on the device against
 the float64 oracle: rows of 16 tokens or more after earlier chunks of the same sequences, two sequences in a step,
-windows, every latent cache type, DeepSeek-V2-Lite's shape, queries in pieces. Its kernels on the host:
-test_moe_mla_on_host.py."""
+one beside a decode row (the float32 kernel's), windows, every latent cache type, DeepSeek-V2-Lite's shape,
+queries in pieces. Its kernels on the host: test_moe_mla_on_host.py."""
 
 import importlib.util
 from pathlib import Path
@@ -30,7 +30,8 @@ def test_mla_prefill_through_cublas(cuda, oracle, monkeypatch, kv_dtype, window,
     rng = np.random.default_rng(heads + len(kv_dtype))
     layouts = [KVLayout(1, rank + rope, rank, window=window, latent=True)]
     kvs, seqs = gpu_moe_mla.latent_caches(cuda, oracle, layouts, kv_dtype, 96, (heads, rank, rope), 90, rng)
-    for step in ([(0, 0, 37)], [(0, 37, 16), (1, 0, 50)], [(1, 50, 30)]):
+    # the last step beside a decode row, which the float32 kernel takes
+    for step in ([(0, 0, 37)], [(0, 37, 16), (1, 0, 50)], [(1, 50, 30), (0, 53, 1)]):
         batch = Batch([Row(s, start, np.zeros(n, int), all_logits=True) for s, start, n in step])
         args = [np.concatenate([seqs[s][i][a : a + n] for s, a, n in step]) for i in range(4)]
         want = oracle.mla_attention(*args, kvs[1], 0, batch, 0.2)

@@ -73,9 +73,13 @@ class LatentAttentionOps:
         ops[f"mla_kv_write<{kind}>"](
             (n,), 128, latent, k_rope, kv.k[layer], scales, table, slots, positions, rank, rope, per_slot, kv.page_size
         )
-        gemm = os.environ.get("LEAT_CUDA_MLA_GEMM", "1") != "0" and self.cublas is not None
-        if gemm and all(len(r.tokens) >= MLA_GEMM_MIN_TOKENS and not r.bidirectional for r in batch.rows):
-            return self._mla_gemm(q_latent, q_rope, kv, layer, batch, scale, kind, scales, positions)
+        gemm = os.environ.get("LEAT_CUDA_MLA_GEMM", "1") != "0" and self.cublas is not None and not self._capturing
+        long = [gemm and len(r.tokens) >= MLA_GEMM_MIN_TOKENS and not r.bidirectional for r in batch.rows]
+        if all(long):
+            return self._mla_gemm(q_latent, q_rope, kv, layer, batch, long, scale, kind, scales, positions)
+        if any(long):  # the kernel below skips the long rows' tokens (slot -1), cuBLAS writes them after it
+            lengths = [len(r.tokens) for r in batch.rows]
+            slots = self._ints(np.repeat([-1 if g else r.slot for r, g in zip(batch.rows, long)], lengths))
         chunks = -(-heads // MLA_HEADS)
         # about two blocks per multiprocessor, splits of at least 64 positions (as the GQA kernels)
         splits = max(1, min(-(-2 * self.device.sm_count // (n * chunks)), -(-span // 64)))
@@ -112,6 +116,8 @@ class LatentAttentionOps:
         if splits > 1:
             threads = max(32, min(256, -(-rank // 32) * 32))
             self.ops["attention_combine"]((n * heads,), threads, *parts, out, splits, rank, None, heads)
+        if any(long):
+            self._mla_gemm(q_latent, q_rope, kv, layer, batch, long, scale, kind, scales, positions, out)
         return out
 
     def _mla_gemm(
@@ -121,12 +127,15 @@ class LatentAttentionOps:
         kv: Any,
         layer: int,
         batch: Batch,
+        rows: list[bool],
         scale: float,
         kind: str,
         scales: Any,
         pos: Any,
+        out: DeviceArray | None = None,
     ) -> DeviceArray:
-        """Latent attention of prefill rows on tensor cores through cuBLAS: per row (sequence), its keys (the cache's
+        """Latent attention of the batch's ``rows`` (flags) on tensor cores through cuBLAS, into ``out`` (the other
+        rows' outputs there are kept; None: a new array): per row (sequence), its keys (the cache's
         positions up to its last token) as f16 rows, scores = queries x keys (f16, float32 sums), their causal
         (windowed) softmax in f16, out = probabilities x values (the keys' first ``rank`` entries). The queries
         are f16 rows scaled per row (mla_q_f16); a row's queries go in pieces of at most MLA_GEMM_SCORES scores."""
@@ -137,10 +146,13 @@ class LatentAttentionOps:
         window = kv.layouts[layer].window or 0
         qh, qscale = self._empty((n * heads, dk), np.dtype(np.uint16)), self._empty((n * heads,))
         ops["mla_q_f16"]((n * heads,), 128, q_latent, q_rope, qh, qscale, rank, q_rope.shape[-1])
-        out = self._empty((n, heads, rank))
+        out = self._empty((n, heads, rank)) if out is None else out
         first = 0
-        for row in batch.rows:
+        for row, chosen in zip(batch.rows, rows):
             count, span = len(row.tokens), row.start + len(row.tokens)
+            if not chosen:
+                first += count
+                continue
             keys = self._empty((span, dk), np.dtype(np.uint16))
             ops[f"mla_keys_f16<{kind}>"](
                 (span,), 128, kv.k[layer], scales, table, row.slot, dk, per_slot, kv.page_size, keys
