@@ -28,15 +28,3 @@ def cuda():
 @pytest.fixture(scope="module")
 def oracle():
     return CPUBackend("f64")
-
-
-@pytest.fixture(scope="module")
-def tiny_q8_0(tmp_path_factory):
-    """A tiny Q8_0 llama whose head dimension (32) a q8_0 cache can hold."""
-    import gguf
-    from leat.testing import write_tiny_gguf
-    from leat_arch_llama.llama import Llama
-
-    path = tmp_path_factory.mktemp("q8kv") / "hd32.gguf"
-    params = Llama.tiny(head_dim=32, context=512)
-    return write_tiny_gguf(Llama, path, gguf.GGMLQuantizationType.Q8_0, params=params, seed=3)

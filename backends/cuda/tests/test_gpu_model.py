@@ -184,7 +184,7 @@ def test_steps_with_prefill_chunks_replay_a_graph_and_equal_eager(files, cuda):
     replay = cuda.to_host(cuda.run(model.forward, step, caches[0]))
     eager = cuda.to_host(model.forward(step, caches[1]))
     assert replay.shape == eager.shape == (3, model.params.vocab)
-    assert not cuda.graph_failures and any(key[2:] == (96, 3, False) for key in cuda._captured)
+    assert not cuda.graph_failures and any(key[2:] == (96, 3) for key in cuda._captured)
     np.testing.assert_allclose(replay, eager, rtol=0, atol=5e-3)
     # the next step reads what the graph wrote: a continuation of the chunk agrees too
     after = Batch([Row(2, 60, second[60:]), Row(0, 21, np.array([3]))])

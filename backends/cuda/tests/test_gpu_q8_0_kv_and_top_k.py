@@ -14,7 +14,7 @@ from leat.engine import Engine, GenerationRequest
 from leat.errors import LeatError
 from leat.model import Model
 from leat.modelfile import ModelFile
-from leat.testing import relative_error
+from leat.testing import relative_error, write_tiny_gguf
 from leat_arch_llama.llama import Llama
 from leat_backend_cpu.backend import CPUBackend
 
@@ -148,6 +148,16 @@ def test_top_k_equals_a_stable_sort(cuda):
     small = rng.standard_normal((3, 33)).astype(np.float32)
     values, ids = cuda.top_k(cuda.from_host(small), 64)  # k past the row: the whole row, sorted
     np.testing.assert_array_equal(ids, np.argsort(-small, axis=-1, kind="stable"))
+
+
+@pytest.fixture(scope="module")
+def tiny_q8_0(tmp_path_factory):
+    """A tiny Q8_0 llama whose head dimension (32) a q8_0 cache can hold."""
+    import gguf
+
+    path = tmp_path_factory.mktemp("q8kv") / "hd32.gguf"
+    params = Llama.tiny(head_dim=32, context=512)
+    return write_tiny_gguf(Llama, path, gguf.GGMLQuantizationType.Q8_0, params=params, seed=3)
 
 
 def served(path, backend):

@@ -102,9 +102,6 @@ inline float block_sum(float v) { return block_reduce(v, false); }
 inline float block_max(float v) { return block_reduce(v, true); }
 inline unsigned pack_f16x2(float lo, float hi) { return f32_to_f16(lo) | ((unsigned)f32_to_f16(hi) << 16); }
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
-inline int atomicAdd(int* p, int v) { const int old = *p; *p += v; return old; }  // blocks run one after another
-inline void __threadfence() {}
-template <class T> T __ldcg(const T* p) { return *p; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
 template <class F> void lane_entry() {
@@ -288,11 +285,11 @@ void attend_kv(const float* q, const float* k, const float* v, KV* kc, KV* vc, u
     auto body = [=] {
         float* target = splits == 1 ? out : nullptr;
         if (wide)
-            attention_wide<KV, 1, 4>(q, kc, vc, ks, vs, table, slots, pos, target, ml, acc, nullptr, heads, kv_heads,
-                                     dim, dim, per_slot, page_size, window, split, scale, 0.0f, sinks);
+            attention_wide<KV, 1, 4>(q, kc, vc, ks, vs, table, slots, pos, target, ml, acc, heads, kv_heads, dim, dim,
+                                     per_slot, page_size, window, split, scale, 0.0f, sinks);
         else
-            attention<KV, 1, 4>(q, kc, vc, ks, vs, table, slots, pos, target, ml, acc, nullptr, heads, kv_heads, dim,
-                                dim, per_slot, page_size, window, split, scale, 0.0f, sinks);
+            attention<KV, 1, 4>(q, kc, vc, ks, vs, table, slots, pos, target, ml, acc, heads, kv_heads, dim, dim,
+                                per_slot, page_size, window, split, scale, 0.0f, sinks);
     };
     launch({(unsigned)n, (unsigned)(kv_heads * chunks), (unsigned)splits}, 128, body);
     if (splits > 1) launch({(unsigned)(n * heads), 1, 1}, 32, [=] { attention_combine(ml, acc, out, splits, dim, sinks, heads); });
@@ -312,67 +309,6 @@ extern "C" void attend_q8_0(const float* q, const float* k, const float* v, i8* 
     attend_kv<i8>(q, k, v, kc, vc, ks, vs, table, slots, pos, out, ml, acc, n, heads, kv_heads, dim, per_slot, page_size,
                   window, split, splits, scale, nullptr, wide);
 }
-// RoPE, the KV write and attention as the backend runs them (dim <= 32), with `normed` each head's RMS norm first
-// (weights qn, kn): `mode` 0 one op per kernel (rms_norm, rope of q and of k, kv_write, attention,
-// attention_combine), 1 rope_kv_write then attention merging its splits through `counters` (no norms),
-// 2 rope_attention (decode rows: each token its slot's only one).
-template <typename KV>
-void rope_attend_kv(const float* q, const float* k, const float* v, float* qr, float* kr, KV* kc, KV* vc, u16* ks,
-                    u16* vs, const int* table, const int* slots, const int* pos, const double* inv_freq, int dims,
-                    int neox, float magnitude, int normed, const float* qn, const float* kn, float eps, float* out,
-                    float* ml, float* acc, int* counters, int n, int heads, int kv_heads, int dim, int per_slot,
-                    int page_size, int window, int split, int splits, float scale, float softcap, const float* sinks,
-                    int mode) {
-    const Dim grid{(unsigned)n, (unsigned)(kv_heads * ((heads / kv_heads + 3) / 4)), (unsigned)splits};
-    if (mode == 2) {
-        launch(grid, 128, [=] {
-            rope_attention<KV, 1, 4>(q, k, v, inv_freq, dims, neox, magnitude, normed, qn, kn, eps, kc, vc, ks, vs,
-                                     table, slots, pos, out, ml, acc, counters, heads, kv_heads, dim, dim, per_slot,
-                                     page_size, window, split, scale, softcap, sinks);
-        });
-        return;
-    }
-    std::vector<float> normed_q(q, q + n * heads * dim), normed_k(k, k + n * kv_heads * dim);
-    if (normed) {
-        float *nq = normed_q.data(), *nk = normed_k.data();
-        launch({(unsigned)(n * heads), 1, 1}, 32, [=] { rms_norm(q, qn, nq, dim, eps); });
-        launch({(unsigned)(n * kv_heads), 1, 1}, 32, [=] { rms_norm(k, kn, nk, dim, eps); });
-        q = nq, k = nk;
-    }
-    if (mode == 1) {
-        launch({(unsigned)n, 1, 1}, 256, [=] {
-            rope_kv_write<KV>(q, k, v, qr, inv_freq, dims, neox, magnitude, kc, vc, ks, vs, table, slots, pos, heads,
-                              kv_heads, dim, dim, per_slot, page_size);
-        });
-    } else {
-        launch({(unsigned)(n * heads), 1, 1}, 32, [=] { rope(q, qr, pos, inv_freq, heads, dim, dims, neox, magnitude); });
-        launch({(unsigned)(n * kv_heads), 1, 1}, 32, [=] { rope(k, kr, pos, inv_freq, kv_heads, dim, dims, neox, magnitude); });
-        launch({(unsigned)n, 1, 1}, 128, [=] {
-            kv_write<KV>(kr, v, kc, vc, ks, vs, table, slots, pos, kv_heads, dim, dim, per_slot, page_size);
-        });
-    }
-    int* merge = mode == 1 ? counters : nullptr;
-    launch(grid, 128, [=] {
-        attention<KV, 1, 4>(qr, kc, vc, ks, vs, table, slots, pos, splits == 1 || merge ? out : nullptr, ml, acc, merge,
-                            heads, kv_heads, dim, dim, per_slot, page_size, window, split, scale, softcap, sinks);
-    });
-    if (splits > 1 && !merge)
-        launch({(unsigned)(n * heads), 1, 1}, 32, [=] { attention_combine(ml, acc, out, splits, dim, sinks, heads); });
-}
-#define ROPE_ATTEND(name, KV)                                                                                          \
-    extern "C" void name(const float* q, const float* k, const float* v, float* qr, float* kr, KV* kc, KV* vc, u16* ks, \
-                         u16* vs, const int* table, const int* slots, const int* pos, const double* inv_freq, int dims,  \
-                         int neox, float magnitude, int normed, const float* qn, const float* kn, float eps, float* out, \
-                         float* ml, float* acc, int* counters, int n, int heads, int kv_heads, int dim, int per_slot,    \
-                         int page_size, int window, int split, int splits, float scale, float softcap,                 \
-                         const float* sinks, int mode) {                                                               \
-        rope_attend_kv<KV>(q, k, v, qr, kr, kc, vc, ks, vs, table, slots, pos, inv_freq, dims, neox, magnitude, normed,  \
-                           qn, kn, eps, out, ml, acc, counters, n, heads, kv_heads, dim, per_slot, page_size, window,   \
-                           split, splits, scale, softcap, sinks, mode);                                                \
-    }
-ROPE_ATTEND(rope_attend_f32, float)
-ROPE_ATTEND(rope_attend_f16, u16)
-ROPE_ATTEND(rope_attend_q8_0, i8)
 extern "C" void top_k(const float* x, float* values, int* ids, int rows, int cols, int k) {
     launch({(unsigned)rows, 1, 1}, 1024, [=] { top_k_rows(x, values, ids, cols, k); });
 }
@@ -996,107 +932,3 @@ def test_rope_magnitude(ops_kernels, neox):
         ptr(x), ptr(got), ptr(positions), ptr(inv_freq), 3, 2, 16, 16, neox, ctypes.c_float(spec.attn_factor)
     )
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-
-
-KV_HOST = {"f32": np.float32, "f16": np.uint16, "q8_0": np.int8}
-
-
-@pytest.mark.parametrize(
-    "kv_dtype,heads,kv_heads,dims,neox,window,softcap,with_sinks,normed",
-    [
-        *[(kv, 6, 2, 32, False, 0, 0.0, False, False) for kv in ("f32", "f16", "q8_0")],
-        ("q8_0", 5, 5, 16, True, 6, 0.0, True, False),
-        ("f16", 9, 1, 32, True, 0, 8.0, False, False),
-        ("f32", 6, 2, 32, True, 0, 0.0, False, True),
-        ("q8_0", 9, 1, 16, False, 6, 0.0, True, True),
-    ],
-)
-def test_fused_rope_attention_equals_the_ops_one_by_one(
-    ops_kernels, kv_dtype, heads, kv_heads, dims, neox, window, softcap, with_sinks, normed
-):
-    """rope_kv_write then attention merging its own splits (a prefill of two slots), and rope_attention (decode rows
-    of distinct slots, split and not; with each head's RMS norm before RoPE where `normed`, as Qwen3's) give the
-    outputs and the cache bytes of rms_norm, rope, kv_write, attention and attention_combine launched one by one,
-    bit for bit, and the float64 oracle's within the cache type's rounding; the merge counters are zero again after
-    every launch."""
-    from leat.backend import RopeSpec
-
-    rng = np.random.default_rng(heads + dims + window)
-    dim, page_size, scale = 32, 4, 0.4
-    cpu = CPUBackend("f64")
-    kv = cpu.allocate_kv([KVLayout(kv_heads, dim, window=window or None)], 2, 20, page_size=page_size, dtype=kv_dtype)
-    cpu.set_pages(kv, 1, kv.page_table[1][::-1].copy())
-    table = np.ascontiguousarray(kv.page_table, np.int32)
-    spec = RopeSpec(dims, 10000.0, neox, 1.0, None, attn_factor=0.8)
-    inv_freq = np.ascontiguousarray(spec.base ** (-np.arange(dims // 2, dtype=np.float64) * 2 / dims))
-    sinks = f32(np.linspace(-3, 4, heads)) if with_sinks else None
-    norms = (f32(rng.uniform(0.5, 1.5, dim)), f32(rng.uniform(0.5, 1.5, dim)), 1e-6) if normed else (None, None, 0.0)
-    values = kv.pages[0] * page_size * kv_heads * dim
-    caches = [
-        [np.zeros(values, KV_HOST[kv_dtype]) for _ in range(2)] + [np.zeros(values // 32, np.uint16) for _ in range(2)]
-        for _ in range(2)
-    ]
-    kernel = getattr(ops_kernels, f"rope_attend_{kv_dtype}")
-    # (rows as (slot, first position, tokens), the fused mode): a prefill of both slots (rope_kv_write takes no
-    # norms: the backend launches them one by one), then decode rows
-    for rows, mode in (([(0, 0, 11), (1, 0, 5)], 0 if normed else 1), ([(0, 11, 1), (1, 5, 1)], 2), ([(1, 6, 1)], 2)):
-        n = sum(count for _, _, count in rows)
-        q, k, v = (f32(rng.standard_normal((n, h, dim))) for h in (heads, kv_heads, kv_heads))
-        slots = np.concatenate([np.full(c, s, np.int32) for s, _, c in rows])
-        pos = np.concatenate([np.arange(a, a + c, dtype=np.int32) for _, a, c in rows])
-        span = int(pos.max()) + 1
-        splits = -(-span // 8)
-        chunks = -(-(heads // kv_heads) // 4)
-        outs = []
-        for cache, m in zip(caches, (0, mode), strict=True):
-            out = np.full((n, heads * dim), np.nan, np.float32)
-            qr, kr = np.full((n, heads, dim), np.nan, np.float32), np.full((n, kv_heads, dim), np.nan, np.float32)
-            ml, acc = np.zeros(n * heads * splits * 2, np.float32), np.zeros(n * heads * splits * dim, np.float32)
-            counters = np.zeros(n * kv_heads * chunks, np.int32)
-            kernel(
-                *map(ptr, (q, k, v, qr, kr, *cache, table, slots, pos, inv_freq)),
-                dims,
-                int(neox),
-                ctypes.c_float(spec.attn_factor),
-                int(normed),
-                ptr(norms[0]),
-                ptr(norms[1]),
-                ctypes.c_float(norms[2]),
-                *map(ptr, (out, ml, acc, counters)),
-                n,
-                heads,
-                kv_heads,
-                dim,
-                table.shape[1],
-                page_size,
-                window,
-                8,
-                splits,
-                ctypes.c_float(scale),
-                ctypes.c_float(softcap),
-                ptr(sinks),
-                m,
-            )
-            assert not counters.any()
-            outs.append(out)
-        np.testing.assert_array_equal(outs[1], outs[0])
-        for fused, plain in zip(caches[1], caches[0], strict=True):
-            np.testing.assert_array_equal(fused, plain)
-        batch = Batch([Row(s, a, np.zeros(c, int), all_logits=True) for s, a, c in rows])
-        heads_in = [x.astype(np.float64) for x in (q, k)]
-        if normed:
-            heads_in = [cpu.rms_norm(x, w.astype(np.float64), norms[2]) for x, w in zip(heads_in, norms[:2])]
-        roped = [cpu.rope(x, pos, spec) for x in heads_in]
-        want = cpu.attention(
-            *roped,
-            v.astype(np.float64),
-            kv,
-            0,
-            batch,
-            scale,
-            softcap or None,
-            None if sinks is None else sinks.astype(np.float64),
-        )
-        np.testing.assert_allclose(
-            outs[1], want, rtol=1e-4 if kv_dtype == "f32" else 2e-2, atol=1e-5 if kv_dtype == "f32" else 2e-3
-        )

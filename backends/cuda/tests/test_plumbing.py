@@ -212,9 +212,6 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, qtype):
     eager = model.forward(decode, kv)
     backend.to_host(eager)
     steps = [f for f, _, _ in fake.launches if f != "attention_combine"]
-    # RoPE, the KV write and attention of decode rows: one launch a layer
-    attention = [f for f, _, _ in fake.launches if "attention" in f or "kv_write" in f or f == "rope"]
-    assert len(attention) == model.params.layers and all(f.startswith("_Z14rope_attention") for f in attention)
     # quantized weights: norms, residual adds and the gated unit run inside the matrix-vector products
     if qtype != Q.F32:
         assert not {"rms_norm", "add", "silu_mul"} & {f for f, _, _ in fake.launches}
@@ -245,7 +242,7 @@ def test_steps_with_prefill_chunks_replay_a_graph(fake, tmp_path):
     mixed = Batch([Row(0, 20, np.array([5])), Row(1, 0, np.arange(70) % 300), Row(2, 9, np.array([3]))])
     out = backend.run(model.forward, mixed, kv)
     assert not backend.graph_failures and out.shape == (3, model.params.vocab)
-    assert [k[2:] for k in backend._captured] == [(96, 3, False)]  # 72 tokens, 3 logits rows, a chunk among them
+    assert [k[2:] for k in backend._captured] == [(96, 3)]  # 72 tokens, 3 logits rows
     fake.launches.clear()
     again = Batch([Row(2, 10, np.array([4])), Row(0, 21, np.array([6])), Row(1, 70, np.arange(80) % 300)])
     backend.run(model.forward, again, kv)

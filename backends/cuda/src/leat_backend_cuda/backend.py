@@ -64,12 +64,9 @@ OPS_KERNELS = [
     "kv_write<float>",
     "kv_write<u16>",
     "kv_write<i8>",
-    "rope_kv_write<float>",
-    "rope_kv_write<u16>",
-    "rope_kv_write<i8>",
 ] + [
     f"{k}<{kv}, {dl}, 4>"
-    for k in ("attention", "attention_wide", "rope_attention")
+    for k in ("attention", "attention_wide")
     for kv in ("float", "u16", "i8")
     for dl in (1, 2, 4, 8)
 ]
@@ -116,11 +113,6 @@ CUBLAS_SCRATCH_BYTES = 128 << 20
 F16_WEIGHTS_SHARE = 0.25
 F16_WEIGHTS_FILE_SHARE = F16_WEIGHTS_SHARE / 4
 FLAT_ATTENTION_BUDGET = 128 * 2048
-#: a step's keys (kv_heads x head_dim floats) up to which rope_kv_write ropes them in shared memory (ROPE_KV_KEYS)
-ROPE_KV_WRITE_KEYS = 8192
-#: counters for attention split over the sequence and merged in the same launch: one per (token, KV head, head
-#: chunk); a launch splits only with fewer than two blocks per multiprocessor before splitting, so few are needed
-ATTENTION_COUNTERS = 4096
 
 
 def _host_dequantizable() -> frozenset[Q]:
@@ -286,20 +278,12 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         self._halves: OrderedDict[int, tuple[DeviceArray, DeviceArray, DeviceArray]] = OrderedDict()
         self._captured: dict[tuple, _Captured] = {}
         self.flat_attention_budget = FLAT_ATTENTION_BUDGET
-        # RoPE of q and k taken into attention with the KV write (rope_attention for decode rows, else
-        # rope_kv_write), and attention's splits merged in its own launch: LEAT_CUDA_ATTENTION_FUSION lists which
-        # ("rope,combine" by default; "" for neither, one op per kernel as before)
-        fusions = os.environ.get("LEAT_CUDA_ATTENTION_FUSION", "rope,combine").split(",")
-        self.rope_fusion, self.combine_fusion = "rope" in fusions, "combine" in fusions
-        self.attention_blocks = 2  # blocks per multiprocessor a step's attention is split over the sequence for
         #: gemv_q: the first loads of a block's rows issued before x is quantized (LEAT_CUDA_GEMV_AHEAD=0: after);
         #: for one token without the gated unit, an instantiation (rows per warp, units per lane) in place of
         #: quants.gemv_q_shape's; blocks per multiprocessor (None: as many as fit)
         self.gemv_ahead = os.environ.get("LEAT_CUDA_GEMV_AHEAD", "1") != "0"
         self.gemv_shape: tuple[int, int] | None = None
         self.gemv_blocks: int | None = None
-        self._counters = Memory(4 * ATTENTION_COUNTERS)  # zero between launches: each merging block resets its own
-        self.device.fill(self._counters.ptr, 0, self._counters.nbytes)
         self._uncapturable: set[tuple] = set()  # graph keys whose capture failed: those shapes run eagerly
         self._capturing = False
         self.graph_failures: list[str] = []
@@ -923,17 +907,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         return table
 
     def rope(self, x: DeviceArray, positions: np.ndarray, spec: RopeSpec) -> DeviceArray:
-        if not (self.fuse and self.rope_fusion):
-            return self._rope_launch(_ready(x), positions, spec)
-        # attention may take it in (rope_attention, rope_kv_write), rope_attention with a pending per-head norm of x
-        # before it (Qwen3's q and k norms): the fusion holds x as the projection left it and the norm's (weight, eps)
-        norm = x.fusion[2:] if isinstance(x, Pending) and x.waiting("norm") and x.fusion[1].shape == x.shape else None
-        source = x.fusion[1] if norm else _ready(x)
-        return Pending(
-            x.shape, lambda: self._rope_launch(_ready(x), positions, spec), ("rope", source, positions, spec, norm)
-        )
-
-    def _rope_launch(self, x: DeviceArray, positions: np.ndarray, spec: RopeSpec) -> DeviceArray:
+        x = _ready(x)
         n, heads, head_dim = x.shape
         out = self._empty(x.shape)
         self.ops["rope"](
@@ -950,24 +924,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             float(spec.attn_factor),
         )
         return out
-
-    def _rope_taken(self, q: Any, k: Any, batch: Batch) -> tuple[tuple, tuple] | None:
-        """The RoPE attention applies itself, as (inv_freq table, dims, neox, magnitude), and the per-head norms
-        before it, as (normed, q's weight, k's weight, eps): where q and k are both pending ropes of the batch's
-        positions by one spec (heads of up to 256 dimensions, a step's keys of up to 32 KiB), both with a norm of
-        one eps or neither; else None."""
-        if not (isinstance(q, Pending) and isinstance(k, Pending) and q.waiting("rope") and k.waiting("rope")):
-            return None
-        (_, xq, at, spec, q_norm), (_, xk, at_k, spec_k, k_norm) = q.fusion, k.fusion
-        dk = xq.shape[-1]
-        if at is not batch.positions or at_k is not at or spec_k is not spec or xk.shape[-1] != dk:
-            return None
-        if spec.dims > dk or dk > 256 or xk.shape[1] * dk > ROPE_KV_WRITE_KEYS:
-            return None
-        if (q_norm is None) != (k_norm is None) or (q_norm and q_norm[1] != k_norm[1]):
-            return None
-        norms = (1, q_norm[0], k_norm[0], float(q_norm[1])) if q_norm else (0, None, None, 0.0)
-        return (self._rope_table(spec), spec.dims, int(spec.neox), float(spec.attn_factor)), norms
 
     def attention(
         self,
@@ -988,75 +944,54 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
     def _attend(
         self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float, sinks=None
     ) -> DeviceArray:
-        n, _, dk = q.shape
-        dv = v.shape[2]
+        q, k, v = _ready(q), _ready(k), _ready(v)
+        n, heads, dk = q.shape
+        kv_heads, dv = v.shape[1], v.shape[2]
+        slots, positions, span = self._token_rows(batch)
+        kind, (_, _, k_scale, v_scale, table), per_slot = self._write_kv(k, v, kv, layer, slots, positions)
         # a prefill (some row has several tokens; never a captured decode step): tensor cores over an f16
         # cache; a q8_0 cache's prefill takes attention_wide below (flash.cu reads f16 tiles only)
-        flash = n > quants.GEMV_MAX_TOKENS and n > len(batch.rows) and kv.dtype == "f16" and dk == dv
-        single = not flash and _one_token_per_slot(batch)  # RoPE, KV write and attention may be one launch
-        taken = self._rope_taken(q, k, batch)
-        if taken and taken[1][0] and not single:  # rope_kv_write takes no norms: norms and ropes launched as they are
-            taken = None
-        rope, norms = taken or (None, None)
-        q, k, v = (q.fusion[1], k.fusion[1], _ready(v)) if rope else (_ready(q), _ready(k), _ready(v))
-        rows = self._token_rows(batch)
-        slots, positions, _ = rows
-        if rope and single:
-            store = self._kv_cache(kv, layer)
-            return self._attention_launch(
-                "rope_attention", (q, k, v, *rope, *norms), store, kv, layer, dv, rows, scale, softcap, sinks
-            )
-        if rope:
-            q, store = self._rope_write_kv(q, k, v, rope, kv, layer, slots, positions)
-        else:
-            store = self._write_kv(k, v, kv, layer, slots, positions)
+        flash = n > quants.GEMV_MAX_TOKENS and n > len(batch.rows) and kind == "u16" and dk == dv
         if flash and dk in FLASH_DIMS and sinks is None:
-            return self._flash(q, kv, layer, batch, store[1][4], slots, positions, scale, softcap)
-        # many query tokens (a prefill): one key per lane; a decode step: one key per warp step (the
-        # faster of the two for decode, also at depth 4096: measured on an H200, see NOTES.md)
-        variant = "attention_wide" if n > quants.GEMV_MAX_TOKENS and dk % 8 == 0 else "attention"
-        return self._attention_launch(variant, (q,), store, kv, layer, dv, rows, scale, softcap, sinks)
-
-    def _attention_launch(self, variant, head, store, kv, layer, dv, rows, scale, softcap, sinks) -> DeviceArray:
-        """One launch of an attention kernel of ops.cu: its arguments ``head`` (the queries, and for rope_attention
-        the keys, values and RoPE), then the cache (``store``: ``_kv_cache``'s answer), the tokens' ``rows``
-        (``_token_rows``); split over the sequence, the splits merged in the same launch (``combine_fusion``) or by
-        attention_combine."""
-        q = head[0]
-        kind, cache, per_slot = store
-        slots, positions, span = rows
-        n, heads, dk = q.shape
-        kv_heads = kv.layouts[layer].kv_heads
+            return self._flash(q, kv, layer, batch, table, slots, positions, scale, softcap)
         lanes = -(-max(dk, dv) // 32)
         dl = next((d for d in (1, 2, 4, 8) if d >= lanes), None)
         if dl is None:
             raise LeatError(f"attention heads of {max(dk, dv)} dimensions exceed the kernel's 256")
         chunks = -(-(heads // kv_heads) // GROUP_HEADS)
         base = n * kv_heads * chunks
-        # about attention_blocks blocks per multiprocessor (two: measured with attention_combine, more splits cost
-        # more in the combine than they gained at depth 4096)
-        splits = max(1, min(-(-self.attention_blocks * self.device.sm_count // base), -(-span // 64)))
+        # about two blocks per multiprocessor (measured: more splits cost more in the combine than they
+        # gain at depth 4096)
+        splits = max(1, min(-(-2 * self.device.sm_count // base), -(-span // 64)))
         split = -(-span // splits)
         split = -(-split // 64) * 64
         splits = -(-span // split)
         out = self._empty((n, heads * dv))
         window = kv.layouts[layer].window or 0
-        counters = self._counters if self.combine_fusion and splits > 1 and base <= ATTENTION_COUNTERS else None
-        part_ml = part_acc = None
-        if splits > 1:
+        if splits == 1:
+            part_ml = part_acc = None
+            target = out
+        else:
             part_ml = self._empty((n * heads * splits * 2,))
             part_acc = self._empty((n * heads * splits * dv,))
+            target = None
+        # many query tokens (a prefill): one key per lane; a decode step: one key per warp step (the
+        # faster of the two for decode, also at depth 4096: measured on an H200, see NOTES.md)
+        variant = "attention_wide" if n > quants.GEMV_MAX_TOKENS and dk % 8 == 0 else "attention"
         self.ops[f"{variant}<{kind}, {dl}, {GROUP_HEADS}>"](
             (n, kv_heads * chunks, splits),
             128,
-            *head,
-            *cache,
+            q,
+            kv.k[layer],
+            kv.v[layer],
+            k_scale,
+            v_scale,
+            table,
             slots,
             positions,
-            out if splits == 1 or counters is not None else None,
+            target,
             part_ml,
             part_acc,
-            counters,
             heads,
             kv_heads,
             dk,
@@ -1069,38 +1004,24 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             float(softcap),
             sinks,
         )
-        if splits > 1 and counters is None:
+        if splits > 1:
             self.ops["attention_combine"]((n * heads,), _threads(dv), part_ml, part_acc, out, splits, dv, sinks, heads)
         return out
 
-    def _kv_cache(self, kv: KVCache, layer: int) -> tuple[str, tuple, int]:
-        """The KV kernels' element kind, ``layer``'s cache as they take it (K, V, q8_0's scale planes or None, the
-        layer's device page table) and the pages per slot."""
+    def _write_kv(self, k, v, kv: KVCache, layer: int, slots, positions) -> tuple[str, tuple, int]:
+        """Each token's k and v into ``layer``'s pages: the KV kernels' element kind, the cache as the attention
+        kernels take it (K, V, q8_0's scale planes or None, the layer's device page table) and the pages per slot."""
+        n, kv_heads, dk = k.shape
         self._sync_pages(kv)
         kind = KV_DTYPES[kv.dtype][0]
         scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.dtype == "q8_0" else (None, None)
         table = kv.device_tables[kv.group_of[layer]]  # a windowed group's entries behind the window are -1
-        return kind, (kv.k[layer], kv.v[layer], *scales, table), kv.tables[0].shape[1]
-
-    def _write_kv(self, k, v, kv: KVCache, layer: int, slots, positions) -> tuple[str, tuple, int]:
-        """Each token's k and v into ``layer``'s pages; returns ``_kv_cache``'s answer."""
-        n, kv_heads, dk = k.shape
-        kind, cache, per_slot = self._kv_cache(kv, layer)
+        cache = (kv.k[layer], kv.v[layer], *scales, table)
+        per_slot = kv.tables[0].shape[1]
         self.ops[f"kv_write<{kind}>"](
             (n,), 128, k, v, *cache, slots, positions, kv_heads, dk, v.shape[2], per_slot, kv.page_size
         )
         return kind, cache, per_slot
-
-    def _rope_write_kv(self, q, k, v, rope: tuple, kv: KVCache, layer: int, slots, positions):
-        """rope_kv_write: q roped into a new array, k roped and stored with v in ``layer``'s pages; returns the
-        roped q and ``_kv_cache``'s answer."""
-        n, heads, dk = q.shape
-        kv_heads, dv = v.shape[1], v.shape[2]
-        kind, cache, per_slot = self._kv_cache(kv, layer)
-        out = self._empty(q.shape)
-        sizes = (heads, kv_heads, dk, dv, per_slot, kv.page_size)
-        self.ops[f"rope_kv_write<{kind}>"]((n,), 256, q, k, v, out, *rope, *cache, slots, positions, *sizes)
-        return out, (kind, cache, per_slot)
 
     def _flash(self, q, kv: KVCache, layer: int, batch: Batch, table, slots, positions, scale: float, softcap: float):
         """Tensor-core attention for a prefill over an f16 cache (kernels/flash.cu): the batch's rows cut
@@ -1246,7 +1167,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
                 self.graph_failures.append(f"{type(e).__name__}: {e}")
                 self._uncapturable.add(key)
                 return forward(_with_tokens(batch, fed), kv)
-        tokens, logits, _ = shape
+        tokens, logits = shape
         self._replaying(kv, batch)  # the recurrent states the graph continues (deltanet.py)
         n, picked = len(batch), len(batch.logit_index)
         inputs = np.zeros(3 * tokens + logits, np.int32)
@@ -1265,11 +1186,10 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         captured.graph.replay()
         return captured.logits.view((picked,) + captured.logits.shape[1:])
 
-    def _graph_shape(self, batch: Batch, kv: Any) -> tuple[int, int, bool] | None:
-        """(token bucket, logits bucket, decode rows only) of the graph that runs ``batch``, or None to run it
-        eagerly. Up to 64 tokens a graph computes every token's logits (decode and speculative steps); past that, a
-        bucket of the rows the batch asks for. A batch of one-token rows of distinct slots has graphs of its own,
-        whose attention ropes and writes the KV in its launch (``_one_token_per_slot``)."""
+    def _graph_shape(self, batch: Batch, kv: Any) -> tuple[int, int] | None:
+        """(token bucket, logits bucket) of the graph that runs ``batch``, or None to run it eagerly. Up to 64
+        tokens a graph computes every token's logits (decode and speculative steps); past that, a bucket of
+        the rows the batch asks for."""
         n = len(batch)
         if not self.graphs or not isinstance(kv, KVCache) or n > TOKEN_BUCKETS[-1]:
             return None
@@ -1281,14 +1201,14 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         tokens = next(b for b in TOKEN_BUCKETS if b >= n)
         wanted = len(batch.logit_index)
         logits = tokens if tokens <= LOGIT_BUCKETS[-1] else next((b for b in LOGIT_BUCKETS if b >= wanted), tokens)
-        return tokens, logits, _one_token_per_slot(batch)
+        return tokens, logits
 
-    def _capture(self, forward: Callable, kv: KVCache, tokens: int, logits: int, decode: bool) -> _Captured:
+    def _capture(self, forward: Callable, kv: KVCache, tokens: int, logits: int) -> _Captured:
         self._sync_pages(kv)
         pool = driver.Pool(self.device, self._grew, self.pool.poison)
         inputs_block = pool.take((3 * tokens + logits) * 4)
         inputs = DeviceArray(inputs_block.ptr, (3 * tokens + logits,), I32, inputs_block)
-        batch = Batch([Row(i if decode else 0, 0, np.zeros(1, np.int64)) for i in range(tokens)])
+        batch = Batch([Row(0, 0, np.zeros(1, np.int64)) for _ in range(tokens)])
         batch.logit_index = np.zeros(logits, np.int64)
         view = lambda i, length=tokens: inputs.view((length,), i * tokens)
         self._inputs[id(batch.tokens)] = (batch.tokens, view(0))
@@ -1328,10 +1248,3 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
 def _threads(work: int) -> int:
     """Threads for a block that strides over ``work`` items: a multiple of 32 from 32 to 256."""
     return max(32, min(256, -(-work // 32) * 32))
-
-
-def _one_token_per_slot(batch: Batch) -> bool:
-    """Whether each row is one token of a slot no other row has (decode rows): a token's attention then reads
-    no key another token of the step writes (rope_attention). A graph is captured for such batches apart
-    (``_graph_shape``), its rows in slots of their own; others with every row in slot 0."""
-    return all(len(r.tokens) == 1 for r in batch.rows) and len({r.slot for r in batch.rows}) == len(batch.rows)

@@ -56,32 +56,13 @@ template <typename F> __device__ __forceinline__ void kv_put(u16* c, u16*, i64 a
 // d = max|x| / 127 in float32, q = x / d (a true division, not x * (1 / d)), then floor(|q| + 0.5)
 // with q's sign (ggml's roundf but for |q| = 0.5 - 2^-25, which this rounds up as numpy does); the
 // scale is d rounded to f16 (q uses the unrounded d, as ggml's quantize_row_q8_0).
-__device__ __forceinline__ i8 q8_round(float v, float& d) {  // a full warp, lane i holding value i of a block
-    d = warp_max(fabsf(v)) / 127.0f;
-    const float q = d > 0.0f ? v / d : 0.0f;
-    return (i8)copysignf(floorf(fabsf(q) + 0.5f), q);
-}
 template <typename F> __device__ __forceinline__ void kv_put(i8* c, u16* s, i64 at, int n, F x) {
     const int lane = threadIdx.x & 31;
     for (int b = threadIdx.x >> 5; b < n >> 5; b += blockDim.x >> 5) {  // warp-uniform: full-warp shuffles
-        float d;
-        c[at + 32 * b + lane] = q8_round(x(32 * b + lane), d);
+        const float v = x(32 * b + lane), d = warp_max(fabsf(v)) / 127.0f;
+        const float q = d > 0.0f ? v / d : 0.0f;
+        c[at + 32 * b + lane] = (i8)copysignf(floorf(fabsf(q) + 0.5f), q);
         if (lane == 0) s[(at >> 5) + b] = f32_to_f16(d);
-    }
-}
-// What a row of n values that kv_put stored reads back through kv_load: x[i] replaced in place by it (shared
-// memory; all threads of the block take part). A fused kernel that writes a key and attends to it in the same
-// launch uses these, as another block may not have written the cache yet.
-__device__ __forceinline__ void kv_stored(const float*, float*, int) {}
-__device__ __forceinline__ void kv_stored(const u16*, float* x, int n) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] = f16_to_f32(f32_to_f16(x[i]));
-}
-__device__ __forceinline__ void kv_stored(const i8*, float* x, int n) {
-    const int lane = threadIdx.x & 31;
-    for (int b = threadIdx.x >> 5; b < n >> 5; b += blockDim.x >> 5) {
-        float d;
-        const i8 q = q8_round(x[32 * b + lane], d);
-        x[32 * b + lane] = (float)q * f16_to_f32(f32_to_f16(d));
     }
 }
 
@@ -91,25 +72,6 @@ __device__ __forceinline__ void sink_join(float s, float mx, float& sum, float& 
     const float top = fmaxf(mx, s), f = expf(mx - top);
     sum = sum * f + expf(s - top);
     a *= f;
-}
-
-// Output d of one (token, head) from its nsplit partial states: (max, sum) at ml[2z], ml[2z + 1], the
-// unnormalized sums at acc[z * dv + d]; `sink` (or null) the head's sink logit. Loads bypass L1: in a fused
-// combine (attention_finish) other blocks of the same launch wrote them.
-__device__ __forceinline__ float merge_splits(const float* ml, const float* acc, int nsplit, int dv, int d,
-                                              const float* sink) {
-    float mx = NEG_INF, sum = 0.0f, a = 0.0f;
-    for (int z = 0; z < nsplit; ++z) mx = fmaxf(mx, __ldcg(ml + 2 * z));
-    for (int z = 0; z < nsplit; ++z) {
-        const float lz = __ldcg(ml + 2 * z + 1);
-        if (lz > 0.0f) {
-            const float f = expf(__ldcg(ml + 2 * z) - mx);
-            sum += lz * f;
-            a += __ldcg(acc + (i64)z * dv + d) * f;
-        }
-    }
-    if (sink) sink_join(*sink, mx, sum, a);
-    return sum > 0.0f ? a / sum : 0.0f;
 }
 
 // The end of an attention block whose 4 warps each ran an online softmax over their share of the keys
@@ -160,34 +122,5 @@ __device__ __forceinline__ void attention_store(const float (&m)[GB], const floa
                 part_ml[2 * (th * nsplit + z) + 1] = sum;
             }
         }
-    }
-}
-
-// attention_store, then, with several splits and `counter` (a zeroed int per (token, KV head, head chunk)),
-// the combine in the same launch: every block of the chunk takes a ticket after its partial states are out;
-// the last one merges the splits of its live heads (as attention_combine) and zeroes the counter for the next
-// launch (a replayed graph's too).
-template <int GB, int DL>
-__device__ __forceinline__ void attention_finish(const float (&m)[GB], const float (&l)[GB], const float (&acc)[GB][DL],
-                                                 int live, i64 th0, int heads, int dv, int z, int nsplit,
-                                                 const float* __restrict__ sinks, float* __restrict__ out,
-                                                 float* part_ml, float* part_acc, int* counter) {
-    attention_store<GB, DL>(m, l, acc, live, th0, heads, dv, z, nsplit, sinks, out, part_ml, part_acc);
-    if (nsplit == 1 || counter == nullptr) return;
-    __shared__ int last;
-    __threadfence();  // this thread's partial sums are visible device-wide before the block's ticket
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(counter, 1) == nsplit - 1;
-        if (last) *counter = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int idx = threadIdx.x; idx < live * dv; idx += blockDim.x) {
-        const i64 th = th0 + idx / dv;
-        const int d = idx % dv;
-        out[th * dv + d] = merge_splits(part_ml + th * nsplit * 2, part_acc + th * nsplit * dv, nsplit, dv, d,
-                                        sinks ? sinks + th % heads : nullptr);
     }
 }

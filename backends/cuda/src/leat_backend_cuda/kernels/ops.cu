@@ -52,49 +52,33 @@ extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float
     if (threadIdx.x == 0) xscale[blockIdx.x] = ldexpf(1.0f, -shift);
 }
 
-// RoPE: pair i < dims/2 of a head is (i, i + dims/2) with neox, else (2i, 2i+1), rotated by angle
-// pos * inv_freq[i] (inv_freq from the host in float64, position scaling and frequency factors folded in),
-// cos and sin times `magnitude` (RopeSpec.attn_factor). Angles and their sines are computed in float64, as
-// the oracle does; elements past `dims` are kept. The rotation's products are rounded one by one (no FMA
-// contraction), so every kernel that ropes gets the same bits.
-__device__ __forceinline__ void rope_angle(double p, double inv_freq, float magnitude, float& cf, float& sf) {
-    double s, c;
-    sincos(p * inv_freq, &s, &c);
-    cf = (float)(c * magnitude);
-    sf = (float)(s * magnitude);
-}
-// Pair i of the head at x into y (may be x): rotated where i < dims/2 (its cos and sin `cf`, `sf`), else copied.
-__device__ __forceinline__ void rope_pair(const float* x, float* y, int i, int dims, int neox, float cf, float sf) {
-    const int half = dims / 2;
-    if (i < half) {
-        const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-        const float xa = x[a], xb = x[b];
-        y[a] = __fadd_rn(__fmul_rn(xa, cf), -__fmul_rn(xb, sf));
-        y[b] = __fadd_rn(__fmul_rn(xa, sf), __fmul_rn(xb, cf));
-    } else {
-        y[2 * i] = x[2 * i];
-        y[2 * i + 1] = x[2 * i + 1];
-    }
-}
-
-// RoPE on x [n, heads, head_dim]; an odd head's last element is copied. One block per (token, head).
+// RoPE on x [n, heads, head_dim]: pair i < dims/2 is (i, i + dims/2) with neox, else (2i, 2i+1),
+// rotated by angle pos * inv_freq[i] (inv_freq from the host in float64, position scaling and
+// frequency factors folded in), cos and sin times `magnitude` (RopeSpec.attn_factor). Angles and
+// their sines are computed in float64, as the oracle does; elements past `dims` are copied. One
+// block per (token, head).
 extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__ y, const int* __restrict__ pos,
                                 const double* __restrict__ inv_freq, int heads, int head_dim, int dims, int neox,
                                 float magnitude) {
     const i64 base = (i64)blockIdx.x * head_dim;
     const double p = (double)pos[blockIdx.x / heads];
+    const int half = dims / 2;
     for (int i = threadIdx.x; i < head_dim / 2; i += blockDim.x) {
-        float cf = 0.0f, sf = 0.0f;
-        if (i < dims / 2) rope_angle(p, inv_freq[i], magnitude, cf, sf);
-        rope_pair(x + base, y + base, i, dims, neox, cf, sf);
+        if (i < half) {
+            const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            double s, c;
+            sincos(p * inv_freq[i], &s, &c);
+            s *= magnitude;
+            c *= magnitude;
+            const float cf = (float)c, sf = (float)s, xa = x[base + a], xb = x[base + b];
+            y[base + a] = xa * cf - xb * sf;
+            y[base + b] = xa * sf + xb * cf;
+        } else {
+            y[base + 2 * i] = x[base + 2 * i];
+            y[base + 2 * i + 1] = x[base + 2 * i + 1];
+        }
     }
     if ((head_dim & 1) && threadIdx.x == 0) y[base + head_dim - 1] = x[base + head_dim - 1];
-}
-
-// The token's cos and sin (rope_angle) for pairs i < dims/2 into cs, sn; all threads of the block take part.
-__device__ __forceinline__ void rope_table(int pos, const double* __restrict__ inv_freq, int dims, float magnitude,
-                                           float* cs, float* sn) {
-    for (int i = threadIdx.x; i < dims / 2; i += blockDim.x) rope_angle((double)pos, inv_freq[i], magnitude, cs[i], sn[i]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -119,49 +103,42 @@ __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ 
     kv_put(vc, vs, row * dv, kv_heads * dv, [=](int i) { return vt[i]; });
 }
 
-// RoPE of a step's queries and keys and the KV write in one launch, for attention to read after it: one block
-// per token; q roped into qo; k roped into shared memory (kv_heads * dk <= ROPE_KV_KEYS floats, heads of up to
-// 256 dimensions) and stored with v as kv_write stores them.
-#define ROPE_KV_KEYS 8192
-template <typename KV>
-__global__ void rope_kv_write(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                              float* __restrict__ qo, const double* __restrict__ inv_freq, int dims, int neox,
-                              float magnitude, KV* __restrict__ kc, KV* __restrict__ vc, u16* __restrict__ ks,
-                              u16* __restrict__ vs, const int* __restrict__ page_table,
-                              const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, int heads,
-                              int kv_heads, int dk, int dv, int pages_per_slot, int page_size) {
-    __shared__ float kr[ROPE_KV_KEYS], cs[128], sn[128];
-    const int t = blockIdx.x, slot = tok_slot[t], pos = tok_pos[t], pairs = dk / 2;
-    rope_table(pos, inv_freq, dims, magnitude, cs, sn);
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < (heads + kv_heads) * pairs; idx += blockDim.x) {
-        const int h = idx / pairs, i = idx % pairs;
-        const bool key = h >= heads;
-        const float* x = key ? k + ((i64)t * kv_heads + h - heads) * dk : q + ((i64)t * heads + h) * dk;
-        float* y = key ? kr + (h - heads) * dk : qo + ((i64)t * heads + h) * dk;
-        rope_pair(x, y, i, dims, neox, i < dims / 2 ? cs[i] : 0.0f, i < dims / 2 ? sn[i] : 0.0f);
-        if ((dk & 1) && i == 0) y[dk - 1] = x[dk - 1];
-    }
-    __syncthreads();
-    if (slot < 0) return;
-    const int page = page_table[(i64)slot * pages_per_slot + pos / page_size];
-    if (page < 0) return;
-    const i64 row = ((i64)page * page_size + pos % page_size) * kv_heads;
-    const float *kt = kr, *vt = v + (i64)t * kv_heads * dv;
-    kv_put(kc, ks, row * dk, kv_heads * dk, [=](int i) { return kt[i]; });
-    kv_put(vc, vs, row * dv, kv_heads * dv, [=](int i) { return vt[i]; });
-}
-
-// Keys [begin, end) of KV head kvh into the online-softmax states m, l, acc of the block's GB query heads qv
-// (see attention). Position `cur` (-1: none) is read from cur_k and cur_v, what the cache reads back once its
-// row is stored (kv_stored), not from the cache: a fused kernel attends to the key it writes in the same launch.
+// Causal (optionally windowed, soft-capped) attention of each token's query heads over its slot's
+// cached positions, grouped-query: a block serves one token, one KV head and up to GB of the query
+// heads that share it, over positions [z * split, (z + 1) * split) of its range (grid.z = splits).
+// Its 4 warps take turns over runs of 8 positions; a lane holds dims lane, lane + 32, ... (DL of them) of q,
+// k, v and the output; online softmax per head in float32. With one split the normalized output
+// is written; with several, (max, sum) and the unnormalized sums go to `part_*` for
+// attention_combine.
 template <typename KV, int DL, int GB>
-__device__ __forceinline__ void attend_keys(const float (&qv)[GB][DL], float (&m)[GB], float (&l)[GB],
-                                            float (&acc)[GB][DL], const KV* kc, const KV* vc, const u16* ks,
-                                            const u16* vs, const int* table, int kv_heads, int kvh, int dk, int dv,
-                                            int page_size, int begin, int end, float softcap, int cur,
-                                            const float* cur_k, const float* cur_v) {
+__global__ void __launch_bounds__(128) attention(
+    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const u16* __restrict__ ks,
+    const u16* __restrict__ vs, const int* __restrict__ page_table,
+    const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
+    float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
+    int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
+    const float* __restrict__ sinks) {
+    const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
+    const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int slot = tok_slot[t], pos = tok_pos[t];
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    const int begin = max(lo, z * split), end = slot < 0 ? 0 : min(pos + 1, (z + 1) * split);
+
+    float qv[GB][DL], m[GB], l[GB], acc[GB][DL];
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        const i64 h = (i64)kvh * group + g0 + g;
+#pragma unroll
+        for (int i = 0; i < DL; ++i) {
+            const int d = lane + 32 * i;
+            qv[g][i] = (g0 + g < group && d < dk) ? q[((i64)t * heads + h) * dk + d] * scale : 0.0f;
+            acc[g][i] = 0.0f;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+    }
+    const int* table = page_table + (i64)max(slot, 0) * pages_per_slot;
     // Each warp takes KB consecutive keys per step (positions begin + 4 * KB * step + KB * warp + j),
     // loading all of them before any arithmetic so their latencies overlap.
     constexpr int KB = 8;
@@ -174,8 +151,8 @@ __device__ __forceinline__ void attend_keys(const float (&qv)[GB][DL], float (&m
 #pragma unroll
             for (int i = 0; i < DL; ++i) {
                 const int d = lane + 32 * i;
-                kd[j][i] = d < dk ? (p == cur ? cur_k[d] : kv_load(kc, ks, row, dk, d)) : 0.0f;
-                vd[j][i] = d < dv ? (p == cur ? cur_v[d] : kv_load(vc, vs, row, dv, d)) : 0.0f;
+                kd[j][i] = d < dk ? kv_load(kc, ks, row, dk, d) : 0.0f;
+                vd[j][i] = d < dv ? kv_load(vc, vs, row, dv, d) : 0.0f;
             }
         }
 #pragma unroll
@@ -196,132 +173,10 @@ __device__ __forceinline__ void attend_keys(const float (&qv)[GB][DL], float (&m
             }
         }
     }
+    attention_store<GB, DL>(m, l, acc, min(GB, group - g0), (i64)t * heads + (i64)kvh * group + g0, heads, dv, z,
+                            nsplit, sinks, out, part_ml, part_acc);
 }
 
-// What every attention kernel takes after its queries and its cache (K, V, q8_0's scale planes).
-#define ATTENTION_PARAMS                                                                                          \
-    const int *__restrict__ page_table, const int *__restrict__ tok_slot, const int *__restrict__ tok_pos,       \
-        float *__restrict__ out, float *part_ml, float *part_acc, int *counters, int heads, int kv_heads, int dk, \
-        int dv, int pages_per_slot, int page_size, int window, int split, float scale, float softcap,            \
-        const float *__restrict__ sinks
-
-// What every attention block knows first: its token t, KV head kvh, first query head g0 of the group, split z
-// of nsplit, the token's slot and position, and its positions [begin, end) (empty for a padding token).
-#define ATTENTION_BLOCK                                                                                 \
-    const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;          \
-    const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;                            \
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;                                        \
-    const int slot = tok_slot[t], pos = tok_pos[t];                                                    \
-    const int lo = window > 0 ? max(0, pos - window + 1) : 0;                                          \
-    const int begin = max(lo, z * split), end = slot < 0 ? 0 : min(pos + 1, (z + 1) * split);          \
-    const int* table = page_table + (i64)max(slot, 0) * pages_per_slot;                                \
-    int* counter = counters ? counters + (i64)t * gridDim.y + blockIdx.y : nullptr;                    \
-    (void)lane, (void)warp
-
-// The running states of the block's query heads, empty.
-#define ATTENTION_STATES                      \
-    float m[GB], l[GB], acc[GB][DL];          \
-    _Pragma("unroll") for (int g = 0; g < GB; ++g) { \
-        m[g] = NEG_INF;                       \
-        l[g] = 0.0f;                          \
-        _Pragma("unroll") for (int i = 0; i < DL; ++i) acc[g][i] = 0.0f; \
-    }
-
-// Causal (optionally windowed, soft-capped) attention of each token's query heads over its slot's
-// cached positions, grouped-query: a block serves one token, one KV head and up to GB of the query
-// heads that share it, over positions [z * split, (z + 1) * split) of its range (grid.z = splits).
-// Its 4 warps take turns over runs of 8 positions; a lane holds dims lane, lane + 32, ... (DL of them) of q,
-// k, v and the output; online softmax per head in float32. With one split the normalized output
-// is written; with several, (max, sum) and the unnormalized sums go to `part_*`, merged by
-// attention_combine, or in this launch where `counters` is given (attention_finish).
-template <typename KV, int DL, int GB>
-__global__ void __launch_bounds__(128) attention(const float* __restrict__ q, const KV* __restrict__ kc,
-                                                 const KV* __restrict__ vc, const u16* __restrict__ ks,
-                                                 const u16* __restrict__ vs, ATTENTION_PARAMS) {
-    ATTENTION_BLOCK;
-    ATTENTION_STATES;
-    float qv[GB][DL];
-#pragma unroll
-    for (int g = 0; g < GB; ++g) {
-        const i64 h = (i64)kvh * group + g0 + g;
-#pragma unroll
-        for (int i = 0; i < DL; ++i) {
-            const int d = lane + 32 * i;
-            qv[g][i] = (g0 + g < group && d < dk) ? q[((i64)t * heads + h) * dk + d] * scale : 0.0f;
-        }
-    }
-    attend_keys<KV, DL, GB>(qv, m, l, acc, kc, vc, ks, vs, table, kv_heads, kvh, dk, dv, page_size, begin, end,
-                            softcap, -1, nullptr, nullptr);
-    attention_finish<GB, DL>(m, l, acc, min(GB, group - g0), (i64)t * heads + (i64)kvh * group + g0, heads, dv, z,
-                             nsplit, sinks, out, part_ml, part_acc, counter);
-}
-
-// attention for a step whose tokens are each their slot's only token (decode rows), with RoPE and the KV write
-// in the same launch: q and k come as the projections left them (one rope spec, dims <= dk), or with `normed`
-// before their per-head RMS norms (weights q_norm and k_norm or null, one eps). Each block ropes
-// its query heads and its KV head's key in shared memory (the token's cos and sin computed once); the block of
-// head chunk 0 and split 0 stores the key and value (kv_put); every block attends to the token's own position
-// from shared memory, as the cache reads it back (kv_stored), so no block waits for another's store. Otherwise
-// as attention (the same key loop, so the same results as rope, kv_write and attention launched one by one).
-template <typename KV, int DL, int GB>
-__global__ void __launch_bounds__(128) rope_attention(const float* __restrict__ q, const float* __restrict__ k,
-                                                      const float* __restrict__ v, const double* __restrict__ inv_freq,
-                                                      int dims, int neox, float magnitude, int normed,
-                                                      const float* __restrict__ q_norm,
-                                                      const float* __restrict__ k_norm, float eps, KV* kc, KV* vc,
-                                                      u16* ks, u16* vs, ATTENTION_PARAMS) {
-    __shared__ __align__(16) float sq[GB][DL * 32], sk[DL * 32], sv[DL * 32], cs[DL * 16], sn[DL * 16];
-    ATTENTION_BLOCK;
-    ATTENTION_STATES;
-    rope_table(pos, inv_freq, dims, magnitude, cs, sn);
-    for (int idx = threadIdx.x; idx < (GB + 2) * DL * 32; idx += blockDim.x) {
-        const int r = idx / (DL * 32), d = idx % (DL * 32);
-        if (r < GB)
-            sq[r][d] = (g0 + r < group && d < dk) ? q[((i64)t * heads + (i64)kvh * group + g0 + r) * dk + d] : 0.0f;
-        else if (r == GB)
-            sk[d] = d < dk ? k[((i64)t * kv_heads + kvh) * dk + d] : 0.0f;
-        else
-            sv[d] = d < dv ? v[((i64)t * kv_heads + kvh) * dv + d] : 0.0f;
-    }
-    __syncthreads();
-    if (normed) {  // each head's RMS norm first (Qwen3's q and k norms), as rms_norm with the block's 128 threads
-        for (int r = 0; r <= GB; ++r) {
-            float* x = r < GB ? sq[r] : sk;
-            const float* w = r < GB ? q_norm : k_norm;
-            const float f = rms_factor(x, dk, eps);
-            for (int d = threadIdx.x; d < dk; d += blockDim.x) x[d] = w ? x[d] * f * w[d] : x[d] * f;
-            __syncthreads();
-        }
-    }
-    for (int idx = threadIdx.x; idx < (GB + 1) * (dk / 2); idx += blockDim.x) {
-        const int r = idx / (dk / 2), i = idx % (dk / 2);
-        float* x = r < GB ? sq[r] : sk;
-        rope_pair(x, x, i, dims, neox, i < dims / 2 ? cs[i] : 0.0f, i < dims / 2 ? sn[i] : 0.0f);
-    }
-    __syncthreads();
-    if (slot >= 0 && blockIdx.y < kv_heads && z == 0) {
-        const int page = table[pos / page_size];
-        if (page >= 0) {
-            const i64 row = ((i64)page * page_size + pos % page_size) * kv_heads + kvh;
-            const float *kt = sk, *vt = sv;
-            kv_put(kc, ks, row * dk, dk, [=](int i) { return kt[i]; });
-            kv_put(vc, vs, row * dv, dv, [=](int i) { return vt[i]; });
-        }
-    }
-    __syncthreads();  // the store has read sk and sv before they are rounded in place
-    kv_stored(kc, sk, dk);
-    kv_stored(vc, sv, dv);
-    __syncthreads();
-    float qv[GB][DL];
-#pragma unroll
-    for (int g = 0; g < GB; ++g)
-#pragma unroll
-        for (int i = 0; i < DL; ++i) qv[g][i] = sq[g][lane + 32 * i] * scale;
-    attend_keys<KV, DL, GB>(qv, m, l, acc, kc, vc, ks, vs, table, kv_heads, kvh, dk, dv, page_size, begin, end,
-                            softcap, slot < 0 ? -1 : pos, sk, sv);
-    attention_finish<GB, DL>(m, l, acc, min(GB, group - g0), (i64)t * heads + (i64)kvh * group + g0, heads, dv, z,
-                             nsplit, sinks, out, part_ml, part_acc, counter);
-}
 
 // The same attention with one key per lane: each warp takes 32 consecutive keys at a time, every
 // lane computing its key's full dot products with the GB query heads (q in shared memory), then a
@@ -330,17 +185,34 @@ __global__ void __launch_bounds__(128) rope_attention(const float* __restrict__ 
 // FMAs in flight (the per-key warp reductions of `attention` leave it waiting on latency when the
 // keys are many, as in a prefill).
 template <typename KV, int DL, int GB>
-__global__ void __launch_bounds__(128) attention_wide(const float* __restrict__ q, const KV* __restrict__ kc,
-                                                      const KV* __restrict__ vc, const u16* __restrict__ ks,
-                                                      const u16* __restrict__ vs, ATTENTION_PARAMS) {
+__global__ void __launch_bounds__(128) attention_wide(
+    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const u16* __restrict__ ks,
+    const u16* __restrict__ vs, const int* __restrict__ page_table,
+    const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
+    float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
+    int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
+    const float* __restrict__ sinks) {
     __shared__ __align__(16) float sq[GB][DL * 32];
-    ATTENTION_BLOCK;
+    const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
+    const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int slot = tok_slot[t], pos = tok_pos[t];
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    const int begin = max(lo, z * split), end = slot < 0 ? 0 : min(pos + 1, (z + 1) * split);
     for (int idx = threadIdx.x; idx < GB * DL * 32; idx += blockDim.x) {
         const int g = idx / (DL * 32), d = idx % (DL * 32);
         sq[g][d] = (g0 + g < group && d < dk) ? q[((i64)t * heads + (i64)kvh * group + g0 + g) * dk + d] * scale : 0.0f;
     }
     __syncthreads();
-    ATTENTION_STATES;
+    float m[GB], l[GB], acc[GB][DL];
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DL; ++i) acc[g][i] = 0.0f;
+    }
+    const int* table = page_table + (i64)max(slot, 0) * pages_per_slot;
     for (int p0 = begin + 32 * warp; p0 < end; p0 += 128) {
         const int p = min(p0 + lane, end - 1);
         const i64 row = ((i64)table[p / page_size] * page_size + p % page_size) * kv_heads + kvh;
@@ -385,8 +257,8 @@ __global__ void __launch_bounds__(128) attention_wide(const float* __restrict__ 
             }
         }
     }
-    attention_finish<GB, DL>(m, l, acc, min(GB, group - g0), (i64)t * heads + (i64)kvh * group + g0, heads, dv, z,
-                             nsplit, sinks, out, part_ml, part_acc, counter);
+    attention_store<GB, DL>(m, l, acc, min(GB, group - g0), (i64)t * heads + (i64)kvh * group + g0, heads, dv, z,
+                            nsplit, sinks, out, part_ml, part_acc);
 }
 
 // Merges the splits of attention: one block per (token, head); `sinks` (or null) as in attention.
@@ -394,9 +266,21 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_ml, 
                                              float* __restrict__ out, int nsplit, int dv,
                                              const float* __restrict__ sinks, int heads) {
     const i64 th = blockIdx.x;
-    for (int d = threadIdx.x; d < dv; d += blockDim.x)
-        out[th * dv + d] = merge_splits(part_ml + th * nsplit * 2, part_acc + th * nsplit * dv, nsplit, dv, d,
-                                        sinks ? sinks + th % heads : nullptr);
+    const float* ml = part_ml + th * nsplit * 2;
+    float mx = NEG_INF;
+    for (int z = 0; z < nsplit; ++z) mx = fmaxf(mx, ml[2 * z]);
+    for (int d = threadIdx.x; d < dv; d += blockDim.x) {
+        float sum = 0.0f, a = 0.0f;
+        for (int z = 0; z < nsplit; ++z) {
+            if (ml[2 * z + 1] > 0.0f) {
+                const float f = expf(ml[2 * z] - mx);
+                sum += ml[2 * z + 1] * f;
+                a += part_acc[(th * nsplit + z) * dv + d] * f;
+            }
+        }
+        if (sinks) sink_join(sinks[th % heads], mx, sum, a);
+        out[th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
