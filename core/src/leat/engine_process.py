@@ -16,7 +16,6 @@ Logits processors are functions and do not cross processes: a processor that sho
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib
 import itertools
@@ -318,7 +317,7 @@ class RemoteEngine:
         self._lock = threading.Lock()
         self._conn: Connection | None = None
         self._handles: dict[int, RemoteHandle] = {}
-        self._waiting: dict[int, Callable[[Any], None]] = {}  # rid or cid -> what takes its answer (None: lost)
+        self._waiting: dict[int, list[Any]] = {}  # rid or cid -> [threading.Event, answer]
         self._encoder = msgspec.msgpack.Encoder()
         self.info: dict[str, Any] = self.call("describe")
 
@@ -340,27 +339,12 @@ class RemoteEngine:
 
     def submit(self, request: GenerationRequest, **_: Any) -> RemoteHandle:
         rid = next(self._ids)
-        handle = self._handles[rid] = RemoteHandle(rid, self)
-        return self._accepted(handle, self._ask(rid, self._submit_message(rid, request)))
-
-    async def submit_async(self, request: GenerationRequest) -> RemoteHandle:
-        """:meth:`submit` from an event loop, which goes on while the engine answers: a burst's requests reach
-        the engine together rather than one round trip after another. A caller cancelled before the answer
-        cancels the request."""
-        rid = next(self._ids)
-        handle = self._handles[rid] = RemoteHandle(rid, self)
-        try:
-            answer = await self._ask_async(rid, self._submit_message(rid, request))
-        except asyncio.CancelledError:  # nobody reads it: the engine drops it (its last event goes nowhere)
-            handle.cancel()
-            self._handles.pop(rid, None)
-            raise
-        return self._accepted(handle, answer)
-
-    def _accepted(self, handle: RemoteHandle, answer: Accepted) -> RemoteHandle:
+        handle = RemoteHandle(rid, self)
+        self._handles[rid] = handle
+        answer = self._ask(rid, self._submit_message(rid, request))
         if answer.refused is None:
             return handle
-        self._handles.pop(handle.id, None)
+        self._handles.pop(rid, None)
         if answer.refused == "overloaded":
             raise Overloaded(answer.message, retry_after=answer.retry_after)
         if answer.refused == "too_long":
@@ -453,32 +437,16 @@ class RemoteEngine:
                 raise EngineUnavailable(f"the engine process went away ({e}); retry shortly") from None
 
     def _ask(self, key: int, message: ToEngine) -> Any:
-        answered, box = threading.Event(), [None]
-
-        def take(answer: Any) -> None:
-            box[0] = answer
-            answered.set()
-
-        self._waiting[key] = take
+        waiter = self._waiting[key] = [threading.Event(), None]
         try:
             self._send(message)
-            if not answered.wait(self.timeout):
+            if not waiter[0].wait(self.timeout):
                 raise EngineUnavailable(f"the engine process did not answer within {self.timeout:.0f} s")
         finally:
             self._waiting.pop(key, None)
-        return _answered(box[0])
-
-    async def _ask_async(self, key: int, message: ToEngine) -> Any:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._waiting[key] = lambda answer: _settle_soon(loop, future, answer)
-        try:
-            self._send(message)
-            return _answered(await asyncio.wait_for(future, self.timeout))
-        except TimeoutError:
-            raise EngineUnavailable(f"the engine process did not answer within {self.timeout:.0f} s") from None
-        finally:
-            self._waiting.pop(key, None)
+        if waiter[1] is None:
+            raise EngineUnavailable("the engine process went away before it answered; retry shortly")
+        return waiter[1]
 
     def _read(self, conn: Connection) -> None:
         decoder = msgspec.msgpack.Decoder(ToFrontend)
@@ -491,7 +459,8 @@ class RemoteEngine:
                     key = message.rid if isinstance(message, Accepted) else message.cid
                     waiter = self._waiting.get(key)
                     if waiter is not None:
-                        waiter(message)
+                        waiter[1] = message
+                        waiter[0].set()
         except (EOFError, OSError):
             pass
         self._lost(conn)
@@ -515,24 +484,7 @@ class RemoteEngine:
         message = "the engine process stopped; the request was not finished (retry it)"
         deliver([(h, Event("error", error=message, fault="unavailable")) for h in handles.values()])
         for waiter in list(self._waiting.values()):
-            waiter(None)
-
-
-def _answered(answer: Any) -> Any:
-    if answer is None:
-        raise EngineUnavailable("the engine process went away before it answered; retry shortly")
-    return answer
-
-
-def _settle_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], answer: Any) -> None:
-    """Give ``future`` its answer on its own loop (called from the link's reader thread)."""
-
-    def settle() -> None:
-        if not future.done():
-            future.set_result(answer)
-
-    with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-        loop.call_soon_threadsafe(settle)
+            waiter[0].set()
 
 
 def serve_engine(engine: Engine, address: str, authkey: bytes, ready: Callable[[str], None] | None = None) -> None:

@@ -217,10 +217,7 @@ class Service:
         if job.images:
             request["images"] = job.images
         try:
-            if submit_async := getattr(self.engine, "submit_async", None):  # an engine process: never block the loop
-                handle = await submit_async(GenerationRequest(**request))
-            else:  # an engine in this process queues the request at once
-                handle = self.engine.submit(GenerationRequest(**request))
+            handle = self.engine.submit(GenerationRequest(**request))
         except EngineUnavailable as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
         except LeatError as e:
