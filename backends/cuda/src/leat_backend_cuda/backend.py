@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -278,12 +277,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         self._halves: OrderedDict[int, tuple[DeviceArray, DeviceArray, DeviceArray]] = OrderedDict()
         self._captured: dict[tuple, _Captured] = {}
         self.flat_attention_budget = FLAT_ATTENTION_BUDGET
-        #: gemv_q: the first loads of a block's rows issued before x is quantized (LEAT_CUDA_GEMV_AHEAD=0: after);
-        #: for one token without the gated unit, an instantiation (rows per warp, units per lane) in place of
-        #: quants.gemv_q_shape's; blocks per multiprocessor (None: as many as fit)
-        self.gemv_ahead = os.environ.get("LEAT_CUDA_GEMV_AHEAD", "1") != "0"
-        self.gemv_shape: tuple[int, int] | None = None
-        self.gemv_blocks: int | None = None
         self._uncapturable: set[tuple] = set()  # graph keys whose capture failed: those shapes run eagerly
         self._capturing = False
         self.graph_failures: list[str] = []
@@ -739,12 +732,10 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         first = segments[0][0]
         outs = [out] if out is not None else [self._empty(x.shape[:-1] + (w.rows,)) for w, _ in segments]
         shape = quants.gemv_q_shape(n, mode, sum(w.rows for w, _ in segments), k)
-        if self.gemv_shape and n == 1 and not mode & quants.GEMV_Q_GLU:
-            shape = self.gemv_shape
         kernel = first.kernels[quants.gemv_q_name(first.qtype, n, shape, mode)]
         smem = quants.gemv_q_smem(first.qtype, n, k)
         groups = sum(-(-w.rows // (4 * shape[0])) for w, _ in segments)
-        grid = min(groups, self.device.sm_count * (self.gemv_blocks or kernel.occupancy(128, smem)))
+        grid = min(groups, self.device.sm_count * kernel.occupancy(128, smem))
         padded = list(zip(segments, outs)) + [((None, None), None)] * (3 - len(segments))
         weights = [s[0] for s, _ in padded]
         second = up if up is not None else weights[1]
@@ -763,7 +754,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             float(eps),
             *[w.rows if w else 0 for w in weights],
             k,
-            int(self.gemv_ahead),
             smem=smem,
         )
         return outs

@@ -75,7 +75,7 @@ GEMV_Q_NORM, GEMV_Q_GLU = 1, 2
 GEMV_Q_FUSED_TOKENS = 2
 #: (tokens, rows per warp, units per lane, mode) of every gemv_q instantiation
 GEMV_Q_VARIANTS = (
-    [(1, r, u, m) for r, u in ((8, 1), (4, 1), (2, 2), (4, 2), (2, 4)) for m in (0, 1)]
+    [(1, r, u, m) for r, u in ((8, 1), (4, 1), (2, 2)) for m in (0, 1)]
     + [(1, r, u, m) for r, u in ((4, 1), (2, 2)) for m in (2, 3)]
     + [(2, 2, 2, m) for m in (0, 1, 2, 3)]
     + [(3, 2, 1, 0), (4, 2, 1, 0)]

@@ -91,9 +91,7 @@ __global__ void __launch_bounds__(128) gemv(const u8* __restrict__ w, i64 nb, co
 // Without GLU, up to three matrices of the same type and row length (q, k and v) are done in one
 // launch: segment s is (w, nb, y, bias, M) for s = 0 and the numbered parameters for s = 1, 2
 // (M2 = M3 = 0 when unused). The grid is persistent: each block loops over groups of 4R rows of
-// every segment, so x is quantized once per block, not once per 4R rows. With `ahead`, a warp issues
-// the first loads of its first group's rows before x is quantized, so that their latency overlaps the
-// quantization (a block of one group would otherwise wait for x, then for its weights).
+// every segment, so x is quantized once per block, not once per 4R rows.
 #define NORM 1
 #define GLU 2
 template <class T, int NC, int R, int U, int MODE>
@@ -101,50 +99,10 @@ __global__ void __launch_bounds__(128) gemv_q(
     const u8* __restrict__ w, const u8* __restrict__ w2, const u8* __restrict__ w3, i64 nb, i64 nb2, i64 nb3,
     const float* __restrict__ x, float* __restrict__ y, float* __restrict__ y2, float* __restrict__ y3,
     const float* __restrict__ bias, const float* __restrict__ bias2, const float* __restrict__ bias3,
-    const float* __restrict__ res, const float* __restrict__ nw, float eps, int M, int M2, int M3, int K, int ahead) {
+    const float* __restrict__ res, const float* __restrict__ nw, float eps, int M, int M2, int M3, int K) {
     constexpr int QG = T::UV / 8, NR = T::NR, RL = T::RL, RR = (MODE & GLU) ? 2 * R : R;
     extern __shared__ uint4 xsh[];
     const int bpr = K / T::BLOCK, upr = bpr * T::UNITS, lines = (upr + 31) >> 5;
-    const int lane = threadIdx.x & 31;
-    const int g1 = (M + 4 * R - 1) / (4 * R), g2 = g1 + (M2 + 4 * R - 1) / (4 * R), groups = g2 + (M3 + 4 * R - 1) / (4 * R);
-    // The warp's rows of `group`: segment seg's matrix ws (wu: the up matrix of the gated unit), rows row0 ... row0 + R - 1
-    // of its Ms (none where row0 >= Ms), each row's first block at first[r].
-    struct Rows {
-        int seg, Ms, row0;
-        const u8 *ws, *wu;
-        i64 nbs, first[R];
-    };
-    auto rows_of = [&](int group) {
-        Rows g;
-        g.seg = group < g1 ? 0 : group < g2 ? 1 : 2;
-        g.ws = g.seg == 0 ? w : g.seg == 1 ? w2 : w3;
-        g.wu = (MODE & GLU) ? w2 : g.ws;
-        g.nbs = g.seg == 0 ? nb : g.seg == 1 ? nb2 : nb3;
-        g.Ms = g.seg == 0 ? M : g.seg == 1 ? M2 : M3;
-        g.row0 = ((group - (g.seg == 0 ? 0 : g.seg == 1 ? g1 : g2)) * 4 + (threadIdx.x >> 5)) * R;
-#pragma unroll
-        for (int r = 0; r < R; ++r) g.first[r] = (i64)min(g.row0 + r, g.Ms - 1) * bpr;
-        return g;
-    };
-    typename T::Raw raw[U][RR];
-    auto load = [&](const Rows& g, int base) {
-#pragma unroll
-        for (int s = 0; s < U; ++s) {
-            const int u = min(base + 32 * s, upr - 1);
-#pragma unroll
-            for (int r = 0; r < RR; ++r)
-                raw[s][r] = T::load(r < R ? g.ws : g.wu, g.nbs, g.first[r % R] + u / T::UNITS, u % T::UNITS);
-        }
-    };
-    bool primed = false;  // raw holds the loads of the block's first group, base = lane
-    // where a block's work is small: one token, few loads in flight, no gated unit (its rows are many)
-    if (NC == 1 && R * U <= 4 && !(MODE & GLU) && ahead && (int)blockIdx.x < groups) {
-        const Rows g = rows_of(blockIdx.x);
-        if (g.row0 < g.Ms) {
-            load(g, lane);
-            primed = true;
-        }
-    }
     uint4* xg = xsh;                                   // [NC][lines][QG][32]
     float* xs = (float*)(xsh + NC * lines * QG * 32);  // [NC][lines][NR][32]
     float* xsum = xs + NC * lines * NR * 32;           // [NC][lines][NR][32]
@@ -201,14 +159,21 @@ __global__ void __launch_bounds__(128) gemv_q(
     }
     __syncthreads();
 
+    const int lane = threadIdx.x & 31;
+    const int g1 = (M + 4 * R - 1) / (4 * R), g2 = g1 + (M2 + 4 * R - 1) / (4 * R), groups = g2 + (M3 + 4 * R - 1) / (4 * R);
     for (int group = blockIdx.x; group < groups; group += gridDim.x) {
-        const Rows g = rows_of(group);
-        const int seg = g.seg, Ms = g.Ms, row0 = g.row0;
-        const bool loaded = primed;  // the first group's first loads are in raw (lanes past upr have none to use)
-        primed = false;
+        const int seg = group < g1 ? 0 : group < g2 ? 1 : 2;
+        const u8* ws = seg == 0 ? w : seg == 1 ? w2 : w3;
+        const u8* wu = (MODE & GLU) ? w2 : ws;  // the up matrix of the gated unit
+        const i64 nbs = seg == 0 ? nb : seg == 1 ? nb2 : nb3;
         float* ys = seg == 0 ? y : seg == 1 ? y2 : y3;
         const float* bs = seg == 0 ? bias : seg == 1 ? bias2 : bias3;
+        const int Ms = seg == 0 ? M : seg == 1 ? M2 : M3;
+        const int row0 = ((group - (seg == 0 ? 0 : seg == 1 ? g1 : g2)) * 4 + (threadIdx.x >> 5)) * R;
         if (row0 >= Ms) continue;
+        i64 first[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) first[r] = (i64)min(row0 + r, Ms - 1) * bpr;
         float acc[RR][NC];
 #pragma unroll
         for (int r = 0; r < RR; ++r)
@@ -216,7 +181,14 @@ __global__ void __launch_bounds__(128) gemv_q(
             for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
 
         for (int base = lane; base < upr; base += 32 * U) {
-            if (!loaded || base != lane) load(g, base);
+            typename T::Raw raw[U][RR];
+#pragma unroll
+            for (int s = 0; s < U; ++s) {
+                const int u = min(base + 32 * s, upr - 1);
+#pragma unroll
+                for (int r = 0; r < RR; ++r)
+                    raw[s][r] = T::load(r < R ? ws : wu, nbs, first[r % R] + u / T::UNITS, u % T::UNITS);
+            }
 #pragma unroll
             for (int s = 0; s < U; ++s) {
                 const int u = base + 32 * s;
