@@ -151,24 +151,6 @@ __global__ void __launch_bounds__(128) gemv_grouped(const u8* __restrict__ w, i6
     }
 }
 
-// A unit of rows g and g + 8 (raw0, raw1) decoded once as the mma A fragments of its UV / 4 k-steps, as
-// matmul.cu's gemm_rows takes them: k-step j holds the quad's values 4j..4j+3, lane t's at fragment columns 2t,
-// 2t + 1, 2t + 8, 2t + 9 (a permutation of k that the B fragments follow); `keep` 0 blanks a unit past the end.
-template <class T>
-__device__ __forceinline__ void expert_fragments(const typename T::Raw& raw0, const typename T::Raw& raw1, int unit,
-                                                 float keep, u32 (&a)[T::UV / 4][4]) {
-    float v0[T::UV], v1[T::UV];
-    T::template decode<false>(raw0, unit, v0);
-    T::template decode<false>(raw1, unit, v1);
-#pragma unroll
-    for (int j = 0; j < T::UV / 4; ++j) {
-        a[j][0] = pack_f16x2(v0[4 * j] * keep, v0[4 * j + 1] * keep);
-        a[j][1] = pack_f16x2(v1[4 * j] * keep, v1[4 * j + 1] * keep);
-        a[j][2] = pack_f16x2(v0[4 * j + 2] * keep, v0[4 * j + 3] * keep);
-        a[j][3] = pack_f16x2(v1[4 * j + 2] * keep, v1[4 * j + 3] * keep);
-    }
-}
-
 // gemv_grouped's products on tensor cores, for prefill: block (i, y) takes chunk i of up to 8 * NT pairs of one
 // matrix e (the grouping of gemv_grouped with NC = 8 * NT) and rows [64 RT y, 64 RT (y + 1)) of it. x comes as f16
 // rows with a scale each (ops.cu's x_to_f16: x = xh * xscale); the chunk's pairs' rows are gathered into shared
@@ -245,7 +227,7 @@ __global__ void __launch_bounds__(128) gemm_grouped(
                     for (int h = 0; h < 2; ++h) raw[rs][h] = T::load(rs < RT ? w : w2, nb, wrow[rs % RT][h] + blk, unit);
                 u32 a[RS][J][4];
 #pragma unroll
-                for (int rs = 0; rs < RS; ++rs) expert_fragments<T>(raw[rs][0], raw[rs][1], unit, u < units ? 1.0f : 0.0f, a[rs]);
+                for (int rs = 0; rs < RS; ++rs) unit_fragments<T>(raw[rs][0], raw[rs][1], unit, u < units ? 1.0f : 0.0f, a[rs]);
                 const int base = (uc / T::UNITS) * T::BLOCK;  // the unit's block, from the piece's start
 #pragma unroll
                 for (int j = 0; j < J; ++j) {

@@ -234,24 +234,6 @@ __global__ void __launch_bounds__(128) gemv_q(
     }
 }
 
-// A unit of rows g and g + 8 (raw0, raw1) decoded once, as the mma A fragments of its UV / 4 k-steps: k-step j
-// takes the quad's values 4j..4j+3, lane t's at fragment columns 2t, 2t + 1, 2t + 8, 2t + 9 (gemm_few below says
-// why); `keep` 0 blanks a unit past a row's end.
-template <class T>
-__device__ __forceinline__ void unit_fragments(const typename T::Raw& raw0, const typename T::Raw& raw1, int unit,
-                                               float keep, u32 (&a)[T::UV / 4][4]) {
-    float v0[T::UV], v1[T::UV];
-    T::template decode<false>(raw0, unit, v0);
-    T::template decode<false>(raw1, unit, v1);
-#pragma unroll
-    for (int j = 0; j < T::UV / 4; ++j) {
-        a[j][0] = pack_f16x2(v0[4 * j] * keep, v0[4 * j + 1] * keep);
-        a[j][1] = pack_f16x2(v1[4 * j] * keep, v1[4 * j + 1] * keep);
-        a[j][2] = pack_f16x2(v0[4 * j + 2] * keep, v0[4 * j + 3] * keep);
-        a[j][3] = pack_f16x2(v1[4 * j + 2] * keep, v1[4 * j + 3] * keep);
-    }
-}
-
 // Y = X W^T (+ bias) for a few tokens (up to 8 * NT) on tensor cores, each weight read once: the
 // matrix-vector kernels' access pattern with mma.sync m16n8k16 in place of FMA. A block owns 16 * RT
 // weight rows; its 8 warps share out the rows' units, four consecutive units per step (one per lane

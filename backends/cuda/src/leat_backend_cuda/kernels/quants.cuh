@@ -868,3 +868,21 @@ struct TQ3_K {
     }
     static __device__ __forceinline__ int run_offset(int unit, int run) { return 128 * (unit >> 2) + 32 * run + 8 * (unit & 3); }
 };
+
+// A unit of rows g and g + 8 (raw0, raw1) decoded once, as the mma A fragments of its UV / 4 k-steps: k-step j
+// takes the quad's values 4j..4j+3, lane t's at fragment columns 2t, 2t + 1, 2t + 8, 2t + 9 (gemm_few in
+// matmul.cu says why; experts.cu's gemm_grouped takes them too); `keep` 0 blanks a unit past a row's end.
+template <class T>
+__device__ __forceinline__ void unit_fragments(const typename T::Raw& raw0, const typename T::Raw& raw1, int unit,
+                                               float keep, u32 (&a)[T::UV / 4][4]) {
+    float v0[T::UV], v1[T::UV];
+    T::template decode<false>(raw0, unit, v0);
+    T::template decode<false>(raw1, unit, v1);
+#pragma unroll
+    for (int j = 0; j < T::UV / 4; ++j) {
+        a[j][0] = pack_f16x2(v0[4 * j] * keep, v0[4 * j + 1] * keep);
+        a[j][1] = pack_f16x2(v1[4 * j] * keep, v1[4 * j + 1] * keep);
+        a[j][2] = pack_f16x2(v0[4 * j + 2] * keep, v0[4 * j + 3] * keep);
+        a[j][3] = pack_f16x2(v1[4 * j + 2] * keep, v1[4 * j + 3] * keep);
+    }
+}
