@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -148,12 +149,14 @@ def running_server(record: dict[str, Any]) -> Iterator[Callable[[dict[str, Any]]
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{os.getpid()}.json"
     current = {"pid": os.getpid(), "started": time.time(), **record}
+    lock = threading.Lock()  # a server's load threads update it at once: one writer of the .part file at a time
 
     def update(fields: dict[str, Any]) -> None:
-        current.update(fields)
-        partial = path.with_suffix(".part")  # replaced whole: a reader never sees half a file
-        partial.write_text(json.dumps(current))
-        partial.replace(path)
+        with lock:
+            current.update(fields)
+            partial = path.with_suffix(".part")  # replaced whole: a reader never sees half a file
+            partial.write_text(json.dumps(current))
+            partial.replace(path)
 
     update({})
     try:

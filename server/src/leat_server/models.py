@@ -273,7 +273,7 @@ class Models:
             with self._lock:
                 entry.size = size
             self._make_room(entry)
-            self.changed(self)
+            self._changed()
             service = self.load(entry.spec)
         except Exception as e:  # noqa: BLE001 - the model is marked failed with the reason; the others serve on
             message = str(e) if isinstance(e, LeatError) else f"{type(e).__name__}: {e}"
@@ -286,7 +286,7 @@ class Models:
                 entry.service, entry.state = service, "loaded"
                 entry.loaded_at, entry.last_used = time.time(), time.monotonic()
                 self._lock.notify_all()
-        self.changed(self)
+        self._changed()
 
     def _make_room(self, entry: Entry) -> None:
         """Unload the least recently used idle models until ``entry`` fits the budget beside the others."""
@@ -318,6 +318,13 @@ class Models:
             log.info("leat: unloading %s to make room for %s", victim.spec.name, entry.spec.name)
             self._stop(victim, service)
 
+    def _changed(self) -> None:
+        """Tell ``changed`` (the ``leat ps`` record) a state changed: its failure is logged, and fails no load."""
+        try:
+            self.changed(self)
+        except Exception as e:  # noqa: BLE001 - bookkeeping for `leat ps`; the models serve on
+            log.warning("leat: could not record the models' states: %s: %s", type(e).__name__, e)
+
     def _take(self, entry: Entry) -> Any:
         """Mark a loaded ``entry`` unloaded (no lease can be had on it from now) and return its service."""
         service, entry.service, entry.state, entry.loaded_at = entry.service, None, "unloaded", None
@@ -328,7 +335,7 @@ class Models:
         service.engine.stop()
         del service
         gc.collect()  # the weights and KV go now, before the next model is loaded into their room
-        self.changed(self)
+        self._changed()
 
     def _failed(self, entry: Entry) -> APIError:
         return APIError(
