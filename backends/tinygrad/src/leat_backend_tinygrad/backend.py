@@ -153,6 +153,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
     quant_types = frozenset(DEQUANTIZERS) | {Q.F32, Q.F16} | LOAD_DEQUANTIZED
     recurrent_state = True
     rewinds_drafts = True
+    bidirectional = True
 
     @classmethod
     def probe(cls) -> str | None:
@@ -231,6 +232,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
     def to_host(self, x: Tensor) -> np.ndarray:
         return x.numpy()
 
+    def from_host(self, x: np.ndarray) -> Tensor:
+        return self._tensor(np.asarray(x, dtype=np.float32))
+
     # -- steps under TinyJit --------------------------------------------------------------------------
     def run(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: Any) -> Any:
         """One forward step; a decode batch (one token per row) or a one-row prefill chunk runs under TinyJit.
@@ -252,6 +256,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         n = len(batch)
         if not self.jit or forward in self._eager or not isinstance(kv, KVCache):
             return forward(batch, kv)
+        if batch.inputs is not None or any(row.bidirectional for row in batch.rows):
+            return forward(batch, kv)  # an image's row (embeddings for inputs, attending both ways): once per image
         if kv.recurrent and any(self._drafting(row) for row in batch.rows):
             return forward(batch, kv)  # a verified draft keeps the state before it (deltanet.RecurrentState)
         if n == len(batch.rows) and n <= DECODE_BUCKETS[-1]:
@@ -322,9 +328,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         at least 16 or the longest), or None where it cannot: its tokens not on one run of adjacent storage rows, the padded
         rows past the cache's context or storage, or a q8_0 cache (whose padded rows' writes are not masked)."""
         row, n = batch.rows[0], len(batch)
-        if len(batch.rows) != 1 or kv.dtype == "q8_0" or not self.prefill_lengths or row.inputs is not None:
-            return None
-        if row.bidirectional:
+        if len(batch.rows) != 1 or kv.dtype == "q8_0" or not self.prefill_lengths:
             return None
         longest = max(self.prefill_lengths)
         bucket = max(min(16, longest), 1 << (n - 1).bit_length())
@@ -429,6 +433,13 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         y = x * ((x * x).mean(axis=-1, keepdim=True) + eps).rsqrt()
         return y * self._values(weight) if weight is not None else y
 
+    def layer_norm(self, x: Tensor, weight: Any, bias: Any, eps: float) -> Tensor:
+        x = self._values(x)
+        centred = x - x.mean(axis=-1, keepdim=True)
+        y = centred * ((centred * centred).mean(axis=-1, keepdim=True) + eps).rsqrt()
+        y = y * self._values(weight) if weight is not None else y
+        return y + self._values(bias) if bias is not None else y
+
     def rope(self, x: Tensor, positions: np.ndarray, spec: RopeSpec) -> Tensor:
         x = self._values(x)
         half = spec.dims // 2
@@ -456,7 +467,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
 
     def _attend(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap=None, sinks=None):
         """Paged, causal, windowed GQA attention (see Backend.attention); scores soft-capped when
-        ``softcap`` is given, each head's ``sinks`` logit in its softmax denominator when given.
+        ``softcap`` is given, each head's ``sinks`` logit in its softmax denominator when given. A bidirectional
+        row's queries see through its last position (only eagerly: run() jits no such row), their windows counted
+        back from their own positions.
         A latent layout (MLA) stores only keys; its values are the keys' first ``value_dim`` entries."""
         layout: KVLayout = kv.layouts[layer]
         q, k = self._values(q), self._values(k)
@@ -486,10 +499,12 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 scores = (scores / softcap).tanh() * softcap
             if step is None:
                 query_pos, key_pos = start + np.arange(length)[:, None], np.arange(total)[None, :]
+                seen = start + length - 1 if row.bidirectional else query_pos
             else:  # the queries at the positions the step's input holds
                 query_pos = step.positions[span].reshape(length, 1)
                 key_pos = Tensor.arange(total).reshape(1, total)
-            masked = key_pos > query_pos
+                seen = query_pos
+            masked = key_pos > seen
             if layout.window is not None:
                 masked = masked | (key_pos <= query_pos - layout.window)
             scores = (masked if step else self._tensor(masked)).where(-math.inf, scores)
@@ -521,10 +536,11 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
     def sigmoid_mul(self, gate: Tensor, x: Tensor) -> Tensor:
         return self._values(gate).sigmoid() * self._values(x)
 
-    def gelu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+    def gelu_mul(self, gate: Tensor, up: Tensor | None = None) -> Tensor:
         g = self._values(gate)
         inner = math.sqrt(2 / math.pi) * (g + 0.044715 * g * g * g)
-        return 0.5 * g * (1 + inner.tanh()) * self._values(up)
+        gelu = 0.5 * g * (1 + inner.tanh())
+        return gelu * self._values(up) if up is not None else gelu
 
     def softcap(self, x: Tensor, cap: float) -> Tensor:
         return (self._values(x) / cap).tanh() * cap
