@@ -1,8 +1,17 @@
 """Qwen3.5's linear layers on the CUDA backend (kernels/deltanet.cu) against the CPU float64 path: the gated delta-net
 over two slots in steps against leat.deltanet.run (Qwen3.5's head size 128 and the tiny models' 16), sigmoid_mul;
-the tiny qwen35 and qwen35moe models' logits in prefill and in graph-replayed decode (top-1 >= 99%, mean KL < 1e-3)
-and their greedy continuations; steps replayed as graphs (decode rows, and a prompt chunk beside them) equal the same
-steps run eagerly, and leave the same recurrent state behind."""
+the tiny qwen35 and qwen35moe models' logits in prefill and in graph-replayed chunks and decode (top-1 >= 99%, mean
+KL < 1e-3) and their greedy continuations; steps replayed as graphs (decode rows, and a prompt chunk beside them)
+equal the same steps run eagerly, and leave the same recurrent state behind.
+
+The models' logits are checked twice. With every product in float32 (``tensor_cores=False``) against the oracle
+itself, within 5e-3. With the default products, whose inputs more than 8 tokens wide go to the tensor cores as f16
+rows (x rounded to f16, the F32 weights decoded to f16), against the oracle given the same rounding (``F16Rows``):
+the tiny qwen35 amplifies that rounding ~15x more than the other families' tiny models (the delta-net's output is
+RMS-normed per head of 16, and some heads' outputs are 1/500 of their inputs' size), so on the host alone it moves
+the logits by up to 0.093 and flips three near ties (top-2 gaps 0.0017-0.0027) of 200: top-1 98.5%, mean KL 1.5e-5,
+the figures the H200 printed for the CUDA backend before this test compared like with like (in qwen35moe it also
+flips routing choices: max 1.0, top-1 98%)."""
 
 import importlib.util
 from pathlib import Path
@@ -15,6 +24,7 @@ from leat.compare import compare, first_near_tie, top2_gap
 from leat.modelfile import ModelFile
 from leat.testing import write_tiny_gguf
 from leat_backend_cpu.backend import CPUBackend
+from leat_backend_cuda.quants import GEMV_MAX_TOKENS
 
 pytestmark = pytest.mark.gpu
 _spec = importlib.util.spec_from_file_location("deltanet_on_host", Path(__file__).with_name("test_deltanet_on_host.py"))
@@ -38,6 +48,33 @@ def files(tmp_path_factory):
         return made[name]
 
     return build
+
+
+class F16Rows(CPUBackend):
+    """The oracle with the CUDA backend's f16 rows: a product of more than GEMV_MAX_TOKENS tokens by an F32 matrix
+    multiplies x and the weight rounded to f16 (gemm_few, gemm_rows, the GEMM, cuBLAS; their sums are float32, here
+    float64); the MoE's router and F32 experts stay unrounded (gemv_id and gemv_grouped multiply in float32)."""
+
+    exact = False
+
+    def matmul(self, x, weight, bias=None):
+        if len(x) > GEMV_MAX_TOKENS and isinstance(weight, np.ndarray) and not self.exact:
+            x, weight = (np.asarray(a, np.float16).astype(self.dtype) for a in (x, weight))
+        return super().matmul(x, weight, bias)
+
+    def moe(self, x, weights, spec):
+        self.exact = True
+        try:
+            return super().moe(x, weights, spec)
+        finally:
+            self.exact = False
+
+
+@pytest.fixture(scope="module")
+def cuda_f32():
+    from leat_backend_cuda.backend import CUDABackend
+
+    return CUDABackend(poison=True, tensor_cores=False)
 
 
 def load(name, path, backend):
@@ -70,7 +107,7 @@ def test_sigmoid_mul_by_element_and_by_row(cuda):
 
 def logits_by_step(model, tokens, chunk):
     """Every position's logits: the first half of the prompt in chunks of ``chunk`` through run() (graphs where they
-    fit), then one token at a time (graph-replayed decode steps)."""
+    fit), then one token at a time (graph-replayed decode steps); and the cache."""
     backend = model.backend
     kv = backend.allocate_kv(model.kv_layouts(model.params), 1, len(tokens))
     out, start = [], 0
@@ -79,29 +116,36 @@ def logits_by_step(model, tokens, chunk):
         row = Row(0, start, tokens[start : start + length], all_logits=True)
         out.append(backend.to_host(backend.run(model.forward, Batch([row]), kv)))
         start += length
-    assert any(key[1] == id(kv) for key in backend._captured)  # graphs of this cache were captured and replayed
-    return np.concatenate(out).astype(np.float64)
+    return np.concatenate(out).astype(np.float64), kv
 
 
-@pytest.mark.xfail(
-    reason="failed on the H200 (2026-12-02): qwen35 prefill top-1 98.5% < 99%; graph replay unequal to eager"
-)
+@pytest.mark.parametrize("products", ["float32", "f16 rows"])
 @pytest.mark.parametrize("name", ["qwen35", "qwen35moe"])
-def test_tiny_models_agree_with_the_oracle_in_prefill_and_decode(files, cuda, name):
+def test_tiny_models_agree_with_the_oracle_in_prefill_and_decode(files, cuda, cuda_f32, name, products):
     path = files(name)
-    oracle, model = load(name, path, CPUBackend("f64")), load(name, path, cuda)
+    device = cuda_f32 if products == "float32" else cuda
+    oracle = load(name, path, CPUBackend("f64") if products == "float32" else F16Rows("f64"))
+    model = load(name, path, device)
     tokens = np.random.default_rng(0).integers(0, model.params.vocab, 200)  # one top-1 miss is half a percent
-    kv = oracle.backend.allocate_kv(oracle.kv_layouts(oracle.params), 1, len(tokens))
-    want = oracle.backend.to_host(oracle.forward(Batch([Row(0, 0, tokens, all_logits=True)]), kv))
-    kv = cuda.allocate_kv(model.kv_layouts(model.params), 1, len(tokens))
-    got = cuda.to_host(model.forward(Batch([Row(0, 0, tokens, all_logits=True)]), kv))
-    result = compare(want, got, label=f"{name} prefill")
-    print(result)
-    assert not result.failures(**BARS), str(result)
-    result = compare(want, logits_by_step(model, tokens, 48), label=f"{name} chunks, then decode steps")
-    print(result)
-    assert not result.failures(**BARS), str(result)
-    assert not cuda.graph_failures
+    for label, run in (
+        ("prefill", lambda m: prefill(m, tokens)),
+        ("chunks, then decode", lambda m: logits_by_step(m, tokens, 48)),
+    ):
+        want, _ = run(oracle)
+        got, kv = run(model)
+        result = compare(want, got, label=f"{name} {label}, {products} products")
+        print(result)
+        assert not result.failures(**BARS), str(result)
+        if products == "float32":
+            assert result.max_abs_logit_diff < 5e-3, str(result)
+    assert any(key[1] == id(kv) for key in device._captured)  # graphs of this cache were captured and replayed
+    assert not device.graph_failures
+
+
+def prefill(model, tokens):
+    kv = model.backend.allocate_kv(model.kv_layouts(model.params), 1, len(tokens))
+    logits = model.forward(Batch([Row(0, 0, tokens, all_logits=True)]), kv)
+    return np.asarray(model.backend.to_host(logits), np.float64), kv
 
 
 @pytest.mark.parametrize("name", ["qwen35", "qwen35moe"])
@@ -128,13 +172,12 @@ def test_greedy_continuation_matches_the_oracle(files, cuda, name):
     assert not cuda.graph_failures
 
 
-@pytest.mark.xfail(
-    reason="failed on the H200 (2026-12-02): qwen35 prefill top-1 98.5% < 99%; graph replay unequal to eager"
-)
 def test_graph_replays_equal_eager_steps_and_leave_the_same_state(files, cuda):
     """Two caches fed the same steps, one through run() (captured, then replayed graphs) and one eagerly through
     forward: decode steps of three slots, then a step with a prompt chunk in a fourth slot beside them. Logits agree
-    step by step, and so do the states the steps leave (read back from the device)."""
+    step by step, and so do the states the steps leave (read back from the device). The step with the chunk differs in
+    one product: its logits, 4 rows eagerly (the float32 gemv), 12 in the graph (gemm_few's f16 rows), which on the
+    host moves them by 1.3e-3; every other launch is the same kernel, so the states agree to float32's order."""
     model = load("qwen35", files("qwen35"), cuda)
     layouts = model.kv_layouts(model.params)
     graphed, eager = cuda.allocate_kv(layouts, 4, 64), cuda.allocate_kv(layouts, 4, 64)
@@ -151,7 +194,7 @@ def test_graph_replays_equal_eager_steps_and_leave_the_same_state(files, cuda):
             rows.append(Row(3, 7, np.array([11])))
         replay = cuda.to_host(cuda.run(model.forward, Batch(rows), graphed))
         want = cuda.to_host(model.forward(Batch(rows), eager))
-        np.testing.assert_allclose(replay, want, rtol=0, atol=1e-3, err_msg=f"step {step}")
+        np.testing.assert_allclose(replay, want, rtol=0, atol=5e-3, err_msg=f"step {step}")
     assert not cuda.graph_failures and len([k for k in cuda._captured if k[1] == id(graphed)]) >= 2
     for layer, state in graphed.recurrent.items():
         other = eager.recurrent[layer]
