@@ -1,17 +1,19 @@
-"""Record llama.cpp's image embeddings and logits on the tiny Gemma 3 model with a tiny mmproj: the references
-``architectures/gemma/tests/test_vision.py`` checks leat against.
+"""Record llama.cpp's image embeddings and logits on a tiny model with a tiny mmproj: the references a family's
+vision test checks leat against (Gemma 3's ``architectures/gemma/tests/test_vision.py``, the default; Gemma 4's
+``architectures/gemma4/tests/test_vision.py``, with that plugin's references folder as the argument).
 
 Run with a Python that has llama-cpp-python (CPU build, with its libmtmd) and numpy, from the repository root::
 
-    /path/to/python-with-llama_cpp scripts/record_llamacpp_vision.py
+    /path/to/python-with-llama_cpp scripts/record_llamacpp_vision.py [REFERENCES_FOLDER]
 
-The files are built by leat's environment (``uv run python architectures/gemma/tests/references/tiny_vision.py``;
+The files are built by leat's environment (``uv run python REFERENCES_FOLDER/tiny_vision.py``;
 set ``LEAT_PYTHON`` to another command if ``uv`` is not how leat runs here). llama.cpp's mtmd tokenizes the prompt
-(its image marker becomes ``<start_of_image>``, the image's embeddings and ``<end_of_image>``), encodes the image
+(its image marker becomes the projector's begin text, the image's embeddings and its end text), encodes the image
 (``mtmd_encode_chunk``), and the model evaluates the chunks in order: text with every position's logits kept, the
-image through ``mtmd_helper_eval_chunk_single`` (which attends bidirectionally within the image for this projector).
+image through ``mtmd_helper_eval_chunk_single`` (which attends bidirectionally within the image where the projector
+says: Gemma 3's everywhere, Gemma 4's in the sliding layers).
 
-Writes into ``architectures/gemma/tests/references`` (committed): ``llamacpp_vision.npz`` (``tokens``: the prompt's
+Writes into the references folder (committed): ``llamacpp_vision.npz`` (``tokens``: the prompt's
 ids, -1 at the image's positions; ``embeddings``: the encoder's output [image tokens, width]; ``logits``: float32
 logits at every text position, NaN at the image's) and ``llamacpp_vision.json`` (versions, settings, file hashes).
 """
@@ -31,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-REFERENCES = REPO / "architectures/gemma/tests/references"
+REFERENCES = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else REPO / "architectures/gemma/tests/references"
 THREADS = 2
 N_CTX = 256
 

@@ -313,13 +313,18 @@ def _formats_of(plugin: str) -> dict[str, Any]:
     return formats(PluginHost([plugin]))
 
 
-def write_tiny_mmproj(path: str | Path, text_width: int, projector: str, seed: int = 0, **shape: int) -> Path:
-    """Write a random-weight vision projector of type ``projector`` with a SigLIP ViT and the average-pool
-    projector (as llama.cpp's mtmd loads it) for a text model of ``text_width``. ``shape`` overrides
-    the defaults: a 32-pixel image of 4-pixel patches, width 32, 4 heads, MLP 64, 2 layers, pooled 2 x 2 (16
-    image tokens)."""
+def write_tiny_mmproj(
+    path: str | Path, text_width: int, projector: str, seed: int = 0, vit: str = "siglip", **shape: int
+) -> Path:
+    """Write a random-weight vision projector of type ``projector`` for a text model of ``text_width``, as llama.cpp's
+    mtmd loads it, with the tensors of ``vit``: ``siglip``, a SigLIP ViT and the average-pool projector (Gemma 3's);
+    ``rope2d``, Gemma 4's ViT (RMSNorms, per-head q/k norms, 2-D RoPE tables, GeGLU, post-norms, layer scales), its
+    pooler (3 x 3, the default) with ``std_bias`` and ``std_scale``, and Gemma4ClippableLinear clamps on three
+    products. ``shape`` overrides the defaults: 4-pixel patches, width 32, 4 heads, MLP 64, 2 layers; siglip: a
+    32-pixel image pooled 2 x 2 (16 image tokens)."""
     s = {"image": 32, "patch": 4, "width": 32, "heads": 4, "ffn": 64, "layers": 2, "merge": 2} | shape
     V, w, rng = gguf.Keys.ClipVision, s["width"], np.random.default_rng(seed)
+    rope2d = vit == "rope2d"
     writer = gguf.GGUFWriter(Path(path), "clip")
     writer.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, projector)
     writer.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
@@ -329,33 +334,51 @@ def write_tiny_mmproj(path: str | Path, text_width: int, projector: str, seed: i
     for key, value in ((V.FEED_FORWARD_LENGTH, "ffn"), (V.BLOCK_COUNT, "layers"), (V.Attention.HEAD_COUNT, "heads")):
         writer.add_uint32(key, s[value])
     writer.add_uint32(V.PROJECTION_DIM, text_width)
-    writer.add_uint32(V.Projector.SCALE_FACTOR, s["merge"])
+    if not rope2d:
+        writer.add_uint32(V.Projector.SCALE_FACTOR, s["merge"])
     writer.add_float32(V.Attention.LAYERNORM_EPS, 1e-6)
-    writer.add_array(V.IMAGE_MEAN, [0.5, 0.5, 0.5])
-    writer.add_array(V.IMAGE_STD, [0.5, 0.5, 0.5])
+    writer.add_array(V.IMAGE_MEAN, [0.5, 0.5, 0.5] if not rope2d else [0.0, 0.0, 0.0])
+    writer.add_array(V.IMAGE_STD, [0.5, 0.5, 0.5] if not rope2d else [1.0, 1.0, 1.0])
 
     def add(name: str, *dims: int, around: float = 0.0) -> None:
         scale = 0.2 if len(dims) == 1 else dims[-1] ** -0.5
         writer.add_tensor(name, (around + scale * rng.standard_normal(dims)).astype(np.float32))
 
     add("v.patch_embd.weight", w, 3, s["patch"], s["patch"])
-    add("v.patch_embd.bias", w)
-    add("v.position_embd.weight", (s["image"] // s["patch"]) ** 2, w)
+    bias = [] if rope2d else ["bias"]
+    if rope2d:  # a column table and a row table, 64 positions each
+        add("v.position_embd.weight", 2, 64, w)
+    else:
+        add("v.patch_embd.bias", w)
+        add("v.position_embd.weight", (s["image"] // s["patch"]) ** 2, w)
+    head, parts = w // s["heads"], [("attn_q", w, w), ("attn_k", w, w), ("attn_v", w, w), ("attn_out", w, w)]
+    parts += [("ffn_up", s["ffn"], w), ("ffn_down", w, s["ffn"])] + [("ffn_gate", s["ffn"], w)] * rope2d
+    norms = ["ln1", "ln2"] + ["attn_post_norm", "ffn_post_norm"] * rope2d
     for i in range(s["layers"]):
-        for part, rows, cols in (("attn_q", w, w), ("attn_k", w, w), ("attn_v", w, w), ("attn_out", w, w)):
+        for part, rows, cols in parts:
             add(f"v.blk.{i}.{part}.weight", rows, cols)
-            add(f"v.blk.{i}.{part}.bias", rows)
-        add(f"v.blk.{i}.ffn_up.weight", s["ffn"], w)
-        add(f"v.blk.{i}.ffn_up.bias", s["ffn"])
-        add(f"v.blk.{i}.ffn_down.weight", w, s["ffn"])
-        add(f"v.blk.{i}.ffn_down.bias", w)
-        for norm in ("ln1", "ln2"):
+            for b in bias:
+                add(f"v.blk.{i}.{part}.{b}", rows)
+        for norm in norms:
             add(f"v.blk.{i}.{norm}.weight", w, around=1.0)
-            add(f"v.blk.{i}.{norm}.bias", w)
-    add("v.post_ln.weight", w, around=1.0)
-    add("v.post_ln.bias", w)
-    add("mm.soft_emb_norm.weight", w, around=1.0)
-    add("mm.input_projection.weight", w, text_width)
+            for b in bias:
+                add(f"v.blk.{i}.{norm}.{b}", w)
+        if rope2d:
+            add(f"v.blk.{i}.attn_q_norm.weight", head, around=1.0)
+            add(f"v.blk.{i}.attn_k_norm.weight", head, around=1.0)
+            add(f"v.blk.{i}.out_scale.weight", 1, around=1.0)
+    if rope2d:
+        add("v.std_bias", w)
+        add("v.std_scale", w, around=1.0)
+        add("mm.input_projection.weight", text_width, w)
+        for stem, limit in (("v.blk.0.attn_q", 1.0), ("v.blk.0.ffn_down", 0.5), ("mm.input_projection", 1.5)):
+            for end, sign in zip(("input_min", "input_max", "output_min", "output_max"), (-1, 1, -1, 1)):
+                writer.add_tensor(f"{stem}.{end}", np.array([sign * limit], np.float32))
+    else:
+        add("v.post_ln.weight", w, around=1.0)
+        add("v.post_ln.bias", w)
+        add("mm.soft_emb_norm.weight", w, around=1.0)
+        add("mm.input_projection.weight", w, text_width)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -18,6 +18,10 @@ As llama.cpp's src/models/gemma4.cpp computes it:
 * The last ``attention.shared_kv_layers`` layers compute no K/V: they attend to the cache of the last sliding (or
   full) layer before them, as llama.cpp's reuse callback maps them, so the KV cache holds only the layers before.
 * The final logits are soft-capped where ``final_logit_softcapping`` is set.
+* Images (``gemma4v`` mmproj, :mod:`leat_arch_gemma4.vision`) go between ``<|image>`` and ``<image|>``; their
+  embeddings are not scaled, and their per-layer inputs take token 0's row (llama.cpp's padding). Their row attends
+  bidirectionally in the sliding layers only, the full layers staying causal (LLAMA_NON_CAUSAL_TYPE_SWA_ONLY), and
+  causally everywhere in E2B and E4B (widths 1536 and 2560: mtmd_decode_use_non_causal).
 
 The MoE models (26B-A4B: ``ffn_gate_inp``) are refused: their router reads another norm of the input than their
 experts do, which :meth:`leat.backend.Backend.moe` does not take.
@@ -35,10 +39,11 @@ import numpy as np
 from leat import blocks
 from leat.architecture import Architecture, Weights
 from leat.backend import KVLayout, RopeSpec
-from leat.batch import Batch
+from leat.batch import Batch, Row
 from leat.errors import ModelFileError
 from leat.hparams import REQUIRED, DecoderParams, derived, has_tensor, key, tensor_rows
 from leat.modelfile import ModelFile
+from leat.vision import Projector
 
 K = gguf.Keys
 T = gguf.MODEL_TENSOR
@@ -170,6 +175,10 @@ def feed_forward(B: Any, x: Any, layer: Layer, eps: float) -> Any:
 class Gemma4(Architecture):
     names = ("gemma4",)
     Params = Gemma4Params
+    projectors = {  # noqa: RUF012 (a class constant)
+        gguf.VisionProjectorType.GEMMA4V: Projector("leat_arch_gemma4.vision:Gemma4Vision", "<|image>", "<image|>")
+    }
+    CAUSAL_IMAGES = (1536, 2560)  # E2B's and E4B's widths: their images attend causally
 
     @classmethod
     def read_params(cls, file: ModelFile) -> Gemma4Params:
@@ -216,12 +225,13 @@ class Gemma4(Architecture):
 
     def per_layer_inputs(self, x0: Any, batch: Batch) -> list[Any]:
         B, p = self.backend, self.params
+        tokens = batch.tokens if batch.inputs is None else np.zeros_like(batch.tokens)
         inputs = []
         for layer in self.layers:
             assert layer.per_layer is not None
             projection, embedding = layer.per_layer[:2]
             h = B.rms_norm(B.scale(B.matmul(x0, projection), 1 / math.sqrt(p.width)), self.per_layer_norm, p.norm_eps)
-            h = B.add(h, B.scale(B.embed(embedding, batch.tokens), math.sqrt(p.per_layer)))
+            h = B.add(h, B.scale(B.embed(embedding, tokens), math.sqrt(p.per_layer)))
             inputs.append(B.scale(h, 1 / math.sqrt(2)))
         return inputs
 
@@ -256,11 +266,13 @@ class Gemma4(Architecture):
     def layers_out(self, batch: Batch, kv: Any) -> tuple[Any, dict[int, tuple[Any, Any]]]:
         """The last layer's output at every position, and each KV layer's k and v of this batch."""
         B, p = self.backend, self.params
-        x = B.scale(B.embed(self.embedding, batch.tokens), math.sqrt(p.width))
+        x = B.scale(B.embed(self.embedding, batch.tokens), math.sqrt(p.width)) if batch.inputs is None else batch.inputs
         inputs = self.per_layer_inputs(x, batch) if p.per_layer else []
+        causal = self.causal(batch)
         computed: dict[int, tuple[Any, Any]] = {}
         for i, layer in enumerate(self.layers):
-            h = self.attention(B.rms_norm(x, layer.attn_norm, p.norm_eps), i, batch, kv, computed)
+            seen = batch if p.pattern[i] and p.width not in self.CAUSAL_IMAGES else causal
+            h = self.attention(B.rms_norm(x, layer.attn_norm, p.norm_eps), i, seen, kv, computed)
             x = feed_forward(B, B.add(x, B.rms_norm(h, layer.post_attn_norm, p.norm_eps)), layer, p.norm_eps)
             if layer.per_layer is not None:
                 gate, projection, norm = layer.per_layer[2:]
@@ -269,6 +281,13 @@ class Gemma4(Architecture):
             if layer.output_scale is not None:
                 x = B.scale(x, layer.output_scale)
         return x, computed
+
+    @staticmethod
+    def causal(batch: Batch) -> Batch:
+        """``batch`` with every row causal (an image's row as the full layers see it)."""
+        if not any(row.bidirectional for row in batch.rows):
+            return batch
+        return Batch([Row(r.slot, r.start, r.tokens, r.all_logits, False, r.inputs) for r in batch.rows])
 
     # -- test models ---------------------------------------------------------------------------------
     @classmethod

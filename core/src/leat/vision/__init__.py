@@ -9,6 +9,7 @@ within it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -76,20 +77,23 @@ def next_chunk(filled: int, end: int, images: Sequence[ImageSpan]) -> tuple[int,
 
 
 def place(
-    tokenizer: Any, text: str, count: int, begin: str, end: str, tokens: int, add_special: bool = True
+    tokenizer: Any, text: str, count: int, begin: str, end: str, tokens: int | Sequence[int] | None, add_special=True
 ) -> tuple[list[int], list[int]]:
-    """``text`` with ``count`` :data:`MARKER` -> token ids (``tokens`` placeholders between ``begin`` and ``end`` for
-    each image, as llama.cpp's mtmd places them) and each image's first position."""
+    """``text`` with ``count`` :data:`MARKER` -> token ids (``tokens`` placeholders, or each image's own count,
+    between ``begin`` and ``end`` for each image, as llama.cpp's mtmd places them) and each image's first position."""
     pieces = text.replace(MARKER, begin + MARKER + end).split(MARKER)
     if len(pieces) - 1 != count:
         raise LeatError(f"the prompt has {len(pieces) - 1} image markers for {count} images")
+    if tokens is None:
+        raise LeatError("this projector sizes each image by its pixels: only the engine process can lay it out")
+    counts = [tokens] * count if isinstance(tokens, int) else tokens
     ids: list[int] = []
     starts = []
     for i, piece in enumerate(pieces):
         ids += tokenizer.encode(piece, add_special=add_special and i == 0, parse_special=True)
         if i < count:
             starts.append(len(ids))
-            ids += [0] * tokens  # placeholders: the span's inputs are the image's embeddings
+            ids += [0] * counts[i]  # placeholders: the span's inputs are the image's embeddings
     return ids, starts
 
 
@@ -120,19 +124,21 @@ class Vision:
 
     def layout(self) -> dict[str, Any]:
         """What :func:`place` needs to lay out images without the encoder (in an API frontend process)."""
-        return {"begin": self.projector.begin, "end": self.projector.end, "tokens": int(self.encoder.tokens)}
+        return {"begin": self.projector.begin, "end": self.projector.end, "tokens": self.encoder.tokens}
 
     def span(self, start: int, data: bytes) -> ImageSpan:
         """The span from position ``start`` of the image ``data`` (encoded bytes): decoded and preprocessed here."""
         pixels = self.encoder.preprocess(image.decode(data))
-        return ImageSpan(start, self.encoder.tokens, sha256(data).digest(), pixels)
+        return ImageSpan(start, self.encoder.tokens_of(pixels), sha256(data).digest(), pixels)
 
     def prompt(
         self, tokenizer: Any, text: str, images: Sequence[bytes], add_special: bool = True
     ) -> tuple[list[int], list[ImageSpan]]:
         """``text`` with one :data:`MARKER` per image of ``images`` (encoded bytes) -> token ids and image spans."""
-        ids, starts = place(tokenizer, text, len(images), **self.layout(), add_special=add_special)
-        return ids, [self.span(start, data) for start, data in zip(starts, images)]
+        spans = [self.span(0, data) for data in images]
+        layout = self.layout() | {"tokens": [span.length for span in spans]}
+        ids, starts = place(tokenizer, text, len(images), **layout, add_special=add_special)
+        return ids, [dataclasses.replace(span, start=start) for span, start in zip(spans, starts)]
 
     def embeddings(self, span: ImageSpan, start: int | None = None) -> Any:
         """The encoder's output for the span's image (a backend array [length, width]; from prompt position

@@ -98,42 +98,58 @@ def _unfilter(rows: np.ndarray, bpp: int) -> np.ndarray:
     return out.astype(np.uint8)
 
 
-def _bilinear_weights(size: int, target: int) -> np.ndarray:
-    """Pillow's bilinear (triangle) filter as a [target, size] matrix: support widened by the downscale factor,
-    pixel centres at +0.5, each row normalized to sum 1 (llama.cpp's resize_pillow; it then rounds the weights to
-    22-bit fixed point, so its pixels may differ from these by one level)."""
+FILTERS = {  # Pillow's filters by name: support, weight at distance x (bicubic with a = -0.5, as Pillow)
+    "bilinear": (1.0, lambda x: np.maximum(0.0, 1.0 - x)),
+    "bicubic": (
+        2.0,
+        lambda x: np.where(
+            x < 1, (1.5 * x - 2.5) * x * x + 1, np.where(x < 2, ((-0.5 * x + 2.5) * x - 4) * x + 2, 0.0)
+        ),
+    ),
+}
+PRECISION = 22  # Pillow's (and llama.cpp's resize_pillow's) fixed-point bits for the filter weights
+
+
+def _weights(size: int, target: int, kind: str) -> np.ndarray:
+    """Pillow's resampling filter as a [target, size] matrix of fixed-point weights: support widened by the downscale
+    factor, pixel centres at +0.5, each row normalized to sum 1, then times 2^22 rounded half away from zero."""
     scale = size / target
-    support = max(scale, 1.0)
+    support, weight = FILTERS[kind]
+    wide = max(scale, 1.0)
     weights = np.zeros((target, size))
     for i in range(target):
         centre = (i + 0.5) * scale
-        lo, hi = max(int(centre - support + 0.5), 0), min(int(centre + support + 0.5), size)
-        taps = np.maximum(0.0, 1.0 - np.abs((np.arange(lo, hi) - centre + 0.5) / support))
+        lo, hi = max(int(centre - support * wide + 0.5), 0), min(int(centre + support * wide + 0.5), size)
+        taps = weight(np.abs((np.arange(lo, hi) - centre + 0.5) / wide))
         weights[i, lo:hi] = taps / taps.sum() if taps.sum() else 0.0
-    return weights
+    return np.trunc(weights * (1 << PRECISION) + np.where(weights < 0, -0.5, 0.5))
 
 
-def resize(rgb: np.ndarray, width: int, height: int) -> np.ndarray:
-    """``rgb`` resized to ``width`` x ``height`` with Pillow's bilinear filter: horizontally, then vertically, each
-    pass rounded to bytes as Pillow and llama.cpp do."""
+def _pass(weights: np.ndarray, rgb: np.ndarray, axis: str) -> np.ndarray:
+    sums = np.einsum(f"o{axis},{'hwc'}->{'hwc'.replace(axis, 'o')}", weights, rgb.astype(np.float64))
+    return np.clip(np.floor((sums + (1 << (PRECISION - 1))) / (1 << PRECISION)), 0, 255)
+
+
+def resize(rgb: np.ndarray, width: int, height: int, kind: str = "bilinear") -> np.ndarray:
+    """``rgb`` resized to ``width`` x ``height`` with Pillow's ``kind`` filter in its fixed-point arithmetic (as
+    llama.cpp's resize_pillow): horizontally, then vertically, each pass rounded to bytes."""
     if rgb.shape[:2] == (height, width):
         return rgb
-    wide = np.einsum("ow,hwc->hoc", _bilinear_weights(rgb.shape[1], width), rgb.astype(np.float64))
-    wide = np.clip(np.floor(wide + 0.5), 0, 255)
-    tall = np.einsum("oh,hwc->owc", _bilinear_weights(rgb.shape[0], height), wide)
-    return np.clip(np.floor(tall + 0.5), 0, 255).astype(np.uint8)
+    wide = _pass(_weights(rgb.shape[1], width, kind), rgb, "w")
+    return _pass(_weights(rgb.shape[0], height, kind), wide, "h").astype(np.uint8)
 
 
-def letterbox(rgb: np.ndarray, size: int) -> np.ndarray:
-    """``rgb`` scaled to fit a ``size`` square keeping its aspect ratio, centred on black (llama.cpp's PAD_CEIL)."""
-    height, width = rgb.shape[:2]
-    if (height, width) == (size, size):
+def letterbox(rgb: np.ndarray, width: int, height: int, kind: str = "bilinear") -> np.ndarray:
+    """``rgb`` scaled to fit ``width`` x ``height`` keeping its aspect ratio (``kind`` of filter), centred on black
+    (llama.cpp's PAD_CEIL, in its float32 arithmetic)."""
+    if rgb.shape[:2] == (height, width):
         return rgb
-    scale = min(size / width, size / height)
-    w, h = min(int(np.ceil(width * scale)), size), min(int(np.ceil(height * scale)), size)
-    out = np.zeros((size, size, 3), np.uint8)
-    top, left = (size - h) // 2, (size - w) // 2
-    out[top : top + h, left : left + w] = resize(rgb, w, h)
+    s = np.float32
+    scale = min(s(width) / s(rgb.shape[1]), s(height) / s(rgb.shape[0]))
+    w, h = min(int(np.ceil(s(rgb.shape[1]) * scale)), width), min(int(np.ceil(s(rgb.shape[0]) * scale)), height)
+    out = np.zeros((height, width, 3), np.uint8)
+    top, left = (height - h) // 2, (width - w) // 2
+    out[top : top + h, left : left + w] = resize(rgb, w, h, kind)
     return out
 
 

@@ -13,6 +13,7 @@ tools/mtmd (clip.cpp's ``build_vit``, models/siglip.cpp) computes them, written 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,13 +47,7 @@ class SigLIP:
 
     def __init__(self, file: ModelFile, backend: Backend):
         self.file, self.backend = file, backend
-
-        def need(key: str) -> Any:
-            value = file.get(key, None)
-            if value is None:
-                raise ModelFileError(f"{file.path.name}: the mmproj lacks {key}")
-            return value
-
+        need = functools.partial(required, file)
         self.size, self.patch = int(need(V.IMAGE_SIZE)), int(need(V.PATCH_SIZE))
         self.width, self.heads = int(need(V.EMBEDDING_LENGTH)), int(need(V.Attention.HEAD_COUNT))
         self.eps, layers = float(need(V.Attention.LAYERNORM_EPS)), int(need(V.BLOCK_COUNT))
@@ -65,7 +60,7 @@ class SigLIP:
         self.tokens = (self.side // self.merge) ** 2
         up = backend.upload
         kernel = self._host("v.patch_embd.weight")
-        self.patch_kernel = up(_f32("v.patch_embd.weight", kernel.reshape(self.width, -1)))
+        self.patch_kernel = up(f32("v.patch_embd.weight", kernel.reshape(self.width, -1)))
         self.patch_bias = up(file.tensor("v.patch_embd.bias"))
         self.positions = up(file.tensor("v.position_embd.weight"))
         self.layers = [Layer(*(self._pair(f"v.blk.{i}.{part}") for part in self._parts(i))) for i in range(layers)]
@@ -73,7 +68,7 @@ class SigLIP:
         self.soft_norm = up(file.tensor("mm.soft_emb_norm.weight"))
         projection = self._host("mm.input_projection.weight")  # [vision width, text width]
         self.text_width = projection.shape[1]
-        self.projection = up(_f32("mm.input_projection.weight", projection.T))
+        self.projection = up(f32("mm.input_projection.weight", projection.T))
 
     def _parts(self, layer: int) -> tuple[str, ...]:
         """The layer's tensor stems; older converters stored the MLP's up and down under each other's names
@@ -82,8 +77,7 @@ class SigLIP:
         return PARTS[:-2] + (PARTS[-1], PARTS[-2]) if swapped else PARTS
 
     def _host(self, name: str) -> np.ndarray:
-        t = self.file.tensor(name)
-        return gguf.quants.dequantize(np.asarray(t.data), t.qtype).reshape(t.shape)
+        return dequantized(self.file, name)
 
     def _pair(self, stem: str) -> tuple[Any, Any]:
         return self.backend.upload(self.file.tensor(f"{stem}.weight")), self.backend.upload(
@@ -93,7 +87,7 @@ class SigLIP:
     def preprocess(self, rgb: np.ndarray) -> np.ndarray:
         """RGB bytes [h, w, 3] -> the encoder's input [3, size, size]: letterboxed to the square (aspect ratio kept,
         black around, as llama.cpp does for this projector), normalized by the file's mean and std."""
-        return image.normalize(image.letterbox(rgb, self.size), self.mean, self.std)
+        return image.normalize(image.letterbox(rgb, self.size, self.size), self.mean, self.std)
 
     def encode(self, pixels: np.ndarray) -> Any:
         """Pixels [3, size, size] -> image embeddings [tokens, text width] (a backend array)."""
@@ -115,20 +109,40 @@ class SigLIP:
         return B.matmul(B.rms_norm(self._pool(x), self.soft_norm, self.eps), self.projection)
 
     def _pool(self, x: Any) -> Any:
-        """The mean of each ``merge`` x ``merge`` square of the patch grid, in row-major order of the squares."""
-        B, m, out = self.backend, self.merge, self.side // self.merge
-        corner = (np.arange(out)[:, None] * m * self.side + np.arange(out)[None, :] * m).reshape(-1)
-        total = None
-        for dy in range(m):
-            for dx in range(m):
-                part = B.take_rows(x, corner + dy * self.side + dx)
-                total = part if total is None else B.add(total, part)
-        return B.scale(total, 1.0 / (m * m))
+        return pool(self.backend, x, self.side, self.side, self.merge)
+
+    def tokens_of(self, pixels: np.ndarray) -> int:
+        """How many embeddings ``pixels`` (as :meth:`preprocess` gives them) become: one count for every image."""
+        return self.tokens
+
+
+def pool(B: Backend, x: Any, rows: int, cols: int, merge: int) -> Any:
+    """The mean of each ``merge`` x ``merge`` square of a ``rows`` x ``cols`` patch grid (rows [rows * cols, width],
+    row-major), in row-major order of the squares (ggml_pool_2d's average)."""
+    corner = (np.arange(rows // merge)[:, None] * merge * cols + np.arange(cols // merge)[None, :] * merge).reshape(-1)
+    total = None
+    for dy in range(merge):
+        for dx in range(merge):
+            part = B.take_rows(x, corner + dy * cols + dx)
+            total = part if total is None else B.add(total, part)
+    return B.scale(total, 1.0 / (merge * merge))
+
+
+def required(file: ModelFile, key: str) -> Any:
+    value = file.get(key, None)
+    if value is None:
+        raise ModelFileError(f"{file.path.name}: the mmproj lacks {key}")
+    return value
+
+
+def dequantized(file: ModelFile, name: str) -> np.ndarray:
+    t = file.tensor(name)
+    return gguf.quants.dequantize(np.asarray(t.data), t.qtype).reshape(t.shape)
 
 
 PARTS = ("ln1", "attn_q", "attn_k", "attn_v", "attn_out", "ln2", "ffn_up", "ffn_down")
 
 
-def _f32(name: str, values: np.ndarray) -> Tensor:
+def f32(name: str, values: np.ndarray) -> Tensor:
     data = np.ascontiguousarray(values, dtype=np.float32)
     return Tensor(name, Q.F32, data.shape, data)
