@@ -129,3 +129,25 @@ def test_an_images_tokens_follow_its_size(oracle):
     assert encoder.size(1000, 2000) == (276, 564)
     pixels = encoder.preprocess(np.zeros((30, 20, 3), np.uint8))
     assert pixels.shape == (3, 132, 84) and encoder.tokens_of(pixels) == 77
+
+
+def test_float32_matches_the_oracle(files, oracle):
+    """The CPU backend's float32 path (encoder and model) against the float64 oracle: the design's bars."""
+    model, ids, spans = oracle
+    fast = load(files["model"], backend="cpu", precision="f32", pull=False)
+    fast.load_mmproj(files["mmproj"])
+    want = model.backend.to_host(model.vision.embeddings(spans[0]))
+    got = fast.backend.to_host(fast.vision.embeddings(spans[0])).astype(np.float64)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    agreement = compare(model.logits(ids, images=spans, native=True), fast.logits(ids, images=spans), label="f32")
+    assert not agreement.failures(top1=0.99, kl=1e-3), str(agreement)
+
+
+def test_the_engine_generates_after_the_image_as_the_logits_say(oracle, files):
+    """Model.generate runs the image's row through the engine: each greedy token is the oracle's argmax."""
+    model, ids, spans = oracle
+    image = Path(files["image"]).read_bytes()
+    tokens = [t.id for t in model.generate(files["prompt"], 4, {"temperature": 0.0}, images=[image]) if t.id >= 0]
+    assert tokens
+    for i, token in enumerate(tokens):
+        assert token == int(np.argmax(model.logits(ids + tokens[:i], images=spans, native=True)[-1]))
