@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,25 +170,36 @@ def serve(options: ServeOptions, load_model: Any) -> None:
     if options.api_workers:
         serve_processes(options, load_model, where, keys)
         return
+    from leat_server.startup import one_process_line, process_start
+
+    marks = {"loading": time.time()}  # also when this process started, where /proc does not say
     model = load_model()
+    marks["loaded"] = time.time()
     app, engine = build(options, model, keys)
     # The scheduler thread needs the interpreter lock for ~1 ms of host work between two device steps; the HTTP
     # thread, busy with every stream's chunks, would otherwise keep it for up to the default 5 ms switch interval
     # while the device idles (an engine process of its own would remove the contention).
     sys.setswitchinterval(0.0005)
     engine.start()
+    marks["built"] = time.time()
     print(
         f"leat: serving {Path(model.file.path).stem} on {where} ({engine.plan}; keys {'on' if keys else 'off'})",
         flush=True,
     )
+
+    def ready() -> None:
+        print(one_process_line(process_start(marks["loading"]), marks | {"ready": time.time()}), flush=True)
+
     try:
-        _run(app, options)
+        _run(app, options, ready)
     finally:
         engine.stop()
 
 
-def _run(app: Any, options: ServeOptions) -> None:
+def _run(app: Any, options: ServeOptions, ready: Any = lambda: None) -> None:
     import uvicorn
+
+    from leat_server.startup import Server
 
     config = uvicorn.Config(
         app,
@@ -198,7 +210,7 @@ def _run(app: Any, options: ServeOptions) -> None:
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
-    uvicorn.Server(config).run()
+    Server(config, ready).run()
 
 
 def serve_models(options: ServeOptions, specs: list[Any], load_model: Any, changed: Any = None) -> None:

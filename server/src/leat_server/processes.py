@@ -1,8 +1,9 @@
 """``leat serve --api-workers N``: the engine in a process of its own, N API frontend processes, a supervisor.
 
 The supervisor (the process ``leat serve`` started) binds the listening socket, starts the engine process (model,
-backend, scheduler: :mod:`leat.engine_process`) and waits until it is ready, then starts N frontends that share
-the socket, each running the Litestar app with a :class:`~leat.engine_process.RemoteEngine`. It restarts any
+backend, scheduler: :mod:`leat.engine_process`) and, while it loads, N frontends that share the socket, each
+running the Litestar app with a :class:`~leat.engine_process.RemoteEngine` once the engine answers. When every
+frontend serves, it prints where the start-up time went (:mod:`leat_server.startup`). It restarts any
 that dies: a frontend's requests are cancelled in the engine at its next step; an engine's requests in flight end
 with a 503 in their frontends, which reconnect to the new engine. SIGTERM or Ctrl-C stops them all.
 """
@@ -10,7 +11,9 @@ with a 503 in their frontends, which reconnect to the new engine. SIGTERM or Ctr
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -47,34 +50,53 @@ class FrontendModel:
         self.backend = SimpleNamespace(describe=lambda: dict(info["backend"]))
 
 
-def engine_main(options: Any, loader: Any, address: str, authkey: bytes, ready: Any) -> None:
-    """The engine process: load the model, start the engine, serve frontends at ``address``."""
+def engine_main(options: Any, loader: Any, address: str, authkey: bytes, ready: Any, listening: Any = None) -> None:
+    """The engine process: load the model, start the engine, serve frontends at ``address``. Forked (see
+    :class:`Supervisor`), it first lets go of what it inherited: the supervisor's signal handlers and ``listening``,
+    the HTTP socket."""
     from leat.engine_process import serve_engine
 
     from leat_server import build_engine
 
+    marks = {"entered": time.time()}
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops it (SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if listening is not None:
+        listening.close()
     sys.setswitchinterval(0.0005)  # the scheduler gets the lock back quickly from the frontend links' threads
     try:
-        engine = build_engine(options, loader())
+        model = loader()
+        marks["loaded"] = time.time()
+        engine = build_engine(options, model)
     except Exception as e:  # noqa: BLE001 - reported by the supervisor as one line
         ready.send(("failed", f"{type(e).__name__}: {e}" if not isinstance(e, LeatError) else str(e)))
         return
-    serve_engine(engine, address, authkey, ready=lambda _: ready.send(("ready", engine.plan)))
+
+    def serving(_: str) -> None:
+        marks["ready"] = time.time()
+        ready.send(("ready", (engine.plan, marks)))
+
+    serve_engine(engine, address, authkey, ready=serving)
 
 
-def frontend_main(options: Any, sock: socket.socket, address: str, authkey: bytes) -> None:
+def frontend_main(options: Any, sock: socket.socket, address: str, authkey: bytes, ready: Any = None) -> None:
     """A frontend process: the Litestar app on the shared socket, its engine the engine process. It starts with
-    the engine process, not after it: imports and the tokenizer are done while the model loads over there."""
+    the engine process, not after it: imports and the tokenizer are done while the model loads over there. Its
+    steps' times go to ``ready`` once it serves."""
+    marks = {"entered": time.time()}
     import uvicorn
     from leat.keys import KeyStore
 
     import leat_server.app  # noqa: F401 - imported now, while the engine process loads
     from leat_server import build_app
+    from leat_server.startup import Server
 
     early = _read_model_early(options.model)
+    marks["prepared"] = time.time()
     engine = _connect(address, authkey)
+    marks["connected"] = time.time()
     app = build_app(options, FrontendModel(engine.info, early), engine, KeyStore(options.api_key_file))
+    marks["built"] = time.time()
     config = uvicorn.Config(
         app,
         log_level=options.log_level,
@@ -82,7 +104,14 @@ def frontend_main(options: Any, sock: socket.socket, address: str, authkey: byte
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
-    uvicorn.Server(config).run(sockets=[sock])
+
+    def serving() -> None:
+        if ready is not None:
+            marks["ready"] = time.time()
+            ready.send(marks)
+            ready.close()
+
+    Server(config, serving).run(sockets=[sock])
 
 
 def _read_model_early(name: str) -> tuple[Any, Any] | None:
@@ -109,15 +138,19 @@ def _connect(address: str, authkey: bytes) -> Any:
         except EngineUnavailable:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.05)
+            time.sleep(0.01)
 
 
 class Supervisor:
-    """Starts, watches and restarts the engine process and the frontends."""
+    """Starts, watches and restarts the engine process and the frontends. The engine process is forked where fork is
+    safe to use (Linux; the supervisor has no other thread and has not touched a device): it starts with this
+    process's imports instead of its own, which are on the way to the first request (the frontends are spawned and
+    import theirs while the model loads)."""
 
     def __init__(self, options: Any, loader: Any, workers: int):
         self.options, self.loader, self.workers = options, loader, workers
         self.context = multiprocessing.get_context("spawn")
+        self.engine_context = multiprocessing.get_context("fork") if sys.platform == "linux" else self.context
         self.folder = tempfile.mkdtemp(prefix="leat-serve-")
         self.address = str(Path(self.folder) / "engine.sock")
         self.authkey = os.urandom(32)
@@ -128,15 +161,19 @@ class Supervisor:
         self.engine: Any = None
         self.frontends: list[Any] = []
         self.stopping = threading.Event()
+        self.engine_marks: dict[str, float] = {}  # the engine process's start-up steps (leat_server.startup)
+        self.serving: dict[int, Any] = {}  # frontend -> the pipe it reports on once it serves
+        self.served: dict[int, dict[str, float]] = {}  # frontend -> its start-up steps, once it serves
 
     def start_engine(self, then: Any = None) -> str:
         """Start the engine process (and ``then()`` at once, while it loads); its plan once it is ready (a
         LeatError if it fails to load)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.address)
-        receive, send = self.context.Pipe(duplex=False)
-        args = (self.options, self.loader, self.address, self.authkey, send)
-        self.engine = self.context.Process(target=engine_main, args=args, name="leat-engine", daemon=True)
+        receive, send = self.engine_context.Pipe(duplex=False)
+        forked = self.engine_context is not self.context
+        args = (self.options, self.loader, self.address, self.authkey, send, self.sock if forked else None)
+        self.engine = self.engine_context.Process(target=engine_main, args=args, name="leat-engine", daemon=True)
         self.engine.start()
         send.close()
         if then is not None:
@@ -149,18 +186,25 @@ class Supervisor:
             raise LeatError(f"the engine process exited with {self.engine.exitcode} while loading") from None
         if state != "ready":
             raise LeatError(detail)
-        return detail
+        plan, self.engine_marks = detail
+        return plan
 
     def start_frontend(self, i: int) -> Any:
-        args = (self.options, self.sock, self.address, self.authkey)
+        self.serving[i], send = self.context.Pipe(duplex=False)
+        args = (self.options, self.sock, self.address, self.authkey, send)
         process = self.context.Process(target=frontend_main, args=args, name=f"leat-api-{i}", daemon=True)
         process.start()
+        send.close()
         return process
 
-    def run(self, announce: Any = print) -> None:
+    def run(self, announce: Any = print, ready: Any = None) -> None:
+        """Serve until SIGTERM or Ctrl-C: ``announce(plan)`` once the engine is ready, ``ready(line)`` once every
+        frontend serves (the line says where the time went: :mod:`leat_server.startup`)."""
+
         def start_frontends() -> None:
             self.frontends = [self.start_frontend(i) for i in range(self.workers)]
 
+        start = time.time()  # where /proc does not say when this process started
         try:
             plan = self.start_engine(then=start_frontends)
         except BaseException:
@@ -169,11 +213,31 @@ class Supervisor:
         announce(plan)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stopping.set())
+        told = False
         try:
-            while not self.stopping.wait(0.2):
+            while not self.stopping.is_set():
+                self.hear(0.2)
+                if not told and len(self.served) == self.workers:
+                    from leat_server.startup import process_start, processes_line
+
+                    line = processes_line(process_start(start), self.engine_marks, list(self.served.values()))
+                    (ready or functools.partial(print, flush=True))(line)
+                    told = True
                 self.watch()
         finally:
             self.stop()
+
+    def hear(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for frontends that report they serve."""
+        if not self.serving:
+            self.stopping.wait(timeout)
+            return
+        for conn in multiprocessing.connection.wait(list(self.serving.values()), timeout):
+            i = next(i for i, c in self.serving.items() if c is conn)
+            del self.serving[i]
+            with contextlib.suppress(EOFError):  # it exited first: watch() starts it again, with a new pipe
+                self.served[i] = conn.recv()
+            conn.close()
 
     def watch(self) -> None:
         if not self.engine.is_alive():
