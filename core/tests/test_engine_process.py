@@ -1,13 +1,16 @@
 """The engine behind a socket: a frontend's RemoteEngine against an EngineHost serving a real Engine (here on a
 thread of the test process; `leat serve --api-workers` runs it in a process of its own)."""
 
+import asyncio
+import socket
 import threading
+import time
 
 import leat
 import numpy as np
 import pytest
 from leat.engine import Engine, GenerationRequest, Overloaded, TooLong
-from leat.engine_process import EngineHost, EngineUnavailable, RemoteEngine
+from leat.engine_process import EngineHost, EngineUnavailable, RemoteEngine, _Frontend
 from leat.errors import LeatError
 from leat.sampling import SamplingParams
 from leat.testing import write_tiny_gguf
@@ -55,6 +58,35 @@ def test_remote_requests_equal_local_ones(model, served):
     assert all(r[1].kind == "done" and r[1].usage["completion_tokens"] == len(r[0]) for r in results)
     assert remote.max_context == engine.max_context and remote.info["vocab_size"] == model.architecture.vocab_size
     assert remote.stats()["kv_pages_used"] == engine.stats()["kv_pages_used"]
+
+
+def test_a_submit_from_an_event_loop_leaves_the_loop_running(model, served, monkeypatch):
+    """Before: an API process's event loop stopped for each request's round trip to the engine, so a burst's
+    requests reached the engine one answer after another and every stream of that process stalled meanwhile."""
+    engine, _, remote = served
+    answer = _Frontend.submit
+    monkeypatch.setattr(_Frontend, "submit", lambda self, message: (time.sleep(0.3), answer(self, message))[1])
+    batch = prompts(3)
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        handles = await asyncio.gather(*(remote.submit_async(GenerationRequest(p, 8, GREEDY)) for p in batch))
+        with pytest.raises(TooLong):
+            await remote.submit_async(GenerationRequest([1, 2, 3], 1000, GREEDY))
+        ticker.cancel()
+        return handles, ticks
+
+    handles, ticks = asyncio.run(main())
+    assert ticks >= 40  # four answers 0.3 s apart: the loop ran through them (a blocking submit: 0 ticks)
+    assert [ids(h)[0] for h in handles] == [ids(engine.submit(GenerationRequest(p, 8, GREEDY)))[0] for p in batch]
 
 
 def test_refusals_cross_as_the_engines_errors(served):
@@ -120,3 +152,29 @@ def test_an_engine_that_goes_away_ends_requests_in_flight_with_an_error(model, s
         assert last.kind == "done" and len(got) == last.usage["completion_tokens"]
     finally:
         again.close()
+
+
+def test_frames_arrive_whole_and_a_burst_is_read_at_once():
+    """A reader that took one message per system call gave up the interpreter lock for each and waited to get it
+    back while another thread ran Python: a burst of submits crossed one per wait."""
+    from multiprocessing.connection import Connection
+
+    from leat.engine_process import Frames
+
+    one, two = (Frames(Connection(s.detach())) for s in socket.socketpair())
+    burst = [bytes([i]) * (i * 37) for i in range(64)]  # an empty message too
+    one.send(*burst)
+    assert two.read() == burst  # all 64, in one read
+    big = b"x" * (3 << 20)  # over several reads of 1 MiB
+    threading.Thread(target=one.send, args=(big, b"after")).start()  # more than the socket holds: sent meanwhile
+    got: list[bytes] = []
+    while len(got) < 2:
+        got += two.read()
+    assert got == [big, b"after"]
+    header = Frames.HEADER.pack(5)
+    one.sock.sendall(header + b"ab")  # half a message: read waits for the rest
+    threading.Timer(0.1, lambda: one.sock.sendall(b"cde")).start()
+    assert two.read() == [b"abcde"]
+    one.hang_up()
+    with pytest.raises(EOFError):
+        two.read()

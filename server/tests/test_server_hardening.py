@@ -4,6 +4,7 @@ leaves the server, the event loop and the other clients alone."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -292,7 +293,7 @@ def test_a_burst_is_admitted_up_to_free_slots_plus_queue(tmp_path):
     for i in range(48):
         job = Job("completions", model.tokenizer.encode(f"request {i}"), 4, service.sampling({}))
         try:
-            service.submit(job)
+            asyncio.run(service.submit(job))
             admitted += 1
         except Overloaded:
             pass

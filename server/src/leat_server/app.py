@@ -299,7 +299,7 @@ def create_app(
         lease, body, job = await prepare(request, bodies["/v1/chat/completions"], openai_api.chat_job)
         with lease:
             service = lease.service
-            handle = service.submit(job)
+            handle = await service.submit(job)
             if body.stream:
                 include = bool(body.stream_options and body.stream_options.include_usage)
                 return _stream(lease, job, handle, openai_api.chat_stream(service, job, handle, include))
@@ -311,7 +311,7 @@ def create_app(
         lease, body, (job, echo) = await prepare(request, bodies["/v1/completions"], openai_api.completion_job)
         with lease:
             service = lease.service
-            handle = service.submit(job)
+            handle = await service.submit(job)
             if body.stream:
                 include = bool(body.stream_options and body.stream_options.include_usage)
                 return _stream(lease, job, handle, openai_api.completion_stream(service, job, handle, echo, include))
@@ -323,7 +323,7 @@ def create_app(
         lease, body, job = await prepare(request, MessagesRequest, anthropic_api.messages_job)
         with lease:
             service = lease.service
-            handle = service.submit(job)
+            handle = await service.submit(job)
             if body.stream:
                 stream = anthropic_api.messages_stream(service, job, handle)
                 return _stream(lease, job, handle, stream, anthropic=True)
@@ -343,7 +343,7 @@ def create_app(
         lease, body, (job, echo) = await prepare(request, ResponsesRequest, responses_api.responses_job)
         with lease:
             service = lease.service
-            handle = service.submit(job)
+            handle = await service.submit(job)
             if body.stream:
                 return _stream(lease, job, handle, responses_api.responses_stream(service, job, handle, echo))
             await finish(request, service, job, handle)

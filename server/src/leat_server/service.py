@@ -198,7 +198,7 @@ class Service:
         return [logit_bias(table)]
 
     # -- running ---------------------------------------------------------------------------------------------
-    def submit(self, job: Job, count: bool = True) -> Any:
+    async def submit(self, job: Job, count: bool = True) -> Any:
         session = self.session_name(job.owner, job.session) if job.session is not None else None
         room = self.max_context - len(job.prompt_ids)
         max_tokens = job.max_tokens if job.max_tokens is not None else max(room, 1)
@@ -217,7 +217,10 @@ class Service:
         if job.images:
             request["images"] = job.images
         try:
-            handle = self.engine.submit(GenerationRequest(**request))
+            if submit_async := getattr(self.engine, "submit_async", None):  # an engine process: never block the loop
+                handle = await submit_async(GenerationRequest(**request))
+            else:  # an engine in this process queues the request at once
+                handle = self.engine.submit(GenerationRequest(**request))
         except EngineUnavailable as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
         except LeatError as e:
@@ -332,7 +335,7 @@ class Service:
         Not counted in the metrics."""
         job = Job("warmup", [0], 1, self.sampling({"temperature": 0}), ignore_eos=True)
         job.settled = True  # nothing to count
-        async for _ in self.stream(job, self.submit(job, count=False)):
+        async for _ in self.stream(job, await self.submit(job, count=False)):
             pass
 
     def abandon(self, job: Job, handle: Any) -> None:
