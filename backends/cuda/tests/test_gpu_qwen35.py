@@ -24,7 +24,7 @@ from leat.compare import compare, first_near_tie, top2_gap
 from leat.modelfile import ModelFile
 from leat.testing import write_tiny_gguf
 from leat_backend_cpu.backend import CPUBackend
-from leat_backend_cuda.quants import GEMV_MAX_TOKENS
+from leat_backend_cuda.quants import GEMV_MAX_TOKENS, gemm_few_shape
 
 pytestmark = pytest.mark.gpu
 _spec = importlib.util.spec_from_file_location("deltanet_on_host", Path(__file__).with_name("test_deltanet_on_host.py"))
@@ -51,14 +51,26 @@ def files(tmp_path_factory):
 
 
 class F16Rows(CPUBackend):
-    """The oracle with the CUDA backend's f16 rows: a product of more than GEMV_MAX_TOKENS tokens by an F32 matrix
-    multiplies x and the weight rounded to f16 (gemm_few, gemm_rows, the GEMM, cuBLAS; their sums are float32, here
-    float64); the MoE's router and F32 experts stay unrounded (gemv_id and gemv_grouped multiply in float32)."""
+    """The oracle with the CUDA backend's f16 rows: where ``cuda`` multiplies an F32 matrix on the tensor cores
+    (gemm_few, gemm_rows, the GEMM, cuBLAS), x and the weight are rounded to f16 (their sums are float32 there,
+    float64 here); the MoE's router and F32 experts stay unrounded (gemv_id and gemv_grouped multiply in float32)."""
 
-    exact = False
+    def __init__(self, cuda, precision="f64"):
+        super().__init__(precision)
+        self.cuda, self.exact = cuda, False
+
+    def rounds(self, n, m, k):
+        """Whether ``cuda`` multiplies n tokens by an F32 matrix [m, k] through f16 rows: CUDABackend.matmul's
+        choice for float weights (more than GEMV_MAX_TOKENS tokens, rows a multiple of 8: gemm_few where it has a
+        shape, cuBLAS from cublas_min_tokens, else gemm_rows or the GEMM where K steps by 32; else the float gemv)."""
+        cuda = self.cuda
+        if n <= GEMV_MAX_TOKENS or k % 8 or not cuda.tensor_cores:
+            return False
+        few = cuda.few_tokens[0] <= n <= cuda.few_tokens[1] and gemm_few_shape(n, m) is not None
+        return few or (cuda.cublas is not None and n >= cuda.cublas_min_tokens) or k % 32 == 0
 
     def matmul(self, x, weight, bias=None):
-        if len(x) > GEMV_MAX_TOKENS and isinstance(weight, np.ndarray) and not self.exact:
+        if isinstance(weight, np.ndarray) and not self.exact and self.rounds(len(x), *weight.shape):
             x, weight = (np.asarray(a, np.float16).astype(self.dtype) for a in (x, weight))
         return super().matmul(x, weight, bias)
 
@@ -124,7 +136,7 @@ def logits_by_step(model, tokens, chunk):
 def test_tiny_models_agree_with_the_oracle_in_prefill_and_decode(files, cuda, cuda_f32, name, products):
     path = files(name)
     device = cuda_f32 if products == "float32" else cuda
-    oracle = load(name, path, CPUBackend("f64") if products == "float32" else F16Rows("f64"))
+    oracle = load(name, path, CPUBackend("f64") if products == "float32" else F16Rows(cuda))
     model = load(name, path, device)
     tokens = np.random.default_rng(0).integers(0, model.params.vocab, 200)  # one top-1 miss is half a percent
     for label, run in (
