@@ -2,7 +2,9 @@
 with g++ and run with each CUDA thread a fiber (test_moe_mla_on_host.py's harness), launched as deltanet.py launches
 them, against leat.deltanet.run in float64: two sequences in two slots through a prefill batch with a padding token
 and then decode steps in the other order, each slot's state continuing apart from the other's; a row at position 0
-starts from zeros whatever its slot held; a padding token's outputs are zeros. No GPU needed; skipped where g++ is missing."""
+starts from zeros whatever its slot held; a padding token's outputs are zeros; and the tiny qwen35's delta-net layers
+on the inputs the float64 oracle gives them over a 200-token prompt, whole and as 48-token chunks beside another
+slot's decode steps. No GPU needed; skipped where g++ is missing."""
 
 import importlib.util
 from pathlib import Path
@@ -31,6 +33,7 @@ extern "C" void conv4(const float* mixed, const float* conv, const int* slot, co
         });                                                                                                       \
     }
 RECUR(8)
+RECUR(16)
 RECUR(64)
 extern "C" void gate(const float* g, const float* x, float* y, long long n, int cols, int gate_cols) {
     launch({2, 1, 1}, 64, [=] { sigmoid_mul(g, x, y, n, cols, gate_cols); });
@@ -92,6 +95,53 @@ def test_two_slots_prefill_with_padding_then_decode_steps(kernels, k_heads, v_he
             expected = want[s][p : p + t] if s >= 0 else np.zeros((t, v_heads, d))
             np.testing.assert_allclose(got[at : at + t], expected, rtol=2e-4, atol=2e-5)
             at += t
+
+
+def oracle_layers(tmp_path):
+    """The tiny qwen35's linear layers over a 200-token prompt in the float64 oracle: per layer its DeltaNet, the
+    inputs gated_delta_net got (mixed, alpha, beta) and what it returned."""
+    qwen35 = pytest.importorskip("leat_arch_qwen35.qwen35")
+    from leat.batch import Batch, Row
+    from leat.modelfile import ModelFile
+    from leat.testing import write_tiny_gguf
+    from leat_backend_cpu.backend import CPUBackend
+
+    backend, seen = CPUBackend("f64"), {}
+    model = qwen35.Qwen35(ModelFile(write_tiny_gguf(qwen35.Qwen35, tmp_path / "qwen35.gguf")), backend)
+    original = backend.gated_delta_net
+
+    def recorded(mixed, alpha, beta, net, kv, layer, batch):
+        seen[layer] = (net, mixed, alpha, beta, original(mixed, alpha, beta, net, kv, layer, batch))
+        return seen[layer][-1]
+
+    backend.gated_delta_net = recorded
+    tokens = np.random.default_rng(0).integers(0, model.params.vocab, 200)
+    model.forward(Batch([Row(0, 0, tokens)]), backend.allocate_kv(model.kv_layouts(model.params), 1, 200))
+    return seen
+
+
+def test_tiny_qwen35_layers_on_their_oracle_inputs(kernels, tmp_path):
+    """Each step from NaN states: the prompt whole in slot 0; then in chunks of 48 in slot 1 beside a decode row of
+    slot 0 (the same sequence again) and two padding tokens. Every token's outputs within 1e-4 of the oracle's
+    relative to the token's largest (float32 gives ~1e-6)."""
+    for layer, (net, mixed, alpha, beta, want) in oracle_layers(tmp_path).items():
+        channels, v, d = net.conv.shape[0], net.v_heads, net.head_dim
+        tails, states = f32(np.full((2, 3, channels), np.nan)), f32(np.full((2, v, d, d), np.nan))
+        whole = step(kernels, net, mixed, alpha, beta, np.zeros(200), np.arange(200), tails, states)
+        chunks, decoded = [], []
+        for start in range(0, 200, 48):
+            rows = [(0, start // 48, 1), (1, start, min(48, 200 - start)), (-1, 0, 2)]
+            inputs = [np.concatenate([x[p : p + t] if s >= 0 else np.zeros((t, x.shape[1])) for s, p, t in rows])
+                      for x in (mixed, alpha, beta)]  # fmt: skip
+            slots = np.concatenate([np.full(t, s) for s, _, t in rows])
+            positions = np.concatenate([np.arange(p, p + t) for _, p, t in rows])
+            out = step(kernels, net, *inputs, slots, positions, tails, states)
+            decoded.append(out[0])
+            chunks.append(out[1 : 1 + rows[1][2]])
+            assert not out[1 + rows[1][2] :].any()
+        for got, expected in ((whole, want), (np.concatenate(chunks), want), (np.stack(decoded), want[:5])):
+            error = np.abs(got - expected).reshape(len(got), -1).max(1)
+            assert np.all(error <= 1e-4 * np.abs(expected).reshape(len(got), -1).max(1)), (layer, error.max())
 
 
 def test_sigmoid_mul_by_element_and_by_row(kernels):
