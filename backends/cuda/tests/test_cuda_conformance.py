@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 class TestCUDABackendConformance(BackendConformance):
     """Float32 kernels throughout (tensor cores off): the kit's float32 bounds."""
 
-    capabilities: ClassVar[frozenset[str]] = frozenset({"windows"})  # "recurrent" once Qwen3.5 is enabled (backend.py)
+    capabilities: ClassVar[frozenset[str]] = frozenset({"windows", "recurrent"})
 
     @pytest.fixture
     def backend(self):

