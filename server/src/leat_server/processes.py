@@ -11,6 +11,7 @@ with a 503 in their frontends, which reconnect to the new engine. SIGTERM or Ctr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import multiprocessing
 import multiprocessing.connection
@@ -92,6 +93,7 @@ def frontend_main(options: Any, sock: socket.socket, address: str, authkey: byte
     from leat_server.startup import Server
 
     early = _read_model_early(options.model)
+    _rehearse(options, early)
     marks["prepared"] = time.time()
     engine = _connect(address, authkey)
     marks["connected"] = time.time()
@@ -125,6 +127,25 @@ def _read_model_early(name: str) -> tuple[Any, Any] | None:
         return file, text_parts(file)
     except Exception:  # noqa: BLE001 - only a head start: the engine's own answer (info["path"]) decides
         return None
+
+
+def _rehearse(options: Any, early: tuple[Any, Any] | None) -> None:
+    """Build the app once against the model file alone, before the engine answers: what building it loads the first
+    time (Litestar's plugins, the chat formats, the metrics) is then loaded while the model loads, and the app that
+    serves is built in a third of the time once the engine has said what it runs (0.08 s instead of 0.2-0.3 s here,
+    the llama-bpe vocabulary)."""
+    from leat.keys import KeyStore
+
+    from leat_server import build_app
+
+    if early is None:
+        return
+    info = {"path": str(early[0].path), "vocab_size": 0, "context_length": 0, "backend": {}}
+    rehearsal = dataclasses.replace(options, receipts=False, receipt_key=None)  # no signer: it hashes the file
+    try:
+        build_app(rehearsal, FrontendModel(info, early), None, KeyStore(options.api_key_file), log=lambda _: None)
+    except Exception:  # noqa: BLE001 - only a head start: the app that serves is built (and fails) after it
+        return
 
 
 def _connect(address: str, authkey: bytes) -> Any:

@@ -1,8 +1,8 @@
 """Where ``leat serve``'s start-up time went: the processes stamp their steps (``time.time()``, comparable across
 processes), and once every API process serves, the server prints one line with the total since the command started
 and its parts, e.g. ``leat: ready in 2.41 s (start 0.35 s, model 1.31 s, engine 0.05 s, API workers 0.70 s after
-it: imports 0.00 s, connect 0.00 s, app 0.20 s, warm-up 0.45 s; API workers' imports and tokenizer 1.20 s, overlapped
-with the load)``."""
+it: their start 0.00 s, connect 0.00 s, app 0.08 s, warm-up 0.45 s; API workers' start 1.20 s, overlapped with the
+load)``."""
 
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ def one_process_line(start: float, marks: dict[str, float]) -> str:
 
 def processes_line(start: float, engine: dict[str, float], frontends: list[dict[str, float]]) -> str:
     """``--api-workers N``: ``engine``'s marks (entered, loaded, ready) and each API process's (entered, prepared:
-    imports and tokenizer done, connected, built, ready); the line follows the last API process to serve. What the
-    API processes did after the engine was ready: the rest of their own start ("imports"), waiting to connect,
-    building the app, and the warm-up before they serve."""
+    imports, tokenizer and a first build of the app done, connected, built, ready); the line follows the last API
+    process to serve. What the API processes did after the engine was ready: the rest of their own start, waiting
+    to connect, building the app, and the warm-up before they serve."""
     last = max(frontends, key=lambda marks: marks["ready"])
     prepared = max(last["prepared"], engine["ready"])
     parts = [
@@ -56,7 +56,7 @@ def processes_line(start: float, engine: dict[str, float], frontends: list[dict[
         ("engine", engine["ready"] - engine["loaded"]),
     ]
     after = [
-        ("imports", prepared - engine["ready"]),
+        ("their start", prepared - engine["ready"]),
         ("connect", last["connected"] - prepared),
         ("app", last["built"] - last["connected"]),
         ("warm-up", last["ready"] - last["built"]),
@@ -64,8 +64,8 @@ def processes_line(start: float, engine: dict[str, float], frontends: list[dict[
     overlapped = max(marks["prepared"] - marks["entered"] for marks in frontends)
     return (
         f"leat: ready in {last['ready'] - start:.2f} s ({_parts(parts)}, API workers "
-        f"{last['ready'] - engine['ready']:.2f} s after it: {_parts(after)}; API workers' imports and tokenizer "
-        f"{overlapped:.2f} s, overlapped with the load)"
+        f"{last['ready'] - engine['ready']:.2f} s after it: {_parts(after)}; API workers' start {overlapped:.2f} s, "
+        "overlapped with the load)"
     )
 
 
