@@ -88,3 +88,24 @@ class TestVision(LlamaCppVision):
         assert tokens
         for i, token in enumerate(tokens):
             assert token == int(np.argmax(model.logits(ids + tokens[:i], images=spans, native=True)[-1]))
+
+
+class TestVisionAtE2BWidth(LlamaCppVision):
+    """A text model 1536 wide (E2B's): llama.cpp decodes the image causally in every layer."""
+
+    references = Path(__file__).parent / "references" / "e2b_width"
+    embedding_error = TestVision.embedding_error
+    min_gap = TestVision.min_gap
+
+    def test_no_layer_sees_the_image_bidirectionally(self, oracle, recorded):
+        """Bidirectional in the sliding layers, as at other widths, is far off."""
+        model, ids, spans = oracle
+        arch = model.architecture
+        try:
+            arch.CAUSAL_IMAGES = ()
+            sliding = model.logits(ids, images=spans, native=True)
+        finally:
+            del arch.CAUSAL_IMAGES
+        after = np.arange(spans[0].start + spans[0].length, len(ids))
+        agreement = compare(recorded["logits"][after], sliding[after], min_gap=self.min_gap, label="bidirectional")
+        assert agreement.failures(top1=0.99, kl=1e-3), str(agreement)
