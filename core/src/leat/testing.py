@@ -386,6 +386,16 @@ def write_tiny_mmproj(
     return Path(path)
 
 
+def vision_files(prompt: str, **paths: Path) -> dict[str, Any]:
+    """What a references folder's ``tiny_vision.py`` prints (:mod:`leat.conformance.vision`): each file's path and
+    SHA-256, and the prompt."""
+    return {
+        **{k: str(v) for k, v in paths.items()},
+        "sha256": {k: sha256(v) for k, v in paths.items()},
+        "prompt": prompt,
+    }
+
+
 def encode_png(rgb: np.ndarray) -> bytes:
     """``rgb`` [h, w, 3] bytes as a PNG (no filtering), for tests that send images."""
     import struct

@@ -23,7 +23,7 @@ PROMPT = f"the sky is blue because of {MARKER} rayleigh scattering of sunlight i
 def build(out: Path) -> dict[str, Any]:
     import gguf
     import numpy as np
-    from leat.testing import encode_png, sha256, write_tiny_gguf, write_tiny_mmproj
+    from leat.testing import encode_png, vision_files, write_tiny_gguf, write_tiny_mmproj
     from leat_arch_gemma.gemma import Gemma3
 
     params = Gemma3.tiny(**MODEL["params"])
@@ -34,12 +34,7 @@ def build(out: Path) -> dict[str, Any]:
     pixels = np.random.default_rng(IMAGE_SEED).integers(0, 256, (32, 32, 3), dtype=np.uint8)
     image = out / "tiny-image.png"
     image.write_bytes(encode_png(pixels))
-    files = {"model": model, "mmproj": mmproj, "image": image}
-    return {
-        **{name: str(path) for name, path in files.items()},
-        "sha256": {name: sha256(path) for name, path in files.items()},
-        "prompt": PROMPT,
-    }
+    return vision_files(PROMPT, model=model, mmproj=mmproj, image=image)
 
 
 if __name__ == "__main__":
