@@ -382,3 +382,31 @@ def test_session_names_are_scoped_to_their_key():
         scoped(owner, "x" * 112)
     with pytest.raises(LeatError):
         scoped(owner, "../x")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_engine_process_is_awaited_only_when_asked(tmp_path, monkeypatch, asynchronous):
+    """LEAT_ASYNC_SUBMIT=1 (leat_server.service.ASYNC_SUBMIT) makes an API process await the engine process's answer
+    in its event loop (RemoteEngine.submit_async); by default it takes the blocking round trip (RemoteEngine.submit)."""
+    import leat_server.service
+
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf")
+    model = load(str(path), backend="cpu")
+    app, _ = build(ServeOptions(str(path), batch_size=2), model, None, log=lambda *_: None)
+    service = app.app.state.service
+    local, called = service.engine, []
+
+    class Remote:  # the calls of a RemoteEngine, answered by the engine in this process
+        def submit(self, request):
+            called.append("submit")
+            return local.submit(request)
+
+        async def submit_async(self, request):
+            called.append("submit_async")
+            return local.submit(request)
+
+    monkeypatch.setattr(service, "engine", Remote())
+    monkeypatch.setattr(leat_server.service, "ASYNC_SUBMIT", asynchronous)
+    job = Job("completions", model.tokenizer.encode("hello"), 2, service.sampling({}))
+    asyncio.run(service.submit(job))
+    assert called == ["submit_async" if asynchronous else "submit"] and job.accepted is not None

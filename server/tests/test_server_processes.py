@@ -29,9 +29,9 @@ def expected_text(model_path):
     return greedy_text(model_path, PROMPT, 24)
 
 
-def serve(model_path) -> ServerProcess:
+def serve(model_path, env: dict[str, str] | None = None) -> ServerProcess:
     args = ["--backend", "cpu", "--api-workers", "2", "--batch-size", "4", "--max-queue", "16"]
-    return ServerProcess(model_path, args, timeout=120)
+    return ServerProcess(model_path, args, env=env, timeout=120)
 
 
 @pytest.fixture
@@ -41,10 +41,11 @@ def server(model_path):
         yield proc
 
 
-@pytest.fixture(scope="module")
-def shared_server(model_path):
-    """One server for the tests that only send it requests."""
-    with serve(model_path) as proc:
+@pytest.fixture(scope="module", params=["blocking", "async"])
+def shared_server(model_path, request):
+    """One server for the tests that only send it requests; its API processes submit with a blocking round trip
+    (the default), or await the engine's answer in their event loop (LEAT_ASYNC_SUBMIT=1)."""
+    with serve(model_path, {"LEAT_ASYNC_SUBMIT": "1"} if request.param == "async" else None) as proc:
         yield proc
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +34,10 @@ from leat_server.images import Images
 from leat_server.toolcalls import ModelFormat
 
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(GenerationRequest)}
+
+# An API process awaits the engine process's Accepted without blocking its event loop: off by default until it is
+# measured on a GPU beside the blocking round trip (the H200 showed a stall with it; docs/serving.md)
+ASYNC_SUBMIT = os.environ.get("LEAT_ASYNC_SUBMIT", "") == "1"
 
 
 @dataclass
@@ -217,9 +222,9 @@ class Service:
         if job.images:
             request["images"] = job.images
         try:
-            if submit_async := getattr(self.engine, "submit_async", None):  # an engine process: never block the loop
-                handle = await submit_async(GenerationRequest(**request))
-            else:  # an engine in this process queues the request at once
+            if ASYNC_SUBMIT and (submit_async := getattr(self.engine, "submit_async", None)):
+                handle = await submit_async(GenerationRequest(**request))  # an engine process: the loop goes on
+            else:  # an engine in this process queues it at once; one in another answers in a round trip
                 handle = self.engine.submit(GenerationRequest(**request))
         except EngineUnavailable as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
