@@ -266,7 +266,8 @@ def serve(
         where = f"http://{'[' + opts.host + ']' if ':' in opts.host else opts.host}:{opts.port}"
         record = {"model": opts.alias or model_label(path), "path": str(path), "address": where}
         with running_server(record | {"size": path.stat().st_size}):
-            # a function the engine process can run too (--api-workers: it is started afresh, not forked)
+            # a function the engine process can run too (--api-workers: forked on Linux, elsewhere started afresh,
+            # where it crosses as a pickle)
             load = functools.partial(
                 load_model,
                 model_name,
