@@ -47,7 +47,7 @@ class TestVision(LlamaCppVision):
 
     def test_the_full_layers_see_the_image_causally(self, oracle, recorded):
         """The image's row attends bidirectionally only in the sliding layers: bidirectional everywhere is far off."""
-        assert far_off(oracle, recorded, self.min_gap, causal=lambda batch: batch)
+        assert failures(oracle, recorded, self.min_gap, causal=lambda batch: batch)
 
     def test_an_images_tokens_follow_its_size(self, oracle):
         """llama.cpp's dyn_size: sides rounded to multiples of patch * merge (12), then scaled into 70..1120 tokens."""
@@ -82,28 +82,40 @@ class TestVision(LlamaCppVision):
 
 
 class TestVisionAtE2BWidth(LlamaCppVision):
-    """A text model 1536 wide (E2B's): llama.cpp decodes the image causally in every layer."""
+    """E2B's shape of the files (references/e2b_width): a text model 1536 wide, where llama.cpp decodes the image
+    causally in every layer, and an mmproj without ``use_gelu`` (gelu_quick). The embeddings were 3.7e-3 of the
+    largest entry from llama.cpp's when recorded (ggml's f16 patches and its gelu_quick, read from a table indexed by
+    the input rounded to f16), which moves one top-1 of 31 after the image (top-1 96.8%, mean KL 3.6e-4): so the text
+    model is checked here on llama.cpp's own embeddings (top-1 100%, mean KL 4.2e-5)."""
 
     references = Path(__file__).parent / "references" / "e2b_width"
     embedding_error = TestVision.embedding_error
     min_gap = TestVision.min_gap
 
+    def test_logits_after_the_image_match_llamacpp(self, oracle, recorded):
+        assert not failures(oracle, recorded, self.min_gap, recorded["embeddings"])
+
     def test_no_layer_sees_the_image_bidirectionally(self, oracle, recorded):
         """Bidirectional in the sliding layers, as at other widths, is far off."""
-        assert far_off(oracle, recorded, self.min_gap, CAUSAL_IMAGES=())
+        assert failures(oracle, recorded, self.min_gap, recorded["embeddings"], CAUSAL_IMAGES=())
 
 
-def far_off(oracle, recorded, min_gap: float, **mask) -> bool:
-    """Whether the logits after the image fail the bars against llama.cpp's with the architecture's attributes
-    ``mask`` (its image rows' mask) set on the model's instance."""
+def failures(oracle, recorded, min_gap: float, embeddings: np.ndarray | None = None, **mask) -> list[str]:
+    """How the oracle's logits after the image fail the bars against llama.cpp's (top-1 >= 99% at ``min_gap``, mean KL
+    < 1e-3), with ``embeddings`` (else the encoder's) as the image's, and the architecture's attributes ``mask``
+    (its image rows' mask) set on the model's instance."""
     model, ids, spans = oracle
-    arch = model.architecture
+    arch, vision = model.architecture, model.vision
     try:
         vars(arch).update(mask)
+        if embeddings is not None:
+            vision.embeddings = lambda span, start=None: model.backend.from_host(embeddings.astype(np.float64))
         logits = model.logits(ids, images=spans, native=True)
     finally:
         for name in mask:
             delattr(arch, name)
+        vars(vision).pop("embeddings", None)
     after = np.arange(spans[0].start + spans[0].length, len(ids))
-    agreement = compare(recorded["logits"][after], logits[after], min_gap=min_gap, label="another mask")
-    return bool(agreement.failures(top1=0.99, kl=1e-3))
+    agreement = compare(recorded["logits"][after], logits[after], min_gap=min_gap, label="after the image")
+    assert agreement.counted >= 0.6 * len(after), str(agreement)
+    return agreement.failures(top1=0.99, kl=1e-3)

@@ -320,15 +320,15 @@ def write_tiny_mmproj(
     mtmd loads it, with the tensors of ``vit``: ``siglip``, a SigLIP ViT and the average-pool projector (Gemma 3's);
     ``rope2d``, Gemma 4's ViT (RMSNorms, per-head q/k norms, 2-D RoPE tables, GeGLU, post-norms, layer scales), its
     pooler (3 x 3, the default) with ``std_bias`` and ``std_scale``, and Gemma4ClippableLinear clamps on three
-    products. ``shape`` overrides the defaults: 4-pixel patches, width 32, 4 heads, MLP 64, 2 layers; siglip: a
-    32-pixel image pooled 2 x 2 (16 image tokens)."""
-    s = {"image": 32, "patch": 4, "width": 32, "heads": 4, "ffn": 64, "layers": 2, "merge": 2} | shape
+    products. ``shape`` overrides the defaults: 4-pixel patches, width 32, 4 heads, MLP 64, 2 layers, GELU (``gelu=0``:
+    gelu_quick); siglip: a 32-pixel image pooled 2 x 2 (16 image tokens)."""
+    s = {"image": 32, "patch": 4, "width": 32, "heads": 4, "ffn": 64, "layers": 2, "merge": 2, "gelu": 1} | shape
     V, w, rng = gguf.Keys.ClipVision, s["width"], np.random.default_rng(seed)
     rope2d = vit == "rope2d"
     writer = gguf.GGUFWriter(Path(path), "clip")
     writer.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, projector)
     writer.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
-    writer.add_bool(V.USE_GELU, True)
+    writer.add_bool(V.USE_GELU, bool(s["gelu"]))  # false: llama.cpp's gelu_quick
     for key, value in ((V.IMAGE_SIZE, "image"), (V.PATCH_SIZE, "patch"), (V.EMBEDDING_LENGTH, "width")):
         writer.add_uint32(key, s[value])
     for key, value in ((V.FEED_FORWARD_LENGTH, "ffn"), (V.BLOCK_COUNT, "layers"), (V.Attention.HEAD_COUNT, "heads")):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 MODEL = {"seed": 31, "params": {}}  # Gemma4.tiny(): E2B's shape, small (sliding window 8: shorter than the image)
-MMPROJ = {"seed": 32}  # leat.testing.write_tiny_mmproj's rope2d defaults: 4-pixel patches pooled 3 x 3
+MMPROJ = {"seed": 32, "shape": {}}  # leat.testing.write_tiny_mmproj's rope2d defaults: 4-pixel patches pooled 3 x 3
 IMAGE = {"seed": 33, "size": (110, 100)}  # height, width: resized to 108 x 96 (letterboxed), 9 x 8 = 72 tokens
 MARKER = "<__media__>"  # llama.cpp's mtmd_default_marker, as leat.vision.MARKER
 PROMPT = f"the sky is blue because of {MARKER} rayleigh scattering of sunlight in the atmosphere."
@@ -30,7 +30,12 @@ def build(out: Path) -> dict[str, Any]:
     params = Gemma4.tiny(**MODEL["params"])
     model = write_tiny_gguf(Gemma4, out / "tiny-gemma4-vision.gguf", seed=MODEL["seed"], params=params)
     mmproj = write_tiny_mmproj(
-        out / "tiny-mmproj-gemma4v.gguf", params.width, gguf.VisionProjectorType.GEMMA4V, MMPROJ["seed"], "rope2d"
+        out / "tiny-mmproj-gemma4v.gguf",
+        params.width,
+        gguf.VisionProjectorType.GEMMA4V,
+        MMPROJ["seed"],
+        "rope2d",
+        **MMPROJ["shape"],
     )
     pixels = np.random.default_rng(IMAGE["seed"]).integers(0, 256, (*IMAGE["size"], 3), dtype=np.uint8)
     image = out / "tiny-image.png"
