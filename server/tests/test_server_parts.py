@@ -88,6 +88,39 @@ def test_receipts_verify_and_fail_after_any_change(tmp_path):
         verify(body, other)
 
 
+def test_api_processes_racing_to_make_the_receipt_key_get_one_key(tmp_path):
+    """Before: two API processes starting with --receipts and no key both made one; the second's exclusive create
+    failed with a FileExistsError traceback and the process was restarted."""
+    import threading
+
+    from cryptography.hazmat.primitives import serialization
+
+    keys, errors = [], []
+
+    def make() -> None:
+        try:
+            keys.append(load_or_create_key(tmp_path / "key.pem"))
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=make) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    raw = {
+        k.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
+        for k in keys
+    }
+    assert errors == [] and len(keys) == 8 and len(raw) == 1
+    assert (tmp_path / "key.pem").stat().st_mode & 0o777 == 0o600
+    public = load_public_key(public_key_path(tmp_path / "key.pem"))
+    assert public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw) == keys[
+        0
+    ].public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["key.pem", "key.pub.pem"]  # no temporary file left
+
+
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -17,6 +17,7 @@ import base64
 import hashlib
 import json
 import os
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -56,27 +57,38 @@ def public_key_path(private_path: Path) -> Path:
 def load_or_create_key(path: str | Path | None = None) -> Ed25519PrivateKey:
     """The private key in ``path`` (PEM, PKCS#8), made (mode 0600) with its public key beside it if missing."""
     path = Path(path).expanduser() if path else default_key_path()
-    if path.exists():
-        try:
-            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-        except (ValueError, TypeError) as e:
-            raise LeatError(f"{path}: not an unencrypted PEM private key ({e})") from None
-        if not isinstance(key, Ed25519PrivateKey):
-            raise LeatError(f"{path}: receipts need an Ed25519 key, this is a {type(key).__name__}")
-    else:
-        key = Ed25519PrivateKey.generate()
+    if not path.exists():  # made whole under a private name, then linked: of processes racing, the first wins
         path.parent.mkdir(parents=True, exist_ok=True)
-        pem = key.private_bytes(
+        pem = Ed25519PrivateKey.generate().private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
         with os.fdopen(fd, "wb") as f:
             f.write(pem)
+        temp = Path(name)
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            pass  # another process's key: read below
+        finally:
+            temp.unlink(missing_ok=True)
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (ValueError, TypeError) as e:
+        raise LeatError(f"{path}: not an unencrypted PEM private key ({e})") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise LeatError(f"{path}: receipts need an Ed25519 key, this is a {type(key).__name__}")
     public = public_key_path(path)
     if not public.exists():
-        public.write_bytes(
-            key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-        )
+        fd, name = tempfile.mkstemp(dir=public.parent, prefix=f".{public.name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(
+                key.public_key().public_bytes(
+                    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+                )
+            )
+        os.chmod(name, 0o644)
+        os.replace(name, public)
     return key
 
 
