@@ -287,7 +287,7 @@ class _Frontend:
                 logprobs=message.logprobs,
                 ignore_eos=message.ignore_eos,
                 processors=processors,
-                images=[engine.model.vision.span(i.start, i.data) for i in message.images],
+                images=[engine.model.vision.span(i.start, i.data, i.length) for i in message.images],
             )
             handle = engine.submit(request)
         except Overloaded as e:

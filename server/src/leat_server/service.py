@@ -27,7 +27,7 @@ from leat.errors import LeatError, TemplateError
 from leat.sampling import SamplingParams
 from leat.sessions import scoped, unscoped
 from leat.textstream import TextStream
-from leat.vision import place
+from leat.vision import image_tokens, place
 
 from leat_server.errors import APIError, bad_request, unsupported
 from leat_server.images import Images
@@ -170,10 +170,11 @@ class Service:
         try:
             if vision is not None:
                 return self.model.image_prompt(text, images, add_special=False)
-            ids, starts = place(self.tokenizer, text, len(images), **layout, add_special=False)
+            counts = [image_tokens(layout, data) for data in images]  # from each image's header: decoded once, there
+            ids, starts = place(self.tokenizer, text, len(images), layout["begin"], layout["end"], counts, False)
         except LeatError as e:
             raise bad_request(f"image input: {e}", "messages") from None
-        return ids, [Image(start, layout["tokens"], data) for start, data in zip(starts, images)]
+        return ids, [Image(start, count, data) for start, count, data in zip(starts, counts, images)]
 
     def sampling(self, fields: dict[str, Any]) -> SamplingParams:
         try:

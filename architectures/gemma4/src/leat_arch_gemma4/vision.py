@@ -38,6 +38,32 @@ TOKENS = (70, 1120)  # the fewest and most image tokens an image is resized to (
 CLAMPS = ("input_min", "input_max", "output_min", "output_max")
 
 
+def sides(width: int, height: int, patch: int, merge: int) -> tuple[int, int]:
+    """The sides an image of ``width`` x ``height`` is resized to (llama.cpp's calc_size_preserved_ratio, in its
+    float32 arithmetic): each a multiple of patch * merge, the tokens within :data:`TOKENS`."""
+    f, s = patch * merge, np.float32
+    fewest, most = (t * f * f for t in TOKENS)
+
+    def by(x: Any, rounding: Any) -> int:  # llama.cpp's round/floor/ceil_by_factor: x / f in float32
+        return int(rounding(float(s(x) / s(f)))) * f
+
+    w, h = (max(f, by(side, lambda v: math.floor(v + 0.5))) for side in (width, height))
+    if w * h > most:
+        beta = np.sqrt(s(height) * s(width) / s(most))
+        w, h = (max(f, by(s(side) / beta, math.floor)) for side in (width, height))
+    elif w * h < fewest:
+        beta = np.sqrt(s(fewest) / (s(height) * s(width)))
+        w, h = (by(s(side) * beta, math.ceil) for side in (width, height))
+    return w, h
+
+
+def image_tokens(width: int, height: int, patch: int, merge: int) -> int:
+    """How many embeddings an image of ``width`` x ``height`` becomes: what :meth:`Gemma4Vision.tokens_of` counts
+    after :meth:`Gemma4Vision.preprocess`, from the image's size alone (``leat.vision.image_tokens``)."""
+    w, h = sides(width, height, patch, merge)
+    return (w // (patch * merge)) * (h // (patch * merge))
+
+
 @dataclass
 class Linear:
     weight: Any
@@ -74,7 +100,8 @@ class Gemma4Vision:
         self.std = np.asarray(need(V.IMAGE_STD), np.float32)[:3]
         self.merge = int(file.get(V.Projector.SCALE_FACTOR, MERGE))
         self.gelu = bool(file.get(V.USE_GELU, False))  # else llama.cpp's gelu_quick, x * sigmoid(1.702 x)
-        self.tokens = None  # each image's own count: tokens_of
+        self.tokens = None  # each image's own count: tokens_of, or image_tokens from its size alone (a frontend's)
+        self.sizing = (f"{__name__}:{image_tokens.__name__}", {"patch": self.patch, "merge": self.merge})
         self.head_dim = self.width // self.heads
         kernel = dequantized(file, "v.patch_embd.weight")
         self.patch_kernel = backend.upload(f32("v.patch_embd.weight", kernel.reshape(self.width, -1)))
@@ -123,22 +150,8 @@ class Gemma4Vision:
         )
 
     def size(self, width: int, height: int) -> tuple[int, int]:
-        """The sides an image of ``width`` x ``height`` is resized to (llama.cpp's calc_size_preserved_ratio, in its
-        float32 arithmetic): each a multiple of patch * merge, the tokens within :data:`TOKENS`."""
-        f, s = self.patch * self.merge, np.float32
-        fewest, most = (t * f * f for t in TOKENS)
-
-        def by(x: Any, rounding: Any) -> int:  # llama.cpp's round/floor/ceil_by_factor: x / f in float32
-            return int(rounding(float(s(x) / s(f)))) * f
-
-        w, h = (max(f, by(side, lambda v: math.floor(v + 0.5))) for side in (width, height))
-        if w * h > most:
-            beta = np.sqrt(s(height) * s(width) / s(most))
-            w, h = (max(f, by(s(side) / beta, math.floor)) for side in (width, height))
-        elif w * h < fewest:
-            beta = np.sqrt(s(fewest) / (s(height) * s(width)))
-            w, h = (by(s(side) * beta, math.ceil) for side in (width, height))
-        return w, h
+        """The sides an image of ``width`` x ``height`` is resized to (:func:`sides`)."""
+        return sides(width, height, self.patch, self.merge)
 
     def preprocess(self, rgb: np.ndarray) -> np.ndarray:
         """RGB bytes [h, w, 3] -> the encoder's input [3, h', w'] (:meth:`size`), normalized as the file says."""

@@ -77,15 +77,13 @@ def next_chunk(filled: int, end: int, images: Sequence[ImageSpan]) -> tuple[int,
 
 
 def place(
-    tokenizer: Any, text: str, count: int, begin: str, end: str, tokens: int | Sequence[int] | None, add_special=True
+    tokenizer: Any, text: str, count: int, begin: str, end: str, tokens: int | Sequence[int], add_special=True
 ) -> tuple[list[int], list[int]]:
     """``text`` with ``count`` :data:`MARKER` -> token ids (``tokens`` placeholders, or each image's own count,
     between ``begin`` and ``end`` for each image, as llama.cpp's mtmd places them) and each image's first position."""
     pieces = text.replace(MARKER, begin + MARKER + end).split(MARKER)
     if len(pieces) - 1 != count:
         raise LeatError(f"the prompt has {len(pieces) - 1} image markers for {count} images")
-    if tokens is None:
-        raise LeatError("this projector sizes each image by its pixels: only the engine process can lay it out")
     counts = [tokens] * count if isinstance(tokens, int) else tokens
     ids: list[int] = []
     starts = []
@@ -95,6 +93,20 @@ def place(
             starts.append(len(ids))
             ids += [0] * counts[i]  # placeholders: the span's inputs are the image's embeddings
     return ids, starts
+
+
+def image_tokens(layout: Mapping[str, Any], data: bytes) -> int:
+    """The positions the image ``data`` (encoded bytes) takes by ``layout`` (:meth:`Vision.layout`): the one count,
+    else ``function(width, height, **arguments)`` of its ``sizing``, the sides read from the image's header."""
+    if layout["tokens"] is not None:
+        return int(layout["tokens"])
+    function, arguments = layout["sizing"]
+    return int(_attribute(function)(*image.size(data), **arguments))
+
+
+def _attribute(ref: str) -> Any:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class Vision:
@@ -112,8 +124,7 @@ class Vision:
                 f"the {backend.name} backend cannot run images yet (no bidirectional attention): use --backend cpu"
             )
         self.projector = projectors[kind]
-        module, _, name = self.projector.encoder.partition(":")
-        self.encoder: Any = getattr(importlib.import_module(module), name)(file, backend)
+        self.encoder: Any = _attribute(self.projector.encoder)(file, backend)
         if self.encoder.text_width != width:
             raise ModelFileError(
                 f"{file.path.name}: its embeddings are {self.encoder.text_width} wide, the model's {width}: "
@@ -123,21 +134,27 @@ class Vision:
         self._cache: OrderedDict[bytes, Any] = OrderedDict()
 
     def layout(self) -> dict[str, Any]:
-        """What :func:`place` needs to lay out images without the encoder (in an API frontend process)."""
-        return {"begin": self.projector.begin, "end": self.projector.end, "tokens": self.encoder.tokens}
+        """What :func:`place` and :func:`image_tokens` need to lay out images without the encoder (in an API frontend
+        process); an encoder without one ``tokens`` count has ``sizing``: ``("module:function", keyword arguments)``."""
+        layout = {"begin": self.projector.begin, "end": self.projector.end, "tokens": self.encoder.tokens}
+        return layout | {"sizing": getattr(self.encoder, "sizing", None)}
 
-    def span(self, start: int, data: bytes) -> ImageSpan:
-        """The span from position ``start`` of the image ``data`` (encoded bytes): decoded and preprocessed here."""
+    def span(self, start: int, data: bytes, length: int | None = None) -> ImageSpan:
+        """The span from position ``start`` of the image ``data`` (encoded bytes): decoded and preprocessed here;
+        ``length``, when given, is the count a frontend laid the prompt out with (:func:`image_tokens`)."""
         pixels = self.encoder.preprocess(image.decode(data))
-        return ImageSpan(start, self.encoder.tokens_of(pixels), sha256(data).digest(), pixels)
+        count = self.encoder.tokens_of(pixels)
+        if length is not None and length != count:
+            raise LeatError(f"an image laid out at {length} positions makes {count} embeddings: the prompt is wrong")
+        return ImageSpan(start, count, sha256(data).digest(), pixels)
 
     def prompt(
         self, tokenizer: Any, text: str, images: Sequence[bytes], add_special: bool = True
     ) -> tuple[list[int], list[ImageSpan]]:
         """``text`` with one :data:`MARKER` per image of ``images`` (encoded bytes) -> token ids and image spans."""
         spans = [self.span(0, data) for data in images]
-        layout = self.layout() | {"tokens": [span.length for span in spans]}
-        ids, starts = place(tokenizer, text, len(images), **layout, add_special=add_special)
+        begin, end, counts = self.projector.begin, self.projector.end, [span.length for span in spans]
+        ids, starts = place(tokenizer, text, len(images), begin, end, counts, add_special)
         return ids, [dataclasses.replace(span, start=start) for span, start in zip(spans, starts)]
 
     def embeddings(self, span: ImageSpan, start: int | None = None) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import struct
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -27,13 +28,27 @@ def decode(data: bytes) -> np.ndarray:
     """The image in ``data`` as RGB bytes [height, width, 3]."""
     if data.startswith(PNG):
         return _png(data)
+    return _pillow(data, lambda image: np.asarray(image.convert("RGB"), dtype=np.uint8))
+
+
+def size(data: bytes) -> tuple[int, int]:
+    """The width and height of the image in ``data``, from its header: nothing is decoded."""
+    if data.startswith(PNG):
+        if data[12:16] != b"IHDR" or len(data) < 24:
+            raise ImageError("this PNG has no header")
+        return struct.unpack(">II", data[16:24])
+    return _pillow(data, lambda image: image.size)
+
+
+def _pillow(data: bytes, read: Any) -> Any:
+    """``read(image)`` of the image in ``data`` opened by Pillow (which reads the header first, pixels when asked)."""
     try:
         from PIL import Image
     except ImportError:
         raise ImageError("this image is not a PNG: other formats (JPEG, WebP, ...) need Pillow (pip install pillow)")
     try:
         with Image.open(io.BytesIO(data)) as image:
-            return np.asarray(image.convert("RGB"), dtype=np.uint8)
+            return read(image)
     except Exception as e:  # noqa: BLE001 (Pillow raises many kinds for a bad file)
         raise ImageError(f"cannot read this image: {e}") from None
 
@@ -43,7 +58,7 @@ def _png(data: bytes) -> np.ndarray:
     while pos + 8 <= len(data):
         length, kind = struct.unpack(">I4s", data[pos : pos + 8])
         body, pos = data[pos + 8 : pos + 8 + length], pos + 12 + length
-        if kind == b"IHDR":
+        if kind == b"IHDR" and len(body) == 13:
             header = struct.unpack(">IIBBBBB", body)
         elif kind == b"PLTE":
             palette = np.frombuffer(body, np.uint8).reshape(-1, 3)
