@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import struct
+import zlib
 from dataclasses import dataclass
 
 import anthropic
@@ -149,6 +150,16 @@ def huge_png() -> bytes:
     return png[:16] + struct.pack(">II", 5000, 5000) + png[24:]
 
 
+def palette_png() -> bytes:
+    """A 1 x 1 palette PNG whose pixel is entry 5 of a two-entry palette (its chunks' CRCs left zero: not checked)."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + bytes(4)
+
+    header = chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 3, 0, 0, 0))
+    return NOISE[:8] + header + chunk(b"PLTE", bytes(6)) + chunk(b"IDAT", zlib.compress(b"\0\5")) + chunk(b"IEND", b"")
+
+
 @pytest.mark.parametrize(
     ("url", "says"),
     [
@@ -158,8 +169,19 @@ def huge_png() -> bytes:
         (data_url(NOISE[:200]), "damaged"),
         (data_url(NOISE[:20]), "no header"),
         (data_url(huge_png()), "more than"),
+        (data_url(NOISE[:16] + struct.pack(">II", 0, 32) + NOISE[24:]), "no pixels"),
+        (data_url(palette_png()), "past its end"),
     ],
-    ids=["remote-url", "not-base64", "not-an-image", "truncated", "no-png-header", "too-many-pixels"],
+    ids=[
+        "remote-url",
+        "not-base64",
+        "not-an-image",
+        "truncated",
+        "no-png-header",
+        "too-many-pixels",
+        "no-width",
+        "palette",
+    ],
 )
 def test_bad_images_are_a_400(client, server, url, says):
     with pytest.raises(openai.BadRequestError) as info:

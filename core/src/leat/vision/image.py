@@ -32,11 +32,14 @@ def decode(data: bytes) -> np.ndarray:
 
 
 def size(data: bytes) -> tuple[int, int]:
-    """The width and height of the image in ``data``, from its header: nothing is decoded."""
+    """The width and height of the image in ``data``, from its header: nothing is decoded (nor a PNG too large)."""
     if data.startswith(PNG):
         if data[12:16] != b"IHDR" or len(data) < 24:
             raise ImageError("this PNG has no header")
-        return struct.unpack(">II", data[16:24])
+        width, height = struct.unpack(">II", data[16:24])
+        if not 0 < width * height <= MAX_PIXELS:
+            raise ImageError(f"this PNG is {width} x {height}: no pixels, or more than {MAX_PIXELS:,}")
+        return width, height
     return _pillow(data, lambda image: image.size)
 
 
@@ -54,6 +57,7 @@ def _pillow(data: bytes, read: Any) -> Any:
 
 
 def _png(data: bytes) -> np.ndarray:
+    size(data)  # its header first, and its sides
     pos, idat, palette, header = 8, [], None, None
     while pos + 8 <= len(data):
         length, kind = struct.unpack(">I4s", data[pos : pos + 8])
@@ -61,7 +65,7 @@ def _png(data: bytes) -> np.ndarray:
         if kind == b"IHDR" and len(body) == 13:
             header = struct.unpack(">IIBBBBB", body)
         elif kind == b"PLTE":
-            palette = np.frombuffer(body, np.uint8).reshape(-1, 3)
+            palette = np.frombuffer(body[: len(body) // 3 * 3], np.uint8).reshape(-1, 3)
         elif kind == b"IDAT":
             idat.append(body)
         elif kind == b"IEND":
@@ -71,19 +75,17 @@ def _png(data: bytes) -> np.ndarray:
     width, height, depth, color, _, _, interlace = header
     if depth != 8 or interlace or color not in CHANNELS:
         raise ImageError("only 8-bit, non-interlaced PNGs are read without Pillow (pip install pillow)")
-    if width * height > MAX_PIXELS:
-        raise ImageError(f"this PNG is {width} x {height}: more than {MAX_PIXELS:,} pixels")
     bpp = CHANNELS[color]
-    size = height * (width * bpp + 1)
+    inflated = height * (width * bpp + 1)
     try:  # inflated no further than the header's size, so a small file cannot expand without bound
-        rows = np.frombuffer(zlib.decompressobj().decompress(b"".join(idat), size), np.uint8)
+        rows = np.frombuffer(zlib.decompressobj().decompress(b"".join(idat), inflated), np.uint8)
         rows = rows.reshape(height, width * bpp + 1)
     except (zlib.error, ValueError):
         raise ImageError("this PNG's pixel data is damaged") from None
     pixels = _unfilter(rows, bpp).reshape(height, width, bpp)
     if color == 3:
-        if palette is None:
-            raise ImageError("this palette PNG has no palette")
+        if palette is None or pixels.max() >= len(palette):
+            raise ImageError("this palette PNG has no palette, or pixels past its end")
         return palette[pixels[..., 0]]
     return np.repeat(pixels[..., :1], 3, axis=-1) if bpp < 3 else pixels[..., :3].copy()
 
