@@ -92,6 +92,28 @@ def test_requests_through_separate_processes_equal_the_model(shared_server, expe
     assert results == [expected_text] * 8
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2**64}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "top_k": -(2**64)}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "seed": 10**30}),
+        (
+            "/v1/messages",
+            {"model": "m", "max_tokens": 2, "top_k": 2**70, "messages": [{"role": "user", "content": "x"}]},
+        ),
+    ],
+    ids=["chat", "completions", "responses", "messages"],
+)
+def test_an_integer_beyond_64_bits_is_400(shared_server, path, body):
+    """Before: 500 (OverflowError: the engine link's msgpack cannot carry it; one process took it)."""
+    r = httpx.post(shared_server.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "fit in 64 bits" in r.text
+    body = {"prompt": "hi", "max_tokens": 2, "seed": 2**64 - 1}  # the largest that fits
+    assert httpx.post(shared_server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+
+
 def test_the_anthropic_client_through_separate_processes(shared_server):
     import anthropic
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+import re
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -88,7 +89,8 @@ async def _read(request: Request) -> bytes:
 
 
 def decode(raw: bytes, kind: type) -> Any:
-    """A body as ``kind``: 400 for bad JSON, a bad field, or nesting deeper than :data:`MAX_DEPTH`."""
+    """A body as ``kind``: 400 for bad JSON, a bad field, nesting deeper than :data:`MAX_DEPTH`, or an integer beyond
+    64 bits (msgspec keeps it whole, where the engine link's msgpack and the samplers' numpy cannot carry it)."""
     if not raw.strip():
         raise bad_request("request body is empty; send a JSON object")
     try:
@@ -99,23 +101,34 @@ def decode(raw: bytes, kind: type) -> Any:
         body = None
     if body is None or (raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(body) > MAX_DEPTH):
         raise bad_request(f"request body nests arrays and objects deeper than {MAX_DEPTH} levels; flatten it")
+    if re.search(rb"\d{19}", raw) and (
+        wide := [v for v, _ in _walk(body) if type(v) is int and not -(2**63) <= v < 2**64]
+    ):
+        raise bad_request(f"the number {wide[0]} is out of range: a request's integers fit in 64 bits")
     return body
 
 
 def _depth(value: Any) -> int:
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, depth = todo.pop()
+    deepest = 0
+    for _, depth in _walk(value):
         if depth > MAX_DEPTH:
             return depth
         deepest = max(deepest, depth)
+    return deepest
+
+
+def _walk(value: Any) -> Iterator[tuple[Any, int]]:
+    """Every value in ``value`` (a decoded body) and its depth."""
+    todo = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        yield item, depth
         if isinstance(item, msgspec.Struct):
             todo += [(getattr(item, f), depth + 1) for f in item.__struct_fields__]
         elif isinstance(item, dict):
             todo += [(v, depth + 1) for v in item.values()]
         elif isinstance(item, (list, tuple)):
             todo += [(v, depth + 1) for v in item]
-    return deepest
 
 
 def _owner(request: Request) -> str | None:
