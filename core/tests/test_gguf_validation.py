@@ -5,6 +5,7 @@ and the Hypothesis test at the end drives that script's mutator: every mutant ei
 or loads into the same logits as the original (or, after a metadata value changed, into finite ones).
 """
 
+import dataclasses
 import importlib.util
 import math
 import subprocess
@@ -18,9 +19,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
+from leat import testing
 from leat.doctor import describe_model
 from leat.errors import ModelFileError
 from leat.modelfile import ModelFile
+from leat_arch_llama.llama import Llama
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("fuzz_gguf", ROOT / "scripts" / "fuzz_gguf.py")
@@ -197,6 +200,25 @@ def test_hyperparameter_at_odds_with_the_tensor_shapes(tiny, tmp_path, key, valu
 def test_hyperparameters_at_odds_with_each_other(tiny, tmp_path, key, value, expected):
     message = load_error(mutant(tiny, tmp_path, fuzz.set_u32("hyperparameter", tiny.value_at(key), value)))
     assert expected in message, message
+
+
+def test_a_per_layer_array_where_the_family_reads_one_number(tmp_path, monkeypatch):
+    """Before: TypeError (int() of a tuple) while the tensors' shapes were checked."""
+    write = Llama.write_metadata  # the key written per layer, as llama.cpp's loader would also read it
+    per_layer = lambda writer, p: write(writer, dataclasses.replace(p, kv_heads=(p.kv_heads,) * p.layers))
+    monkeypatch.setattr(Llama, "write_metadata", per_layer)
+    path = testing.write_tiny_gguf(Llama, tmp_path / "m.gguf")
+    assert "metadata key llama.attention.head_count_kv is an array, where this family takes one number" in load_error(
+        path
+    )
+
+
+def test_fewer_tokens_than_embedding_rows(tmp_path, monkeypatch):
+    """Before: it loaded, and the first sampled id past the tokenizer's end was a ValueError mid-generation."""
+    write = testing.add_tiny_tokenizer
+    monkeypatch.setattr(testing, "add_tiny_tokenizer", lambda writer, size: write(writer, size - 20))
+    path = testing.write_tiny_gguf(Llama, tmp_path / "m.gguf")
+    assert "280 tokens, fewer than the 300 rows of its embedding" in load_error(path)
 
 
 def test_doctor_refuses_a_head_count_at_odds_with_the_tensors(tiny, tmp_path):

@@ -24,6 +24,7 @@ from typing import Any
 
 import gguf
 
+from leat.errors import ModelFileError
 from leat.modelfile import ModelFile
 
 K = gguf.Keys
@@ -92,6 +93,10 @@ def read(cls: type, file: ModelFile) -> Any:
                 value = file.get(meta["gguf"]) if missing is REQUIRED else missing
                 value = value(values) if callable(value) else value
             values[field.name] = _convert(value, hints[field.name])
+            kinds = typing.get_args(hints[field.name]) or (hints[field.name],)
+            if isinstance(value, list) and int in kinds and tuple not in map(typing.get_origin, kinds):
+                key = meta["gguf"].format(arch=file.architecture)
+                raise ModelFileError(f"{file.path}: metadata key {key} is an array, where this family takes one number")
     return cls(**values)
 
 
