@@ -7,10 +7,10 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-from leat.errors import LeatError
+from leat.errors import LeatError, ModelFileError
 from leat.model import load
 from leat.testing import encode_png, write_tiny_gguf, write_tiny_mmproj
-from leat.vision import image_tokens
+from leat.vision import Vision, image_tokens
 from leat_arch_gemma4.gemma4 import Gemma4
 
 
@@ -39,3 +39,23 @@ def test_the_engine_refuses_an_image_laid_out_at_another_count(vision):
     png = encode_png(np.zeros((110, 100, 3), np.uint8))
     with pytest.raises(LeatError, match="laid out at 70 positions makes 72"):
         vision.span(0, png, 70)
+
+
+V = gguf.Keys.ClipVision
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        (V.PATCH_SIZE, 65535, "make images too large"),  # before: loaded, then 8.5 TiB asked for the first image
+        (V.EMBEDDING_LENGTH, 65535, "do not fit its tensors"),  # before: ValueError (a reshape)
+        (V.Attention.HEAD_COUNT, 0, "outside 1 to 65536"),  # before: ZeroDivisionError
+    ],
+)
+def test_a_projector_of_impossible_hyperparameters_is_refused(vision, tmp_path, key, value, says):
+    path = write_tiny_mmproj(
+        tmp_path / "mmproj.gguf", Gemma4.tiny().width, gguf.VisionProjectorType.GEMMA4V, 1, "rope2d"
+    )
+    gguf.GGUFReader(path, "r+").fields[key].parts[-1][0] = value  # the memory map writes it through
+    with pytest.raises(ModelFileError, match=says):
+        Vision(path, vision.encoder.backend, Gemma4.tiny().width, Gemma4.projectors)

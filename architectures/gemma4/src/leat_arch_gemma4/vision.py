@@ -99,6 +99,10 @@ class Gemma4Vision:
         self.mean = np.asarray(need(V.IMAGE_MEAN), np.float32)[:3]
         self.std = np.asarray(need(V.IMAGE_STD), np.float32)[:3]
         self.merge = int(file.get(V.Projector.SCALE_FACTOR, MERGE))
+        if not (0 < self.merge and TOKENS[1] * (self.patch * self.merge) ** 2 <= image.MAX_PIXELS):
+            raise ModelFileError(
+                f"{file.path.name}: {self.patch}-pixel patches pooled by {self.merge} make images too large"
+            )
         self.gelu = bool(file.get(V.USE_GELU, False))  # else llama.cpp's gelu_quick, x * sigmoid(1.702 x)
         self.tokens = None  # each image's own count: tokens_of, or image_tokens from its size alone (a frontend's)
         self.sizing = (f"{__name__}:{image_tokens.__name__}", {"patch": self.patch, "merge": self.merge})

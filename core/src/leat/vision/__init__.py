@@ -124,7 +124,10 @@ class Vision:
                 f"the {backend.name} backend cannot run images yet (no bidirectional attention): use --backend cpu"
             )
         self.projector = projectors[kind]
-        self.encoder: Any = _attribute(self.projector.encoder)(file, backend)
+        try:
+            self.encoder: Any = _attribute(self.projector.encoder)(file, backend)
+        except (ValueError, ArithmeticError) as e:  # a reshape or a division that its hyperparameters make impossible
+            raise ModelFileError(f"{file.path.name}: its hyperparameters do not fit its tensors ({e})") from None
         if self.encoder.text_width != width:
             raise ModelFileError(
                 f"{file.path.name}: its embeddings are {self.encoder.text_width} wide, the model's {width}: "

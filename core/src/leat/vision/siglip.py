@@ -53,10 +53,9 @@ class SigLIP:
         self.eps, layers = float(need(V.Attention.LAYERNORM_EPS)), int(need(V.BLOCK_COUNT))
         self.mean = np.asarray(need(V.IMAGE_MEAN), np.float32)[:3]
         self.std = np.asarray(need(V.IMAGE_STD), np.float32)[:3]
-        self.merge = int(file.get(V.Projector.SCALE_FACTOR, 4))
-        self.side = self.size // self.patch
-        if self.side % self.merge:
-            raise ModelFileError(f"{file.path.name}: {self.side} patches a side do not pool by {self.merge}")
+        self.merge, self.side = int(file.get(V.Projector.SCALE_FACTOR, 4)), self.size // self.patch
+        if not 0 < self.merge <= self.side or self.side % self.merge or self.size > 4096:  # image.MAX_PIXELS
+            raise ModelFileError(f"{file.path.name}: {self.size}-pixel images do not pool by {self.merge}")
         self.tokens = (self.side // self.merge) ** 2
         up = backend.upload
         kernel = self._host("v.patch_embd.weight")
@@ -130,8 +129,8 @@ def pool(B: Backend, x: Any, rows: int, cols: int, merge: int) -> Any:
 
 def required(file: ModelFile, key: str) -> Any:
     value = file.get(key, None)
-    if value is None:
-        raise ModelFileError(f"{file.path.name}: the mmproj lacks {key}")
+    if value is None or (isinstance(value, int) and not 0 < value <= 1 << 16):
+        raise ModelFileError(f"{file.path.name}: the mmproj's {key} is {value}: missing, or outside 1 to 65536")
     return value
 
 
