@@ -198,9 +198,9 @@ class Architecture:
             raise ModelFileError(f"{file.path}: {e}") from None
         params = cls.read_params(file)
         check_tensor_shapes(cls, file, params)
-        tokens, vocab = len(file.get(gguf.Keys.Tokenizer.LIST, None) or ()), getattr(params, "vocab", None)
-        if tokens and isinstance(vocab, int) and tokens < vocab:  # a sampled id past the tokenizer's end
-            raise ModelFileError(f"{file.path}: {tokens} tokens, fewer than the {vocab} rows of its embedding")
+        tokens, vocab = file.get(gguf.Keys.Tokenizer.LIST, None), getattr(params, "vocab", None)
+        if isinstance(tokens, list) and isinstance(vocab, int) and 0 < len(tokens) < vocab:  # ids past its end
+            raise ModelFileError(f"{file.path}: {len(tokens)} tokens, fewer than the {vocab} rows of its embedding")
         for layer, layout in enumerate(cls.kv_layouts(params)):
             if layout.window is not None and layout.window < 1:
                 key = gguf.Keys.Attention.SLIDING_WINDOW.format(arch=file.architecture)
