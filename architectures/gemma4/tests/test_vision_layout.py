@@ -59,3 +59,14 @@ def test_a_projector_of_impossible_hyperparameters_is_refused(vision, tmp_path, 
     gguf.GGUFReader(path, "r+").fields[key].parts[-1][0] = value  # the memory map writes it through
     with pytest.raises(ModelFileError, match=says):
         Vision(path, vision.encoder.backend, Gemma4.tiny().width, Gemma4.projectors)
+
+
+def test_a_projector_of_two_deviations_for_three_channels_is_refused(vision, tmp_path, monkeypatch):
+    """Before: it loaded, and each image was a ValueError (a failed broadcast) when normalized."""
+    add = gguf.GGUFWriter.add_array
+    monkeypatch.setattr(gguf.GGUFWriter, "add_array", lambda w, k, v: add(w, k, v[:2] if k == V.IMAGE_STD else v))
+    path = write_tiny_mmproj(
+        tmp_path / "mmproj.gguf", Gemma4.tiny().width, gguf.VisionProjectorType.GEMMA4V, 1, "rope2d"
+    )
+    with pytest.raises(ModelFileError, match="do not fit"):
+        Vision(path, vision.encoder.backend, Gemma4.tiny().width, Gemma4.projectors)

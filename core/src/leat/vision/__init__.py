@@ -116,7 +116,7 @@ class Vision:
     def __init__(self, path: str | Path, backend: Backend, width: int, projectors: Mapping[str, Projector]):
         file = ModelFile(path)
         kind = file.get(gguf.Keys.Clip.PROJECTOR_TYPE, None) or file.get(gguf.Keys.ClipVision.PROJECTOR_TYPE, None)
-        if kind not in projectors:
+        if not isinstance(kind, str) or kind not in projectors:
             known = ", ".join(sorted(projectors)) or "none"
             raise ModelFileError(f"{file.path.name}: projector type {kind!r} is not one this model takes ({known})")
         if not backend.bidirectional:
@@ -124,9 +124,10 @@ class Vision:
                 f"the {backend.name} backend cannot run images yet (no bidirectional attention): use --backend cpu"
             )
         self.projector = projectors[kind]
-        try:
+        try:  # a reshape, a division, a type or an index that its hyperparameters make impossible
             self.encoder: Any = _attribute(self.projector.encoder)(file, backend)
-        except (ValueError, ArithmeticError) as e:  # a reshape or a division that its hyperparameters make impossible
+            (self.encoder.mean * self.encoder.std).reshape(3)  # one of each per channel
+        except (ValueError, ArithmeticError, TypeError, IndexError) as e:
             raise ModelFileError(f"{file.path.name}: its hyperparameters do not fit its tensors ({e})") from None
         if self.encoder.text_width != width:
             raise ModelFileError(
