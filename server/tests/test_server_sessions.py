@@ -125,7 +125,16 @@ def test_create_and_bad_names(setup):
         assert third.status_code == 200 and third.json()["usage"]["cache_read_input_tokens"] >= cached(second)
 
         too_long = "x" * 120  # with keys on, the owner id takes 17 of the 128 characters
-        for body in ({"id": "../keys"}, {"id": ""}, {"id": too_long}, {"id": 3}, {}, {"id": "a", "extra": 1}):
+        # "." and "..": made, a session that no URL could name (clients resolve dot segments) to hibernate or delete
+        for body in (
+            {"id": "../keys"},
+            {"id": ""},
+            {"id": too_long},
+            {"id": 3},
+            {},
+            {"id": "a", "extra": 1},
+            {"id": ".."},
+        ):
             r = bob.post("/v1/sessions", json=body)
             assert r.status_code == 400, (body, r.text)
             assert r.json()["error"]["message"]

@@ -33,7 +33,7 @@ from leat.errors import LeatError
 from leat.pages import DevicePages, PageBudget
 from leat.sha256 import sha256
 
-NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+NAME = re.compile(r"^(?!\.+$)[A-Za-z0-9._-]{1,128}$")  # not "." or "..": no URL path could name it
 MAX_NAME = 128
 FORMAT = 2  # of a stored session: 2 = pages per layer group (1 had one page list for every layer)
 
@@ -64,7 +64,7 @@ class Session:
 
 def check_name(name: str) -> str:
     if not NAME.match(name):
-        raise LeatError(f"session name {name!r} must be 1-{MAX_NAME} letters, digits, '.', '_' or '-'")
+        raise LeatError(f"session name {name!r} must be 1-{MAX_NAME} letters, digits, '.', '_' or '-', not dots alone")
     return name
 
 
