@@ -94,7 +94,7 @@ def read(cls: type, file: ModelFile) -> Any:
                 value = value(values) if callable(value) else value
             values[field.name] = _convert(value, hints[field.name])
             kinds = typing.get_args(hints[field.name]) or (hints[field.name],)
-            if isinstance(value, list) and int in kinds and tuple not in map(typing.get_origin, kinds):
+            if isinstance(value, list) and int in kinds and all(typing.get_origin(k) is not tuple for k in kinds):
                 key = meta["gguf"].format(arch=file.architecture)
                 raise ModelFileError(f"{file.path}: metadata key {key} is an array, where this family takes one number")
     return cls(**values)
