@@ -115,6 +115,7 @@ def test_create_and_bad_names(setup):
         }
         again = bob.post("/v1/sessions", json={"id": "notes"})
         assert again.status_code == 409 and again.json()["error"]["code"] == "session_exists"
+        assert again.json()["error"]["type"] == "invalid_request_error"  # before: "server_error", for a client's clash
         first = chat(bob, "notes", HISTORY)
         assert bob.get("/v1/sessions/notes").json()["tokens"] >= first["usage"]["prompt_tokens"]
         second = chat(bob, "notes", turn(first, "go on"))

@@ -45,6 +45,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",  # a clash the client resolves: a session that exists or is busy, a model busy
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
@@ -54,6 +55,7 @@ _ANTHROPIC_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    409: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
