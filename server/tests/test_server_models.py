@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -276,3 +277,25 @@ def test_smollm2_and_a_tiny_model_alternate_by_name(files):
             answer = api.completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0)
             assert answer.model == model and answer.choices[0].text == want["beta" if model == "beta" else "smollm2"]
         assert states(server) == {name: "loaded", "beta": "loaded"}
+
+
+def test_two_unloads_waiting_on_one_request_stop_the_model_once():
+    """Before: the second to wake found the model taken and stopped None (AttributeError: a 500)."""
+    models, stopped = fake_models("ab", budget=None)
+    held = asyncio.run(models.acquire("a"))
+    errors: list[BaseException] = []
+
+    def unload() -> None:
+        try:
+            models.unload("a")
+        except BaseException as e:  # noqa: BLE001 - what the test reports
+            errors.append(e)
+
+    threads = [threading.Thread(target=unload) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)  # both wait for the request to end
+    held.release()
+    for t in threads:
+        t.join(10)
+    assert errors == [] and stopped == ["a"] and models.by_name["a"].state == "unloaded"

@@ -251,6 +251,8 @@ class Models:
             while entry.users:
                 if not self._lock.wait(max(0.0, deadline - time.monotonic())):
                     raise APIError(409, f"model {entry.spec.name!r} is still answering requests; try again")
+            if entry.state != "loaded":  # another unload, or making room for a model, took it while this one waited
+                return entry
             service = self._take(entry)
         self._stop(entry, service)
         return entry
