@@ -17,7 +17,7 @@ from leat.errors import LeatError
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # PNG colour type -> samples per pixel
-MAX_PIXELS = 1 << 24  # 4096 x 4096: a larger PNG is refused before its pixel data is inflated
+MAX_PIXELS = 1 << 24  # 4096 x 4096: a larger image is refused before its pixel data is decoded
 
 
 class ImageError(LeatError):
@@ -36,11 +36,14 @@ def size(data: bytes) -> tuple[int, int]:
     if data.startswith(PNG):
         if data[12:16] != b"IHDR" or len(data) < 24:
             raise ImageError("this PNG has no header")
-        width, height = struct.unpack(">II", data[16:24])
-        if not 0 < width * height <= MAX_PIXELS:
-            raise ImageError(f"this PNG is {width} x {height}: no pixels, or more than {MAX_PIXELS:,}")
-        return width, height
+        return _allowed(*struct.unpack(">II", data[16:24]), "PNG")
     return _pillow(data, lambda image: image.size)
+
+
+def _allowed(width: int, height: int, kind: str) -> tuple[int, int]:
+    if not 0 < width * height <= MAX_PIXELS:
+        raise ImageError(f"this {kind} is {width} x {height}: no pixels, or more than {MAX_PIXELS:,}")
+    return width, height
 
 
 def _pillow(data: bytes, read: Any) -> Any:
@@ -51,6 +54,7 @@ def _pillow(data: bytes, read: Any) -> Any:
         raise ImageError("this image is not a PNG: other formats (JPEG, WebP, ...) need Pillow (pip install pillow)")
     try:
         with Image.open(io.BytesIO(data)) as image:
+            _allowed(*image.size, "image")  # from its header: refused before a pixel is decoded, as a PNG is
             return read(image)
     except Exception as e:  # noqa: BLE001 (Pillow raises many kinds for a bad file)
         raise ImageError(f"cannot read this image: {e}") from None
