@@ -13,13 +13,14 @@ import sys
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
-from leat import testing
+from leat import hparams, testing
 from leat.doctor import describe_model
 from leat.errors import ModelFileError
 from leat.modelfile import ModelFile
@@ -286,3 +287,25 @@ def test_mutants_fail_cleanly_or_load_the_same_model(tiny, tmp_path_factory, dat
     category, detail = fuzz.outcome(path, tiny.logits, any(m.semantic for m in changes))
     path.unlink()
     assert category in ("clean error", "same logits", "other model"), f"{category}: {detail}"
+
+
+@dataclasses.dataclass
+class _Numbers:  # module level: hparams.read resolves the hints of a module's names
+    one: int = hparams.key("x.one", 0)
+    maybe: int | None = hparams.key("x.maybe", None)
+    many: tuple[int, ...] = hparams.key("x.many", ())
+    either: int | tuple[int, ...] = hparams.key("x.either", 0)
+
+
+def test_an_array_is_refused_only_where_a_field_takes_one_number():
+    """Before: tuple[int, ...] fields (qwen35's rope.dimension_sections) were refused too, so no such file loaded."""
+    metadata = {"x.one": 1, "x.maybe": 2, "x.many": [3, 3, 2, 0], "x.either": [4, 4]}
+    file = SimpleNamespace(get=lambda k, default=None: metadata.get(k, default), architecture="x", path="f", tensors={})
+    assert hparams.read(_Numbers, file) == _Numbers(1, 2, (3, 3, 2, 0), (4, 4))
+    for name in ("x.one", "x.maybe"):
+        with pytest.raises(
+            ModelFileError, match=f"metadata key {name} is an array, where this family takes one number"
+        ):
+            hparams.read(
+                _Numbers, SimpleNamespace(**{**vars(file), "get": lambda k, d=None, n=name: [1] if k == n else d})
+            )

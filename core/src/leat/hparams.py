@@ -93,8 +93,9 @@ def read(cls: type, file: ModelFile) -> Any:
                 value = file.get(meta["gguf"]) if missing is REQUIRED else missing
                 value = value(values) if callable(value) else value
             values[field.name] = _convert(value, hints[field.name])
-            kinds = typing.get_args(hints[field.name]) or (hints[field.name],)
-            if isinstance(value, list) and int in kinds and all(typing.get_origin(k) is not tuple for k in kinds):
+            # one number (int, int | None) or numbers (tuple[int, ...], int | tuple[int, ...]): the hint's members
+            kinds = () if typing.get_origin(h := hints[field.name]) in (list, tuple) else typing.get_args(h) or (h,)
+            if isinstance(value, list) and int in kinds and not {list, tuple} & {typing.get_origin(k) for k in kinds}:
                 key = meta["gguf"].format(arch=file.architecture)
                 raise ModelFileError(f"{file.path}: metadata key {key} is an array, where this family takes one number")
     return cls(**values)
