@@ -180,17 +180,17 @@ class Frames:
     def __init__(self, conn: Connection):  # its handshake done: the socket is the link's, conn is closed
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=socket.dup(conn.fileno()))
         conn.close()
-        self.buffer = bytearray()
+        self.buffer, self.chunk = bytearray(), bytearray(1 << 20)  # received bytes; a read's, reused (no allocation)
         self.lock = threading.Lock()  # one writer at a time
 
     def read(self) -> list[bytes]:
         """The messages that have arrived, at least one (blocks until one has); EOFError once the peer is gone."""
         messages: list[bytes] = []
         while not messages:
-            chunk = self.sock.recv(1 << 20)
-            if not chunk:
+            got = self.sock.recv_into(self.chunk)
+            if not got:
                 raise EOFError
-            self.buffer += chunk
+            self.buffer += memoryview(self.chunk)[:got]
             at, size = 0, self.HEADER.size
             while len(self.buffer) - at >= size:
                 (length,) = self.HEADER.unpack_from(self.buffer, at)
