@@ -42,6 +42,8 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> float:
 
 def stamp_lines(stream, path: str, start: float) -> None:
     with open(path, "w") as output:
+        # the stamps' origin as Unix time, to line the request log up with `leat serve --step-log`'s steps
+        output.write(f"[{0:7.2f} s] log clock: 0.00 s is Unix time {time.time() - (time.perf_counter() - start):.3f}\n")
         for line in stream:
             output.write(f"[{time.perf_counter() - start:7.2f} s] {line}")
             output.flush()
@@ -102,7 +104,9 @@ def serve_runs(args: argparse.Namespace, spec: str) -> list[dict]:
     return rows
 
 
-LOGGED = re.compile(r"first byte (\d+) ms, \d+ bytes; accepted at (\d+) ms, first token (\d+) ms after")
+LOGGED = re.compile(
+    r"first byte (\d+) ms, \d+ bytes; (?:sent at \d+ ms, )?accepted at (\d+) ms, first token (\d+) ms after"
+)
 
 
 def server_timings(log: str, offset: int) -> dict[str, float]:

@@ -547,6 +547,10 @@ def test_profile_records_each_steps_time(model):
     assert len(engine.profile) == engine.steps > 0
     assert all(s.rows >= 1 and s.tokens >= s.rows and s.prepare > 0 and s.finish > 0 for s in engine.profile)
     assert all(s.device is None for s in engine.profile)  # the cpu backend cannot tell device time apart
+    # the prompts' tokens are counted as prompt chunks once each, in steps that began one after another
+    assert sum(s.prompt_tokens for s in engine.profile) == sum(len(p) for p in prompts(2))
+    assert all(s.prompt_tokens == 0 for s in engine.profile[-3:])  # the last steps only decode
+    assert all(a.at < b.at for a, b in zip(engine.profile, engine.profile[1:]))
 
 
 class FeedingBackend:

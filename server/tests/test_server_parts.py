@@ -248,3 +248,38 @@ def test_bodies_take_and_document_the_fields_stages_declare(tmp_path, monkeypatc
     without = request_bodies(PluginHost(["leat-samplers"]))["/v1/chat/completions"]
     with pytest.raises(msgspec.ValidationError, match="halve_below"):
         msgspec.json.decode(b'{"halve_below": -3}', type=without)
+
+
+def test_the_step_log_appends_each_recorded_step_once_as_a_json_line(tmp_path):
+    import json
+    import time
+    from types import SimpleNamespace
+
+    from leat.engine import StepProfile
+
+    from leat_server.steplog import StepLog
+
+    now = time.perf_counter()
+    engine = SimpleNamespace(profile=[StepProfile(3, 200, 0.01, 0.02, 0.001, None, now, 197)])
+    path = tmp_path / "steps.jsonl"
+    log = StepLog(engine, str(path))
+    log.write()
+    assert engine.profile == []  # written steps leave the engine's list
+    engine.profile.append(StepProfile(3, 3, 0.001, 0.004, 0.001, 0.0035, now + 0.01, 0))
+    log.write()
+    log.write()  # nothing new: nothing written
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(x["rows"], x["tokens"], x["prompt_tokens"], x["device"]) for x in lines] == [
+        (3, 200, 197, None),
+        (3, 3, 0, 0.0035),
+    ]
+    assert abs(lines[0]["time"] - time.time()) < 5 and 0.009 < lines[1]["time"] - lines[0]["time"] < 0.011
+
+
+def test_a_step_log_that_cannot_be_written_fails_at_start_up(tmp_path):
+    from types import SimpleNamespace
+
+    from leat_server.steplog import StepLog
+
+    with pytest.raises(OSError):
+        StepLog(SimpleNamespace(profile=[]), str(tmp_path / "missing" / "steps.jsonl"))

@@ -200,7 +200,8 @@ def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
 class StepProfile:
     """Where one engine step's time went (``Engine(profile=True)``): building the batch and launching the forward
     (``prepare``), waiting for what comes back to the host (``wait``), taking the results and sending events
-    (``finish``), and the forward's time on the device where the backend can tell (``device``); seconds."""
+    (``finish``), and the forward's time on the device where the backend can tell (``device``); seconds. ``at`` is
+    when the step began (``time.perf_counter()``), ``prompt_tokens`` how many of its tokens were prompt chunks."""
 
     rows: int
     tokens: int
@@ -208,6 +209,8 @@ class StepProfile:
     wait: float
     finish: float
     device: float | None
+    at: float = 0.0
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -591,9 +594,11 @@ class Engine:
             self.speculation.observe(sum(len(row.tokens) for _, row in rows), time.perf_counter() - began)
         if self.profile is not None:
             tokens = sum(len(row.tokens) for _, row in rows)
+            prompt = sum(len(row.tokens) for item, row in rows if row.start < item.prompt_len)
             device = timer.seconds if timer is not None else None
             done = time.perf_counter()
-            self.profile.append(StepProfile(len(rows), tokens, launched - began, read - launched, done - read, device))
+            times = (launched - began, read - launched, done - read, device, began)
+            self.profile.append(StepProfile(len(rows), tokens, *times, prompt_tokens=prompt))
         self.busy += time.perf_counter() - began
 
     def _launch(self) -> tuple[list[tuple[_Running, Row]], Any, Any]:

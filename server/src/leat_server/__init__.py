@@ -58,6 +58,7 @@ class ServeOptions:
     models_memory: int | None = None  # bytes the loaded models may hold together; None: no limit
     load_timeout: float = 120.0  # how long a request waits for its model to load
     mmproj: str | None = None  # the model's vision projector (an mmproj GGUF): image parts in prompts
+    step_log: str | None = None  # a JSON line per engine step goes to this file (leat_server.steplog)
 
     def engine_options(self) -> EngineOptions:
         """The engine's options these set, the rest at their defaults."""
@@ -70,6 +71,7 @@ class ServeOptions:
             prefill_chunk=self.prefill_chunk,
             prefill_budget=self.prefill_budget,
             session_store=self.session_store,
+            profile=self.step_log is not None,
         )
 
 
@@ -91,6 +93,10 @@ def build_engine(options: ServeOptions, model: Any) -> Any:
     engine = Engine(model, options.engine_options(), speculation=getattr(model, "speculation", None))
     engine.sessions.limits = StoreLimits(options.max_sessions, options.session_ttl, options.session_store_mb << 20)
     engine.sessions.trim_disk()
+    if options.step_log is not None:
+        from leat_server.steplog import StepLog
+
+        StepLog(engine, options.step_log).start()
     return engine
 
 

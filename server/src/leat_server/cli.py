@@ -126,6 +126,13 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
     "default: the backend's (2048 on cuda, 512 on cpu)",
 )
 @click.option(
+    "--step-log",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="append a JSON line per engine step to this file (when it began, its rows, tokens and prompt tokens, "
+    "and where its time went: see docs/serving.md)",
+)
+@click.option(
     "--session-store",
     default=ServeOptions.session_store,
     type=click.Path(file_okay=False),

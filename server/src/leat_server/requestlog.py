@@ -1,5 +1,5 @@
 """A line per request at info level, with its timings: ``127.0.0.1 POST /v1/chat/completions 200 in 845 ms
-(first byte 12 ms, 2310 bytes; accepted at 3 ms, first token 9 ms after)``. The first byte of a streamed answer is
+(first byte 12 ms, 2310 bytes; sent at 2 ms, accepted at 3 ms, first token 9 ms after)``. The first byte of a streamed answer is
 when its first event left; a generation also says when the engine accepted it (after the body was read, decoded,
 templated and tokenized, and the engine answered) and how long the engine took from then to its first token (its
 queue and prefill), so a slow first byte shows whose it was."""
@@ -54,9 +54,11 @@ def request_log(app: Any) -> Any:
 
 
 def _engine_part(job: Any, start: float) -> str:
-    """When the engine accepted the request's job, and its first token after that (the engine's own count)."""
+    """When the request's job went to the engine and when the engine accepted it, and its first token after that
+    (the engine's own count)."""
     if getattr(job, "accepted", None) is None:
         return ""
     ttft = job.result.timings.get("ttft_seconds")
     after = f", first token {1000 * ttft:.0f} ms after" if ttft is not None else ""
-    return f"; accepted at {1000 * (job.accepted - start):.0f} ms{after}"
+    sent = f"sent at {1000 * (job.submitted - start):.0f} ms, " if getattr(job, "submitted", None) else ""
+    return f"; {sent}accepted at {1000 * (job.accepted - start):.0f} ms{after}"

@@ -94,6 +94,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     result: Result = field(default_factory=Result)
     started: float = field(default_factory=time.perf_counter)
+    submitted: float | None = None  # when it went to the engine, its body read and prepared (perf_counter)
     accepted: float | None = None  # when the engine took it (perf_counter)
     settled: bool = False  # counted in the metrics as finished or cancelled
 
@@ -222,6 +223,7 @@ class Service:
             request["processors"] = job.processors
         if job.images:
             request["images"] = job.images
+        job.submitted = time.perf_counter()
         try:
             if ASYNC_SUBMIT and (submit_async := getattr(self.engine, "submit_async", None)):
                 handle = await submit_async(GenerationRequest(**request))  # an engine process: the loop goes on
