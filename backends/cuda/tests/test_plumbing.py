@@ -6,6 +6,7 @@ pointer in each slot. This catches plumbing mistakes (argument order, shapes, gr
 flow) on machines without a GPU; the GPU tests check the numbers.
 """
 
+import itertools
 import types
 
 import gguf
@@ -387,7 +388,7 @@ def test_the_pool_carves_new_blocks_from_growing_slabs_and_reuses_freed_ones(fak
     assert sizes == [1 << 20, 2 << 20, 4 << 20, driver.size_class(9 << 20)]
     assert grown == sizes and pool.reserved == sum(sizes)
     spans = sorted((b.ptr, b.ptr + b.size) for b in blocks)
-    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no two blocks overlap
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))  # no two blocks overlap
     assert all(b.ptr % 256 == 0 and b.size >= n for b, n in zip(blocks, [1000, 300_000, 70_000, 600_000]))
     freed = blocks.pop(2).ptr  # collected: back to its class's list
     assert pool.take(70_000).ptr == freed and len(sizes) == 4  # reused: no new driver allocation
