@@ -256,7 +256,6 @@ def test_the_step_log_appends_each_recorded_step_once_as_a_json_line(tmp_path):
     from types import SimpleNamespace
 
     from leat.engine import StepProfile
-
     from leat_server.steplog import StepLog
 
     now = time.perf_counter()
