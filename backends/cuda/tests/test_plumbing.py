@@ -6,7 +6,6 @@ pointer in each slot. This catches plumbing mistakes (argument order, shapes, gr
 flow) on machines without a GPU; the GPU tests check the numbers.
 """
 
-import itertools
 import types
 
 import gguf
@@ -375,37 +374,3 @@ def test_without_a_gpu_cublas_installed_or_not_leaves_the_own_gemm(fake):
     backend = CUDABackend()
     assert backend.cublas is None and backend._f16_weights is None
     assert backend.describe()["cublas"].startswith("not used (")
-
-
-def test_the_pool_carves_new_blocks_from_growing_slabs_and_reuses_freed_ones(fake):
-    sizes = []
-    alloc = fake.cuMemAlloc
-    fake.cuMemAlloc = lambda size: (sizes.append(size), alloc(size))[1]
-    grown = []
-    pool = driver.Pool(types.SimpleNamespace(), grown.append, first_slab=1 << 20, max_slab=4 << 20)
-    blocks = [pool.take(n) for n in [1000, 300_000, 70_000, 600_000, 5000, 2_000_000, 9 << 20]]
-    # doubling slabs, capped; a larger block alone
-    assert sizes == [1 << 20, 2 << 20, 4 << 20, driver.size_class(9 << 20)]
-    assert grown == sizes and pool.reserved == sum(sizes)
-    spans = sorted((b.ptr, b.ptr + b.size) for b in blocks)
-    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))  # no two blocks overlap
-    assert all(b.ptr % 256 == 0 and b.size >= n for b, n in zip(blocks, [1000, 300_000, 70_000, 600_000]))
-    freed = blocks.pop(2).ptr  # collected: back to its class's list
-    assert pool.take(70_000).ptr == freed and len(sizes) == 4  # reused: no new driver allocation
-
-
-def test_the_pool_allocates_a_block_alone_where_a_slab_does_not_fit(fake):
-    alloc = fake.cuMemAlloc
-
-    def tight(size):
-        if size > 3 << 20:
-            return fake.real.CUresult.CUDA_ERROR_OUT_OF_MEMORY, 0
-        return alloc(size)
-
-    fake.cuMemAlloc = tight
-    fake.cuGetErrorName = lambda err: (fake.ok, b"CUDA_ERROR_OUT_OF_MEMORY")
-    pool = driver.Pool(types.SimpleNamespace(), lambda n: None, first_slab=8 << 20)
-    block = pool.take(2 << 20)  # the 8 MiB slab fails; the block alone fits
-    assert block.size == 2 << 20 and pool.reserved == 2 << 20
-    with pytest.raises(driver.CudaError, match="cuMemAlloc"):
-        pool.take(4 << 20)

@@ -266,8 +266,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         self.graphs = graphs
         self.tensor_cores = tensor_cores
         self.fuse = fuse
-        # eager steps' activations (a prefill step of an 8B model holds hundreds of MiB of them): larger slabs
-        self.pool = driver.Pool(self.device, self._grew, poison, first_slab=64 << 20, max_slab=512 << 20)
+        self.pool = driver.Pool(self.device, self._grew, poison)
         self._pool = self.pool  # where new activations come from (a graph's own pool while capturing)
         self._modules: dict[str, driver.Module] = {}
         self._inputs: OrderedDict[int, tuple[Any, DeviceArray]] = OrderedDict()

@@ -169,59 +169,32 @@ class Block:
 class Pool:
     """Caching allocator for activations and scratch.
 
-    Blocks come in size classes (:func:`size_class`); a freed block waits in its class's list for the next
-    request of that class. A class's first blocks are carved from slabs, driver allocations that grow
-    geometrically (``first_slab`` doubling up to ``max_slab``, or one block's size where larger), not one
-    ``cuMemAlloc`` per block: on the lent H200's virtual machine a step of a token count in new size classes took
-    40-60 ms longer to launch than the same step again, and a prefill graph's capture ~100 ms. Where the device
-    has no room for a whole slab, the block alone is allocated.
     A CUDA graph gets a private pool: the blocks its capture used stay reserved for its replays.
     ``on_grow`` is told the bytes each new driver allocation adds.
     """
 
-    def __init__(
-        self,
-        device: Device,
-        on_grow: Callable[[int], None],
-        poison: bool = False,
-        first_slab: int = 1 << 20,
-        max_slab: int = 64 << 20,
-    ):
+    def __init__(self, device: Device, on_grow: Callable[[int], None], poison: bool = False):
         self.device = device
         self.on_grow = on_grow
         self.poison = poison
-        self.first_slab, self.max_slab = first_slab, max_slab
         self.free: dict[int, list[int]] = defaultdict(list)
         self.memory: list[Memory] = []
         self.reserved = 0
-        self._slab, self._left = 0, 0  # the current slab's next free address and the bytes left after it
 
     def take(self, nbytes: int) -> Block:
         size = size_class(nbytes)
         free = self.free[size]
-        ptr = free.pop() if free else self._carve(size)
+        if free:
+            ptr = free.pop()
+        else:
+            mem = Memory(size)
+            self.memory.append(mem)
+            self.reserved += size
+            self.on_grow(size)
+            ptr = mem.ptr
         if self.poison:  # NaN in every float32 and f16 element until a kernel writes it
             self.device.fill(ptr, 0xFF, size)
         return Block(ptr, size, self)
-
-    def _carve(self, size: int) -> int:
-        """``size`` bytes (a multiple of 256) never handed out before: from the current slab, or a new one."""
-        if size > self._left:  # the last slab's rest (less than this block) stays unused
-            slab = max(size, min(2 * self.memory[-1].nbytes, self.max_slab) if self.memory else self.first_slab)
-            try:
-                mem = Memory(slab)
-            except CudaError:
-                if slab == size:
-                    raise
-                slab, mem = size, Memory(size)  # no room for a slab: this block alone
-            self.memory.append(mem)
-            self.reserved += slab
-            self.on_grow(slab)
-            self._slab, self._left = mem.ptr, slab
-        ptr = self._slab
-        self._slab += size
-        self._left -= size
-        return ptr
 
     def release_all(self) -> int:
         """Return every driver allocation (only when no array from this pool is alive)."""
@@ -229,7 +202,6 @@ class Pool:
         self.free.clear()
         self.memory.clear()
         self.reserved = 0
-        self._slab, self._left = 0, 0
         return freed
 
 
