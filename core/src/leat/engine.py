@@ -593,12 +593,10 @@ class Engine:
         if self.speculation is not None and decode_only:
             self.speculation.observe(sum(len(row.tokens) for _, row in rows), time.perf_counter() - began)
         if self.profile is not None:
-            tokens = sum(len(row.tokens) for _, row in rows)
-            prompt = sum(len(row.tokens) for item, row in rows if row.start < item.prompt_len)
             device = timer.seconds if timer is not None else None
-            done = time.perf_counter()
-            times = (launched - began, read - launched, done - read, device, began)
-            self.profile.append(StepProfile(len(rows), tokens, *times, prompt_tokens=prompt))
+            prompt = sum(len(row.tokens) for item, row in rows if row.start < item.prompt_len)
+            times = (launched - began, read - launched, time.perf_counter() - read, device, began)
+            self.profile.append(StepProfile(len(rows), sum(len(r.tokens) for _, r in rows), *times, prompt))
         self.busy += time.perf_counter() - began
 
     def _launch(self) -> tuple[list[tuple[_Running, Row]], Any, Any]:
