@@ -178,3 +178,26 @@ def test_frames_arrive_whole_and_a_burst_is_read_at_once():
     one.hang_up()
     with pytest.raises(EOFError):
         two.read()
+
+
+def test_a_call_that_waits_holds_up_no_submit_from_its_frontend(model, served, monkeypatch):
+    # a frontend's calls run off its link's reader: a session call waiting for the scheduler (or an embedding)
+    # held up every submit the frontend sent behind it (on the H200 ~1.7 s, until a burst of requests ended)
+    from leat import engine_process
+
+    _, _, remote = served
+    release, entered = threading.Event(), threading.Event()
+    monkeypatch.setitem(engine_process.CALLS, "slow", lambda engine: entered.set() or release.wait(10) and "done")
+    answer = []
+    caller = threading.Thread(target=lambda: answer.append(remote.call("slow")))
+    caller.start()
+    try:
+        assert entered.wait(10)
+        started = time.perf_counter()
+        tokens, last = ids(remote.submit(GenerationRequest(prompts(1)[0], 6, GREEDY)))
+        assert last.kind == "done" and len(tokens) == 6 and time.perf_counter() - started < 5
+        assert not answer  # the call still waits
+    finally:
+        release.set()
+        caller.join(10)
+    assert answer == ["done"]

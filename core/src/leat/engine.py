@@ -308,6 +308,7 @@ class Engine:
         self._pipeline = options.pipeline and bool(getattr(self.backend, "feeds_tokens", False))
         self._ahead: tuple[list[tuple[_Running, Row]], Any, Any] | None = None  # rows, output, device timer
         self._embedding = 0  # embed and rank calls waiting for the step queued ahead: none is queued meanwhile
+        self._callers = 0  # other threads waiting for the state (a session call): the scheduler lets them in first
         self.steps_ahead = 0
         self.profile: list[StepProfile] | None = [] if options.profile else None
         self._finished_speculation = {"proposed": 0, "accepted": 0, "verifications": 0}
@@ -430,7 +431,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stop and not self.waiting and not self.running:
+                while not self._stop and (self._callers or (not self.waiting and not self.running)):
                     self._wake.wait()
                 if self._stop:
                     break
@@ -498,38 +499,58 @@ class Engine:
         return [] if self.recurrent else self.budget.prefix_keys(client, prompt)
 
     # -- sessions (callable from any thread) ---------------------------------------------------------
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """The scheduler's state, for a call from another thread, between two of its steps. A lock alone starved
+        such a call behind a busy scheduler, which holds it through each step (waiting on the device with the
+        interpreter lock released) and takes it back at once: a session call waited out whole bursts (an API
+        process's session sweep held up its requests' submits ~1.7 s on the H200). The scheduler waits for
+        callers before its next step."""
+        with self._wake:
+            self._callers += 1
+        try:
+            self._state.acquire()
+        finally:
+            with self._wake:
+                self._callers -= 1
+                self._wake.notify_all()
+        try:
+            yield
+        finally:
+            self._state.release()
+
     def fork_session(self, source: str, target: str) -> None:
         """``target`` starts as a copy of ``source``, sharing its pages until either writes."""
-        with self._state:
+        with self._held():
             if not self.session_kv.fork(source, target):
                 raise Overloaded("no KV pages free to restore the session being forked", retry_after=1.0)
 
     def hibernate(self, name: str) -> None:
-        with self._state:
+        with self._held():
             self.session_kv.hibernate(name)
 
     def create_session(self, name: str) -> None:
         """An empty session ``name`` (kept in memory until a request extends it); one that exists is left as it is."""
-        with self._state:
+        with self._held():
             self.sessions.get(name).last_used = time.monotonic()
 
     def restore_session(self, name: str) -> None:
         """Read a hibernated session's KV back into pages now, so its next request need not wait for the read."""
-        with self._state:
+        with self._held():
             if not self.session_kv.wake(name):
                 raise Overloaded("no KV pages free to restore the session", retry_after=1.0)
 
     def drop_session(self, name: str) -> None:
-        with self._state:
+        with self._held():
             self.session_kv.drop(name)
 
     def stale_sessions(self) -> list[str]:
         """Idle sessions past the store's time or count limits, oldest first (the server drops them)."""
-        with self._state:
+        with self._held():
             return self.sessions.stale()
 
     def list_sessions(self) -> list[dict[str, Any]]:
-        with self._state:
+        with self._held():
             return self.session_kv.listing()
 
     # -- embeddings and reranking (callable from any thread) -----------------------------------------
@@ -551,7 +572,7 @@ class Engine:
             self._embedding += 1
         try:
             while True:
-                with self._state:
+                with self._held():
                     if self._ahead is None:
                         return [run(ids) for ids in prompts]
                 time.sleep(0.001)  # the scheduler's next step takes the step queued ahead

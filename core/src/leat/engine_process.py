@@ -24,6 +24,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -245,8 +246,10 @@ class _Frontend:
                 if accepted:
                     self.send(*accepted)  # a burst's answers in one write
                 for message in messages:
-                    if not isinstance(message, Submit):
+                    if isinstance(message, Cancel):
                         self.handle(message)
+                    elif isinstance(message, Call):  # off this thread: a call that waits (a session's, an
+                        self.host.calls.submit(self.handle, message)  # embedding) holds up no submit behind it
         except (EOFError, OSError):
             pass
         finally:  # a frontend that dies frees what its requests held at the engine's next step
@@ -309,6 +312,7 @@ class EngineHost:
         self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
         self.address = self.listener.address
         self.frontends: list[_Frontend] = []
+        self.calls = ThreadPoolExecutor(4, thread_name_prefix="leat-engine-call")  # the frontends' Calls
 
     def serve_forever(self) -> None:
         while True:
