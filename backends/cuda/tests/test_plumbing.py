@@ -374,3 +374,13 @@ def test_without_a_gpu_cublas_installed_or_not_leaves_the_own_gemm(fake):
     backend = CUDABackend()
     assert backend.cublas is None and backend._f16_weights is None
     assert backend.describe()["cublas"].startswith("not used (")
+
+
+def test_a_timer_destroys_its_events_when_collected(fake):
+    destroyed = []
+    fake.cuEventDestroy = lambda event: destroyed.append(event) or (fake.ok,)
+    timer = driver.Timer(types.SimpleNamespace(stream="stream"))
+    events = [timer.start, timer.end]
+    del timer
+    assert destroyed == events
+
