@@ -165,12 +165,12 @@ def test_serve_logs_loading_and_each_request_and_is_listed_by_ps(home, tiny):
     assert re.search(r"leat: loading \S*tiny-Q8_0\.gguf", log) and "leat: loaded tiny-Q8_0 on cpu (f32) in" in log
     logged = re.search(
         r"POST /v1/completions 200 in (\d+) ms \(first byte (\d+) ms, (\d+) bytes; "
-        r"accepted at (\d+) ms, first token (\d+) ms after\)",
+        r"sent at (\d+) ms, accepted at (\d+) ms, first token (\d+) ms after\)",
         log,
     )
     assert logged, log
-    total, first, size, accepted, engine = (int(g) for g in logged.groups())
-    assert size == len(answer) and accepted <= first <= total and accepted + engine <= total + 1
+    total, first, size, sent, accepted, engine = (int(g) for g in logged.groups())
+    assert size == len(answer) and sent <= accepted <= first <= total and accepted + engine <= total + 1
     assert json.loads(CliRunner().invoke(cli, ["ps", "--json"]).stdout) == []
 
 

@@ -87,6 +87,10 @@ def test_products_follow_float64(qtype, n):
 
 @pytest.mark.parametrize("qtype, n", [(Q.Q4_K, 30), (Q.Q4_1, native.GEMV_ROWS)])  # the GEMM, the integer GEMV
 def test_product_rows_do_not_depend_on_the_batch_or_threads(qtype, n):
+    if n > native.GEMV_ROWS and not native.library().has_gemm:
+        # float32 tiles through BLAS, whose rows do depend on the batch (OpenBLAS blocks by it): an AVX2-only CPU
+        # (this test's first failure: a CI machine without AVX-512 VNNI, rows 2.6e-6 apart)
+        pytest.skip("no AVX-512 VNNI here: a prompt's products go to BLAS, which promises no batch invariance")
     w, _ = weight(qtype, 200, 512)
     x = np.random.default_rng(2).standard_normal((n, 512)).astype(np.float32)
     x[7, 3] = np.nan
