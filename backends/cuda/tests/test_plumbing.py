@@ -383,4 +383,3 @@ def test_a_timer_destroys_its_events_when_collected(fake):
     events = [timer.start, timer.end]
     del timer
     assert destroyed == events
-
