@@ -501,11 +501,10 @@ class Engine:
     # -- sessions (callable from any thread) ---------------------------------------------------------
     @contextlib.contextmanager
     def _held(self) -> Iterator[None]:
-        """The scheduler's state, for a call from another thread, between two of its steps. A lock alone starved
-        such a call behind a busy scheduler, which holds it through each step (waiting on the device with the
-        interpreter lock released) and takes it back at once: a session call waited out whole bursts (an API
-        process's session sweep held up its requests' submits ~1.7 s on the H200). The scheduler waits for
-        callers before its next step."""
+        """The scheduler's state, for a call from another thread, between two of its steps (the scheduler waits for
+        callers before its next step). A lock alone starved such a call behind a busy scheduler, which holds it
+        through each step and takes it back at once: a session call waited out whole bursts (an API process's
+        session sweep held up its requests' submits ~1.7 s on the H200)."""
         with self._wake:
             self._callers += 1
         try:

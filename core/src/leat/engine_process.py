@@ -331,6 +331,7 @@ class EngineHost:
         self.listener.close()
         for frontend in self.frontends:
             frontend.link.hang_up()
+        self.calls.shutdown(wait=False, cancel_futures=True)  # a call still waiting keeps no process alive
 
 
 # -- the frontend's side -----------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """A line per request at info level, with its timings: ``127.0.0.1 POST /v1/chat/completions 200 in 845 ms
-(first byte 12 ms, 2310 bytes; sent at 2 ms, accepted at 3 ms, first token 9 ms after)``. The first byte of a streamed answer is
-when its first event left; a generation also says when the engine accepted it (after the body was read, decoded,
-templated and tokenized, and the engine answered) and how long the engine took from then to its first token (its
-queue and prefill), so a slow first byte shows whose it was."""
+(first byte 12 ms, 2310 bytes; sent at 2 ms, accepted at 3 ms, first token 9 ms after)``. The first byte of a
+streamed answer is when its first event left; a generation also says when its job went to the engine (after the body
+was read, decoded, templated and tokenized), when the engine accepted it, and how long the engine took from then to
+its first token (its queue and prefill), so a slow first byte shows whose it was."""
 
 from __future__ import annotations
 

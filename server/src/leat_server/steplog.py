@@ -1,9 +1,9 @@
 """``leat serve --step-log FILE``: a JSON line per engine step, for finding where a request's time went.
 
-Each line is one :class:`~leat.engine.StepProfile`: ``time`` (when the step began, Unix seconds), ``rows``, ``tokens``, ``prompt_tokens`` (of those, prompt chunks), and the
-step's ``prepare`` / ``wait`` / ``finish`` / ``device`` seconds. A thread appends what the engine recorded twice a
-second, so the engine's step never writes a file, and a process ended by a signal loses at most the last half
-second."""
+Each line is one :class:`~leat.engine.StepProfile`: ``time`` (when the step began, Unix seconds), ``rows``,
+``tokens``, ``prompt_tokens`` (of those, prompt chunks), and the step's ``prepare`` / ``wait`` / ``finish`` /
+``device`` seconds. A thread appends what the engine recorded twice a second, so the engine's step never writes a
+file, and a process ended by a signal loses at most the last half second."""
 
 from __future__ import annotations
 
