@@ -86,7 +86,9 @@ class F16Rows(CPUBackend):
 def cuda_f32():
     from leat_backend_cuda.backend import CUDABackend
 
-    return CUDABackend(poison=True, tensor_cores=False)
+    backend = CUDABackend(poison=True, tensor_cores=False)
+    backend.prompt_capture_sighting = 1  # as conftest's cuda: a prompt step's graph the first time
+    return backend
 
 
 def load(name, path, backend):
