@@ -554,6 +554,26 @@ def test_profile_records_each_steps_time(model):
     assert all(a.at < b.at for a, b in zip(engine.profile, engine.profile[1:]))
 
 
+def test_start_runs_the_backends_warm_up_steps_then_counts_from_zero(model, monkeypatch):
+    """A backend that names warm-up steps (the CUDA backend: cuBLAS loads a size class's kernels on first use) gets
+    a step of each size when the engine starts, over prompts of at most a chunk each; the engine's counters start
+    after them, their pages come back, and a request after them answers as on an engine without them."""
+    expected = alone(model, prompts(1)[0], n=6)
+    monkeypatch.setattr(model.backend, "warm_up_steps", (40, 100, 1000), raising=False)
+    engine = Engine(model, batch_size=4, prefill_chunk=32, page_size=8, max_context=256, profile=True).start()
+    try:
+        warm = list(engine.profile)
+        # 40 tokens (32 + 8), 100 (32 x 3 + 4), 1000 capped at four slots of a chunk each (128)
+        assert [(s.rows, s.prompt_tokens) for s in warm] == [(2, 40), (4, 100), (4, 128)]
+        assert engine.steps == engine.prefill_steps == 0 and engine.busy == 0
+        stats = engine.stats()
+        assert stats["running"] == stats["queue_depth"] == 0 and stats["kv_pages_used"] == 0
+        assert tokens(engine.submit(GenerationRequest(prompts(1)[0], 6, GREEDY)))[0] == expected
+        assert engine.steps == 6
+    finally:
+        engine.stop()
+
+
 class FeedingBackend:
     """The CPU backend made to feed tokens as a device backend does: ``argmax_async`` answers are read later, and
     ``run(..., fed=)`` takes a step's tokens from the last step's answer (counted in ``fed_steps``)."""

@@ -177,6 +177,10 @@ class Backend:
     #: prompt tokens the engine takes into one step (over several prompts) unless told otherwise: enough to keep
     #: the device's arithmetic busy when many prompts arrive together
     prefill_tokens_per_step: ClassVar[int] = 512
+    #: prompt tokens of the steps an engine runs once when it starts (:meth:`leat.engine.Engine.start`), for a backend
+    #: whose first step of a size costs more than the next (a library loading its kernels for that size, memory
+    #: pools growing), so that a burst's first requests do not wait for it
+    warm_up_steps: ClassVar[tuple[int, ...]] = ()
     #: True when :meth:`attention` honours rows marked ``bidirectional`` (what images in a prompt and vision encoders
     #: need); the engine refuses images on a backend without it
     bidirectional: ClassVar[bool] = False

@@ -36,7 +36,7 @@ from leat.errors import LeatError
 from leat.kvpool import PagePool
 from leat.options import EngineOptions
 from leat.pages import BackendPages, PageBudget, RowPages, size_kv
-from leat.sampling import Sampler, SamplingParams
+from leat.sampling import Sampler, SamplingParams, generator
 from leat.sessions import Session, SessionKV, SessionStore, check_name, model_fingerprint
 from leat.speculative import Controller, Speculation, accept_greedy, verify
 from leat.vision import ImageSpan, keyed, next_chunk
@@ -360,9 +360,34 @@ class Engine:
 
     # -- the asyncio / caller side -------------------------------------------------------------------
     def start(self) -> Engine:
+        """Start the scheduler thread, then run the backend's warm-up steps (:meth:`warm_up`)."""
         self._thread = threading.Thread(target=self._loop, name="leat-scheduler", daemon=True)
         self._thread.start()
+        self.warm_up()
         return self
+
+    def warm_up(self) -> None:
+        """Run a step of each size in ``Backend.warm_up_steps`` (at most the prefill budget): prompts of random
+        tokens (no prefix shared with one another or any client's: their client is the warm-up's own), one token
+        generated each. Their pages are freed and the step counters count from after it; the step log shows its steps."""
+        if not self.backend.warm_up_steps:
+            return
+        rng = generator(0)
+        longest = min(self.prefill_chunk, self.max_context - 1)
+        for tokens in self.backend.warm_up_steps:
+            tokens = min(tokens, self.prefill_budget, longest * self.batch_size)
+            lengths = [longest] * (tokens // longest) + [tokens % longest] * bool(tokens % longest)
+            vocab = self.model.architecture.vocab_size
+            prompts = [rng.integers(0, vocab, n).tolist() for n in lengths]
+            for handle in [
+                self.submit(GenerationRequest(p, 1, {"temperature": 0}, client="leat-warm-up")) for p in prompts
+            ]:
+                for _ in handle:
+                    pass
+        with self._state:
+            self.steps, self.prefill_steps, self.steps_ahead, self.busy = 0, 0, 0, 0.0
+            for pool in self.pools:
+                pool.forget_cached()  # the warm-up's prompts: no one's prefix
 
     def stop(self) -> None:
         with self._wake:

@@ -85,6 +85,11 @@ class PagePool:
                 return
         raise RuntimeError("KV page pool exhausted: admission let through more than the pool holds")
 
+    def forget_cached(self) -> None:
+        """Free every page that only the prefix cache holds."""
+        while self.evictable():
+            self._evict_one()
+
     # -- prefix cache --------------------------------------------------------------------------------
     def prefix_keys(self, client: str | None, tokens: Sequence[int]) -> list[bytes]:
         """One chained hash per full page of ``tokens``, isolated per client."""

@@ -194,6 +194,7 @@ class TensorParallel(Backend):
         self.name = first.name  # type: ignore[misc]  # as the ranks', so that a draft model loads on the same kind
         self.quant_types, self.bidirectional = first.quant_types, first.bidirectional  # type: ignore[misc]
         self.prefill_tokens_per_step = first.prefill_tokens_per_step  # type: ignore[misc]
+        self.warm_up_steps = first.warm_up_steps  # type: ignore[misc]
         self._pool = concurrent.futures.ThreadPoolExecutor(self.n, "leat-rank") if threads else None
 
     @classmethod

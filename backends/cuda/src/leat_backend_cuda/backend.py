@@ -245,6 +245,10 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
     bidirectional = True
     recurrent_state = True  # Qwen3.5's linear layers: deltanet.py
     prefill_tokens_per_step = 2048
+    # cuBLAS loads the kernels of a product size class the first time it meets one (an H200's first 2,048-token step of
+    # the 8B file took 106 ms, the next 59): a step past the graphs' sizes (eager, cuBLAS's smaller class), one of
+    # half the prefill budget and one of all of it
+    warm_up_steps = (TOKEN_BUCKETS[-1] + 16, 1024, prefill_tokens_per_step)
     quant_types = frozenset(quants.LAYOUTS) | _host_dequantizable()
 
     @classmethod
