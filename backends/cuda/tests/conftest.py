@@ -1,6 +1,5 @@
 """GPU tests (marked ``gpu``) skip with the probe's reason where no usable NVIDIA GPU is present. The ``cuda``
-fixture is a backend whose activations start as NaN (so an element a kernel never writes shows) and which captures a
-prompt step's graph the first time it meets it, ``oracle``
+fixture is a backend whose activations start as NaN (so an element a kernel never writes shows), ``oracle``
 the CPU backend in float64 they are checked against."""
 
 import pytest
@@ -23,11 +22,7 @@ def pytest_collection_modifyitems(config, items):
 def cuda():
     from leat_backend_cuda.backend import CUDABackend
 
-    backend = CUDABackend(poison=True)
-    # a step with a prompt's chunk is captured the first time (not the second, as by default: test_plumbing.py checks
-    # that), so each such step a test runs once is checked through its graph
-    backend.prompt_capture_sighting = 1
-    return backend
+    return CUDABackend(poison=True)
 
 
 @pytest.fixture(scope="module")

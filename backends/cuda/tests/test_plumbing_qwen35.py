@@ -29,7 +29,6 @@ def test_qwen35_prefill_then_decode_graphs_keep_the_recurrent_state(fake, tmp_pa
     from leat_backend_cuda.backend import CUDABackend
 
     backend = CUDABackend()
-    backend.prompt_capture_sighting = 1  # the prefill's graph at once: its recurrent state is what this checks
     architecture = qwen35.Qwen35
     model = architecture(ModelFile(write_tiny_gguf(architecture, tmp_path / "qwen35.gguf")), backend)
     linear = sum(model.params.linear(i) for i in range(model.params.layers))

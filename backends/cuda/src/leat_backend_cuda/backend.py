@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -103,8 +102,6 @@ GEMM_ROWS_MAX_TOKENS = 128
 #: blocks per multiprocessor gemm_rows's split over K aims at (H200, the 8B file's products at 33-128 tokens: gate
 #: and up best split in 2, q, o and down in 8, the output matrix not at all: about two blocks per SM)
 GEMM_ROWS_BLOCKS_PER_SM = 2
-#: see ``CUDABackend.prompt_capture_sighting``
-PROMPT_CAPTURE_SIGHTING = 2
 #: argmax_async answers that may be in flight at once (the engine reads a step's after queueing the next)
 READBACKS = 4
 #: f16 weight rows decoded per cuBLAS product: large enough that a layer's matrices go whole (few, large
@@ -285,12 +282,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         self._captured: dict[tuple, _Captured] = {}
         self.flat_attention_budget = FLAT_ATTENTION_BUDGET
         self._uncapturable: set[tuple] = set()  # graph keys whose capture failed: those shapes run eagerly
-        #: the sighting on which a shape that carries a prompt's chunk is captured (the earlier ones run eagerly):
-        #: capturing costs several eager steps (60-150 ms for the 8B file on an H200), and a burst's first step is
-        #: often a shape never met again; decode and speculative shapes recur, and are captured at once
-        self.prompt_capture_sighting = PROMPT_CAPTURE_SIGHTING
-        self._sightings: dict[tuple, int] = {}
-        self._watched: set[int] = set()  # caches whose graphs and sightings are forgotten when they are collected
         self._capturing = False
         self.graph_failures: list[str] = []
         self.ops = self._module("ops", "ops.cu", OPS_KERNELS, {})
@@ -1160,15 +1151,12 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         key = (forward, id(kv), *(shape or ()))
         if shape is None or key in self._uncapturable:
             return forward(_with_tokens(batch, fed), kv)
-        if id(kv) not in self._watched:  # graphs and sightings go with their cache
-            self._watched.add(id(kv))
-            weakref.finalize(kv, self._forget, id(kv))
         captured = self._captured.get(key)
-        if captured is None and self._prompt_sighting(batch, key) < self.prompt_capture_sighting:
-            return forward(_with_tokens(batch, fed), kv)
         if captured is None:
             try:
                 captured = self._captured[key] = self._capture(forward, kv, *shape)
+                if not any(k[1] == id(kv) for k in self._captured if k != key):  # graphs go with their cache
+                    weakref.finalize(kv, self._forget, id(kv))
             except Exception as e:  # noqa: BLE001 - a graph is an optimization: record why, run this shape eagerly
                 self.graph_failures.append(f"{type(e).__name__}: {e}")
                 self._uncapturable.add(key)
@@ -1191,14 +1179,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             self.ops["gather_ints"]((-(-n // 256),), 256, ids.device, self._ints(index), captured.inputs, n)
         captured.graph.replay()
         return captured.logits.view((picked,) + captured.logits.shape[1:])
-
-    def _prompt_sighting(self, batch: Batch, key: tuple) -> int:
-        """How many times a shape that carries a prompt's chunk has been met, this one included (a large number
-        for a batch of decode and speculative rows: captured at once)."""
-        if all(len(row.tokens) == 1 or row.all_logits for row in batch.rows):
-            return sys.maxsize
-        self._sightings[key] = seen = self._sightings.get(key, 0) + 1
-        return seen
 
     def _graph_shape(self, batch: Batch, kv: Any) -> tuple[int, int] | None:
         """(token bucket, logits bucket) of the graph that runs ``batch``, or None to run it eagerly. Up to 64
@@ -1252,14 +1232,11 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         for key in [k for k in self._captured if k[1] == kv_id]:
             del self._captured[key]
         self._uncapturable = {k for k in self._uncapturable if k[1] != kv_id}
-        self._sightings = {k: n for k, n in self._sightings.items() if k[1] != kv_id}
-        self._watched.discard(kv_id)
 
     def release_graphs(self) -> None:
         """Drop every captured graph and the memory it reserved."""
         self._captured.clear()
         self._uncapturable.clear()
-        self._sightings.clear()
 
 
 def _threads(work: int) -> int:
