@@ -22,12 +22,6 @@ from leat.errors import LeatError
 
 _local = threading.local()
 
-#: host-to-device copies up to this size go through page-locked staging buffers (:class:`_Staging`); larger ones
-#: (weights at load) are copied from where they are
-STAGED_MAX_BYTES = 64 << 10
-#: staging buffers in the ring: a buffer is reused after the copy from it has passed (an event per buffer)
-STAGING_SLOTS = 32
-
 
 class CudaError(LeatError):
     """A CUDA driver call failed."""
@@ -103,7 +97,6 @@ class Device:
         self.name = check(cu.cuDeviceGetName(256, self.handle)).split(b"\0")[0].decode()
         self.driver_version = check(cu.cuDriverGetVersion())
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
-        self._staging: _Staging | None = None
 
     @property
     def arch(self) -> str:
@@ -124,19 +117,8 @@ class Device:
 
     # -- copies --------------------------------------------------------------------------------------
     def upload(self, dst: int, host: np.ndarray) -> None:
-        """Copy ``host`` to ``dst`` in stream order; the host may reuse ``host`` at once. A small array (a step's
-        token ids, positions, page table) goes through a page-locked staging buffer, so the call returns without
-        waiting for the stream's earlier work: from pageable memory the driver may first wait for the stream
-        (CUDA's "API synchronization behavior"), which would hold the host until the step queued ahead is done."""
         host = np.ascontiguousarray(host)
-        if not host.nbytes:
-            return
-        if host.nbytes > STAGED_MAX_BYTES:
-            check(_cu().cuMemcpyHtoDAsync(dst, host.ctypes.data, host.nbytes, self.stream), "cuMemcpyHtoDAsync")
-            return
-        if self._staging is None:
-            self._staging = _Staging(self, STAGING_SLOTS, STAGED_MAX_BYTES)
-        self._staging.upload(dst, host)
+        check(_cu().cuMemcpyHtoDAsync(dst, host.ctypes.data, host.nbytes, self.stream), "cuMemcpyHtoDAsync")
 
     def download(self, host: np.ndarray, src: int) -> None:
         check(_cu().cuMemcpyDtoHAsync(host.ctypes.data, src, host.nbytes, self.stream), "cuMemcpyDtoHAsync")
@@ -365,29 +347,6 @@ class Pinned:
     def __del__(self):
         with contextlib.suppress(Exception):
             _cu().cuMemFreeHost(self.ptr)
-
-
-class _Staging:
-    """A ring of page-locked buffers for small host-to-device copies: a copy is staged in the next buffer, after
-    the copy that last used it has passed (its event), and queued on the stream; the caller never waits for the
-    stream's other work."""
-
-    def __init__(self, device: Device, slots: int, nbytes: int):
-        self.device = device
-        self.buffers = [Pinned(nbytes) for _ in range(slots)]
-        self.events = [Event(device) for _ in range(slots)]
-        self.next = 0
-        self.lock = threading.Lock()
-
-    def upload(self, dst: int, host: np.ndarray) -> None:
-        with self.lock:
-            slot, self.next = self.next, (self.next + 1) % len(self.buffers)
-            buffer, event = self.buffers[slot], self.events[slot]
-            event.wait()  # the copy this buffer staged last time has passed (a new event passes at once)
-            buffer.array[: host.nbytes] = host.reshape(-1).view(np.uint8)
-            stream = self.device.stream
-            check(_cu().cuMemcpyHtoDAsync(dst, buffer.ptr, host.nbytes, stream), "cuMemcpyHtoDAsync")
-            event.record()
 
 
 class Event:
