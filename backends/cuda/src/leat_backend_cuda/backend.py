@@ -102,6 +102,11 @@ GEMM_ROWS_MAX_TOKENS = 128
 #: blocks per multiprocessor gemm_rows's split over K aims at (H200, the 8B file's products at 33-128 tokens: gate
 #: and up best split in 2, q, o and down in 8, the output matrix not at all: about two blocks per SM)
 GEMM_ROWS_BLOCKS_PER_SM = 2
+#: threads of argmax_rows's block (one per row): a decode step's argmax is on the engine's critical path between two
+#: graphs: 256 threads reading a 128k vocabulary one float each at a time (8 warps, a load or two in flight each)
+#: may take ~0.1 ms (an estimate), where the H200's step logs show decode steps 0.18 ms apart beyond their graphs at
+#: 1 and 64 rows (ninth session, calls 3-4: docs/changelog.md)
+ARGMAX_THREADS = 1024
 #: argmax_async answers that may be in flight at once (the engine reads a step's after queueing the next)
 READBACKS = 4
 #: f16 weight rows decoded per cuBLAS product: large enough that a layer's matrices go whole (few, large
@@ -549,7 +554,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         x = _ready(x)
         cols = x.shape[-1]
         out = self._empty((x.size // cols,), I32)
-        self.ops["argmax_rows"]((x.size // cols,), 256, x, out, cols)
+        self.ops["argmax_rows"]((x.size // cols,), ARGMAX_THREADS, x, out, cols)
         self._readbacks = (self._readbacks + 1) % len(self._landing)
         landing, event = self._landing[self._readbacks]
         if landing.nbytes < out.nbytes:

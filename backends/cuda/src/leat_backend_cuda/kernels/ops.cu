@@ -302,7 +302,9 @@ ELEMENTWISE(gelu_mul, (const float* __restrict__ g, const float* __restrict__ u,
             0.5f * g[i] * (1.0f + tanhf(0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i])
 
 // y = the sum of S partial results part[z] (split-K GEMMs).
-// The index of each row's largest value, the first of equals (numpy's argmax): one block per row.
+// The index of each row's largest value, the first of equals (numpy's argmax): one block per row, up to 1,024
+// threads. A row is a vocabulary (128k floats for Llama 3) read by one multiprocessor, so each warp keeps several
+// loads in flight (the loop unrolled; a load does not wait for the comparison before it).
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, int* __restrict__ out, int cols) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
@@ -310,6 +312,7 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int* __restr
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float v = NEG_INF;
     int at = cols;
+#pragma unroll 8
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         const float y = xr[c];
         if (y > v) v = y, at = c;
