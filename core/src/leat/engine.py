@@ -369,15 +369,15 @@ class Engine:
     def warm_up(self) -> None:
         """Run a step of each size in ``Backend.warm_up_steps`` (at most the prefill budget): prompts of random
         tokens (no prefix shared with one another or any client's: their client is the warm-up's own), one token
-        generated each. Their pages are freed and the step counters count from after it; the step log shows its steps."""
-        if not self.backend.warm_up_steps:
+        generated each. Their pages are freed and the step counters count from after them; the step log shows
+        their steps."""
+        longest = min(self.prefill_chunk, self.max_context - 1)  # a prompt's tokens, one generated after them
+        if not self.backend.warm_up_steps or longest < 1:
             return
-        rng = generator(0)
-        longest = min(self.prefill_chunk, self.max_context - 1)
+        rng, vocab = generator(0), self.model.architecture.vocab_size
         for tokens in self.backend.warm_up_steps:
             tokens = min(tokens, self.prefill_budget, longest * self.batch_size)
             lengths = [longest] * (tokens // longest) + [tokens % longest] * bool(tokens % longest)
-            vocab = self.model.architecture.vocab_size
             prompts = [rng.integers(0, vocab, n).tolist() for n in lengths]
             for handle in [
                 self.submit(GenerationRequest(p, 1, {"temperature": 0}, client="leat-warm-up")) for p in prompts
