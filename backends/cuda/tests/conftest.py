@@ -28,3 +28,19 @@ def cuda():
 @pytest.fixture(scope="module")
 def oracle():
     return CPUBackend("f64")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_kernel_cache(tmp_path_factory):
+    """The fake-driver tests (test_plumbing*.py) set LEAT_HOME to the session's ``leat-home``; its ``cuda`` folder is
+    the kernel cache that test_compile.py and the user's runs use (``compiler.cache_dir()``: content-addressed by
+    source, headers, options, names and NVRTC version), so NVRTC builds a program once on a machine, not again in
+    each session after test_compile.py's build of every program has: 100-120 s of the suite on a 2-core machine."""
+    from leat_backend_cuda.compiler import cache_dir
+
+    shared = cache_dir()
+    shared.mkdir(parents=True, exist_ok=True)
+    home = tmp_path_factory.getbasetemp() / "leat-home"
+    home.mkdir(exist_ok=True)
+    if not (home / "cuda").exists():
+        (home / "cuda").symlink_to(shared, target_is_directory=True)
