@@ -88,7 +88,7 @@ def test_gemma3_270m_agrees_with_llamacpp():
         tokens = refs["tokens"].astype(np.int64)
         reference = TopK.from_arrays(refs)
         llamacpp_greedy = refs["greedy"].tolist()
-    steps = 64
+    steps = 16  # greedy steps compared (llama.cpp recorded 64): ~0.2 s each in float64 and again in float32
     gemma3 = tiny_gemma.architecture("gemma3")
     assert len(tokens) > gemma3.window(gemma3.read_params(file)) == 512
 
