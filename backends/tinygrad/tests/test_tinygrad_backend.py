@@ -33,6 +33,14 @@ if not os.environ.get("LEAT_TINYGRAD_TEST_OPT"):
 
     NOOPT.value = 1
 
+# tinygrad lowers and compiles a realize's new kernels in a pool of spawned processes (PARALLEL: one per CPU thread,
+# each replaced after 16 tasks); on a 2-core test machine spawning them costs more than they save (backends/tinygrad:
+# 343 s with PARALLEL=0 against 447 s at load 3): the same kernels, compiled in this process. PARALLEL=N overrides it.
+if "PARALLEL" not in os.environ:
+    from tinygrad.helpers import PARALLEL
+
+    PARALLEL.value = 0
+
 # prefill products in float32 (GPU devices default to float16 ones: their test is the backend bar, below)
 os.environ.setdefault("LEAT_TINYGRAD_HALF", "0")
 

@@ -1,5 +1,6 @@
 """The tinygrad backend through leat's conformance kit, as a third-party plugin would use it."""
 
+import os
 from typing import ClassVar
 
 import pytest
@@ -15,7 +16,9 @@ class TestTinygradBackendConformance(BackendConformance):
 
     @pytest.fixture
     def backend(self):
-        from tinygrad.helpers import NOOPT
+        from tinygrad.helpers import NOOPT, PARALLEL
 
         NOOPT.value = 1  # as in test_tinygrad_backend.py: a cold run is mostly tinygrad's kernel optimizer
+        if "PARALLEL" not in os.environ:  # and its kernels compiled in this process, not in a pool of processes
+            PARALLEL.value = 0
         return TinygradBackend()

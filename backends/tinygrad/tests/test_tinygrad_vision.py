@@ -27,6 +27,10 @@ if not os.environ.get("LEAT_TINYGRAD_TEST_OPT"):  # as in test_tinygrad_backend.
     from tinygrad.helpers import NOOPT
 
     NOOPT.value = 1
+if "PARALLEL" not in os.environ:  # as in test_tinygrad_backend.py: kernels compiled in this process, not a pool
+    from tinygrad.helpers import PARALLEL
+
+    PARALLEL.value = 0
 os.environ.setdefault("LEAT_TINYGRAD_HALF", "0")
 
 BARS = {"top1": 0.99, "kl": 1e-3}
