@@ -5,6 +5,9 @@ latent attention. No GPU needed; skipped where g++ is missing. Sizes are small: 
 """
 
 import ctypes
+import hashlib
+import json
+import os
 import shutil
 import subprocess
 from importlib import resources
@@ -333,21 +336,30 @@ def _kernel(name: str) -> str:
 
 def host_library(tmp_path_factory, name: str, harness: str, headers: dict[str, str] | None = None) -> ctypes.CDLL:
     """Kernel sources built for the host with g++ (common.cuh with the SHIM in place of CUDA's runtime, and kv.cuh
-    beside them), loaded as a shared library."""
+    beside them), loaded as a shared library. The library is kept in ``$LEAT_HOME/cuda-host-tests`` (default
+    ~/.cache/leat), named by the hash of every file, the flags and g++'s version, as the NVRTC cache keeps cubins:
+    a later run of the same sources loads it instead of compiling again (2-8 s a library here)."""
     compiler = shutil.which("g++")
     if compiler is None:
         pytest.skip("g++ not found")
-    folder = tmp_path_factory.mktemp(name)
     host_common = (Path(__file__).parent / "host" / "common.cuh").read_text().replace("#pragma once", "")
-    (folder / "common.cuh").write_text("#pragma once\n" + host_common + SHIM)
-    for header, text in {"kv.cuh": _kernel("kv.cuh"), **(headers or {})}.items():
-        (folder / header).write_text(text)
-    (folder / "harness.cpp").write_text(harness)
-    library = folder / f"lib{name}.so"
-    subprocess.run(
-        [compiler, "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w", "-o", library, folder / "harness.cpp"],
-        check=True,
-    )
+    files = {"common.cuh": "#pragma once\n" + host_common + SHIM, "kv.cuh": _kernel("kv.cuh"), **(headers or {})}
+    files["harness.cpp"] = harness
+    flags = ["-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w"]
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(json.dumps([sorted(files.items()), flags, version]).encode()).hexdigest()[:32]
+    cache = Path(os.environ.get("LEAT_HOME") or Path.home() / ".cache" / "leat") / "cuda-host-tests"
+    library = cache / f"lib{name}-{key}.so"
+    if not library.exists():
+        folder = tmp_path_factory.mktemp(name)
+        for file, text in files.items():
+            (folder / file).write_text(text)
+        built = folder / f"lib{name}.so"
+        subprocess.run([compiler, *flags, "-o", built, folder / "harness.cpp"], check=True)
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = library.with_name(f"{library.name}.{os.getpid()}.partial")
+        shutil.copy(built, partial)
+        os.replace(partial, library)  # whole or not at all, for a run beside this one
     return ctypes.CDLL(str(library))
 
 
