@@ -5,7 +5,8 @@
 
 For each prompt size, a prompt-only forward (eager, best of three) with every product sent to the own GEMM, then
 to cuBLAS (``CUDABackend.cublas_min_tokens`` moved out of the way or down to one). ``--steps D:C`` also times a
-graph-replayed step of D decode rows beside a C-token prompt chunk (the server's mixed steps), ten replays.
+graph-replayed step of D decode rows beside a C-token prompt chunk (the server's mixed steps; C = 0: decode rows
+only), ten replays.
 Needs a GPU and cuBLAS (``leat-backend-cuda[cublas]``).
 """
 
@@ -42,7 +43,7 @@ def main() -> None:
     for n in sizes:
         rates = []
         for threshold in (OWN, CUBLAS):
-            backend.cublas_min_tokens = threshold
+            backend.cublas_min_tokens = backend.cublas_min_tokens_f16 = threshold
             batch = Batch([Row(64, 0, tokens[:n])])
             backend.to_host(arch.forward(batch, kv))
             best = float("inf")
@@ -55,12 +56,16 @@ def main() -> None:
     print("\n| graph step | own GEMM ms | cuBLAS ms |\n|---|---|---|")
     for spec in filter(None, args.steps.split(",")):
         rows, chunk = (int(x) for x in spec.split(":"))
-        batch = Batch([Row(s, 300, tokens[s : s + 1]) for s in range(rows)] + [Row(64, 0, tokens[:chunk])])
+        prompt = [Row(64, 0, tokens[:chunk])] if chunk else []
+        batch = Batch([Row(s, 300, tokens[s : s + 1]) for s in range(rows)] + prompt)
         times = []
         for threshold in (OWN, CUBLAS):
-            backend.cublas_min_tokens = threshold
+            backend.cublas_min_tokens = backend.cublas_min_tokens_f16 = threshold
             times.append(step_ms(backend, arch.forward, batch, kv, 10))
-        print(f"| {rows} decode rows + {chunk}-token chunk | {times[0]:.2f} | {times[1]:.2f} |", flush=True)
+        print(
+            f"| {rows} decode rows{f' + {chunk}-token chunk' if chunk else ''} | {times[0]:.2f} | {times[1]:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -318,7 +318,8 @@ def test_products_of_many_tokens_go_to_cublas_a_chunk_of_rows_at_a_time(fake):
 
 def test_a_weight_kept_in_f16_goes_to_cublas_whole_without_decoding(fake):
     """Within ``f16_budget`` the upload decodes a matrix to f16 rows once; a product of many tokens then multiplies
-    that copy in one cuBLAS call and decodes nothing. Past the budget a matrix keeps no copy."""
+    that copy in one cuBLAS call and decodes nothing. Past the budget a matrix keeps no copy. A kept copy goes to
+    cuBLAS from ``cublas_min_tokens_f16`` tokens, a matrix without one from ``cublas_min_tokens``."""
     rng = np.random.default_rng(4)
     rows, cols, n = 75, 256, 40
     data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), Q.Q8_0)
@@ -328,12 +329,17 @@ def test_a_weight_kept_in_f16_goes_to_cublas_whole_without_decoding(fake):
     weight = backend.upload(Tensor("w", Q.Q8_0, (rows, cols), data))
     assert weight.f16 is not None and weight.f16.nbytes == 2 * rows * cols
     assert sum(f.startswith("_Z14dequantize_f16I5TQ8_0") for f, _, _ in fake.launches) == 1
-    assert backend.upload(Tensor("w2", Q.Q8_0, (rows, cols), data)).f16 is None  # the budget is spent
-    backend.cublas, backend.cublas_min_tokens = RecordingCublas(), n
+    second = backend.upload(Tensor("w2", Q.Q8_0, (rows, cols), data))
+    assert second.f16 is None  # the budget is spent
+    backend.cublas, backend.cublas_min_tokens, backend.cublas_min_tokens_f16 = RecordingCublas(), n + 1, n
     fake.launches.clear()
-    out = backend.matmul(backend.from_host(rng.standard_normal((n, cols))), weight)
+    x = backend.from_host(rng.standard_normal((n, cols)))
+    out = backend.matmul(x, weight)
     assert not any(f.startswith("_Z14dequantize_f16") for f, _, _ in fake.launches)
     assert backend.cublas.calls == [(weight.f16.ptr, backend.cublas.calls[0][1], out.ptr, rows, n, cols, rows)]
+    backend.cublas.calls.clear()
+    backend.matmul(x, second)  # no copy: n tokens are below its threshold, so the own kernels
+    assert not backend.cublas.calls
 
 
 def test_the_f16_budget_follows_the_size_of_the_mapped_file(tmp_path):

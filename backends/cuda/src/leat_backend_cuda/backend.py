@@ -93,6 +93,9 @@ LOGIT_BUCKETS = TOKEN_BUCKETS[: TOKEN_BUCKETS.index(64) + 1]
 #: own kernels, which read each quantized weight once instead of decoding it to f16 first (on an H200 the
 #: two tie at 128 tokens a step and cuBLAS leads from 192)
 CUBLAS_MIN_TOKENS = 160
+#: the same for a weight decoded to f16 once, at load (``Matrix.f16``): cuBLAS then reads the copy and decodes
+#: nothing, so it leads from fewer tokens
+CUBLAS_MIN_TOKENS_F16 = 160
 #: products of this many tokens or more go to gemm_few (up to quants.GEMM_FEW_MAX_TOKENS, where gemm_few_shape says)
 GEMM_FEW_MIN_TOKENS = 3
 #: products of this many tokens up to GEMM_ROWS_MAX_TOKENS go to gemm_rows (x shared in shared memory by a block's
@@ -297,6 +300,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         # (a chunk of rows at a time), multiplied by cuBLAS (cublas.py); None: the own GEMM
         self.cublas = cublas.open_handle(self.device) if use_cublas and tensor_cores else None
         self.cublas_min_tokens = CUBLAS_MIN_TOKENS
+        self.cublas_min_tokens_f16 = CUBLAS_MIN_TOKENS_F16
         #: token counts (first, last) that go to gemm_few; its instantiation (None: quants.gemm_few_shape's)
         self.few_tokens = (GEMM_FEW_MIN_TOKENS, quants.GEMM_FEW_MAX_TOKENS)
         self.few_shape: tuple[int, int] | None = None
@@ -658,7 +662,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
                 return self._gemv_q(x, [(weight, bias)], out=out)[0]
         if few is not None:
             return self._gemm_few(x, weight, bias, out, n, few)
-        if self.cublas is not None and n >= self.cublas_min_tokens and k % 8 == 0:
+        if self.cublas is not None and k % 8 == 0 and n >= self._cublas_from(weight):
             self._cublas_product(x, weight, bias, out, n, m, k)
             return out
         if self.tensor_cores and self.rows_tokens[0] <= n <= self.rows_tokens[1] and k % quants.GEMM_ROWS_KC == 0:
@@ -684,6 +688,10 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
                 k,
             )
         return out
+
+    def _cublas_from(self, weight: Matrix) -> int:
+        """Tokens from which a product with ``weight`` goes to cuBLAS (where it is installed)."""
+        return self.cublas_min_tokens_f16 if weight.f16 is not None else self.cublas_min_tokens
 
     def _few_shape(self, weight: Matrix, n: int, k: int) -> tuple[int, int] | None:
         """gemm_few's instantiation for ``n`` tokens times ``weight``, or None where another kernel does it."""
