@@ -37,14 +37,16 @@ def main() -> None:
         raise SystemExit(f"cuBLAS is not available: {backend.describe()['cublas']}")
     arch = architecture_class(file)(file, backend)
     sizes = [int(n) for n in args.tokens.split(",")]
-    kv = backend.allocate_kv(arch.kv_layouts(arch.params), 65, max(sizes) + 64, dtype="f16")
+    steps = [tuple(int(x) for x in spec.split(":")) for spec in filter(None, args.steps.split(","))]
+    slots = max([64] + [rows for rows, _ in steps]) + 1  # decode rows in slots 0.., the prompt in the last
+    kv = backend.allocate_kv(arch.kv_layouts(arch.params), slots, max(sizes) + 320, dtype="f16")
     tokens = np.random.default_rng(0).integers(0, arch.vocab_size, max(sizes))
     print("| prompt tokens | own GEMM tok/s | cuBLAS tok/s |\n|---|---|---|")
     for n in sizes:
         rates = []
         for threshold in (OWN, CUBLAS):
             backend.cublas_min_tokens = backend.cublas_min_tokens_f16 = threshold
-            batch = Batch([Row(64, 0, tokens[:n])])
+            batch = Batch([Row(slots - 1, 0, tokens[:n])])
             backend.to_host(arch.forward(batch, kv))
             best = float("inf")
             for _ in range(3):
@@ -54,9 +56,8 @@ def main() -> None:
             rates.append(n / best)
         print(f"| {n} | {rates[0]:,.0f} | {rates[1]:,.0f} |", flush=True)
     print("\n| graph step | own GEMM ms | cuBLAS ms |\n|---|---|---|")
-    for spec in filter(None, args.steps.split(",")):
-        rows, chunk = (int(x) for x in spec.split(":"))
-        prompt = [Row(64, 0, tokens[:chunk])] if chunk else []
+    for rows, chunk in steps:
+        prompt = [Row(slots - 1, 0, tokens[:chunk])] if chunk else []
         batch = Batch([Row(s, 300, tokens[s : s + 1]) for s in range(rows)] + prompt)
         times = []
         for threshold in (OWN, CUBLAS):

@@ -95,7 +95,7 @@ LOGIT_BUCKETS = TOKEN_BUCKETS[: TOKEN_BUCKETS.index(64) + 1]
 CUBLAS_MIN_TOKENS = 160
 #: the same for a weight decoded to f16 once, at load (``Matrix.f16``): cuBLAS then reads the copy and decodes
 #: nothing, so it leads from fewer tokens
-CUBLAS_MIN_TOKENS_F16 = 160
+CUBLAS_MIN_TOKENS_F16 = 64
 #: products of this many tokens or more go to gemm_few (up to quants.GEMM_FEW_MAX_TOKENS, where gemm_few_shape says)
 GEMM_FEW_MIN_TOKENS = 3
 #: products of this many tokens up to GEMM_ROWS_MAX_TOKENS go to gemm_rows (x shared in shared memory by a block's
