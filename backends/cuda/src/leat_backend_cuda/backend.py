@@ -94,12 +94,15 @@ LOGIT_BUCKETS = TOKEN_BUCKETS[: TOKEN_BUCKETS.index(64) + 1]
 #: two tie at 128 tokens a step and cuBLAS leads from 192)
 CUBLAS_MIN_TOKENS = 160
 #: the same for a weight decoded to f16 once, at load (``Matrix.f16``): cuBLAS then reads the copy and decodes
-#: nothing, so it leads from fewer tokens
-CUBLAS_MIN_TOKENS_F16 = 64
+#: nothing, and leads wherever gemm_few stops (tenth session, the 8B file on an H200, scripts/prefill_paths.py:
+#: a step of a 33-token chunk 7.28 ms against 8.93 on the own kernels, 128 tokens 8.36 against 14.37, 64 decode
+#: rows 8.80 against 10.92, 64 decode rows beside a 128-token chunk 11.41 against 28.89)
+CUBLAS_MIN_TOKENS_F16 = 33
 #: products of this many tokens or more go to gemm_few (up to quants.GEMM_FEW_MAX_TOKENS, where gemm_few_shape says)
 GEMM_FEW_MIN_TOKENS = 3
 #: products of this many tokens up to GEMM_ROWS_MAX_TOKENS go to gemm_rows (x shared in shared memory by a block's
-#: warps, weights decoded straight into fragments) instead of the GEMM
+#: warps, weights decoded straight into fragments) instead of the GEMM, where cuBLAS does not take them (a weight
+#: without an f16 copy, or no cuBLAS)
 GEMM_ROWS_MIN_TOKENS = 33
 GEMM_ROWS_MAX_TOKENS = 128
 #: blocks per multiprocessor gemm_rows's split over K aims at (H200, the 8B file's products at 33-128 tokens: gate

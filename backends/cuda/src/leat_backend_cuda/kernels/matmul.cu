@@ -103,47 +103,6 @@ __global__ void __launch_bounds__(128) gemv_q(
     constexpr int QG = T::UV / 8, NR = T::NR, RL = T::RL, RR = (MODE & GLU) ? 2 * R : R;
     extern __shared__ uint4 xsh[];
     const int bpr = K / T::BLOCK, upr = bpr * T::UNITS, lines = (upr + 31) >> 5;
-    const int lane = threadIdx.x & 31;
-    const int g1 = (M + 4 * R - 1) / (4 * R), g2 = g1 + (M2 + 4 * R - 1) / (4 * R), groups = g2 + (M3 + 4 * R - 1) / (4 * R);
-    // Where a group's rows are: the segment's matrices, output, bias and rows, and the warp's first row.
-    struct Place {
-        const u8 *ws, *wu;
-        i64 nbs;
-        float* ys;
-        const float* bs;
-        int Ms, row0, seg;
-    };
-    auto place = [&](int group) {
-        Place p;
-        p.seg = group < g1 ? 0 : group < g2 ? 1 : 2;
-        p.ws = p.seg == 0 ? w : p.seg == 1 ? w2 : w3;
-        p.wu = (MODE & GLU) ? w2 : p.ws;  // the up matrix of the gated unit
-        p.nbs = p.seg == 0 ? nb : p.seg == 1 ? nb2 : nb3;
-        p.ys = p.seg == 0 ? y : p.seg == 1 ? y2 : y3;
-        p.bs = p.seg == 0 ? bias : p.seg == 1 ? bias2 : bias3;
-        p.Ms = p.seg == 0 ? M : p.seg == 1 ? M2 : M3;
-        p.row0 = ((group - (p.seg == 0 ? 0 : p.seg == 1 ? g1 : g2)) * 4 + (threadIdx.x >> 5)) * R;
-        return p;
-    };
-    // The loads of U units of each row, from unit `base` on (clamped to the row's last unit).
-    auto fetch = [&](const Place& p, int base, typename T::Raw (&raw)[U][RR]) {
-#pragma unroll
-        for (int s = 0; s < U; ++s) {
-            const int u = min(base + 32 * s, upr - 1);
-#pragma unroll
-            for (int r = 0; r < RR; ++r)
-                raw[s][r] = T::load(r < R ? p.ws : p.wu, p.nbs, (i64)min(p.row0 + r % R, p.Ms - 1) * bpr + u / T::UNITS,
-                                    u % T::UNITS);
-        }
-    };
-    // The first loads of the block's first group go out before x is quantized, so that the prologue
-    // overlaps the first DRAM round trip (a block of q, k, v or o has one group of one or two rounds);
-    // the product's loop then loads into the same registers.
-    typename T::Raw head[U][RR];
-    if (blockIdx.x < groups) {
-        const Place p = place(blockIdx.x);
-        if (p.row0 < p.Ms) fetch(p, lane, head);
-    }
     uint4* xg = xsh;                                   // [NC][lines][QG][32]
     float* xs = (float*)(xsh + NC * lines * QG * 32);  // [NC][lines][NR][32]
     float* xsum = xs + NC * lines * NR * 32;           // [NC][lines][NR][32]
@@ -200,12 +159,21 @@ __global__ void __launch_bounds__(128) gemv_q(
     }
     __syncthreads();
 
+    const int lane = threadIdx.x & 31;
+    const int g1 = (M + 4 * R - 1) / (4 * R), g2 = g1 + (M2 + 4 * R - 1) / (4 * R), groups = g2 + (M3 + 4 * R - 1) / (4 * R);
     for (int group = blockIdx.x; group < groups; group += gridDim.x) {
-        const Place p = place(group);
-        float* ys = p.ys;
-        const float* bs = p.bs;
-        const int seg = p.seg, Ms = p.Ms, row0 = p.row0;
+        const int seg = group < g1 ? 0 : group < g2 ? 1 : 2;
+        const u8* ws = seg == 0 ? w : seg == 1 ? w2 : w3;
+        const u8* wu = (MODE & GLU) ? w2 : ws;  // the up matrix of the gated unit
+        const i64 nbs = seg == 0 ? nb : seg == 1 ? nb2 : nb3;
+        float* ys = seg == 0 ? y : seg == 1 ? y2 : y3;
+        const float* bs = seg == 0 ? bias : seg == 1 ? bias2 : bias3;
+        const int Ms = seg == 0 ? M : seg == 1 ? M2 : M3;
+        const int row0 = ((group - (seg == 0 ? 0 : seg == 1 ? g1 : g2)) * 4 + (threadIdx.x >> 5)) * R;
         if (row0 >= Ms) continue;
+        i64 first[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) first[r] = (i64)min(row0 + r, Ms - 1) * bpr;
         float acc[RR][NC];
 #pragma unroll
         for (int r = 0; r < RR; ++r)
@@ -213,8 +181,14 @@ __global__ void __launch_bounds__(128) gemv_q(
             for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
 
         for (int base = lane; base < upr; base += 32 * U) {
-            typename T::Raw(&raw)[U][RR] = head;  // the block's first loads went out before the prologue
-            if (base != lane || group != (int)blockIdx.x) fetch(p, base, raw);
+            typename T::Raw raw[U][RR];
+#pragma unroll
+            for (int s = 0; s < U; ++s) {
+                const int u = min(base + 32 * s, upr - 1);
+#pragma unroll
+                for (int r = 0; r < RR; ++r)
+                    raw[s][r] = T::load(r < R ? ws : wu, nbs, first[r % R] + u / T::UNITS, u % T::UNITS);
+            }
 #pragma unroll
             for (int s = 0; s < U; ++s) {
                 const int u = base + 32 * s;
