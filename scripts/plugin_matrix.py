@@ -49,6 +49,8 @@ def run_alone(name: str, folder: Path) -> tuple[str, str, float]:
             "-q",
             "-p",
             "no:cacheprovider",
+            "-o",  # the workspace's addopts without pytest-xdist's -n: the environment holds the test group only
+            "addopts=--import-mode=importlib -ra",
             "-m",
             "not slow and not gpu",
             str(folder / "tests"),
