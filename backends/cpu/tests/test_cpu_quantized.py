@@ -342,3 +342,27 @@ def test_kernels_fall_back_to_ctypes_when_the_python_entry_does_not_build(monkey
         np.testing.assert_allclose(y[0], exact.sum(axis=1), rtol=1e-5)
     finally:
         native.library.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("cc", "machine", "flags", "expected"),
+    [
+        ("gcc-13", "x86_64", "fpu avx2 avx512f", "/usr/bin/gcc-13"),  # $CC always wins
+        (None, "x86_64", "fpu avx2 f16c", "/usr/bin/clang"),  # AVX2 only: clang
+        (None, "x86_64", "fpu avx2 avx512f avx512bw", "/usr/bin/cc"),  # AVX-512: cc
+        (None, "aarch64", "", "/usr/bin/cc"),  # not x86: cc
+    ],
+)
+def test_the_compiler_is_cc_clang_without_avx512_or_cc(monkeypatch, cc, machine, flags, expected):
+    """Which C compiler builds the kernels: ``$CC``; else clang on an x86 CPU without AVX-512 (GCC's code for the
+    16-float vectors on AVX2 is several times slower); else ``cc``."""
+    if cc is None:
+        monkeypatch.delenv("CC", raising=False)
+    else:
+        monkeypatch.setenv("CC", cc)
+    monkeypatch.setattr(native.platform, "machine", lambda: machine)
+    monkeypatch.setattr(native, "_cpu_flags", lambda: f"flags\t\t: {flags}\n")
+    monkeypatch.setattr(native.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert native._compiler() == expected
+    monkeypatch.setattr(native.shutil, "which", lambda name: None if name == "clang" else f"/usr/bin/{name}")
+    assert native._compiler() == (expected if expected != "/usr/bin/clang" else "/usr/bin/cc")  # no clang: cc
