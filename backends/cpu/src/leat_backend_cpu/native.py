@@ -11,8 +11,9 @@ activations and rope are one C call each. Work is split over ``threads`` threads
 file says how).
 
 The source is compiled with the system's C compiler (``$CC``, else clang on an x86 CPU without AVX-512, else
-``cc``) for this CPU (``-march=native``) into ``$LEAT_HOME/cpu`` (default ``~/.cache/leat/cpu``), keyed by the source, the flags, the compiler's version and the
-CPU's feature flags, so a second start compiles nothing. Where Python's headers are installed the library is also an
+``cc``; :func:`_compiler`) for this CPU (``-march=native``) into ``$LEAT_HOME/cpu`` (default ``~/.cache/leat/cpu``),
+keyed by the source, the flags, the compiler's version and the CPU's feature flags, so a second start compiles
+nothing. Where Python's headers are installed the library is also an
 extension module, and the kernels are called through it (``kernels/call.c``); else, or with ``LEAT_CPU_CTYPES=1``,
 through ctypes. :func:`unavailable` says why the kernels cannot be built here (the backend then takes its numpy
 path).
