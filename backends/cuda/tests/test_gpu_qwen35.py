@@ -62,13 +62,12 @@ class F16Rows(CPUBackend):
     def rounds(self, n, m, k):
         """Whether ``cuda`` multiplies n tokens by an F32 matrix [m, k] through f16 rows: CUDABackend.matmul's
         choice for float weights (more than GEMV_MAX_TOKENS tokens, rows a multiple of 8: gemm_few where it has a
-        shape, cuBLAS from cublas_min_tokens_f16 (a tiny file's matrices all keep f16 copies: f16_budget), else
-        gemm_rows or the GEMM where K steps by 32; else the float gemv)."""
+        shape, cuBLAS from cublas_min_tokens, else gemm_rows or the GEMM where K steps by 32; else the float gemv)."""
         cuda = self.cuda
         if n <= GEMV_MAX_TOKENS or k % 8 or not cuda.tensor_cores:
             return False
         few = cuda.few_tokens[0] <= n <= cuda.few_tokens[1] and gemm_few_shape(n, m) is not None
-        return few or (cuda.cublas is not None and n >= cuda.cublas_min_tokens_f16) or k % 32 == 0
+        return few or (cuda.cublas is not None and n >= cuda.cublas_min_tokens) or k % 32 == 0
 
     def matmul(self, x, weight, bias=None):
         if isinstance(weight, np.ndarray) and not self.exact and self.rounds(len(x), *weight.shape):
