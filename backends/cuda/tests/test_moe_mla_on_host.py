@@ -20,6 +20,7 @@ from leat.backend import KVLayout
 from leat.batch import Batch, Row
 from leat.modelfile import Tensor
 from leat.moe import MoESpec, MoEWeights, activate, route, selection_margin
+from leat.pull import cache_dir
 from leat_backend_cpu.backend import CPUBackend
 from leat_backend_cuda import moe, quants
 
@@ -348,7 +349,7 @@ def host_library(tmp_path_factory, name: str, harness: str, headers: dict[str, s
     flags = ["-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w"]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(json.dumps([sorted(files.items()), flags, version]).encode()).hexdigest()[:32]
-    cache = Path(os.environ.get("LEAT_HOME") or Path.home() / ".cache" / "leat") / "cuda-host-tests"
+    cache = cache_dir() / "cuda-host-tests"
     library = cache / f"lib{name}-{key}.so"
     if not library.exists():
         folder = tmp_path_factory.mktemp(name)
