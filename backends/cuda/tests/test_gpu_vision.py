@@ -1,7 +1,8 @@
 """Images on the CUDA backend against the float64 CPU oracle: the ops images add (layer_norm, gelu without up,
-attention over bidirectional rows, vision.py) on random inputs, then the tiny Gemma 3 model and mmproj llama.cpp's
-vision references were recorded on (architectures/gemma/tests/references/tiny_vision.py: a sliding window shorter
-than the image's span): the image embeddings, and the logits of the text after the image, computed at once and
+attention over bidirectional rows, vision.py) on random inputs, then each tiny model and mmproj llama.cpp's vision
+references were recorded on (``tiny_vision.py`` in architectures/gemma/tests/references: Gemma 3 and its ``gemma3``
+projector; in architectures/gemma4/tests/references: Gemma 4 and its ``gemma4v`` projector, 2-D RoPE and pooling;
+both with a sliding window shorter than the image's span): the image embeddings, and the logits of the text after the image, computed at once and
 step by step through ``run`` (graphs for the text, the image's row eagerly)."""
 
 import importlib.util
@@ -18,7 +19,7 @@ from leat.modelfile import Tensor
 from leat.testing import relative_error
 
 pytestmark = pytest.mark.gpu
-TINY_VISION = Path(__file__).parents[3] / "architectures" / "gemma" / "tests" / "references" / "tiny_vision.py"
+ARCHITECTURES = Path(__file__).parents[3] / "architectures"
 # Embeddings: the encoder's products of 64 patches go through the tensor-core GEMM (f16 operands, float32 sums).
 # The oracle with every product's operands rounded to f16 as x_to_f16 rounds them is 4.3e-4 of the largest entry
 # from the float64 one on these files; the bar leaves ten times that.
@@ -83,9 +84,10 @@ def test_bidirectional_attention_with_softcap_and_sinks(cuda, oracle):
     assert relative_error(cuda.to_host(got), want) < 1e-5
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> dict:
-    spec = importlib.util.spec_from_file_location("tiny_vision", TINY_VISION)
+@pytest.fixture(scope="module", params=["gemma", "gemma4"])
+def tiny(request, tmp_path_factory) -> dict:
+    path = ARCHITECTURES / request.param / "tests" / "references" / "tiny_vision.py"
+    spec = importlib.util.spec_from_file_location(f"tiny_vision_{request.param}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.build(tmp_path_factory.mktemp("vision"))
