@@ -92,6 +92,36 @@ def test_moe(cuda, oracle, case, n):
     assert relative_error(got[decided], want[decided]) < tensor_core_bound(cuda, qtype, n)
 
 
+@pytest.mark.parametrize("n", [1, 37])
+def test_a_moe_layers_weighted_sum_goes_into_its_residual_add(cuda, oracle, n):
+    """moe's weighted sum of the experts' outputs waits for the layer's residual add, which runs it (moe_combine with
+    the residual): the same values as the sum, then add, bit for bit, and the oracle's."""
+    from leat_backend_cuda.backend import Pending, _ready
+
+    spec, qtype = MOE_CASES["qwen3moe-q4_k"][:2]
+    rng = np.random.default_rng(70 + n)
+    d, ffn, e = 256, 256, spec.experts
+    pair = {
+        "router": both(cuda, oracle, "router", Q.F32, rng.standard_normal((e, d)) / 4),
+        "gate": both(cuda, oracle, "gate", qtype, rng.standard_normal((e, ffn, d)) / 8, rng),
+        "up": both(cuda, oracle, "up", qtype, rng.standard_normal((e, ffn, d)) / 8, rng),
+        "down": both(cuda, oracle, "down", qtype, rng.standard_normal((e, d, ffn)) / 8, rng),
+    }
+    x, residual = rng.standard_normal((n, d)) * 3, rng.standard_normal((n, d))
+    weights = MoEWeights(**{k: v[0] for k, v in pair.items()})
+    routed = cuda.moe(cuda.from_host(x), weights, spec)
+    assert isinstance(routed, Pending)
+    fused = cuda.to_host(cuda.add(cuda.from_host(residual), routed))
+    assert routed.waiting("combine")  # the sum alone was never made
+    again = cuda.moe(cuda.from_host(x), weights, spec)
+    plain = cuda.to_host(cuda.add(cuda.from_host(residual), _ready(again)))
+    np.testing.assert_array_equal(fused, plain)
+    want = residual + oracle.moe(x, MoEWeights(**{k: v[1] for k, v in pair.items()}), spec)
+    logits = oracle.matmul(x, pair["router"][1], None)
+    decided = selection_margin(logits, spec, None) > 1e-4
+    assert relative_error(fused[decided], want[decided]) < tensor_core_bound(cuda, qtype, n)
+
+
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0])
 @pytest.mark.parametrize("n", [1, 3, 40])
 def test_head_matmul(cuda, oracle, qtype, n):

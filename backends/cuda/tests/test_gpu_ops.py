@@ -293,6 +293,28 @@ def test_rope(cuda, oracle, neox, dims, head_dim):
     assert relative_error(cuda.to_host(cuda.rope(cuda_array(cuda, x), positions, spec)), want) < 1e-6
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("dims,head_dim", [(16, 16), (8, 16), (128, 128), (64, 256), (6, 10)])
+def test_rope_of_a_pending_norm_runs_the_norm_inside(cuda, oracle, weighted, neox, dims, head_dim):
+    """The per-head q/k norms ahead of RoPE (Qwen3, Gemma): rope takes rms_norm's pending output into one kernel,
+    rope_norm, whose values equal rms_norm's then rope's bit for bit, and the oracle's."""
+    from leat_backend_cuda.backend import Pending, _ready
+
+    rng = np.random.default_rng(head_dim + dims)
+    x, positions = rng.standard_normal((5, 4, head_dim)) * 3, np.array([0, 1, 7, 4000, 131071])
+    w = rng.standard_normal(head_dim) if weighted else None
+    spec = RopeSpec(dims, 1e6, neox, 1.0, None)
+    want = oracle.rope(oracle.rms_norm(x, w, 1e-6), positions, spec)
+    pending = cuda.rms_norm(cuda_array(cuda, x), None if w is None else cuda_array(cuda, w), 1e-6)
+    assert isinstance(pending, Pending)
+    fused = cuda.to_host(cuda.rope(pending, positions, spec))
+    assert pending.waiting("norm")  # the normed rows were never made
+    plain = cuda.to_host(cuda.rope(_ready(pending), positions, spec))
+    np.testing.assert_array_equal(fused, plain)
+    assert relative_error(fused, want) < 1e-6
+
+
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 16), (32, 8, 128), (9, 3, 64), (8, 1, 256)])

@@ -185,8 +185,8 @@ extern "C" void heads(int n, int h, int NC, int* start, int* chunk_start, int* o
 extern "C" void glu(const float* g, const float* u, float* y, long long n, int kind, float alpha, float limit) {
     launch({1, 1, 1}, 64, [=] { moe_glu(g, u, y, n, kind, alpha, limit); });
 }
-extern "C" void combine(const float* y, const float* w, float* out, int n, int k, int d) {
-    launch({(unsigned)n, 1, 1}, 64, [=] { moe_combine(y, w, out, k, d); });
+extern "C" void combine(const float* y, const float* w, const float* residual, float* out, int n, int k, int d) {
+    launch({(unsigned)n, 1, 1}, 64, [=] { moe_combine(y, w, residual, out, k, d); });
 }
 #define PRODUCTS(T)                                                                                              \
     extern "C" void id_##T(const u8* w, i64 nb, const int* ids, int mod, const float* x, int x_div, float* y,   \
@@ -835,9 +835,12 @@ def test_whole_moe_layer(kernels, spec):
     np.testing.assert_allclose(product(gate, biases[0], x, k, up, biases[1]), h, rtol=1e-5, atol=1e-6)  # fused
     y = product(down, biases[2], h, 1)
     out = np.full((n, d), np.nan, np.float32)
-    kernels.combine(ptr(y), ptr(w), ptr(out), n, k, d)
+    kernels.combine(ptr(y), ptr(w), None, ptr(out), n, k, d)
     decided = selection_margin(logits, spec) > 1e-4
     np.testing.assert_allclose(out[decided], want[decided], rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    residual, summed = rng.standard_normal((n, d)).astype(np.float32), np.full((n, d), np.nan, np.float32)
+    kernels.combine(ptr(y), ptr(w), ptr(residual), ptr(summed), n, k, d)  # the layer's residual add, fused
+    np.testing.assert_array_equal(summed, residual + out)
 
 
 @pytest.mark.parametrize("window", [0, 4])

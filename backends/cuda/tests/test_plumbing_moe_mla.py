@@ -74,6 +74,13 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, name):
     out = backend.run(model.forward, decode, kv)
     assert not backend.graph_failures and out.shape == (2, model.params.vocab)
     assert len(fake.captured) == 1 and "moe_route" in fake.captured[0]
+    if name == "qwen3moe":  # the q/k norms run inside rope_norm; both residual adds inside the products before them
+        step, layers = fake.captured[0], model.params.layers
+        assert step.count("rope_norm") == 2 * layers and "rope" not in step
+        assert (
+            step.count("rms_norm") == 2 * layers + 1
+        )  # the blocks' two (float products take no pending norm), the output's
+        assert step.count("moe_combine") == layers and "add" not in step
     fake.launches.clear()
     backend.run(model.forward, Batch([Row(1, 4, np.array([1])), Row(0, 21, np.array([2]))]), kv)
     assert [f for f, _, _ in fake.launches] == ["graph"]

@@ -44,6 +44,7 @@ F32, I32, U16 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint16)
 OPS_KERNELS = [
     "rms_norm",
     "rope",
+    "rope_norm",
     "attention_combine",
     "silu_mul",
     "add",
@@ -369,6 +370,10 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
     # -- memory -------------------------------------------------------------------------------------
     def _grew(self, nbytes: int) -> None:
         self.allocations.scratch += nbytes
+
+    def _pending(self, shape: tuple[int, ...], launch: Callable[[], DeviceArray], fusion: tuple) -> DeviceArray:
+        """An op that waits for its consumer (:class:`Pending`), for the mixins that cannot name the class."""
+        return Pending(shape, launch, fusion)
 
     def _empty(self, shape: tuple[int, ...], dtype: np.dtype = F32) -> DeviceArray:
         self.device.activate()
@@ -917,13 +922,18 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         return table
 
     def rope(self, x: DeviceArray, positions: np.ndarray, spec: RopeSpec) -> DeviceArray:
-        x = _ready(x)
         n, heads, head_dim = x.shape
         out = self._empty(x.shape)
-        self.ops["rope"](
+        if isinstance(x, Pending) and x.waiting("norm"):  # per-head q/k norms: the norm runs inside rope_norm
+            _, source, weight, eps = x.fusion
+            x.fused = True
+            kernel, threads, inputs = "rope_norm", _threads(head_dim), (_ready(source), weight, float(eps))
+        else:
+            kernel, threads, inputs = "rope", _threads(head_dim // 2), (_ready(x),)
+        self.ops[kernel](
             (n * heads,),
-            _threads(head_dim // 2),
-            x,
+            threads,
+            *inputs,
             out,
             self._ints(positions),
             self._rope_table(spec),
@@ -1124,6 +1134,9 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
                 _, x, weight, bias = product.fusion
                 product.fused = True
                 return self._gemv_q(x, [(weight, bias)], residual=_ready(other))[0]
+            if isinstance(product, Pending) and product.waiting("combine"):  # a MoE layer's weighted sum
+                product.fused = True
+                return self._combine(*product.fusion[1:], residual=_ready(other))
         return self._elementwise("add", a, b, like=a)
 
     def scale(self, x: DeviceArray, factor: float) -> DeviceArray:

@@ -196,7 +196,7 @@ class ExpertOps:
 
     def moe(self, x: Any, weights: MoEWeights, spec: MoESpec) -> DeviceArray:
         x = _ready(x)
-        n, d = x.size // x.shape[-1], x.shape[-1]
+        n = x.size // x.shape[-1]
         k, experts = spec.experts_used, spec.experts
         ops = self._moe_module()
         # router logits in float32 (gemv_id, or gemv_grouped with one matrix), not on tensor cores: routing follows
@@ -243,8 +243,16 @@ class ExpertOps:
                 (grid,), 256, g, u, h, total, ACTIVATION[spec.activation], float(spec.alpha), float(spec.limit)
             )
         y = self._product_id(h, weights.down, n * k, ids, 1, weights.down_bias, groups)
-        out = self._empty(x.shape)
-        ops["moe_combine"]((n,), max(32, min(256, -(-d // 32) * 32)), y, gains, out, k, d)
+        if self.fuse:  # the weighted sum waits: the layer's residual add takes it in (CUDABackend.add)
+            return self._pending(x.shape, lambda: self._combine(y, gains, x.shape), ("combine", y, gains, x.shape))
+        return self._combine(y, gains, x.shape)
+
+    def _combine(self, y: DeviceArray, gains: DeviceArray, shape: tuple, residual: Any = None) -> DeviceArray:
+        """The weighted sum of each token's k expert outputs (y [n * k, d], gains [n, k]) as an array of ``shape``,
+        plus ``residual`` (of that shape)."""
+        (n, k), d = gains.shape, y.shape[-1]
+        out = self._empty(shape)
+        self._moe_module()["moe_combine"]((n,), max(32, min(256, -(-d // 32) * 32)), y, gains, residual, out, k, d)
         return out
 
     def head_matmul(self, x: Any, weight: Any) -> DeviceArray:

@@ -181,14 +181,15 @@ extern "C" __global__ void moe_glu(const float* __restrict__ g, const float* __r
     }
 }
 
-// out[t] = sum over j < k of weights[t, j] * y[t * k + j] for rows of d values; one block per token.
+// out[t] = residual[t] (where given) + the sum over j < k of weights[t, j] * y[t * k + j], rows of d values; one
+// block per token.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights,
-                                       float* __restrict__ out, int k, int d) {
+                                       const float* __restrict__ residual, float* __restrict__ out, int k, int d) {
     const i64 t = blockIdx.x;
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         float s = 0.0f;
         for (int j = 0; j < k; ++j) s = fmaf(weights[t * k + j], y[(t * k + j) * d + c], s);
-        out[t * d + c] = s;
+        out[t * d + c] = residual ? residual[t * d + c] + s : s;  // the residual add of the layer, fused
     }
 }
 

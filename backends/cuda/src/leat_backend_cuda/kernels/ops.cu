@@ -81,6 +81,39 @@ extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__
     if ((head_dim & 1) && threadIdx.x == 0) y[base + head_dim - 1] = x[base + head_dim - 1];
 }
 
+// rope of rms_norm(x, w) over each head (the q and k norms ahead of RoPE that Qwen3 and Gemma have): one kernel
+// instead of two, with the same values as rms_norm then rope when launched with as many threads as rms_norm
+// would be (its factor reduced in the same order; each normed element computed as rms_norm computes it).
+extern "C" __global__ void rope_norm(const float* __restrict__ x, const float* __restrict__ w, float eps,
+                                     float* __restrict__ y, const int* __restrict__ pos,
+                                     const double* __restrict__ inv_freq, int heads, int head_dim, int dims, int neox,
+                                     float magnitude) {
+    const i64 base = (i64)blockIdx.x * head_dim;
+    const float* xr = x + base;
+    const float r = rms_factor(xr, head_dim, eps);
+    const double p = (double)pos[blockIdx.x / heads];
+    const int half = dims / 2;
+    for (int i = threadIdx.x; i < head_dim / 2; i += blockDim.x) {
+        if (i < half) {
+            const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            double s, c;
+            sincos(p * inv_freq[i], &s, &c);
+            s *= magnitude;
+            c *= magnitude;
+            const float cf = (float)c, sf = (float)s;
+            const float xa = w ? xr[a] * r * w[a] : xr[a] * r, xb = w ? xr[b] * r * w[b] : xr[b] * r;
+            y[base + a] = xa * cf - xb * sf;
+            y[base + b] = xa * sf + xb * cf;
+        } else {
+            for (int c = 2 * i; c < 2 * i + 2; ++c) y[base + c] = w ? xr[c] * r * w[c] : xr[c] * r;
+        }
+    }
+    if ((head_dim & 1) && threadIdx.x == 0) {
+        const int c = head_dim - 1;
+        y[base + c] = w ? xr[c] * r * w[c] : xr[c] * r;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Paged KV cache: per layer K [pages, page_size, kv_heads, dk] and V [..., dv]. Position p of slot
 // s lives in page page_table[s * pages_per_slot + p / page_size] at offset p % page_size. Tokens
