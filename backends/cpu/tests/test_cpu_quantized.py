@@ -100,6 +100,17 @@ def test_product_rows_do_not_depend_on_the_batch_or_threads(qtype, n):
     np.testing.assert_array_equal(native.matmul(x[:10], w, threads=2), together[:10])
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_decode_products_of_a_few_tokens_equal_each_token_alone(qtype):
+    """The GEMV decodes a row's blocks once for up to GEMV_TILE tokens: each token's row of the product is the one it
+    gets alone, bit for bit, whichever tile (4, 2 or 1 tokens) it falls in."""
+    w, _ = weight(qtype, 40, 512)
+    x = np.random.default_rng(3).standard_normal((native.GEMV_ROWS, 512)).astype(np.float32)
+    alone = np.concatenate([native.matmul(x[i : i + 1], w, threads=1) for i in range(len(x))])
+    for n in range(2, native.GEMV_ROWS + 1):
+        np.testing.assert_array_equal(native.matmul(x[:n], w, threads=2), alone[:n], err_msg=f"{n} tokens")
+
+
 @pytest.mark.parametrize("gelu", [False, True])
 def test_gated_activations_over_the_float32_range(gelu):
     """silu(g) * u and the tanh GELU, 16 lanes at a time through the vectorised exp, against float64."""

@@ -706,26 +706,66 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
 int has_gemm(void) { return GEMM; }
 
 /* Each row's sum goes to two vector accumulators (even and odd chunks), added at the end. The chunk loops are
- * unrolled so that each chunk's shifts and scale offsets are constants (Q4_K products 2.3x faster here). */
+ * unrolled so that each chunk's shifts and scale offsets are constants (Q4_K products 2.3x faster here). A row's
+ * chunks are decoded once for up to GEMV_TILE tokens (each token's sums in the same order as alone, so a token's
+ * result does not depend on the batch it is in). */
+/* Sums in a fixed order inside a function (the flags allow reassociation elsewhere): NO_REASSOCIATION opens its body
+ * for clang, KEEP_ORDER marks it for GCC (which keeps no pragma for it inside a function). */
+#ifdef __clang__
+#define NO_REASSOCIATION _Pragma("clang fp reassociate(off)")
+#define KEEP_ORDER
+#else
+#define NO_REASSOCIATION
+#define KEEP_ORDER __attribute__((optimize("no-associative-math")))
+#endif
+/* The 16 lanes' sum by halves (8 + 8, 4 + 4, 2 + 2, 1 + 1): a fixed order, in a few vector adds. */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+static inline KEEP_ORDER float halving_sum(vf v) {
+    NO_REASSOCIATION
+    vf8 a, b;
+    memcpy(&a, &v, 32);
+    memcpy(&b, (const char *)&v + 32, 32);
+    a += b;
+    vf4 c, d;
+    memcpy(&c, &a, 16);
+    memcpy(&d, (const char *)&a + 16, 16);
+    c += d;
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+#ifndef GEMV_TILE
+#define GEMV_TILE 4
+#endif
 #define KERNELS(NAME, QK, BYTES)                                                                                   \
-    static void gemv_rows_##NAME(const void *arg, int64_t first, int64_t last) {                                  \
-        const job *j_ = arg;                                                                                        \
-        int64_t blocks = j_->k / QK, row_bytes = blocks * BYTES;                                                    \
-        for (int64_t r = first; r < last; r++)                                                                      \
-            for (int64_t t = 0; t < j_->n; t++) {                                                                   \
-                const uint8_t *row = j_->w + r * row_bytes;                                                         \
-                const float *x = j_->x + t * j_->k;                                                                 \
-                vf even = {0}, odd = {0};                                                                           \
-                for (int64_t b = 0; b < blocks; b++)                                                                \
-                    _Pragma("GCC unroll 16") for (int c = 0; c < QK / 16; c += 2) {                                 \
-                        even += chunk_##NAME(row + b * BYTES, c) * load(x + b * QK + c * 16);                       \
-                        odd += chunk_##NAME(row + b * BYTES, c + 1) * load(x + b * QK + c * 16 + 16);               \
-                    }                                                                                               \
-                vf sum = even + odd;                                                                                \
-                float s = 0;                                                                                        \
-                for (int l = 0; l < 16; l++) s += sum[l];                                                           \
-                j_->y[t * j_->rows + r] = s;                                                                        \
+    static inline __attribute__((always_inline)) KEEP_ORDER void gemv_tile_##NAME(                              \
+        const job *j_, const uint8_t *row, int64_t r, int64_t t0, const int tn) {                                   \
+        NO_REASSOCIATION                                                                                            \
+        int64_t blocks = j_->k / QK;                                                                                \
+        vf even[GEMV_TILE] = {0}, odd[GEMV_TILE] = {0};                                                             \
+        for (int64_t b = 0; b < blocks; b++)                                                                        \
+            _Pragma("GCC unroll 16") for (int c = 0; c < QK / 16; c += 2) {                                         \
+                vf lo = chunk_##NAME(row + b * BYTES, c), hi = chunk_##NAME(row + b * BYTES, c + 1);               \
+                for (int t = 0; t < tn; t++) {                                                                      \
+                    const float *x = j_->x + (t0 + t) * j_->k + b * QK + c * 16;                                    \
+                    even[t] += lo * load(x);                                                                        \
+                    odd[t] += hi * load(x + 16);                                                                    \
+                }                                                                                                   \
             }                                                                                                       \
+        for (int t = 0; t < tn; t++) j_->y[(t0 + t) * j_->rows + r] = halving_sum(even[t] + odd[t]);              \
+    }                                                                                                               \
+    static KEEP_ORDER void gemv_rows_##NAME(const void *arg, int64_t first, int64_t last) {                       \
+        const job *j_ = arg;                                                                                        \
+        int64_t row_bytes = j_->k / QK * BYTES;                                                                     \
+        for (int64_t r = first; r < last; r++) {                                                                    \
+            const uint8_t *row = j_->w + r * row_bytes;                                                             \
+            int64_t t = 0;                                                                                          \
+            for (; t + GEMV_TILE <= j_->n; t += GEMV_TILE) gemv_tile_##NAME(j_, row, r, t, GEMV_TILE);              \
+            if (GEMV_TILE > 2 && t + 2 <= j_->n) {                                                                  \
+                gemv_tile_##NAME(j_, row, r, t, 2);                                                                 \
+                t += 2;                                                                                             \
+            }                                                                                                       \
+            for (; t < j_->n; t++) gemv_tile_##NAME(j_, row, r, t, 1);                                              \
+        }                                                                                                           \
     }                                                                                                               \
     static void dequant_rows_##NAME(const void *arg, int64_t first, int64_t last) {                               \
         const job *j_ = arg;                                                                                        \
