@@ -52,16 +52,13 @@ extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float
     if (threadIdx.x == 0) xscale[blockIdx.x] = ldexpf(1.0f, -shift);
 }
 
-// RoPE on x [n, heads, head_dim]: pair i < dims/2 is (i, i + dims/2) with neox, else (2i, 2i+1),
-// rotated by angle pos * inv_freq[i] (inv_freq from the host in float64, position scaling and
-// frequency factors folded in), cos and sin times `magnitude` (RopeSpec.attn_factor). Angles and
-// their sines are computed in float64, as the oracle does; elements past `dims` are copied. One
-// block per (token, head).
-extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__ y, const int* __restrict__ pos,
-                                const double* __restrict__ inv_freq, int heads, int head_dim, int dims, int neox,
-                                float magnitude) {
-    const i64 base = (i64)blockIdx.x * head_dim;
-    const double p = (double)pos[blockIdx.x / heads];
+// RoPE of one head (block), read through `in(c)`: pair i < dims/2 is (i, i + dims/2) with neox, else (2i, 2i+1),
+// rotated by angle pos * inv_freq[i] (inv_freq from the host in float64, position scaling and frequency factors
+// folded in), cos and sin times `magnitude` (RopeSpec.attn_factor). Angles and their sines are computed in
+// float64, as the oracle does; elements past `dims` are copied.
+template <typename In>
+__device__ __forceinline__ void rope_head(In in, float* __restrict__ yr, double p, const double* __restrict__ inv_freq,
+                                          int head_dim, int dims, int neox, float magnitude) {
     const int half = dims / 2;
     for (int i = threadIdx.x; i < head_dim / 2; i += blockDim.x) {
         if (i < half) {
@@ -70,15 +67,24 @@ extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__
             sincos(p * inv_freq[i], &s, &c);
             s *= magnitude;
             c *= magnitude;
-            const float cf = (float)c, sf = (float)s, xa = x[base + a], xb = x[base + b];
-            y[base + a] = xa * cf - xb * sf;
-            y[base + b] = xa * sf + xb * cf;
+            const float cf = (float)c, sf = (float)s, xa = in(a), xb = in(b);
+            yr[a] = xa * cf - xb * sf;
+            yr[b] = xa * sf + xb * cf;
         } else {
-            y[base + 2 * i] = x[base + 2 * i];
-            y[base + 2 * i + 1] = x[base + 2 * i + 1];
+            yr[2 * i] = in(2 * i);
+            yr[2 * i + 1] = in(2 * i + 1);
         }
     }
-    if ((head_dim & 1) && threadIdx.x == 0) y[base + head_dim - 1] = x[base + head_dim - 1];
+    if ((head_dim & 1) && threadIdx.x == 0) yr[head_dim - 1] = in(head_dim - 1);
+}
+
+// RoPE on x [n, heads, head_dim] (rope_head); one block per (token, head).
+extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__ y, const int* __restrict__ pos,
+                                const double* __restrict__ inv_freq, int heads, int head_dim, int dims, int neox,
+                                float magnitude) {
+    const float* xr = x + (i64)blockIdx.x * head_dim;
+    rope_head([=](int c) { return xr[c]; }, y + (i64)blockIdx.x * head_dim, (double)pos[blockIdx.x / heads], inv_freq,
+              head_dim, dims, neox, magnitude);
 }
 
 // rope of rms_norm(x, w) over each head (the q and k norms ahead of RoPE that Qwen3 and Gemma have): one kernel
@@ -88,30 +94,10 @@ extern "C" __global__ void rope_norm(const float* __restrict__ x, const float* _
                                      float* __restrict__ y, const int* __restrict__ pos,
                                      const double* __restrict__ inv_freq, int heads, int head_dim, int dims, int neox,
                                      float magnitude) {
-    const i64 base = (i64)blockIdx.x * head_dim;
-    const float* xr = x + base;
+    const float* xr = x + (i64)blockIdx.x * head_dim;
     const float r = rms_factor(xr, head_dim, eps);
-    const double p = (double)pos[blockIdx.x / heads];
-    const int half = dims / 2;
-    for (int i = threadIdx.x; i < head_dim / 2; i += blockDim.x) {
-        if (i < half) {
-            const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-            double s, c;
-            sincos(p * inv_freq[i], &s, &c);
-            s *= magnitude;
-            c *= magnitude;
-            const float cf = (float)c, sf = (float)s;
-            const float xa = w ? xr[a] * r * w[a] : xr[a] * r, xb = w ? xr[b] * r * w[b] : xr[b] * r;
-            y[base + a] = xa * cf - xb * sf;
-            y[base + b] = xa * sf + xb * cf;
-        } else {
-            for (int c = 2 * i; c < 2 * i + 2; ++c) y[base + c] = w ? xr[c] * r * w[c] : xr[c] * r;
-        }
-    }
-    if ((head_dim & 1) && threadIdx.x == 0) {
-        const int c = head_dim - 1;
-        y[base + c] = w ? xr[c] * r * w[c] : xr[c] * r;
-    }
+    rope_head([=](int c) { return w ? xr[c] * r * w[c] : xr[c] * r; }, y + (i64)blockIdx.x * head_dim,
+              (double)pos[blockIdx.x / heads], inv_freq, head_dim, dims, neox, magnitude);
 }
 
 // ---------------------------------------------------------------------------------------------
