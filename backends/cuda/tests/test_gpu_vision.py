@@ -2,8 +2,8 @@
 attention over bidirectional rows, vision.py) on random inputs, then each tiny model and mmproj llama.cpp's vision
 references were recorded on (``tiny_vision.py`` in architectures/gemma/tests/references: Gemma 3 and its ``gemma3``
 projector; in architectures/gemma4/tests/references: Gemma 4 and its ``gemma4v`` projector, 2-D RoPE and pooling;
-both with a sliding window shorter than the image's span): the image embeddings, and the logits of the text after the image, computed at once and
-step by step through ``run`` (graphs for the text, the image's row eagerly).
+both with a sliding window shorter than the image's span): the image embeddings, and the logits of the text after
+the image, computed at once and step by step through ``run`` (graphs for the text, the image's row eagerly).
 
 The logits are checked against the oracle rounded as the CUDA backend rounds (test_gpu_qwen35.F16Rows: where a
 product goes to the tensor cores, x and the weight rounded to f16, in the encoder's products of hundreds of patches
