@@ -218,6 +218,9 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, qtype):
         # per layer one launch each for q+k+v, o (+ residual), gate+up (+ norm), down (+ residual)
         products = [f for f, _, _ in fake.launches if f.startswith("_Z6gemv_q")]
         assert len(products) == 4 * model.params.layers + 1
+    # RoPE of q and k and the cache write: one launch a layer
+    assert len([f for f in steps if f.startswith("_Z13rope_kv_writeItLb0E")]) == model.params.layers
+    assert not [f for f in steps if f == "rope" or f.startswith("_Z8kv_write")]
     out = backend.run(model.forward, decode, kv)
     assert not backend.graph_failures
     assert out.shape == eager.shape == (2, model.params.vocab)

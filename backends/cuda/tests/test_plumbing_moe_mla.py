@@ -74,9 +74,11 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, name):
     out = backend.run(model.forward, decode, kv)
     assert not backend.graph_failures and out.shape == (2, model.params.vocab)
     assert len(fake.captured) == 1 and "moe_route" in fake.captured[0]
-    if name == "qwen3moe":  # the q/k norms run inside rope_norm; both residual adds inside the products before them
+    if name == "qwen3moe":  # the q/k norms and RoPE run inside the cache write; the residual adds inside the products
         step, layers = fake.captured[0], model.params.layers
-        assert step.count("rope_norm") == 2 * layers and "rope" not in step
+        fused = "_Z13rope_kv_writeItLb1EEvPKfS1_S1_S1_S1_ffPfPT_S4_PtS5_PKiS7_S7_S7_PKdiiiiiifii"  # <u16, true>
+        assert step.count(fused) == layers and not {"rope", "rope_norm"} & set(step)
+        assert not [f for f in step if f.startswith("_Z8kv_write")]
         assert (
             step.count("rms_norm") == 2 * layers + 1
         )  # the blocks' two (float products take no pending norm), the output's

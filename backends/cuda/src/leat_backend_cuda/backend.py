@@ -41,37 +41,42 @@ from leat_backend_cuda.vision import VisionOps
 
 Q = gguf.GGMLQuantizationType
 F32, I32, U16 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint16)
-OPS_KERNELS = [
-    "rms_norm",
-    "rope",
-    "rope_norm",
-    "attention_combine",
-    "silu_mul",
-    "add",
-    "scale",
-    "softcap",
-    "gelu_mul",
-    "take_rows",
-    "x_to_f16",
-    "rms_norm_f16",
-    "matmul_f32_naive",
-    "splitk_sum",
-    "scale_rows_bias",
-    "split_plane",
-    "gather_ints",
-    "argmax_rows",
-    "top_k_rows",
-    "kv_write<float>",
-    "kv_write<u16>",
-    "kv_write<i8>",
-] + [
-    f"{k}<{kv}, {dl}, 4>"
-    for k in ("attention", "attention_wide")
-    for kv in ("float", "u16", "i8")
-    for dl in (1, 2, 4, 8)
-]
+OPS_KERNELS = (
+    [
+        "rms_norm",
+        "rope",
+        "rope_norm",
+        "attention_combine",
+        "silu_mul",
+        "add",
+        "scale",
+        "softcap",
+        "gelu_mul",
+        "take_rows",
+        "x_to_f16",
+        "rms_norm_f16",
+        "matmul_f32_naive",
+        "splitk_sum",
+        "scale_rows_bias",
+        "split_plane",
+        "gather_ints",
+        "argmax_rows",
+        "top_k_rows",
+        "kv_write<float>",
+        "kv_write<u16>",
+        "kv_write<i8>",
+    ]
+    + [f"rope_kv_write<{kv}, {norm}>" for kv in ("float", "u16", "i8") for norm in ("false", "true")]
+    + [
+        f"{k}<{kv}, {dl}, 4>"
+        for k in ("attention", "attention_wide")
+        for kv in ("float", "u16", "i8")
+        for dl in (1, 2, 4, 8)
+    ]
+)
 FLASH_DIMS = (64, 128)  # head dimensions of the tensor-core prefill attention
 FLASH_KERNELS = [f"flash_attention<{d}>" for d in FLASH_DIMS]
+ROPE_KV_MAX_DIM = 512  # head dimensions rope_kv_write holds (a k head in shared memory)
 GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
 # KV storage: (the kernels' KV type, the element). q8_0 keeps GGUF's Q8_0 blocks (an f16 scale and 32 int8
 # along the head dimension) split into two allocations per layer and kind: the quants laid out as a float
@@ -245,6 +250,27 @@ class Pending(DeviceArray):
 
 def _ready(x: Any) -> Any:
     return x.materialize() if isinstance(x, Pending) else x
+
+
+def _normed(x: Pending) -> tuple:
+    """A pending RMS norm taken in by the kernel that reads it: (its input, weight, eps) as kernel arguments."""
+    _, source, weight, eps = x.fusion
+    x.fused = True
+    return _ready(source), weight, float(eps)
+
+
+def _rope_pair(q: Any, k: Any) -> bool:
+    """Whether q and k are both still to be rotated by the same RoPE, and both from a per-head norm or neither (so
+    that one rope_kv_write launch rotates both)."""
+    if not (isinstance(q, Pending) and isinstance(k, Pending) and q.waiting("rope") and k.waiting("rope")):
+        return False
+    (_, qx, q_positions, q_spec), (_, kx, k_positions, k_spec) = q.fusion, k.fusion
+    same = q_positions is k_positions and q_spec is k_spec and q.shape[2] == k.shape[2] <= ROPE_KV_MAX_DIM
+    return same and _is_norm(qx) == _is_norm(kx)
+
+
+def _is_norm(x: Any) -> bool:
+    return isinstance(x, Pending) and x.waiting("norm")
 
 
 class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backend):
@@ -922,12 +948,15 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         return table
 
     def rope(self, x: DeviceArray, positions: np.ndarray, spec: RopeSpec) -> DeviceArray:
+        if self.fuse:  # attention may take q and k in still to be rotated: one launch with the cache write (_write_kv)
+            return Pending(x.shape, lambda: self._rotate(x, positions, spec), ("rope", x, positions, spec))
+        return self._rotate(x, positions, spec)
+
+    def _rotate(self, x: DeviceArray, positions: np.ndarray, spec: RopeSpec) -> DeviceArray:
         n, heads, head_dim = x.shape
         out = self._empty(x.shape)
-        if isinstance(x, Pending) and x.waiting("norm"):  # per-head q/k norms: the norm runs inside rope_norm
-            _, source, weight, eps = x.fusion
-            x.fused = True
-            kernel, threads, inputs = "rope_norm", _threads(head_dim), (_ready(source), weight, float(eps))
+        if _is_norm(x):  # per-head q/k norms: the norm runs inside rope_norm
+            kernel, threads, inputs = "rope_norm", _threads(head_dim), _normed(x)
         else:
             kernel, threads, inputs = "rope", _threads(head_dim // 2), (_ready(x),)
         self.ops[kernel](
@@ -964,11 +993,11 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
     def _attend(
         self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float, sinks=None
     ) -> DeviceArray:
-        q, k, v = _ready(q), _ready(k), _ready(v)
+        v = _ready(v)
         n, heads, dk = q.shape
         kv_heads, dv = v.shape[1], v.shape[2]
         slots, positions, span = self._token_rows(batch)
-        kind, (_, _, k_scale, v_scale, table), per_slot = self._write_kv(k, v, kv, layer, slots, positions)
+        q, (kind, (_, _, k_scale, v_scale, table), per_slot) = self._write_kv(k, v, kv, layer, slots, positions, q)
         # a prefill (some row has several tokens; never a captured decode step): tensor cores over an f16
         # cache; a q8_0 cache's prefill takes attention_wide below (flash.cu reads f16 tiles only)
         flash = n > quants.GEMV_MAX_TOKENS and n > len(batch.rows) and kind == "u16" and dk == dv
@@ -1028,9 +1057,12 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             self.ops["attention_combine"]((n * heads,), _threads(dv), part_ml, part_acc, out, splits, dv, sinks, heads)
         return out
 
-    def _write_kv(self, k, v, kv: KVCache, layer: int, slots, positions) -> tuple[str, tuple, int]:
-        """Each token's k and v into ``layer``'s pages: the KV kernels' element kind, the cache as the attention
-        kernels take it (K, V, q8_0's scale planes or None, the layer's device page table) and the pages per slot."""
+    def _write_kv(self, k, v, kv: KVCache, layer: int, slots, positions, q=None) -> tuple[Any, tuple[str, tuple, int]]:
+        """Each token's k and v into ``layer``'s pages, and ``q`` made ready: q, and the KV kernels' element kind, the
+        cache as the attention kernels take it (K, V, q8_0's scale planes or None, the layer's device page table) and
+        the pages per slot. Where q and k are both still to be rotated (rope, rope_norm), one rope_kv_write launch
+        rotates them and writes the cache."""
+        v = _ready(v)
         n, kv_heads, dk = k.shape
         self._sync_pages(kv)
         kind = KV_DTYPES[kv.dtype][0]
@@ -1038,10 +1070,45 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         table = kv.device_tables[kv.group_of[layer]]  # a windowed group's entries behind the window are -1
         cache = (kv.k[layer], kv.v[layer], *scales, table)
         per_slot = kv.tables[0].shape[1]
-        self.ops[f"kv_write<{kind}>"](
-            (n,), 128, k, v, *cache, slots, positions, kv_heads, dk, v.shape[2], per_slot, kv.page_size
+        sizes = (kv_heads, dk, v.shape[2], per_slot, kv.page_size)
+        if q is None or not _rope_pair(q, k):
+            k = _ready(k)
+            self.ops[f"kv_write<{kind}>"]((n,), 128, k, v, *cache, slots, positions, *sizes)
+            return _ready(q), (kind, cache, per_slot)
+        (_, qx, rope_positions, spec), (_, kx, _, _) = q.fusion, k.fusion
+        norm = _is_norm(qx)
+        qx, qw, qe = _normed(qx) if norm else (qx, None, 0.0)
+        kx, kw, ke = _normed(kx) if norm else (kx, None, 0.0)
+        q.fused = k.fused = True
+        heads = q.shape[1]
+        qy = self._empty(q.shape)
+        self.ops[f"rope_kv_write<{kind}, {'true' if norm else 'false'}>"](
+            (n * (heads + kv_heads),),
+            _threads(dk),
+            qx,
+            kx,
+            v,
+            qw,
+            kw,
+            qe,
+            ke,
+            qy,
+            *cache,
+            slots,
+            positions,
+            self._ints(rope_positions),
+            self._rope_table(spec),
+            heads,
+            kv_heads,
+            dk,
+            v.shape[2],
+            spec.dims,
+            int(spec.neox),
+            float(spec.attn_factor),
+            per_slot,
+            kv.page_size,
         )
-        return kind, cache, per_slot
+        return qy, (kind, cache, per_slot)
 
     def _flash(self, q, kv: KVCache, layer: int, batch: Batch, table, slots, positions, scale: float, softcap: float):
         """Tensor-core attention for a prefill over an f16 cache (kernels/flash.cu): the batch's rows cut

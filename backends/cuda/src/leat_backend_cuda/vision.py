@@ -70,7 +70,7 @@ class VisionOps:
         if dl is None:
             raise LeatError(f"attention heads of {max(dk, dv)} dimensions exceed the kernel's {32 * OPEN_LANES[-1]}")
         slots, positions, _ = self._token_rows(batch)
-        kind, cache, per_slot = self._write_kv(k, v, kv, layer, slots, positions)
+        _, (kind, cache, per_slot) = self._write_kv(k, v, kv, layer, slots, positions)
         out = self._empty((n, heads * dv))
         sizes = (n, heads, kv_heads, dk, dv, per_slot, kv.page_size, kv.layouts[layer].window or 0)
         last = self._ints(last_positions(batch))

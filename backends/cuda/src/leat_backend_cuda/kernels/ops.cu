@@ -122,6 +122,46 @@ __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ 
     kv_put(vc, vs, row * dv, kv_heads * dv, [=](int i) { return vt[i]; });
 }
 
+// rope of q, rope of k and kv_write in one launch, with the values of the three kernels bit for bit: per token,
+// blocks 0 .. heads - 1 rotate a q head into qy (rope; with NORM, rope_norm with the weights qw, eps qe), and blocks
+// heads .. heads + kv_heads - 1 rotate a k head (kw, ke) into shared memory (head_dim <= 512) and store it and the
+// head's v row into the token's cache row. Launched with rope_norm's threads (its factor is reduced in that order);
+// rope's and kv_write's values do not depend on the block's size.
+template <typename KV, bool NORM>
+__global__ void rope_kv_write(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                              const float* __restrict__ qw, const float* __restrict__ kw, float qe, float ke,
+                              float* __restrict__ qy, KV* __restrict__ kc, KV* __restrict__ vc, u16* __restrict__ ks,
+                              u16* __restrict__ vs, const int* __restrict__ page_table,
+                              const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
+                              const int* __restrict__ rope_pos, const double* __restrict__ inv_freq, int heads,
+                              int kv_heads, int head_dim, int dv, int dims, int neox, float magnitude,
+                              int pages_per_slot, int page_size) {
+    __shared__ float rotated[512];  // the k head
+    const int t = blockIdx.x / (heads + kv_heads), h = blockIdx.x % (heads + kv_heads);
+    const bool is_q = h < heads;
+    const float* xr = is_q ? q + ((i64)t * heads + h) * head_dim : k + ((i64)t * kv_heads + h - heads) * head_dim;
+    const float* w = is_q ? qw : kw;
+    const float r = NORM ? rms_factor(xr, head_dim, is_q ? qe : ke) : 1.0f;
+    float* yr = is_q ? qy + ((i64)t * heads + h) * head_dim : rotated;
+    const double p = (double)rope_pos[t];
+    if (NORM)
+        rope_head([=](int c) { return w ? xr[c] * r * w[c] : xr[c] * r; }, yr, p, inv_freq, head_dim, dims, neox,
+                  magnitude);
+    else
+        rope_head([=](int c) { return xr[c]; }, yr, p, inv_freq, head_dim, dims, neox, magnitude);
+    if (is_q) return;  // block-uniform
+    __syncthreads();
+    const int slot = tok_slot[t], pos = tok_pos[t];
+    if (slot < 0) return;
+    const int page = page_table[(i64)slot * pages_per_slot + pos / page_size];
+    if (page < 0) return;
+    const int kvh = h - heads;
+    const i64 row = ((i64)page * page_size + pos % page_size) * kv_heads + kvh;
+    const float* vt = v + ((i64)t * kv_heads + kvh) * dv;
+    kv_put(kc, ks, row * head_dim, head_dim, [=](int i) { return rotated[i]; });
+    kv_put(vc, vs, row * dv, dv, [=](int i) { return vt[i]; });
+}
+
 // Causal (optionally windowed, soft-capped) attention of each token's query heads over its slot's
 // cached positions, grouped-query: a block serves one token, one KV head and up to GB of the query
 // heads that share it, over positions [z * split, (z + 1) * split) of its range (grid.z = splits).
