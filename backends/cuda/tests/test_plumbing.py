@@ -211,7 +211,7 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, qtype):
     decode = Batch([Row(0, 20, np.array([5])), Row(1, 3, np.array([7]))])
     eager = model.forward(decode, kv)
     backend.to_host(eager)
-    steps = [f for f, _, _ in fake.launches]
+    steps = [f for f, _, _ in fake.launches if f != "attention_combine"]
     # quantized weights: norms, residual adds and the gated unit run inside the matrix-vector products
     if qtype != Q.F32:
         assert not {"rms_norm", "add", "silu_mul"} & {f for f, _, _ in fake.launches}
@@ -224,8 +224,8 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, qtype):
     out = backend.run(model.forward, decode, kv)
     assert not backend.graph_failures
     assert out.shape == eager.shape == (2, model.params.vocab)
-    # the same launches (a graph splits attention over the cache's whole capacity: the last split merges them)
-    assert len(fake.captured) == 1 and fake.captured[0] == steps and "attention_combine" not in steps
+    # the same launches (a graph splits attention over the cache's whole capacity, so it may combine)
+    assert len(fake.captured) == 1 and [f for f in fake.captured[0] if f != "attention_combine"] == steps
     fake.launches.clear()
     backend.run(model.forward, Batch([Row(1, 4, np.array([1])), Row(0, 21, np.array([2]))]), kv)
     assert [f for f, _, _ in fake.launches] == ["graph"]  # replayed: one launch, no capture

@@ -314,10 +314,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         self._inputs: OrderedDict[int, tuple[Any, DeviceArray]] = OrderedDict()
         self._tokens_meta: OrderedDict[int, tuple[Batch, DeviceArray, DeviceArray, int]] = OrderedDict()
         self._rope: dict[int, tuple[RopeSpec, DeviceArray]] = {}
-        # one int per block of an attention split (fewer than two per multiprocessor when it splits at all): the last
-        # of the splits to finish merges them (kv.cuh's attention_store), and leaves its int at zero again
-        self._split_counters = Memory(8 * self.device.sm_count)
-        self.device.fill(self._split_counters.ptr, 0, self._split_counters.nbytes)
         self._by_input: OrderedDict[int, tuple[DeviceArray, list[Pending]]] = OrderedDict()
         self._tiles: OrderedDict[tuple[int, int], tuple[Batch, DeviceArray]] = OrderedDict()
         self._halves: OrderedDict[int, tuple[DeviceArray, DeviceArray, DeviceArray]] = OrderedDict()
@@ -1021,11 +1017,13 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         splits = -(-span // split)
         out = self._empty((n, heads * dv))
         window = kv.layouts[layer].window or 0
-        part_ml = part_acc = counters = None
-        if splits > 1:  # the last split to finish merges them (one int per (token, KV head, chunk) block)
+        if splits == 1:
+            part_ml = part_acc = None
+            target = out
+        else:
             part_ml = self._empty((n * heads * splits * 2,))
             part_acc = self._empty((n * heads * splits * dv,))
-            counters = DeviceArray(self._split_counters.ptr, (base,), I32, self._split_counters)
+            target = None
         # many query tokens (a prefill): one key per lane; a decode step: one key per warp step (the
         # faster of the two for decode, also at depth 4096: measured on an H200, see NOTES.md)
         variant = "attention_wide" if n > quants.GEMV_MAX_TOKENS and dk % 8 == 0 else "attention"
@@ -1040,7 +1038,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             table,
             slots,
             positions,
-            out,
+            target,
             part_ml,
             part_acc,
             heads,
@@ -1054,8 +1052,9 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             float(scale),
             float(softcap),
             sinks,
-            counters,
         )
+        if splits > 1:
+            self.ops["attention_combine"]((n * heads,), _threads(dv), part_ml, part_acc, out, splits, dv, sinks, heads)
         return out
 
     def _write_kv(self, k, v, kv: KVCache, layer: int, slots, positions, q=None) -> tuple[Any, tuple[str, tuple, int]]:

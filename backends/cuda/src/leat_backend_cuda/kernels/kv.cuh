@@ -74,40 +74,16 @@ __device__ __forceinline__ void sink_join(float s, float mx, float& sum, float& 
     a *= f;
 }
 
-// Element d of row th of the merged splits of attention (attention_combine; `sinks` or null as in attention).
-// Reads the partial sums through L2 (__ldcg): other blocks of the same launch may have written them.
-__device__ __forceinline__ void combine_splits(const float* part_ml, const float* part_acc, float* __restrict__ out,
-                                               i64 th, int d, int nsplit, int dv, const float* __restrict__ sinks,
-                                               int heads) {
-    const float* ml = part_ml + th * nsplit * 2;
-    float mx = NEG_INF;
-    for (int z = 0; z < nsplit; ++z) mx = fmaxf(mx, __ldcg(ml + 2 * z));
-    float sum = 0.0f, a = 0.0f;
-    for (int z = 0; z < nsplit; ++z) {
-        const float lz = __ldcg(ml + 2 * z + 1);
-        if (lz > 0.0f) {
-            const float f = expf(__ldcg(ml + 2 * z) - mx);
-            sum += lz * f;
-            a += __ldcg(part_acc + (th * nsplit + z) * dv + d) * f;
-        }
-    }
-    if (sinks) sink_join(sinks[th % heads], mx, sum, a);
-    out[th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
-}
-
 // The end of an attention block whose 4 warps each ran an online softmax over their share of the keys
 // for GB query heads (m, l: running max and sum; acc: the lane's DL value dims, lane + 32 i): merges
 // the warps' states per head and writes, for the block's first `live` heads, rows th0 + g, g < live, of
 // [tokens * heads, dv]. One split: the normalized output (with `sinks`, a logit per head th % heads, or
-// null); several: this split z's (max, sum) and unnormalized sums for attention_combine, which the last of
-// the splits to finish runs itself where `counters` is given (one zeroed int per block of a split, indexed by
-// blockIdx.x * gridDim.y + blockIdx.y, left at zero again): no launch of attention_combine.
+// null); several: this split z's (max, sum) and unnormalized sums for attention_combine.
 template <int GB, int DL>
 __device__ __forceinline__ void attention_store(const float (&m)[GB], const float (&l)[GB], const float (&acc)[GB][DL],
                                                 int live, i64 th0, int heads, int dv, int z, int nsplit,
                                                 const float* __restrict__ sinks, float* __restrict__ out,
-                                                float* __restrict__ part_ml, float* __restrict__ part_acc,
-                                                int* __restrict__ counters) {
+                                                float* __restrict__ part_ml, float* __restrict__ part_acc) {
     __shared__ float sm_m[4][GB], sm_l[4][GB], sm_acc[4][GB][DL * 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -147,18 +123,4 @@ __device__ __forceinline__ void attention_store(const float (&m)[GB], const floa
             }
         }
     }
-    if (nsplit == 1 || !counters) return;
-    __shared__ int last;
-    __threadfence();  // this split's partial sums, seen by whichever block combines
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* count = counters + (i64)blockIdx.x * gridDim.y + blockIdx.y;
-        last = atomicAdd(count, 1) == nsplit - 1;
-        if (last) *count = 0;  // ready for the next launch (or replay)
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int idx = threadIdx.x; idx < live * dv; idx += blockDim.x)
-        combine_splits(part_ml, part_acc, out, th0 + idx / dv, idx % dv, nsplit, dv, sinks, heads);
 }

@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(128) mla_attention(
         }
     }
     attention_store<GB, DL>(m, l, acc, min(GB, heads - h0), (i64)t * heads + h0, heads, rank, z, nsplit, nullptr, out,
-                            part_ml, part_acc, nullptr);
+                            part_ml, part_acc);
 }
 
 // Prefill through cuBLAS (mla.py; LEAT_CUDA_MLA_GEMM=0 keeps mla_attention): a sequence's queries times its keys

@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(128) attention(
     const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
     float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
     int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
-    const float* __restrict__ sinks, int* __restrict__ counters) {
+    const float* __restrict__ sinks) {
     const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
     const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(128) attention(
         }
     }
     attention_store<GB, DL>(m, l, acc, min(GB, group - g0), (i64)t * heads + (i64)kvh * group + g0, heads, dv, z,
-                            nsplit, sinks, out, part_ml, part_acc, counters);
+                            nsplit, sinks, out, part_ml, part_acc);
 }
 
 
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(128) attention_wide(
     const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
     float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
     int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
-    const float* __restrict__ sinks, int* __restrict__ counters) {
+    const float* __restrict__ sinks) {
     __shared__ __align__(16) float sq[GB][DL * 32];
     const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
     const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
@@ -317,15 +317,29 @@ __global__ void __launch_bounds__(128) attention_wide(
         }
     }
     attention_store<GB, DL>(m, l, acc, min(GB, group - g0), (i64)t * heads + (i64)kvh * group + g0, heads, dv, z,
-                            nsplit, sinks, out, part_ml, part_acc, counters);
+                            nsplit, sinks, out, part_ml, part_acc);
 }
 
 // Merges the splits of attention: one block per (token, head); `sinks` (or null) as in attention.
 extern "C" __global__ void attention_combine(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
                                              float* __restrict__ out, int nsplit, int dv,
                                              const float* __restrict__ sinks, int heads) {
-    for (int d = threadIdx.x; d < dv; d += blockDim.x)
-        combine_splits(part_ml, part_acc, out, blockIdx.x, d, nsplit, dv, sinks, heads);
+    const i64 th = blockIdx.x;
+    const float* ml = part_ml + th * nsplit * 2;
+    float mx = NEG_INF;
+    for (int z = 0; z < nsplit; ++z) mx = fmaxf(mx, ml[2 * z]);
+    for (int d = threadIdx.x; d < dv; d += blockDim.x) {
+        float sum = 0.0f, a = 0.0f;
+        for (int z = 0; z < nsplit; ++z) {
+            if (ml[2 * z + 1] > 0.0f) {
+                const float f = expf(ml[2 * z] - mx);
+                sum += ml[2 * z + 1] * f;
+                a += part_acc[(th * nsplit + z) * dv + d] * f;
+            }
+        }
+        if (sinks) sink_join(sinks[th % heads], mx, sum, a);
+        out[th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
