@@ -22,7 +22,7 @@
 #include <malloc.h>
 #endif
 #include <string.h>
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -507,9 +507,8 @@ typedef struct {
  * with offsets. Each decoded panel is reused by every token, TILE tokens at a time (their sums held in registers).
  * So y[t][r] is exactly the float product of the rounded x with the weight's values, summed group by group in
  * float32, and does not depend on the other tokens. */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVX2__)
 #define GEMM 1
-#define TILE 12
 typedef struct {
     const uint8_t *w;
     int64_t rows, k, n, row_bytes;
@@ -521,6 +520,8 @@ typedef struct {
     int offsets;
 } gemm_job;
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TILE 12
 static void quantize_x(const float *x, int64_t n, int64_t k, float xmax, int32_t *xu, float *xs, float *xo) {
     int64_t groups = k / 32;
     for (int64_t t = 0; t < n; t++)
@@ -579,6 +580,107 @@ static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *j, c
     for (int t = 0; t < TILE && t0 + t < j->n; t++) _mm512_mask_storeu_ps(j->y + (t0 + t) * j->rows + r0, mask, sums[t]);
 }
 
+/* igemv's 32 products of one group: pairs of int16 in 16 lanes, summed exactly in int32 */
+static inline vi dot_pairs(vi acc, vi w, vi x) {
+    return (vi)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)w, (__m512i)x);
+}
+static inline float sum_lanes(vf v) { return _mm512_reduce_add_ps((__m512)v); }
+#else
+/* AVX2: the same products, the same rounding of x and the same int32 sums (vpmaddwd over each half of a 16-lane
+ * vector is vpdpwssd's pairs), in two 256-bit registers a vector; 4 tokens a tile (16 registers) */
+#define TILE 4
+static inline vi dot_pairs(vi acc, vi w, vi x) {
+    __m256i a[2], wv[2], xv[2];
+    memcpy(a, &acc, 64);
+    memcpy(wv, &w, 64);
+    memcpy(xv, &x, 64);
+    a[0] = _mm256_add_epi32(a[0], _mm256_madd_epi16(wv[0], xv[0]));
+    a[1] = _mm256_add_epi32(a[1], _mm256_madd_epi16(wv[1], xv[1]));
+    memcpy(&acc, a, 64);
+    return acc;
+}
+static inline float sum_lanes(vf v) {
+    float total = 0;
+    for (int i = 0; i < 16; i++) total += v[i];
+    return total;
+}
+static inline int32_t sum_ints(vi v) {
+    int32_t total = 0;
+    for (int i = 0; i < 16; i++) total += v[i];
+    return total;
+}
+/* to the nearest integer, ties to even (vcvtps2dq, as the AVX-512 path rounds; an added 1.5 * 2^23 would fuse with
+ * the product before it into one rounding) */
+static inline vi round_ints(vf v) {
+    __m256 h[2];
+    __m256i r[2];
+    memcpy(h, &v, 64);
+    r[0] = _mm256_cvtps_epi32(h[0]);
+    r[1] = _mm256_cvtps_epi32(h[1]);
+    vi out;
+    memcpy(&out, r, 64);
+    return out;
+}
+
+static void quantize_x(const float *x, int64_t n, int64_t k, float xmax, int32_t *xu, float *xs, float *xo) {
+    int64_t groups = k / 32;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            vf v0 = load(x + t * k + 32 * g), v1 = load(x + t * k + 32 * g + 16);
+            vi special = (((vi)v0 & 0x7f800000) == 0x7f800000) | (((vi)v1 & 0x7f800000) == 0x7f800000);
+            vf a0 = (vf)((vi)v0 & 0x7fffffff), a1 = (vf)((vi)v1 & 0x7fffffff), m = pick(a0 > a1, a0, a1);
+            float amax = 0;
+            int finite = 1;
+            for (int i = 0; i < 16; i++) {
+                amax = m[i] > amax ? m[i] : amax;
+                finite &= !special[i];
+            }
+            /* inf or nan in x: the scale is nan, so y is nan, as a float product gives */
+            float inverse = amax > 0 && finite ? xmax / amax : 0;
+            vi q0 = round_ints(v0 * inverse), q1 = round_ints(v1 * inverse);
+            vi pairs = (q0 & 0xffff) | (q1 << 16);
+            memcpy(xu + t * (k / 2) + 16 * g, &pairs, 64);
+            float s = finite ? amax / xmax : NAN;
+            xs[t * groups + g] = s;
+            xo[t * 2 * groups + g] = s * (float)sum_ints(q0);
+            xo[(t * 2 + 1) * groups + g] = s * (float)sum_ints(q1);
+        }
+}
+
+static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *j, const int32_t *units, const float *scales,
+                                                            const float *offsets, int64_t t0, int64_t r0, int offs) {
+    int64_t groups = j->k / 32, stride = j->k / 2;
+    const int32_t *xu = j->xu + t0 * stride;
+    const float *xs = j->xs + t0 * groups, *xo = j->xo + t0 * groups * 2;
+    vf sums[TILE] = {{0}};
+    for (int64_t g = 0; g < groups; g++) {
+        vi acc[TILE] = {{0}};
+        _Pragma("GCC unroll 16") for (int p = 0; p < 16; p++) {
+            vi w;
+            memcpy(&w, units + (g * 16 + p) * 16, 64);
+            for (int t = 0; t < TILE; t++) acc[t] = dot_pairs(acc[t], w, (vi){0} + xu[t * stride + g * 16 + p]);
+        }
+        vf a = load(scales + g * 16);
+        for (int t = 0; t < TILE; t++) sums[t] += __builtin_convertvector(acc[t], vf) * (a * xs[t * groups + g]);
+        if (offs == 1) {
+            vf o = load(offsets + g * 32);
+            for (int t = 0; t < TILE; t++) {
+                const float *h = xo + t * 2 * groups + g;
+                sums[t] += o * (h[0] + h[groups]);
+            }
+        } else if (offs == 2) {
+            vf lo = load(offsets + g * 32), hi = load(offsets + g * 32 + 16);
+            for (int t = 0; t < TILE; t++) {
+                const float *h = xo + t * 2 * groups + g;
+                sums[t] = hi * h[groups] + (lo * h[0] + sums[t]);
+            }
+        }
+    }
+    int64_t rows = j->rows - r0 >= 16 ? 16 : j->rows - r0;
+    for (int t = 0; t < TILE && t0 + t < j->n; t++) memcpy(j->y + (t0 + t) * j->rows + r0, &sums[t], sizeof(float) * (size_t)rows);
+}
+#endif
+
 /* panels first..last-1 (16 rows each): decode, then every token */
 static void gemm_panels(const void *arg, int64_t first, int64_t last) {
     const gemm_job *j = arg;
@@ -617,9 +719,10 @@ static void gemm(gemm_job *j, const float *x, float xmax, int threads) {
  * exactly in int32 lanes, and the lanes gain them times (weight scale * x scale) in float32, plus offset * s * sum(q)
  * for types with offsets. Per 32 values that is two floating-point instructions where the float32 GEMV takes six
  * (Zen 4 issues one 512-bit of them a cycle: that GEMV's bound). y[t][r] depends on x[t] alone, as in the GEMM. */
-static inline __m512 igemv_group(__m512 sum, vi units, const int32_t *xu, float scale) {
-    __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), (__m512i)units, _mm512_loadu_si512(xu));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(scale), sum);
+static inline vf igemv_group(vf sum, vi units, const int32_t *xu, float scale) {
+    vi x;
+    memcpy(&x, xu, 64);
+    return __builtin_convertvector(dot_pairs((vi){0}, units, x), vf) * scale + sum;
 }
 
 static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn rows) {
@@ -659,7 +762,7 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
         gemm(&j_, x, xmax, threads);                                                                                \
     } \
     /* two accumulators (even and odd groups: blocks, or a block's groups); offsets (none for some types) apart */  \
-    static inline __m512 igemv_block_##NAME(__m512 sum, const uint8_t *block, int c, const int32_t *xu,           \
+    static inline vf igemv_block_##NAME(vf sum, const uint8_t *block, int c, const int32_t *xu,                   \
                                             const float *xs, const float *xo, int64_t g, int64_t groups,           \
                                             float *offset) {                                                       \
         float s, lo, hi;                                                                                            \
@@ -675,7 +778,7 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
                 const uint8_t *row = j->w + r * j->row_bytes;                                                       \
                 const int32_t *xu = j->xu + t * (j->k / 2);                                                         \
                 const float *xs = j->xs + t * groups, *xo = j->xo + t * 2 * groups;                                 \
-                __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();                                       \
+                vf even = {0}, odd = {0};                                                                           \
                 float offset = 0;                                                                                   \
                 if (QK == 32) {                                                                                     \
                     int64_t b = 0;                                                                                  \
@@ -691,7 +794,7 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
                             even = igemv_block_##NAME(even, row + b * BYTES, c, xu, xs, xo, g, groups, &offset);    \
                             odd = igemv_block_##NAME(odd, row + b * BYTES, c + 1, xu, xs, xo, g + 1, groups, &offset); \
                         }                                                                                           \
-                j->y[t * j->rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + offset;                    \
+                j->y[t * j->rows + r] = sum_lanes(even + odd) + offset;                                             \
             }                                                                                                       \
     }                                                                                                               \
     void igemv_##NAME(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax,  \
