@@ -719,6 +719,7 @@ static void gemm(gemm_job *j, const float *x, float xmax, int threads) {
  * exactly in int32 lanes, and the lanes gain them times (weight scale * x scale) in float32, plus offset * s * sum(q)
  * for types with offsets. Per 32 values that is two floating-point instructions where the float32 GEMV takes six
  * (Zen 4 issues one 512-bit of them a cycle: that GEMV's bound). y[t][r] depends on x[t] alone, as in the GEMM. */
+#define IGEMV_TILE 4 /* tokens whose sums a decoded row serves at once */
 static inline vf igemv_group(vf sum, vi units, const int32_t *xu, float scale) {
     vi x;
     memcpy(&x, xu, 64);
@@ -761,41 +762,40 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
         gemm_job j_ = {w, rows, k, n, k / QK * BYTES, NULL, NULL, NULL, y, panel_##NAME, OFFSETS_##NAME};          \
         gemm(&j_, x, xmax, threads);                                                                                \
     } \
-    /* two accumulators (even and odd groups: blocks, or a block's groups); offsets (none for some types) apart */  \
-    static inline vf igemv_block_##NAME(vf sum, const uint8_t *block, int c, const int32_t *xu,                   \
-                                            const float *xs, const float *xo, int64_t g, int64_t groups,           \
-                                            float *offset) {                                                       \
-        float s, lo, hi;                                                                                            \
-        vi u = igroup_##NAME(block, c, &s, &lo, &hi);                                                               \
-        if (OFFSETS_##NAME) *offset += lo * xo[g] + hi * xo[groups + g];                                            \
-        return igemv_group(sum, u, xu + 16 * g, s * xs[g]);                                                         \
+    /* a row for tokens t0 .. t0 + tn - 1, each group decoded once for them all: per token two accumulators (even     \
+     * and odd groups), offsets (none for some types) apart, summed in the order the token gets alone */             \
+    static inline __attribute__((always_inline)) void igemv_tile_##NAME(const gemm_job *j, const uint8_t *row,      \
+                                                                         int64_t r, int64_t t0, const int tn) {     \
+        int64_t groups = j->k / 32;                                                                                 \
+        vf even[IGEMV_TILE] = {{0}}, odd[IGEMV_TILE] = {{0}};                                                       \
+        float offset[IGEMV_TILE] = {0};                                                                             \
+        for (int64_t g = 0; g < groups; g++) {                                                                      \
+            float s, lo, hi;                                                                                        \
+            vi u = igroup_##NAME(row + g / (QK / 32) * BYTES, (int)(g % (QK / 32)), &s, &lo, &hi);                  \
+            for (int t = 0; t < tn; t++) {                                                                          \
+                const int32_t *xu = j->xu + (t0 + t) * (j->k / 2);                                                  \
+                const float *xs = j->xs + (t0 + t) * groups, *xo = j->xo + (t0 + t) * 2 * groups;                   \
+                if (OFFSETS_##NAME) offset[t] += lo * xo[g] + hi * xo[groups + g];                                  \
+                if (g % 2 == 0)                                                                                     \
+                    even[t] = igemv_group(even[t], u, xu + 16 * g, s * xs[g]);                                      \
+                else                                                                                                \
+                    odd[t] = igemv_group(odd[t], u, xu + 16 * g, s * xs[g]);                                        \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int t = 0; t < tn; t++) j->y[(t0 + t) * j->rows + r] = sum_lanes(even[t] + odd[t]) + offset[t];       \
     }                                                                                                               \
     static void igemv_rows_##NAME(const void *arg, int64_t first, int64_t last) {                                 \
         const gemm_job *j = arg;                                                                                    \
-        int64_t groups = j->k / 32, blocks = j->k / QK;                                                             \
-        for (int64_t r = first; r < last; r++)                                                                      \
-            for (int64_t t = 0; t < j->n; t++) {                                                                    \
-                const uint8_t *row = j->w + r * j->row_bytes;                                                       \
-                const int32_t *xu = j->xu + t * (j->k / 2);                                                         \
-                const float *xs = j->xs + t * groups, *xo = j->xo + t * 2 * groups;                                 \
-                vf even = {0}, odd = {0};                                                                           \
-                float offset = 0;                                                                                   \
-                if (QK == 32) {                                                                                     \
-                    int64_t b = 0;                                                                                  \
-                    for (; b + 1 < blocks; b += 2) {                                                                \
-                        even = igemv_block_##NAME(even, row + b * BYTES, 0, xu, xs, xo, b, groups, &offset);        \
-                        odd = igemv_block_##NAME(odd, row + (b + 1) * BYTES, 0, xu, xs, xo, b + 1, groups, &offset); \
-                    }                                                                                               \
-                    if (b < blocks) even = igemv_block_##NAME(even, row + b * BYTES, 0, xu, xs, xo, b, groups, &offset); \
-                } else                                                                                              \
-                    for (int64_t b = 0; b < blocks; b++)                                                            \
-                        _Pragma("GCC unroll 8") for (int c = 0; c < QK / 32; c += 2) {                              \
-                            int64_t g = b * (QK / 32) + c;                                                          \
-                            even = igemv_block_##NAME(even, row + b * BYTES, c, xu, xs, xo, g, groups, &offset);    \
-                            odd = igemv_block_##NAME(odd, row + b * BYTES, c + 1, xu, xs, xo, g + 1, groups, &offset); \
-                        }                                                                                           \
-                j->y[t * j->rows + r] = sum_lanes(even + odd) + offset;                                             \
+        for (int64_t r = first; r < last; r++) {                                                                    \
+            const uint8_t *row = j->w + r * j->row_bytes;                                                           \
+            int64_t t = 0;                                                                                          \
+            for (; t + IGEMV_TILE <= j->n; t += IGEMV_TILE) igemv_tile_##NAME(j, row, r, t, IGEMV_TILE);            \
+            if (IGEMV_TILE > 2 && t + 2 <= j->n) {                                                                  \
+                igemv_tile_##NAME(j, row, r, t, 2);                                                                 \
+                t += 2;                                                                                             \
             }                                                                                                       \
+            for (; t < j->n; t++) igemv_tile_##NAME(j, row, r, t, 1);                                               \
+        }                                                                                                           \
     }                                                                                                               \
     void igemv_##NAME(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax,  \
                       int threads) {                                                                                \
