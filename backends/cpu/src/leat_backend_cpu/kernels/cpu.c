@@ -914,6 +914,12 @@ typedef struct {
 static inline vf load_f16(const uint16_t *p) {
 #if defined(__AVX512F__)
     return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+    vf v;
+    memcpy(&v, halves, 64);
+    return v;
 #else
     vf v;
     for (int i = 0; i < 16; i++) v[i] = f16((const uint8_t *)(p + i));
@@ -928,6 +934,9 @@ static inline void store_f16(uint16_t *to, const float *from, int64_t count) {
 #if defined(__AVX512F__)
     for (; i + 16 <= count; i += 16)
         _mm256_storeu_si256((__m256i *)(to + i), _mm512_cvtps_ph(_mm512_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__)
+    for (; i + 8 <= count; i += 8)
+        _mm_storeu_si128((__m128i *)(to + i), _mm256_cvtps_ph(_mm256_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT));
 #endif
     for (; i < count; i++) {
 #if defined(__F16C__)
