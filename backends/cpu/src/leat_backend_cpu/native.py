@@ -2,8 +2,8 @@
 
 Products with 2-D weights kept as the file's GGUF blocks: more activation rows than ``GEMV_ROWS`` (a prompt) go
 through ``gemm``, which rounds the activations to int16 per 32 values (:func:`activation_range`), decodes 16 weight
-rows at a time to int16 and multiplies them with AVX-512 VNNI integer dot products, each decoded panel reused by every
-token (CPUs without VNNI decode tiles of rows to float32 for BLAS instead). A few rows (decode steps) go through
+rows at a time to int16 and multiplies them with exact integer dot products (AVX-512 VNNI, or AVX2's ``vpmaddwd``),
+each decoded panel reused by every token (CPUs with neither decode tiles of rows to float32 for BLAS instead). A few rows (decode steps) go through
 ``igemv`` for the types of :data:`INTEGER_GEMV` (the same int16 activations, each 32 weight values decoded to int16 in
 registers for one dot-product instruction), else ``gemv``, which decodes blocks in registers and multiplies in
 float32. Attention over float32 or f16 KV pages, rms_norm, the gated
@@ -62,11 +62,12 @@ FLAGS = (
 )
 ATTENTION_STORAGE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}  # KV page dtypes attend() reads
 GEMV_ROWS = 8  # activation rows up to which a product decodes blocks in registers
-# types whose decode products take int16 activations and VNNI dot products (igemv_), where the GEMM does: faster
-# than the float32 GEMV here for these (one thread, SmolLM2's weights 6.9 -> 5.9 ms on a busy machine, 8.0 -> 7.6 on
-# a quieter one, where memory bandwidth bounds both); the others keep it
+# types whose decode products take int16 activations and integer dot products (igemv_), where the GEMM does: faster
+# than the float32 GEMV for these (AVX-512 VNNI, one thread, SmolLM2's weights 6.9 -> 5.9 ms on a busy machine, 8.0 ->
+# 7.6 on a quieter one, where memory bandwidth bounds both; AVX2, two threads, SmolLM2's tg32 89-96 -> 105-115 tok/s,
+# docs/benchmarks.md); the others keep it
 INTEGER_GEMV = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0})
-# float32 bytes of weight rows decoded at once for a prompt's BLAS product, without VNNI: a whole weight of a small
+# float32 bytes of weight rows decoded at once for a prompt's BLAS product, without the integer GEMM: a whole weight of a small
 # model, since each BLAS call forks and joins its threads, which costs milliseconds on a busy machine
 TILE_BYTES = 8 << 20
 
