@@ -720,17 +720,96 @@ static void gemm(gemm_job *j, const float *x, float xmax, int threads) {
  * for types with offsets. Per 32 values that is two floating-point instructions where the float32 GEMV takes six
  * (Zen 4 issues one 512-bit of them a cycle: that GEMV's bound). y[t][r] depends on x[t] alone, as in the GEMM. */
 #define IGEMV_TILE 4 /* tokens whose sums a decoded row serves at once */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* a group's weights as igroup_ gives them; 16 float lanes a token */
+#define IGEMV_UNITS(NAME) igroup_##NAME
+typedef vf igemv_acc;
 static inline vf igemv_group(vf sum, vi units, const int32_t *xu, float scale) {
     vi x;
     memcpy(&x, xu, 64);
     return __builtin_convertvector(dot_pairs((vi){0}, units, x), vf) * scale + sum;
 }
+static inline float igemv_sum(vf even, vf odd) { return sum_lanes(even + odd); }
+static inline void igemv_order_x(int32_t *xu, int64_t count) { (void)xu, (void)count; }
+#else
+/* AVX2: a group's 32 weights as int16 pairs (value p, value p + 16) in two registers, pairs 0-3 and 8-11 in the
+ * first, 4-7 and 12-15 in the second (where vpunpck{l,h}wd leave them; x's pairs are stored in that order for igemv,
+ * igemv_order_x), so that two vpmaddwd and one add give 8 int32 lanes of exact sums: for Q4_0, Q4_1 and Q8_0 straight
+ * from the block's bytes, for the other types from igroup_'s pairs */
+#define IGEMV_UNITS(NAME) wgroup_##NAME
+typedef struct {
+    __m256i a, b;
+} wgroup;
+typedef __m256 igemv_acc;
+static inline wgroup pairs_of(__m256i low, __m256i high) {
+    return (wgroup){_mm256_unpacklo_epi16(low, high), _mm256_unpackhi_epi16(low, high)};
+}
+static inline wgroup wgroup_of(vi units) {
+    __m256i u[2];
+    memcpy(u, &units, 64);
+    return (wgroup){_mm256_permute2x128_si256(u[0], u[1], 0x20), _mm256_permute2x128_si256(u[0], u[1], 0x31)};
+}
+static inline wgroup wgroup_q4_0(const uint8_t *b, int g, float *s, float *o0, float *o1) {
+    (void)g;
+    *s = f16(b), *o0 = *o1 = 0;
+    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 2))), eight = _mm256_set1_epi16(8);
+    return pairs_of(_mm256_sub_epi16(_mm256_and_si256(w, _mm256_set1_epi16(15)), eight),
+                    _mm256_sub_epi16(_mm256_srli_epi16(w, 4), eight));
+}
+static inline wgroup wgroup_q4_1(const uint8_t *b, int g, float *s, float *o0, float *o1) {
+    (void)g;
+    *s = f16(b), *o0 = *o1 = f16(b + 2);
+    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 4)));
+    return pairs_of(_mm256_and_si256(w, _mm256_set1_epi16(15)), _mm256_srli_epi16(w, 4));
+}
+static inline wgroup wgroup_q8_0(const uint8_t *b, int g, float *s, float *o0, float *o1) {
+    (void)g;
+    *s = f16(b), *o0 = *o1 = 0;
+    return pairs_of(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 2))),
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 18))));
+}
+#define WGROUP(NAME)                                                                                                \
+    static inline wgroup wgroup_##NAME(const uint8_t *b, int g, float *s, float *o0, float *o1) {                  \
+        return wgroup_of(igroup_##NAME(b, g, s, o0, o1));                                                           \
+    }
+WGROUP(q5_0)
+WGROUP(q5_1)
+WGROUP(mxfp4)
+WGROUP(iq4_nl)
+WGROUP(q2_k)
+WGROUP(q3_k)
+WGROUP(q4_k)
+WGROUP(q5_k)
+WGROUP(q6_k)
+WGROUP(iq4_xs)
+static inline __m256 igemv_group(__m256 sum, wgroup w, const int32_t *xu, float scale) {
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)xu), x1 = _mm256_loadu_si256((const __m256i *)(xu + 8));
+    __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w.a, x0), _mm256_madd_epi16(w.b, x1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), sum);
+}
+static inline float igemv_sum(__m256 even, __m256 odd) {
+    float lanes[8], total = 0;
+    _mm256_storeu_ps(lanes, _mm256_add_ps(even, odd));
+    for (int i = 0; i < 8; i++) total += lanes[i];
+    return total;
+}
+/* each group's 16 pairs of x to the order of wgroup's lanes: 0-3, 8-11, 4-7, 12-15 */
+static inline void igemv_order_x(int32_t *xu, int64_t count) {
+    for (int64_t i = 0; i < count; i += 16) {
+        int32_t g[16];
+        memcpy(g, xu + i, 64);
+        memcpy(xu + i + 4, g + 8, 16);
+        memcpy(xu + i + 8, g + 4, 16);
+    }
+}
+#endif
 
 static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn rows) {
     int64_t groups = j->k / 32;
     int32_t *xu = malloc(sizeof(int32_t) * (size_t)(j->n * j->k / 2));
     float *xs = malloc(sizeof(float) * (size_t)(j->n * groups)), *xo = malloc(sizeof(float) * (size_t)(j->n * groups * 2));
     quantize_x(x, j->n, j->k, xmax, xu, xs, xo);
+    igemv_order_x(xu, j->n * j->k / 2);
     j->xu = xu, j->xs = xs, j->xo = xo;
     run(threads, j->rows, rows, j);
     free(xu);
@@ -767,11 +846,13 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
     static inline __attribute__((always_inline)) void igemv_tile_##NAME(const gemm_job *j, const uint8_t *row,      \
                                                                          int64_t r, int64_t t0, const int tn) {     \
         int64_t groups = j->k / 32;                                                                                 \
-        vf even[IGEMV_TILE] = {{0}}, odd[IGEMV_TILE] = {{0}};                                                       \
+        igemv_acc even[IGEMV_TILE], odd[IGEMV_TILE];                                                                \
         float offset[IGEMV_TILE] = {0};                                                                             \
+        memset(even, 0, sizeof(even));                                                                              \
+        memset(odd, 0, sizeof(odd));                                                                                \
         for (int64_t g = 0; g < groups; g++) {                                                                      \
             float s, lo, hi;                                                                                        \
-            vi u = igroup_##NAME(row + g / (QK / 32) * BYTES, (int)(g % (QK / 32)), &s, &lo, &hi);                  \
+            __auto_type u = IGEMV_UNITS(NAME)(row + g / (QK / 32) * BYTES, (int)(g % (QK / 32)), &s, &lo, &hi);     \
             for (int t = 0; t < tn; t++) {                                                                          \
                 const int32_t *xu = j->xu + (t0 + t) * (j->k / 2);                                                  \
                 const float *xs = j->xs + (t0 + t) * groups, *xo = j->xo + (t0 + t) * 2 * groups;                   \
@@ -782,7 +863,7 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
                     odd[t] = igemv_group(odd[t], u, xu + 16 * g, s * xs[g]);                                        \
             }                                                                                                       \
         }                                                                                                           \
-        for (int t = 0; t < tn; t++) j->y[(t0 + t) * j->rows + r] = sum_lanes(even[t] + odd[t]) + offset[t];       \
+        for (int t = 0; t < tn; t++) j->y[(t0 + t) * j->rows + r] = igemv_sum(even[t], odd[t]) + offset[t];       \
     }                                                                                                               \
     static void igemv_rows_##NAME(const void *arg, int64_t first, int64_t last) {                                 \
         const gemm_job *j = arg;                                                                                    \
