@@ -74,7 +74,7 @@ def rounded_activations(x: np.ndarray, qtype: Q) -> np.ndarray:
 def test_products_follow_float64(qtype, n):
     w, exact = weight(qtype, 300, 768)  # 300 rows: the last 16-row panel is partial
     x = np.random.default_rng(1).standard_normal((n, 768)).astype(np.float32)
-    integer = n > native.GEMV_ROWS or qtype in native.INTEGER_GEMV  # the GEMM's, or the integer GEMV's rounding
+    integer = n > native.GEMV_ROWS or qtype in native.library().integer_gemv  # the GEMM's, or the integer GEMV's
     rounded = integer and native.library().has_gemm
     want = (rounded_activations(x, qtype) if rounded else x.astype(np.float64)) @ exact.T
     got = native.matmul(x, w, threads=2)

@@ -67,6 +67,9 @@ GEMV_ROWS = 8  # activation rows up to which a product decodes blocks in registe
 # 7.6 on a quieter one, where memory bandwidth bounds both; AVX2, two threads, SmolLM2's tg32 89-96 -> 105-115 tok/s,
 # docs/benchmarks.md); the others keep it
 INTEGER_GEMV = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0})
+# and these where the library decodes their groups straight from the blocks' bytes (AVX2: kernels/cpu.c's wgroup_);
+# through igroup_ they were slower than the float32 GEMV (a 1B Q4_K_M file, 2 threads: 8.2 against 10.2 tok/s)
+K_QUANT_GEMV = frozenset({Q.Q4_K, Q.Q6_K})
 # float32 bytes of weight rows decoded at once for a prompt's BLAS product, without the integer GEMM: a whole weight of a small
 # model, since each BLAS call forks and joins its threads, which costs milliseconds on a busy machine
 TILE_BYTES = 8 << 20
@@ -90,7 +93,7 @@ class QuantizedWeight:
         self.address = self.blocks.ctypes.data
         lib = library()
         kinds = ("gemv", "dequant", "gemm") if lib.has_gemm else ("gemv", "dequant")
-        kinds += ("igemv",) if lib.has_gemm and self.qtype in INTEGER_GEMV else ()
+        kinds += ("igemv",) if lib.has_gemm and self.qtype in lib.integer_gemv else ()
         self.kernels = {kind: lib.entry(f"{kind}_{self.qtype.name.lower()}") for kind in kinds}
         integer = "igemv" in self.kernels
         self.step = functools.partial(self.kernels["igemv" if integer else "gemv"], self.address, *self.shape)
@@ -178,6 +181,8 @@ class Kernels:
         self.path = path
         self.lib = ctypes.CDLL(str(path))
         self.has_gemm = bool(self.lib.has_gemm())
+        #: the types whose decode steps go through igemv
+        self.integer_gemv = INTEGER_GEMV | (K_QUANT_GEMV if self.lib.k_quant_igemv() else frozenset())
         self.direct = direct
         self._call = None
         if direct:

@@ -768,6 +768,33 @@ static inline wgroup wgroup_q8_0(const uint8_t *b, int g, float *s, float *o0, f
     return pairs_of(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 2))),
                     _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 18))));
 }
+/* Q4_K: group g is sub-block g, the nibbles (low for even g, high for odd) of qs bytes 32 (g / 2) .. + 31 */
+static inline wgroup wgroup_q4_k(const uint8_t *b, int g, float *s, float *o0, float *o1) {
+    float sc, mn;
+    scale_min_k4(b + 4, g, &sc, &mn);
+    *s = f16(b) * sc, *o0 = *o1 = -(f16(b + 2) * mn);
+    const uint8_t *q = b + 16 + (g / 2) * 32;
+    __m128i shift = _mm_cvtsi32_si128(4 * (g % 2));
+    __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+    __m256i high = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16))), nibble = _mm256_set1_epi16(15);
+    return pairs_of(_mm256_and_si256(_mm256_srl_epi16(low, shift), nibble),
+                    _mm256_and_si256(_mm256_srl_epi16(high, shift), nibble));
+}
+/* Q6_K: group g's values 0-15 and 16-31 are ichunk_q6_k's chunks 2g and 2g + 1, each with its int8 scale folded in
+ * (|q| <= 4096 fits int16) */
+static inline __m256i q6_k_chunk(const uint8_t *b, int c) {
+    int h = c / 8, shift = (c % 8) / 2, half = c % 2;
+    __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + h * 64 + (shift & 1) * 32 + half * 16)));
+    __m256i high = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 128 + h * 32 + half * 16)));
+    low = _mm256_and_si256(_mm256_srl_epi16(low, _mm_cvtsi32_si128(4 * (shift >> 1))), _mm256_set1_epi16(15));
+    high = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * shift)), _mm256_set1_epi16(3));
+    __m256i q = _mm256_sub_epi16(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi16(32));
+    return _mm256_mullo_epi16(q, _mm256_set1_epi16((int16_t)(int8_t)b[192 + c]));
+}
+static inline wgroup wgroup_q6_k(const uint8_t *b, int g, float *s, float *o0, float *o1) {
+    *s = f16(b + 208), *o0 = *o1 = 0;
+    return pairs_of(q6_k_chunk(b, 2 * g), q6_k_chunk(b, 2 * g + 1));
+}
 #define WGROUP(NAME)                                                                                                \
     static inline wgroup wgroup_##NAME(const uint8_t *b, int g, float *s, float *o0, float *o1) {                  \
         return wgroup_of(igroup_##NAME(b, g, s, o0, o1));                                                           \
@@ -778,9 +805,7 @@ WGROUP(mxfp4)
 WGROUP(iq4_nl)
 WGROUP(q2_k)
 WGROUP(q3_k)
-WGROUP(q4_k)
 WGROUP(q5_k)
-WGROUP(q6_k)
 WGROUP(iq4_xs)
 static inline __m256 igemv_group(__m256 sum, wgroup w, const int32_t *xu, float scale) {
     __m256i x0 = _mm256_loadu_si256((const __m256i *)xu), x1 = _mm256_loadu_si256((const __m256i *)(xu + 8));
@@ -888,6 +913,12 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
 #define GEMM_KERNELS(NAME, QK, BYTES)
 #endif
 int has_gemm(void) { return GEMM; }
+/* 1 where igemv's Q4_K and Q6_K groups come straight from the blocks' bytes (AVX2) */
+#if GEMM && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+int k_quant_igemv(void) { return 1; }
+#else
+int k_quant_igemv(void) { return 0; }
+#endif
 
 /* Each row's sum goes to two vector accumulators (even and odd chunks), added at the end. The chunk loops are
  * unrolled so that each chunk's shifts and scale offsets are constants (Q4_K products 2.3x faster here). A row's
