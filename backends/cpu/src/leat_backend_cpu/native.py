@@ -95,6 +95,8 @@ class QuantizedWeight:
         kinds = ("gemv", "dequant", "gemm") if lib.has_gemm else ("gemv", "dequant")
         kinds += ("igemv",) if lib.has_gemm and self.qtype in lib.integer_gemv else ()
         self.kernels = {kind: lib.entry(f"{kind}_{self.qtype.name.lower()}") for kind in kinds}
+        if "igemv" in self.kernels and lib.has(f"igemvb_{self.qtype.name.lower()}"):  # a block at a time (AVX2 Q4_K)
+            self.kernels["igemv"] = lib.entry(f"igemvb_{self.qtype.name.lower()}")
         integer = "igemv" in self.kernels
         self.step = functools.partial(self.kernels["igemv" if integer else "gemv"], self.address, *self.shape)
         self.step_range = (activation_range(self.qtype),) if integer else ()
@@ -192,9 +194,13 @@ class Kernels:
             spec.loader.exec_module(module)
             self._call = module.call
 
+    def has(self, name: str) -> bool:
+        return hasattr(self.lib, name)
+
     @functools.cache  # noqa: B019 - one Kernels per process (library() is cached)
     def entry(self, name: str) -> Callable[..., None]:
-        signature = SIGNATURES[name.split("_")[0] if name.split("_")[0] in SIGNATURES else name]
+        kind = name.split("_")[0]
+        signature = SIGNATURES["igemv" if kind == "igemvb" else kind if kind in SIGNATURES else name]
         function = getattr(self.lib, name)
         if self._call is not None:
             return functools.partial(self._call, ctypes.cast(function, ctypes.c_void_p).value, signature)

@@ -841,6 +841,72 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
     free(xs);
     free(xo);
 }
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+/* Q4_K on AVX2, a block (8 groups) at a time: its d, dmin, 8 scales and 8 mins unpacked once (as llama.cpp's
+ * kmask words do), each group's weight scale times x's as one 8-lane product a token, the mins' offsets one 8-lane
+ * FMA a token; the groups' int32 sums as igemv's (two vpmaddwd of the pairs straight from the nibbles). A token's
+ * sums run in the same order whatever the tile it is in. Entry point igemvb_q4_k (native.py prefers it to igemv_). */
+static inline __attribute__((always_inline)) void igemvb_tile_q4_k(const gemm_job *j, const uint8_t *row, int64_t r,
+                                                                    int64_t t0, const int tn) {
+    int64_t groups = j->k / 32, blocks = j->k / 256;
+    __m256 even[IGEMV_TILE], odd[IGEMV_TILE], offset[IGEMV_TILE];
+    for (int t = 0; t < tn; t++) even[t] = odd[t] = offset[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = row + b * 144;
+        uint32_t u[4];
+        memcpy(u, blk + 4, 12);
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+        uint32_t mins_low = u[1] & 0x3f3f3f3fu;
+        u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+        u[2] = mins_low;
+        u[0] &= 0x3f3f3f3fu; /* bytes of u[0..1]: the 8 scales; of u[2..3]: the 8 mins */
+        __m128i packed = _mm_loadu_si128((const __m128i *)u);
+        __m256 scales = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)), _mm256_set1_ps(f16(blk)));
+        __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))),
+                                    _mm256_set1_ps(f16(blk + 2)));
+        wgroup w[8];
+        for (int c = 0; c < 4; c++) {
+            __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 16 + 32 * c)));
+            __m256i high = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 + 32 * c)));
+            __m256i nibble = _mm256_set1_epi16(15);
+            w[2 * c] = pairs_of(_mm256_and_si256(low, nibble), _mm256_and_si256(high, nibble));
+            w[2 * c + 1] = pairs_of(_mm256_srli_epi16(low, 4), _mm256_srli_epi16(high, 4));
+        }
+        for (int t = 0; t < tn; t++) {
+            const int32_t *xu = j->xu + (t0 + t) * (j->k / 2) + b * 128;
+            const float *xs = j->xs + (t0 + t) * groups + b * 8, *xo = j->xo + (t0 + t) * 2 * groups + b * 8;
+            float scale[8];
+            _mm256_storeu_ps(scale, _mm256_mul_ps(scales, _mm256_loadu_ps(xs)));
+            __m256 xsum = _mm256_add_ps(_mm256_loadu_ps(xo), _mm256_loadu_ps(xo + groups));
+            offset[t] = _mm256_fnmadd_ps(mins, xsum, offset[t]);
+            for (int g = 0; g < 8; g += 2) {
+                even[t] = igemv_group(even[t], w[g], xu + 16 * g, scale[g]);
+                odd[t] = igemv_group(odd[t], w[g + 1], xu + 16 * (g + 1), scale[g + 1]);
+            }
+        }
+    }
+    for (int t = 0; t < tn; t++)
+        j->y[(t0 + t) * j->rows + r] = igemv_sum(_mm256_add_ps(even[t], odd[t]), offset[t]);
+}
+static void igemvb_rows_q4_k(const void *arg, int64_t first, int64_t last) {
+    const gemm_job *j = arg;
+    for (int64_t r = first; r < last; r++) {
+        const uint8_t *row = j->w + r * j->row_bytes;
+        int64_t t = 0;
+        for (; t + IGEMV_TILE <= j->n; t += IGEMV_TILE) igemvb_tile_q4_k(j, row, r, t, IGEMV_TILE);
+        if (IGEMV_TILE > 2 && t + 2 <= j->n) {
+            igemvb_tile_q4_k(j, row, r, t, 2);
+            t += 2;
+        }
+        for (; t < j->n; t++) igemvb_tile_q4_k(j, row, r, t, 1);
+    }
+}
+void igemvb_q4_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax,
+                 int threads) {
+    gemm_job j_ = {w, rows, k, n, k / 256 * 144, NULL, NULL, NULL, y, NULL, 1};
+    igemv(&j_, x, xmax, threads, igemvb_rows_q4_k);
+}
+#endif
 #define GEMM_KERNELS(NAME, QK, BYTES)                                                                               \
     static void panel_##NAME(const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k, int32_t *units,         \
                              float *scales, float *offsets) {                                                      \
