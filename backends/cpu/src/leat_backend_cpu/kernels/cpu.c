@@ -906,6 +906,48 @@ void igemvb_q4_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int6
     gemm_job j_ = {w, rows, k, n, k / 256 * 144, NULL, NULL, NULL, y, NULL, 1};
     igemv(&j_, x, xmax, threads, igemvb_rows_q4_k);
 }
+/* Q6_K the same way (igemvb_q6_k): one f16 d a block, so a group's scale is d times x's; the int8 scales of its two
+ * halves folded into the pairs as wgroup_q6_k does, each chunk's shifts constants */
+static inline __attribute__((always_inline)) void igemvb_tile_q6_k(const gemm_job *j, const uint8_t *row, int64_t r,
+                                                                    int64_t t0, const int tn) {
+    int64_t groups = j->k / 32, blocks = j->k / 256;
+    __m256 even[IGEMV_TILE], odd[IGEMV_TILE];
+    for (int t = 0; t < tn; t++) even[t] = odd[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = row + b * 210;
+        __m256 d = _mm256_set1_ps(f16(blk + 208));
+        wgroup w[8];
+        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) w[g] = pairs_of(q6_k_chunk(blk, 2 * g), q6_k_chunk(blk, 2 * g + 1));
+        for (int t = 0; t < tn; t++) {
+            const int32_t *xu = j->xu + (t0 + t) * (j->k / 2) + b * 128;
+            float scale[8];
+            _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_loadu_ps(j->xs + (t0 + t) * groups + b * 8)));
+            for (int g = 0; g < 8; g += 2) {
+                even[t] = igemv_group(even[t], w[g], xu + 16 * g, scale[g]);
+                odd[t] = igemv_group(odd[t], w[g + 1], xu + 16 * (g + 1), scale[g + 1]);
+            }
+        }
+    }
+    for (int t = 0; t < tn; t++) j->y[(t0 + t) * j->rows + r] = igemv_sum(even[t], odd[t]);
+}
+static void igemvb_rows_q6_k(const void *arg, int64_t first, int64_t last) {
+    const gemm_job *j = arg;
+    for (int64_t r = first; r < last; r++) {
+        const uint8_t *row = j->w + r * j->row_bytes;
+        int64_t t = 0;
+        for (; t + IGEMV_TILE <= j->n; t += IGEMV_TILE) igemvb_tile_q6_k(j, row, r, t, IGEMV_TILE);
+        if (IGEMV_TILE > 2 && t + 2 <= j->n) {
+            igemvb_tile_q6_k(j, row, r, t, 2);
+            t += 2;
+        }
+        for (; t < j->n; t++) igemvb_tile_q6_k(j, row, r, t, 1);
+    }
+}
+void igemvb_q6_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax,
+                 int threads) {
+    gemm_job j_ = {w, rows, k, n, k / 256 * 210, NULL, NULL, NULL, y, NULL, 0};
+    igemv(&j_, x, xmax, threads, igemvb_rows_q6_k);
+}
 #endif
 #define GEMM_KERNELS(NAME, QK, BYTES)                                                                               \
     static void panel_##NAME(const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k, int32_t *units,         \
