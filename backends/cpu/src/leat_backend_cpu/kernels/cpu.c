@@ -9,7 +9,9 @@
  *   dequant_<TYPE>(w, ids, count, k, out, threads): rows ids[0..count-1] (ids NULL: the first count rows) into
  *       out [count][k], float32 (embedding lookups, and a prompt's products where there is no VNNI);
  *   gemm_<TYPE>(w, rows, k, x, n, y, xmax, threads): a prompt's product, with int16 activations and integer dot
- *       products (below, "prompt GEMM"), from a second decoder per type, ichunk_<TYPE>.
+ *       products (below, "prompt GEMM"), from a second decoder per type, ichunk_<TYPE>;
+ *   igemv_<TYPE> (and on AVX2 igemvb_q4_k, igemvb_q6_k, a block at a time): a few rows' product with the GEMM's
+ *       int16 activations (below, "decode GEMV with integer dot products").
  * Rows are split over `threads` threads (the caller's and a pool's, below).
  */
 #include <pthread.h>
@@ -888,24 +890,6 @@ static inline __attribute__((always_inline)) void igemvb_tile_q4_k(const gemm_jo
     for (int t = 0; t < tn; t++)
         j->y[(t0 + t) * j->rows + r] = igemv_sum(_mm256_add_ps(even[t], odd[t]), offset[t]);
 }
-static void igemvb_rows_q4_k(const void *arg, int64_t first, int64_t last) {
-    const gemm_job *j = arg;
-    for (int64_t r = first; r < last; r++) {
-        const uint8_t *row = j->w + r * j->row_bytes;
-        int64_t t = 0;
-        for (; t + IGEMV_TILE <= j->n; t += IGEMV_TILE) igemvb_tile_q4_k(j, row, r, t, IGEMV_TILE);
-        if (IGEMV_TILE > 2 && t + 2 <= j->n) {
-            igemvb_tile_q4_k(j, row, r, t, 2);
-            t += 2;
-        }
-        for (; t < j->n; t++) igemvb_tile_q4_k(j, row, r, t, 1);
-    }
-}
-void igemvb_q4_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax,
-                 int threads) {
-    gemm_job j_ = {w, rows, k, n, k / 256 * 144, NULL, NULL, NULL, y, NULL, 1};
-    igemv(&j_, x, xmax, threads, igemvb_rows_q4_k);
-}
 /* Q6_K the same way (igemvb_q6_k): one f16 d a block, so a group's scale is d times x's; the int8 scales of its two
  * halves folded into the pairs as wgroup_q6_k does, each chunk's shifts constants */
 static inline __attribute__((always_inline)) void igemvb_tile_q6_k(const gemm_job *j, const uint8_t *row, int64_t r,
@@ -930,24 +914,28 @@ static inline __attribute__((always_inline)) void igemvb_tile_q6_k(const gemm_jo
     }
     for (int t = 0; t < tn; t++) j->y[(t0 + t) * j->rows + r] = igemv_sum(even[t], odd[t]);
 }
-static void igemvb_rows_q6_k(const void *arg, int64_t first, int64_t last) {
-    const gemm_job *j = arg;
-    for (int64_t r = first; r < last; r++) {
-        const uint8_t *row = j->w + r * j->row_bytes;
-        int64_t t = 0;
-        for (; t + IGEMV_TILE <= j->n; t += IGEMV_TILE) igemvb_tile_q6_k(j, row, r, t, IGEMV_TILE);
-        if (IGEMV_TILE > 2 && t + 2 <= j->n) {
-            igemvb_tile_q6_k(j, row, r, t, 2);
-            t += 2;
-        }
-        for (; t < j->n; t++) igemvb_tile_q6_k(j, row, r, t, 1);
+/* rows first..last-1 of a block-at-a-time product, IGEMV_TILE tokens at a time, and its entry point */
+#define IGEMVB(NAME, BYTES, OFFSETS)                                                                                \
+    static void igemvb_rows_##NAME(const void *arg, int64_t first, int64_t last) {                                \
+        const gemm_job *j = arg;                                                                                    \
+        for (int64_t r = first; r < last; r++) {                                                                    \
+            const uint8_t *row = j->w + r * j->row_bytes;                                                           \
+            int64_t t = 0;                                                                                          \
+            for (; t + IGEMV_TILE <= j->n; t += IGEMV_TILE) igemvb_tile_##NAME(j, row, r, t, IGEMV_TILE);           \
+            if (IGEMV_TILE > 2 && t + 2 <= j->n) {                                                                  \
+                igemvb_tile_##NAME(j, row, r, t, 2);                                                                \
+                t += 2;                                                                                             \
+            }                                                                                                       \
+            for (; t < j->n; t++) igemvb_tile_##NAME(j, row, r, t, 1);                                              \
+        }                                                                                                           \
+    }                                                                                                               \
+    void igemvb_##NAME(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, \
+                       int threads) {                                                                               \
+        gemm_job j_ = {w, rows, k, n, k / 256 * BYTES, NULL, NULL, NULL, y, NULL, OFFSETS};                        \
+        igemv(&j_, x, xmax, threads, igemvb_rows_##NAME);                                                           \
     }
-}
-void igemvb_q6_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax,
-                 int threads) {
-    gemm_job j_ = {w, rows, k, n, k / 256 * 210, NULL, NULL, NULL, y, NULL, 0};
-    igemv(&j_, x, xmax, threads, igemvb_rows_q6_k);
-}
+IGEMVB(q4_k, 144, 1)
+IGEMVB(q6_k, 210, 0)
 #endif
 #define GEMM_KERNELS(NAME, QK, BYTES)                                                                               \
     static void panel_##NAME(const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k, int32_t *units,         \
