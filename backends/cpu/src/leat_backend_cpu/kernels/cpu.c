@@ -843,6 +843,27 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
     free(xs);
     free(xo);
 }
+/* Entry point NAME of a decode product: rows first..last-1 (NAME_rows), IGEMV_TILE tokens at a time, then 2, then 1,
+ * through TILE(job, row, r, t0, tokens); ROW_BYTES may use the entry point's k */
+#define IGEMV_ENTRY(NAME, TILE, ROW_BYTES, PANEL, OFFSETS)                                                          \
+    static void NAME##_rows(const void *arg, int64_t first, int64_t last) {                                        \
+        const gemm_job *j = arg;                                                                                    \
+        for (int64_t r = first; r < last; r++) {                                                                    \
+            const uint8_t *row = j->w + r * j->row_bytes;                                                           \
+            int64_t t = 0;                                                                                          \
+            for (; t + IGEMV_TILE <= j->n; t += IGEMV_TILE) TILE(j, row, r, t, IGEMV_TILE);                         \
+            if (IGEMV_TILE > 2 && t + 2 <= j->n) {                                                                  \
+                TILE(j, row, r, t, 2);                                                                              \
+                t += 2;                                                                                             \
+            }                                                                                                       \
+            for (; t < j->n; t++) TILE(j, row, r, t, 1);                                                            \
+        }                                                                                                           \
+    }                                                                                                               \
+    void NAME(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax,           \
+              int threads) {                                                                                        \
+        gemm_job j_ = {w, rows, k, n, ROW_BYTES, NULL, NULL, NULL, y, PANEL, OFFSETS};                              \
+        igemv(&j_, x, xmax, threads, NAME##_rows);                                                                  \
+    }
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 /* Q4_K on AVX2, a block (8 groups) at a time: its d, dmin, 8 scales and 8 mins unpacked once (as llama.cpp's
  * kmask words do), each group's weight scale times x's as one 8-lane product a token, the mins' offsets one 8-lane
@@ -914,28 +935,8 @@ static inline __attribute__((always_inline)) void igemvb_tile_q6_k(const gemm_jo
     }
     for (int t = 0; t < tn; t++) j->y[(t0 + t) * j->rows + r] = igemv_sum(even[t], odd[t]);
 }
-/* rows first..last-1 of a block-at-a-time product, IGEMV_TILE tokens at a time, and its entry point */
-#define IGEMVB(NAME, BYTES, OFFSETS)                                                                                \
-    static void igemvb_rows_##NAME(const void *arg, int64_t first, int64_t last) {                                \
-        const gemm_job *j = arg;                                                                                    \
-        for (int64_t r = first; r < last; r++) {                                                                    \
-            const uint8_t *row = j->w + r * j->row_bytes;                                                           \
-            int64_t t = 0;                                                                                          \
-            for (; t + IGEMV_TILE <= j->n; t += IGEMV_TILE) igemvb_tile_##NAME(j, row, r, t, IGEMV_TILE);           \
-            if (IGEMV_TILE > 2 && t + 2 <= j->n) {                                                                  \
-                igemvb_tile_##NAME(j, row, r, t, 2);                                                                \
-                t += 2;                                                                                             \
-            }                                                                                                       \
-            for (; t < j->n; t++) igemvb_tile_##NAME(j, row, r, t, 1);                                              \
-        }                                                                                                           \
-    }                                                                                                               \
-    void igemvb_##NAME(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, \
-                       int threads) {                                                                               \
-        gemm_job j_ = {w, rows, k, n, k / 256 * BYTES, NULL, NULL, NULL, y, NULL, OFFSETS};                        \
-        igemv(&j_, x, xmax, threads, igemvb_rows_##NAME);                                                           \
-    }
-IGEMVB(q4_k, 144, 1)
-IGEMVB(q6_k, 210, 0)
+IGEMV_ENTRY(igemvb_q4_k, igemvb_tile_q4_k, k / 256 * 144, NULL, 1)
+IGEMV_ENTRY(igemvb_q6_k, igemvb_tile_q6_k, k / 256 * 210, NULL, 0)
 #endif
 #define GEMM_KERNELS(NAME, QK, BYTES)                                                                               \
     static void panel_##NAME(const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k, int32_t *units,         \
@@ -986,24 +987,7 @@ IGEMVB(q6_k, 210, 0)
         }                                                                                                           \
         for (int t = 0; t < tn; t++) j->y[(t0 + t) * j->rows + r] = igemv_sum(even[t], odd[t]) + offset[t];       \
     }                                                                                                               \
-    static void igemv_rows_##NAME(const void *arg, int64_t first, int64_t last) {                                 \
-        const gemm_job *j = arg;                                                                                    \
-        for (int64_t r = first; r < last; r++) {                                                                    \
-            const uint8_t *row = j->w + r * j->row_bytes;                                                           \
-            int64_t t = 0;                                                                                          \
-            for (; t + IGEMV_TILE <= j->n; t += IGEMV_TILE) igemv_tile_##NAME(j, row, r, t, IGEMV_TILE);            \
-            if (IGEMV_TILE > 2 && t + 2 <= j->n) {                                                                  \
-                igemv_tile_##NAME(j, row, r, t, 2);                                                                 \
-                t += 2;                                                                                             \
-            }                                                                                                       \
-            for (; t < j->n; t++) igemv_tile_##NAME(j, row, r, t, 1);                                               \
-        }                                                                                                           \
-    }                                                                                                               \
-    void igemv_##NAME(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax,  \
-                      int threads) {                                                                                \
-        gemm_job j_ = {w, rows, k, n, k / QK * BYTES, NULL, NULL, NULL, y, panel_##NAME, OFFSETS_##NAME};          \
-        igemv(&j_, x, xmax, threads, igemv_rows_##NAME);                                                            \
-    }
+    IGEMV_ENTRY(igemv_##NAME, igemv_tile_##NAME, k / QK * BYTES, panel_##NAME, OFFSETS_##NAME)
 #else
 #define GEMM 0
 #define GEMM_KERNELS(NAME, QK, BYTES)
