@@ -3,9 +3,9 @@
 Products with 2-D weights kept as the file's GGUF blocks: more activation rows than ``GEMV_ROWS`` (a prompt) go
 through ``gemm``, which rounds the activations to int16 per 32 values (:func:`activation_range`), decodes 16 weight
 rows at a time to int16 and multiplies them with exact integer dot products (AVX-512 VNNI, or AVX2's ``vpmaddwd``),
-each decoded panel reused by every token (CPUs with neither decode tiles of rows to float32 for BLAS instead). A few rows (decode steps) go through
-``igemv`` for the types of :data:`INTEGER_GEMV` (the same int16 activations, each 32 weight values decoded to int16 in
-registers for one dot-product instruction), else ``gemv``, which decodes blocks in registers and multiplies in
+each decoded panel reused by every token (CPUs with neither decode tiles of rows to float32 for BLAS instead). A few
+rows (decode steps) go through ``igemv`` for the types of ``Kernels.integer_gemv`` (the same int16 activations, each 32
+weight values decoded to int16 in registers; ``igemvb`` a block at a time where the library has it), else ``gemv``, which decodes blocks in registers and multiplies in
 float32. Attention over float32 or f16 KV pages, rms_norm, the gated
 activations and rope are one C call each. Work is split over ``threads`` threads (the caller's and a pool's; the C
 file says how).
@@ -70,8 +70,8 @@ INTEGER_GEMV = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0})
 # and these where the library decodes their groups straight from the blocks' bytes (AVX2: kernels/cpu.c's wgroup_);
 # through igroup_ they were slower than the float32 GEMV (a 1B Q4_K_M file, 2 threads: 8.2 against 10.2 tok/s)
 K_QUANT_GEMV = frozenset({Q.Q4_K, Q.Q6_K})
-# float32 bytes of weight rows decoded at once for a prompt's BLAS product, without the integer GEMM: a whole weight of a small
-# model, since each BLAS call forks and joins its threads, which costs milliseconds on a busy machine
+# float32 bytes of weight rows decoded at once for a prompt's BLAS product, without the integer GEMM: a whole weight of
+# a small model, since each BLAS call forks and joins its threads, which costs milliseconds on a busy machine
 TILE_BYTES = 8 << 20
 
 
@@ -93,10 +93,11 @@ class QuantizedWeight:
         self.address = self.blocks.ctypes.data
         lib = library()
         kinds = ("gemv", "dequant", "gemm") if lib.has_gemm else ("gemv", "dequant")
+        name = self.qtype.name.lower()
         kinds += ("igemv",) if lib.has_gemm and self.qtype in lib.integer_gemv else ()
-        self.kernels = {kind: lib.entry(f"{kind}_{self.qtype.name.lower()}") for kind in kinds}
-        if "igemv" in self.kernels and lib.has(f"igemvb_{self.qtype.name.lower()}"):  # a block at a time (AVX2 Q4_K)
-            self.kernels["igemv"] = lib.entry(f"igemvb_{self.qtype.name.lower()}")
+        self.kernels = {kind: lib.entry(f"{kind}_{name}") for kind in kinds}
+        if "igemv" in kinds and lib.has(f"igemvb_{name}"):  # a block at a time (AVX2's Q4_K and Q6_K)
+            self.kernels["igemv"] = lib.entry(f"igemvb_{name}")
         integer = "igemv" in self.kernels
         self.step = functools.partial(self.kernels["igemv" if integer else "gemv"], self.address, *self.shape)
         self.step_range = (activation_range(self.qtype),) if integer else ()
@@ -159,6 +160,7 @@ SIGNATURES = {
     "gemv": "pllplpi",
     "gemm": "pllplpfi",
     "igemv": "pllplpfi",
+    "igemvb": "pllplpfi",
     "dequant": "ppllpi",
     "attend": "p" * 8 + "l" * 9 + "ffi",
     "rms_norm": "pppllf",
@@ -199,8 +201,7 @@ class Kernels:
 
     @functools.cache  # noqa: B019 - one Kernels per process (library() is cached)
     def entry(self, name: str) -> Callable[..., None]:
-        kind = name.split("_")[0]
-        signature = SIGNATURES["igemv" if kind == "igemvb" else kind if kind in SIGNATURES else name]
+        signature = SIGNATURES[name.split("_")[0] if name.split("_")[0] in SIGNATURES else name]
         function = getattr(self.lib, name)
         if self._call is not None:
             return functools.partial(self._call, ctypes.cast(function, ctypes.c_void_p).value, signature)
