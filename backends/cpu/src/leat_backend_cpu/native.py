@@ -67,7 +67,7 @@ GEMV_ROWS = 8  # activation rows up to which a product decodes blocks in registe
 # 7.6 on a quieter one, where memory bandwidth bounds both; AVX2, two threads, SmolLM2's tg32 89-96 -> 105-115 tok/s,
 # docs/benchmarks.md); the others keep it
 INTEGER_GEMV = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0})
-# and these where the library decodes their groups straight from the blocks' bytes (AVX2: kernels/cpu.c's wgroup_);
+# and these where the library has them a block at a time from the blocks' bytes (AVX2: kernels/cpu.c's igemvb_);
 # through igroup_ they were slower than the float32 GEMV (a 1B Q4_K_M file, 2 threads: 8.2 against 10.2 tok/s)
 K_QUANT_GEMV = frozenset({Q.Q4_K, Q.Q6_K})
 # float32 bytes of weight rows decoded at once for a prompt's BLAS product, without the integer GEMM: a whole weight of

@@ -737,7 +737,7 @@ static inline void igemv_order_x(int32_t *xu, int64_t count) { (void)xu, (void)c
 /* AVX2: a group's 32 weights as int16 pairs (value p, value p + 16) in two registers, pairs 0-3 and 8-11 in the
  * first, 4-7 and 12-15 in the second (where vpunpck{l,h}wd leave them; x's pairs are stored in that order for igemv,
  * igemv_order_x), so that two vpmaddwd and one add give 8 int32 lanes of exact sums: for Q4_0, Q4_1 and Q8_0 straight
- * from the block's bytes, for the other types from igroup_'s pairs */
+ * from the block's bytes, for the other types from igroup_'s pairs (Q4_K and Q6_K: igemvb_, a block at a time) */
 #define IGEMV_UNITS(NAME) wgroup_##NAME
 typedef struct {
     __m256i a, b;
@@ -770,20 +770,8 @@ static inline wgroup wgroup_q8_0(const uint8_t *b, int g, float *s, float *o0, f
     return pairs_of(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 2))),
                     _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 18))));
 }
-/* Q4_K: group g is sub-block g, the nibbles (low for even g, high for odd) of qs bytes 32 (g / 2) .. + 31 */
-static inline wgroup wgroup_q4_k(const uint8_t *b, int g, float *s, float *o0, float *o1) {
-    float sc, mn;
-    scale_min_k4(b + 4, g, &sc, &mn);
-    *s = f16(b) * sc, *o0 = *o1 = -(f16(b + 2) * mn);
-    const uint8_t *q = b + 16 + (g / 2) * 32;
-    __m128i shift = _mm_cvtsi32_si128(4 * (g % 2));
-    __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
-    __m256i high = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16))), nibble = _mm256_set1_epi16(15);
-    return pairs_of(_mm256_and_si256(_mm256_srl_epi16(low, shift), nibble),
-                    _mm256_and_si256(_mm256_srl_epi16(high, shift), nibble));
-}
-/* Q6_K: group g's values 0-15 and 16-31 are ichunk_q6_k's chunks 2g and 2g + 1, each with its int8 scale folded in
- * (|q| <= 4096 fits int16) */
+/* Q6_K's chunk c (16 values) as int16 with its int8 scale folded in, as ichunk_q6_k (|q| <= 4096 fits int16): a
+ * group's values 0-15 and 16-31 are chunks 2g and 2g + 1 (igemvb_q6_k) */
 static inline __m256i q6_k_chunk(const uint8_t *b, int c) {
     int h = c / 8, shift = (c % 8) / 2, half = c % 2;
     __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + h * 64 + (shift & 1) * 32 + half * 16)));
@@ -792,10 +780,6 @@ static inline __m256i q6_k_chunk(const uint8_t *b, int c) {
     high = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * shift)), _mm256_set1_epi16(3));
     __m256i q = _mm256_sub_epi16(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi16(32));
     return _mm256_mullo_epi16(q, _mm256_set1_epi16((int16_t)(int8_t)b[192 + c]));
-}
-static inline wgroup wgroup_q6_k(const uint8_t *b, int g, float *s, float *o0, float *o1) {
-    *s = f16(b + 208), *o0 = *o1 = 0;
-    return pairs_of(q6_k_chunk(b, 2 * g), q6_k_chunk(b, 2 * g + 1));
 }
 #define WGROUP(NAME)                                                                                                \
     static inline wgroup wgroup_##NAME(const uint8_t *b, int g, float *s, float *o0, float *o1) {                  \
@@ -807,7 +791,9 @@ WGROUP(mxfp4)
 WGROUP(iq4_nl)
 WGROUP(q2_k)
 WGROUP(q3_k)
+WGROUP(q4_k) /* igemvb_q4_k and igemvb_q6_k are what native.py calls for these two */
 WGROUP(q5_k)
+WGROUP(q6_k)
 WGROUP(iq4_xs)
 static inline __m256 igemv_group(__m256 sum, wgroup w, const int32_t *xu, float scale) {
     __m256i x0 = _mm256_loadu_si256((const __m256i *)xu), x1 = _mm256_loadu_si256((const __m256i *)(xu + 8));
@@ -912,7 +898,7 @@ static inline __attribute__((always_inline)) void igemvb_tile_q4_k(const gemm_jo
         j->y[(t0 + t) * j->rows + r] = igemv_sum(_mm256_add_ps(even[t], odd[t]), offset[t]);
 }
 /* Q6_K the same way (igemvb_q6_k): one f16 d a block, so a group's scale is d times x's; the int8 scales of its two
- * halves folded into the pairs as wgroup_q6_k does, each chunk's shifts constants */
+ * halves folded into the pairs (q6_k_chunk), each chunk's shifts constants */
 static inline __attribute__((always_inline)) void igemvb_tile_q6_k(const gemm_job *j, const uint8_t *row, int64_t r,
                                                                     int64_t t0, const int tn) {
     int64_t groups = j->k / 32, blocks = j->k / 256;
@@ -993,7 +979,7 @@ IGEMV_ENTRY(igemvb_q6_k, igemvb_tile_q6_k, k / 256 * 210, NULL, 0)
 #define GEMM_KERNELS(NAME, QK, BYTES)
 #endif
 int has_gemm(void) { return GEMM; }
-/* 1 where igemv's Q4_K and Q6_K groups come straight from the blocks' bytes (AVX2) */
+/* 1 where Q4_K and Q6_K decode steps have the integer path, a block at a time (igemvb_, AVX2) */
 #if GEMM && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 int k_quant_igemv(void) { return 1; }
 #else
