@@ -93,8 +93,7 @@ def decoders(tmp_path_factory):
     exports = "".join(
         f'extern "C" void dots_{s}(const u8* w, i64 nb, const float* x, int rows, int k, float* o) '
         f"{{ dots<{s}>(w, nb, x, rows, k, o); }}\n"
-        for s in structs
-        if s not in ("TF32", "TF16", "TBF16")
+        for s in sorted({layout.dot_struct for layout in quants.LAYOUTS.values() if layout.integer})
     )
     exports += "".join(
         f'extern "C" void exact_{s}(const u8* w, i64 nb, float* o) {{ run<{s}, true>(w, nb, o); }}\n'
@@ -152,7 +151,7 @@ def test_integer_dot_products(decoders, qtype):
     want = gguf.quants.dequantize(data, qtype).reshape(rows, cols).astype(np.float64) @ x.astype(np.float64)
     stored = quants.device_bytes(qtype, data)
     got = np.zeros(rows, np.float32)
-    getattr(decoders, f"dots_{quants.LAYOUTS[qtype].struct}")(
+    getattr(decoders, f"dots_{quants.LAYOUTS[qtype].dot_struct}")(
         ctypes.c_void_p(stored.ctypes.data),
         ctypes.c_longlong(quants.blocks_of(qtype, rows, cols)),
         ctypes.c_void_p(x.ctypes.data),

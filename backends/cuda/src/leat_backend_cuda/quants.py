@@ -24,6 +24,11 @@ class Layout:
     block: int  # values per device block (8 for the float types)
     units: int  # pieces a block is decoded in (one thread each): the struct's UNITS
     planes: tuple[int, ...] | None = None  # GGUF field sizes in bytes; None = raw blocks
+    dot: str = ""  # the struct gemv_q decodes with, where not ``struct`` (another unit of the same bytes)
+
+    @property
+    def dot_struct(self) -> str:
+        return self.dot or self.struct
 
     @property
     def integer(self) -> bool:
@@ -57,9 +62,9 @@ LAYOUTS: dict[Q, Layout] = {
     Q.IQ1_M: Layout("TIQ1_M", 256, 8, (32, 16, 8)),
     Q.Q2_K: Layout("TQ2_K", 256, 8, (16, 64, 4)),
     Q.Q3_K: Layout("TQ3_K", 256, 8, (32, 64, 12, 2)),
-    Q.Q4_K: Layout("TQ4_K", 256, 8),
+    Q.Q4_K: Layout("TQ4_K", 256, 8, dot="TQ4_KP"),
     Q.Q5_K: Layout("TQ5_K", 256, 8),
-    Q.Q6_K: Layout("TQ6_K", 256, 8, (128, 64, 16, 2)),
+    Q.Q6_K: Layout("TQ6_K", 256, 8, (128, 64, 16, 2), dot="TQ6_KP"),
 }
 
 #: tokens per launch of the float matrix-vector kernel (float weights, or no tensor cores)
@@ -101,15 +106,19 @@ GEMM_FEW_VARIANTS = ((1, 1), (2, 1), (2, 2), (4, 2))
 #: tokens up to which gemm_few may run (gemm_few_shape decides by rows)
 GEMM_FEW_MAX_TOKENS = 32
 GEMM_SMEM = {32: (128 + 64) * (32 + 8) * 2, 256: (128 + 64) * (256 + 8) * 2}
-#: units per block, values per unit, runs per unit of each decoder struct (mirrors quants.cuh)
+#: values per unit, runs per unit of each decoder struct (mirrors quants.cuh; (32, 2) where not listed), and the
+#: units per block of gemv_q's structs that are not a layout's ``struct``
 UNIT_SHAPES = {
     "TQ8_0": (16, 1),
     "TQ4_K": (32, 2),
+    "TQ4_KP": (64, 4),
+    "TQ6_KP": (64, 4),
     "TQ5_K": (32, 2),
     "TQ6_K": (32, 4),
     "TQ2_K": (32, 4),
     "TQ3_K": (32, 4),
 }
+DOT_UNITS = {"TQ4_KP": 4, "TQ6_KP": 4}
 
 
 def gemv_name(qtype: Q, tokens: int, shape: tuple[int, int] | None = None) -> str:
@@ -119,14 +128,14 @@ def gemv_name(qtype: Q, tokens: int, shape: tuple[int, int] | None = None) -> st
 
 def gemv_q_name(qtype: Q, tokens: int, shape: tuple[int, int], mode: int = 0) -> str:
     rows, units = shape
-    return f"gemv_q<{LAYOUTS[qtype].struct}, {tokens}, {rows}, {units}, {mode}>"
+    return f"gemv_q<{LAYOUTS[qtype].dot_struct}, {tokens}, {rows}, {units}, {mode}>"
 
 
 def gemv_q_smem(qtype: Q, tokens: int, cols: int) -> int:
     """Shared memory of gemv_q: per token and unit (padded to 32), int16 x plus a scale and a sum per run."""
     layout = LAYOUTS[qtype]
-    values, runs = UNIT_SHAPES.get(layout.struct, (32, 2))
-    units = -(-(cols // layout.block * layout.units) // 32) * 32
+    values, runs = UNIT_SHAPES.get(layout.dot_struct, (32, 2))
+    units = -(-(cols // layout.block * DOT_UNITS.get(layout.dot_struct, layout.units)) // 32) * 32
     return tokens * units * (values * 2 + runs * 8)
 
 

@@ -662,6 +662,40 @@ struct TQ4_K {
     }
 };
 
+// Q4_K as gemv_q reads it: a unit is a whole 32-byte chunk j of qs (values 64j..64j+63; sub-block 2j in the low
+// nibbles, 2j + 1 in the high ones), so a lane decodes the two sub-blocks' scales and mins once for 64 values where
+// TQ4_K's 16-byte units decode them for 32, and without a branch (TQ4_K's k_scale_min branches on the sub-block,
+// which differs between the lanes of a warp). Four runs of 16 values: x is quantized as for TQ4_K.
+struct TQ4_KP {
+    static constexpr int BLOCK = 256, UNITS = 4, UV = 64, NR = 4, RL = 16;
+    struct Raw { uint4 head, lo, hi; };  // lo, hi: bytes 0-15 and 16-31 of the chunk
+    static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
+        const uint4* b = (const uint4*)(w + blk * 144);
+        return {__ldg(b), __ldg(b + 1 + 2 * unit), __ldg(b + 2 + 2 * unit)};
+    }
+    // The 6-bit scales (sc) and mins (mn) of sub-blocks 2j and 2j + 1, as bytes 0 and 1 of each word.
+    static __device__ __forceinline__ void scales(const uint4& head, int j, u32& sc, u32& mn) {
+        const int shift = 16 * (j & 1);
+        const u32 a = head.y >> shift, b = head.z >> shift, c = head.w >> shift;
+        sc = j < 2 ? a & 0x3F3Fu : (c & 0x0F0Fu) | ((a >> 2) & 0x3030u);
+        mn = j < 2 ? b & 0x3F3Fu : ((c >> 4) & 0x0F0Fu) | ((b >> 2) & 0x3030u);
+    }
+    static __device__ __forceinline__ float dot(const Raw& r, int unit, const u32* xw, const float* xs, const float* xsum) {
+        u32 sc, mn;
+        scales(r.head, unit, sc, mn);
+        const float d = f16_to_f32((u16)(r.head.x & 0xFFFF)), dmin = f16_to_f32((u16)(r.head.x >> 16));
+        const int s0 = dot16(low_nibbles(r.lo.x), low_nibbles(r.lo.y), low_nibbles(r.lo.z), low_nibbles(r.lo.w), xw);
+        const int s1 = dot16(low_nibbles(r.hi.x), low_nibbles(r.hi.y), low_nibbles(r.hi.z), low_nibbles(r.hi.w), xw + 8);
+        const int s2 = dot16(high_nibbles(r.lo.x), high_nibbles(r.lo.y), high_nibbles(r.lo.z), high_nibbles(r.lo.w), xw + 16);
+        const int s3 = dot16(high_nibbles(r.hi.x), high_nibbles(r.hi.y), high_nibbles(r.hi.z), high_nibbles(r.hi.w), xw + 24);
+        const float low = byte_f32(sc, 0) * (xs[0] * (float)s0 + xs[1] * (float)s1);
+        const float high = byte_f32(sc, 1) * (xs[2] * (float)s2 + xs[3] * (float)s3);
+        const float mins = byte_f32(mn, 0) * (xsum[0] + xsum[1]) + byte_f32(mn, 1) * (xsum[2] + xsum[3]);
+        return d * (low + high) - dmin * mins;
+    }
+    static __device__ __forceinline__ int run_offset(int unit, int run) { return 64 * unit + 16 * run; }
+};
+
 // Q5_K adds qh[32]: bit s of qh[l] is bit 4 of value 32s + l.
 struct TQ5_K {
     static constexpr int BLOCK = 256, UNITS = 8, UV = 32, NR = 2, RL = 16;
@@ -770,6 +804,44 @@ struct TQ6_K {
         return total;
     }
     static __device__ __forceinline__ int run_offset(int unit, int run) { return 128 * (unit >> 2) + 32 * run + 8 * (unit & 3); }
+};
+
+// Q6_K as gemv_q reads it: a unit is 16 consecutive l of a half (n = unit / 2, l0 = 16 * (unit % 2)), four runs t of
+// 16 values at 128n + 32t + l0, each under one scale (8n + 2t + unit % 2): 64 values for the five loads (and their
+// addresses) that TQ6_K's 8-l units spend on 32. The 6-bit q is summed unsigned and the 32 taken off through x's
+// run sums, as the K types' mins are.
+struct TQ6_KP {
+    static constexpr int BLOCK = 256, UNITS = 4, UV = 64, NR = 4, RL = 16;
+    struct Raw { uint4 la, lb, h; uint2 sc; u16 d; };
+    static __device__ __forceinline__ Raw load(const u8* w, i64 nb, i64 blk, int unit) {
+        const int n = unit >> 1, l0 = 16 * (unit & 1);
+        const u8* ql = w + blk * 128 + 64 * n + l0;
+        return {__ldg((const uint4*)ql), __ldg((const uint4*)(ql + 32)),
+                __ldg((const uint4*)(w + 128 * nb + blk * 64 + 32 * n + l0)),
+                __ldg((const uint2*)(w + 192 * nb + blk * 16 + 8 * n)), __ldg((const u16*)(w + 208 * nb) + blk)};
+    }
+    static __device__ __forceinline__ float dot(const Raw& r, int unit, const u32* xw, const float* xs, const float* xsum) {
+        const int odd = unit & 1;
+        const u32 sc[2] = {r.sc.x ^ 0x80808080u, r.sc.y ^ 0x80808080u};  // signed bytes, offset by 128
+        float total = 0.0f;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const uint4& l = (t & 1) ? r.lb : r.la;
+            u32 q[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 lw = word_of(l, i), hw = word_of(r.h, i);
+                q[i] = (t < 2 ? low_nibbles(lw) : high_nibbles(lw)) | (((hw >> (2 * t)) & 0x03030303u) << 4);
+            }
+            const int s = dot16(q[0], q[1], q[2], q[3], xw + 8 * t);
+            const float scale = byte_f32(sc[t >> 1], 2 * (t & 1) + odd, 128.0f);
+            total += scale * (xs[t] * (float)s - 32.0f * xsum[t]);
+        }
+        return f16_to_f32(r.d) * total;
+    }
+    static __device__ __forceinline__ int run_offset(int unit, int run) {
+        return 128 * (unit >> 1) + 32 * run + 16 * (unit & 1);
+    }
 };
 
 // Q2_K planes: scales[16] (low nibble scale, high nibble min), qs[64], (d, dmin) (2 x f16).
