@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
-import os
 import struct
 import threading
 from collections import defaultdict
@@ -98,9 +97,6 @@ class Device:
         self.name = check(cu.cuDeviceGetName(256, self.handle)).split(b"\0")[0].decode()
         self.driver_version = check(cu.cuDriverGetVersion())
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
-        # Programmatic dependent launch (sm_90 and newer): a kernel's blocks are scheduled while the one before it
-        # finishes, and wait in `after_previous_grid()` (common.cuh) for its writes. LEAT_CUDA_PDL=0 turns it off.
-        self.overlap_launches = self.capability >= (9, 0) and os.environ.get("LEAT_CUDA_PDL", "1") != "0"
 
     @property
     def arch(self) -> str:
@@ -257,7 +253,7 @@ class Kernel:
     """One compiled kernel. Arguments travel in 8-byte slots: device arrays as pointers, Python ints
     as 64-bit integers (an ``int`` parameter reads the low half), floats as float32 bits."""
 
-    __slots__ = ("_address", "_config", "_occupancy", "_pointers", "_values", "device", "function", "name", "params")
+    __slots__ = ("_address", "_occupancy", "_pointers", "_values", "device", "function", "name", "params")
 
     def __init__(self, function: Any, name: str, device: Device, params: list[str]):
         self.function, self.name, self.device, self.params = function, name, device, params
@@ -265,7 +261,6 @@ class Kernel:
         self._pointers = self._values.ctypes.data + 8 * np.arange(len(self._values), dtype=np.uint64)
         self._address = self._pointers.ctypes.data  # an int: numpy's .ctypes costs microseconds per launch
         self._occupancy: dict[tuple[int, int], int] = {}
-        self._config = _overlapping_launch(device) if device.overlap_launches else None
 
     def occupancy(self, block: int, smem: int = 0) -> int:
         """Blocks of this size that fit on one multiprocessor at once."""
@@ -280,30 +275,8 @@ class Kernel:
             raise TypeError(f"{self.name} takes {len(self.params)} arguments, not {len(args)}")
         self._values[: len(args)] = [_param(a) for a in args]
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        config = self._config
-        if config is None:
-            err = _cu().cuLaunchKernel(
-                self.function, gx, gy, gz, block, 1, 1, smem, self.device.stream, self._address, 0
-            )
-        else:
-            config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
-            config.blockDimX, config.sharedMemBytes = block, smem
-            err = _cu().cuLaunchKernelEx(config, self.function, self._address, 0)
+        err = _cu().cuLaunchKernel(self.function, gx, gy, gz, block, 1, 1, smem, self.device.stream, self._address, 0)
         check(err, f"launch of {self.name}")
-
-
-def _overlapping_launch(device: Device) -> Any:
-    """A launch configuration on the device's stream that lets the kernel start before the previous one ends."""
-    cu = _cu()
-    attribute = cu.CUlaunchAttribute()
-    attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attribute.value.programmaticStreamSerializationAllowed = 1
-    config = cu.CUlaunchConfig()
-    config.blockDimY = config.blockDimZ = 1
-    config.hStream = device.stream
-    config.attrs = [attribute]
-    config.numAttrs = 1
-    return config
 
 
 class Module:

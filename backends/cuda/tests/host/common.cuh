@@ -16,7 +16,6 @@ inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 inline float f16_to_f32(u16 h) { _Float16 f; memcpy(&f, &h, 2); return (float)f; }
-inline void after_previous_grid() {}  // kernels/common.cuh: the wait for the previous kernel of the stream
 inline i64 align16(i64 n) { return (n + 15) & ~(i64)15; }
 inline float byte_f32(u32 word, int k, float offset = 0.0f) { return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540 + k)) - (8388608.0f + offset); }
 inline float small_f32(u32 q, float offset = 0.0f) { return __uint_as_float(0x4B000000u | q) - (8388608.0f + offset); }

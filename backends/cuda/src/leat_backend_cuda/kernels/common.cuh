@@ -9,19 +9,6 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #define FULL_MASK 0xffffffffu
-
-// The first statement of every kernel. Kernels are launched with programmatic stream serialization
-// (driver.py), so a kernel's blocks may be scheduled while the kernel before it on the stream is still
-// running: this waits until that kernel has finished and its writes are visible (every kernel waits,
-// so the order holds transitively), then lets the next kernel's blocks be scheduled in turn, hiding
-// the launch and the ramp-up between kernels. Without that launch attribute (or before sm_90) it is
-// a no-op.
-__device__ __forceinline__ void after_previous_grid() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
 #define NEG_INF __int_as_float(0xff800000u)
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {

@@ -18,7 +18,6 @@ template <int K>
 __global__ void deltanet_conv(const float* __restrict__ mixed, const float* __restrict__ conv,
                               const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
                               float* __restrict__ tails, float* __restrict__ x, int n, int channels) {
-    after_previous_grid();
     const int i = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < channels && tok_slot[i] < 0) x[(i64)i * channels + c] = 0.0f;
     if (c >= channels || !run_start(tok_slot, i)) return;
@@ -57,7 +56,6 @@ __global__ void __launch_bounds__(32)
                    const float* __restrict__ dt_bias, const float* __restrict__ a, const int* __restrict__ tok_slot,
                    const int* __restrict__ tok_pos, float* __restrict__ states, float* __restrict__ out, int n,
                    int k_heads, int v_heads, float eps) {
-    after_previous_grid();
     const int i = blockIdx.x, h = blockIdx.y, lane = threadIdx.x, r = blockIdx.z * 32 + lane;
     if (tok_slot[i] < 0 && r < D) out[((i64)i * v_heads + h) * D + r] = 0.0f;
     if (!run_start(tok_slot, i)) return;
@@ -112,7 +110,6 @@ __global__ void __launch_bounds__(32)
 // row: Qwen3.5 MoE's shared expert).
 extern "C" __global__ void sigmoid_mul(const float* __restrict__ gate, const float* __restrict__ x,
                                        float* __restrict__ y, i64 n, int cols, int gate_cols) {
-    after_previous_grid();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const i64 row = i / cols;
         const float g = gate[row * gate_cols + (gate_cols == 1 ? 0 : i % cols)];

@@ -25,7 +25,6 @@ __global__ void __launch_bounds__(128) gemv_id(const u8* __restrict__ w, i64 nb,
                                                const float* __restrict__ x, int x_div, float* __restrict__ y,
                                                const float* __restrict__ bias, int M, int K, const u8* __restrict__ w2,
                                                const float* __restrict__ bias2, int act, float alpha, float limit) {
-    after_previous_grid();
     constexpr int R = 2, RR = GLU ? 2 * R : R;  // rows R.. are the up projection's
     const int p = blockIdx.x, lane = threadIdx.x & 31;
     const int row0 = (blockIdx.y * 4 + (threadIdx.x >> 5)) * R;
@@ -94,7 +93,6 @@ __global__ void __launch_bounds__(128) gemv_grouped(const u8* __restrict__ w, i6
                                                     float* __restrict__ y, const float* __restrict__ bias, int M, int K,
                                                     const u8* __restrict__ w2, const float* __restrict__ bias2, int act,
                                                     float alpha, float limit) {
-    after_previous_grid();
     constexpr int R = 2, RR = GLU ? 2 * R : R;
     const int i = blockIdx.x, lane = threadIdx.x & 31;
     const int row0 = (blockIdx.y * 4 + (threadIdx.x >> 5)) * R;
@@ -170,7 +168,6 @@ __global__ void __launch_bounds__(128) gemm_grouped(
     const int* __restrict__ order, int E, const u16* __restrict__ xh, const float* __restrict__ xscale, int x_div,
     float* __restrict__ y, const float* __restrict__ bias, int M, int K, const u8* __restrict__ w2,
     const float* __restrict__ bias2, int act, float alpha, float limit) {
-    after_previous_grid();
     constexpr int J = T::UV / 4, LD = GROUPED_KC + 8, RS = GLU ? 2 * RT : RT, NC = 8 * NT;
     static_assert(GROUPED_KC % T::BLOCK == 0, "a chunk of K holds whole blocks");
     extern __shared__ uint4 grouped_smem[];  // x: [STAGES][NC][LD] f16

@@ -19,7 +19,6 @@ __global__ void __launch_bounds__(128) flash_attention(
     const int* __restrict__ page_table, const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
     const int* __restrict__ tiles, float* __restrict__ out, int heads, int kv_heads, int pages_per_slot,
     int page_size, int window, float scale, float softcap, int gb) {
-    after_previous_grid();
     constexpr int BK = 32, LD = D + 8, C8 = D / 8;  // keys per tile; padded smem rows (bank spread)
     __shared__ __align__(16) u16 qs[64 * LD];
     __shared__ __align__(16) u16 ks[BK * LD];

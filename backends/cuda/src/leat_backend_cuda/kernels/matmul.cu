@@ -12,7 +12,6 @@
 template <class T, int NC, int R, int U>
 __global__ void __launch_bounds__(128) gemv(const u8* __restrict__ w, i64 nb, const float* __restrict__ x,
                                             float* __restrict__ y, const float* __restrict__ bias, int M, int K) {
-    after_previous_grid();
     const int lane = threadIdx.x & 31;
     const int row0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * R;
     if (row0 >= M) return;
@@ -101,7 +100,6 @@ __global__ void __launch_bounds__(128) gemv_q(
     const float* __restrict__ x, float* __restrict__ y, float* __restrict__ y2, float* __restrict__ y3,
     const float* __restrict__ bias, const float* __restrict__ bias2, const float* __restrict__ bias3,
     const float* __restrict__ res, const float* __restrict__ nw, float eps, int M, int M2, int M3, int K) {
-    after_previous_grid();
     constexpr int QG = T::UV / 8, NR = T::NR, RL = T::RL, RR = (MODE & GLU) ? 2 * R : R;
     extern __shared__ uint4 xsh[];
     const int bpr = K / T::BLOCK, upr = bpr * T::UNITS, lines = (upr + 31) >> 5;
@@ -252,7 +250,6 @@ __global__ void __launch_bounds__(256) gemm_few(const u8* __restrict__ w, const 
                                                 const u16* __restrict__ xh, const float* __restrict__ xscale,
                                                 float* __restrict__ y, const float* __restrict__ bias, int M, int N,
                                                 int K) {
-    after_previous_grid();
     constexpr int WARPS = 8, J = T::UV / 4, RS = GATED ? 2 * RT : RT, C = RS * NT * 4, OUT = RT * NT * 4 * 32;
     extern __shared__ float partial[];  // [WARPS][C][32]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -334,7 +331,6 @@ template <class T, int NT, int RT>
 __global__ void __launch_bounds__(128) gemm_rows(const u8* __restrict__ w, i64 nb, const u16* __restrict__ xh,
                                                  const float* __restrict__ xscale, float* __restrict__ y,
                                                  const float* __restrict__ bias, int M, int N, int K, int kchunk) {
-    after_previous_grid();
     constexpr int J = T::UV / 4, LD = ROWS_KC + 8, STEPS = ROWS_KC / T::UV / 4;
     static_assert(ROWS_KC % (4 * T::UV) == 0, "a chunk of K holds whole quad steps");
     __shared__ __align__(16) u16 xs[8 * NT][LD];
@@ -433,7 +429,6 @@ template <class T, int KT>
 __global__ void __launch_bounds__(256, 2) gemm(const u8* __restrict__ w, i64 nb, const u16* __restrict__ xh,
                                             const float* __restrict__ xscale, float* __restrict__ y,
                                             const float* __restrict__ bias, int M, int N, int K, int kchunk) {
-    after_previous_grid();
     constexpr int BM = 128, BN = 64, LD = KT + 8;
     constexpr int TB = KT / T::BLOCK, UPR = TB * T::UNITS;  // quant blocks, units per tile row
     extern __shared__ __align__(16) u16 smem[];
@@ -537,7 +532,6 @@ __global__ void __launch_bounds__(256, 2) gemm(const u8* __restrict__ w, i64 nb,
 // All nb blocks as float32 values in order, rounded exactly as gguf-py's dequantize.
 template <class T>
 __global__ void dequantize(const u8* __restrict__ w, i64 nb, float* __restrict__ out) {
-    after_previous_grid();
     const i64 gid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (gid >= nb * T::UNITS) return;
     const i64 blk = gid / T::UNITS;
@@ -555,7 +549,6 @@ __global__ void dequantize(const u8* __restrict__ w, i64 nb, float* __restrict__
 // (cublas.py). 16-byte stores; values rounded once, from the float decode, to f16.
 template <class T>
 __global__ void dequantize_f16(const u8* __restrict__ w, i64 nb, u16* __restrict__ out, i64 first, i64 count) {
-    after_previous_grid();
     const i64 gid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (gid >= count * T::UNITS) return;
     const i64 blk = gid / T::UNITS;
@@ -566,7 +559,6 @@ __global__ void dequantize_f16(const u8* __restrict__ w, i64 nb, u16* __restrict
 // Rows `tokens` of an embedding table [vocab, cols]: out [n, cols]; grid (units of a row / 128, n).
 template <class T>
 __global__ void embed(const u8* __restrict__ w, i64 nb, const int* __restrict__ tokens, float* __restrict__ out, int cols) {
-    after_previous_grid();
     const int u = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
     const int bpr = cols / T::BLOCK;
     if (u >= bpr * T::UNITS) return;

@@ -10,7 +10,6 @@ template <typename KV>
 __global__ void mla_kv_write(const float* __restrict__ latent, const float* __restrict__ k_rope, KV* __restrict__ kc,
                              u16* __restrict__ ks, const int* __restrict__ page_table, const int* __restrict__ tok_slot,
                              const int* __restrict__ tok_pos, int rank, int rope, int pages_per_slot, int page_size) {
-    after_previous_grid();
     const int t = blockIdx.x, slot = tok_slot[t], pos = tok_pos[t];
     if (slot < 0) return;
     const int page = page_table[(i64)slot * pages_per_slot + pos / page_size];
@@ -33,7 +32,6 @@ __global__ void __launch_bounds__(128) mla_attention(
     const u16* __restrict__ ks, const int* __restrict__ page_table, const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
     float* __restrict__ out, float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int rank, int rope,
     int pages_per_slot, int page_size, int window, int split, float scale) {
-    after_previous_grid();
     const int t = blockIdx.x, h0 = blockIdx.y * GB, z = blockIdx.z, nsplit = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, dk = rank + rope;
     const int slot = tok_slot[t], pos = tok_pos[t];
@@ -98,7 +96,6 @@ __global__ void __launch_bounds__(128) mla_attention(
 // [2^14, 2^15), as ops.cu's x_to_f16), and the scales that undo it. One block per row.
 extern "C" __global__ void mla_q_f16(const float* __restrict__ q_latent, const float* __restrict__ q_rope,
                                      u16* __restrict__ qh, float* __restrict__ qscale, int rank, int rope) {
-    after_previous_grid();
     const i64 r = blockIdx.x;
     const int dk = rank + rope;
     const float *ql = q_latent + r * rank, *qr = q_rope + r * rope - rank;
@@ -117,7 +114,6 @@ extern "C" __global__ void mla_q_f16(const float* __restrict__ q_latent, const f
 template <typename KV>
 __global__ void mla_keys_f16(const KV* __restrict__ kc, const u16* __restrict__ ks, const int* __restrict__ page_table,
                              int slot, int dk, int pages_per_slot, int page_size, u16* __restrict__ keys) {
-    after_previous_grid();
     const int p = blockIdx.x;
     const i64 row = (i64)page_table[(i64)slot * pages_per_slot + p / page_size] * page_size + p % page_size;
     for (int d = threadIdx.x; d < dk; d += blockDim.x) keys[(i64)p * dk + d] = f32_to_f16(kv_load(kc, ks, row, dk, d));
@@ -130,7 +126,6 @@ __global__ void mla_keys_f16(const KV* __restrict__ kc, const u16* __restrict__ 
 extern "C" __global__ void mla_softmax_f16(const float* __restrict__ s, u16* __restrict__ p,
                                            const float* __restrict__ qscale, const int* __restrict__ pos, int heads,
                                            int span, int window, float scale) {
-    after_previous_grid();
     const i64 r = blockIdx.x;
     const int at = pos[r / heads], lo = window > 0 ? max(0, at - window + 1) : 0, hi = min(at, span - 1);
     const float f = scale * qscale[r];

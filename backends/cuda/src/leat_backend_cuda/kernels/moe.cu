@@ -33,7 +33,6 @@ __device__ __forceinline__ int warp_argmax(const float* v, const unsigned char* 
 extern "C" __global__ void __launch_bounds__(32) moe_route(
     const float* __restrict__ logits, const float* __restrict__ sel_bias, int* __restrict__ ids,
     float* __restrict__ weights, int E, int k, int gating, int normalize, float scale, int groups, int groups_used) {
-    after_previous_grid();
     extern __shared__ float sm[];
     float* score = sm;
     float* sel = sm + E;
@@ -116,7 +115,6 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(
 // Dynamic shared memory: 4 * warps * E bytes.
 extern "C" __global__ void moe_group(const int* __restrict__ ids, int P, int E, int NC, int* __restrict__ start,
                                      int* __restrict__ chunk_start, int* __restrict__ order) {
-    after_previous_grid();
     extern __shared__ float sm[];
     int* count = (int*)sm;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -161,7 +159,6 @@ extern "C" __global__ void moe_group(const int* __restrict__ ids, int P, int E, 
 // matrix h's pairs are h, h + heads, ... (n of them). One block.
 extern "C" __global__ void head_group(int n, int heads, int NC, int* __restrict__ start, int* __restrict__ chunk_start,
                                       int* __restrict__ order) {
-    after_previous_grid();
     const int chunks = (n + NC - 1) / NC;
     for (int h = threadIdx.x; h <= heads; h += blockDim.x) {
         start[h] = h * n;
@@ -174,7 +171,6 @@ extern "C" __global__ void head_group(int n, int heads, int NC, int* __restrict_
 // (kind 1): x = min(g, limit), y = clamp(u, -limit, limit), x * sigmoid(alpha x) * (y + 1).
 extern "C" __global__ void moe_glu(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ y,
                                    i64 n, int kind, float alpha, float limit) {
-    after_previous_grid();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         if (kind == 0) {
             y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
@@ -189,7 +185,6 @@ extern "C" __global__ void moe_glu(const float* __restrict__ g, const float* __r
 // block per token.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights,
                                        const float* __restrict__ residual, float* __restrict__ out, int k, int d) {
-    after_previous_grid();
     const i64 t = blockIdx.x;
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         float s = 0.0f;
@@ -203,7 +198,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
 extern "C" __global__ void gemv_id_f32(const float* __restrict__ w, const int* __restrict__ ids, int mod,
                                        const float* __restrict__ x, int x_div, float* __restrict__ y,
                                        const float* __restrict__ bias, int M, int K) {
-    after_previous_grid();
     const int p = blockIdx.x, row = blockIdx.y * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= M) return;
     const i64 e = ids ? ids[p] : p % mod;

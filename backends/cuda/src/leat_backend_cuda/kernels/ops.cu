@@ -14,7 +14,6 @@ __device__ __forceinline__ float rms_factor(const float* __restrict__ xr, int co
 // y = x / sqrt(mean(x^2) + eps) * w over rows of `cols` (w null: no scale). One block per row.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                                     int cols, float eps) {
-    after_previous_grid();
     const float* xr = x + (i64)blockIdx.x * cols;
     float* yr = y + (i64)blockIdx.x * cols;
     const float r = rms_factor(xr, cols, eps);
@@ -36,7 +35,6 @@ __device__ __forceinline__ int f16_shift(float mx) {
 // power of two, f16_shift), without the float32 row: the norm of a product's input, fused into its f16 rows.
 extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float* __restrict__ w,
                                         u16* __restrict__ xh, float* __restrict__ xscale, int cols, float eps) {
-    after_previous_grid();
     const float* xr = x + (i64)blockIdx.x * cols;
     u32* hr = (u32*)(xh + (i64)blockIdx.x * cols);
     const float r = rms_factor(xr, cols, eps);
@@ -84,7 +82,6 @@ __device__ __forceinline__ void rope_head(In in, float* __restrict__ yr, double 
 extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__ y, const int* __restrict__ pos,
                                 const double* __restrict__ inv_freq, int heads, int head_dim, int dims, int neox,
                                 float magnitude) {
-    after_previous_grid();
     const float* xr = x + (i64)blockIdx.x * head_dim;
     rope_head([=](int c) { return xr[c]; }, y + (i64)blockIdx.x * head_dim, (double)pos[blockIdx.x / heads], inv_freq,
               head_dim, dims, neox, magnitude);
@@ -97,7 +94,6 @@ extern "C" __global__ void rope_norm(const float* __restrict__ x, const float* _
                                      float* __restrict__ y, const int* __restrict__ pos,
                                      const double* __restrict__ inv_freq, int heads, int head_dim, int dims, int neox,
                                      float magnitude) {
-    after_previous_grid();
     const float* xr = x + (i64)blockIdx.x * head_dim;
     const float r = rms_factor(xr, head_dim, eps);
     rope_head([=](int c) { return w ? xr[c] * r * w[c] : xr[c] * r; }, y + (i64)blockIdx.x * head_dim,
@@ -116,7 +112,6 @@ __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ 
                          const int* __restrict__ page_table, const int* __restrict__ tok_slot,
                          const int* __restrict__ tok_pos, int kv_heads, int dk, int dv, int pages_per_slot,
                          int page_size) {
-    after_previous_grid();
     const int t = blockIdx.x, slot = tok_slot[t], pos = tok_pos[t];
     if (slot < 0) return;
     const int page = page_table[(i64)slot * pages_per_slot + pos / page_size];
@@ -141,7 +136,6 @@ __global__ void rope_kv_write(const float* __restrict__ q, const float* __restri
                               const int* __restrict__ rope_pos, const double* __restrict__ inv_freq, int heads,
                               int kv_heads, int head_dim, int dv, int dims, int neox, float magnitude,
                               int pages_per_slot, int page_size) {
-    after_previous_grid();
     __shared__ float rotated[512];  // the k head
     const int t = blockIdx.x / (heads + kv_heads), h = blockIdx.x % (heads + kv_heads);
     const bool is_q = h < heads;
@@ -183,7 +177,6 @@ __global__ void __launch_bounds__(128) attention(
     float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
     int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
     const float* __restrict__ sinks) {
-    after_previous_grid();
     const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
     const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -258,7 +251,6 @@ __global__ void __launch_bounds__(128) attention_wide(
     float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
     int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
     const float* __restrict__ sinks) {
-    after_previous_grid();
     __shared__ __align__(16) float sq[GB][DL * 32];
     const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
     const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
@@ -332,7 +324,6 @@ __global__ void __launch_bounds__(128) attention_wide(
 extern "C" __global__ void attention_combine(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
                                              float* __restrict__ out, int nsplit, int dv,
                                              const float* __restrict__ sinks, int heads) {
-    after_previous_grid();
     const i64 th = blockIdx.x;
     const float* ml = part_ml + th * nsplit * 2;
     float mx = NEG_INF;
@@ -356,7 +347,6 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_ml, 
 
 #define ELEMENTWISE(name, params, expr)                                                           \
     extern "C" __global__ void name params {                                                      \
-        after_previous_grid();                                                                    \
         for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) \
             y[i] = expr;                                                                          \
     }
@@ -375,7 +365,6 @@ ELEMENTWISE(gelu_mul, (const float* __restrict__ g, const float* __restrict__ u,
 // threads. A row is a vocabulary (128k floats for Llama 3) read by one multiprocessor, so each warp keeps several
 // loads in flight (the loop unrolled; a load does not wait for the comparison before it).
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, int* __restrict__ out, int cols) {
-    after_previous_grid();
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const float* xr = x + (i64)blockIdx.x * cols;
@@ -421,7 +410,6 @@ __device__ __forceinline__ bool topk_better(float av, int ai, float bv, int bi) 
 #define TOPK_T 8
 extern "C" __global__ void __launch_bounds__(1024) top_k_rows(const float* __restrict__ x, float* __restrict__ values,
                                                               int* __restrict__ ids, int cols, int k) {
-    after_previous_grid();
     __shared__ float warp_v[32];
     __shared__ int warp_i[32];
     __shared__ float chosen_v;
@@ -488,7 +476,6 @@ extern "C" __global__ void __launch_bounds__(1024) top_k_rows(const float* __res
 }
 
 extern "C" __global__ void splitk_sum(const float* __restrict__ part, float* __restrict__ y, i64 n, int S) {
-    after_previous_grid();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float s = part[i];
         for (int z = 1; z < S; ++z) s += part[z * n + i];
@@ -499,7 +486,6 @@ extern "C" __global__ void splitk_sum(const float* __restrict__ part, float* __r
 // y[r] = x[index[r]] for rows of `cols` values; one block per output row.
 extern "C" __global__ void take_rows(const float* __restrict__ x, const int* __restrict__ index, float* __restrict__ y,
                                      int cols) {
-    after_previous_grid();
     const float* src = x + (i64)index[blockIdx.x] * cols;
     float* dst = y + (i64)blockIdx.x * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
@@ -509,7 +495,6 @@ extern "C" __global__ void take_rows(const float* __restrict__ x, const int* __r
 // overflow, and small rows keep their precision. `xscale` gets the inverse factor. One block per row.
 extern "C" __global__ void x_to_f16(const float* __restrict__ x, u16* __restrict__ xh, float* __restrict__ xscale,
                                     int cols) {
-    after_previous_grid();
     // rows of a GEMM's input (cols a multiple of 8): 16-byte loads, 8-byte stores; the second pass
     // reads the row again from L1/L2
     const float4* xr = (const float4*)(x + (i64)blockIdx.x * cols);
@@ -536,7 +521,6 @@ extern "C" __global__ void x_to_f16(const float* __restrict__ x, u16* __restrict
 // The file's bytes go to the device as they are and are rearranged here, not on the host.
 extern "C" __global__ void split_plane(const u8* __restrict__ src, u8* __restrict__ dst, i64 blocks, int block_bytes,
                                        int offset, int size) {
-    after_previous_grid();
     const i64 total = blocks * size;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const i64 b = i / size;
@@ -547,7 +531,6 @@ extern "C" __global__ void split_plane(const u8* __restrict__ src, u8* __restric
 // dst[i] = src[index[i]] for i < n: a step's tokens taken from the last step's argmax (run's `fed`).
 extern "C" __global__ void gather_ints(const int* __restrict__ src, const int* __restrict__ index, int* __restrict__ dst,
                                        int n) {
-    after_previous_grid();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = src[index[i]];
 }
@@ -556,7 +539,6 @@ extern "C" __global__ void gather_ints(const int* __restrict__ src, const int* _
 // rows of scale 1 (most: f16_shift) are neither read nor written.
 extern "C" __global__ void scale_rows_bias(float* __restrict__ y, const float* __restrict__ xscale,
                                            const float* __restrict__ bias, int m, i64 total) {
-    after_previous_grid();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const i64 t = i / m;
         const float s = xscale[t];
@@ -569,7 +551,6 @@ extern "C" __global__ void scale_rows_bias(float* __restrict__ y, const float* _
 // one warp per output element.
 extern "C" __global__ void matmul_f32_naive(const float* __restrict__ w, const float* __restrict__ x,
                                             float* __restrict__ y, const float* __restrict__ bias, int M, int N, int K) {
-    after_previous_grid();
     const i64 item = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (item >= (i64)M * N) return;

@@ -7,7 +7,6 @@
 // the row as the float64 oracle computes it; w or b null: left out). One block per row.
 extern "C" __global__ void layer_norm(const float* __restrict__ x, const float* __restrict__ w,
                                       const float* __restrict__ b, float* __restrict__ y, int cols, float eps) {
-    after_previous_grid();
     const float* xr = x + (i64)blockIdx.x * cols;
     float* yr = y + (i64)blockIdx.x * cols;
     float s = 0.0f;
@@ -24,7 +23,6 @@ extern "C" __global__ void layer_norm(const float* __restrict__ x, const float* 
 
 // gelu in ggml's tanh form, over n values (a vision encoder's MLP, which has no up projection).
 extern "C" __global__ void gelu(const float* __restrict__ g, float* __restrict__ y, i64 n) {
-    after_previous_grid();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         y[i] = 0.5f * g[i] * (1.0f + tanhf(0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i])));
 }
@@ -42,7 +40,6 @@ __global__ void __launch_bounds__(128) attention_open(
     const int* __restrict__ tok_pos, const int* __restrict__ tok_last, float* __restrict__ out, int n, int heads,
     int kv_heads, int dk, int dv, int pages_per_slot, int page_size, int window, float scale, float softcap,
     const float* __restrict__ sinks) {
-    after_previous_grid();
     const i64 item = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);  // token * heads + head
     const int lane = threadIdx.x & 31;
     if (item >= (i64)n * heads) return;
