@@ -106,8 +106,7 @@ GEMM_FEW_VARIANTS = ((1, 1), (2, 1), (2, 2), (4, 2))
 #: tokens up to which gemm_few may run (gemm_few_shape decides by rows)
 GEMM_FEW_MAX_TOKENS = 32
 GEMM_SMEM = {32: (128 + 64) * (32 + 8) * 2, 256: (128 + 64) * (256 + 8) * 2}
-#: values per unit, runs per unit of each decoder struct (mirrors quants.cuh; (32, 2) where not listed), and the
-#: units per block of gemv_q's structs that are not a layout's ``struct``
+#: values per unit, runs per unit of each decoder struct (mirrors quants.cuh; (32, 2) where not listed)
 UNIT_SHAPES = {
     "TQ8_0": (16, 1),
     "TQ4_K": (32, 2),
@@ -118,7 +117,6 @@ UNIT_SHAPES = {
     "TQ2_K": (32, 4),
     "TQ3_K": (32, 4),
 }
-DOT_UNITS = {"TQ4_KP": 4, "TQ6_KP": 4}
 
 
 def gemv_name(qtype: Q, tokens: int, shape: tuple[int, int] | None = None) -> str:
@@ -133,9 +131,8 @@ def gemv_q_name(qtype: Q, tokens: int, shape: tuple[int, int], mode: int = 0) ->
 
 def gemv_q_smem(qtype: Q, tokens: int, cols: int) -> int:
     """Shared memory of gemv_q: per token and unit (padded to 32), int16 x plus a scale and a sum per run."""
-    layout = LAYOUTS[qtype]
-    values, runs = UNIT_SHAPES.get(layout.dot_struct, (32, 2))
-    units = -(-(cols // layout.block * DOT_UNITS.get(layout.dot_struct, layout.units)) // 32) * 32
+    values, runs = UNIT_SHAPES.get(LAYOUTS[qtype].dot_struct, (32, 2))
+    units = -(-(cols // values) // 32) * 32
     return tokens * units * (values * 2 + runs * 8)
 
 
