@@ -96,8 +96,9 @@ class QuantizedWeight:
         name = self.qtype.name.lower()
         kinds += ("igemv",) if lib.has_gemm and self.qtype in lib.integer_gemv else ()
         self.kernels = {kind: lib.entry(f"{kind}_{name}") for kind in kinds}
-        if "igemv" in kinds and lib.has(f"igemvb_{name}"):  # a block at a time (AVX2's Q4_K and Q6_K)
-            self.kernels["igemv"] = lib.entry(f"igemvb_{name}")
+        for kind in ("igemv", "gemm"):  # a block at a time (AVX2's Q4_K and Q6_K)
+            if kind in kinds and lib.has(f"{kind}b_{name}"):
+                self.kernels[kind] = lib.entry(f"{kind}b_{name}")
         integer = "igemv" in self.kernels
         self.step = functools.partial(self.kernels["igemv" if integer else "gemv"], self.address, *self.shape)
         self.step_range = (activation_range(self.qtype),) if integer else ()
@@ -161,6 +162,7 @@ SIGNATURES = {
     "gemm": "pllplpfi",
     "igemv": "pllplpfi",
     "igemvb": "pllplpfi",
+    "gemmb": "pllplpfi",
     "dequant": "ppllpi",
     "attend": "p" * 8 + "l" * 9 + "ffi",
     "rms_norm": "pppllf",

@@ -703,6 +703,14 @@ static void gemm_panels(const void *arg, int64_t first, int64_t last) {
     free(offsets);
 }
 
+/* a panel of fewer than 16 rows: the rows past the weight's multiply zeros */
+static void panel_clear(int64_t rows, int64_t k, int32_t *units, float *scales, float *offsets) {
+    if (rows < 16) {
+        memset(units, 0, (size_t)(k / 32) * 1024);
+        memset(scales, 0, (size_t)(k / 32) * 64);
+        memset(offsets, 0, (size_t)(k / 32) * 128);
+    }
+}
 static void gemm(gemm_job *j, const float *x, float xmax, int threads) {
     int64_t groups = j->k / 32, padded = (j->n + TILE - 1) / TILE * TILE;
     int32_t *xu = calloc((size_t)(padded * j->k / 2), 4);
@@ -855,6 +863,27 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
  * kmask words do), each group's weight scale times x's as one 8-lane product a token, the mins' offsets one 8-lane
  * FMA a token; the groups' int32 sums as igemv's (two vpmaddwd of the pairs straight from the nibbles). A token's
  * sums run in the same order whatever the tile it is in. Entry point igemvb_q4_k (native.py prefers it to igemv_). */
+/* A Q4_K block's 8 groups as wgroup pairs, their 8 scales (d * scale) and 8 mins (dmin * min) */
+static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *blk, wgroup w[8], __m256 *scales,
+                                                              __m256 *mins) {
+    uint32_t u[4];
+    memcpy(u, blk + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    uint32_t mins_low = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = mins_low;
+    u[0] &= 0x3f3f3f3fu; /* bytes of u[0..1]: the 8 scales; of u[2..3]: the 8 mins */
+    __m128i packed = _mm_loadu_si128((const __m128i *)u);
+    *scales = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)), _mm256_set1_ps(f16(blk)));
+    *mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))), _mm256_set1_ps(f16(blk + 2)));
+    for (int c = 0; c < 4; c++) {
+        __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 16 + 32 * c)));
+        __m256i high = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 + 32 * c)));
+        __m256i nibble = _mm256_set1_epi16(15);
+        w[2 * c] = pairs_of(_mm256_and_si256(low, nibble), _mm256_and_si256(high, nibble));
+        w[2 * c + 1] = pairs_of(_mm256_srli_epi16(low, 4), _mm256_srli_epi16(high, 4));
+    }
+}
 static inline __attribute__((always_inline)) void igemvb_tile_q4_k(const gemm_job *j, const uint8_t *row, int64_t r,
                                                                     int64_t t0, const int tn) {
     int64_t groups = j->k / 32, blocks = j->k / 256;
@@ -862,25 +891,9 @@ static inline __attribute__((always_inline)) void igemvb_tile_q4_k(const gemm_jo
     for (int t = 0; t < tn; t++) even[t] = odd[t] = offset[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = row + b * 144;
-        uint32_t u[4];
-        memcpy(u, blk + 4, 12);
-        u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-        uint32_t mins_low = u[1] & 0x3f3f3f3fu;
-        u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-        u[2] = mins_low;
-        u[0] &= 0x3f3f3f3fu; /* bytes of u[0..1]: the 8 scales; of u[2..3]: the 8 mins */
-        __m128i packed = _mm_loadu_si128((const __m128i *)u);
-        __m256 scales = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)), _mm256_set1_ps(f16(blk)));
-        __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))),
-                                    _mm256_set1_ps(f16(blk + 2)));
         wgroup w[8];
-        for (int c = 0; c < 4; c++) {
-            __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 16 + 32 * c)));
-            __m256i high = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 + 32 * c)));
-            __m256i nibble = _mm256_set1_epi16(15);
-            w[2 * c] = pairs_of(_mm256_and_si256(low, nibble), _mm256_and_si256(high, nibble));
-            w[2 * c + 1] = pairs_of(_mm256_srli_epi16(low, 4), _mm256_srli_epi16(high, 4));
-        }
+        __m256 scales, mins;
+        q4_k_block(blk, w, &scales, &mins);
         for (int t = 0; t < tn; t++) {
             const int32_t *xu = j->xu + (t0 + t) * (j->k / 2) + b * 128;
             const float *xs = j->xs + (t0 + t) * groups + b * 8, *xo = j->xo + (t0 + t) * 2 * groups + b * 8;
@@ -899,6 +912,9 @@ static inline __attribute__((always_inline)) void igemvb_tile_q4_k(const gemm_jo
 }
 /* Q6_K the same way (igemvb_q6_k): one f16 d a block, so a group's scale is d times x's; the int8 scales of its two
  * halves folded into the pairs (q6_k_chunk), each chunk's shifts constants */
+static inline __attribute__((always_inline)) void q6_k_block(const uint8_t *blk, wgroup w[8]) {
+    _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) w[g] = pairs_of(q6_k_chunk(blk, 2 * g), q6_k_chunk(blk, 2 * g + 1));
+}
 static inline __attribute__((always_inline)) void igemvb_tile_q6_k(const gemm_job *j, const uint8_t *row, int64_t r,
                                                                     int64_t t0, const int tn) {
     int64_t groups = j->k / 32, blocks = j->k / 256;
@@ -908,7 +924,7 @@ static inline __attribute__((always_inline)) void igemvb_tile_q6_k(const gemm_jo
         const uint8_t *blk = row + b * 210;
         __m256 d = _mm256_set1_ps(f16(blk + 208));
         wgroup w[8];
-        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) w[g] = pairs_of(q6_k_chunk(blk, 2 * g), q6_k_chunk(blk, 2 * g + 1));
+        q6_k_block(blk, w);
         for (int t = 0; t < tn; t++) {
             const int32_t *xu = j->xu + (t0 + t) * (j->k / 2) + b * 128;
             float scale[8];
@@ -923,15 +939,66 @@ static inline __attribute__((always_inline)) void igemvb_tile_q6_k(const gemm_jo
 }
 IGEMV_ENTRY(igemvb_q4_k, igemvb_tile_q4_k, k / 256 * 144, NULL, 1)
 IGEMV_ENTRY(igemvb_q6_k, igemvb_tile_q6_k, k / 256 * 210, NULL, 0)
+
+/* The prompt GEMM's panels of Q4_K and Q6_K from the same block decoders (entry points gemmb_q4_k, gemmb_q6_k, which
+ * native.py prefers to gemm_): the units, scales and offsets panel_ writes through igroup_, a block at a time. A
+ * wgroup's lanes hold the group's pairs 0-3, 8-11 (a) and 4-7, 12-15 (b). */
+static inline void panel_units(int32_t *units, int64_t g, int64_t r, wgroup w) {
+    static const int pair[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+    int32_t lanes[16];
+    _mm256_storeu_si256((__m256i *)lanes, w.a);
+    _mm256_storeu_si256((__m256i *)(lanes + 8), w.b);
+    for (int i = 0; i < 16; i++) units[(g * 16 + pair[i]) * 16 + r] = lanes[i];
+}
+static void panelb_q4_k(const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k, int32_t *units, float *scales,
+                        float *offsets) {
+    panel_clear(rows, k, units, scales, offsets);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < k / 256; b++) {
+            wgroup g8[8];
+            __m256 s, m;
+            q4_k_block(w + r * row_bytes + b * 144, g8, &s, &m);
+            float sv[8], mv[8];
+            _mm256_storeu_ps(sv, s);
+            _mm256_storeu_ps(mv, m);
+            for (int c = 0; c < 8; c++) {
+                int64_t g = b * 8 + c;
+                panel_units(units, g, r, g8[c]);
+                scales[g * 16 + r] = sv[c];
+                offsets[g * 32 + r] = offsets[g * 32 + 16 + r] = -mv[c];
+            }
+        }
+}
+static void panelb_q6_k(const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k, int32_t *units, float *scales,
+                        float *offsets) {
+    panel_clear(rows, k, units, scales, offsets);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < k / 256; b++) {
+            const uint8_t *blk = w + r * row_bytes + b * 210;
+            wgroup g8[8];
+            q6_k_block(blk, g8);
+            float d = f16(blk + 208);
+            for (int c = 0; c < 8; c++) {
+                int64_t g = b * 8 + c;
+                panel_units(units, g, r, g8[c]);
+                scales[g * 16 + r] = d;
+                offsets[g * 32 + r] = offsets[g * 32 + 16 + r] = 0;
+            }
+        }
+}
+void gemmb_q4_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
+    gemm_job j_ = {w, rows, k, n, k / 256 * 144, NULL, NULL, NULL, y, panelb_q4_k, OFFSETS_q4_k};
+    gemm(&j_, x, xmax, threads);
+}
+void gemmb_q6_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
+    gemm_job j_ = {w, rows, k, n, k / 256 * 210, NULL, NULL, NULL, y, panelb_q6_k, OFFSETS_q6_k};
+    gemm(&j_, x, xmax, threads);
+}
 #endif
 #define GEMM_KERNELS(NAME, QK, BYTES)                                                                               \
     static void panel_##NAME(const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k, int32_t *units,         \
                              float *scales, float *offsets) {                                                      \
-        if (rows < 16) {                                                                                            \
-            memset(units, 0, (size_t)(k / 32) * 1024);                                                              \
-            memset(scales, 0, (size_t)(k / 32) * 64);                                                               \
-            memset(offsets, 0, (size_t)(k / 32) * 128);                                                             \
-        }                                                                                                           \
+        panel_clear(rows, k, units, scales, offsets);                                                               \
         for (int64_t r = 0; r < rows; r++)                                                                          \
             for (int64_t b = 0; b < k / QK; b++)                                                                    \
                 _Pragma("GCC unroll 8") for (int c = 0; c < QK / 32; c++) {                                         \
