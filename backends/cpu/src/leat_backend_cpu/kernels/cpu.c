@@ -912,9 +912,7 @@ static inline __attribute__((always_inline)) void igemvb_tile_q4_k(const gemm_jo
 }
 /* Q6_K the same way (igemvb_q6_k): one f16 d a block, so a group's scale is d times x's; the int8 scales of its two
  * halves folded into the pairs (q6_k_chunk), each chunk's shifts constants */
-static inline __attribute__((always_inline)) void q6_k_block(const uint8_t *blk, wgroup w[8]) {
-    _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) w[g] = pairs_of(q6_k_chunk(blk, 2 * g), q6_k_chunk(blk, 2 * g + 1));
-}
+
 static inline __attribute__((always_inline)) void igemvb_tile_q6_k(const gemm_job *j, const uint8_t *row, int64_t r,
                                                                     int64_t t0, const int tn) {
     int64_t groups = j->k / 32, blocks = j->k / 256;
@@ -924,7 +922,7 @@ static inline __attribute__((always_inline)) void igemvb_tile_q6_k(const gemm_jo
         const uint8_t *blk = row + b * 210;
         __m256 d = _mm256_set1_ps(f16(blk + 208));
         wgroup w[8];
-        q6_k_block(blk, w);
+        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) w[g] = pairs_of(q6_k_chunk(blk, 2 * g), q6_k_chunk(blk, 2 * g + 1));
         for (int t = 0; t < tn; t++) {
             const int32_t *xu = j->xu + (t0 + t) * (j->k / 2) + b * 128;
             float scale[8];
@@ -976,7 +974,7 @@ static void panelb_q6_k(const uint8_t *w, int64_t row_bytes, int64_t rows, int64
         for (int64_t b = 0; b < k / 256; b++) {
             const uint8_t *blk = w + r * row_bytes + b * 210;
             wgroup g8[8];
-            q6_k_block(blk, g8);
+            _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) g8[c] = pairs_of(q6_k_chunk(blk, 2 * c), q6_k_chunk(blk, 2 * c + 1));
             float d = f16(blk + 208);
             for (int c = 0; c < 8; c++) {
                 int64_t g = b * 8 + c;
