@@ -751,6 +751,12 @@ struct TQ5_K {
 // half n = unit / 4, l0 = 8 * (unit % 4), runs t = 0..3 of 8 values at 128n + 32t + l0. Scales
 // are per 16 values: value 128n + 32t + l uses scale 8n + 2t + l / 16.
 
+// Four 6-bit Q6_K values of run t, one a byte (0..63): from a word of ql (low nibbles for t = 0, 1, high for 2, 3)
+// and the word of qh at the same l (bits 2t, 2t + 1).
+__device__ __forceinline__ u32 q6_k_values(u32 lw, u32 hw, int t) {
+    return (t < 2 ? low_nibbles(lw) : high_nibbles(lw)) | (((hw >> (2 * t)) & 0x03030303u) << 4);
+}
+
 // Byte `b` (0..7) of an 8-byte word pair, as an unsigned value.
 __device__ __forceinline__ u32 byte8(const uint2& w, int b) { return ((b < 4 ? w.x : w.y) >> (8 * (b & 3))) & 0xFF; }
 
@@ -777,8 +783,7 @@ struct TQ6_K {
             const uint2& l = (t & 1) ? r.lb : r.la;
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                const u32 lw = i ? l.y : l.x, hw = i ? r.h.y : r.h.x;
-                const u32 q = (t < 2 ? low_nibbles(lw) : high_nibbles(lw)) | (((hw >> (2 * t)) & 0x03030303u) << 4);
+                const u32 q = q6_k_values(i ? l.y : l.x, i ? r.h.y : r.h.x, t);
 #pragma unroll
                 for (int k = 0; k < 4; ++k) v[8 * t + 4 * i + k] = ds * byte_f32(q, k, 32.0f);
             }
@@ -794,9 +799,7 @@ struct TQ6_K {
             u32 q[2];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                const u32 lw = i ? l.y : l.x, hw = i ? r.h.y : r.h.x;
-                q[i] = __vsub4((t < 2 ? low_nibbles(lw) : high_nibbles(lw)) | (((hw >> (2 * t)) & 0x03030303u) << 4),
-                               0x20202020u);
+                q[i] = __vsub4(q6_k_values(i ? l.y : l.x, i ? r.h.y : r.h.x, t), 0x20202020u);
             }
             const int s = dot4(q[1], xw[4 * t + 2], xw[4 * t + 3], dot4(q[0], xw[4 * t], xw[4 * t + 1], 0));
             total += d * (float)(signed char)byte8(r.sc, 2 * t + odd) * xs[t] * (float)s;
@@ -829,10 +832,7 @@ struct TQ6_KP {
             const uint4& l = (t & 1) ? r.lb : r.la;
             u32 q[4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const u32 lw = word_of(l, i), hw = word_of(r.h, i);
-                q[i] = (t < 2 ? low_nibbles(lw) : high_nibbles(lw)) | (((hw >> (2 * t)) & 0x03030303u) << 4);
-            }
+            for (int i = 0; i < 4; ++i) q[i] = q6_k_values(word_of(l, i), word_of(r.h, i), t);
             const int s = dot16(q[0], q[1], q[2], q[3], xw + 8 * t);
             const float scale = byte_f32(sc[t >> 1], 2 * (t & 1) + odd, 128.0f);
             total += scale * (xs[t] * (float)s - 32.0f * xsum[t]);
