@@ -9,7 +9,8 @@ back with ``cuobjdump -sass`` and ``-res-usage``. The loop is the shortest backw
 instruction starting with ``--opcode`` (IDP: the dp2a of gemv_q's integer products; HMMA: the tensor-core
 kernels). cuobjdump and the nvdisasm it calls are in the ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm``
 wheels (``pip download`` them and unzip both into one folder: no CUDA toolkit needed); pass cuobjdump's path or put
-it on the PATH, with nvdisasm beside it or on the PATH. Divide a loop's instructions by the weights one pass of it decodes to compare kernels.
+it on the PATH, with nvdisasm beside it or on the PATH. Divide a loop's instructions by the weights one pass of it
+decodes to compare kernels.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 Products with 2-D weights kept as the file's GGUF blocks: more activation rows than ``GEMV_ROWS`` (a prompt) go
 through ``gemm``, which rounds the activations to int16 per 32 values (:func:`activation_range`), decodes 16 weight
 rows at a time to int16 and multiplies them with exact integer dot products (AVX-512 VNNI, or AVX2's ``vpmaddwd``),
-each decoded panel reused by every token (CPUs with neither decode tiles of rows to float32 for BLAS instead). A few
-rows (decode steps) go through ``igemv`` for the types of ``Kernels.integer_gemv`` (the same int16 activations, each 32
-weight values decoded to int16 in registers; ``igemvb`` a block at a time where the library has it), else ``gemv``, which decodes blocks in registers and multiplies in
-float32. Attention over float32 or f16 KV pages, rms_norm, the gated
+each decoded panel reused by every token (CPUs with neither decode tiles of rows to float32 for BLAS instead; ``gemmb``
+decodes the panels a block at a time where the library has it). A few rows (decode steps) go through ``igemv`` for
+the types of ``Kernels.integer_gemv`` (the same int16 activations, each 32 weight values decoded to int16 in
+registers; ``igemvb`` a block at a time where the library has it), else ``gemv``, which decodes blocks in registers
+and multiplies in float32. Attention over float32 or f16 KV pages, rms_norm, the gated
 activations and rope are one C call each. Work is split over ``threads`` threads (the caller's and a pool's; the C
 file says how).
 

@@ -9,7 +9,8 @@
  *   dequant_<TYPE>(w, ids, count, k, out, threads): rows ids[0..count-1] (ids NULL: the first count rows) into
  *       out [count][k], float32 (embedding lookups, and a prompt's products where there is no VNNI);
  *   gemm_<TYPE>(w, rows, k, x, n, y, xmax, threads): a prompt's product, with int16 activations and integer dot
- *       products (below, "prompt GEMM"), from a second decoder per type, ichunk_<TYPE>;
+ *       products (below, "prompt GEMM"), from a second decoder per type, ichunk_<TYPE> (on AVX2 gemmb_q4_k,
+ *       gemmb_q6_k decode its panels a block at a time);
  *   igemv_<TYPE> (and on AVX2 igemvb_q4_k, igemvb_q6_k, a block at a time): a few rows' product with the GEMM's
  *       int16 activations (below, "decode GEMV with integer dot products").
  * Rows are split over `threads` threads (the caller's and a pool's, below).
@@ -859,11 +860,8 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
         igemv(&j_, x, xmax, threads, NAME##_rows);                                                                  \
     }
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-/* Q4_K on AVX2, a block (8 groups) at a time: its d, dmin, 8 scales and 8 mins unpacked once (as llama.cpp's
- * kmask words do), each group's weight scale times x's as one 8-lane product a token, the mins' offsets one 8-lane
- * FMA a token; the groups' int32 sums as igemv's (two vpmaddwd of the pairs straight from the nibbles). A token's
- * sums run in the same order whatever the tile it is in. Entry point igemvb_q4_k (native.py prefers it to igemv_). */
-/* A Q4_K block's 8 groups as wgroup pairs, their 8 scales (d * scale) and 8 mins (dmin * min) */
+/* A Q4_K block's 8 groups as wgroup pairs (straight from the nibbles), their 8 scales (d * scale) and 8 mins
+ * (dmin * min): d, dmin, the scales and mins unpacked once a block, as llama.cpp's kmask words do */
 static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *blk, wgroup w[8], __m256 *scales,
                                                               __m256 *mins) {
     uint32_t u[4];
@@ -884,6 +882,9 @@ static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *blk,
         w[2 * c + 1] = pairs_of(_mm256_srli_epi16(low, 4), _mm256_srli_epi16(high, 4));
     }
 }
+/* Q4_K on AVX2, a block (8 groups) at a time: each group's weight scale times x's as one 8-lane product a token, the
+ * mins' offsets one 8-lane FMA a token; the groups' int32 sums as igemv's (two vpmaddwd of the pairs). A token's
+ * sums run in the same order whatever the tile it is in. Entry point igemvb_q4_k (native.py prefers it to igemv_). */
 static inline __attribute__((always_inline)) void igemvb_tile_q4_k(const gemm_job *j, const uint8_t *row, int64_t r,
                                                                     int64_t t0, const int tn) {
     int64_t groups = j->k / 32, blocks = j->k / 256;
@@ -911,8 +912,8 @@ static inline __attribute__((always_inline)) void igemvb_tile_q4_k(const gemm_jo
         j->y[(t0 + t) * j->rows + r] = igemv_sum(_mm256_add_ps(even[t], odd[t]), offset[t]);
 }
 /* Q6_K the same way (igemvb_q6_k): one f16 d a block, so a group's scale is d times x's; the int8 scales of its two
- * halves folded into the pairs (q6_k_chunk), each chunk's shifts constants */
-
+ * halves folded into the pairs (q6_k_chunk), each chunk's shifts constants. The chunk loop is written here and in
+ * panelb_q6_k alike: through a shared helper GCC compiled this decode loop 11% longer. */
 static inline __attribute__((always_inline)) void igemvb_tile_q6_k(const gemm_job *j, const uint8_t *row, int64_t r,
                                                                     int64_t t0, const int tn) {
     int64_t groups = j->k / 32, blocks = j->k / 256;
