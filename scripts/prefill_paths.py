@@ -6,7 +6,8 @@
 For each prompt size, a prompt-only forward (eager, best of three) with every product sent to the own GEMM, then
 to cuBLAS (``CUDABackend.cublas_min_tokens`` moved out of the way or down to one). ``--steps D:C`` also times a
 graph-replayed step of D decode rows beside a C-token prompt chunk (the server's mixed steps; C = 0: decode rows
-only), ten replays.
+only), ten replays, three ways: every product on the own kernels, the backend as it ships (gemm_few for 3-32
+tokens, cuBLAS from its thresholds), and cuBLAS for every product of 3 tokens or more (gemm_few off).
 Needs a GPU and cuBLAS (``leat-backend-cuda[cublas]``).
 """
 
@@ -19,10 +20,11 @@ import numpy as np
 from leat.batch import Batch, Row
 from leat.model import architecture_class
 from leat.modelfile import ModelFile
-from leat_backend_cuda.backend import CUDABackend
+from leat_backend_cuda.backend import CUBLAS_MIN_TOKENS, CUBLAS_MIN_TOKENS_F16, CUDABackend
 from leat_backend_cuda.bench import step_ms
 
 OWN, CUBLAS = 1 << 30, 1
+NEVER = (OWN, OWN)  # few_tokens that no product falls in
 
 
 def main() -> None:
@@ -36,11 +38,12 @@ def main() -> None:
     if backend.cublas is None:
         raise SystemExit(f"cuBLAS is not available: {backend.describe()['cublas']}")
     arch = architecture_class(file)(file, backend)
-    sizes = [int(n) for n in args.tokens.split(",")]
+    default_few = backend.few_tokens
+    sizes = [int(n) for n in filter(None, args.tokens.split(","))]
     steps = [tuple(int(x) for x in spec.split(":")) for spec in filter(None, args.steps.split(","))]
     slots = max([64] + [rows for rows, _ in steps]) + 1  # decode rows in slots 0.., the prompt in the last
-    kv = backend.allocate_kv(arch.kv_layouts(arch.params), slots, max(sizes) + 320, dtype="f16")
-    tokens = np.random.default_rng(0).integers(0, arch.vocab_size, max(sizes))
+    kv = backend.allocate_kv(arch.kv_layouts(arch.params), slots, max(sizes, default=0) + 320, dtype="f16")
+    tokens = np.random.default_rng(0).integers(0, arch.vocab_size, max(sizes + [c for _, c in steps] + [64]))
     print("| prompt tokens | own GEMM tok/s | cuBLAS tok/s |\n|---|---|---|")
     for n in sizes:
         rates = []
@@ -55,18 +58,18 @@ def main() -> None:
                 best = min(best, time.perf_counter() - start)
             rates.append(n / best)
         print(f"| {n} | {rates[0]:,.0f} | {rates[1]:,.0f} |", flush=True)
-    print("\n| graph step | own GEMM ms | cuBLAS ms |\n|---|---|---|")
+    print("\n| graph step | own kernels ms | as shipped ms | cuBLAS from 3 tokens ms |\n|---|---|---|---|")
+    shipped = (CUBLAS_MIN_TOKENS, CUBLAS_MIN_TOKENS_F16)
     for rows, chunk in steps:
         prompt = [Row(slots - 1, 0, tokens[:chunk])] if chunk else []
         batch = Batch([Row(s, 300, tokens[s : s + 1]) for s in range(rows)] + prompt)
         times = []
-        for threshold in (OWN, CUBLAS):
-            backend.cublas_min_tokens = backend.cublas_min_tokens_f16 = threshold
+        for (plain, f16), few in (((OWN, OWN), default_few), (shipped, default_few), ((CUBLAS, CUBLAS), NEVER)):
+            backend.cublas_min_tokens, backend.cublas_min_tokens_f16 = plain, f16
+            backend.few_tokens = few
             times.append(step_ms(backend, arch.forward, batch, kv, 10))
-        print(
-            f"| {rows} decode rows{f' + {chunk}-token chunk' if chunk else ''} | {times[0]:.2f} | {times[1]:.2f} |",
-            flush=True,
-        )
+        label = f"{rows} decode rows{f' + {chunk}-token chunk' if chunk else ''}"
+        print(f"| {label} | {' | '.join(f'{t:.2f}' for t in times)} |", flush=True)
 
 
 if __name__ == "__main__":
