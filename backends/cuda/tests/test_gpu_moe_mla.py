@@ -15,7 +15,7 @@ from leat.batch import Batch, Row
 from leat.modelfile import Tensor
 from leat.moe import MoESpec, MoEWeights, selection_margin
 from leat.testing import relative_error
-from leat_backend_cuda import moe
+from leat_backend_cuda import moe, quants
 
 pytestmark = pytest.mark.gpu
 Q = gguf.GGMLQuantizationType
@@ -43,9 +43,14 @@ def both(cuda, oracle, name, qtype, values, rng=None):
 
 def tensor_core_bound(cuda, qtype, n):
     """The error bound of a MoE or per-head product of n tokens: f16 products on tensor cores (gemm_grouped) as the
-    dense GEMM's bound, float32 otherwise."""
+    dense GEMM's bound; a decode step's quantized products with int16 x (gemv_id_q) as the dense gemv_q's; float32
+    otherwise."""
     grouped = n > moe.GROUPED_TOKENS and qtype in moe.TENSOR_TYPES and cuda.tensor_cores
-    return 2e-3 if grouped and os.environ.get("LEAT_CUDA_MOE_GEMM", "1") != "0" else 1e-5
+    if grouped and os.environ.get("LEAT_CUDA_MOE_GEMM", "1") != "0":
+        return 2e-3
+    if n <= moe.GROUPED_TOKENS and quants.LAYOUTS[qtype].integer and cuda.integer_experts:
+        return 2e-4
+    return 1e-5
 
 
 MOE_CASES = {

@@ -118,9 +118,10 @@ def test_gemm_few_over_long_rows_and_row_tiles(cuda, oracle, qtype):
     weight = cuda.upload(Tensor("w", qtype, (rows, cols), data))
     reference = oracle.upload(Tensor("w", qtype, (rows, cols), data))
     bias = rng.standard_normal(rows)
-    saved = cuda.few_tokens, cuda.few_shape
+    saved = cuda.few_tokens, cuda.few_shape, cuda.cublas_min_tokens_f16
     try:
         cuda.few_tokens = (1, quants.GEMM_FEW_MAX_TOKENS)
+        cuda.cublas_min_tokens_f16 = 1 << 30  # gemm_few even where the weight has an f16 copy
         for n in (1, 6, 16, 24, 32):
             x = rng.standard_normal((n, cols)) * np.logspace(-3, 3, n)[:, None]
             want = oracle.matmul(x, reference, bias)
@@ -130,7 +131,7 @@ def test_gemm_few_over_long_rows_and_row_tiles(cuda, oracle, qtype):
                 for t in range(n):
                     assert relative_error(got[t], want[t]) < 2e-3, (n, shape, t)
     finally:
-        cuda.few_tokens, cuda.few_shape = saved
+        cuda.few_tokens, cuda.few_shape, cuda.cublas_min_tokens_f16 = saved
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.IQ4_XS, Q.F16], ids=lambda q: q.name)
@@ -171,9 +172,10 @@ def test_gated_unit_in_one_gemm_few_launch(cuda, oracle, qtype):
     gate_data, up_data = stored(qtype, rows, cols, rng), stored(qtype, rows, cols, rng)
     gate, up = (cuda.upload(Tensor(name, qtype, (rows, cols), d)) for name, d in (("g", gate_data), ("u", up_data)))
     ref_gate, ref_up = (oracle.upload(Tensor(n, qtype, (rows, cols), d)) for n, d in (("g", gate_data), ("u", up_data)))
-    saved = cuda.few_tokens, cuda.few_shape
+    saved = cuda.few_tokens, cuda.few_shape, cuda.cublas_min_tokens_f16
     try:
         cuda.few_tokens = (1, quants.GEMM_FEW_MAX_TOKENS)
+        cuda.cublas_min_tokens_f16 = 1 << 30  # gemm_few even where the weight has an f16 copy
         for n in (3, 8, 16, 24, 32) if quants.LAYOUTS[qtype].integer else (9, 16, 32):
             x = rng.standard_normal((n, cols)) * np.logspace(-2, 1, n)[:, None]
             want = oracle.silu_mul(oracle.matmul(x, ref_gate), oracle.matmul(x, ref_up))
@@ -187,7 +189,7 @@ def test_gated_unit_in_one_gemm_few_launch(cuda, oracle, qtype):
                 for t in range(n):
                     assert relative_error(got[t], want[t]) < 3e-3, (n, shape, t)
     finally:
-        cuda.few_tokens, cuda.few_shape = saved
+        cuda.few_tokens, cuda.few_shape, cuda.cublas_min_tokens_f16 = saved
 
 
 def test_matmul_without_tensor_cores_is_float32(oracle):

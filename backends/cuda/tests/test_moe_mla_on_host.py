@@ -21,6 +21,7 @@ from leat.batch import Batch, Row
 from leat.modelfile import Tensor
 from leat.moe import MoESpec, MoEWeights, activate, route, selection_margin
 from leat.pull import cache_dir
+from leat.testing import relative_error
 from leat_backend_cpu.backend import CPUBackend
 from leat_backend_cuda import moe, quants
 
@@ -107,6 +108,7 @@ inline float block_max(float v) { return block_reduce(v, true); }
 inline unsigned pack_f16x2(float lo, float hi) { return f32_to_f16(lo) | ((unsigned)f32_to_f16(hi) << 16); }
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 template <class F> void lane_entry() {
     (*static_cast<F*>(current_kernel))();
@@ -186,7 +188,7 @@ extern "C" void glu(const float* g, const float* u, float* y, long long n, int k
     launch({1, 1, 1}, 64, [=] { moe_glu(g, u, y, n, kind, alpha, limit); });
 }
 extern "C" void combine(const float* y, const float* w, const float* residual, float* out, int n, int k, int d) {
-    launch({(unsigned)n, 1, 1}, 64, [=] { moe_combine(y, w, residual, out, k, d); });
+    launch({(unsigned)n, (unsigned)((d + 31) / 32), 1}, 32, [=] { moe_combine(y, w, residual, out, k, d); });
 }
 #define PRODUCTS(T)                                                                                              \
     extern "C" void id_##T(const u8* w, i64 nb, const int* ids, int mod, const float* x, int x_div, float* y,   \
@@ -211,6 +213,26 @@ PRODUCTS(TQ8_0)
 PRODUCTS(TMXFP4)
 PRODUCTS(TQ4_K)
 PRODUCTS(TIQ2_XXS)
+template <class T, int U>
+void id_q(const u8* w, i64 nb, const int* ids, int mod, const float* x, int x_div, float* y, const float* bias, int M,
+          int K, int pairs, int blocks, const u8* w2, const float* bias2, int act) {
+    launch({(unsigned)pairs, (unsigned)blocks, 1}, 128, [=] {
+        if (w2) gemv_id_q<T, 2, U, true>(w, nb, ids, mod, x, x_div, y, bias, M, K, w2, bias2, act, 1.702f, 7.0f);
+        else gemv_id_q<T, 2, U, false>(w, nb, ids, mod, x, x_div, y, bias, M, K, w2, bias2, act, 1.702f, 7.0f);
+    });
+}
+#define INTEGER_PRODUCTS(T)                                                                                       \
+    extern "C" void idq_##T(const u8* w, i64 nb, const int* ids, int mod, const float* x, int x_div, float* y,  \
+                            const float* bias, int M, int K, int pairs, int blocks, int units, const u8* w2,     \
+                            const float* bias2, int act) {                                                       \
+        if (units == 2) id_q<T, 2>(w, nb, ids, mod, x, x_div, y, bias, M, K, pairs, blocks, w2, bias2, act);     \
+        else id_q<T, 1>(w, nb, ids, mod, x, x_div, y, bias, M, K, pairs, blocks, w2, bias2, act);                \
+    }
+INTEGER_PRODUCTS(TQ8_0)
+INTEGER_PRODUCTS(TMXFP4)
+INTEGER_PRODUCTS(TQ4_KP)
+INTEGER_PRODUCTS(TQ6_KP)
+INTEGER_PRODUCTS(TIQ2_XXS)
 extern "C" void mla_pieces(const float* ql, const float* qr, u16* qh, float* qs, int rows, int rank, int rope,
                            const float* kc, const int* table, int slot, int span, int per_slot, int page_size,
                            u16* keys) {
@@ -317,12 +339,13 @@ extern "C" void top_k(const float* x, float* values, int* ids, int rows, int col
     launch({(unsigned)rows, 1, 1}, 1024, [=] { top_k_rows(x, values, ids, cols, k); });
 }
 extern "C" void norm_then_f16(const float* x, const float* w, float* y, u16* xh, float* xscale, int n, int cols,
-                              float eps) {
-    launch({(unsigned)n, 1, 1}, 256, [=] { rms_norm(x, w, y, cols, eps); });
-    launch({(unsigned)n, 1, 1}, 256, [=] { x_to_f16(y, xh, xscale, cols); });
+                              float eps, int threads) {
+    launch({(unsigned)n, 1, 1}, threads, [=] { rms_norm(x, w, y, cols, eps); });
+    launch({(unsigned)n, 1, 1}, threads, [=] { x_to_f16(y, xh, xscale, cols); });
 }
-extern "C" void norm_f16(const float* x, const float* w, u16* xh, float* xscale, int n, int cols, float eps) {
-    launch({(unsigned)n, 1, 1}, 256, [=] { rms_norm_f16(x, w, xh, xscale, cols, eps); });
+extern "C" void norm_f16(const float* x, const float* w, u16* xh, float* xscale, int n, int cols, float eps,
+                         int threads) {
+    launch({(unsigned)n, 1, 1}, threads, [=] { rms_norm_f16(x, w, xh, xscale, cols, eps); });
 }
 extern "C" void rotate(const float* x, float* y, const int* pos, const double* inv_freq, int n, int heads, int head_dim,
                        int dims, int neox, float magnitude) {
@@ -370,18 +393,21 @@ def ops_kernels(tmp_path_factory):
     return host_library(tmp_path_factory, "ops-host", _kernel("ops.cu") + ATTENTION)
 
 
+@pytest.mark.parametrize("threads", [256, 32])
 @pytest.mark.parametrize("weighted", [True, False])
-def test_rms_norm_f16_equals_rms_norm_then_x_to_f16(ops_kernels, weighted):
+def test_rms_norm_f16_equals_rms_norm_then_x_to_f16(ops_kernels, weighted, threads):
     """The norm fused into a product's f16 rows (rms_norm_f16) gives x_to_f16's rows of rms_norm's output bit for bit,
-    and those rows times their scales are the float64 norm within f16 rounding."""
+    and those rows times their scales are the float64 norm within f16 rounding: with a row held in registers (256
+    threads) and with one too long for them (32 threads), which the kernels read in loops."""
     rng = np.random.default_rng(11)
-    n, cols, eps = 3, 768, 1e-5
+    n, cols, eps = 3, 2304, 1e-5
     x = f32(rng.standard_normal((n, cols)) * np.array([[1e-3], [1.0], [50.0]]))
     w = f32(rng.standard_normal(cols)) if weighted else None
     y = np.full((n, cols), np.nan, np.float32)
     two = [(np.zeros((n, cols), np.uint16), np.full(n, np.nan, np.float32)) for _ in range(2)]
-    ops_kernels.norm_then_f16(ptr(x), ptr(w), ptr(y), ptr(two[0][0]), ptr(two[0][1]), n, cols, ctypes.c_float(eps))
-    ops_kernels.norm_f16(ptr(x), ptr(w), ptr(two[1][0]), ptr(two[1][1]), n, cols, ctypes.c_float(eps))
+    eps32 = ctypes.c_float(eps)
+    ops_kernels.norm_then_f16(ptr(x), ptr(w), ptr(y), ptr(two[0][0]), ptr(two[0][1]), n, cols, eps32, threads)
+    ops_kernels.norm_f16(ptr(x), ptr(w), ptr(two[1][0]), ptr(two[1][1]), n, cols, eps32, threads)
     np.testing.assert_array_equal(two[1][0], two[0][0])
     np.testing.assert_array_equal(two[1][1], two[0][1])
     want = CPUBackend("f64").rms_norm(x.astype(np.float64), None if w is None else w.astype(np.float64), eps)
@@ -501,10 +527,11 @@ def test_top_k_rows(ops_kernels):
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
     moe = _kernel("moe.cu").replace("extern __shared__ float sm[];", "float* sm = host_smem;")
-    experts = _kernel("experts.cu").replace('#include "quants.cuh"', "")
+    experts = _kernel("experts.cu").replace('#include "runs.cuh"', "")
     experts = experts.replace("extern __shared__ uint4 grouped_smem[];", "uint4* grouped_smem = (uint4*)host_smem;")
-    harness = "\n".join(['#include "quants.cuh"', moe, experts, _kernel("mla.cu"), EXPORTS])
-    headers = {name: _kernel(name) for name in ("quants.cuh", "iq_grids.cuh")}
+    experts = experts.replace("extern __shared__ uint4 xsh[];", "uint4* xsh = (uint4*)host_smem;")
+    harness = "\n".join(['#include "runs.cuh"', moe, experts, _kernel("mla.cu"), EXPORTS])
+    headers = {name: _kernel(name) for name in ("quants.cuh", "runs.cuh", "iq_grids.cuh")}
     headers["mma.cuh"] = (Path(__file__).parent / "host" / "mma.cuh").read_text()  # experts.cu's gemm_grouped
     return host_library(tmp_path_factory, "moe-mla-host", harness, headers)
 
@@ -680,6 +707,45 @@ def test_expert_products_ungrouped_and_grouped(kernels, qtype):
             act,
         )
         np.testing.assert_allclose(fused, want_h, rtol=1e-5, atol=1e-5 * np.abs(want_h).max())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.MXFP4, Q.Q4_K, Q.Q6_K, Q.IQ2_XXS], ids=lambda q: q.name)
+def test_integer_expert_products(kernels, qtype):
+    """gemv_id_q (a decode step's expert products with int16 x and T::dot) against the float64 products; gated both
+    ways against the activation of its plain products; x shared by a token's pairs (x_div 2) and one row per pair (x_div 1): 1 and 2 units in flight
+    (rows of 3 lines of units, the last partial), the blocks of a pair sharing its row groups (3 blocks for 42 rows:
+    5.25 groups of 8), rows past the last whole group."""
+    rng = np.random.default_rng(50 + int(qtype))
+    block = quants.LAYOUTS[qtype].block
+    values, _ = quants.UNIT_SHAPES.get(quants.LAYOUTS[qtype].dot_struct, (32, 2))
+    e, m, n, used = 5, 42, 3, 2
+    k = max(block, values * 80 // block * block)  # 80 units of the dot struct or the next whole block below
+    stored, nb, exact = upload(qtype, rng.standard_normal((e, m, k)) / 8, rng)
+    stored_up, _, exact_up = upload(qtype, rng.standard_normal((e, m, k)) / 8, rng)
+    bias, bias_up = f32(rng.standard_normal((e, m))), f32(rng.standard_normal((e, m)))
+    ids = np.stack([rng.choice(e, used, replace=False) for _ in range(n)]).astype(np.int32)
+    pairs = n * used
+    run = getattr(kernels, f"idq_{quants.LAYOUTS[qtype].dot_struct}")
+    for x_div, rows in ((used, n), (1, pairs)):
+        x = f32(rng.standard_normal((rows, k)) * np.logspace(-2, 2, rows)[:, None])
+        xp = np.repeat(x.astype(np.float64), used, axis=0) if x_div == used else x.astype(np.float64)
+        want = np.einsum("pmk,pk->pm", exact[ids.reshape(-1)], xp) + bias[ids.reshape(-1)]
+        want_up = np.einsum("pmk,pk->pm", exact_up[ids.reshape(-1)], xp) + bias_up[ids.reshape(-1)]
+        for units in (1, 2):
+            plain = []
+            for weight, b, reference in ((stored, bias, want), (stored_up, bias_up, want_up)):
+                got = np.full((pairs, m), np.nan, np.float32)
+                run(ptr(weight), ctypes.c_longlong(nb), ptr(ids), e, ptr(x), x_div, ptr(got), ptr(b), m, k, pairs, 3,
+                    units, ptr(None), ptr(None), 0)  # fmt: skip
+                for p in range(pairs):
+                    assert relative_error(got[p], reference[p]) < 2e-4, (x_div, units, p)
+                plain.append(got.astype(np.float64))
+            for act, activation in ((0, "silu"), (1, "swiglu_oai")):  # the same sums, then the activation
+                want_h = activate(*plain, MoESpec(e, used, activation=activation))
+                got = np.full((pairs, m), np.nan, np.float32)
+                run(ptr(stored), ctypes.c_longlong(nb), ptr(ids), e, ptr(x), x_div, ptr(got), ptr(bias), m, k, pairs,
+                    3, units, ptr(stored_up), ptr(bias_up), act)  # fmt: skip
+                np.testing.assert_allclose(got, want_h, rtol=1e-5, atol=1e-6 * np.abs(want_h).max())
 
 
 def f16_rows(x):

@@ -6,7 +6,8 @@ GGUF form (see ``quants.py``); matrices of types without kernels are dequantized
 host at upload. Products of quantized weights by 1-2 tokens use the integer matrix-vector kernel
 (gemv_q: x as int16, fused with the norm before and the gated unit or residual after); 3-32 tokens
 gemm_few (tensor cores, each weight read once; ``quants.gemm_few_shape``); more the tensor-core GEMM,
-and from ``CUBLAS_MIN_TOKENS`` cuBLAS where installed (f16 products, float32 accumulation throughout).
+and cuBLAS where installed from ``CUBLAS_MIN_TOKENS`` (from ``CUBLAS_MIN_TOKENS_F16`` for a matrix with an f16
+copy, gemm_few's range included), f16 products with float32 accumulation throughout.
 Float weights take the float32 matrix-vector kernel up to 8 tokens. ``tensor_cores=False`` keeps
 every product in float32. Every op is asynchronous on one stream; only :meth:`to_host` waits.
 
@@ -100,10 +101,11 @@ LOGIT_BUCKETS = TOKEN_BUCKETS[: TOKEN_BUCKETS.index(64) + 1]
 #: two tie at 128 tokens a step and cuBLAS leads from 192)
 CUBLAS_MIN_TOKENS = 160
 #: the same for a weight decoded to f16 once, at load (``Matrix.f16``): cuBLAS then reads the copy and decodes
-#: nothing, and leads wherever gemm_few stops (tenth session, the 8B file on an H200, scripts/prefill_paths.py:
-#: a step of a 33-token chunk 7.28 ms against 8.93 on the own kernels, 128 tokens 8.36 against 14.37, 64 decode
-#: rows 8.80 against 10.92, 64 decode rows beside a 128-token chunk 11.41 against 28.89)
-CUBLAS_MIN_TOKENS_F16 = 33
+#: nothing, and leads from 17 tokens, gemm_few's range included (the 8B file on an H200, scripts/prefill_paths.py,
+#: graph-replayed decode steps: 24 rows 7.50 ms against gemm_few's 8.55, 32 rows 7.68 against 9.08, 16 rows 6.87
+#: against 6.93, 12 rows 6.81 against 6.76, 8 rows 6.78 against 5.58 (fourteenth session); a 33-token chunk
+#: 7.28 against 8.93 on gemm_rows, 64 decode rows 8.80 against 10.92 (tenth session))
+CUBLAS_MIN_TOKENS_F16 = 17
 #: products of this many tokens or more go to gemm_few (up to quants.GEMM_FEW_MAX_TOKENS, where gemm_few_shape says)
 GEMM_FEW_MIN_TOKENS = 3
 #: products of this many tokens up to GEMM_ROWS_MAX_TOKENS go to gemm_rows (x shared in shared memory by a block's
@@ -739,6 +741,8 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         layout = quants.LAYOUTS[weight.qtype]
         if not layout.integer and n <= quants.GEMV_MAX_TOKENS:
             return None
+        if self.cublas is not None and n >= self._cublas_from(weight):
+            return None  # cuBLAS takes it (matmul)
         return self.few_shape or quants.gemm_few_shape(n, weight.rows)
 
     def _fusable(self, weight: Matrix, n: int, k: int) -> bool:
@@ -837,9 +841,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
                 count = min(rows, m - start)
                 self._decode_f16(weight, self._f16_weights, start, count)
                 self.cublas.gemm_f16(self._f16_weights.ptr, xh.ptr, out.ptr + 4 * start, count, n, k, m)
-        total = n * m
-        grid = max(1, min(-(-total // 256), 8 * self.device.sm_count))
-        self.ops["scale_rows_bias"]((grid,), 256, out, xscale, bias, m, total)
+        self.ops["scale_rows_bias"]((min(-(-m // 256), 16), min(n, 65535)), 256, out, xscale, bias, m, n)
 
     def _gemm_few(
         self, x, weight: Matrix, bias, out: DeviceArray, n: int, shape: tuple[int, int], up: Matrix | None = None

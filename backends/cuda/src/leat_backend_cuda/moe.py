@@ -46,13 +46,21 @@ ACTIVATION = {"silu": 0, "swiglu_oai": 1}
 
 
 def expert_kernels(qtype: Q) -> list[str]:
-    """gemv_id and gemv_grouped for ``qtype`` (experts.cu), plain and with the gated activation."""
+    """gemv_id, gemv_id_q (quantized types) and gemv_grouped for ``qtype`` (experts.cu), plain and with the gated
+    activation."""
     struct = quants.LAYOUTS[qtype].struct
     names = [f"gemv_id<{struct}, {glu}>" for glu in ("false", "true")]
     names += [f"gemv_grouped<{struct}, {GROUPED_PAIRS}, {glu}>" for glu in ("false", "true")]
     if qtype in TENSOR_TYPES:
         names += [gemm_grouped_name(qtype, glu, v) for v in GEMM_VARIANTS for glu in (False, True)]
+    if quants.LAYOUTS[qtype].integer:
+        names += [gemv_id_q_name(qtype, units, glu) for units in (1, 2) for glu in (False, True)]
     return names
+
+
+def gemv_id_q_name(qtype: Q, units: int, glu: bool) -> str:
+    """gemv_id_q for ``qtype`` (2 rows a warp; ``units`` in flight a lane)."""
+    return f"gemv_id_q<{quants.LAYOUTS[qtype].dot_struct}, 2, {units}, {str(glu).lower()}>"
 
 
 def gemm_grouped_name(qtype: Q, glu: bool, variant: tuple[int, int]) -> str:
@@ -95,6 +103,10 @@ class ExpertOps:
     """``moe`` and ``head_matmul`` for :class:`~leat_backend_cuda.backend.CUDABackend` (a mixin: it uses
     the backend's device, pool and module cache)."""
 
+    #: a decode step's products with quantized experts (and per-head matrices) by gemv_id_q's integer dot products
+    #: (x rounded to int16 runs, as the dense gemv_q); False: gemv_id's float32 decode-and-FMA
+    integer_experts = True
+
     def _moe_module(self) -> Module:
         return self._module("moe", "moe.cu", MOE_KERNELS, {})
 
@@ -129,12 +141,39 @@ class ExpertOps:
         else:
             names = expert_kernels(weight.qtype)
             smem = {gemm_grouped_name(weight.qtype, g, v): gemm_smem(v) for v in GEMM_VARIANTS for g in (False, True)}
+            smem |= {name: quants.GEMV_Q_MAX_SMEM for name in names if name.startswith("gemv_id_q")}
             module = self._module(f"experts-{weight.qtype.name}", "experts.cu", names, smem)
             fused = int(up is not None)
             glu = (None, None, 0, 0.0, 0.0)
             if fused:
                 glu = (up, self._dense(up_bias), ACTIVATION[spec.activation], float(spec.alpha), float(spec.limit))
-            if groups is None:
+            layout = quants.LAYOUTS[weight.qtype]
+            x_smem = quants.gemv_q_smem(weight.qtype, 1, k) if layout.integer else 0
+            if groups is None and layout.integer and self.integer_experts and x_smem <= quants.GEMV_Q_MAX_SMEM:
+                # integer dot products (gemv_id_q): the blocks of a pair share out its row groups, about as many
+                # blocks in all as the card holds at once, so each quantizes x once for several groups
+                values, _ = quants.UNIT_SHAPES.get(layout.dot_struct, (32, 2))
+                units = 2 if k // values >= 64 else 1
+                kernel = module[gemv_id_q_name(weight.qtype, units, bool(fused))]
+                row_groups = -(-m // 8)
+                per_pair = -(-self.device.sm_count * kernel.occupancy(128, x_smem) // pairs)
+                kernel(
+                    (pairs, max(1, min(row_groups, per_pair))),
+                    128,
+                    weight.ptr,
+                    weight.blocks,
+                    ids,
+                    experts,
+                    _ready(x),
+                    x_div,
+                    out,
+                    bias,
+                    m,
+                    k,
+                    *glu,
+                    smem=x_smem,
+                )
+            elif groups is None:
                 module[names[fused]](
                     (pairs, grid_y), 128, weight.ptr, weight.blocks, ids, experts, x, x_div, out, bias, m, k, *glu
                 )
@@ -252,7 +291,8 @@ class ExpertOps:
         plus ``residual`` (of that shape)."""
         (n, k), d = gains.shape, y.shape[-1]
         out = self._empty(shape)
-        self._moe_module()["moe_combine"]((n,), max(32, min(256, -(-d // 32) * 32)), y, gains, residual, out, k, d)
+        threads = max(32, min(256, -(-d // 32) * 32))
+        self._moe_module()["moe_combine"]((n, -(-d // threads)), threads, y, gains, residual, out, k, d)
         return out
 
     def head_matmul(self, x: Any, weight: Any) -> DeviceArray:

@@ -10,7 +10,7 @@
 // With GLU, W is the experts' gate and W2 (same type and shape) their up projection, and the output
 // is the gated activation of the two products (moe.cu's moe_glu): act 0 silu(g) u, act 1 gpt-oss's
 // clamped SwiGLU with `alpha` and `limit`. Without it w2, bias2 and the activation are unused.
-#include "quants.cuh"
+#include "runs.cuh"
 #include "mma.cuh"
 
 __device__ __forceinline__ float gated(float g, float u, int act, float alpha, float limit) {
@@ -67,6 +67,65 @@ __global__ void __launch_bounds__(128) gemv_id(const u8* __restrict__ w, i64 nb,
         float total = warp_sum(acc[r]) + b;
         if (GLU) total = gated(total, warp_sum(acc[r + R]) + b2, act, alpha, limit);
         if (lane == 0 && row0 + r < M) y[(i64)p * M + row0 + r] = total;
+    }
+}
+
+// gemv_id with matmul.cu's gemv_q's integer dot products (T a dot struct: quants.py's Layout.dot_struct), for a
+// decode step's few pairs: block (p, b) rounds x's row p / x_div to int16 runs in shared memory (quantize_runs),
+// then its 4 warps take R rows of matrix e at a time, row groups b, b + gridDim.y, ... of ceil(M / (4 R)), so x
+// is quantized once per block, not once per 4 R rows; each lane issues the loads of U units a row before the dot
+// products. GLU as gemv_id.
+template <class T, int R, int U, bool GLU>
+__global__ void __launch_bounds__(128) gemv_id_q(const u8* __restrict__ w, i64 nb, const int* __restrict__ ids, int mod,
+                                                 const float* __restrict__ x, int x_div, float* __restrict__ y,
+                                                 const float* __restrict__ bias, int M, int K, const u8* __restrict__ w2,
+                                                 const float* __restrict__ bias2, int act, float alpha, float limit) {
+    constexpr int RR = GLU ? 2 * R : R;
+    extern __shared__ uint4 xsh[];
+    const int p = blockIdx.x, lane = threadIdx.x & 31;
+    const i64 e = ids ? ids[p] : p % mod;
+    const int bpr = K / T::BLOCK, upr = bpr * T::UNITS, lines = (upr + 31) >> 5;
+    float unused[1];
+    quantize_runs<T, 1, false>(x + (i64)(p / x_div) * K, K, nullptr, xsh, unused);
+    __syncthreads();
+    const int groups = (M + 4 * R - 1) / (4 * R);
+    for (int group = blockIdx.y; group < groups; group += gridDim.y) {
+        const int row0 = (group * 4 + (threadIdx.x >> 5)) * R;
+        if (row0 >= M) break;  // later groups start further on
+        i64 first[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) first[r] = (e * M + min(row0 + r, M - 1)) * bpr;
+        float acc[RR];
+#pragma unroll
+        for (int r = 0; r < RR; ++r) acc[r] = 0.0f;
+        for (int base = lane; base < upr; base += 32 * U) {
+            typename T::Raw raw[U][RR];
+#pragma unroll
+            for (int s = 0; s < U; ++s) {
+                const int u = min(base + 32 * s, upr - 1);
+#pragma unroll
+                for (int r = 0; r < RR; ++r) raw[s][r] = T::load(r < R ? w : w2, nb, first[r % R] + u / T::UNITS, u % T::UNITS);
+            }
+#pragma unroll
+            for (int s = 0; s < U; ++s) {
+                const int u = base + 32 * s;
+                if (u < upr) {
+                    u32 xw[T::UV / 2];
+                    float xsr[T::NR], xsumr[T::NR];
+                    unit_x<T, 1>(xsh, lines, u >> 5, lane, xw, xsr, xsumr);
+#pragma unroll
+                    for (int r = 0; r < RR; ++r) acc[r] += T::dot(raw[s][r], u % T::UNITS, xw, xsr, xsumr);
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float b = bias && row0 + r < M ? bias[e * M + row0 + r] : 0.0f;
+            const float b2 = GLU && bias2 && row0 + r < M ? bias2[e * M + row0 + r] : 0.0f;
+            float total = warp_sum(acc[r]) + b;
+            if (GLU) total = gated(total, warp_sum(acc[r + R]) + b2, act, alpha, limit);
+            if (lane == 0 && row0 + r < M) y[(i64)p * M + row0 + r] = total;
+        }
     }
 }
 

@@ -3,7 +3,7 @@
 // rows, and a plain dequantization (the one tested bit for bit against gguf-py).
 //
 // Weights W are [M, K] row-major (GGUF order), activations X [N, K] float32, outputs Y [N, M].
-#include "quants.cuh"
+#include "runs.cuh"
 #include "mma.cuh"
 
 // Y = X W^T (+ bias) for N = NC tokens. Each warp computes R output rows; its lanes stride over
@@ -78,9 +78,7 @@ __global__ void __launch_bounds__(128) gemv(const u8* __restrict__ w, i64 nb, co
 
 // The matrix-vector product with integer dot products, for quantized weights. First the block
 // rounds its NC rows of x to int16 in shared memory, each run of each unit with its own scale
-// (x = xq * scale; 16 bits relative to the run's largest value), laid out so that lane l finds
-// the x of its k-th unit at 16-byte group (k * QG + g) * 32 + l: loads without bank conflicts.
-// Then as gemv, with T::dot (dp2a) in place of decode-and-FMA.
+// (quants.cuh's quantize_runs). Then as gemv, with T::dot (dp2a) in place of decode-and-FMA.
 //
 // MODE fuses neighbours into the product: with NORM, x is RMS-normalized first (x * rsqrt(mean(x^2)
 // + eps) * nw, as rms_norm): the block quantizes x * nw, sums x^2 in the same pass, and scales each
@@ -100,58 +98,13 @@ __global__ void __launch_bounds__(128) gemv_q(
     const float* __restrict__ x, float* __restrict__ y, float* __restrict__ y2, float* __restrict__ y3,
     const float* __restrict__ bias, const float* __restrict__ bias2, const float* __restrict__ bias3,
     const float* __restrict__ res, const float* __restrict__ nw, float eps, int M, int M2, int M3, int K) {
-    constexpr int QG = T::UV / 8, NR = T::NR, RL = T::RL, RR = (MODE & GLU) ? 2 * R : R;
+    constexpr int RR = (MODE & GLU) ? 2 * R : R;
     extern __shared__ uint4 xsh[];
     const int bpr = K / T::BLOCK, upr = bpr * T::UNITS, lines = (upr + 31) >> 5;
-    uint4* xg = xsh;                                   // [NC][lines][QG][32]
-    float* xs = (float*)(xsh + NC * lines * QG * 32);  // [NC][lines][NR][32]
-    float* xsum = xs + NC * lines * NR * 32;           // [NC][lines][NR][32]
     float squares[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) squares[c] = 0.0f;
-    for (int item = threadIdx.x; item < NC * upr * NR; item += blockDim.x) {
-        const int c = item / (upr * NR), u = (item / NR) % upr, run = item % NR, unit = u % T::UNITS;
-        const int k0 = (u / T::UNITS) * T::BLOCK + T::run_offset(unit, run);
-        const float* xr = x + (i64)c * K + k0;
-        float v[RL];
-#pragma unroll
-        for (int q = 0; q < RL / 4; ++q) {
-            const float4 f = *(const float4*)(xr + 4 * q);
-            v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
-        }
-        if (MODE & NORM) {
-            float ss = 0.0f;
-#pragma unroll
-            for (int i = 0; i < RL; ++i) {
-                ss = fmaf(v[i], v[i], ss);
-                if (nw) v[i] *= nw[k0 + i];
-            }
-#pragma unroll
-            for (int cc = 0; cc < NC; ++cc)
-                if (cc == c) squares[cc] += ss;
-        }
-        float amax = 0.0f, sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < RL; ++i) {
-            amax = fmaxf(amax, fabsf(v[i]));
-            sum += v[i];
-        }
-        const float f = amax > 0.0f ? 32767.0f / amax : 0.0f;
-        u32 words[RL / 2];
-#pragma unroll
-        for (int i = 0; i < RL / 2; ++i) {  // round to nearest: 1.5 * 2^23 leaves the integer in the low bits
-            const u32 a = __float_as_uint(fmaf(v[2 * i], f, 12582912.0f)) - 0x4B400000u;
-            const u32 b = __float_as_uint(fmaf(v[2 * i + 1], f, 12582912.0f)) - 0x4B400000u;
-            words[i] = (a & 0xFFFF) | (b << 16);
-        }
-        const int line = c * lines + (u >> 5), lane = u & 31;
-#pragma unroll
-        for (int g = 0; g < RL / 8; ++g)
-            xg[(line * QG + run * (RL / 8) + g) * 32 + lane] =
-                make_uint4(words[4 * g], words[4 * g + 1], words[4 * g + 2], words[4 * g + 3]);
-        xs[(line * NR + run) * 32 + lane] = amax / 32767.0f;
-        xsum[(line * NR + run) * 32 + lane] = sum;
-    }
+    quantize_runs<T, NC, (MODE & NORM) != 0>(x, K, nw, xsh, squares);
     float rnorm[NC];
     if (MODE & NORM) {
 #pragma unroll
@@ -196,19 +149,9 @@ __global__ void __launch_bounds__(128) gemv_q(
                     const int unit = u % T::UNITS;
 #pragma unroll
                     for (int c = 0; c < NC; ++c) {
-                        const int line = c * lines + (u >> 5);
                         u32 xw[T::UV / 2];
-                        float xsr[NR], xsumr[NR];
-#pragma unroll
-                        for (int g = 0; g < QG; ++g) {
-                            const uint4 t = xg[(line * QG + g) * 32 + lane];
-                            xw[4 * g] = t.x; xw[4 * g + 1] = t.y; xw[4 * g + 2] = t.z; xw[4 * g + 3] = t.w;
-                        }
-#pragma unroll
-                        for (int run = 0; run < NR; ++run) {
-                            xsr[run] = xs[(line * NR + run) * 32 + lane];
-                            xsumr[run] = xsum[(line * NR + run) * 32 + lane];
-                        }
+                        float xsr[T::NR], xsumr[T::NR];
+                        unit_x<T, NC>(xsh, lines, c * lines + (u >> 5), lane, xw, xsr, xsumr);
 #pragma unroll
                         for (int r = 0; r < RR; ++r) acc[r][c] += T::dot(raw[s][r], unit, xw, xsr, xsumr);
                     }

@@ -11,11 +11,44 @@ __device__ __forceinline__ float rms_factor(const float* __restrict__ xr, int co
     return 1.0f / sqrtf(block_sum(ss) / cols + eps);
 }
 
+// A row held in registers for the norms of one block per row: thread i's values c = i + j * blockDim.x (j <
+// ROW_VALUES; zero past the row), loaded at once, so the row is read from memory once, not once per pass. Rows
+// longer than ROW_VALUES * blockDim.x take the loops of rms_factor instead.
+#define ROW_VALUES 32
+__device__ __forceinline__ bool row_fits(int cols) { return cols <= ROW_VALUES * (int)blockDim.x; }
+__device__ __forceinline__ void load_row(const float* __restrict__ r, int cols, float (&v)[ROW_VALUES]) {
+#pragma unroll
+    for (int j = 0; j < ROW_VALUES; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        v[j] = c < cols ? r[c] : 0.0f;
+    }
+}
+// rms_factor of a row in registers, its squares summed in rms_factor's order (the same bits)
+__device__ __forceinline__ float rms_factor_of(const float (&v)[ROW_VALUES], int cols, float eps) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ROW_VALUES; ++j)
+        if (threadIdx.x + j * blockDim.x < cols) ss = fmaf(v[j], v[j], ss);
+    return 1.0f / sqrtf(block_sum(ss) / cols + eps);
+}
+
 // y = x / sqrt(mean(x^2) + eps) * w over rows of `cols` (w null: no scale). One block per row.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                                     int cols, float eps) {
     const float* xr = x + (i64)blockIdx.x * cols;
     float* yr = y + (i64)blockIdx.x * cols;
+    if (row_fits(cols)) {
+        float v[ROW_VALUES], wv[ROW_VALUES];
+        load_row(xr, cols, v);
+        if (w) load_row(w, cols, wv);  // in flight during the sum
+        const float r = rms_factor_of(v, cols, eps);
+#pragma unroll
+        for (int j = 0; j < ROW_VALUES; ++j) {
+            const int c = threadIdx.x + j * blockDim.x;
+            if (c < cols) yr[c] = w ? v[j] * r * wv[j] : v[j] * r;
+        }
+        return;
+    }
     const float r = rms_factor(xr, cols, eps);
 #pragma unroll 4
     for (int c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = w ? xr[c] * r * w[c] : xr[c] * r;
@@ -37,10 +70,20 @@ extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float
                                         u16* __restrict__ xh, float* __restrict__ xscale, int cols, float eps) {
     const float* xr = x + (i64)blockIdx.x * cols;
     u32* hr = (u32*)(xh + (i64)blockIdx.x * cols);
-    const float r = rms_factor(xr, cols, eps);
-    float mx = 0.0f;
+    float r, mx = 0.0f;
+    if (row_fits(cols)) {  // the sum and the largest value from registers; the f16 pairs read the row again (L1)
+        float v[ROW_VALUES], wv[ROW_VALUES];
+        load_row(xr, cols, v);
+        if (w) load_row(w, cols, wv);
+        r = rms_factor_of(v, cols, eps);
+#pragma unroll
+        for (int j = 0; j < ROW_VALUES; ++j)
+            if (threadIdx.x + j * blockDim.x < cols) mx = fmaxf(mx, fabsf(w ? v[j] * r * wv[j] : v[j] * r));
+    } else {
+        r = rms_factor(xr, cols, eps);
 #pragma unroll 4
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) mx = fmaxf(mx, fabsf(w ? xr[c] * r * w[c] : xr[c] * r));
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) mx = fmaxf(mx, fabsf(w ? xr[c] * r * w[c] : xr[c] * r));
+    }
     const int shift = f16_shift(block_max(mx));
     const float f = ldexpf(1.0f, shift);
 #pragma unroll 4
@@ -495,23 +538,45 @@ extern "C" __global__ void take_rows(const float* __restrict__ x, const int* __r
 // overflow, and small rows keep their precision. `xscale` gets the inverse factor. One block per row.
 extern "C" __global__ void x_to_f16(const float* __restrict__ x, u16* __restrict__ xh, float* __restrict__ xscale,
                                     int cols) {
-    // rows of a GEMM's input (cols a multiple of 8): 16-byte loads, 8-byte stores; the second pass
-    // reads the row again from L1/L2
+    // rows of a GEMM's input (cols a multiple of 8): 16-byte loads, 8-byte stores; a row of up to
+    // 16 * blockDim.x quads is held in registers (read once), a longer one read again from L1/L2
+    constexpr int QUADS = 16;
     const float4* xr = (const float4*)(x + (i64)blockIdx.x * cols);
     uint2* hr = (uint2*)(xh + (i64)blockIdx.x * cols);
     const int quads = cols / 4;
+    const bool fits = quads <= QUADS * (int)blockDim.x;
+    float4 v[QUADS];
     float mx = 0.0f;
+    if (fits) {
+#pragma unroll
+        for (int j = 0; j < QUADS; ++j) {
+            const int c = threadIdx.x + j * blockDim.x;
+            v[j] = c < quads ? xr[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int j = 0; j < QUADS; ++j)
+            mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v[j].x), fabsf(v[j].y)), fmaxf(fabsf(v[j].z), fabsf(v[j].w))));
+    } else {
 #pragma unroll 4
-    for (int c = threadIdx.x; c < quads; c += blockDim.x) {
-        const float4 v = xr[c];
-        mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        for (int c = threadIdx.x; c < quads; c += blockDim.x) {
+            const float4 q = xr[c];
+            mx = fmaxf(mx, fmaxf(fmaxf(fabsf(q.x), fabsf(q.y)), fmaxf(fabsf(q.z), fabsf(q.w))));
+        }
     }
     const int shift = f16_shift(block_max(mx));
     const float f = ldexpf(1.0f, shift);
+    if (fits) {
+#pragma unroll
+        for (int j = 0; j < QUADS; ++j) {
+            const int c = threadIdx.x + j * blockDim.x;
+            if (c < quads) hr[c] = make_uint2(pack_f16x2(v[j].x * f, v[j].y * f), pack_f16x2(v[j].z * f, v[j].w * f));
+        }
+    } else {
 #pragma unroll 4
-    for (int c = threadIdx.x; c < quads; c += blockDim.x) {
-        const float4 v = xr[c];
-        hr[c] = make_uint2(pack_f16x2(v.x * f, v.y * f), pack_f16x2(v.z * f, v.w * f));
+        for (int c = threadIdx.x; c < quads; c += blockDim.x) {
+            const float4 q = xr[c];
+            hr[c] = make_uint2(pack_f16x2(q.x * f, q.y * f), pack_f16x2(q.z * f, q.w * f));
+        }
     }
     if (threadIdx.x == 0) xscale[blockIdx.x] = ldexpf(1.0f, -shift);
 }
@@ -535,15 +600,17 @@ extern "C" __global__ void gather_ints(const int* __restrict__ src, const int* _
     if (i < n) dst[i] = src[index[i]];
 }
 
-// y [n, m] = y * xscale[t] + bias (or 0): the epilogue of a cuBLAS product of x_to_f16's rows. Without a bias,
-// rows of scale 1 (most: f16_shift) are neither read nor written.
+// y [n, m] = y * xscale[t] + bias (or 0): the epilogue of a cuBLAS product of x_to_f16's rows. Block (b, r) takes
+// the values from b * blockDim.x of tokens r, r + gridDim.y, ..., strided by the grid; without a bias, rows of scale
+// 1 (most: f16_shift) are neither read nor written (a block of such a row returns at once).
 extern "C" __global__ void scale_rows_bias(float* __restrict__ y, const float* __restrict__ xscale,
-                                           const float* __restrict__ bias, int m, i64 total) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-        const i64 t = i / m;
+                                           const float* __restrict__ bias, int m, int n) {
+    for (i64 t = blockIdx.y; t < n; t += gridDim.y) {
         const float s = xscale[t];
-        if (bias) y[i] = y[i] * s + bias[i - t * m];
-        else if (s != 1.0f) y[i] *= s;
+        if (!bias && s == 1.0f) continue;
+        float* yr = y + t * m;
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < m; c += gridDim.x * blockDim.x)
+            yr[c] = bias ? yr[c] * s + bias[c] : yr[c] * s;
     }
 }
 

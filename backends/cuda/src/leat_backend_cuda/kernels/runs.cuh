@@ -1,0 +1,83 @@
+// x as the integer dot products of quants.cuh's decoders (T::dot) read it: int16 runs in a block's shared memory.
+// matmul.cu's gemv_q and experts.cu's gemv_id_q.
+#pragma once
+#include "quants.cuh"
+
+// x as the integer dot products (T::dot) read it, made by a block in shared memory: each run of RL values of each
+// unit rounded to int16 with its own scale (x = xq * scale; 16 bits relative to the run's largest value) and the
+// run's sum beside it, laid out so that lane l finds the x of its k-th unit at 16-byte group (k * QG + g) * 32 + l
+// (loads without bank conflicts): xg [NC][lines][QG][32], then xs and xsum [NC][lines][NR][32] floats, where lines
+// = ceil(units a row / 32). Rows c < NC of x at x + c * K. With NORMED, x * nw is quantized (nw null: x) and each
+// row's sum of x^2 added to squares[c] (this thread's part; the caller reduces it). The caller syncs the block
+// before reading.
+template <class T, int NC, bool NORMED>
+__device__ __forceinline__ void quantize_runs(const float* __restrict__ x, int K, const float* __restrict__ nw,
+                                              uint4* __restrict__ xg, float (&squares)[NC]) {
+    constexpr int QG = T::UV / 8, NR = T::NR, RL = T::RL;
+    const int upr = K / T::BLOCK * T::UNITS, lines = (upr + 31) >> 5;
+    float* xs = (float*)(xg + NC * lines * QG * 32);
+    float* xsum = xs + NC * lines * NR * 32;
+    for (int item = threadIdx.x; item < NC * upr * NR; item += blockDim.x) {
+        const int c = item / (upr * NR), u = (item / NR) % upr, run = item % NR, unit = u % T::UNITS;
+        const int k0 = (u / T::UNITS) * T::BLOCK + T::run_offset(unit, run);
+        const float* xr = x + (i64)c * K + k0;
+        float v[RL];
+#pragma unroll
+        for (int q = 0; q < RL / 4; ++q) {
+            const float4 f = *(const float4*)(xr + 4 * q);
+            v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
+        }
+        if (NORMED) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int i = 0; i < RL; ++i) {
+                ss = fmaf(v[i], v[i], ss);
+                if (nw) v[i] *= nw[k0 + i];
+            }
+#pragma unroll
+            for (int cc = 0; cc < NC; ++cc)
+                if (cc == c) squares[cc] += ss;
+        }
+        float amax = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < RL; ++i) {
+            amax = fmaxf(amax, fabsf(v[i]));
+            sum += v[i];
+        }
+        const float f = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        u32 words[RL / 2];
+#pragma unroll
+        for (int i = 0; i < RL / 2; ++i) {  // round to nearest: 1.5 * 2^23 leaves the integer in the low bits
+            const u32 a = __float_as_uint(fmaf(v[2 * i], f, 12582912.0f)) - 0x4B400000u;
+            const u32 b = __float_as_uint(fmaf(v[2 * i + 1], f, 12582912.0f)) - 0x4B400000u;
+            words[i] = (a & 0xFFFF) | (b << 16);
+        }
+        const int line = c * lines + (u >> 5), lane = u & 31;
+#pragma unroll
+        for (int g = 0; g < RL / 8; ++g)
+            xg[(line * QG + run * (RL / 8) + g) * 32 + lane] =
+                make_uint4(words[4 * g], words[4 * g + 1], words[4 * g + 2], words[4 * g + 3]);
+        xs[(line * NR + run) * 32 + lane] = amax / 32767.0f;
+        xsum[(line * NR + run) * 32 + lane] = sum;
+    }
+}
+
+// Lane `lane`'s x for a unit of line `line` (quantize_runs's layout, `lines` lines a row of x): its int16 words, and
+// each run's scale and sum, as T::dot takes them.
+template <class T, int NC>
+__device__ __forceinline__ void unit_x(const uint4* __restrict__ xg, int lines, int line, int lane,
+                                       u32 (&xw)[T::UV / 2], float (&xsr)[T::NR], float (&xsumr)[T::NR]) {
+    constexpr int QG = T::UV / 8, NR = T::NR;
+    const float* xs = (const float*)(xg + NC * lines * QG * 32);
+    const float* xsum = xs + NC * lines * NR * 32;
+#pragma unroll
+    for (int g = 0; g < QG; ++g) {
+        const uint4 t = xg[(line * QG + g) * 32 + lane];
+        xw[4 * g] = t.x; xw[4 * g + 1] = t.y; xw[4 * g + 2] = t.z; xw[4 * g + 3] = t.w;
+    }
+#pragma unroll
+    for (int run = 0; run < NR; ++run) {
+        xsr[run] = xs[(line * NR + run) * 32 + lane];
+        xsumr[run] = xsum[(line * NR + run) * 32 + lane];
+    }
+}
