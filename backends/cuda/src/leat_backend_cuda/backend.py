@@ -79,6 +79,8 @@ FLASH_DIMS = (64, 128)  # head dimensions of the tensor-core prefill attention
 FLASH_KERNELS = [f"flash_attention<{d}>" for d in FLASH_DIMS]
 ROPE_KV_MAX_DIM = 512  # head dimensions rope_kv_write holds (a k head in shared memory)
 GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
+#: positions of a decode step's attention split are a multiple of this (a block's 4 warps take 32 per step)
+ATTENTION_SPLIT_KEYS = 64
 # KV storage: (the kernels' KV type, the element). q8_0 keeps GGUF's Q8_0 blocks (an f16 scale and 32 int8
 # along the head dimension) split into two allocations per layer and kind: the quants laid out as a float
 # cache would be, and the scales [pages, page_size, kv_heads, dim / 32]. A 34-byte block would leave rows
@@ -1013,9 +1015,10 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         base = n * kv_heads * chunks
         # about two blocks per multiprocessor (measured: more splits cost more in the combine than they
         # gain at depth 4096)
-        splits = max(1, min(-(-2 * self.device.sm_count // base), -(-span // 64)))
+        keys = ATTENTION_SPLIT_KEYS
+        splits = max(1, min(-(-2 * self.device.sm_count // base), -(-span // keys)))
         split = -(-span // splits)
-        split = -(-split // 64) * 64
+        split = -(-split // keys) * keys
         splits = -(-span // split)
         out = self._empty((n, heads * dv))
         window = kv.layouts[layer].window or 0

@@ -38,6 +38,8 @@ __global__ void __launch_bounds__(128) gemv_id(const u8* __restrict__ w, i64 nb,
     float acc[RR];
 #pragma unroll
     for (int r = 0; r < RR; ++r) acc[r] = 0.0f;
+    // float rows (8-value blocks: a router's long rows of few experts) keep four units' loads in flight
+#pragma unroll(T::BLOCK == 8 ? 4 : 1)
     for (int u = lane; u < upr; u += 32) {
         typename T::Raw raw[RR];
 #pragma unroll
