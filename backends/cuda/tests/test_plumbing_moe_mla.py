@@ -3,6 +3,7 @@ every launch matches its kernel's PTX signature, decode is captured as one graph
 device values back on the host mid-forward) and then replayed with one launch."""
 
 import importlib.util
+import re
 import types
 from pathlib import Path
 
@@ -74,6 +75,10 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, name):
     out = backend.run(model.forward, decode, kv)
     assert not backend.graph_failures and out.shape == (2, model.params.vocab)
     assert len(fake.captured) == 1 and "moe_route" in fake.captured[0]
+    # a decode step's quantized experts (and per-head matrices) take the integer dot products (gemv_id_q); only
+    # float matrices take gemv_id's float32 decode
+    assert any(f.startswith("_Z9gemv_id_q") for f in fake.captured[0])
+    assert all(re.match(r"_Z7gemv_idI(4TF32|4TF16|5TBF16)", f) for f in fake.captured[0] if f.startswith("_Z7gemv_id"))
     if name == "qwen3moe":  # the q/k norms and RoPE run inside the cache write; the residual adds inside the products
         step, layers = fake.captured[0], model.params.layers
         fused = "_Z13rope_kv_writeItLb1EEvPKfS1_S1_S1_S1_ffPfPT_S4_PtS5_PKiS7_S7_S7_PKdiiiiiifii"  # <u16, true>
