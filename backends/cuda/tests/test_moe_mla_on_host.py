@@ -717,7 +717,7 @@ def test_integer_expert_products(kernels, qtype):
     5.25 groups of 8), rows past the last whole group."""
     rng = np.random.default_rng(50 + int(qtype))
     block = quants.LAYOUTS[qtype].block
-    values, _ = quants.UNIT_SHAPES.get(quants.LAYOUTS[qtype].dot_struct, (32, 2))
+    values, _ = quants.unit_shape(qtype)
     e, m, n, used = 5, 42, 3, 2
     k = max(block, values * 80 // block * block)  # 80 units of the dot struct or the next whole block below
     stored, nb, exact = upload(qtype, rng.standard_normal((e, m, k)) / 8, rng)

@@ -152,7 +152,7 @@ class ExpertOps:
             if groups is None and layout.integer and self.integer_experts and x_smem <= quants.GEMV_Q_MAX_SMEM:
                 # integer dot products (gemv_id_q): the blocks of a pair share out its row groups, about as many
                 # blocks in all as the card holds at once, so each quantizes x once for several groups
-                values, _ = quants.UNIT_SHAPES.get(layout.dot_struct, (32, 2))
+                values, _ = quants.unit_shape(weight.qtype)
                 units = 2 if k // values >= 64 else 1
                 kernel = module[gemv_id_q_name(weight.qtype, units, bool(fused))]
                 row_groups = -(-m // 8)

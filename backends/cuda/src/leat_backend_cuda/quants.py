@@ -129,9 +129,14 @@ def gemv_q_name(qtype: Q, tokens: int, shape: tuple[int, int], mode: int = 0) ->
     return f"gemv_q<{LAYOUTS[qtype].dot_struct}, {tokens}, {rows}, {units}, {mode}>"
 
 
+def unit_shape(qtype: Q) -> tuple[int, int]:
+    """(values, runs) of a unit of the struct gemv_q (and gemv_id_q) decodes ``qtype`` with."""
+    return UNIT_SHAPES.get(LAYOUTS[qtype].dot_struct, (32, 2))
+
+
 def gemv_q_smem(qtype: Q, tokens: int, cols: int) -> int:
     """Shared memory of gemv_q: per token and unit (padded to 32), int16 x plus a scale and a sum per run."""
-    values, runs = UNIT_SHAPES.get(LAYOUTS[qtype].dot_struct, (32, 2))
+    values, runs = unit_shape(qtype)
     units = -(-(cols // values) // 32) * 32
     return tokens * units * (values * 2 + runs * 8)
 

@@ -19,6 +19,22 @@ __device__ __forceinline__ float gated(float g, float u, int act, float alpha, f
     return a / (1.0f + expf(-alpha * a)) * (b + 1.0f);
 }
 
+// A warp's R rows of pair p (matrix e): its lanes' sums added, plus the bias, with GLU the gated activation of them
+// and the up rows' (acc[R..]), written by lane 0 to y[p, row0 + r].
+template <int R, bool GLU>
+__device__ __forceinline__ void store_rows(const float (&acc)[GLU ? 2 * R : R], int lane, int row0, int M, i64 e, int p,
+                                           float* __restrict__ y, const float* __restrict__ bias,
+                                           const float* __restrict__ bias2, int act, float alpha, float limit) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float b = bias && row0 + r < M ? bias[e * M + row0 + r] : 0.0f;
+        const float b2 = GLU && bias2 && row0 + r < M ? bias2[e * M + row0 + r] : 0.0f;
+        float total = warp_sum(acc[r]) + b;
+        if (GLU) total = gated(total, warp_sum(acc[r + R]) + b2, act, alpha, limit);
+        if (lane == 0 && row0 + r < M) y[(i64)p * M + row0 + r] = total;
+    }
+}
+
 // Each warp computes R rows of one pair; grid (P, ceil(M / (4 R))).
 template <class T, bool GLU>
 __global__ void __launch_bounds__(128) gemv_id(const u8* __restrict__ w, i64 nb, const int* __restrict__ ids, int mod,
@@ -62,14 +78,7 @@ __global__ void __launch_bounds__(128) gemv_id(const u8* __restrict__ w, i64 nb,
             }
         }
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float b = bias && row0 + r < M ? bias[e * M + row0 + r] : 0.0f;
-        const float b2 = GLU && bias2 && row0 + r < M ? bias2[e * M + row0 + r] : 0.0f;
-        float total = warp_sum(acc[r]) + b;
-        if (GLU) total = gated(total, warp_sum(acc[r + R]) + b2, act, alpha, limit);
-        if (lane == 0 && row0 + r < M) y[(i64)p * M + row0 + r] = total;
-    }
+    store_rows<R, GLU>(acc, lane, row0, M, e, p, y, bias, bias2, act, alpha, limit);
 }
 
 // gemv_id with matmul.cu's gemv_q's integer dot products (T a dot struct: quants.py's Layout.dot_struct), for a
@@ -102,12 +111,7 @@ __global__ void __launch_bounds__(128) gemv_id_q(const u8* __restrict__ w, i64 n
         for (int r = 0; r < RR; ++r) acc[r] = 0.0f;
         for (int base = lane; base < upr; base += 32 * U) {
             typename T::Raw raw[U][RR];
-#pragma unroll
-            for (int s = 0; s < U; ++s) {
-                const int u = min(base + 32 * s, upr - 1);
-#pragma unroll
-                for (int r = 0; r < RR; ++r) raw[s][r] = T::load(r < R ? w : w2, nb, first[r % R] + u / T::UNITS, u % T::UNITS);
-            }
+            load_units<T, U, RR, R>(raw, w, w2, nb, first, base, upr);
 #pragma unroll
             for (int s = 0; s < U; ++s) {
                 const int u = base + 32 * s;
@@ -120,14 +124,7 @@ __global__ void __launch_bounds__(128) gemv_id_q(const u8* __restrict__ w, i64 n
                 }
             }
         }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const float b = bias && row0 + r < M ? bias[e * M + row0 + r] : 0.0f;
-            const float b2 = GLU && bias2 && row0 + r < M ? bias2[e * M + row0 + r] : 0.0f;
-            float total = warp_sum(acc[r]) + b;
-            if (GLU) total = gated(total, warp_sum(acc[r + R]) + b2, act, alpha, limit);
-            if (lane == 0 && row0 + r < M) y[(i64)p * M + row0 + r] = total;
-        }
+        store_rows<R, GLU>(acc, lane, row0, M, e, p, y, bias, bias2, act, alpha, limit);
     }
 }
 

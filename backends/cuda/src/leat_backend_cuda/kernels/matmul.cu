@@ -27,12 +27,7 @@ __global__ void __launch_bounds__(128) gemv(const u8* __restrict__ w, i64 nb, co
 
     for (int base = lane; base < upr; base += 32 * U) {
         typename T::Raw raw[U][R];
-#pragma unroll
-        for (int s = 0; s < U; ++s) {
-            const int u = min(base + 32 * s, upr - 1);
-#pragma unroll
-            for (int r = 0; r < R; ++r) raw[s][r] = T::load(w, nb, first[r] + u / T::UNITS, u % T::UNITS);
-        }
+        load_units<T, U, R, R>(raw, w, w, nb, first, base, upr);
 #pragma unroll
         for (int s = 0; s < U; ++s) {
             const int u = base + 32 * s;
@@ -135,13 +130,7 @@ __global__ void __launch_bounds__(128) gemv_q(
 
         for (int base = lane; base < upr; base += 32 * U) {
             typename T::Raw raw[U][RR];
-#pragma unroll
-            for (int s = 0; s < U; ++s) {
-                const int u = min(base + 32 * s, upr - 1);
-#pragma unroll
-                for (int r = 0; r < RR; ++r)
-                    raw[s][r] = T::load(r < R ? ws : wu, nbs, first[r % R] + u / T::UNITS, u % T::UNITS);
-            }
+            load_units<T, U, RR, R>(raw, ws, wu, nbs, first, base, upr);
 #pragma unroll
             for (int s = 0; s < U; ++s) {
                 const int u = base + 32 * s;

@@ -1,7 +1,22 @@
-// x as the integer dot products of quants.cuh's decoders (T::dot) read it: int16 runs in a block's shared memory.
-// matmul.cu's gemv_q and experts.cu's gemv_id_q.
+// What the matrix-vector kernels (matmul.cu's gemv and gemv_q, experts.cu's gemv_id_q) share around quants.cuh's
+// decoders: a lane's weight loads, and x as the integer dot products (T::dot) read it, int16 runs in a block's
+// shared memory.
 #pragma once
 #include "quants.cuh"
+
+// The loads a lane of the matrix-vector kernels issues before decoding any: units base, base + 32, ... (U of
+// them; past the row's last unit, the last again) of RR rows, row r's first block at first[r % R], rows r >= R read
+// from w2 (the gated unit's up matrix; w2 = w without one).
+template <class T, int U, int RR, int R>
+__device__ __forceinline__ void load_units(typename T::Raw (&raw)[U][RR], const u8* w, const u8* w2, i64 nb,
+                                           const i64 (&first)[R], int base, int upr) {
+#pragma unroll
+    for (int s = 0; s < U; ++s) {
+        const int u = min(base + 32 * s, upr - 1);
+#pragma unroll
+        for (int r = 0; r < RR; ++r) raw[s][r] = T::load(r < R ? w : w2, nb, first[r % R] + u / T::UNITS, u % T::UNITS);
+    }
+}
 
 // x as the integer dot products (T::dot) read it, made by a block in shared memory: each run of RL values of each
 // unit rounded to int16 with its own scale (x = xq * scale; 16 bits relative to the run's largest value) and the
