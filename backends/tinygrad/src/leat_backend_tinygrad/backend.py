@@ -36,7 +36,7 @@ from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
 from leat_backend_tinygrad.deltanet import RecurrentState
-from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, as_words, gemv
+from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv
 from leat_backend_tinygrad.kv import KVCache, PagedKV
 from leat_backend_tinygrad.quants import DEQUANTIZERS
 
@@ -177,6 +177,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         self.half_products = os.environ.get("LEAT_TINYGRAD_HALF", "0" if cpu else "1") != "0"
         # products with up to this many rows and a weight of a gemv.py type use its kernel (0: never)
         self.gemv_rows = int(os.environ.get("LEAT_TINYGRAD_GEMV_ROWS", str(MAX_ROWS)))
+        # its threads' shape, "lanes,groups,per_thread" (gemv.Shape; default: gemv.shape_for's choice per product)
+        shape = os.environ.get("LEAT_TINYGRAD_GEMV_SHAPE", "")
+        self.gemv_shape = Shape(*(int(v) for v in shape.split(","))) if shape else None
         # one-row prefill chunks of these lengths run under TinyJit too (the engine's full chunks)
         lengths = os.environ.get("LEAT_TINYGRAD_PREFILL_JIT", str(PREFILL_CHUNK))
         self.prefill_lengths = frozenset(int(x) for x in lengths.split(",") if x.strip())
@@ -415,7 +418,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         elif quantized and weight.qtype in LAYOUTS and x.shape[0] <= self.gemv_rows and weight.data.ndim == 3:
             # Few rows (decode) of Q8_0, Q4_0, Q4_K, Q6_K, MXFP4: our own kernel, one thread group per output
             # reading the row's blocks in storage order (gemv.py)
-            y = gemv(x, weight.data, weight.qtype)
+            y = gemv(x, weight.data, weight.qtype, self.gemv_shape)
         elif quantized and weight.shape[-1] % SPLIT == 0:
             # Few rows (decode): the product in SPLIT partial sums per output, then their sum, as two kernels.
             # tinygrad gives a one-row product with the dequantization fused one thread per few outputs, each

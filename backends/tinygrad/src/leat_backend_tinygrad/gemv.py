@@ -146,36 +146,54 @@ LAYOUTS: dict[Q, Layout] = {
 }
 
 
-def _kernel(qtype: Q, rows: int, outputs: int, blocks: int, local: bool):
+@dataclass(frozen=True)
+class Shape:
+    """How a product's outputs map to threads: ``lanes`` threads share an output's row (its group reduce),
+    ``groups`` such sets share a thread group (a block), each thread computes ``per_thread`` outputs with the
+    same loads of x."""
+
+    lanes: int = LANES
+    groups: int = 1
+    per_thread: int = 1
+
+
+def _kernel(qtype: Q, rows: int, outputs: int, blocks: int, local: bool, shape: Shape):
     layout, (block_size, _) = LAYOUTS[qtype], gguf.GGML_QUANT_SIZES[qtype]
-    per_step = math.gcd(max(LANES // math.prod(layout.units), 1), blocks)  # whole blocks a group reads per step
+    units = math.prod(layout.units)
+    per_step = math.gcd(max(shape.lanes // units, 1), blocks)  # whole blocks a row's lanes read per step
     lane_type = AxisType.GROUP_REDUCE if local else AxisType.REDUCE
+    tile = shape.groups * shape.per_thread  # outputs of one thread group
 
     def fxn(out: UOp, x: UOp, weight: UOp) -> UOp:
-        o = UOp.range(outputs, 0, AxisType.GLOBAL)
-        step = UOp.range(blocks // per_step, 1, AxisType.REDUCE)
         # the last unit axis gets the lowest id: tinygrad makes it threadIdx.x, so neighbouring threads read
-        # neighbouring words
+        # neighbouring words; the row groups get the highest (the outermost thread index)
         sizes = (per_step, *layout.units)
-        lanes = [UOp.range(n, 1 + len(sizes) - i, lane_type) for i, n in enumerate(sizes)]
+        lanes = [UOp.range(n, 2 + len(sizes) - i, lane_type) for i, n in enumerate(sizes)]
+        tiles = UOp.range(outputs // tile, 0, AxisType.GLOBAL)
+        group = UOp.range(shape.groups, 3 + len(sizes), AxisType.LOCAL) if shape.groups > 1 else None
+        step = UOp.range(blocks // per_step, 1, AxisType.REDUCE)
         block = step * per_step + lanes[0]
-
+        first = tiles * tile if group is None else tiles * tile + group * shape.per_thread
         size = layout.word.itemsize
-
-        def word(i: int | UOp) -> UOp:
-            return weight[o, block, i]
-
-        def byte(i: int | UOp) -> UOp:
-            shift = (i % size) * 8
-            return ((word(i // size) >> (shift if isinstance(shift, int) else shift.cast(layout.word))) & 0xFF).cast(
-                dtypes.int32
-            )
-
-        decoded = layout.decode(word, byte, *lanes[1:])
         stores = []
-        for n in range(rows):
-            terms = [value * x[n, block * block_size + at] for at, value in decoded]
-            stores.append(out[n, o].store(sum(terms[1:], terms[0]).reduce(step, *lanes, arg=Ops.ADD)).end(o))
+        for r in range(shape.per_thread):
+            o = first + r
+
+            def word(i: int | UOp, o: UOp = o) -> UOp:
+                return weight[o, block, i]
+
+            def byte(i: int | UOp, word: Word = word) -> UOp:
+                shift = (i % size) * 8
+                shift = shift if isinstance(shift, int) else shift.cast(layout.word)
+                return ((word(i // size) >> shift) & 0xFF).cast(dtypes.int32)
+
+            # x's loads are the same UOps for every output of the thread: read once, used per_thread times
+            decoded = layout.decode(word, byte, *lanes[1:])
+            for n in range(rows):
+                terms = [value * x[n, block * block_size + at] for at, value in decoded]
+                reduced = sum(terms[1:], terms[0]).reduce(step, *lanes, arg=Ops.ADD)
+                ends = (tiles,) if group is None else (tiles, group)
+                stores.append(out[n, o].store(reduced).end(*ends))
         name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}"
         return UOp.sink(*stores, arg=KernelInfo(name=name, opts_to_apply=()))
 
@@ -191,11 +209,16 @@ def as_words(stored: np.ndarray, qtype: Q) -> np.ndarray:
     return stored.view(np.dtype(f"<u{LAYOUTS[qtype].word.itemsize}"))
 
 
-def gemv(x: Tensor, words: Tensor, qtype: Q) -> Tensor:
+def gemv(x: Tensor, words: Tensor, qtype: Q, shape: Shape | None = None) -> Tensor:
     """float32 [rows, outputs] = x [rows, k] @ w.T for a weight of ``qtype`` (one of LAYOUTS) stored as its blocks'
     words [outputs, blocks, block_words] (``as_words``), as one kernel."""
     outputs, blocks, _ = words.shape
     local = Device[x.device].renderer.has_local
+    shape = shape or Shape()
+    if not local:
+        shape = Shape(shape.lanes, 1, shape.per_thread)
+    if outputs % (shape.groups * shape.per_thread):
+        shape = Shape(shape.lanes)
     out = Tensor.empty(x.shape[0], outputs, dtype=dtypes.float32, device=x.device)
-    fxn = _kernel(qtype, x.shape[0], outputs, blocks, local)
+    fxn = _kernel(qtype, x.shape[0], outputs, blocks, local, shape)
     return out.custom_kernel(x.cast(dtypes.float32).contiguous(), words, fxn=fxn)[0]
