@@ -592,3 +592,23 @@ def test_a_decode_step_that_routes_experts_runs_eagerly(backend):
     for position in range(3):
         backend.run(forward, Batch([Row(0, position, np.array([position]))]), kv)
     assert jitted == [True, False, False, False] and forward in backend._eager
+
+
+def test_a_jits_inputs_are_copied_into_the_tensors_it_captured(tmp_path):
+    """A decode step's tokens, positions and page rows are copied into the same Tensors at every replay (a new
+    Tensor a step cost tinygrad a schedule each): the replays at later positions, with other tokens and pages,
+    still give the CPU float64 oracle's logits."""
+    path = str(_tiny_models().build("q4_k-llama3", tmp_path / "tiny.gguf"))
+    ids = np.arange(3, 15)
+    want = leat.load(path, backend="cpu", precision="f64").logits(ids.tolist(), native=True)
+    model = leat.load(path, backend="tinygrad")
+    backend, forward = model.backend, model.architecture.forward
+    kv = backend.allocate_kv(model.architecture.kv_layouts(model.architecture.params), 1, 16, 4, 4)
+    backend.set_pages(kv, 0, np.array([2, 0, 3, 1]))  # pages out of storage order
+    got, seen = [], []
+    for pos in range(len(ids)):
+        got.append(np.asarray(backend.to_host(backend.run(forward, Batch([Row(0, pos, ids[pos : pos + 1])]), kv))))
+        seen.append({i: id(t) for inputs in backend._inputs.values() for i, (_, t) in inputs.items()})
+    assert seen[1] == seen[-1] and {0, 1, 2} <= set(seen[-1])  # tokens, positions, the page rows
+    agreement = compare(want, np.concatenate(got), label="replayed decode steps vs cpu f64")
+    assert not agreement.failures(**BARS) and agreement.mean_kl < 1e-9, f"{agreement}"

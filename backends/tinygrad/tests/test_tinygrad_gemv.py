@@ -11,7 +11,7 @@ from leat_backend_tinygrad.backend import TinygradBackend, probe_reason
 if probe_reason() is not None:
     pytest.skip(f"tinygrad cannot run here: {probe_reason()}", allow_module_level=True)
 
-from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, as_words, gemv
+from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv
 from tinygrad import Tensor
 
 Q = gguf.GGMLQuantizationType
@@ -71,3 +71,28 @@ def test_the_backends_few_row_product_is_one_kernel():
     assert GlobalCounters.kernel_count == 1
     w = gguf.quants.dequantize(stored, Q.Q8_0).astype(np.float64)
     np.testing.assert_allclose(y.numpy(), x.numpy().astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
+
+
+def test_a_shape_fits_the_outputs_and_the_device():
+    shape = Shape(16, 4, 2)
+    assert shape.fitting(4096, local=True) == shape
+    assert shape.fitting(4096, local=False) == Shape(16, 1, 2)  # no local memory: one set of lanes a group
+    assert shape.fitting(12, local=True) == Shape(16, 2, 2)
+    assert shape.fitting(6, local=True) == Shape(16, 1, 2)
+    assert shape.fitting(41, local=True) == Shape(16, 1, 1)
+
+
+# tinygrad's PYTHON device runs kernels with local memory (thread groups, barriers) in Python: slow, so few outputs
+@pytest.mark.parametrize("shape", [Shape(16, 4, 2), Shape(64, 2, 1), Shape(32, 1, 4)], ids=str)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_thread_shapes_with_row_groups_give_the_same_products(qtype, shape):
+    """Several sets of lanes a thread group and several outputs a thread (x loaded once for them): each output
+    still the float64 product of its own row, on a device with local memory."""
+    rng = np.random.default_rng(int(qtype) + shape.lanes)
+    outputs, k = 16, 512
+    stored = random_blocks(qtype, outputs, k, rng)
+    w = gguf.quants.dequantize(stored.reshape(outputs, -1), qtype).reshape(outputs, k).astype(np.float64)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    got = gemv(Tensor(x, device="PYTHON"), Tensor(as_words(stored, qtype), device="PYTHON"), qtype, shape).numpy()
+    x64 = x.astype(np.float64)
+    assert (np.abs(got - x64 @ w.T) <= 1e-6 * (np.abs(x64) @ np.abs(w).T)).all()

@@ -1,13 +1,15 @@
 """Few-row products with a quantized weight as tinygrad kernels of our own (UOp programs, ``Tensor.custom_kernel``).
 
-``y[n, o] = sum_k x[n, k] * w[o, k]`` with ``w`` in its GGUF blocks. One thread group per output ``o``: its
-``LANES`` threads read the row's blocks in storage order, each lane one unit of a block's quants (Q4_K: 16 bytes,
+``y[n, o] = sum_k x[n, k] * w[o, k]`` with ``w`` in its GGUF blocks. A set of ``Shape.lanes`` threads shares an
+output ``o``: the lanes read the row's blocks in storage order, each one unit of a block's quants (Q4_K: 16 bytes,
 one 128-bit load; Q8_0, Q4_0, Q6_K: one uint16 word; MXFP4: one byte; the widest aligned loads the block sizes
-allow), neighbouring lanes neighbouring units (coalesced); a group covers whole blocks per step. Each lane
-decodes its unit with the block's scales (the same float32 operations as gguf-py's dequantizers, so each weight
-value is gguf's bit for bit), multiplies them by every row of ``x`` (the weight is read once for all rows) and
-keeps one float32 sum per row; the group's partial sums are added in local memory (tinygrad's GROUP_REDUCE).
-Devices without local memory (tinygrad's CPU device) run the lanes as a loop.
+allow), neighbouring lanes neighbouring units (coalesced); the set covers whole blocks per step (at least one:
+a block's units are the fewest lanes). Each lane decodes its unit with the block's scales (the same float32
+operations as gguf-py's dequantizers, so each weight value is gguf's bit for bit), multiplies them by every row
+of ``x`` (the weight is read once for all rows) and keeps one float32 sum per row; the set's partial sums are
+added in local memory (tinygrad's GROUP_REDUCE). A thread computes ``Shape.per_thread`` neighbouring outputs from
+the same loads of x, and ``Shape.groups`` sets share a thread group. Devices without local memory (tinygrad's
+CPU device) run the lanes as a loop.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
 Q = gguf.GGMLQuantizationType
-LANES = 64  # threads per output: 2 warps of 32 (CUDA), 1 wave of 64 (CDNA), 2 of 32 (RDNA)
 MAX_ROWS = 8  # products with up to this many rows of x use the kernel; each row is one more sum per thread
 
 Decoded = list[tuple[UOp, UOp]]  # (element offset in the block, float32 value)
@@ -148,13 +149,23 @@ LAYOUTS: dict[Q, Layout] = {
 
 @dataclass(frozen=True)
 class Shape:
-    """How a product's outputs map to threads: ``lanes`` threads share an output's row (its group reduce),
-    ``groups`` such sets share a thread group (a block), each thread computes ``per_thread`` outputs with the
-    same loads of x."""
+    """How a product's outputs map to threads: ``lanes`` threads share an output's row (its group reduce; a
+    block's units at least), ``groups`` such sets share a thread group (a CUDA block), each thread computes
+    ``per_thread`` outputs with the same loads of x. The default, 16 lanes, 4 groups, 2 outputs a thread,
+    decoded the 8B bench file at 72.6 tok/s on the H200 against 61.5 for one 64-lane set an output
+    (docs/benchmarks.md; ``scripts/tinygrad_gemv_shapes.py`` times shapes product by product)."""
 
-    lanes: int = LANES
-    groups: int = 1
-    per_thread: int = 1
+    lanes: int = 16
+    groups: int = 4
+    per_thread: int = 2
+
+    def fitting(self, outputs: int, local: bool) -> Shape:
+        """This shape with its groups (then its outputs per thread) halved until a thread group's outputs
+        divide ``outputs``; one group where the device has no local memory."""
+        groups, per_thread = self.groups if local else 1, self.per_thread
+        while outputs % (groups * per_thread):
+            groups, per_thread = (groups // 2, per_thread) if groups > 1 else (1, per_thread // 2)
+        return Shape(self.lanes, groups, per_thread)
 
 
 def _kernel(qtype: Q, rows: int, outputs: int, blocks: int, local: bool, shape: Shape):
@@ -214,11 +225,7 @@ def gemv(x: Tensor, words: Tensor, qtype: Q, shape: Shape | None = None) -> Tens
     words [outputs, blocks, block_words] (``as_words``), as one kernel."""
     outputs, blocks, _ = words.shape
     local = Device[x.device].renderer.has_local
-    shape = shape or Shape()
-    if not local:
-        shape = Shape(shape.lanes, 1, shape.per_thread)
-    if outputs % (shape.groups * shape.per_thread):
-        shape = Shape(shape.lanes)
+    shape = (shape or Shape()).fitting(outputs, local)
     out = Tensor.empty(x.shape[0], outputs, dtype=dtypes.float32, device=x.device)
     fxn = _kernel(qtype, x.shape[0], outputs, blocks, local, shape)
     return out.custom_kernel(x.cast(dtypes.float32).contiguous(), words, fxn=fxn)[0]
