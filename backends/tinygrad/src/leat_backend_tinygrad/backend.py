@@ -381,7 +381,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
     def _input(self, key: tuple, index: int, array: np.ndarray) -> Tensor:
         """Input ``index`` of ``key``'s TinyJit: the same realized Tensor at every step, the step's bytes copied
         into its buffer (as tinygrad copies a host array in). A new Tensor per input and step costs tinygrad a
-        schedule each: on the NULL device, 3.4 of a 1B file's 5.0 ms decode step (docs/benchmarks.md)."""
+        schedule each: a 1B file's decode step took 6.7-7.3 ms of host time that way, 0.9-1.2 ms this way (tinygrad's
+        NULL device on a 2-core machine, docs/benchmarks.md)."""
         array = np.ascontiguousarray(array)
         inputs = self._inputs.setdefault(key, {})
         dtype, tensor = inputs.get(index, (None, None))
