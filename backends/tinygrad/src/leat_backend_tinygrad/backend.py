@@ -177,7 +177,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         self.half_products = os.environ.get("LEAT_TINYGRAD_HALF", "0" if cpu else "1") != "0"
         # products with up to this many rows and a weight of a gemv.py type use its kernel (0: never)
         self.gemv_rows = int(os.environ.get("LEAT_TINYGRAD_GEMV_ROWS", str(MAX_ROWS)))
-        # its threads' shape, "lanes,groups,per_thread" (gemv.Shape; default: gemv.shape_for's choice per product)
+        # its threads' shape, "lanes,groups,per_thread" (gemv.Shape; unset: gemv.Shape()'s default)
         shape = os.environ.get("LEAT_TINYGRAD_GEMV_SHAPE", "")
         self.gemv_shape = Shape(*(int(v) for v in shape.split(","))) if shape else None
         # one-row prefill chunks of these lengths run under TinyJit too (the engine's full chunks)
@@ -380,7 +380,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
 
     def _input(self, key: tuple, index: int, array: np.ndarray) -> Tensor:
         """Input ``index`` of ``key``'s TinyJit: the same realized Tensor at every step, the step's bytes copied
-        into its buffer (as tinygrad copies a host array in). A new Tensor per input and step costs tinygrad a
+        into its buffer with the allocator's copy-in, as tinygrad's own realize does (``Allocator._copyin``;
+        tinygrad is pinned to 0.14.0, where the tests hold it). A new Tensor per input and step costs tinygrad a
         schedule each: a 1B file's decode step took 6.7-7.3 ms of host time that way, 0.9-1.2 ms this way (tinygrad's
         NULL device on a 2-core machine, docs/benchmarks.md)."""
         array = np.ascontiguousarray(array)
@@ -435,7 +436,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             else:
                 y = x @ weight.values().contiguous().T
         elif quantized and weight.qtype in LAYOUTS and x.shape[0] <= self.gemv_rows and weight.data.ndim == 3:
-            # Few rows (decode) of Q8_0, Q4_0, Q4_K, Q6_K, MXFP4: our own kernel, one thread group per output
+            # Few rows (decode) of Q8_0, Q4_0, Q4_K, Q6_K, MXFP4: our own kernel, a set of lanes per output
             # reading the row's blocks in storage order (gemv.py)
             y = gemv(x, weight.data, weight.qtype, self.gemv_shape)
         elif quantized and weight.shape[-1] % SPLIT == 0:
