@@ -429,12 +429,14 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             # Fused into the product, the dequantization would be repeated for every tile of rows (the 8B
             # file's first pp512 did not finish in minutes that way). In float16 (half_products) tinygrad's
             # tensor-core kernels take the product, summing in float32.
+            # x and the product are realized on their own (contiguous): fused with the norm before it, or with a
+            # sibling product through silu_mul after it, tinygrad wrote one kernel without tensor cores (the 8B
+            # file's gate and up with their norm: 20 ms a layer of a 512-token chunk, 85% of it)
             if self.half_products:
-                y = x.cast(dtypes.float16).matmul(
-                    weight.values().cast(dtypes.float16).contiguous().T, dtype=dtypes.float32
-                )
+                w = weight.values().cast(dtypes.float16).contiguous()
+                y = x.cast(dtypes.float16).contiguous().matmul(w.T, dtype=dtypes.float32).contiguous()
             else:
-                y = x @ weight.values().contiguous().T
+                y = (x.contiguous() @ weight.values().contiguous().T).contiguous()
         elif quantized and weight.qtype in LAYOUTS and x.shape[0] <= self.gemv_rows and weight.data.ndim == 3:
             # Few rows (decode) of Q8_0, Q4_0, Q4_K, Q6_K, MXFP4: our own kernel, a set of lanes per output
             # reading the row's blocks in storage order (gemv.py)
