@@ -515,11 +515,18 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             self._store(kv, layer, "k", row, span, k, at)
             if not layout.latent:
                 self._store(kv, layer, "v", row, span, v, at)
-            keys = self._gather(kv, layer, "k", row.slot, table)
-            values = keys[..., :value_dim] if layout.latent else self._gather(kv, layer, "v", row.slot, table)
+            # a prompt chunk's two products in float16 for tensor cores, summed in float32 (half_products)
+            kind = dtypes.float16 if self.half_products and self.gemm_rows and length >= self.gemm_rows else None
+            keys = self._gather(kv, layer, "k", row.slot, table, kind)
+            values = keys[..., :value_dim] if layout.latent else self._gather(kv, layer, "v", row.slot, table, kind)
             total = keys.shape[0]
             qs = q[span].reshape(length, kv_heads, group, dim).permute(1, 2, 0, 3)
-            scores = (qs @ keys.permute(1, 2, 0).unsqueeze(1)) * scale  # [kv_heads, group, length, total]
+            qs = qs if kind is None else qs.cast(kind).contiguous()
+            scores = qs.matmul(
+                keys.permute(1, 2, 0).unsqueeze(1), dtype=dtypes.float32
+            )  # [kv_heads, group, length, total]
+            # realized on their own, a chunk's products are tensor-core kernels (fused with the softmax's reductions, not)
+            scores = (scores if kind is None else scores.contiguous()) * scale
             if softcap is not None:
                 scores = (scores / softcap).tanh() * softcap
             if step is None:
@@ -540,7 +547,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             denominator = weights.sum(axis=-1, keepdim=True)
             if sink is not None:
                 denominator = denominator + (sink - peak).exp()
-            out = (weights / denominator) @ values.permute(1, 0, 2).unsqueeze(1)  # [kv_heads, group, length, value_dim]
+            probabilities = weights / denominator if kind is None else (weights / denominator).cast(kind).contiguous()
+            # [kv_heads, group, length, value_dim]
+            out = probabilities.matmul(values.permute(1, 0, 2).unsqueeze(1), dtype=dtypes.float32)
             outs.append(out.permute(2, 0, 1, 3).reshape(length, heads * value_dim))
         return outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:], dim=0)
 

@@ -155,9 +155,11 @@ class PagedKV:
             self._write(storage, at, q)
             self._write(scales, at, d)
 
-    def _gather(self, kv: KVCache, layer: int, which: str, slot: int, table: Tensor | None = None) -> Tensor:
+    def _gather(
+        self, kv: KVCache, layer: int, which: str, slot: int, table: Tensor | None = None, dtype=None
+    ) -> Tensor:
         """The slot's cached keys or values in position order, all its pages: [pages_per_slot * page_size, heads, dim]
-        (through ``table``, its page-table row on the device, when given)."""
+        (through ``table``, its page-table row on the device, when given), as float32 or ``dtype``."""
         storage = (kv.k if which == "k" else kv.v)[layer]
         if table is None:
             table = self._tensor(np.maximum(kv.table(layer)[slot], 0).astype(np.int32))
@@ -166,5 +168,7 @@ class PagedKV:
         if kv.dtype == "q8_0":
             scales = (kv.k_scale if which == "k" else kv.v_scale)[layer]
             s = scales.reshape(rows // size, size * heads * dim // 32)[table]
-            return _from_q8_0(pages.reshape(-1, heads, dim), s.reshape(-1, heads, dim // 32))
-        return pages.reshape(-1, heads, dim).cast(dtypes.float32)
+            values = _from_q8_0(pages.reshape(-1, heads, dim), s.reshape(-1, heads, dim // 32))
+        else:
+            values = pages.reshape(-1, heads, dim)
+        return values.cast(dtype or dtypes.float32)
