@@ -1,4 +1,5 @@
-"""Time the host side of the tinygrad backend on the 8B file: load, prefill 512, decode steps.
+"""Time the host side of the tinygrad backend on the 8B file: load, prefill 512, decode steps, mixed steps (four
+decode rows and a 100-token prompt chunk, as the engine batches a prompt that joins requests that decode).
 Run with DEV=NULL:CUDA:sm_90 NULL_ALLOW_COPYOUT=1 locally (renders and compiles CUDA kernels with NVRTC, runs none)."""
 
 import sys
@@ -29,4 +30,18 @@ if "decode" in phases:
         out = be.run(fwd, Batch([Row(0, pos, ids[pos : pos + 1])]), kv)
         be.to_host(out)
         print("decode step", pos, round(time.perf_counter() - t, 3), "s", flush=True)
+if "mixed" in phases:
+    layouts = model.architecture.kv_layouts(model.architecture.params)
+    kv = be.allocate_kv(layouts, slots=5, context=1024, pages=5 * 64, page_size=16, dtype="f16")
+    for slot in range(5):
+        be.set_pages(kv, slot, np.arange(64 * slot, 64 * slot + 64))
+    for slot in range(4):
+        be.to_host(be.run(fwd, Batch([Row(slot, 0, ids[:16])]), kv))
+    ids = np.arange(1000, 1600, dtype=np.int64)
+    for step in range(6):
+        rows = [Row(slot, 16 + step, ids[16 + step : 17 + step]) for slot in range(4)]
+        t = time.perf_counter()
+        out = be.run(fwd, Batch([*rows, Row(4, 100 * step, ids[100 * step : 100 * step + 100])]), kv)
+        be.to_host(out)
+        print("mixed step", step, round(time.perf_counter() - t, 3), "s", flush=True)
 print("total", round(time.perf_counter() - begin, 1), "s")

@@ -508,6 +508,42 @@ def test_prefill_chunks_of_a_jitted_length_replay_under_tinyjit(tmp_path, monkey
     assert all(np.array_equal(k[35:40].numpy(), before) for k, before in zip(kv.k, kept))
 
 
+def test_a_prompt_chunk_with_decode_rows_replays_under_tinyjit(tmp_path, monkeypatch):
+    """A step of one-token rows and a prompt chunk (the engine's continuous batching) runs under a TinyJit per
+    (chunk's padded length, decode bucket): run as an eager step would, captured, then replayed, whichever row the
+    chunk is. Each decode row's logits and the chunk's last equal the CPU float64 oracle's."""
+    monkeypatch.setenv("LEAT_TINYGRAD_PREFILL_JIT", "8")
+    path = str(_tiny_models().build("q4_k-llama3", tmp_path / "tiny.gguf"))
+    oracle = leat.load(path, backend="cpu", precision="f64")
+    ids = [np.arange(1, 41), np.arange(41, 81), np.arange(7, 87, 2)]  # slots 0 and 2 decode, slot 1 prefills
+    want = [oracle.logits(seq.tolist(), native=True) for seq in ids]
+    model = leat.load(path, backend="tinygrad")
+    backend, forward = model.backend, model.architecture.forward
+    layouts = model.architecture.kv_layouts(model.architecture.params)
+    kv = backend.allocate_kv(layouts, slots=3, context=40, pages=30, page_size=4)
+    for slot in range(3):
+        backend.set_pages(kv, slot, np.arange(10 * slot, 10 * slot + 10))
+    for slot in (0, 2):
+        backend.run(forward, Batch([Row(slot, 0, ids[slot][:8])]), kv)
+
+    def step(rows: list[Row]) -> None:
+        out = np.asarray(backend.to_host(backend.run(forward, Batch(rows), kv)))
+        expected = [want[row.slot][row.start + len(row.tokens) - 1] for row in rows]
+        np.testing.assert_allclose(out, np.stack(expected), rtol=1e-5, atol=1e-5)
+
+    def decoding(position: int) -> list[Row]:
+        return [Row(slot, position, ids[slot][position : position + 1]) for slot in (0, 2)]
+
+    start = 0
+    for i, length in enumerate((6, 5, 7, 3)):  # the chunk last: eager, captured, replayed twice
+        step([*decoding(8 + i), Row(1, start, ids[1][start : start + length])])
+        start += length
+    step([Row(1, 21, ids[1][21:26]), *decoding(12)])  # the chunk first: the same TinyJit, logits reordered
+    assert backend._jits[(forward, id(kv), "mixed", 8, 2)].cnt == 5
+    step([decoding(13)[0], Row(1, 26, ids[1][26:32])])  # one decode row: a bucket of its own (run eagerly first)
+    assert (forward, id(kv), "mixed", 8, 1) in backend._jits
+
+
 def test_qwen35_prefill_chunks_jitted_and_padded_continue_the_recurrent_state(tmp_path, monkeypatch):
     """Tiny Qwen3.5's prompt in chunks through run(), in slot 1: a jitted-length chunk captured at position 0 (its
     state from zeros) and replayed at 8 (continuing), then shorter chunks padded to 8 (run, captured, replayed;

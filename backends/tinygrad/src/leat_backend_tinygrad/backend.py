@@ -273,6 +273,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             key = (forward, id(kv), "prefill", n, batch.rows[0].all_logits)
         elif (bucket := self._padded_length(kv, batch)) is not None:
             key = (forward, id(kv), "padded", bucket, batch.rows[0].all_logits)
+        elif (mixed := self._mixed(kv, batch)) is not None:
+            chunk_at, bucket, singles = mixed
+            key = (forward, id(kv), "mixed", bucket, singles)
         else:
             return forward(batch, kv)
         jit = self._jits.get(key)
@@ -285,8 +288,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 weakref.finalize(kv, self._forget, id(kv))  # a cache's jits go with it
             jit = self._jits[key] = TinyJit(self._jitted_step)
             # capture on the first call: weights, KV storage and rope tables are realized already; a padded chunk's
-            # on its second (its first runs as an eager step would: a one-off prompt pays no capture)
-            jit.cnt = 0 if key[2] == "padded" else 1
+            # (alone or with decode rows) on its second (its first runs as an eager step would: a one-off pays no capture)
+            jit.cnt = 0 if key[2] in ("padded", "mixed") else 1
         for spec in self._rope_specs.values():  # tables made inside a capture would be copied again at each replay
             self._rope_table(spec, kv.context)
         extra: list[Tensor] = []
@@ -295,6 +298,13 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             tokens = np.concatenate([row.tokens, np.repeat(row.tokens[-1:], bucket - n)])
             padded = Batch([replace(row, tokens=tokens)])
             extra = [self._input(key, -2, np.array([n], np.int32)), self._input(key, -1, np.array([n - 1], np.int32))]
+        elif key[2] == "mixed":  # decode rows padded to their bucket, then the chunk padded to its length
+            chunk = batch.rows[chunk_at]
+            ones = [row for i, row in enumerate(batch.rows) if i != chunk_at]
+            tokens = np.concatenate([chunk.tokens, np.repeat(chunk.tokens[-1:], bucket - len(chunk.tokens))])
+            padded = Batch([*ones, *[ones[0]] * (singles - len(ones)), replace(chunk, tokens=tokens)])
+            last = np.append(np.arange(singles), singles + len(chunk.tokens) - 1).astype(np.int32)
+            extra = [self._input(key, -2, np.array([len(chunk.tokens)], np.int32)), self._input(key, -1, last)]
         elif bucket > len(batch.rows):
             padded = Batch(batch.rows + [batch.rows[0]] * (bucket - n))
         else:
@@ -324,16 +334,41 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         if logits is None:
             return forward(batch, kv)
         self._took(kv, list(kv.recurrent), batch.rows)
+        if key[2] == "mixed":  # the rows' logits in the batch's order: its decode rows' and the chunk's last
+            order = [singles if i == chunk_at else i - (i > chunk_at) for i in range(len(batch.rows))]
+            if order == list(range(len(batch.rows))):  # the chunk last (the engine's usual order) and a full bucket
+                return logits
+            if chunk_at == len(batch.rows) - 1:
+                return logits[:chunk_at].cat(logits[singles:])
+            return logits[self._tensor(np.asarray(order, np.int32))]
         if key[2] == "padded" and not batch.rows[0].all_logits:
             return logits
         return logits[:n] if n < bucket else logits
 
     def _padded_length(self, kv: KVCache, batch: Batch) -> int | None:
-        """The jitted length a one-row prefill chunk shorter than the longest jitted one pads to (a power of two,
-        at least 16 or the longest), or None where it cannot: its tokens not on one run of adjacent storage rows, the padded
+        """The jitted length a one-row batch's prefill chunk pads to (:meth:`_chunk_length`), or None."""
+        return self._chunk_length(kv, batch.rows[0]) if len(batch.rows) == 1 else None
+
+    def _mixed(self, kv: KVCache, batch: Batch) -> tuple[int, int, int] | None:
+        """A batch of one prompt chunk and one-token rows (the engine's continuous batching: a prompt joining
+        requests that decode): the chunk's index, the length it pads to (:meth:`_padded_length`'s) and the bucket
+        of DECODE_BUCKETS the one-token rows pad to (copies of the first, as a decode step's). None for any other
+        batch, a row that wants every logit (a draft), or recurrent states (whose chunk would need its own count
+        of real tokens)."""
+        rows = batch.rows
+        chunks = [i for i, row in enumerate(rows) if len(row.tokens) > 1]
+        if len(chunks) != 1 or len(rows) < 2 or len(rows) - 1 > DECODE_BUCKETS[-1] or kv.recurrent:
+            return None
+        if any(row.all_logits for row in rows) or (length := self._chunk_length(kv, rows[chunks[0]])) is None:
+            return None
+        return chunks[0], length, next(b for b in DECODE_BUCKETS if b >= len(rows) - 1)
+
+    def _chunk_length(self, kv: KVCache, row) -> int | None:
+        """The jitted length a prefill chunk no longer than the longest jitted one pads to (a power of two, at least
+        16 or the longest), or None where it cannot: its tokens not on one run of adjacent storage rows, the padded
         rows past the cache's context or storage, or a q8_0 cache (whose padded rows' writes are not masked)."""
-        row, n = batch.rows[0], len(batch)
-        if len(batch.rows) != 1 or kv.dtype == "q8_0" or not self.prefill_lengths:
+        n = len(row.tokens)
+        if kv.dtype == "q8_0" or not self.prefill_lengths:
             return None
         longest = max(self.prefill_lengths)
         bucket = max(min(16, longest), 1 << (n - 1).bit_length())
