@@ -1,5 +1,6 @@
 """Time the host side of the tinygrad backend on the 8B file: load, prefill 512, decode steps, mixed steps (four
-decode rows and a 100-token prompt chunk, as the engine batches a prompt that joins requests that decode).
+decode rows and a 100-token prompt chunk, as the engine batches a prompt that joins requests that decode; with
+``chunks``, two prompts' chunks of 100 tokens).
 Run with DEV=NULL:CUDA:sm_90 NULL_ALLOW_COPYOUT=1 locally (renders and compiles CUDA kernels with NVRTC, runs none)."""
 
 import sys
@@ -30,10 +31,11 @@ if "decode" in phases:
         out = be.run(fwd, Batch([Row(0, pos, ids[pos : pos + 1])]), kv)
         be.to_host(out)
         print("decode step", pos, round(time.perf_counter() - t, 3), "s", flush=True)
-if "mixed" in phases:
+if "mixed" in phases or "chunks" in phases:
+    prompts = 2 if "chunks" in phases else 1
     layouts = model.architecture.kv_layouts(model.architecture.params)
-    kv = be.allocate_kv(layouts, slots=5, context=1024, pages=5 * 64, page_size=16, dtype="f16")
-    for slot in range(5):
+    kv = be.allocate_kv(layouts, slots=4 + prompts, context=1024, pages=(4 + prompts) * 64, page_size=16, dtype="f16")
+    for slot in range(4 + prompts):
         be.set_pages(kv, slot, np.arange(64 * slot, 64 * slot + 64))
     for slot in range(4):
         be.to_host(be.run(fwd, Batch([Row(slot, 0, ids[:16])]), kv))
@@ -41,7 +43,8 @@ if "mixed" in phases:
     for step in range(6):
         rows = [Row(slot, 16 + step, ids[16 + step : 17 + step]) for slot in range(4)]
         t = time.perf_counter()
-        out = be.run(fwd, Batch([*rows, Row(4, 100 * step, ids[100 * step : 100 * step + 100])]), kv)
+        chunks = [Row(4 + p, 100 * step, ids[100 * step : 100 * step + 100]) for p in range(prompts)]
+        out = be.run(fwd, Batch([*rows, *chunks]), kv)
         be.to_host(out)
         print("mixed step", step, round(time.perf_counter() - t, 3), "s", flush=True)
 print("total", round(time.perf_counter() - begin, 1), "s")

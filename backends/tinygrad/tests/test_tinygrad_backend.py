@@ -544,6 +544,48 @@ def test_a_prompt_chunk_with_decode_rows_replays_under_tinyjit(tmp_path, monkeyp
     assert (forward, id(kv), "mixed", 8, 1) in backend._jits
 
 
+def test_several_prompt_chunks_and_drafts_run_as_jitted_parts(tmp_path, monkeypatch):
+    """A batch that is no jitted form as a whole (two prompt chunks with decode rows; a row with a draft) runs as
+    jitted steps one after the other: the decode rows with the first chunk, each other row alone. Every row's
+    logits (all of a draft's) equal the CPU float64 oracle's, in the batch's order."""
+    monkeypatch.setenv("LEAT_TINYGRAD_PREFILL_JIT", "8")
+    path = str(_tiny_models().build("q4_k-llama3", tmp_path / "tiny.gguf"))
+    oracle = leat.load(path, backend="cpu", precision="f64")
+    ids = [np.arange(1 + 40 * slot, 41 + 40 * slot) % 200 for slot in range(4)]  # slots 0 and 2 decode, 1 and 3 prefill
+    want = [oracle.logits(seq.tolist(), native=True) for seq in ids]
+    model = leat.load(path, backend="tinygrad")
+    backend, forward = model.backend, model.architecture.forward
+    layouts = model.architecture.kv_layouts(model.architecture.params)
+    kv = backend.allocate_kv(layouts, slots=4, context=40, pages=40, page_size=4)
+    for slot in range(4):
+        backend.set_pages(kv, slot, np.arange(10 * slot, 10 * slot + 10))
+    for slot in (0, 2):
+        backend.run(forward, Batch([Row(slot, 0, ids[slot][:8])]), kv)
+
+    def step(rows: list[Row]) -> None:
+        out = np.asarray(backend.to_host(backend.run(forward, Batch(rows), kv)))
+        expected = [
+            want[r.slot][r.start : r.start + len(r.tokens)]
+            if r.all_logits
+            else want[r.slot][r.start + len(r.tokens) - 1 : r.start + len(r.tokens)]
+            for r in rows
+        ]
+        np.testing.assert_allclose(out, np.concatenate(expected), rtol=1e-5, atol=1e-5)
+
+    start = 0
+    for i, length in enumerate((6, 5, 7)):  # run as an eager step would, captured, replayed
+        a, b = Row(1, start, ids[1][start : start + length]), Row(3, start, ids[3][start : start + length - 1])
+        step([Row(0, 8 + i, ids[0][8 + i : 9 + i]), a, Row(2, 8 + i, ids[2][8 + i : 9 + i]), b])
+        start += length
+        step([Row(3, start - 1, ids[3][start - 1 : start])])  # slot 3 catches up to slot 1
+    assert backend._jits[(forward, id(kv), "mixed", 8, 2)].cnt == 3
+    assert backend._jits[(forward, id(kv), "padded", 8, False)].cnt == 3
+    # a row with a draft (every position's logits) among decode rows: the decode rows a step, the draft's row another
+    step([Row(0, 11, ids[0][11:12]), Row(1, 18, ids[1][18:21], all_logits=True), Row(2, 11, ids[2][11:12])])
+    # two chunks alone: two replays of one TinyJit, the first's logits kept from the second's overwriting them
+    step([Row(1, 21, ids[1][21:26]), Row(3, 18, ids[3][18:22])])
+
+
 def test_qwen35_prefill_chunks_jitted_and_padded_continue_the_recurrent_state(tmp_path, monkeypatch):
     """Tiny Qwen3.5's prompt in chunks through run(), in slot 1: a jitted-length chunk captured at position 0 (its
     state from zeros) and replayed at 8 (continuing), then shorter chunks padded to 8 (run, captured, replayed;

@@ -252,7 +252,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         call captures the kernels (TinyJit's usual eager first call is skipped: everything it would
         initialise is realized already), later ones replay them: no graph building or scheduling in
         Python. One-row prefill chunks of a length in ``prefill_lengths`` run under a TinyJit of their own, and
-        shorter ones padded to a power of two (``_padded_length``). A forward that needs host values inside the
+        shorter ones padded to a power of two (``_padded_length``); a prompt chunk with one-token rows replays a TinyJit
+        of its own (``_mixed``), and other batches of several rows (several chunks, rows with drafts) run as such
+        steps one after the other (``_parts``). A forward that needs host values inside the
         step (MoE routing) runs eagerly from then on. Recurrent states (``gated_delta_net``) are read and written
         per row through its slot, a bound Variable; run() checks that the rows continue them and counts their tokens.
         ``LEAT_TINYGRAD_JIT=0`` turns the JIT off. The logits of a replay stay valid until the next step of
@@ -276,6 +278,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         elif (mixed := self._mixed(kv, batch)) is not None:
             chunk_at, bucket, singles = mixed
             key = (forward, id(kv), "mixed", bucket, singles)
+        elif (parts := self._parts(kv, batch)) is not None:
+            return self._run_parts(forward, batch, kv, parts)
         else:
             return forward(batch, kv)
         jit = self._jits.get(key)
@@ -362,6 +366,34 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         if any(row.all_logits for row in rows) or (length := self._chunk_length(kv, rows[chunks[0]])) is None:
             return None
         return chunks[0], length, next(b for b in DECODE_BUCKETS if b >= len(rows) - 1)
+
+    def _parts(self, kv: KVCache, batch: Batch) -> list[list[int]] | None:
+        """The rows (indices) of sub-batches, each of a jitted form, for a batch that is not one as a whole (several
+        prompt chunks, or rows with drafts): its one-token rows (with its first other row where they make a mixed
+        step), then each other row alone. A row reads and writes only its own slot's KV and state, so the rows'
+        logits are what the whole batch's step would give. None where splitting gains nothing: one row, or more
+        one-token rows than a decode bucket holds."""
+        rows = batch.rows
+        ones = [i for i, row in enumerate(rows) if len(row.tokens) == 1 and not row.all_logits]
+        others = [i for i in range(len(rows)) if i not in ones]
+        if len(rows) < 2 or len(ones) > DECODE_BUCKETS[-1] or not others:
+            return None
+        if ones and self._mixed(kv, Batch([rows[i] for i in [*ones, others[0]]])) is not None:
+            return [[*ones, others[0]], *([i] for i in others[1:])]
+        return [ones] * bool(ones) + [[i] for i in others]
+
+    def _run_parts(self, forward: Callable[[Batch, Any], Any], batch: Batch, kv: KVCache, parts: list[list[int]]):
+        """The batch's logits from one step per part (:meth:`_parts`), in the batch's order."""
+        pieces: dict[int, Tensor] = {}
+        for part in parts:
+            rows = [batch.rows[i] for i in part]
+            out = self.run(forward, Batch(rows), kv).clone().realize()  # a later replay would overwrite a jit's output
+            at = 0
+            for i, row in zip(part, rows):
+                count = len(row.tokens) if row.all_logits else 1
+                pieces[i], at = out[at : at + count], at + count
+        ordered = [pieces[i] for i in range(len(batch.rows))]
+        return ordered[0].cat(*ordered[1:])
 
     def _chunk_length(self, kv: KVCache, row) -> int | None:
         """The jitted length a prefill chunk no longer than the longest jitted one pads to (a power of two, at least
