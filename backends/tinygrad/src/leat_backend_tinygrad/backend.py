@@ -355,7 +355,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
 
     def _mixed(self, kv: KVCache, batch: Batch) -> tuple[int, int, int] | None:
         """A batch of one prompt chunk and one-token rows (the engine's continuous batching: a prompt joining
-        requests that decode): the chunk's index, the length it pads to (:meth:`_padded_length`'s) and the bucket
+        requests that decode): the chunk's index, the length it pads to (:meth:`_chunk_length`) and the bucket
         of DECODE_BUCKETS the one-token rows pad to (copies of the first, as a decode step's). None for any other
         batch, a row that wants every logit (a draft), or recurrent states (whose chunk would need its own count
         of real tokens)."""
