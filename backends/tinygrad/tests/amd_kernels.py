@@ -52,9 +52,9 @@ def check(lib: bytes, arch: str) -> dict:
 
 
 def run_model(path: str, kv_dtype: str) -> None:
-    """A prefill chunk (16 tokens: eager, then captured under TinyJit as full chunks are), a decode step and a 5-token
-    chunk padded to 16 (both captured under TinyJit) through ``Backend.run``, as the engine runs them; then gemv.py's
-    kernels (``run_gemv``)."""
+    """A prefill chunk (16 tokens: eager, then captured under TinyJit as full chunks are), a decode step, a 5-token
+    chunk padded to 16 (both captured under TinyJit) and a mixed step (a decode row and another slot's 5-token chunk)
+    through ``Backend.run``, as the engine runs them; then gemv.py's kernels (``run_gemv``)."""
     import leat
     import numpy as np
     from leat.batch import Batch, Row
@@ -62,11 +62,16 @@ def run_model(path: str, kv_dtype: str) -> None:
     model = leat.load(path, backend="tinygrad")
     backend, forward = model.backend, model.architecture.forward
     layouts = model.architecture.kv_layouts(model.architecture.params)
-    kv = backend.allocate_kv(layouts, slots=1, context=48, dtype=kv_dtype)
+    kv = backend.allocate_kv(layouts, slots=2, context=48, dtype=kv_dtype)
     backend.set_pages(kv, 0, np.arange(3))
+    backend.set_pages(kv, 1, np.arange(3, 6))
     # a full chunk, a decode step, then a shorter chunk (a prompt's last: padded to 16 under TinyJit)
     for row in (Row(0, 0, np.arange(1, 17)), Row(0, 16, np.array([17])), Row(0, 17, np.arange(18, 23))):
         backend.to_host(backend.run(forward, Batch([row]), kv))
+    # a prompt joining a decoding request: run as an eager step, then captured (the mixed step's TinyJit)
+    for start in (0, 5):
+        rows = [Row(0, 22 + start // 5, np.array([23])), Row(1, start, np.arange(30 + start, 35 + start))]
+        backend.to_host(backend.run(forward, Batch(rows), kv))
     run_gemv()
 
 
