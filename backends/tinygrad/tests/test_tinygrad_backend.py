@@ -586,6 +586,33 @@ def test_several_prompt_chunks_and_drafts_run_as_jitted_parts(tmp_path, monkeypa
     step([Row(1, 21, ids[1][21:26]), Row(3, 18, ids[3][18:22])])
 
 
+def test_a_q8_0_caches_padded_and_mixed_steps_replay_as_eager_steps_write(tmp_path, monkeypatch):
+    """A q8_0 cache's short chunks, alone and with a decode row, replay their TinyJits too: the padded rows' quants and
+    scales are masked writes that keep what the storage holds. Logits and every stored byte equal those of the same
+    steps run eagerly (``forward`` itself) on a second cache."""
+    monkeypatch.setenv("LEAT_TINYGRAD_PREFILL_JIT", "8")
+    path = str(_tiny_models().build("q4_k-llama3", tmp_path / "tiny.gguf"))
+    model = leat.load(path, backend="tinygrad")
+    backend, forward = model.backend, model.architecture.forward
+    layouts = model.architecture.kv_layouts(model.architecture.params)
+    caches = [backend.allocate_kv(layouts, slots=2, context=40, pages=20, page_size=4, dtype="q8_0") for _ in range(2)]
+    for kv in caches:
+        backend.set_pages(kv, 0, np.arange(10))
+        backend.set_pages(kv, 1, np.arange(10, 20))
+    ids = np.arange(3, 83)
+    steps = [[Row(0, 0, ids[:8])], [Row(1, 0, ids[40:48])]]
+    steps += [[Row(0, 8 + i, ids[8 + i : 9 + i]), Row(1, 8 + 5 * i, ids[48 + 5 * i : 53 + 5 * i])] for i in range(3)]
+    steps += [[Row(0, 11, ids[11:16])], [Row(0, 16, ids[16:19])], [Row(0, 19, ids[19:25])]]
+    for rows in steps:
+        jitted = np.asarray(backend.to_host(backend.run(forward, Batch(rows), caches[0])))
+        eager = np.asarray(backend.to_host(forward(Batch(rows), caches[1])))
+        np.testing.assert_allclose(jitted, eager, rtol=1e-5, atol=1e-5)
+    assert backend._jits[(forward, id(caches[0]), "mixed", 8, 1)].cnt == 3
+    assert backend._jits[(forward, id(caches[0]), "padded", 8, False)].cnt == 3
+    for got, want in zip(caches[0].storages(), caches[1].storages(), strict=True):
+        assert np.array_equal(got.numpy(), want.numpy())
+
+
 def test_qwen35_prefill_chunks_jitted_and_padded_continue_the_recurrent_state(tmp_path, monkeypatch):
     """Tiny Qwen3.5's prompt in chunks through run(), in slot 1: a jitted-length chunk captured at position 0 (its
     state from zeros) and replayed at 8 (continuing), then shorter chunks padded to 8 (run, captured, replayed;

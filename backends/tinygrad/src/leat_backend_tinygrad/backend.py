@@ -397,10 +397,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
 
     def _chunk_length(self, kv: KVCache, row) -> int | None:
         """The jitted length a prefill chunk no longer than the longest jitted one pads to (a power of two, at least
-        16 or the longest), or None where it cannot: its tokens not on one run of adjacent storage rows, the padded
-        rows past the cache's context or storage, or a q8_0 cache (whose padded rows' writes are not masked)."""
+        16 or the longest), or None where it cannot: its tokens not on one run of adjacent storage rows, or the padded
+        rows past the cache's context or storage."""
         n = len(row.tokens)
-        if kv.dtype == "q8_0" or not self.prefill_lengths:
+        if not self.prefill_lengths:
             return None
         longest = max(self.prefill_lengths)
         bucket = max(min(16, longest), 1 << (n - 1).bit_length())

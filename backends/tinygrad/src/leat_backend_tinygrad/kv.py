@@ -113,10 +113,14 @@ class PagedKV:
             for page, block in zip(pages, values):
                 storage[page * size : (page + 1) * size].assign(self._tensor(block).cast(storage.dtype)).realize()
 
-    def _write(self, storage: Tensor, at: int | UOp, values: Tensor) -> None:
-        """values into storage rows at..at+len (one kernel for every ``at``: it is a bound variable)."""
+    def _write(self, storage: Tensor, at: int | UOp, values: Tensor, keep: Tensor | None = None) -> None:
+        """values into storage rows at..at+len (one kernel for every ``at``: it is a bound variable); where ``keep``
+        ([len, 1, 1] bool) is False, the row keeps what it holds."""
         start = self._kv_at.bind(at) if isinstance(at, int) else at
-        storage[start : start + values.shape[0]].assign(values.cast(storage.dtype)).realize()
+        values = values.cast(storage.dtype)
+        if keep is not None:
+            values = keep.where(values, storage[start : start + values.shape[0]])
+        storage[start : start + values.shape[0]].assign(values).realize()
 
     def _store(self, kv: KVCache, layer: int, which: str, row, span: slice, values: Tensor, at=None) -> None:
         """Write one row's keys or values at its positions, page run by page run (a jitted decode row: its
@@ -124,11 +128,10 @@ class PagedKV:
         storage = (kv.k if which == "k" else kv.v)[layer]
         scales = (kv.k_scale if which == "k" else kv.v_scale)[layer] if kv.dtype == "q8_0" else None
         if at is not None:
-            chunk, step = values[span], self._step
+            chunk, step, keep = values[span], self._step, None
             if step is not None and step.valid is not None:  # a padded chunk: storage rows past its tokens kept
                 keep = Tensor.arange(chunk.shape[0]).reshape(-1, 1, 1) < step.valid.reshape(1, 1, 1)
-                chunk = keep.where(chunk.cast(storage.dtype), storage[at : at + chunk.shape[0]])
-            self._put(storage, scales, at, chunk)
+            self._put(storage, scales, at, chunk, keep)
             return
         size, table = kv.page_size, kv.table(layer)[row.slot]
         position, end, done = row.start, row.start + len(row.tokens), 0
@@ -146,14 +149,15 @@ class PagedKV:
             self._put(storage, scales, page * size + position % size, chunk)
             position, done = position + run, done + run
 
-    def _put(self, storage: Tensor, scales: Tensor | None, at, chunk: Tensor) -> None:
-        """Write rows at ``at``: the values, or a q8_0 cache's quants and their scales."""
+    def _put(self, storage: Tensor, scales: Tensor | None, at, chunk: Tensor, keep: Tensor | None = None) -> None:
+        """Write rows at ``at``: the values, or a q8_0 cache's quants and their scales (rows where ``keep`` is False
+        kept as they are)."""
         if scales is None:
-            self._write(storage, at, chunk)
+            self._write(storage, at, chunk, keep)
         else:
             q, d = _q8_0(chunk)
-            self._write(storage, at, q)
-            self._write(scales, at, d)
+            self._write(storage, at, q, keep)
+            self._write(scales, at, d, keep)
 
     def _gather(
         self, kv: KVCache, layer: int, which: str, slot: int, table: Tensor | None = None, dtype=None
