@@ -508,28 +508,38 @@ def test_prefill_chunks_of_a_jitted_length_replay_under_tinyjit(tmp_path, monkey
     assert all(np.array_equal(k[35:40].numpy(), before) for k, before in zip(kv.k, kept))
 
 
-def test_a_prompt_chunk_with_decode_rows_replays_under_tinyjit(tmp_path, monkeypatch):
-    """A step of one-token rows and a prompt chunk (the engine's continuous batching) runs under a TinyJit per
-    (chunk's padded length, decode bucket): run as an eager step would, captured, then replayed, whichever row the
-    chunk is. Each decode row's logits and the chunk's last equal the CPU float64 oracle's."""
-    monkeypatch.setenv("LEAT_TINYGRAD_PREFILL_JIT", "8")
+def _slots_beside_the_oracle(tmp_path: Path, ids: list[np.ndarray]):
+    """A tiny Llama-3 Q4_K model on the tinygrad backend, one slot of ten 4-position pages per sequence of ``ids``
+    (slots 0 and 2 prefilled with 8 tokens), and ``step(rows)``, which runs a batch through ``Backend.run`` and
+    checks each row's logits (all of a draft's) against the CPU float64 oracle's, in the batch's order."""
     path = str(_tiny_models().build("q4_k-llama3", tmp_path / "tiny.gguf"))
     oracle = leat.load(path, backend="cpu", precision="f64")
-    ids = [np.arange(1, 41), np.arange(41, 81), np.arange(7, 87, 2)]  # slots 0 and 2 decode, slot 1 prefills
     want = [oracle.logits(seq.tolist(), native=True) for seq in ids]
     model = leat.load(path, backend="tinygrad")
     backend, forward = model.backend, model.architecture.forward
     layouts = model.architecture.kv_layouts(model.architecture.params)
-    kv = backend.allocate_kv(layouts, slots=3, context=40, pages=30, page_size=4)
-    for slot in range(3):
+    kv = backend.allocate_kv(layouts, slots=len(ids), context=40, pages=10 * len(ids), page_size=4)
+    for slot in range(len(ids)):
         backend.set_pages(kv, slot, np.arange(10 * slot, 10 * slot + 10))
     for slot in (0, 2):
         backend.run(forward, Batch([Row(slot, 0, ids[slot][:8])]), kv)
 
     def step(rows: list[Row]) -> None:
         out = np.asarray(backend.to_host(backend.run(forward, Batch(rows), kv)))
-        expected = [want[row.slot][row.start + len(row.tokens) - 1] for row in rows]
-        np.testing.assert_allclose(out, np.stack(expected), rtol=1e-5, atol=1e-5)
+        end = [r.start + len(r.tokens) for r in rows]
+        expected = [want[r.slot][r.start if r.all_logits else e - 1 : e] for r, e in zip(rows, end)]
+        np.testing.assert_allclose(out, np.concatenate(expected), rtol=1e-5, atol=1e-5)
+
+    return backend, forward, kv, step
+
+
+def test_a_prompt_chunk_with_decode_rows_replays_under_tinyjit(tmp_path, monkeypatch):
+    """A step of one-token rows and a prompt chunk (the engine's continuous batching) runs under a TinyJit per
+    (chunk's padded length, decode bucket): run as an eager step would, captured, then replayed, whichever row the
+    chunk is. Each decode row's logits and the chunk's last equal the CPU float64 oracle's."""
+    monkeypatch.setenv("LEAT_TINYGRAD_PREFILL_JIT", "8")
+    ids = [np.arange(1, 41), np.arange(41, 81), np.arange(7, 87, 2)]  # slots 0 and 2 decode, slot 1 prefills
+    backend, forward, kv, step = _slots_beside_the_oracle(tmp_path, ids)
 
     def decoding(position: int) -> list[Row]:
         return [Row(slot, position, ids[slot][position : position + 1]) for slot in (0, 2)]
@@ -549,28 +559,8 @@ def test_several_prompt_chunks_and_drafts_run_as_jitted_parts(tmp_path, monkeypa
     jitted steps one after the other: the decode rows with the first chunk, each other row alone. Every row's
     logits (all of a draft's) equal the CPU float64 oracle's, in the batch's order."""
     monkeypatch.setenv("LEAT_TINYGRAD_PREFILL_JIT", "8")
-    path = str(_tiny_models().build("q4_k-llama3", tmp_path / "tiny.gguf"))
-    oracle = leat.load(path, backend="cpu", precision="f64")
     ids = [np.arange(1 + 40 * slot, 41 + 40 * slot) % 200 for slot in range(4)]  # slots 0 and 2 decode, 1 and 3 prefill
-    want = [oracle.logits(seq.tolist(), native=True) for seq in ids]
-    model = leat.load(path, backend="tinygrad")
-    backend, forward = model.backend, model.architecture.forward
-    layouts = model.architecture.kv_layouts(model.architecture.params)
-    kv = backend.allocate_kv(layouts, slots=4, context=40, pages=40, page_size=4)
-    for slot in range(4):
-        backend.set_pages(kv, slot, np.arange(10 * slot, 10 * slot + 10))
-    for slot in (0, 2):
-        backend.run(forward, Batch([Row(slot, 0, ids[slot][:8])]), kv)
-
-    def step(rows: list[Row]) -> None:
-        out = np.asarray(backend.to_host(backend.run(forward, Batch(rows), kv)))
-        expected = [
-            want[r.slot][r.start : r.start + len(r.tokens)]
-            if r.all_logits
-            else want[r.slot][r.start + len(r.tokens) - 1 : r.start + len(r.tokens)]
-            for r in rows
-        ]
-        np.testing.assert_allclose(out, np.concatenate(expected), rtol=1e-5, atol=1e-5)
+    backend, forward, kv, step = _slots_beside_the_oracle(tmp_path, ids)
 
     start = 0
     for i, length in enumerate((6, 5, 7)):  # run as an eager step would, captured, replayed
