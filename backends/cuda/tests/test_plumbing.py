@@ -337,12 +337,65 @@ def test_a_weight_kept_in_f16_goes_to_cublas_whole_without_decoding(fake):
     backend.cublas, backend.cublas_min_tokens, backend.cublas_min_tokens_f16 = RecordingCublas(), n + 1, n
     fake.launches.clear()
     x = backend.from_host(rng.standard_normal((n, cols)))
-    out = backend.matmul(x, weight)
+    out = backend.matmul(x, weight).materialize()  # waits for its consumer (a lone product: as it always ran)
     assert not any(f.startswith("_Z14dequantize_f16") for f, _, _ in fake.launches)
     assert backend.cublas.calls == [(weight.f16.ptr, backend.cublas.calls[0][1], out.ptr, rows, n, cols, rows)]
     backend.cublas.calls.clear()
     backend.matmul(x, second)  # no copy: n tokens are below its threshold, so the own kernels
     assert not backend.cublas.calls
+
+
+def test_products_of_f16_copies_go_to_cublas_with_their_siblings_and_their_epilogue_into_the_consumer(
+    fake, monkeypatch
+):
+    """Products of f16 copies wait for their consumer: q, k and v (one x) go to cuBLAS side by side, one call for the
+    copies that adjoin in their slab, and one scale_split writes each its output; gate and up go to one call and
+    scale_silu_mul; a product added to the residual goes to scale_add. A product alone keeps scale_rows_bias."""
+    from leat_backend_cuda import backend as cuda_backend
+
+    rng = np.random.default_rng(5)
+    cols, n = 256, 24
+    monkeypatch.setattr(cuda_backend, "F16_SLAB_BYTES", 2 * 96 * cols)  # gate and up fill a slab, q and k the next
+    backend = CUDABackend(use_cublas=False)
+    backend.f16_budget = 1 << 24
+
+    def upload(name, rows):
+        data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), Q.Q8_0)
+        return backend.upload(Tensor(name, Q.Q8_0, (rows, cols), data))
+
+    gate, up, q, k, v, down = (
+        upload(name, rows) for name, rows in (("g", 48), ("u", 48), ("q", 64), ("k", 32), ("v", 32), ("d", 48))
+    )
+    assert k.f16.ptr == q.f16.ptr + q.f16.nbytes and v.f16.ptr != k.f16.ptr + k.f16.nbytes
+    assert up.f16.ptr == gate.f16.ptr + gate.f16.nbytes
+    backend.cublas, backend.cublas_min_tokens_f16 = RecordingCublas(), n
+    fake.launches.clear()
+    x = backend.from_host(rng.standard_normal((n, cols)))
+    pq, pk, pv = (backend.matmul(x, w) for w in (q, k, v))
+    assert not backend.cublas.calls and not fake.launches  # nothing launched before a consumer reads one
+    pk.materialize()  # k read first: q and v come along
+    (_, xh, y, *_), _ = backend.cublas.calls
+    assert backend.cublas.calls == [(q.f16.ptr, xh, y, 96, n, cols, 128), (v.f16.ptr, xh, y + 4 * 96, 32, n, cols, 128)]
+    assert [f for f, _, _ in fake.launches] == ["x_to_f16", "scale_split"]
+    fake.launches.clear()
+    assert len({pq.ptr, pk.ptr, pv.ptr}) == 3 and not fake.launches and len(backend.cublas.calls) == 2
+
+    backend.cublas.calls.clear()
+    h = backend.from_host(rng.standard_normal((n, cols)))
+    out = backend.silu_mul(backend.matmul(h, gate), backend.matmul(h, up))
+    assert out.shape == (n, 48) and [f for f, _, _ in fake.launches] == ["x_to_f16", "scale_silu_mul"]
+    ((_, xh, y, *_),) = backend.cublas.calls
+    assert backend.cublas.calls == [(gate.f16.ptr, xh, y, 96, n, cols, 96)]
+
+    fake.launches.clear()
+    backend.cublas.calls.clear()
+    residual = backend.from_host(rng.standard_normal((n, 48)))
+    total = backend.add(residual, backend.matmul(h, down))
+    assert total.shape == (n, 48) and [f for f, _, _ in fake.launches] == ["scale_add"]  # h's f16 rows made once
+    fake.launches.clear()
+    alone = backend.matmul(backend.from_host(rng.standard_normal((n, cols))), down)
+    alone.materialize()
+    assert [f for f, _, _ in fake.launches] == ["x_to_f16", "scale_rows_bias"]
 
 
 def test_the_f16_budget_follows_the_size_of_the_mapped_file(tmp_path):

@@ -59,6 +59,9 @@ OPS_KERNELS = (
         "matmul_f32_naive",
         "splitk_sum",
         "scale_rows_bias",
+        "scale_split",
+        "scale_silu_mul",
+        "scale_add",
         "split_plane",
         "gather_ints",
         "argmax_rows",
@@ -130,6 +133,11 @@ READBACKS = 4
 #: f16 weight rows decoded per cuBLAS product: large enough that a layer's matrices go whole (few, large
 #: products beat chunks small enough to stay in L2; docs/benchmarks.md has the measurement)
 CUBLAS_SCRATCH_BYTES = 128 << 20
+#: f16 weight copies are cut from slabs of this size in load order, so that matrices loaded one after the other (a
+#: layer's q, k and v) lie one after the other and cuBLAS multiplies them as one matrix (``_cublas_gemms``; the 8B
+#: file's q, k and v at 64 tokens on an H200: 14.8 us as one product against 25.1 as three); a slab's unused end is
+#: the cost (the 8B file: ~1 GB of 15)
+F16_SLAB_BYTES = 1 << 30
 #: the share of the device's memory that weights decoded to f16 once, at load, may take (see ``f16_budget``),
 #: for a file of at most F16_WEIGHTS_FILE_SHARE of it (its copies take up to ~4x its size)
 F16_WEIGHTS_SHARE = 0.25
@@ -151,6 +159,15 @@ def _host_dequantizable() -> frozenset[Q]:
 
 
 @dataclass
+class F16Copy:
+    """A weight's f16 copy: ``nbytes`` at ``ptr``, a piece of ``slab`` (see ``F16_SLAB_BYTES``)."""
+
+    slab: Memory
+    ptr: int
+    nbytes: int
+
+
+@dataclass
 class Matrix:
     """A weight matrix on the device: [rows, cols] of ``qtype`` in the layout of quants.py."""
 
@@ -162,7 +179,7 @@ class Matrix:
     blocks: int
     memory: Memory
     kernels: driver.Module | None  # None: float32 rows not a multiple of 8 (the naive kernel)
-    f16: Memory | None = None  # the weight decoded to f16 rows once, for cuBLAS's prefill products (see f16_budget)
+    f16: F16Copy | None = None  # the weight decoded to f16 rows once, for cuBLAS's products (see f16_budget)
 
     @property
     def ptr(self) -> int:
@@ -354,6 +371,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         #: steps still read the quantized weights. 0: none kept (the decode-each-step path, less memory). None:
         #: decided at the first upload, from the size of the file it maps (a small file's copies, or none)
         self.f16_budget: int | None = None if self.cublas else 0
+        self._f16_slab: list | None = None  # [the slab f16 copies are cut from now, bytes of it taken]
 
     def describe(self) -> dict[str, Any]:
         free, total = self.device.free_memory()
@@ -453,14 +471,29 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         if self.f16_budget is None:
             total, file = self.device.free_memory()[1], _mapped_size(tensor.data)
             self.f16_budget = int(F16_WEIGHTS_SHARE * total) if file and file <= F16_WEIGHTS_FILE_SHARE * total else 0
-        if kernels and len(shape) == 2 and cols % 8 == 0 and 2 * rows * cols <= self.f16_budget:
-            self.f16_budget -= 2 * rows * cols
-            matrix.f16 = Memory(2 * rows * cols)
-            self._decode_f16(matrix, matrix.f16, 0, rows)
-            self._count("f16 copies", matrix.f16.nbytes)
+        if kernels and len(shape) == 2 and cols % 8 == 0:
+            matrix.f16 = self._f16_copy(2 * rows * cols)
+            if matrix.f16 is not None:
+                self._decode_f16(matrix, matrix.f16, 0, rows)
+                self._count("f16 copies", matrix.f16.nbytes)
         return matrix
 
-    def _decode_f16(self, weight: Matrix, out: Memory, start: int, count: int) -> None:
+    def _f16_copy(self, nbytes: int) -> F16Copy | None:
+        """Room for an f16 copy of ``nbytes`` while ``f16_budget`` has it: the rest of the slab the last copy came
+        from where it fits (so that matrices loaded one after the other adjoin), else a new slab of F16_SLAB_BYTES
+        (or ``nbytes``; at most the budget left)."""
+        assert self.f16_budget is not None
+        if nbytes > self.f16_budget:
+            return None
+        slab = self._f16_slab
+        if slab is None or slab[1] + nbytes > slab[0].nbytes:
+            slab = self._f16_slab = [Memory(min(max(F16_SLAB_BYTES, nbytes), self.f16_budget)), 0]
+        self.f16_budget -= nbytes
+        copy = F16Copy(slab[0], slab[0].ptr + slab[1], nbytes)
+        slab[1] += nbytes
+        return copy
+
+    def _decode_f16(self, weight: Matrix, out: Memory | F16Copy, start: int, count: int) -> None:
         """Rows ``start`` to ``start + count`` of ``weight`` decoded to f16 rows at ``out``."""
         layout = quants.LAYOUTS[weight.qtype]
         per_row = weight.cols // layout.block
@@ -676,12 +709,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         n, m = x.size // k, weight.rows
         if self._fusable(weight, n, k):
             product = Pending(x.shape[:-1] + (m,), lambda: self._launch_products(product), ("matmul", x, weight, bias))
-            siblings = self._by_input.get(id(x))
-            if siblings is None or siblings[0] is not x:
-                siblings = (x, [])
-                self._remember(self._by_input, id(x), siblings, size=4)
-            siblings[1].append(product)
-            return product
+            return self._sibling(x, product)
         # x may still be a pending norm: the products that read x as f16 rows take the norm in (_f16_rows)
         few = self._few_shape(weight, n, k)
         if few is not None and self.fuse and self.few_gated and bias is None:  # silu_mul may take it and its sibling
@@ -689,6 +717,9 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             return Pending(
                 shape, lambda: self._gemm_few(x, weight, None, self._empty(shape), n, few), ("few", x, weight)
             )
+        if few is None and self._deferred_cublas(weight, n, k):
+            product = Pending(x.shape[:-1] + (m,), lambda: self._launch_cublas(product), ("cublas", x, weight, bias))
+            return self._sibling(x, product)
         out = self._empty(x.shape[:-1] + (m,))
         if weight.kernels is None:
             warps = m * n
@@ -749,6 +780,37 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             return None  # cuBLAS takes it (matmul)
         return self.few_shape or quants.gemm_few_shape(n, weight.rows)
 
+    def _sibling(self, x: DeviceArray, product: Pending) -> Pending:
+        """``product`` remembered among the pending products that read ``x`` (its launch may take them along)."""
+        siblings = self._by_input.get(id(x))
+        if siblings is None or siblings[0] is not x:
+            siblings = (x, [])
+            self._remember(self._by_input, id(x), siblings, size=4)
+        siblings[1].append(product)
+        return product
+
+    def _waiting_siblings(self, product: Pending, kind: str, fits: Callable[[Pending], bool]) -> list[Pending]:
+        """``product`` and up to two more products of its input still waiting as ``kind`` (and not taken by a fused
+        consumer) for which ``fits``, in the order they were asked for."""
+        x = product.fusion[1]
+        siblings = self._by_input.get(id(x))
+        if siblings is None or siblings[0] is not x:
+            return [product]
+        others = [p for p in siblings[1] if p is not product and p.waiting(kind) and not p.fused and fits(p)][:2]
+        return [p for p in siblings[1] if p is product or any(p is other for other in others)]
+
+    def _deferred_cublas(self, weight: Matrix, n: int, k: int) -> bool:
+        """Whether a product of ``weight``'s f16 copy through cuBLAS waits for its consumer: silu_mul and add then
+        take its epilogue into their kernel, and a launch takes its siblings along (_launch_cublas)."""
+        return (
+            self.fuse
+            and self.cublas is not None
+            and weight.f16 is not None
+            and k % 8 == 0
+            and n >= self._cublas_from(weight)
+            and n > min(quants.GEMV_Q_MAX_TOKENS, self.few_tokens[0] - 1)  # else gemv_q's (matmul)
+        )
+
     def _fusable(self, weight: Matrix, n: int, k: int) -> bool:
         """Whether a product may wait for its consumer: the integer matrix-vector kernel with fusions."""
         return (
@@ -763,17 +825,42 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         """Launch a pending product together with up to two others waiting on the same input and of
         the same type and row length (q, k and v: one launch instead of three)."""
         _, x, weight, _ = product.fusion
-        group = [product]
-        siblings = self._by_input.get(id(x))
-        if siblings is not None and siblings[0] is x:
-            for other in siblings[1]:
-                same = other.waiting("matmul") and not other.fused and other.fusion[2].qtype == weight.qtype
-                if other is not product and len(group) < 3 and same:
-                    group.append(other)
+        group = self._waiting_siblings(product, "matmul", lambda p: p.fusion[2].qtype == weight.qtype)
         outs = self._gemv_q(x, [(p.fusion[2], p.fusion[3]) for p in group])
-        for other, out in zip(group[1:], outs[1:]):
-            other._real, other._launch = out, None
-        return outs[0]
+        return _settle(product, group, outs)
+
+    def _launch_cublas(self, product: Pending) -> DeviceArray:
+        """Launch a pending cuBLAS product together with up to two others waiting on the same x (q, k and v): their
+        products side by side in one output, one cuBLAS call where their f16 copies adjoin, one epilogue."""
+        _, x, weight, bias = product.fusion
+        k, n = weight.cols, x.size // weight.cols
+        group = self._waiting_siblings(product, "cublas", lambda p: p.fusion[2].cols == k)
+        if len(group) == 1:
+            out = self._empty(product.shape)
+            self._cublas_product(x, weight, bias, out, n, weight.rows, k)
+            return out
+        y, xscale = self._cublas_gemms(x, [p.fusion[2] for p in group], n)
+        outs = [self._empty(p.shape) for p in group] + [None] * (3 - len(group))
+        biases = [p.fusion[3] for p in group] + [None] * (3 - len(group))
+        rows = [p.fusion[2].rows for p in group] + [0] * (3 - len(group))
+        self.ops["scale_split"](_epilogue_grid(sum(rows), n), 256, y, xscale, *outs, *biases, *rows, n)
+        return _settle(product, group, outs)
+
+    def _cublas_gemms(self, x, weights: list[Matrix], n: int) -> tuple[DeviceArray, DeviceArray]:
+        """x's f16 rows times each of ``weights`` (f16 copies of one row length) through cuBLAS, side by side in one
+        [n, their rows] output, one cuBLAS call for each run of copies that adjoin in memory (see F16_SLAB_BYTES);
+        returns it and x's row scales, which its epilogue is to apply."""
+        k = weights[0].cols
+        xh, xscale = self._f16_rows(x, n, k)
+        total = sum(w.rows for w in weights)
+        y = self._empty((n, total))
+        column = 0
+        for run in _adjoining(weights):
+            rows = sum(w.rows for w in run)
+            assert run[0].f16 is not None
+            self.cublas.gemm_f16(run[0].f16.ptr, xh.ptr, y.ptr + 4 * column, rows, n, k, total)
+            column += rows
+        return y, xscale
 
     def _gemv_q(self, x, segments, residual=None, up: Matrix | None = None, out=None) -> list[DeviceArray]:
         """One gemv_q launch: ``x`` times each (weight, bias) of ``segments`` (up to 3, same type and
@@ -845,7 +932,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
                 count = min(rows, m - start)
                 self._decode_f16(weight, self._f16_weights, start, count)
                 self.cublas.gemm_f16(self._f16_weights.ptr, xh.ptr, out.ptr + 4 * start, count, n, k, m)
-        self.ops["scale_rows_bias"]((min(-(-m // 256), 16), min(n, 65535)), 256, out, xscale, bias, m, n)
+        self.ops["scale_rows_bias"](_epilogue_grid(m, n), 256, out, xscale, bias, m, n)
 
     def _gemm_few(
         self, x, weight: Matrix, bias, out: DeviceArray, n: int, shape: tuple[int, int], up: Matrix | None = None
@@ -1193,6 +1280,16 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
                 shape = self._few_shape(wg, n, wg.cols)
                 assert shape is not None  # the products were deferred because gemm_few takes them
                 return self._gemm_few(x, wg, None, self._empty(gate.shape), n, shape, up=wu)
+        if isinstance(gate, Pending) and isinstance(up, Pending) and gate.waiting("cublas") and up.waiting("cublas"):
+            _, x, wg, bg = gate.fusion
+            _, x2, wu, bu = up.fusion
+            if x is x2 and (wg.rows, wg.cols) == (wu.rows, wu.cols):  # both products, their epilogues, one kernel
+                gate.fused = up.fused = True
+                n = x.size // wg.cols
+                y, xscale = self._cublas_gemms(x, [wg, wu], n)
+                out = self._empty(gate.shape)
+                self.ops["scale_silu_mul"](_epilogue_grid(wg.rows, n), 256, y, xscale, bg, bu, out, wg.rows, n)
+                return out
         return self._elementwise("silu_mul", gate, up, like=gate)
 
     def gelu_mul(self, gate: DeviceArray, up: DeviceArray | None = None) -> DeviceArray:
@@ -1208,6 +1305,16 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
                 _, x, weight, bias = product.fusion
                 product.fused = True
                 return self._gemv_q(x, [(weight, bias)], residual=_ready(other))[0]
+            if isinstance(product, Pending) and product.waiting("cublas"):  # the epilogue in the add's kernel
+                _, x, weight, bias = product.fusion
+                product.fused = True
+                n = x.size // weight.cols
+                y, xscale = self._cublas_gemms(x, [weight], n)
+                out = self._empty(a.shape)
+                self.ops["scale_add"](
+                    _epilogue_grid(weight.rows, n), 256, y, xscale, bias, _ready(other), out, weight.rows, n
+                )
+                return out
             if isinstance(product, Pending) and product.waiting("combine"):  # a MoE layer's weighted sum
                 product.fused = True
                 return self._combine(*product.fusion[1:], residual=_ready(other))
@@ -1340,6 +1447,36 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         """Drop every captured graph and the memory it reserved."""
         self._captured.clear()
         self._uncapturable.clear()
+
+
+def _settle(product: Pending, group: list[Pending], outs: list) -> DeviceArray:
+    """The outputs of ``group``'s one launch handed to its other members; ``product``'s returned."""
+    for member, out in zip(group, outs):
+        if member is not product:
+            member._real, member._launch = out, None
+    return outs[group.index(product)]
+
+
+def _adjoining(weights: list[Matrix]) -> list[list[Matrix]]:
+    """``weights`` in runs whose f16 copies follow one another in memory (one cuBLAS product each)."""
+    runs: list[list[Matrix]] = []
+    for w in weights:
+        last = runs[-1][-1] if runs else None
+        if (
+            last is not None
+            and last.f16 is not None
+            and w.f16 is not None
+            and last.f16.ptr + last.f16.nbytes == w.f16.ptr
+        ):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return runs
+
+
+def _epilogue_grid(m: int, n: int) -> tuple[int, int]:
+    """The grid of an epilogue over ``n`` tokens' ``m`` values each (256 threads a block, a block row per token)."""
+    return (min(-(-m // 256), 16), min(n, 65535))
 
 
 def _threads(work: int) -> int:

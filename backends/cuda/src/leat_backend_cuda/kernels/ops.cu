@@ -614,6 +614,57 @@ extern "C" __global__ void scale_rows_bias(float* __restrict__ y, const float* _
     }
 }
 
+// The epilogue's value of one element: y * s + bias, or y * s (scale_rows_bias's, so the fused forms below give the
+// same bits as the epilogue followed by silu_mul or add).
+__device__ __forceinline__ float scaled(float y, float s, const float* __restrict__ bias, int c) {
+    return bias ? y * s + bias[c] : y * s;
+}
+
+// The epilogue of up to three cuBLAS products of the same f16 rows, made side by side into y [n, m0 + m1 + m2]
+// (columns [0, m0) the first's, then the second's, then the third's: a layer's q, k and v), each written to its own
+// out_i [n, m_i] with its bias b_i (or none). One launch where three scale_rows_bias would be; grid as theirs.
+extern "C" __global__ void scale_split(const float* __restrict__ y, const float* __restrict__ xscale,
+                                       float* __restrict__ out0, float* __restrict__ out1, float* __restrict__ out2,
+                                       const float* __restrict__ b0, const float* __restrict__ b1,
+                                       const float* __restrict__ b2, int m0, int m1, int m2, int n) {
+    const int ldy = m0 + m1 + m2;
+    for (i64 t = blockIdx.y; t < n; t += gridDim.y) {
+        const float s = xscale[t];
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < ldy; c += gridDim.x * blockDim.x) {
+            const float v = y[t * ldy + c];
+            if (c < m0) out0[t * m0 + c] = scaled(v, s, b0, c);
+            else if (c < m0 + m1) out1[t * m1 + c - m0] = scaled(v, s, b1, c - m0);
+            else out2[t * m2 + c - m0 - m1] = scaled(v, s, b2, c - m0 - m1);
+        }
+    }
+}
+
+// silu_mul of a gated unit whose gate and up are one cuBLAS product's columns [0, m) and [m, 2m) of y [n, 2m] (the
+// same f16 rows of x), each with its epilogue (x's row scale, its bias): two epilogues and silu_mul in one launch.
+extern "C" __global__ void scale_silu_mul(const float* __restrict__ y, const float* __restrict__ xscale,
+                                          const float* __restrict__ bg, const float* __restrict__ bu,
+                                          float* __restrict__ out, int m, int n) {
+    for (i64 t = blockIdx.y; t < n; t += gridDim.y) {
+        const float s = xscale[t];
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < m; c += gridDim.x * blockDim.x) {
+            const float g = scaled(y[t * 2 * m + c], s, bg, c), u = scaled(y[t * 2 * m + m + c], s, bu, c);
+            out[t * m + c] = g / (1.0f + expf(-g)) * u;
+        }
+    }
+}
+
+// a + a cuBLAS product y [n, m] with its epilogue: the residual add after a layer's o or down product, one launch
+// where scale_rows_bias and add were two.
+extern "C" __global__ void scale_add(const float* __restrict__ y, const float* __restrict__ xscale,
+                                     const float* __restrict__ bias, const float* __restrict__ a,
+                                     float* __restrict__ out, int m, int n) {
+    for (i64 t = blockIdx.y; t < n; t += gridDim.y) {
+        const float s = xscale[t];
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < m; c += gridDim.x * blockDim.x)
+            out[t * m + c] = a[t * m + c] + scaled(y[t * m + c], s, bias, c);
+    }
+}
+
 // The simple fallback product for float32 weights whose rows are not a multiple of 8 long:
 // one warp per output element.
 extern "C" __global__ void matmul_f32_naive(const float* __restrict__ w, const float* __restrict__ x,
