@@ -6,6 +6,7 @@ pointer in each slot. This catches plumbing mistakes (argument order, shapes, gr
 flow) on machines without a GPU; the GPU tests check the numbers.
 """
 
+import gc
 import types
 
 import gguf
@@ -30,6 +31,7 @@ class FakeDriver:
         self.real = real
         self.launches: list[tuple[str, tuple, int]] = []
         self.capturing = False
+        self.freed: list[tuple[int, bool]] = []  # (pointer, freed while capturing)
         self.captured: list[list[str]] = []
         self.next_ptr = 1 << 32
         self.allocated = 0
@@ -80,6 +82,7 @@ class FakeDriver:
         return self.ok, ptr
 
     def cuMemFree(self, ptr):
+        self.freed.append((ptr, self.capturing))  # a free synchronizes the device: inside a capture it ends it
         return (self.ok,)
 
     def cuMemGetInfo(self):
@@ -343,6 +346,28 @@ def test_a_weight_kept_in_f16_goes_to_cublas_whole_without_decoding(fake):
     backend.cublas.calls.clear()
     backend.matmul(x, second)  # no copy: n tokens are below its threshold, so the own kernels
     assert not backend.cublas.calls
+
+
+def test_a_free_during_a_graph_capture_waits_for_its_end(fake):
+    """Python may drop an allocation in the middle of a capture: its garbage collector runs when objects are created
+    and frees what reference cycles held. cuMemFree synchronizes the device, which invalidates the capture (on an H200
+    an engine's capture failed so: 'cuMemsetD8Async failed: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED'); the free waits
+    for the capture's end."""
+    device = driver.Device(0)
+    held = [driver.Memory(4096)]
+    ptr = held[0].ptr
+    held.append(held)  # a cycle: only the collector frees it
+
+    def capture():
+        held.clear()
+        gc.collect()
+        assert not any(capturing for _, capturing in fake.freed)
+        return "captured"
+
+    fake.freed.clear()
+    assert driver.Graph(device, capture).result == "captured"
+    # freed once the capture ended, as is anything else the collector found in it
+    assert (ptr, False) in fake.freed and not any(capturing for _, capturing in fake.freed)
 
 
 def test_products_of_f16_copies_go_to_cublas_with_their_siblings_and_their_epilogue_into_the_consumer(

@@ -21,6 +21,40 @@ import numpy as np
 from leat.errors import LeatError
 
 _local = threading.local()
+# Graphs being captured now, in any thread. A driver free meanwhile (cuMemFree and cuMemFreeHost synchronize the
+# device) would invalidate the capture, and Python may drop an allocation at any point of one (its garbage collector
+# runs when objects are created, and frees what cycles held): such frees wait here until the last capture ends.
+_captures = 0
+_capture_lock = threading.Lock()
+_deferred_frees: list[tuple[str, int]] = []
+
+
+def _free(function: str, ptr: int) -> None:
+    """``cuMemFree`` or ``cuMemFreeHost`` of ``ptr`` now, or once no graph is being captured."""
+    with _capture_lock:
+        if _captures:
+            _deferred_frees.append((function, ptr))
+            return
+    getattr(_cu(), function)(ptr)
+
+
+@contextlib.contextmanager
+def _capture_scope():
+    """While a graph is captured: driver frees wait (see ``_captures``), made when the last capture ends."""
+    global _captures
+    with _capture_lock:
+        _captures += 1
+    try:
+        yield
+    finally:
+        with _capture_lock:
+            _captures -= 1
+            due = _deferred_frees[:] if not _captures else []
+            if due:
+                _deferred_frees.clear()
+        for function, ptr in due:
+            with contextlib.suppress(Exception):
+                getattr(_cu(), function)(ptr)
 
 
 class CudaError(LeatError):
@@ -142,7 +176,7 @@ class Memory:
 
     def __del__(self):
         with contextlib.suppress(Exception):  # at interpreter exit the bindings may be gone
-            _cu().cuMemFree(self.ptr)
+            _free("cuMemFree", self.ptr)
 
 
 def size_class(nbytes: int) -> int:
@@ -313,15 +347,16 @@ class Graph:
         cu = _cu()
         self.device = device
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
-        check(cu.cuStreamBeginCapture(device.stream, mode), "cuStreamBeginCapture")
-        try:
-            self.result = capture()
-        except BaseException:
-            graph = cu.cuStreamEndCapture(device.stream)
-            if isinstance(graph, tuple) and len(graph) > 1 and graph[1] is not None:
-                cu.cuGraphDestroy(graph[1])
-            raise
-        self.graph = check(cu.cuStreamEndCapture(device.stream), "cuStreamEndCapture")
+        with _capture_scope():
+            check(cu.cuStreamBeginCapture(device.stream, mode), "cuStreamBeginCapture")
+            try:
+                self.result = capture()
+            except BaseException:
+                graph = cu.cuStreamEndCapture(device.stream)
+                if isinstance(graph, tuple) and len(graph) > 1 and graph[1] is not None:
+                    cu.cuGraphDestroy(graph[1])
+                raise
+            self.graph = check(cu.cuStreamEndCapture(device.stream), "cuStreamEndCapture")
         self.exec = check(cu.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
 
     def replay(self) -> None:
@@ -346,7 +381,7 @@ class Pinned:
 
     def __del__(self):
         with contextlib.suppress(Exception):
-            _cu().cuMemFreeHost(self.ptr)
+            _free("cuMemFreeHost", self.ptr)
 
 
 class Event:
