@@ -108,11 +108,11 @@ LOGIT_BUCKETS = TOKEN_BUCKETS[: TOKEN_BUCKETS.index(64) + 1]
 #: two tie at 128 tokens a step and cuBLAS leads from 192)
 CUBLAS_MIN_TOKENS = 160
 #: the same for a weight decoded to f16 once, at load (``Matrix.f16``): cuBLAS then reads the copy and decodes
-#: nothing, and leads from 17 tokens, gemm_few's range included (the 8B file on an H200, scripts/prefill_paths.py,
-#: graph-replayed decode steps: 24 rows 7.50 ms against gemm_few's 8.55, 32 rows 7.68 against 9.08, 16 rows 6.87
-#: against 6.93, 12 rows 6.81 against 6.76, 8 rows 6.78 against 5.58 (fourteenth session); a 33-token chunk
-#: 7.28 against 8.93 on gemm_rows, 64 decode rows 8.80 against 10.92 (tenth session))
-CUBLAS_MIN_TOKENS_F16 = 17
+#: nothing. With its epilogue in the consumer's kernel and q, k and v as one product (``_launch_cublas``) it leads
+#: from 12 tokens (the 8B file on an H200, graph-replayed decode steps, scripts/prefill_paths.py's way, seventeenth
+#: session: 12 rows 5.75 ms against gemm_few's 6.37, 16 rows 5.80 against 6.51, 8 rows 5.61 against 5.13); graphs
+#: are captured for 8 and 12 tokens, none between, so 9-11 go as 12 do
+CUBLAS_MIN_TOKENS_F16 = 9
 #: products of this many tokens or more go to gemm_few (up to quants.GEMM_FEW_MAX_TOKENS, where gemm_few_shape says)
 GEMM_FEW_MIN_TOKENS = 3
 #: products of this many tokens up to GEMM_ROWS_MAX_TOKENS go to gemm_rows (x shared in shared memory by a block's
