@@ -370,6 +370,22 @@ def test_a_free_during_a_graph_capture_waits_for_its_end(fake):
     assert (ptr, False) in fake.freed and not any(capturing for _, capturing in fake.freed)
 
 
+def test_a_free_inside_the_capture_bookkeeping_does_not_wait_for_itself(fake):
+    """The collector may run inside the driver's locked bookkeeping of frees (a tuple or list made there) and free
+    an allocation: that free takes the same lock again on the same thread, which must not wait for itself."""
+    import threading
+
+    def free_while_locked():
+        with driver._capture_lock:
+            memory = driver.Memory(4096)
+            del memory
+
+    worker = threading.Thread(target=free_while_locked, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "a free inside the locked section waited for its own lock"
+
+
 def test_products_of_f16_copies_go_to_cublas_with_their_siblings_and_their_epilogue_into_the_consumer(
     fake, monkeypatch
 ):

@@ -25,7 +25,7 @@ _local = threading.local()
 # device) would invalidate the capture, and Python may drop an allocation at any point of one (its garbage collector
 # runs when objects are created, and frees what cycles held): such frees wait here until the last capture ends.
 _captures = 0
-_capture_lock = threading.Lock()
+_capture_lock = threading.RLock()  # reentrant: a collection inside a locked section may free more
 _deferred_frees: list[tuple[str, int]] = []
 
 
