@@ -386,6 +386,31 @@ def test_a_free_inside_the_capture_bookkeeping_does_not_wait_for_itself(fake):
     assert not worker.is_alive(), "a free inside the locked section waited for its own lock"
 
 
+def test_a_step_whose_graph_cannot_be_captured_runs_eagerly_and_says_so(fake, tmp_path, caplog, monkeypatch):
+    """A graph is an optimization: when its capture fails the step runs eagerly, the failure is recorded
+    (``graph_failures``) and logged once for that shape, so that a figure measured after it is not taken for the
+    graphs' (steps of that shape pay the eager path's host time)."""
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=2, context=32, dtype="f16")
+
+    def invalidated(stream):
+        fake.capturing = False
+        return fake.real.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, None
+
+    monkeypatch.setattr(fake, "cuStreamEndCapture", invalidated)
+    monkeypatch.setattr(fake, "cuGetErrorName", lambda err: (fake.ok, err.name.encode()), raising=False)
+    decode = Batch([Row(0, 0, np.array([5])), Row(1, 0, np.array([7]))])
+    with caplog.at_level("WARNING", logger="leat.cuda"):
+        for _ in range(2):
+            assert backend.to_host(backend.run(model.forward, decode, kv)).shape == (2, model.params.vocab)
+    assert len(backend.graph_failures) == 1 and "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED" in backend.graph_failures[0]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "leat.cuda"]
+    assert len(warnings) == 1 and "no graph for steps of 2 tokens" in warnings[0] and "eagerly" in warnings[0]
+    assert not backend._captured
+
+
 def test_products_of_f16_copies_go_to_cublas_with_their_siblings_and_their_epilogue_into_the_consumer(
     fake, monkeypatch
 ):

@@ -18,6 +18,7 @@ buffers, and replays it afterwards: a step then costs one small upload and one l
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import weakref
@@ -42,6 +43,7 @@ from leat_backend_cuda.vision import VisionOps
 
 Q = gguf.GGMLQuantizationType
 F32, I32, U16 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint16)
+log = logging.getLogger("leat.cuda")
 OPS_KERNELS = (
     [
         "rms_norm",
@@ -1369,6 +1371,11 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
                     weakref.finalize(kv, self._forget, id(kv))
             except Exception as e:  # noqa: BLE001 - a graph is an optimization: record why, run this shape eagerly
                 self.graph_failures.append(f"{type(e).__name__}: {e}")
+                # said where it happens: steps of this shape now pay the eager path's host time (a figure printed
+                # after this is not the graphs' figure)
+                log.warning(
+                    "cuda: no graph for steps of %s tokens (%s: %s); they run eagerly", shape[0], type(e).__name__, e
+                )
                 self._uncapturable.add(key)
                 return forward(_with_tokens(batch, fed), kv)
         tokens, logits = shape
