@@ -18,11 +18,9 @@ import argparse
 
 import numpy as np
 from leat.batch import Batch, Row
-from leat.model import architecture_class
-from leat.modelfile import ModelFile
 from leat_backend_cuda import driver
-from leat_backend_cuda.backend import U16, CUDABackend
-from leat_backend_cuda.bench import step_ms, time_it
+from leat_backend_cuda.backend import U16
+from leat_backend_cuda.bench import step_ms, time_it, with_cublas
 
 
 def best_ms(backend, arch, batch, kv) -> float:
@@ -101,11 +99,7 @@ def main() -> None:
     ap.add_argument("--shapes", action="store_true")
     ap.add_argument("--thresholds", action="store_true")
     args = ap.parse_args()
-    file = ModelFile(args.model)
-    backend = CUDABackend()
-    if backend.cublas is None:
-        raise SystemExit(f"cuBLAS is not available: {backend.describe()['cublas']}")
-    arch = architecture_class(file)(file, backend)
+    backend, arch = with_cublas(args.model)
     kv = backend.allocate_kv(arch.kv_layouts(arch.params), 65, 640, dtype="f16")
     tokens = np.random.default_rng(0).integers(0, arch.vocab_size, 64)
 

@@ -18,10 +18,8 @@ import time
 
 import numpy as np
 from leat.batch import Batch, Row
-from leat.model import architecture_class
-from leat.modelfile import ModelFile
-from leat_backend_cuda.backend import CUBLAS_MIN_TOKENS, CUBLAS_MIN_TOKENS_F16, CUDABackend
-from leat_backend_cuda.bench import step_ms
+from leat_backend_cuda.backend import CUBLAS_MIN_TOKENS, CUBLAS_MIN_TOKENS_F16
+from leat_backend_cuda.bench import step_ms, with_cublas
 
 OWN, CUBLAS = 1 << 30, 1
 NEVER = (OWN, OWN)  # few_tokens that no product falls in
@@ -33,11 +31,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="256,384,512,1024,2048")
     ap.add_argument("--steps", default="64:128,32:224")
     args = ap.parse_args()
-    file = ModelFile(args.model)
-    backend = CUDABackend()
-    if backend.cublas is None:
-        raise SystemExit(f"cuBLAS is not available: {backend.describe()['cublas']}")
-    arch = architecture_class(file)(file, backend)
+    backend, arch = with_cublas(args.model)
     default_few = backend.few_tokens
     sizes = [int(n) for n in filter(None, args.tokens.split(","))]
     steps = [tuple(int(x) for x in spec.split(":")) for spec in filter(None, args.steps.split(","))]

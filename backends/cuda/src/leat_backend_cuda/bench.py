@@ -34,6 +34,16 @@ def architecture(file: ModelFile, ref: str | None):
     return architecture_class(file)
 
 
+def with_cublas(path: str) -> tuple[CUDABackend, Any]:
+    """A CUDA backend with cuBLAS and the file at ``path`` loaded on it (its architecture); exits saying why where
+    cuBLAS is missing (the scripts that compare its products with the own kernels)."""
+    file = ModelFile(path)
+    backend = CUDABackend()
+    if backend.cublas is None:
+        raise SystemExit(f"cuBLAS is not available: {backend.describe()['cublas']}")
+    return backend, architecture(file, None)(file, backend)
+
+
 def matrices(arch: Any) -> list[tuple[str, Matrix]]:
     """Every weight matrix an architecture holds, found by walking its attributes."""
     found: dict[int, tuple[str, Matrix]] = {}
