@@ -16,6 +16,7 @@ do full-length prefill chunks: see :meth:`TinygradBackend.run`. The paged KV cac
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -36,6 +37,7 @@ from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
 from leat_backend_tinygrad.deltanet import RecurrentState
+from leat_backend_tinygrad.gemm import half_product, tuned_opts
 from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv
 from leat_backend_tinygrad.kv import KVCache, PagedKV
 from leat_backend_tinygrad.quants import DEQUANTIZERS
@@ -48,6 +50,9 @@ LOAD_DEQUANTIZED = frozenset(
 )
 SPLIT = 16  # a few-row product with a quantized weight sums each output in this many partial sums
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode batches are padded up to one of these, each jitted once
+#: the share of a CUDA device's memory the prefill products' float16 weight copies may take, for weights of at most a
+#: quarter of it (as the CUDA backend's F16_WEIGHTS_SHARE); F16_BUDGET where tinygrad cannot tell the memory
+F16_WEIGHTS_SHARE, F16_BUDGET = 0.25, 8 << 30
 
 
 def probe_reason() -> str | None:
@@ -69,7 +74,6 @@ def _share_kernel_cache_across_threads() -> None:
     """Open tinygrad's kernel cache (sqlite) usable from any thread: the engine runs the model on its
     scheduler thread, while loading (and tests) run on the caller's; tinygrad's own connection is bound
     to the thread that opened it."""
-    import contextlib
     import sqlite3
 
     from tinygrad import helpers
@@ -84,6 +88,32 @@ def _share_kernel_cache_across_threads() -> None:
     helpers._db_connection, helpers._leat_shared = connection, True
 
 
+@contextlib.contextmanager
+def _outside_capture():
+    """Kernels realized inside run now, even within a TinyJit's capture (which would add them to every replay)."""
+    from tinygrad.engine.realize import capturing
+
+    held = capturing[:]
+    capturing.clear()
+    try:
+        yield
+    finally:
+        capturing[:] = held
+
+
+def _device_memory(device: str) -> int | None:
+    """Bytes of memory of tinygrad's CUDA device (``DEV=CUDA``); None elsewhere, where tinygrad does not tell."""
+    if device.split(":")[0] != "CUDA":
+        return None
+    import ctypes
+
+    from tinygrad.runtime.autogen import cuda
+
+    total = cuda.size_t()
+    status = cuda.cuDeviceTotalMem_v2(ctypes.byref(total), Device[device].cu_device)
+    return total.value if status == 0 and total.value else None
+
+
 @dataclass
 class Weight:
     """One uploaded GGUF tensor: ``data`` on the device (float values, or blocks [..., blocks, block_bytes] for a
@@ -94,6 +124,7 @@ class Weight:
     qtype: Q
     shape: tuple[int, ...]
     host: np.ndarray
+    half: Tensor | None = None  # its float16 values, realized, kept for prefill products (TinygradBackend.f16_budget)
 
     def values(self, index: int | None = None) -> Tensor:
         """float32 values [*shape] (lazy: fused into the op that uses them); ``index`` picks one matrix of a 3-D tensor."""
@@ -175,6 +206,12 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # Agreement then is the backend bar against the f64 oracle (top-1 >= 99%, mean KL < 1e-3), not float32's
         # ~1e-13. LEAT_TINYGRAD_HALF=0 keeps them float32.
         self.half_products = os.environ.get("LEAT_TINYGRAD_HALF", "0" if cpu else "1") != "0"
+        # their weights' float16 copies kept across chunks while this many bytes last (_half_values; 0: none, each
+        # chunk copies; None: decided at the first copy); LEAT_TINYGRAD_F16_BUDGET sets it, in bytes
+        budget = os.environ.get("LEAT_TINYGRAD_F16_BUDGET", "")
+        self.f16_budget: int | None = int(budget) if budget else None if self.half_products and not cpu else 0
+        # their tensor-core optimisations chosen per shape (gemm.py); LEAT_TINYGRAD_TC_OPTS=0 leaves them to tinygrad
+        self.tc_opts = os.environ.get("LEAT_TINYGRAD_TC_OPTS", "1") != "0"
         # products with up to this many rows and a weight of a gemv.py type use its kernel (0: never)
         self.gemv_rows = int(os.environ.get("LEAT_TINYGRAD_GEMV_ROWS", str(MAX_ROWS)))
         # its threads' shape, "lanes,groups,per_thread" (gemv.Shape; unset: gemv.Shape()'s default)
@@ -494,14 +531,16 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         if quantized and self.gemm_rows and x.shape[0] >= self.gemm_rows:
             # Many rows (prefill): dequantize the blocks once into a copy (float32, or float16), then a plain product.
             # Fused into the product, the dequantization would be repeated for every tile of rows (the 8B
-            # file's first pp512 did not finish in minutes that way). In float16 (half_products) tinygrad's
-            # tensor-core kernels take the product, summing in float32.
+            # file's first pp512 did not finish in minutes that way). In float16 (half_products) tensor-core kernels
+            # take the product, summing in float32 (gemm.py: opts chosen per shape), and the weight's copy is kept
+            # across chunks (_half_values: the 8B file's copies were 17.5 ms of a 166 ms chunk on the H200).
             # x and the product are realized on their own (contiguous): fused with the norm before it, or with a
             # sibling product through silu_mul after it, tinygrad wrote one kernel without tensor cores (the 8B
             # file's gate and up with their norm: 20 ms a layer of a 512-token chunk, 85% of it)
             if self.half_products:
-                w = weight.values().cast(dtypes.float16).contiguous()
-                y = x.cast(dtypes.float16).contiguous().matmul(w.T, dtype=dtypes.float32).contiguous()
+                x, (outputs, inputs) = x.cast(dtypes.float16).contiguous(), weight.shape
+                opts = tuned_opts(Device[self.device].renderer, x.shape[0], outputs, inputs) if self.tc_opts else None
+                y = half_product(x, self._half_values(weight), opts)
             else:
                 y = (x.contiguous() @ weight.values().contiguous().T).contiguous()
         elif quantized and weight.qtype in LAYOUTS and x.shape[0] <= self.gemv_rows and weight.data.ndim == 3:
@@ -519,6 +558,27 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         else:
             y = x @ self._values(weight).T
         return y + self._values(bias) if bias is not None else y
+
+    def _half_values(self, weight: Weight) -> Tensor:
+        """float16 values of a quantized weight for a prefill product: its copy, made and realized at its first such
+        product (never inside a TinyJit's capture) and kept while ``f16_budget`` lasts; past it, a copy made in each
+        chunk's own kernels. The budget, unless set, is F16_WEIGHTS_SHARE of a CUDA device's memory when the weights
+        take at most a quarter of that share, else none; F16_BUDGET where tinygrad does not tell the memory."""
+        if weight.half is not None:
+            return weight.half
+        half = weight.values().cast(dtypes.float16).contiguous()
+        if self.f16_budget is None:
+            total = _device_memory(self.device)
+            share = total is not None and self.allocations.weights <= F16_WEIGHTS_SHARE / 4 * total
+            self.f16_budget = F16_BUDGET if total is None else int(F16_WEIGHTS_SHARE * total) if share else 0
+        if 2 * half.numel() > self.f16_budget:
+            return half
+        self.f16_budget -= 2 * half.numel()
+        with _outside_capture():
+            weight.half = half.realize()
+        self.allocations.weights += 2 * half.numel()
+        self.allocations.by_type["F16 copies"] = self.allocations.by_type.get("F16 copies", 0) + 2 * half.numel()
+        return weight.half
 
     def rms_norm(self, x: Tensor, weight: Any, eps: float) -> Tensor:
         x = self._values(x)

@@ -1,0 +1,223 @@
+"""The tinygrad backend's prefill products: ``gemm.py``'s kernel with pinned optimisations, and the float16 weight
+copies kept across chunks (``TinygradBackend._half_values``).
+
+On the test device (CI: tinygrad's CPU device, no tensor cores) the kernel is checked against a float64 product written
+here, with no opts and with opts the CPU can apply; on tinygrad's NULL device with NVIDIA's renderer for sm_90 (NVRTC
+from the ``nvidia-cuda-nvrtc`` wheel; renders and compiles, runs nothing) the H200's opts are checked as tinygrad
+applies them: its own record of the opts and the tensor cores' ``mma`` instructions in the source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import leat
+import numpy as np
+import pytest
+from leat.batch import Batch, Row
+from leat.compare import compare
+from leat.modelfile import Tensor as FileTensor
+from leat_backend_tinygrad import gemm
+from leat_backend_tinygrad.backend import TinygradBackend, Weight, probe_reason
+from tinygrad import Device, Tensor
+from tinygrad.codegen.opt import Opt, OptOps
+
+if probe_reason() is not None:
+    pytest.skip(f"tinygrad cannot run here: {probe_reason()}", allow_module_level=True)
+
+if not os.environ.get("LEAT_TINYGRAD_TEST_OPT"):  # as test_tinygrad_backend.py: the same math, a faster cold run
+    from tinygrad.helpers import NOOPT
+
+    NOOPT.value = 1
+if "PARALLEL" not in os.environ:
+    from tinygrad.helpers import PARALLEL
+
+    PARALLEL.value = 0
+
+Q = gguf.GGMLQuantizationType
+REFERENCES = Path(__file__).parents[3] / "tests" / "references"
+# the 8B file's products at a 512-row chunk: (outputs, inputs)
+SHAPES_8B = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336)}
+
+
+def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """A bound on a float16 product's error per output: each float16 product rounded (2^-11 relative), float32 sums."""
+    return 2.0**-10 * (np.abs(x) @ np.abs(w).T) + 1e-6
+
+
+@pytest.mark.parametrize("opts", [None, (), (Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 2))], ids=str)
+def test_half_product_equals_the_float64_product(opts):
+    # None: tinygrad's own matmul; (): our kernel with no optimisation; upcasts the CPU applies
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((32, 64)).astype(np.float16)
+    w = rng.standard_normal((24, 64)).astype(np.float16)
+    got = gemm.half_product(Tensor(x), Tensor(w), opts).numpy()
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert got.dtype == np.float32 and got.shape == (32, 24)
+    assert (np.abs(got - want) <= _bound(x.astype(np.float64), w.astype(np.float64))).all()
+
+
+def test_opts_follow_the_output_size_and_need_nvidia_tensor_cores():
+    assert [gemm.opts_for(n) for n in (512, 1024)] == [gemm.TC_OPTS[0][1]] * 2
+    assert [gemm.opts_for(n) for n in (2048, 4096)] == [gemm.TC_OPTS[1][1]] * 2
+    assert [gemm.opts_for(n) for n in (8192, 14336)] == [gemm.TC_OPTS[2][1]] * 2
+    renderer = Device[Device.DEFAULT].renderer
+    if gemm.cuda_81616[0] not in renderer.tensor_cores:  # the CPU device: tinygrad's own choice
+        assert gemm.tuned_opts(renderer, 512, 4096, 4096) is None
+
+
+def _nvrtc() -> Path | None:
+    """libnvrtc.so.13 of the nvidia-cuda-nvrtc wheel (the CUDA backend's dependency), or None."""
+    import site
+
+    for folder in site.getsitepackages():
+        if (path := Path(folder) / "nvidia" / "cu13" / "lib" / "libnvrtc.so.13").exists():
+            return path
+    return None
+
+
+RENDER = """
+import json, sys
+from tinygrad import Device, Tensor, dtypes
+from leat_backend_tinygrad import gemm
+renderer, report = Device[Device.DEFAULT].renderer, {}
+for name, rows, outputs, inputs in json.loads(sys.argv[1]):
+    x = Tensor.empty(rows, inputs, dtype=dtypes.float16).realize()
+    w = Tensor.empty(outputs, inputs, dtype=dtypes.float16).realize()
+    opts = gemm.tuned_opts(renderer, rows, outputs, inputs)
+    report[name] = None if opts is None else [str(o) for o in opts]
+    print("@@product", name, flush=True)
+    gemm.half_product(x, w, opts).realize()
+    print("@@plain", name, flush=True)  # tinygrad's own matmul, and our kernel left to tinygrad's heuristic
+    x.matmul(w.T, dtype=dtypes.float32).realize()
+    out = Tensor.empty(rows, outputs, dtype=dtypes.float32)
+    out.custom_kernel(x, w, fxn=gemm._kernel(rows, outputs, inputs, None))[0].realize()
+print("@@report", json.dumps(report), flush=True)
+"""
+
+
+def test_the_h200s_opts_render_tensor_core_kernels_for_sm_90(tmp_path):
+    if (nvrtc := _nvrtc()) is None:
+        pytest.skip("no libnvrtc.so.13 (the nvidia-cuda-nvrtc wheel: uv sync --all-extras)")
+    shapes = [[name, 512, *shape] for name, shape in SHAPES_8B.items()]
+    shapes += [["1B gate/up (7 does not divide 8192)", 512, 8192, 2048], ["128 rows", 128, 4096, 4096]]
+    env = os.environ | {"DEV": "NULL:CUDA:sm_90", "NVRTC_PATH": str(nvrtc), "DEBUG": "4"}
+    env["CACHEDB"] = str(tmp_path / "cache.db")
+    command = [sys.executable, "-c", RENDER, json.dumps(shapes)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    text = done.stdout
+    report = json.loads(text.split("@@report ")[-1])
+    assert all(report[name] is not None for name in SHAPES_8B) and report["128 rows"] is None, report
+    assert report["1B gate/up (7 does not divide 8192)"] is None, report
+    for name, *_ in shapes:
+        product, plain = text.split(f"@@product {name}\n")[1].split(f"@@plain {name}\n")
+        plain = plain.split("@@")[0]
+        applied = [line.split(" opts: ")[1] for line in product.splitlines() if " opts: " in line]
+        if report[name] is not None:  # tinygrad's record of the opts it applied: ours, as a tensor-core kernel
+            assert applied == [f"({', '.join(report[name])})"], applied
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in product
+        # our kernel left to tinygrad's heuristic is tinygrad's own matmul kernel (the same name: a cache hit)
+        assert len(_launched(plain)) == 2 and len(set(_launched(plain))) == 1, plain[:2000]
+        assert (_launched(product) == _launched(plain)[:1]) == (report[name] is None), (product[:2000], plain[:2000])
+
+
+def _launched(text: str) -> list[str]:
+    """The kernels tinygrad's DEBUG output says it ran (``*** DEVICE N name ...``), by name."""
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines()
+    return [line.split()[3] for line in lines if line.startswith("*** ")]
+
+
+def _tiny_models():
+    spec = importlib.util.spec_from_file_location("leat_tests_tiny_models", REFERENCES / "tiny_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _weights(obj):
+    """The Weights in a model's (nested) dataclasses and lists."""
+    if isinstance(obj, Weight):
+        yield obj
+    elif isinstance(obj, list | tuple):
+        for item in obj:
+            yield from _weights(item)
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _weights(getattr(obj, f.name))
+
+
+def _prefill(path: str, monkeypatch, budget: int):
+    """A tiny Llama-3 Q4_K model's prompt on the tinygrad backend with float16 prefill products (as on a GPU) and
+    ``budget`` bytes of float16 copies: a 5-token chunk run eagerly (below the products' 17 rows: no copies; its rope
+    spec seen, so the next jit's first call is its capture), then three 32-token chunks under one TinyJit (captured at
+    the first: the copies are made inside its capture; then replayed). The model, its logits and the kernels each
+    chunk ran."""
+    from tinygrad.helpers import GlobalCounters
+
+    for key, value in {"HALF": "1", "GEMM_ROWS": "17", "PREFILL_JIT": "16,32", "F16_BUDGET": str(budget)}.items():
+        monkeypatch.setenv(f"LEAT_TINYGRAD_{key}", value)
+    model = leat.load(path, backend="tinygrad")
+    backend, forward = model.backend, model.architecture.forward
+    layouts = model.architecture.kv_layouts(model.architecture.params)
+    kv = backend.allocate_kv(layouts, slots=1, context=104, pages=26, page_size=4)
+    backend.set_pages(kv, 0, np.arange(26))
+    ids = np.arange(1, 102)
+    logits, kernels = [backend.to_host(forward(Batch([Row(0, 0, ids[:5])]), kv))], []  # eager: no jit's first call
+    for start in (5, 37, 69):
+        count = GlobalCounters.kernel_count
+        logits.append(backend.to_host(backend.run(forward, Batch([Row(0, start, ids[start : start + 32])]), kv)))
+        kernels.append(GlobalCounters.kernel_count - count)
+    assert backend._jits[(forward, id(kv), "prefill", 32, False)].cnt == 4  # from 1: captured, replayed twice
+    return model, np.concatenate(logits), kernels
+
+
+def test_prefill_weights_float16_copies_are_made_once_outside_the_jit(tmp_path, monkeypatch):
+    path = str(_tiny_models().build("q4_k-llama3", tmp_path / "tiny.gguf"))
+    copied, got, kernels = _prefill(path, monkeypatch, 1 << 30)
+    _, want, plain = _prefill(path, monkeypatch, 0)
+    layers = copied.architecture.layers
+    halves = [w for w in _weights([layers, copied.architecture.output]) if w.half is not None]
+    # every quantized matrix of the layers (7 a layer; not the output's, a one-row product), each its dequantized
+    # values in float16 (gguf's, independently)
+    assert len(halves) == 7 * len(layers)
+    for w in halves:
+        want_half = gguf.quants.dequantize(np.asarray(w.host), w.qtype).reshape(w.shape).astype(np.float16)
+        np.testing.assert_array_equal(w.half.numpy(), want_half)
+    assert copied.backend.allocations.by_type["F16 copies"] == sum(2 * w.half.numel() for w in halves)
+    # the replays run the products from the copies: one dequantization kernel fewer per copy, not one more (a copy
+    # made inside the capture would be made again at each replay), and the same logits, bit for bit
+    assert [p - k for p, k in zip(plain[1:], kernels[1:])] == [len(halves)] * 2, (plain, kernels)
+    np.testing.assert_array_equal(got, want)
+    oracle = leat.load(path, backend="cpu", precision="f64")
+    positions = [4, *range(36, 101, 32)]
+    agreement = compare(oracle.logits(list(range(1, 102)), native=True)[positions], got, label="float16 copies")
+    assert not agreement.failures(top1=0.99, kl=1e-3), f"{agreement}"
+
+
+def test_float16_copies_stop_at_the_budget(monkeypatch):
+    monkeypatch.setenv("LEAT_TINYGRAD_F16_BUDGET", str(2 * 24 * 512 + 100))
+    monkeypatch.setenv("LEAT_TINYGRAD_HALF", "1")
+    monkeypatch.setenv("LEAT_TINYGRAD_GEMM_ROWS", "4")
+    backend = TinygradBackend()
+    rng = np.random.default_rng(5)
+    stored = [rng.integers(0, 256, (24, 512 // 32 * 34), dtype=np.uint8) for _ in range(2)]
+    for s in stored:
+        s.reshape(24, 16, 34)[..., :2] = np.array([0.01], np.float16).view(np.uint8)
+    weights = [backend.upload(FileTensor(f"w{i}", Q.Q8_0, (24, 512), s)) for i, s in enumerate(stored)]
+    x = rng.standard_normal((8, 512)).astype(np.float16).astype(np.float64)  # float16 values: x is cast to them
+    for weight, s in zip(weights, stored):
+        w = gguf.quants.dequantize(s, Q.Q8_0).reshape(24, 512).astype(np.float16)
+        w = w.astype(np.float64)
+        got = backend.matmul(x.astype(np.float32), weight).numpy()
+        assert (np.abs(got - x @ w.T) <= _bound(x, w)).all()
+    assert weights[0].half is not None and weights[1].half is None  # the second past the budget: copied per product
+    assert backend.f16_budget == 100
