@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""leat beside llama.cpp on one file, in one process, so both sides share the machine and its state: prompt and
+decode speed (``leat bench`` beside ``llama-bench``) and batched decode (``leat bench --concurrency`` beside
+``llama-batched-bench``'s S_TG), each pair with its ratio.
+
+    python scripts/vs_llamacpp.py FILE --llama-bin DIR [--backend cuda] [--pp 512] [--tg 128] [--reps 2]
+        [--concurrency 8,16,32,64] [--batch-prompt 128] [--rounds 1] [--json OUT]
+
+DIR holds llama.cpp's ``llama-bench`` and ``llama-batched-bench`` (not part of leat: build them from llama.cpp's
+source, for instance the copy in the llama-cpp-python sdist, ``cmake -B b -DGGML_CUDA=ON && cmake --build b --target
+llama-bench llama-batched-bench``). Each round runs leat's tests and then llama.cpp's. The settings are matched:
+f16 KV on both sides; llama.cpp with every layer on the GPU and flash attention (``-ngl 99 -fa 1`` for llama-bench,
+``-ngl 99 -fa on`` for llama-batched-bench, which spell it differently) unless ``--bench-args`` and ``--batched-args``
+say otherwise (``--backend cpu``: ``-ngl 0``); batched decode after prompts of ``--batch-prompt``
+tokens on both sides (``leat bench --batch-prompt``, ``llama-batched-bench -npp``), ``--tg`` tokens a sequence. The
+table's leat figures are ``leat bench``'s means over ``--reps`` runs, llama-bench's its ``avg_ts``, and
+llama-batched-bench's the S_TG of its one run a sequence count. Prints a Markdown table per round and, with
+``--json``, writes every figure with both builds' versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+
+def leat_rows(file: str, backend: str, args: list[str]) -> list[dict]:
+    """``leat bench FILE --backend BACKEND --kv f16 ARGS --json``'s rows."""
+    command = [sys.executable, "-m", "leat", "bench", file, "--backend", backend, "--kv", "f16", *args, "--json"]
+    return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+
+
+def llama_bench(binary: Path, file: str, pp: int, tg: int, reps: int, extra: list[str]) -> list[dict]:
+    """llama-bench's JSON rows (``-o json``): one with n_prompt = pp, one with n_gen = tg."""
+    command = [str(binary), "-m", file, "-p", str(pp), "-n", str(tg), "-r", str(reps), "-o", "json", *extra]
+    return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+
+
+def batched_bench(
+    binary: Path, file: str, prompt: int, tg: int, counts: list[int], extra: list[str], tries: int = 3
+) -> list[dict]:
+    """llama-batched-bench's JSON lines (``--output-format jsonl``), one per sequence count. Its lines go through
+    llama.cpp's asynchronous logger, which may lose the last of them when the process exits (llama.cpp issue 22142;
+    seen with small models): a count whose line is missing runs again alone, up to ``tries`` times in all."""
+    context = max(counts) * (prompt + tg) + 16
+    base = [str(binary), "-m", file, "-c", str(context), "-b", "2048", "-ub", "512", "-npp", str(prompt)]
+    base += ["-ntg", str(tg), "--output-format", "jsonl", *extra]
+    found: dict[int, dict] = {}
+    missing = counts
+    for _ in range(tries):
+        done = subprocess.run([*base, "-npl", ",".join(map(str, missing))], capture_output=True, text=True, check=True)
+        for line in (done.stdout + done.stderr).splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                found[row["pl"]] = row
+        missing = [c for c in counts if c not in found]
+        if not missing:
+            return [found[c] for c in counts]
+    raise SystemExit(f"llama-batched-bench printed no result for {missing} sequences in {tries} runs")
+
+
+def pairs(leat: list[dict], bench: list[dict], batched: list[dict]) -> list[dict]:
+    """One row per test that both sides ran: test name (leat's), leat's tok/s and its deviation, llama.cpp's, ratio."""
+    theirs: dict[str, float] = {}
+    for row in bench:
+        name = f"pp{row['n_prompt']}" if row["n_prompt"] and not row["n_gen"] else f"tg{row['n_gen']}"
+        theirs[name] = row["avg_ts"]
+    for row in batched:
+        theirs[f"tg{row['tg']} x{row['pl']}"] = row["speed_tg"]
+    out = []
+    for row in leat:
+        if (other := theirs.get(row["test"])) is not None:
+            mine = row["tokens_per_second"]
+            out.append(
+                {
+                    "test": row["test"],
+                    "leat": mine,
+                    "leat_stdev": row.get("stdev"),
+                    "llama.cpp": other,
+                    "ratio": mine / other,
+                }
+            )
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| test | leat tok/s | llama.cpp tok/s | ratio |", "|---|---:|---:|---:|"]
+    for r in rows:
+        spread = f" ± {r['leat_stdev']:,.1f}" if r["leat_stdev"] is not None else ""
+        lines.append(f"| {r['test']} | {r['leat']:,.1f}{spread} | {r['llama.cpp']:,.1f} | {r['ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
+def leat_version() -> str:
+    """The leat checkout's commit where there is one, else the installed version."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    if done.returncode == 0:
+        return done.stdout.strip()
+    from importlib.metadata import version
+
+    return version("leat-core")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--llama-bin", required=True, type=Path, help="the folder of llama-bench and llama-batched-bench")
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--concurrency", default="8,16,32,64", help="sequence counts of batched decode ('' for none)")
+    ap.add_argument("--batch-prompt", type=int, default=128, help="prompt tokens of each sequence in batched decode")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--bench-args", default=None, help="llama-bench's flags (default: -ngl 99 -fa 1)")
+    ap.add_argument("--batched-args", default=None, help="llama-batched-bench's flags (default: -ngl 99 -fa on)")
+    ap.add_argument("--json", type=Path, help="also write every figure here")
+    args = ap.parse_args()
+    cpu = args.backend == "cpu"
+    bench_extra = shlex.split(args.bench_args if args.bench_args is not None else "-ngl 0" if cpu else "-ngl 99 -fa 1")
+    batched_default = "-ngl 0" if cpu else "-ngl 99 -fa on"
+    batched_extra = shlex.split(args.batched_args if args.batched_args is not None else batched_default)
+    counts = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    report: dict = {"model": args.model, "backend": args.backend, "leat": leat_version(), "rounds": []}
+    for index in range(args.rounds):
+        tests = ["-p", str(args.pp), "-n", str(args.tg), "-r", str(args.reps), "--batch-prompt", str(args.batch_prompt)]
+        leat = leat_rows(args.model, args.backend, [*tests, "--concurrency", ",".join(map(str, counts))])
+        bench = llama_bench(args.llama_bin / "llama-bench", args.model, args.pp, args.tg, args.reps, bench_extra)
+        batched = []
+        if counts:
+            batched_binary = args.llama_bin / "llama-batched-bench"
+            batched = batched_bench(batched_binary, args.model, args.batch_prompt, args.tg, counts, batched_extra)
+        rows = pairs(leat, bench, batched)
+        build = bench[0].get("build_commit") if bench else None
+        report["rounds"].append({"rows": rows, "llama.cpp": build})
+        print(
+            f"## round {index + 1}: leat {report['leat']}, llama.cpp {build}, {args.backend}\n\n{table(rows)}\n",
+            flush=True,
+        )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
