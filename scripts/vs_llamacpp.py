@@ -146,4 +146,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except subprocess.CalledProcessError as error:  # a side failed: its command and the end of what it said
+        raise SystemExit(f"{' '.join(map(str, error.cmd))} exited with {error.returncode}:\n{error.stderr[-3000:]}")
+    except FileNotFoundError as error:
+        raise SystemExit(f"{error.filename}: not found (--llama-bin names the folder of llama.cpp's tools)")
