@@ -571,13 +571,14 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             total = _device_memory(self.device)
             share = total is not None and self.allocations.weights <= F16_WEIGHTS_SHARE / 4 * total
             self.f16_budget = F16_BUDGET if total is None else int(F16_WEIGHTS_SHARE * total) if share else 0
-        if 2 * half.numel() > self.f16_budget:
+        size = 2 * half.numel()
+        if size > self.f16_budget:
             return half
-        self.f16_budget -= 2 * half.numel()
+        self.f16_budget -= size
         with _outside_capture():
             weight.half = half.realize()
-        self.allocations.weights += 2 * half.numel()
-        self.allocations.by_type["F16 copies"] = self.allocations.by_type.get("F16 copies", 0) + 2 * half.numel()
+        self.allocations.weights += size
+        self.allocations.by_type["F16 copies"] = self.allocations.by_type.get("F16 copies", 0) + size
         return weight.half
 
     def rms_norm(self, x: Tensor, weight: Any, eps: float) -> Tensor:
