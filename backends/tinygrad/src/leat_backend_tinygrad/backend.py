@@ -36,6 +36,7 @@ from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
+from leat_backend_tinygrad.attention import decode_attention
 from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemm import half_product, tuned_opts
 from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv
@@ -220,6 +221,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # one-row prefill chunks of these lengths run under TinyJit too (the engine's full chunks)
         lengths = os.environ.get("LEAT_TINYGRAD_PREFILL_JIT", str(PREFILL_CHUNK))
         self.prefill_lengths = frozenset(int(x) for x in lengths.split(",") if x.strip())
+        # decode steps (every row one token) attend with attention.py's kernels, all rows at once (0: row by row)
+        self.decode_attention = os.environ.get("LEAT_TINYGRAD_DECODE_ATTENTION", "1") != "0"
         self._jits: dict[tuple[Callable, int, int], TinyJit] = {}
         # each jit's input Tensors (with their host dtype), reused step after step
         self._inputs: dict[tuple, dict[int, tuple[np.dtype, Tensor]]] = {}
@@ -635,6 +638,32 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         sink = self._values(sinks).reshape(kv_heads, group, 1, 1) if sinks is not None else None
         step = self._stepping(batch)
         page_group = kv.group_of[layer]
+        if self._decoding(batch, kv, layout):
+            for i, row in enumerate(batch.rows):
+                at = step.at[page_group][i] if step else None
+                self._store(kv, layer, "k", row, slice(i, i + 1), k, at)
+                self._store(kv, layer, "v", row, slice(i, i + 1), v, at)
+            if step is not None:
+                table, positions = step.pages[page_group], step.positions
+            else:
+                slots = [row.slot for row in batch.rows]
+                table = self._tensor(np.maximum(kv.table(layer)[slots], 0).astype(np.int32))
+                positions = self._tensor(np.asarray(batch.positions, np.int32))
+            scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.dtype == "q8_0" else None
+            sinks = self._values(sinks).reshape(heads) if sinks is not None else None
+            return decode_attention(
+                q,
+                kv.k[layer],
+                kv.v[layer],
+                table,
+                positions,
+                kv.page_size,
+                scale,
+                layout.window,
+                softcap,
+                sinks,
+                scales,
+            )
         outs = []
         for i, (row, offset) in enumerate(zip(batch.rows, batch.offsets)):
             length, start = len(row.tokens), row.start
@@ -680,6 +709,14 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             out = probabilities.matmul(values.permute(1, 0, 2).unsqueeze(1), dtype=dtypes.float32)
             outs.append(out.permute(2, 0, 1, 3).reshape(length, heads * value_dim))
         return outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:], dim=0)
+
+    def _decoding(self, batch: Batch, kv: KVCache, layout: KVLayout) -> bool:
+        """Whether a layer's attention for ``batch`` runs as attention.py's kernels: every row one token attending
+        causally (no image's row), keys and values both stored (not a latent layout), two positions a slot or more,
+        the knob on."""
+        if not self.decode_attention or layout.latent or kv.page_size * kv.tables[0].shape[1] < 2:
+            return False
+        return all(len(row.tokens) == 1 and not row.bidirectional for row in batch.rows)
 
     def attention(
         self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float | None = None, sinks=None

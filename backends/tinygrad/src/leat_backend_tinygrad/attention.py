@@ -1,0 +1,182 @@
+"""Decode attention (every row of a batch one token) for all rows at once, as tinygrad kernels of our own (UOp
+programs, ``Tensor.custom_kernel``, the pattern of ``gemv.py``), reading keys and values straight from the paged KV
+storage through each row's page table (no gather of a row's pages into a copy first).
+
+Three kernels a layer, whatever the batch's rows:
+
+1. ``scores``: a thread per (row, KV head, position t) reads the key at t once, through the row's page table
+   (storage row ``table[row, t // page_size] * page_size + t % page_size``), and makes the score of every query
+   head of its GQA group: the dot product times ``scale``, soft-capped where a cap is given, -inf where t is
+   past the row's own position or, in a windowed layer, ``window`` or more positions before it.
+2. ``chunks``: flash-decoding's split. The positions are cut into chunks of ``CHUNK``; a thread per (row, KV head,
+   chunk, value entry d) takes each head of its group through its chunk's scores three times (their max m, the sum
+   of exp(score - m), the sum of exp(score - m) * value[t, d], the value read once for the group) and stores the
+   three. A chunk with every position masked stores m = -1e30 and zero sums, which the third step weighs by 0.
+3. the chunks combined in plain tinygrad operations: M = the chunks' largest m (and the head's sink logit, where
+   sinks are given), out = sum_c exp(m_c - M) * num_c / (sum_c exp(m_c - M) * den_c + exp(sink - M)).
+
+Every exponent has its max subtracted (no overflow). KV storage of float32, float16 or q8_0 (int8 quants and a
+float16 scale per 32 values) is read as stored and dequantized as it is read. Devices without local memory
+(tinygrad's CPU device) run the rows as its one global axis and every other thread axis as a loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tinygrad import Device, Tensor, UOp, dtypes
+from tinygrad.uop.ops import AxisType, KernelInfo, Ops
+
+CHUNK = 64  # positions of one chunk of the second kernel (or the largest power of two dividing the positions)
+EMPTY = -1e30  # the max of a chunk with every position masked: finite, so exp(score - max) is 0, never NaN
+
+
+def _range(size: int, axis: int, kind: AxisType) -> UOp:
+    """A range, or for a size of one the constant 0 (tinygrad folds a range of one into 0, and a reduce or an END
+    over it would then have no range)."""
+    return UOp.range(size, axis, kind) if size > 1 else UOp.range(2, axis, kind).const_like(0)
+
+
+def _reduce(x: UOp, r: UOp, op: Ops) -> UOp:
+    """x reduced over range r (nothing to reduce over a constant: a range of one)."""
+    return x.reduce(r, arg=op) if r.op is Ops.RANGE else x
+
+
+def _end(x: UOp, *ranges: UOp) -> UOp:
+    """x ended over the ranges that are ranges (not constants: a range of one)."""
+    return x.end(*(r for r in ranges if r.op is Ops.RANGE))
+
+
+def _value(storage: UOp, scales: UOp | None, row: UOp, head: UOp, d: UOp) -> UOp:
+    """float32 of a stored K or V entry (a q8_0 quant times its block's float16 scale)."""
+    x = storage[row, head, d].cast(dtypes.float32)
+    return x if scales is None else x * scales[row, head, d // 32].cast(dtypes.float32)
+
+
+def _scores_kernel(rows, heads, kv_heads, dim, positions, page_size, scale, window, softcap, local, quantized):
+    group = heads // kv_heads
+    tile = math.gcd(positions, 32) if local else 1  # positions of one thread group (a CUDA block)
+
+    def fxn(out: UOp, q: UOp, keys: UOp, table: UOp, at: UOp, *scales: UOp) -> UOp:
+        loop = AxisType.GLOBAL if local else AxisType.LOOP
+        row = _range(rows, 0, AxisType.GLOBAL)
+        head = _range(kv_heads, 1, loop)
+        tiles = _range(positions // tile, 2, loop)
+        inner = _range(tile, 3, AxisType.LOCAL) if tile > 1 else None
+        d = _range(dim, 4, AxisType.REDUCE)
+        t = tiles * tile + inner if inner is not None else tiles
+        stored = table[row, t // page_size] * page_size + t % page_size
+        key = _value(keys, scales[0] if quantized else None, stored, head, d)
+        own = at[row]
+        masked = t > own
+        if window is not None:
+            masked = masked | (t <= own - window)
+        stores = []
+        for g in range(group):
+            score = _reduce(q[row, head * group + g, d] * key, d, Ops.ADD) * scale
+            if softcap is not None:
+                score = (score / softcap).tanh() * softcap
+            stores.append(out[row, head * group + g, t].store(masked.where(-math.inf, score)))
+        # the group's stores in one loop nest (an END each would be a loop nest each, the key loaded in each)
+        ends = (row, head, tiles) if inner is None else (row, head, tiles, inner)
+        return UOp.sink(
+            _end(UOp.group(*stores), *ends),
+            arg=KernelInfo(name=f"attn_scores_{rows}_{heads}_{positions}", opts_to_apply=()),
+        )
+
+    return fxn
+
+
+def _chunks_kernel(rows, heads, kv_heads, value_dim, positions, page_size, chunk, local, quantized):
+    group, chunks = heads // kv_heads, positions // chunk
+
+    def fxn(num: UOp, peak: UOp, den: UOp, scores: UOp, values: UOp, table: UOp, *scales: UOp) -> UOp:
+        loop = AxisType.GLOBAL if local else AxisType.LOOP
+        row = _range(rows, 0, AxisType.GLOBAL)
+        head = _range(kv_heads, 1, loop)
+        c = _range(chunks, 2, loop)
+        d = _range(value_dim, 3, AxisType.LOCAL if local else AxisType.LOOP)
+        # three passes over the chunk, each its own loop: the max, the exponents' sum, the values' weighted sum
+        t1, t2, t3 = (_range(chunk, 4 + i, AxisType.REDUCE) for i in range(3))
+        t = c * chunk + t3
+        stored = table[row, t // page_size] * page_size + t % page_size
+        value = _value(values, scales[0] if quantized else None, stored, head, d)  # one load for the group's heads
+        stores = []
+        for g in range(group):
+            h = head * group + g
+            m = _reduce(scores[row, h, c * chunk + t1], t1, Ops.MAX).maximum(EMPTY)
+            s = _reduce((scores[row, h, c * chunk + t2] - m).exp(), t2, Ops.ADD)
+            n = _reduce((scores[row, h, t] - m).exp() * value, t3, Ops.ADD)
+            for buffer, x in ((num, n), (peak, m), (den, s)):
+                stores.append(buffer[row, h, c, d].store(x))
+        return UOp.sink(
+            _end(UOp.group(*stores), row, head, c, d),
+            arg=KernelInfo(name=f"attn_chunks_{rows}_{heads}_{positions}", opts_to_apply=()),
+        )
+
+    return fxn
+
+
+def _combine_kernel(rows, heads, value_dim, chunks, local, sinks):
+    def fxn(out: UOp, num: UOp, peak: UOp, den: UOp, *sink: UOp) -> UOp:
+        row = _range(rows, 0, AxisType.GLOBAL)
+        head = _range(heads, 1, AxisType.GLOBAL if local else AxisType.LOOP)
+        d = _range(value_dim, 2, AxisType.LOCAL if local else AxisType.LOOP)
+        c1, c2 = _range(chunks, 3, AxisType.REDUCE), _range(chunks, 4, AxisType.REDUCE)
+        top = _reduce(peak[row, head, c1, 0], c1, Ops.MAX)
+        if sinks:
+            top = top.maximum(sink[0][head])
+        weight = (peak[row, head, c2, 0] - top).exp()
+        total = _reduce(weight * den[row, head, c2, 0], c2, Ops.ADD)
+        if sinks:
+            total = total + (sink[0][head] - top).exp()
+        value = _reduce(weight * num[row, head, c2, d], c2, Ops.ADD) / total
+        name = f"attn_combine_{rows}_{heads}_{chunks}"
+        return UOp.sink(_end(out[row, head, d].store(value), row, head, d), arg=KernelInfo(name=name, opts_to_apply=()))
+
+    return fxn
+
+
+def decode_attention(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    table: Tensor,
+    at: Tensor,
+    page_size: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    scales: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """Attention of one query token per row: float32 [rows, heads * value_dim].
+
+    ``q`` [rows, heads, dim] float32; ``keys`` [storage rows, kv_heads, dim] and ``values`` [storage rows, kv_heads,
+    value_dim] the layer's paged storage (float32, float16, or int8 with ``scales``, their q8_0 scales [storage rows,
+    kv_heads, dim / 32] float16); ``table`` [rows, pages] int32 each row's page table (every entry a valid page),
+    ``at`` [rows] int32 each row's position (it sees positions 0 .. at, or its last ``window`` of them); ``sinks``
+    [heads] float32 each head's extra logit in its softmax's denominator."""
+    rows, heads, dim = q.shape
+    kv_heads, value_dim = keys.shape[1], values.shape[2]
+    positions = table.shape[1] * page_size
+    local = Device[q.device].renderer.has_local
+    chunk = math.gcd(positions, CHUNK)
+    while positions // chunk < 2 and chunk > 1:  # one chunk: the combine would not read the chunks' max (exp(m - m)
+        chunk //= 2  # folds to 1) and tinygrad would leave that buffer out of the kernel's arguments, shifting the rest
+    assert positions // chunk >= 2, "decode_attention needs two positions or more"
+    extra = list(scales) if scales is not None else []
+    q, table, at = q.cast(dtypes.float32).contiguous(), table.cast(dtypes.int32).contiguous(), at.contiguous()
+    score = Tensor.empty(rows, heads, positions, dtype=dtypes.float32, device=q.device)
+    fxn = _scores_kernel(
+        rows, heads, kv_heads, dim, positions, page_size, scale, window, softcap, local, scales is not None
+    )
+    score = score.custom_kernel(q, keys, table, at.cast(dtypes.int32), *extra[:1], fxn=fxn)[0]
+    parts = [Tensor.empty(rows, heads, positions // chunk, value_dim, dtype=dtypes.float32, device=q.device)]
+    parts += [Tensor.empty(*parts[0].shape, dtype=dtypes.float32, device=q.device) for _ in range(2)]
+    fxn = _chunks_kernel(rows, heads, kv_heads, value_dim, positions, page_size, chunk, local, scales is not None)
+    num, peak, den = parts[0].custom_kernel(parts[1], parts[2], score, values, table, *extra[1:], fxn=fxn)[:3]
+    out = Tensor.empty(rows, heads, value_dim, dtype=dtypes.float32, device=q.device)
+    fxn = _combine_kernel(rows, heads, value_dim, positions // chunk, local, sinks is not None)
+    extra = [sinks.cast(dtypes.float32).contiguous()] if sinks is not None else []
+    return out.custom_kernel(num, peak, den, *extra, fxn=fxn)[0].reshape(rows, heads * value_dim)
