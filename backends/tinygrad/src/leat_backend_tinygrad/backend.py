@@ -630,6 +630,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         layout: KVLayout = kv.layouts[layer]
         q, k = self._values(q), self._values(k)
         v = self._values(v) if v is not None else None
+        decoding = self._decoding(batch, kv, layout)
+        if decoding:  # attention.py's kernels read q as a plain buffer: realized contiguous (rope's kernel writes it)
+            q = q.contiguous()
         Tensor.realize(*(t for t in (q, k, v) if t is not None))  # computed once, not once per KV write
         _, heads, dim = q.shape
         kv_heads = layout.kv_heads
@@ -638,7 +641,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         sink = self._values(sinks).reshape(kv_heads, group, 1, 1) if sinks is not None else None
         step = self._stepping(batch)
         page_group = kv.group_of[layer]
-        if self._decoding(batch, kv, layout):
+        if decoding:
             for i, row in enumerate(batch.rows):
                 at = step.at[page_group][i] if step else None
                 self._store(kv, layer, "k", row, slice(i, i + 1), k, at)
