@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Where one decode step (or prefill chunk) of the tinygrad backend spends its device time, kernel by kernel.
 
-    DEV=CUDA python scripts/tinygrad_kernel_times.py FILE [--context 128] [--steps 3] [--prefill 512]
+    DEV=CUDA python scripts/tinygrad_kernel_times.py FILE [--context 128] [--steps 3] [--prefill 512] [--rows 1]
 
 A child process loads FILE on the tinygrad backend, fills ``--context`` positions and runs ``--steps`` one-token
 decode steps under the backend's TinyJit (the first captures, the later ones replay), with tinygrad's ``JIT=2`` (a
 replay runs its kernels one by one instead of as a CUDA graph) and ``DEBUG=2`` (each kernel timed on the device as
 it runs). The last step's kernels are summed by name (each shape is its own row). The times are tinygrad's
 per-kernel synchronised timings, not a graph's: what each kernel costs alone, to find the ones that bound the
-step. ``--prefill N`` times a chunk of N prompt tokens at position 0 instead (run ``--steps`` times: the first
+step. ``--rows N`` decodes N sequences together (slot r filled with ``context - 8 r`` positions first, at least
+one: rows at different depths, one step of N rows). ``--prefill N`` times a chunk of N prompt tokens at position 0 instead (run ``--steps`` times: the first
 captures its TinyJit, the last is reported). On the NULL device
 (``DEV=NULL:CUDA:sm_90``, no GPU) the kernels and their count are real and every time is a placeholder.
 """
@@ -27,14 +28,14 @@ LINE = re.compile(r"^\*\*\*\s+(\S+)\s+\d+\s+(.+?)\s+arg\s+\d+\s+mem\s+\S+\s+GB\s
 UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
-def child(path: str, context: int, steps: int, prefill: int) -> None:
+def child(path: str, context: int, steps: int, prefill: int, rows: int = 1) -> None:
     import leat
     import numpy as np
     from leat.batch import Batch, Row
 
     model = leat.load(path, backend="tinygrad")
     backend, forward = model.backend, model.architecture.forward
-    kv = model.new_kv(max(context + steps, prefill) + 1, dtype="f16")
+    kv = model.new_kv(max(context + steps, prefill) + 1, slots=rows, dtype="f16")
     ids = np.arange(1000, 1000 + max(context + steps, prefill), dtype=np.int64) % model.architecture.vocab_size
     if prefill:
         for _ in range(steps):
@@ -42,11 +43,14 @@ def child(path: str, context: int, steps: int, prefill: int) -> None:
             backend.to_host(backend.run(forward, Batch([Row(0, 0, ids[:prefill])]), kv))
         print(MARK, flush=True)
         return
-    if context:
-        backend.to_host(backend.run(forward, Batch([Row(0, 0, ids[:context])]), kv))
+    depths = [max(context - 8 * r, 1) if context else 0 for r in range(rows)]
+    for slot, depth in enumerate(depths):
+        if depth:
+            backend.to_host(backend.run(forward, Batch([Row(slot, 0, ids[:depth])]), kv))
     for i in range(steps):
         print(MARK, flush=True)
-        backend.to_host(backend.run(forward, Batch([Row(0, context + i, ids[context + i : context + i + 1])]), kv))
+        step = [Row(slot, d + i, ids[d + i : d + i + 1]) for slot, d in enumerate(depths)]
+        backend.to_host(backend.run(forward, Batch(step), kv))
     print(MARK, flush=True)
 
 
@@ -84,14 +88,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128, help="positions in the cache before the timed steps")
     ap.add_argument("--steps", type=int, default=3, help="decode steps (the last is reported)")
     ap.add_argument("--prefill", type=int, default=0, help="time a prompt chunk of this many tokens instead")
+    ap.add_argument("--rows", type=int, default=1, help="decode this many sequences together")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.model, args.context, args.steps, args.prefill)
+        child(args.model, args.context, args.steps, args.prefill, args.rows)
         return
     env = dict(os.environ, DEBUG="2", JIT="2")
     command = [sys.executable, __file__, args.model, "--context", str(args.context), "--steps", str(args.steps)]
-    command += ["--prefill", str(args.prefill)]
+    command += ["--prefill", str(args.prefill), "--rows", str(args.rows)]
     done = subprocess.run([*command, "--child"], check=False, env=env, capture_output=True, text=True)
     if done.returncode:
         sys.exit(done.stderr[-4000:])

@@ -12,10 +12,14 @@ Three kernels a layer, whatever the batch's rows:
    chunk, value entry d) takes each head of its group through its chunk's scores three times (their max m, the sum
    of exp(score - m), the sum of exp(score - m) * value[t, d], the value read once for the group) and stores the
    three. A chunk with every position masked stores m = -1e30 and zero sums, which the third step weighs by 0.
-3. the chunks combined in plain tinygrad operations: M = the chunks' largest m (and the head's sink logit, where
-   sinks are given), out = sum_c exp(m_c - M) * num_c / (sum_c exp(m_c - M) * den_c + exp(sink - M)).
+3. ``combine``: a thread per (row, head, value entry d) takes the chunks' maxima to their max M (and the head's sink
+   logit, where sinks are given) and writes sum_c exp(m_c - M) * num_c / (sum_c exp(m_c - M) * den_c + exp(sink - M)).
 
-Every exponent has its max subtracted (no overflow). KV storage of float32, float16 or q8_0 (int8 quants and a
+The positions are all of a row's table (pages x page_size, the slot's capacity, as the row-by-row path's gather),
+those past the row's own masked. On a GPU a thread group (a CUDA block) is up to 32 positions of one (row, KV head)
+in the first kernel and the value entries of one (row, head[, chunk]) in the others; ``chunks`` stores m and the
+exponents' sum once per entry d (the same value), which ``combine`` reads at d = 0. Every exponent has its max
+subtracted (no overflow). KV storage of float32, float16 or q8_0 (int8 quants and a
 float16 scale per 32 values) is read as stored and dequantized as it is read. Devices without local memory
 (tinygrad's CPU device) run the rows as its one global axis and every other thread axis as a loop.
 """
