@@ -2,7 +2,9 @@
 programs, ``Tensor.custom_kernel``, the pattern of ``gemv.py``), reading keys and values straight from the paged KV
 storage through each row's page table (no gather of a row's pages into a copy first).
 
-Three kernels a layer, whatever the batch's rows:
+Before them ``write_rows`` writes every row's new key (then value) into float storage as one kernel, at the
+storage row its page table gives its position (q8_0 storage is written row by row, as a prompt's). Then three
+kernels a layer, whatever the batch's rows:
 
 1. ``scores``: a thread per (row, KV head, position t) reads the key at t once, through the row's page table
    (storage row ``table[row, t // page_size] * page_size + t % page_size``), and makes the score of every query
@@ -184,3 +186,24 @@ def decode_attention(
     fxn = _combine_kernel(rows, heads, value_dim, positions // chunk, local, sinks is not None)
     extra = [sinks.cast(dtypes.float32).contiguous()] if sinks is not None else []
     return out.custom_kernel(num, peak, den, *extra, fxn=fxn)[0].reshape(rows, heads * value_dim)
+
+
+def write_rows(storage: Tensor, values: Tensor, table: Tensor, at: Tensor, page_size: int) -> None:
+    """Each row's one new key or value [rows, kv_heads, dim] into float storage [storage rows, kv_heads, dim] at its
+    position ``at`` [rows] through its page table ``table`` [rows, pages], as one kernel for all rows (realized; rows
+    that share a position write the same values)."""
+    rows, kv_heads, dim = values.shape
+    local, kind = Device[values.device].renderer.has_local, storage.dtype
+
+    def fxn(out: UOp, x: UOp, table_u: UOp, at_u: UOp) -> UOp:
+        row = _range(rows, 0, AxisType.GLOBAL)
+        head = _range(kv_heads, 1, AxisType.GLOBAL if local else AxisType.LOOP)
+        d = _range(dim, 2, AxisType.LOCAL if local else AxisType.LOOP)
+        position = at_u[row]
+        stored = table_u[row, position // page_size] * page_size + position % page_size
+        store = out[stored, head, d].store(x[row, head, d].cast(kind))
+        name = f"kv_write_{rows}_{kv_heads}_{dim}"
+        return UOp.sink(_end(store, row, head, d), arg=KernelInfo(name=name, opts_to_apply=()))
+
+    inputs = (values.cast(dtypes.float32).contiguous(), table.cast(dtypes.int32).contiguous(), at.cast(dtypes.int32))
+    storage.custom_kernel(*inputs, fxn=fxn)[0].realize()

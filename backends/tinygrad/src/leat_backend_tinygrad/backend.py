@@ -36,7 +36,7 @@ from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
-from leat_backend_tinygrad.attention import decode_attention
+from leat_backend_tinygrad.attention import decode_attention, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemm import half_product, tuned_opts
 from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv
@@ -631,8 +631,13 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         q, k = self._values(q), self._values(k)
         v = self._values(v) if v is not None else None
         decoding = self._decoding(batch, kv, layout)
-        if decoding:  # attention.py's kernels read q as a plain buffer: realized contiguous (rope's kernel writes it)
+        # several rows' float KV writes as one kernel each (attention.py's write_rows); one row's as before (the 1B
+        # step on the NULL device: 391 kernels, 407 with write_rows) and q8_0's row by row, as a prompt's
+        batched = decoding and kv.dtype != "q8_0" and len(batch.rows) > 1
+        if decoding:  # attention.py's kernels read q (and batched k, v) as plain buffers: realized contiguous
             q = q.contiguous()
+            if batched and v is not None:
+                k, v = k.contiguous(), v.contiguous()
         Tensor.realize(*(t for t in (q, k, v) if t is not None))  # computed once, not once per KV write
         _, heads, dim = q.shape
         kv_heads = layout.kv_heads
@@ -642,16 +647,23 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         step = self._stepping(batch)
         page_group = kv.group_of[layer]
         if decoding:
-            for i, row in enumerate(batch.rows):
-                at = step.at[page_group][i] if step else None
-                self._store(kv, layer, "k", row, slice(i, i + 1), k, at)
-                self._store(kv, layer, "v", row, slice(i, i + 1), v, at)
             if step is not None:
                 table, positions = step.pages[page_group], step.positions
             else:
-                slots = [row.slot for row in batch.rows]
-                table = self._tensor(np.maximum(kv.table(layer)[slots], 0).astype(np.int32))
-                positions = self._tensor(np.asarray(batch.positions, np.int32))
+                host = kv.table(layer)[[row.slot for row in batch.rows]]
+                at = np.asarray(batch.positions, np.int64)
+                if (missing := host[np.arange(len(at)), at // kv.page_size] < 0).any():
+                    raise ValueError(f"a slot has no page for position {at[int(np.argmax(missing))]}")
+                table = self._tensor(np.maximum(host, 0).astype(np.int32))
+                positions = self._tensor(at.astype(np.int32))
+            if not batched:
+                for i, row in enumerate(batch.rows):
+                    at = step.at[page_group][i] if step else None
+                    self._store(kv, layer, "k", row, slice(i, i + 1), k, at)
+                    self._store(kv, layer, "v", row, slice(i, i + 1), v, at)
+            else:  # every row's key, then value, in a kernel, through the page tables
+                write_rows(kv.k[layer], k, table, positions, kv.page_size)
+                write_rows(kv.v[layer], v, table, positions, kv.page_size)
             scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.dtype == "q8_0" else None
             sinks = self._values(sinks).reshape(heads) if sinks is not None else None
             return decode_attention(
