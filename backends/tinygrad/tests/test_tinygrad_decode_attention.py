@@ -21,7 +21,7 @@ from leat_backend_tinygrad.backend import TinygradBackend, probe_reason
 if probe_reason() is not None:
     pytest.skip(f"tinygrad cannot run here: {probe_reason()}", allow_module_level=True)
 
-from leat_backend_tinygrad.attention import decode_attention
+from leat_backend_tinygrad.attention import decode_attention, rope_write
 from tinygrad import Tensor
 from tinygrad.helpers import GlobalCounters
 
@@ -111,6 +111,32 @@ def test_kernels_against_float64(kind, feature):
         np.testing.assert_allclose(got[0].reshape(HEADS, DIM), v64[0, 0].repeat(HEADS // KV_HEADS, 0), atol=1e-6)
 
 
+@pytest.mark.parametrize(("kind", "feature"), [("f16", "window"), ("q8_0", "sinks")])
+def test_kernels_with_thread_groups_against_float64(kind, feature):
+    """The three kernels on tinygrad's PYTHON device, which runs thread groups (their local axes) as a GPU does."""
+    rng = np.random.default_rng(7)
+    (keys, values), scales, table, (k64, v64) = paged(rng, kind)
+    q = rng.standard_normal((len(AT), HEADS, DIM)).astype(np.float32)
+    sinks = np.array([-2.0, 0.0, 1.5, 4.0, -30.0, 0.7], np.float32)
+    window = 6 if feature == "window" else None
+    moved = [t.to("PYTHON").realize() for t in (keys, values, *(scales or ()))]
+    got = decode_attention(
+        Tensor(q, device="PYTHON"),
+        moved[0],
+        moved[1],
+        Tensor(table, device="PYTHON"),
+        Tensor(np.asarray(AT, np.int32), device="PYTHON"),
+        PAGE,
+        0.3,
+        window,
+        None,
+        Tensor(sinks, device="PYTHON") if feature == "sinks" else None,
+        tuple(moved[2:]) if scales else None,
+    ).numpy()
+    want = reference(q, k64, v64, AT, 0.3, window, None, sinks if feature == "sinks" else None)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
 def test_off_by_one_in_the_causal_length_would_fail():
     """The reference given one position more per row differs from the kernels by far more than the tolerance."""
     rng = np.random.default_rng(8)
@@ -153,6 +179,56 @@ def test_the_backends_decode_step_attends_all_rows_at_once_as_its_row_by_row_pat
     np.testing.assert_allclose(out[True], out[False], rtol=1e-5, atol=1e-5)
 
 
+def _rope64(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotated: int, neox: bool) -> np.ndarray:
+    """float64 RoPE of x [rows, heads, dim] (its first ``rotated`` entries) with each row's cos, sin [rows, rotated / 2]."""
+    out, half = x.astype(np.float64).copy(), rotated // 2
+    c, s = cos[:, None, :], sin[:, None, :]
+    a, b = (x[..., :half], x[..., half:rotated]) if neox else (x[..., 0:rotated:2], x[..., 1:rotated:2])
+    first, second = a * c - b * s, a * s + b * c
+    if neox:
+        out[..., :half], out[..., half:rotated] = first, second
+    else:
+        out[..., 0:rotated:2], out[..., 1:rotated:2] = first, second
+    return out
+
+
+@pytest.mark.parametrize("device", ["CPU", "PYTHON"])  # PYTHON: thread groups, as on a GPU
+@pytest.mark.parametrize(("neox", "rotated"), [(True, DIM), (False, DIM), (True, DIM // 2), (False, DIM // 2)])
+@pytest.mark.parametrize("kind", ["f32", "f16"])
+def test_rope_and_both_cache_writes_in_one_kernel(kind, neox, rotated, device):
+    """rope_write: q rotated (returned), k rotated and v written at each row's position through its page table,
+    against float64 RoPE; every other storage row unchanged."""
+    rng = np.random.default_rng(12)
+    rows = len(AT)
+    table = rng.permutation(rows * PAGES).reshape(rows, PAGES).astype(np.int32)
+    dtype = np.float16 if kind == "f16" else np.float32
+    before = [rng.standard_normal((rows * PAGES * PAGE, KV_HEADS, DIM)).astype(dtype) for _ in range(2)]
+    q = rng.standard_normal((rows, HEADS, DIM)).astype(np.float32)
+    k, v = (rng.standard_normal((rows, KV_HEADS, DIM)).astype(np.float32) for _ in range(2))
+    angles = np.asarray(AT, np.float64)[:, None] * 10000.0 ** (-np.arange(rotated // 2) * 2 / rotated)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    keys, values = (Tensor(b.copy(), device=device).realize() for b in before)
+    got = rope_write(
+        *(Tensor(t, device=device) for t in (q, k, v, cos, sin)),
+        keys,
+        values,
+        Tensor(table, device=device),
+        Tensor(np.asarray(AT, np.int32), device=device),
+        PAGE,
+        rotated,
+        neox,
+    ).numpy()
+    np.testing.assert_allclose(got, _rope64(q, cos, sin, rotated, neox), rtol=1e-6, atol=1e-6)
+    stored = [table[r, AT[r] // PAGE] * PAGE + AT[r] % PAGE for r in range(rows)]
+    want_k, want_v = before[0].copy(), before[1].copy()
+    want_k[stored], want_v[stored] = _rope64(k, cos, sin, rotated, neox).astype(dtype), v.astype(dtype)
+    tolerance = 1e-3 if kind == "f16" else 1e-6  # one rounding to float16 of float32 values
+    np.testing.assert_allclose(keys.numpy(), want_k, rtol=tolerance, atol=tolerance)
+    np.testing.assert_array_equal(values.numpy(), want_v)
+    # the rotation is there: an unrotated k differs (every row but the one at position 0)
+    assert np.abs(keys.numpy()[stored[1:]] - k[1:].astype(dtype)).max() > 0.1
+
+
 def _tiny(name: str, path: Path) -> str:
     if name == "gemma3":  # sliding-window layers (two page groups)
         from leat import plugins
@@ -183,7 +259,7 @@ def test_jitted_decode_steps_of_rows_at_different_depths_match_the_f64_oracle(na
     for on in (True, False):
         model = leat.load(path, backend="tinygrad")
         backend, forward = model.backend, model.architecture.forward
-        backend.decode_attention = on
+        backend.decode_attention = backend.fuse_products = on  # off: row by row, each product and rope on its own
         layouts = model.architecture.kv_layouts(model.architecture.params)
         kv = backend.allocate_kv(layouts, slots=3, context=24, pages=18, page_size=4, dtype=kind)
         for slot in range(3):

@@ -96,3 +96,72 @@ def test_thread_shapes_with_row_groups_give_the_same_products(qtype, shape):
     got = gemv(Tensor(x, device="PYTHON"), Tensor(as_words(stored, qtype), device="PYTHON"), qtype, shape).numpy()
     x64 = x.astype(np.float64)
     assert (np.abs(got - x64 @ w.T) <= 1e-6 * (np.abs(x64) @ np.abs(w).T)).all()
+
+
+def _silu(v: np.ndarray) -> np.ndarray:
+    return v / (1 + np.exp(-v))
+
+
+@pytest.mark.parametrize("device", ["CPU", "PYTHON"])  # PYTHON: thread groups and their group reduce, as a GPU's
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_the_gated_unit_and_the_residual_in_the_products_kernel(qtype, device):
+    """``up=``: silu(x G^T) * (x U^T) from one kernel; ``residual=``: x W^T + r. Each against float64 within the
+    float32 sums' bound (carried through silu and the product of the two sums)."""
+    rng = np.random.default_rng(int(qtype) + 7)
+    outputs, k, shape = 16, 512, Shape(16, 4, 2)
+    gate, up = (random_blocks(qtype, outputs, k, rng) for _ in range(2))
+    g64, u64 = (
+        gguf.quants.dequantize(m.reshape(outputs, -1), qtype).reshape(outputs, k).astype(np.float64) for m in (gate, up)
+    )
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    residual = rng.standard_normal((2, outputs)).astype(np.float32)
+    words = [Tensor(as_words(m, qtype), device=device) for m in (gate, up)]
+    xt = Tensor(x, device=device)
+    glu = gemv(xt, words[0], qtype, shape, up=words[1]).numpy()
+    added = gemv(xt, words[0], qtype, shape, residual=Tensor(residual, device=device)).numpy()
+    x64 = x.astype(np.float64)
+    bound_g, bound_u = (1e-6 * (np.abs(x64) @ np.abs(m).T) for m in (g64, u64))
+    sg, su = x64 @ g64.T, x64 @ u64.T
+    # silu's slope is at most 1.1: each factor off by its sum's bound (and float32 rounding of the outputs)
+    limit = 1.1 * bound_g * np.abs(su) + np.abs(_silu(sg)) * bound_u + 1e-6 * np.abs(_silu(sg) * su) + 1e-6
+    assert (np.abs(glu - _silu(sg) * su) <= limit).all()
+    assert (np.abs(added - (sg + residual)) <= bound_g + 1e-6 * np.abs(sg + residual)).all()
+    # the gate alone is not the gated unit: a kernel that skipped up would fail the check above
+    assert np.abs(glu - _silu(sg)).max() > 10 * limit.max()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_backend_takes_a_products_consumer_into_its_kernel(fused):
+    """silu_mul of a gate and an up product of one x is one kernel, add of a product and the residual is one kernel
+    (LEAT_TINYGRAD_FUSE_PRODUCTS on); off, the products and their consumers run apart. Both give the float64
+    values."""
+    from tinygrad.helpers import GlobalCounters
+
+    rng = np.random.default_rng(11)
+    backend = TinygradBackend()
+    backend.fuse_products = fused
+    k, outputs = 512, 64
+    g, u, w = (
+        backend.upload(FileTensor(n, Q.Q4_K, (outputs, k), random_blocks(Q.Q4_K, outputs, k, rng).reshape(outputs, -1)))
+        for n in "guw"
+    )
+    x = Tensor(rng.standard_normal((2, k)).astype(np.float32)).realize()
+    residual = Tensor(rng.standard_normal((2, outputs)).astype(np.float32)).realize()
+    GlobalCounters.reset()
+    glu = backend.silu_mul(backend.matmul(x, g), backend.matmul(x, u)).realize()
+    assert GlobalCounters.kernel_count == (1 if fused else 3)
+    GlobalCounters.reset()
+    added = backend.add(residual, backend.matmul(x, w))
+    assert GlobalCounters.kernel_count == (1 if fused else 2)
+    x64 = x.numpy().astype(np.float64)
+    g64, u64, w64 = (
+        gguf.quants.dequantize(m.data.numpy().view(np.uint8), Q.Q4_K).reshape(outputs, k) for m in (g, u, w)
+    )
+    ax = np.abs(x64)
+    glu_bound = 1e-5 * (ax @ np.abs(g64).T) * (ax @ np.abs(u64).T) + 1e-6  # float32 sums, through silu and a product
+    assert (np.abs(glu.numpy() - _silu(x64 @ g64.T) * (x64 @ u64.T)) <= glu_bound).all()
+    add_bound = 1e-6 * (ax @ np.abs(w64).T + np.abs(residual.numpy())) + 1e-6
+    assert (np.abs(added.numpy() - (residual.numpy() + x64 @ w64.T)) <= add_bound).all()
+    # a product that is not its consumer's operand any more (consumed once) is made again as it was
+    y = backend.matmul(x, w)
+    assert backend.add(residual, y).numpy() == pytest.approx(backend.add(residual, y).numpy(), abs=1e-6)

@@ -33,6 +33,8 @@ import math
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
+from leat_backend_tinygrad.gemv import plain_rows
+
 CHUNK = 64  # positions of one chunk of the second kernel (or the largest power of two dividing the positions)
 EMPTY = -1e30  # the max of a chunk with every position masked: finite, so exp(score - max) is 0, never NaN
 
@@ -138,7 +140,8 @@ def _combine_kernel(rows, heads, value_dim, chunks, local, sinks):
             total = total + (sink[0][head] - top).exp()
         value = _reduce(weight * num[row, head, c2, d], c2, Ops.ADD) / total
         name = f"attn_combine_{rows}_{heads}_{chunks}"
-        return UOp.sink(_end(out[row, head, d].store(value), row, head, d), arg=KernelInfo(name=name, opts_to_apply=()))
+        store = out[row, head * value_dim + d].store(value)  # [rows, heads * value_dim]: the product after reads it
+        return UOp.sink(_end(store, row, head, d), arg=KernelInfo(name=name, opts_to_apply=()))
 
     return fxn
 
@@ -182,10 +185,10 @@ def decode_attention(
     parts += [Tensor.empty(*parts[0].shape, dtype=dtypes.float32, device=q.device) for _ in range(2)]
     fxn = _chunks_kernel(rows, heads, kv_heads, value_dim, positions, page_size, chunk, local, scales is not None)
     num, peak, den = parts[0].custom_kernel(parts[1], parts[2], score, values, table, *extra[1:], fxn=fxn)[:3]
-    out = Tensor.empty(rows, heads, value_dim, dtype=dtypes.float32, device=q.device)
+    out = Tensor.empty(rows, heads * value_dim, dtype=dtypes.float32, device=q.device)
     fxn = _combine_kernel(rows, heads, value_dim, positions // chunk, local, sinks is not None)
     extra = [sinks.cast(dtypes.float32).contiguous()] if sinks is not None else []
-    return out.custom_kernel(num, peak, den, *extra, fxn=fxn)[0].reshape(rows, heads * value_dim)
+    return out.custom_kernel(num, peak, den, *extra, fxn=fxn)[0]
 
 
 def write_rows(storage: Tensor, values: Tensor, table: Tensor, at: Tensor, page_size: int) -> None:
@@ -201,9 +204,85 @@ def write_rows(storage: Tensor, values: Tensor, table: Tensor, at: Tensor, page_
         d = _range(dim, 2, AxisType.LOCAL if local else AxisType.LOOP)
         position = at_u[row]
         stored = table_u[row, position // page_size] * page_size + position % page_size
-        store = out[stored, head, d].store(x[row, head, d].cast(kind))
+        store = out[stored, head, d].store(x[row, head * dim + d].cast(kind))
         name = f"kv_write_{rows}_{kv_heads}_{dim}"
         return UOp.sink(_end(store, row, head, d), arg=KernelInfo(name=name, opts_to_apply=()))
 
-    inputs = (values.cast(dtypes.float32).contiguous(), table.cast(dtypes.int32).contiguous(), at.cast(dtypes.int32))
+    # flat rows [rows, kv_heads * dim]: a product's output as it is (its [rows, kv_heads, dim] view made contiguous
+    # would be a copy)
+    flat = values.reshape(rows, kv_heads * dim).cast(dtypes.float32).contiguous()
+    inputs = (flat, table.cast(dtypes.int32).contiguous(), at.cast(dtypes.int32))
     storage.custom_kernel(*inputs, fxn=fxn)[0].realize()
+
+
+def rope_write(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    table: Tensor,
+    at: Tensor,
+    page_size: int,
+    rotated: int,
+    neox: bool,
+) -> Tensor:
+    """One decode token a row: q and k rotated (RoPE), k and v written into float storage, in one kernel. Returns q
+    rotated, float32 [rows, heads, dim].
+
+    ``q`` [rows, heads, dim], ``k`` and ``v`` [rows, kv_heads, dim] before RoPE (float32; heads a multiple of
+    kv_heads); ``cos`` and ``sin`` [rows, rotated / 2] each row's at its position; ``keys`` and ``values`` [storage
+    rows, kv_heads, dim] the layer's storage, written at the row of position ``at`` [rows] through the page table
+    ``table`` [rows, pages]. The first ``rotated`` entries of a head are rotated in pairs, (i, i + rotated / 2) with
+    ``neox`` (GPT-NeoX's halves) or (2i, 2i + 1), as the backend's ``rope`` does (a * cos - b * sin, a * sin + b *
+    cos); the other entries are copied. A thread takes one pair of entries of one KV head: its key's and value's,
+    and the query heads' of its GQA group."""
+    rows, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group, half, local = heads // kv_heads, rotated // 2, Device[q.device].renderer.has_local
+    assert heads % kv_heads == 0 and rotated % 2 == 0 and (dim - rotated) % 2 == 0
+    assert v.shape == k.shape and k.shape[2] == dim
+    kind = keys.dtype
+
+    def fxn(q_out: UOp, keys_u: UOp, values_u: UOp, *inputs: UOp) -> UOp:
+        q_in, k_in, v_in, cos_u, sin_u, table_u, at_u = inputs
+        row = _range(rows, 0, AxisType.GLOBAL)
+        kv_head = _range(kv_heads, 1, AxisType.GLOBAL if local else AxisType.LOOP)
+        pair = _range(dim // 2, 2, AxisType.LOCAL if local else AxisType.LOOP)
+        if half * 2 == dim:  # every entry rotated (no pair past them)
+            first = pair if neox else pair * 2
+            second = pair + half if neox else first + 1
+            c, s = cos_u[row, pair], sin_u[row, pair]
+        else:
+            turned = pair < half
+            if neox:
+                first = turned.where(pair, pair * 2)  # past the rotated: entries rotated + 2 (pair - half) and + 1
+                second = turned.where(pair + half, pair * 2 + 1)
+            else:
+                first, second = pair * 2, pair * 2 + 1
+            inside = turned.where(pair, 0)
+            c, s = turned.where(cos_u[row, inside], 1.0), turned.where(sin_u[row, inside], 0.0)  # past: a copy
+        position = at_u[row]
+        stored = table_u[row, position // page_size] * page_size + position % page_size
+        stores = []
+        for g in range(group):
+            h = kv_head * group + g
+            a, b = q_in[row, h * dim + first], q_in[row, h * dim + second]
+            stores += [q_out[row, h, first].store(a * c - b * s), q_out[row, h, second].store(a * s + b * c)]
+        a, b = k_in[row, kv_head * dim + first], k_in[row, kv_head * dim + second]
+        stores += [keys_u[stored, kv_head, first].store((a * c - b * s).cast(kind))]
+        stores += [keys_u[stored, kv_head, second].store((a * s + b * c).cast(kind))]
+        for d in (first, second):
+            stores.append(values_u[stored, kv_head, d].store(v_in[row, kv_head * dim + d].cast(kind)))
+        name = f"rope_kv_write_{rows}_{heads}_{kv_heads}_{dim}"
+        return UOp.sink(_end(UOp.group(*stores), row, kv_head, pair), arg=KernelInfo(name=name, opts_to_apply=()))
+
+    flat = [plain_rows(t) for t in (q, k, v)]
+    inputs = [*flat, cos.reshape(rows, half).contiguous(), sin.reshape(rows, half).contiguous()]
+    inputs += [table.cast(dtypes.int32).contiguous(), at.cast(dtypes.int32).contiguous()]
+    q_out = Tensor.empty(rows, heads, dim, dtype=dtypes.float32, device=q.device)
+    q_rot, written_k, written_v = q_out.custom_kernel(keys, values, *inputs, fxn=fxn)[:3]
+    Tensor.realize(q_rot, written_k, written_v)
+    return q_rot

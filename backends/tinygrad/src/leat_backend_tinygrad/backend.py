@@ -36,7 +36,7 @@ from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
-from leat_backend_tinygrad.attention import decode_attention, write_rows
+from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemm import half_product, tuned_opts
 from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv
@@ -158,6 +158,11 @@ class _Step:
     # recurrent states' writes (storage view, new value realized), made once the step's output is: a step that
     # turns out not jittable (MoE routing) writes none, and a bucket's padding rows write their first row's value
     pending: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    # per rope spec: the rows' cos and sin [rows, 1, dims / 2], gathered from the table once a step, not once a layer
+    rope: dict[tuple, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+
+PRODUCTS_KEPT = 8  # few-row products remembered for their consumers (a layer's q, k, v, o, gate, up, down)
 
 
 class _NotJittable(Exception):
@@ -223,6 +228,13 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         self.prefill_lengths = frozenset(int(x) for x in lengths.split(",") if x.strip())
         # decode steps (every row one token) attend with attention.py's kernels, all rows at once (0: row by row)
         self.decode_attention = os.environ.get("LEAT_TINYGRAD_DECODE_ATTENTION", "1") != "0"
+        # few-row products take their consumer into their kernel: silu_mul of a gate and an up product of the same x
+        # (one kernel for both, gemv.py's "glu"), add of a product and the residual ("residual"); 0: each its own
+        self.fuse_products = os.environ.get("LEAT_TINYGRAD_FUSE_PRODUCTS", "1") != "0"
+        # the latest few-row products not yet consumed: id(output) -> (output, x, weight), for their consumers
+        self._products: dict[int, tuple[Tensor, Tensor, Weight]] = {}
+        # the latest rotated q and k: id(output) -> (output, input, spec, cos, sin), for attention (_roped)
+        self._ropes: dict[int, tuple[Tensor, Tensor, RopeSpec, Tensor, Tensor]] = {}
         self._jits: dict[tuple[Callable, int, int], TinyJit] = {}
         # each jit's input Tensors (with their host dtype), reused step after step
         self._inputs: dict[tuple, dict[int, tuple[np.dtype, Tensor]]] = {}
@@ -550,6 +562,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             # Few rows (decode) of Q8_0, Q4_0, Q4_K, Q6_K, MXFP4: our own kernel, a set of lanes per output
             # reading the row's blocks in storage order (gemv.py)
             y = gemv(x, weight.data, weight.qtype, self.gemv_shape)
+            if bias is None and self.fuse_products:  # its consumer may take it in (silu_mul, add): still lazy
+                self._products[id(y)] = (y, x, weight)
+                while len(self._products) > PRODUCTS_KEPT:
+                    del self._products[next(iter(self._products))]
         elif quantized and weight.shape[-1] % SPLIT == 0:
             # Few rows (decode): the product in SPLIT partial sums per output, then their sum, as two kernels.
             # tinygrad gives a one-row product with the dequantization fused one thread per few outputs, each
@@ -601,7 +617,12 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         half = spec.dims // 2
         step = self._stepping(positions)
         if step is not None:
-            cos, sin = (t[step.positions].reshape(-1, 1, half) for t in self._rope_table(spec, step.kv.context))
+            if (key := _rope_key(spec)) not in step.rope:
+                table = self._rope_table(spec, step.kv.context)
+                cos, sin = (t[step.positions].reshape(-1, 1, half) for t in table)
+                step.rope[key] = (cos, sin)
+                Tensor.realize(cos, sin)
+            cos, sin = step.rope[key]
         else:
             self._rope_specs.setdefault(_rope_key(spec), spec)
             cos, sin = (self._tensor(t[:, None, :]) for t in _cos_sin(spec, positions))
@@ -619,7 +640,12 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 .cat((a * sin + b * cos).unsqueeze(-1), dim=-1)
                 .reshape(n, heads, spec.dims)
             )
-        return out.cat(x[..., spec.dims :], dim=-1) if spec.dims < x.shape[-1] else out
+        out = out.cat(x[..., spec.dims :], dim=-1) if spec.dims < x.shape[-1] else out
+        if self.fuse_products:  # a decode step's attention may rotate q and k itself (_roped)
+            self._ropes[id(out)] = (out, x, spec, cos, sin)
+            while len(self._ropes) > 2:
+                del self._ropes[next(iter(self._ropes))]
+        return out
 
     def _attend(self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap=None, sinks=None):
         """Paged, causal, windowed GQA attention (see Backend.attention); scores soft-capped when
@@ -631,14 +657,17 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         q, k = self._values(q), self._values(k)
         v = self._values(v) if v is not None else None
         decoding = self._decoding(batch, kv, layout)
-        # several rows' float KV writes as one kernel each (attention.py's write_rows); one row's as before (the 1B
-        # step on the NULL device: 391 kernels, 407 with write_rows) and q8_0's row by row, as a prompt's
+        # a decode step's q and k still to be rotated, with v and float storage: rope and both writes as one kernel
+        roped = self._roped(q, k, v) if decoding and kv.dtype != "q8_0" else None
+        # several rows' float KV writes as one kernel each (attention.py's write_rows); q8_0's row by row, as a prompt's
         batched = decoding and kv.dtype != "q8_0" and len(batch.rows) > 1
-        if decoding:  # attention.py's kernels read q (and batched k, v) as plain buffers: realized contiguous
+        if decoding and roped is None:  # attention.py's kernels read q as a plain buffer: realized contiguous
             q = q.contiguous()
-            if batched and v is not None:
-                k, v = k.contiguous(), v.contiguous()
-        Tensor.realize(*(t for t in (q, k, v) if t is not None))  # computed once, not once per KV write
+        # computed once, not once per KV write; a decode step with float storage writes k once (one kernel, or one a
+        # row for a single row): the write computes it, its rope inside
+        if roped is None:
+            once = decoding and kv.dtype != "q8_0"
+            Tensor.realize(*(t for t in (q, None if once else k, v) if t is not None))
         _, heads, dim = q.shape
         kv_heads = layout.kv_heads
         value_dim = layout.value_dim or layout.head_dim
@@ -656,7 +685,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                     raise ValueError(f"a slot has no page for position {at[int(np.argmax(missing))]}")
                 table = self._tensor(np.maximum(host, 0).astype(np.int32))
                 positions = self._tensor(at.astype(np.int32))
-            if not batched:
+            if roped is not None:
+                (q_in, k_in, spec, cos, sin), storage = roped, (kv.k[layer], kv.v[layer])
+                q = rope_write(q_in, k_in, v, cos, sin, *storage, table, positions, kv.page_size, spec.dims, spec.neox)
+            elif not batched:
                 for i, row in enumerate(batch.rows):
                     at = step.at[page_group][i] if step else None
                     self._store(kv, layer, "k", row, slice(i, i + 1), k, at)
@@ -745,6 +777,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         return self._attend(q, key, None, kv, layer, batch, scale).reshape(n, heads, rank)
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        g, u = self._product(gate), self._product(up)
+        if g is not None and u is not None and g[1] is u[1] and g[2].qtype == u[2].qtype and g[2].shape == u[2].shape:
+            return gemv(g[1], g[2].data, g[2].qtype, self.gemv_shape, up=u[2].data)  # both products, one kernel
         return self._values(gate).silu() * self._values(up)
 
     def sigmoid_mul(self, gate: Tensor, x: Tensor) -> Tensor:
@@ -765,7 +800,29 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
     def add(self, a: Tensor, b: Tensor) -> Tensor:
         # The residual stream is realized at each add: a lazy tensor is recomputed by every later
         # realize that needs it (the KV writes realize once per layer), which would make depth quadratic.
+        for product, other in ((b, a), (a, b)):
+            made = self._product(product)
+            if made is not None and isinstance(other, Tensor) and other.shape == product.shape:
+                _, x, weight = made
+                return gemv(x, weight.data, weight.qtype, self.gemv_shape, residual=self._values(other)).realize()
         return (self._values(a) + self._values(b)).realize()
+
+    def _roped(self, q: Tensor, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor, RopeSpec, Tensor, Tensor] | None:
+        """(q and k before RoPE, the spec, cos, sin) where ``q`` and ``k`` are this step's rotations by ``rope`` (same
+        spec and positions) and ``v`` has k's shape, for attention.py's ``rope_write``; None otherwise."""
+        made = [self._ropes.get(id(t)) for t in (q, k)]
+        if v is None or any(m is None or m[0] is not t for m, t in zip(made, (q, k))):
+            return None
+        (_, q_in, spec, cos, sin), (_, k_in, k_spec, k_cos, _) = made
+        if k_spec is not spec or k_cos is not cos or v.shape != k_in.shape or q_in.shape[2] != k_in.shape[2]:
+            return None
+        return q_in, k_in, spec, cos, sin
+
+    def _product(self, y: Any) -> tuple[Tensor, Tensor, Weight] | None:
+        """(y, x, weight) where ``y`` is a few-row product (gemv.py's kernel, no bias) not yet consumed: its consumer
+        makes it again with itself in the kernel (y, never realized, never runs)."""
+        made = self._products.pop(id(y), None) if isinstance(y, Tensor) else None
+        return made if made is not None and made[0] is y else None
 
     def reshape(self, x: Tensor, shape: tuple[int, ...]) -> Tensor:
         return self._values(x).reshape(shape)

@@ -168,14 +168,17 @@ class Shape:
         return Shape(self.lanes, groups, per_thread)
 
 
-def _kernel(qtype: Q, rows: int, outputs: int, blocks: int, local: bool, shape: Shape):
+def _kernel(qtype: Q, rows: int, outputs: int, blocks: int, local: bool, shape: Shape, epilogue: str = ""):
+    """The kernel's UOp program. ``epilogue`` "glu": a second weight (up, of the same type and shape) is multiplied
+    by the same loads of x and each output is silu(x w^T) * (x up^T); "residual": an input of the output's shape
+    is added to each output (a residual connection); "": the product alone."""
     layout, (block_size, _) = LAYOUTS[qtype], gguf.GGML_QUANT_SIZES[qtype]
     units = math.prod(layout.units)
     per_step = math.gcd(max(shape.lanes // units, 1), blocks)  # whole blocks a row's lanes read per step
     lane_type = AxisType.GROUP_REDUCE if local else AxisType.REDUCE
     tile = shape.groups * shape.per_thread  # outputs of one thread group
 
-    def fxn(out: UOp, x: UOp, weight: UOp) -> UOp:
+    def fxn(out: UOp, x: UOp, weight: UOp, *extra: UOp) -> UOp:
         # the last unit axis gets the lowest id: tinygrad makes it threadIdx.x, so neighbouring threads read
         # neighbouring words; the row groups get the highest (the outermost thread index)
         sizes = (per_step, *layout.units)
@@ -185,30 +188,55 @@ def _kernel(qtype: Q, rows: int, outputs: int, blocks: int, local: bool, shape: 
         step = UOp.range(blocks // per_step, 1, AxisType.REDUCE)
         block = step * per_step + lanes[0]
         first = tiles * tile if group is None else tiles * tile + group * shape.per_thread
-        size = layout.word.itemsize
+        matrices = (weight, extra[0]) if epilogue == "glu" else (weight,)
         stores = []
         for r in range(shape.per_thread):
             o = first + r
-
-            def word(i: int | UOp, o: UOp = o) -> UOp:
-                return weight[o, block, i]
-
-            def byte(i: int | UOp, word: Word = word) -> UOp:
-                shift = (i % size) * 8
-                shift = shift if isinstance(shift, int) else shift.cast(layout.word)
-                return ((word(i // size) >> shift) & 0xFF).cast(dtypes.int32)
-
-            # x's loads are the same UOps for every output of the thread: read once, used per_thread times
-            decoded = layout.decode(word, byte, *lanes[1:])
+            # x's loads are the same UOps for every output of the thread (and both matrices of a glu): read once
+            decoded = [layout.decode(*_reader(matrix, o, block, layout), *lanes[1:]) for matrix in matrices]
             for n in range(rows):
-                terms = [value * x[n, block * block_size + at] for at, value in decoded]
-                reduced = sum(terms[1:], terms[0]).reduce(step, *lanes, arg=Ops.ADD)
+                sums = []
+                for values in decoded:
+                    terms = [value * x[n, block * block_size + at] for at, value in values]
+                    sums.append(sum(terms[1:], terms[0]).reduce(step, *lanes, arg=Ops.ADD))
+                y = sums[0]
+                if epilogue == "glu":  # silu(gate) * up, as the backend's silu_mul
+                    y = y / (1.0 + (y * -1.0).exp()) * sums[1]
+                elif epilogue == "residual":
+                    y = y + extra[0][n, o]
                 ends = (tiles,) if group is None else (tiles, group)
-                stores.append(out[n, o].store(reduced).end(*ends))
-        name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}"
+                stores.append(out[n, o].store(y).end(*ends))
+        name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}" + (f"_{epilogue}" if epilogue else "")
         return UOp.sink(*stores, arg=KernelInfo(name=name, opts_to_apply=()))
 
     return fxn
+
+
+def _reader(matrix: UOp, o: UOp, block: UOp, layout: Layout) -> tuple[Word, Byte]:
+    """The word and byte readers of row ``o``'s block ``block`` of ``matrix`` (stored as its blocks' words)."""
+    size = layout.word.itemsize
+
+    def word(i: int | UOp) -> UOp:
+        return matrix[o, block, i]
+
+    def byte(i: int | UOp) -> UOp:
+        shift = (i % size) * 8
+        shift = shift if isinstance(shift, int) else shift.cast(layout.word)
+        return ((word(i // size) >> shift) & 0xFF).cast(dtypes.int32)
+
+    return word, byte
+
+
+def plain_rows(t: Tensor) -> Tensor:
+    """float32 ``t`` [rows, ...] as a plain buffer [rows, rest] for a custom kernel's input: the tensor it is a reshape
+    of where that has this shape (a kernel's output; contiguous() of its reshape would be a copy), else a contiguous
+    copy."""
+    shape, u = (t.shape[0], math.prod(t.shape[1:])), t.uop
+    while u.op is Ops.RESHAPE:
+        u = u.src[0]
+    if t.dtype == dtypes.float32 and u is not t.uop and u.shape == shape:
+        return Tensor(u, device=t.device)
+    return t.reshape(shape).cast(dtypes.float32).contiguous()
 
 
 def as_words(stored: np.ndarray, qtype: Q) -> np.ndarray:
@@ -220,12 +248,27 @@ def as_words(stored: np.ndarray, qtype: Q) -> np.ndarray:
     return stored.view(np.dtype(f"<u{LAYOUTS[qtype].word.itemsize}"))
 
 
-def gemv(x: Tensor, words: Tensor, qtype: Q, shape: Shape | None = None) -> Tensor:
+def gemv(
+    x: Tensor,
+    words: Tensor,
+    qtype: Q,
+    shape: Shape | None = None,
+    *,
+    up: Tensor | None = None,
+    residual: Tensor | None = None,
+) -> Tensor:
     """float32 [rows, outputs] = x [rows, k] @ w.T for a weight of ``qtype`` (one of LAYOUTS) stored as its blocks'
-    words [outputs, blocks, block_words] (``as_words``), as one kernel."""
+    words [outputs, blocks, block_words] (``as_words``), as one kernel. With ``up`` (the words of a second weight of
+    the same type and shape): silu(x @ w.T) * (x @ up.T), the gated unit, in the same kernel; with ``residual``
+    (float32 [rows, outputs]): x @ w.T + residual."""
     outputs, blocks, _ = words.shape
     local = Device[x.device].renderer.has_local
     shape = (shape or Shape()).fitting(outputs, local)
     out = Tensor.empty(x.shape[0], outputs, dtype=dtypes.float32, device=x.device)
-    fxn = _kernel(qtype, x.shape[0], outputs, blocks, local, shape)
-    return out.custom_kernel(x.cast(dtypes.float32).contiguous(), words, fxn=fxn)[0]
+    epilogue, extra = "", []
+    if up is not None:
+        epilogue, extra = "glu", [up]
+    elif residual is not None:
+        epilogue, extra = "residual", [plain_rows(residual)]
+    fxn = _kernel(qtype, x.shape[0], outputs, blocks, local, shape, epilogue)
+    return out.custom_kernel(x.cast(dtypes.float32).contiguous(), words, *extra, fxn=fxn)[0]
