@@ -282,3 +282,27 @@ def test_jitted_decode_steps_of_rows_at_different_depths_match_the_f64_oracle(na
         assert not agreement.failures(**bars), f"{agreement}"
         if kind == "f32":
             np.testing.assert_allclose(mine, want[slot][start : start + 5], rtol=1e-4, atol=1e-4)
+
+
+def test_an_eager_decode_step_rotates_and_writes_in_rope_write(tmp_path, monkeypatch):
+    """Outside TinyJit too (the forward called as it is), a decode step's attention takes q and k from before rope
+    into rope_write, and its logits are those of the step with the fusions off (each rope and write its own)."""
+    import leat_backend_tinygrad.backend as module
+
+    calls = []
+    monkeypatch.setattr(module, "rope_write", lambda *a: calls.append(1) or rope_write(*a))
+    path = _tiny("q4_k-llama3", tmp_path / "tiny.gguf")
+    ids = np.arange(3, 12)
+    logits = {}
+    for on in (True, False):
+        model = leat.load(path, backend="tinygrad")
+        backend, forward = model.backend, model.architecture.forward
+        backend.fuse_products = on
+        layouts = model.architecture.kv_layouts(model.architecture.params)
+        kv = backend.allocate_kv(layouts, slots=1, context=16, pages=4, page_size=4, dtype="f32")
+        backend.set_pages(kv, 0, np.arange(4))
+        forward(Batch([Row(0, 0, ids[:8])]), kv)
+        calls.clear()
+        logits[on] = np.asarray(backend.to_host(forward(Batch([Row(0, 8, ids[8:9])]), kv)))
+        assert (len(calls) > 0) == on  # once a layer with the fusions on, never with them off
+    np.testing.assert_allclose(logits[True], logits[False], rtol=1e-5, atol=1e-5)

@@ -233,8 +233,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         self.fuse_products = os.environ.get("LEAT_TINYGRAD_FUSE_PRODUCTS", "1") != "0"
         # the latest few-row products not yet consumed: id(output) -> (output, x, weight), for their consumers
         self._products: dict[int, tuple[Tensor, Tensor, Weight]] = {}
-        # the latest rotated q and k: id(output) -> (output, input, spec, cos, sin), for attention (_roped)
-        self._ropes: dict[int, tuple[Tensor, Tensor, RopeSpec, Tensor, Tensor]] = {}
+        # the latest rotated q and k: id(output) -> (output, input, spec, positions, cos, sin), for attention (_roped)
+        self._ropes: dict[int, tuple[Tensor, Tensor, RopeSpec, Any, Tensor, Tensor]] = {}
         self._jits: dict[tuple[Callable, int, int], TinyJit] = {}
         # each jit's input Tensors (with their host dtype), reused step after step
         self._inputs: dict[tuple, dict[int, tuple[np.dtype, Tensor]]] = {}
@@ -642,7 +642,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             )
         out = out.cat(x[..., spec.dims :], dim=-1) if spec.dims < x.shape[-1] else out
         if self.fuse_products:  # a decode step's attention may rotate q and k itself (_roped)
-            self._ropes[id(out)] = (out, x, spec, cos, sin)
+            self._ropes[id(out)] = (out, x, spec, positions, cos, sin)
             while len(self._ropes) > 2:
                 del self._ropes[next(iter(self._ropes))]
         return out
@@ -808,13 +808,13 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         return (self._values(a) + self._values(b)).realize()
 
     def _roped(self, q: Tensor, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor, RopeSpec, Tensor, Tensor] | None:
-        """(q and k before RoPE, the spec, cos, sin) where ``q`` and ``k`` are this step's rotations by ``rope`` (same
-        spec and positions) and ``v`` has k's shape, for attention.py's ``rope_write``; None otherwise."""
+        """(q and k before RoPE, the spec, cos, sin) where ``q`` and ``k`` are rotations by ``rope`` with one spec and
+        the same positions (the same objects) and ``v`` has k's shape, for attention.py's ``rope_write``; else None."""
         made = [self._ropes.get(id(t)) for t in (q, k)]
         if v is None or any(m is None or m[0] is not t for m, t in zip(made, (q, k))):
             return None
-        (_, q_in, spec, cos, sin), (_, k_in, k_spec, k_cos, _) = made
-        if k_spec is not spec or k_cos is not cos or v.shape != k_in.shape or q_in.shape[2] != k_in.shape[2]:
+        (_, q_in, spec, at, cos, sin), (_, k_in, k_spec, k_at, _, _) = made
+        if k_spec is not spec or k_at is not at or v.shape != k_in.shape or q_in.shape[2] != k_in.shape[2]:
             return None
         return q_in, k_in, spec, cos, sin
 
