@@ -33,7 +33,7 @@ import math
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
-from leat_backend_tinygrad.gemv import plain_rows
+from leat_backend_tinygrad.gemv import plain_rows, row_entry
 
 CHUNK = 64  # positions of one chunk of the second kernel (or the largest power of two dividing the positions)
 EMPTY = -1e30  # the max of a chunk with every position masked: finite, so exp(score - max) is 0, never NaN
@@ -269,13 +269,17 @@ def rope_write(
         stores = []
         for g in range(group):
             h = kv_head * group + g
-            a, b = q_in[row, h * dim + first], q_in[row, h * dim + second]
+            a, b = (
+                row_entry(q_in, row, h * dim + first, heads * dim),
+                row_entry(q_in, row, h * dim + second, heads * dim),
+            )
             stores += [q_out[row, h, first].store(a * c - b * s), q_out[row, h, second].store(a * s + b * c)]
-        a, b = k_in[row, kv_head * dim + first], k_in[row, kv_head * dim + second]
+        a, b = (row_entry(k_in, row, kv_head * dim + d, kv_heads * dim) for d in (first, second))
         stores += [keys_u[stored, kv_head, first].store((a * c - b * s).cast(kind))]
         stores += [keys_u[stored, kv_head, second].store((a * s + b * c).cast(kind))]
         for d in (first, second):
-            stores.append(values_u[stored, kv_head, d].store(v_in[row, kv_head * dim + d].cast(kind)))
+            value = row_entry(v_in, row, kv_head * dim + d, kv_heads * dim)
+            stores.append(values_u[stored, kv_head, d].store(value.cast(kind)))
         name = f"rope_kv_write_{rows}_{heads}_{kv_heads}_{dim}"
         return UOp.sink(_end(UOp.group(*stores), row, kv_head, pair), arg=KernelInfo(name=name, opts_to_apply=()))
 

@@ -203,7 +203,7 @@ def _kernel(qtype: Q, rows: int, outputs: int, blocks: int, local: bool, shape: 
                 if epilogue == "glu":  # silu(gate) * up, as the backend's silu_mul
                     y = y / (1.0 + (y * -1.0).exp()) * sums[1]
                 elif epilogue == "residual":
-                    y = y + extra[0][n, o]
+                    y = y + row_entry(extra[0], n, o, outputs)
                 ends = (tiles,) if group is None else (tiles, group)
                 stores.append(out[n, o].store(y).end(*ends))
         name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}" + (f"_{epilogue}" if epilogue else "")
@@ -227,14 +227,23 @@ def _reader(matrix: UOp, o: UOp, block: UOp, layout: Layout) -> tuple[Word, Byte
     return word, byte
 
 
+def row_entry(buffer: UOp, row: int | UOp, i: int | UOp, width: int) -> UOp:
+    """Entry ``i`` of row ``row`` of a ``plain_rows`` input (``width`` entries a row), 2-D or a flat buffer."""
+    return buffer[row * width + i] if len(buffer.shape) == 1 else buffer[row, i]
+
+
 def plain_rows(t: Tensor) -> Tensor:
-    """float32 ``t`` [rows, ...] as a plain buffer [rows, rest] for a custom kernel's input: the tensor it is a reshape
-    of where that has this shape (a kernel's output; contiguous() of its reshape would be a copy), else a contiguous
-    copy."""
+    """float32 ``t`` [rows, ...] as a plain buffer for a custom kernel's input, indexed [row, rest] or, where it is a
+    realized buffer (1-D), [row * rest + i]: the buffer or the tensor that ``t`` is a reshape of, where there is one
+    of the same size (a kernel's output: contiguous() of its reshape can be a copy), else a contiguous copy."""
     shape, u = (t.shape[0], math.prod(t.shape[1:])), t.uop
     while u.op is Ops.RESHAPE:
         u = u.src[0]
-    if t.dtype == dtypes.float32 and u is not t.uop and u.shape == shape:
+    if (
+        t.dtype == dtypes.float32
+        and u is not t.uop
+        and (u.shape == shape or (u.op is Ops.BUFFER and math.prod(u.shape) == t.numel()))
+    ):
         return Tensor(u, device=t.device)
     return t.reshape(shape).cast(dtypes.float32).contiguous()
 
