@@ -165,3 +165,23 @@ def test_the_backend_takes_a_products_consumer_into_its_kernel(fused):
     # a product that is not its consumer's operand any more (consumed once) is made again as it was
     y = backend.matmul(x, w)
     assert backend.add(residual, y).numpy() == pytest.approx(backend.add(residual, y).numpy(), abs=1e-6)
+
+
+@pytest.mark.parametrize("device", ["CPU", "PYTHON"])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
+def test_several_products_of_one_x_in_one_kernel(qtype, device):
+    """gemv_segments (a layer's q, k and v): each output equal to its own product's, bit for bit (the same sums in
+    the same order; each weight's rows read through gated loads, stored through gated stores)."""
+    from leat_backend_tinygrad.gemv import gemv_segments
+
+    rng = np.random.default_rng(int(qtype) + 3)
+    k, shape = 512, Shape(16, 4, 2)
+    words = [Tensor(as_words(random_blocks(qtype, n, k, rng), qtype), device=device).realize() for n in (32, 16, 8)]
+    x = Tensor(rng.standard_normal((2, k)).astype(np.float32), device=device).realize()
+    together = gemv_segments(x, words, qtype, shape)
+    assert [t.shape for t in together] == [(2, 32), (2, 16), (2, 8)]
+    for got, w in zip(together, words):
+        np.testing.assert_array_equal(got.numpy(), gemv(x, w, qtype, shape).numpy())
+    # five rows: the thread groups shrink to outputs that divide every weight's (none straddles two weights)
+    odd = gemv_segments(x, [words[0], words[2][:5].contiguous().realize()], qtype, shape)
+    np.testing.assert_array_equal(odd[1].numpy(), gemv(x, words[2], qtype, shape).numpy()[:, :5])

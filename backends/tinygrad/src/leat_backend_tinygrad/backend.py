@@ -35,11 +35,12 @@ from leat.model import PREFILL_CHUNK
 from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
+from tinygrad.uop.ops import Ops
 
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemm import half_product, tuned_opts
-from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv
+from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv, gemv_segments
 from leat_backend_tinygrad.kv import KVCache, PagedKV
 from leat_backend_tinygrad.quants import DEQUANTIZERS
 
@@ -687,6 +688,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 positions = self._tensor(at.astype(np.int32))
             if roped is not None:
                 (q_in, k_in, spec, cos, sin), storage = roped, (kv.k[layer], kv.v[layer])
+                q_in, k_in, v = self._together(q_in, k_in, v)
                 q = rope_write(q_in, k_in, v, cos, sin, *storage, table, positions, kv.page_size, spec.dims, spec.neox)
             elif not batched:
                 for i, row in enumerate(batch.rows):
@@ -817,6 +819,39 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         if k_spec is not spec or k_at is not at or v.shape != k_in.shape or q_in.shape[2] != k_in.shape[2]:
             return None
         return q_in, k_in, spec, cos, sin
+
+    def _together(self, *made: Tensor) -> list[Tensor]:
+        """``made`` (views of few-row products not yet run, such as a layer's q, k and v), those of them that are
+        products of one x with one weight type and row length made by one kernel (gemv.py's ``gemv_segments``: the
+        first with the next ones of its kind); the others as they are."""
+        entries = [self._viewed_product(t) for t in made]
+        first = entries[0]
+        if first is None:
+            return list(made)
+        _, x, weight = first
+        alike = [
+            i
+            for i, e in enumerate(entries)
+            if e is not None
+            and e[1] is x
+            and e[2].qtype == weight.qtype
+            and e[2].data.shape[1:] == weight.data.shape[1:]
+        ]
+        if len(alike) < 2:
+            return list(made)
+        outs = gemv_segments(x, [entries[i][2].data for i in alike], weight.qtype, self.gemv_shape)
+        together = list(made)
+        for i, out in zip(alike, outs):
+            together[i] = out.reshape(made[i].shape)
+            self._products.pop(id(entries[i][0]), None)
+        return together
+
+    def _viewed_product(self, t: Tensor) -> tuple[Tensor, Tensor, Weight] | None:
+        """The few-row product not yet consumed of which ``t`` is a reshape (or itself), if any."""
+        u = t.uop
+        while u.op is Ops.RESHAPE:
+            u = u.src[0]
+        return next((e for e in self._products.values() if e[0].uop is u or e[0] is t), None)
 
     def _product(self, y: Any) -> tuple[Tensor, Tensor, Weight] | None:
         """(y, x, weight) where ``y`` is a few-row product (gemv.py's kernel, no bias) not yet consumed: its consumer

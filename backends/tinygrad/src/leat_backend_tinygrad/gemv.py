@@ -168,10 +168,21 @@ class Shape:
         return Shape(self.lanes, groups, per_thread)
 
 
-def _kernel(qtype: Q, rows: int, outputs: int, blocks: int, local: bool, shape: Shape, epilogue: str = ""):
+def _kernel(
+    qtype: Q,
+    rows: int,
+    outputs: int,
+    blocks: int,
+    local: bool,
+    shape: Shape,
+    epilogue: str = "",
+    segments: tuple[int, ...] = (),
+):
     """The kernel's UOp program. ``epilogue`` "glu": a second weight (up, of the same type and shape) is multiplied
     by the same loads of x and each output is silu(x w^T) * (x up^T); "residual": an input of the output's shape
-    is added to each output (a residual connection); "": the product alone."""
+    is added to each output (a residual connection); "": the product alone. ``segments``: several weights of one
+    type and row length, their outputs in turn (``outputs`` their sum; flat buffers in and out), each output row read
+    from its own weight by gated loads and stored by a gated store."""
     layout, (block_size, _) = LAYOUTS[qtype], gguf.GGML_QUANT_SIZES[qtype]
     units = math.prod(layout.units)
     per_step = math.gcd(max(shape.lanes // units, 1), blocks)  # whole blocks a row's lanes read per step
@@ -181,6 +192,9 @@ def _kernel(qtype: Q, rows: int, outputs: int, blocks: int, local: bool, shape: 
     def fxn(out: UOp, x: UOp, weight: UOp, *extra: UOp) -> UOp:
         # the last unit axis gets the lowest id: tinygrad makes it threadIdx.x, so neighbouring threads read
         # neighbouring words; the row groups get the highest (the outermost thread index)
+        if segments:  # (outs..., x, weights...): the parameters of several products of one x
+            params, count = (out, x, weight, *extra), len(segments)
+            outs, x, weights = params[:count], params[count], params[count + 1 :]
         sizes = (per_step, *layout.units)
         lanes = [UOp.range(n, 2 + len(sizes) - i, lane_type) for i, n in enumerate(sizes)]
         tiles = UOp.range(outputs // tile, 0, AxisType.GLOBAL)
@@ -193,7 +207,12 @@ def _kernel(qtype: Q, rows: int, outputs: int, blocks: int, local: bool, shape: 
         for r in range(shape.per_thread):
             o = first + r
             # x's loads are the same UOps for every output of the thread (and both matrices of a glu): read once
-            decoded = [layout.decode(*_reader(matrix, o, block, layout), *lanes[1:]) for matrix in matrices]
+            if segments:
+                words_a_block = gguf.GGML_QUANT_SIZES[qtype][1] // layout.word.itemsize
+                reader = _segment_reader(weights, segments, o, block, blocks, layout, words_a_block)
+                decoded = [layout.decode(*reader, *lanes[1:])]
+            else:
+                decoded = [layout.decode(*_reader(matrix, o, block, layout), *lanes[1:]) for matrix in matrices]
             for n in range(rows):
                 sums = []
                 for values in decoded:
@@ -205,11 +224,42 @@ def _kernel(qtype: Q, rows: int, outputs: int, blocks: int, local: bool, shape: 
                 elif epilogue == "residual":
                     y = y + row_entry(extra[0], n, o, outputs)
                 ends = (tiles,) if group is None else (tiles, group)
-                stores.append(out[n, o].store(y).end(*ends))
+                if segments:  # the output of the product whose rows hold o: one gated store each
+                    at = 0
+                    for target, size in zip(outs, segments):
+                        inside = (o >= at) & (o < at + size) if at else o < size
+                        stores.append(target[(o - at + n * size).valid(inside)].store(y).end(*ends))
+                        at += size
+                else:
+                    stores.append(out[n, o].store(y).end(*ends))
         name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}" + (f"_{epilogue}" if epilogue else "")
         return UOp.sink(*stores, arg=KernelInfo(name=name, opts_to_apply=()))
 
     return fxn
+
+
+def _segment_reader(
+    weights: tuple[UOp, ...], segments: tuple[int, ...], o: UOp, block: UOp, blocks: int, layout: Layout, per_block: int
+) -> tuple[Word, Byte]:
+    """The word and byte readers of output row ``o`` of several weights (flat buffers of words, ``per_block`` words a
+    block) whose outputs follow one another: each weight's load gated to its own rows (one of them runs), their sum
+    the row's word."""
+    size = layout.word.itemsize
+
+    def word(i: int | UOp) -> UOp:
+        total, at = None, 0
+        for matrix, rows in zip(weights, segments):
+            inside = (o >= at) & (o < at + rows) if at else o < rows
+            value = matrix[(((o - at) * blocks + block) * per_block + i).valid(inside)]
+            total, at = value if total is None else total + value, at + rows
+        return total
+
+    def byte(i: int | UOp) -> UOp:
+        shift = (i % size) * 8
+        shift = shift if isinstance(shift, int) else shift.cast(layout.word)
+        return ((word(i // size) >> shift) & 0xFF).cast(dtypes.int32)
+
+    return word, byte
 
 
 def _reader(matrix: UOp, o: UOp, block: UOp, layout: Layout) -> tuple[Word, Byte]:
@@ -227,23 +277,45 @@ def _reader(matrix: UOp, o: UOp, block: UOp, layout: Layout) -> tuple[Word, Byte
     return word, byte
 
 
+def gemv_segments(x: Tensor, words: list[Tensor], qtype: Q, shape: Shape | None = None) -> list[Tensor]:
+    """x @ w.T for each weight of ``words`` (one type, one row length: a layer's q, k and v), float32 [rows, outputs
+    of each], as one kernel (the shape fitted to every weight's outputs, so a thread group's lie in one weight)."""
+    local = Device[x.device].renderer.has_local
+    sizes = tuple(w.shape[0] for w in words)
+    shape = (shape or Shape()).fitting(math.gcd(*sizes), local)
+    rows, blocks = x.shape[0], words[0].shape[1]
+    outs = [Tensor.empty(rows * size, dtype=dtypes.float32, device=x.device) for size in sizes]
+    fxn = _kernel(qtype, rows, sum(sizes), blocks, local, shape, segments=sizes)
+    flat = [_flat_buffer(w) for w in words]
+    made = outs[0].custom_kernel(*outs[1:], x.cast(dtypes.float32).contiguous(), *flat, fxn=fxn)[: len(sizes)]
+    return [m.reshape(rows, size) for m, size in zip(made, sizes)]
+
+
+def _flat_buffer(t: Tensor) -> Tensor:
+    """``t`` as a flat buffer for a custom kernel: the realized buffer it views, else a contiguous copy."""
+    u = t.uop
+    while u.op is Ops.RESHAPE:
+        u = u.src[0]
+    if u.op is Ops.BUFFER and math.prod(u.shape) == t.numel():
+        return Tensor(u, device=t.device)
+    return t.reshape(-1).contiguous()
+
+
 def row_entry(buffer: UOp, row: int | UOp, i: int | UOp, width: int) -> UOp:
     """Entry ``i`` of row ``row`` of a ``plain_rows`` input (``width`` entries a row), 2-D or a flat buffer."""
     return buffer[row * width + i] if len(buffer.shape) == 1 else buffer[row, i]
 
 
 def plain_rows(t: Tensor) -> Tensor:
-    """float32 ``t`` [rows, ...] as a plain buffer for a custom kernel's input, indexed [row, rest] or, where it is a
-    realized buffer (1-D), [row * rest + i]: the buffer or the tensor that ``t`` is a reshape of, where there is one
-    of the same size (a kernel's output: contiguous() of its reshape can be a copy), else a contiguous copy."""
+    """float32 ``t`` [rows, ...] as a plain buffer for a custom kernel's input, indexed [row, rest] or, where it is
+    flat, [row * rest + i] (``row_entry``): the tensor that ``t`` is a reshape of, where that is a buffer or a
+    kernel's output of ``t``'s rows or of its size, flat (contiguous() of the reshape can be a copy); else a
+    contiguous copy."""
     shape, u = (t.shape[0], math.prod(t.shape[1:])), t.uop
     while u.op is Ops.RESHAPE:
         u = u.src[0]
-    if (
-        t.dtype == dtypes.float32
-        and u is not t.uop
-        and (u.shape == shape or (u.op is Ops.BUFFER and math.prod(u.shape) == t.numel()))
-    ):
+    flat = u.op in (Ops.BUFFER, Ops.AFTER) and u.shape == (t.numel(),)
+    if t.dtype == dtypes.float32 and u is not t.uop and (u.shape == shape or flat):
         return Tensor(u, device=t.device)
     return t.reshape(shape).cast(dtypes.float32).contiguous()
 
