@@ -35,12 +35,11 @@ from leat.model import PREFILL_CHUNK
 from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
-from tinygrad.uop.ops import Ops
 
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemm import half_product, tuned_opts
-from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv, gemv_segments
+from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv, gemv_segments, unreshaped
 from leat_backend_tinygrad.kv import KVCache, PagedKV
 from leat_backend_tinygrad.quants import DEQUANTIZERS
 
@@ -848,9 +847,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
 
     def _viewed_product(self, t: Tensor) -> tuple[Tensor, Tensor, Weight] | None:
         """The few-row product not yet consumed of which ``t`` is a reshape (or itself), if any."""
-        u = t.uop
-        while u.op is Ops.RESHAPE:
-            u = u.src[0]
+        u = unreshaped(t)
         return next((e for e in self._products.values() if e[0].uop is u or e[0] is t), None)
 
     def _product(self, y: Any) -> tuple[Tensor, Tensor, Weight] | None:

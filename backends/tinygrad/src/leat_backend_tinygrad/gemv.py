@@ -244,7 +244,6 @@ def _segment_reader(
     """The word and byte readers of output row ``o`` of several weights (flat buffers of words, ``per_block`` words a
     block) whose outputs follow one another: each weight's load gated to its own rows (one of them runs), their sum
     the row's word."""
-    size = layout.word.itemsize
 
     def word(i: int | UOp) -> UOp:
         total, at = None, 0
@@ -254,27 +253,28 @@ def _segment_reader(
             total, at = value if total is None else total + value, at + rows
         return total
 
-    def byte(i: int | UOp) -> UOp:
-        shift = (i % size) * 8
-        shift = shift if isinstance(shift, int) else shift.cast(layout.word)
-        return ((word(i // size) >> shift) & 0xFF).cast(dtypes.int32)
-
-    return word, byte
+    return word, _byte_reader(word, layout)
 
 
 def _reader(matrix: UOp, o: UOp, block: UOp, layout: Layout) -> tuple[Word, Byte]:
     """The word and byte readers of row ``o``'s block ``block`` of ``matrix`` (stored as its blocks' words)."""
-    size = layout.word.itemsize
 
     def word(i: int | UOp) -> UOp:
         return matrix[o, block, i]
+
+    return word, _byte_reader(word, layout)
+
+
+def _byte_reader(word: Word, layout: Layout) -> Byte:
+    """Byte i of a block, as int32, from its little-endian words."""
+    size = layout.word.itemsize
 
     def byte(i: int | UOp) -> UOp:
         shift = (i % size) * 8
         shift = shift if isinstance(shift, int) else shift.cast(layout.word)
         return ((word(i // size) >> shift) & 0xFF).cast(dtypes.int32)
 
-    return word, byte
+    return byte
 
 
 def gemv_segments(x: Tensor, words: list[Tensor], qtype: Q, shape: Shape | None = None) -> list[Tensor]:
@@ -293,12 +293,18 @@ def gemv_segments(x: Tensor, words: list[Tensor], qtype: Q, shape: Shape | None 
 
 def _flat_buffer(t: Tensor) -> Tensor:
     """``t`` as a flat buffer for a custom kernel: the realized buffer it views, else a contiguous copy."""
-    u = t.uop
-    while u.op is Ops.RESHAPE:
-        u = u.src[0]
+    u = unreshaped(t)
     if u.op is Ops.BUFFER and math.prod(u.shape) == t.numel():
         return Tensor(u, device=t.device)
     return t.reshape(-1).contiguous()
+
+
+def unreshaped(t: Tensor) -> UOp:
+    """What ``t`` is a reshape of (through any reshapes), or its own UOp."""
+    u = t.uop
+    while u.op is Ops.RESHAPE:
+        u = u.src[0]
+    return u
 
 
 def row_entry(buffer: UOp, row: int | UOp, i: int | UOp, width: int) -> UOp:
@@ -311,9 +317,7 @@ def plain_rows(t: Tensor) -> Tensor:
     flat, [row * rest + i] (``row_entry``): the tensor that ``t`` is a reshape of, where that is a buffer or a
     kernel's output of ``t``'s rows or of its size, flat (contiguous() of the reshape can be a copy); else a
     contiguous copy."""
-    shape, u = (t.shape[0], math.prod(t.shape[1:])), t.uop
-    while u.op is Ops.RESHAPE:
-        u = u.src[0]
+    shape, u = (t.shape[0], math.prod(t.shape[1:])), unreshaped(t)
     flat = u.op in (Ops.BUFFER, Ops.AFTER) and u.shape == (t.numel(),)
     if t.dtype == dtypes.float32 and u is not t.uop and (u.shape == shape or flat):
         return Tensor(u, device=t.device)
