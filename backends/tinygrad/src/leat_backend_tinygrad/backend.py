@@ -817,6 +817,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         (_, q_in, spec, at, cos, sin), (_, k_in, k_spec, k_at, _, _) = made
         if k_spec is not spec or k_at is not at or v.shape != k_in.shape or q_in.shape[2] != k_in.shape[2]:
             return None
+        if spec.dims % 2 or (q_in.shape[2] - spec.dims) % 2 or q_in.shape[1] % k_in.shape[1]:  # rope_write's pairs
+            return None
         return q_in, k_in, spec, cos, sin
 
     def _together(self, *made: Tensor) -> list[Tensor]:
