@@ -22,7 +22,7 @@ if probe_reason() is not None:
     pytest.skip(f"tinygrad cannot run here: {probe_reason()}", allow_module_level=True)
 
 from leat_backend_tinygrad.attention import decode_attention, rope_write
-from tinygrad import Tensor
+from tinygrad import Device, Tensor
 from tinygrad.helpers import GlobalCounters
 
 if "PARALLEL" not in os.environ:  # as test_tinygrad_backend.py: compile in this process on a 2-core machine
@@ -82,29 +82,37 @@ def paged(rng, kind: str):
     return stored, (tuple(scales) if scales else None), table, held
 
 
-@pytest.mark.parametrize("kind", ["f32", "f16", "q8_0"])
-@pytest.mark.parametrize("feature", ["plain", "window", "softcap", "sinks"])
-def test_kernels_against_float64(kind, feature):
+def _kernels_case(kind: str, feature: str, device: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The three kernels on ``device`` for one storage kind and feature: (their output, the float64 reference, the
+    stored values in float64)."""
     rng = np.random.default_rng(7)
     (keys, values), scales, table, (k64, v64) = paged(rng, kind)
     q = rng.standard_normal((len(AT), HEADS, DIM)).astype(np.float32)
     sinks = np.array([-2.0, 0.0, 1.5, 4.0, -30.0, 0.7], np.float32)
     window = 6 if feature == "window" else None
     softcap = 1.5 if feature == "softcap" else None
+    moved = [t.to(device).realize() for t in (keys, values, *(scales or ()))]
     got = decode_attention(
-        Tensor(q),
-        keys,
-        values,
-        Tensor(table),
-        Tensor(np.asarray(AT, np.int32)),
+        Tensor(q, device=device),
+        moved[0],
+        moved[1],
+        Tensor(table, device=device),
+        Tensor(np.asarray(AT, np.int32), device=device),
         PAGE,
         0.3,
         window,
         softcap,
-        Tensor(sinks) if feature == "sinks" else None,
-        scales,
+        Tensor(sinks, device=device) if feature == "sinks" else None,
+        tuple(moved[2:]) if scales else None,
     ).numpy()
     want = reference(q, k64, v64, AT, 0.3, window, softcap, sinks if feature == "sinks" else None)
+    return got, want, v64
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("feature", ["plain", "window", "softcap", "sinks"])
+def test_kernels_against_float64(kind, feature):
+    got, want, v64 = _kernels_case(kind, feature, Device.DEFAULT)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     # the row at position 0 sees its first value only (no sink: its one weight is 1)
     if feature != "sinks":
@@ -114,26 +122,7 @@ def test_kernels_against_float64(kind, feature):
 @pytest.mark.parametrize(("kind", "feature"), [("f16", "window"), ("q8_0", "sinks")])
 def test_kernels_with_thread_groups_against_float64(kind, feature):
     """The three kernels on tinygrad's PYTHON device, which runs thread groups (their local axes) as a GPU does."""
-    rng = np.random.default_rng(7)
-    (keys, values), scales, table, (k64, v64) = paged(rng, kind)
-    q = rng.standard_normal((len(AT), HEADS, DIM)).astype(np.float32)
-    sinks = np.array([-2.0, 0.0, 1.5, 4.0, -30.0, 0.7], np.float32)
-    window = 6 if feature == "window" else None
-    moved = [t.to("PYTHON").realize() for t in (keys, values, *(scales or ()))]
-    got = decode_attention(
-        Tensor(q, device="PYTHON"),
-        moved[0],
-        moved[1],
-        Tensor(table, device="PYTHON"),
-        Tensor(np.asarray(AT, np.int32), device="PYTHON"),
-        PAGE,
-        0.3,
-        window,
-        None,
-        Tensor(sinks, device="PYTHON") if feature == "sinks" else None,
-        tuple(moved[2:]) if scales else None,
-    ).numpy()
-    want = reference(q, k64, v64, AT, 0.3, window, None, sinks if feature == "sinks" else None)
+    got, want, _ = _kernels_case(kind, feature, "PYTHON")
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 

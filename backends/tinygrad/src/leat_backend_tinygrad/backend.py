@@ -657,17 +657,17 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         q, k = self._values(q), self._values(k)
         v = self._values(v) if v is not None else None
         decoding = self._decoding(batch, kv, layout)
+        float_decoding = decoding and kv.dtype != "q8_0"
         # a decode step's q and k still to be rotated, with v and float storage: rope and both writes as one kernel
-        roped = self._roped(q, k, v) if decoding and kv.dtype != "q8_0" else None
-        # several rows' float KV writes as one kernel each (attention.py's write_rows); q8_0's row by row, as a prompt's
-        batched = decoding and kv.dtype != "q8_0" and len(batch.rows) > 1
-        if decoding and roped is None:  # attention.py's kernels read q as a plain buffer: realized contiguous
-            q = q.contiguous()
-        # computed once, not once per KV write; a decode step with float storage writes k once (one kernel, or one a
-        # row for a single row): the write computes it, its rope inside
+        roped = self._roped(q, k, v) if float_decoding else None
+        # else several rows' float KV writes as one kernel each (attention.py's write_rows); q8_0's row by row
+        batched = float_decoding and len(batch.rows) > 1
         if roped is None:
-            once = decoding and kv.dtype != "q8_0"
-            Tensor.realize(*(t for t in (q, None if once else k, v) if t is not None))
+            if decoding:  # attention.py's kernels read q as a plain buffer: realized contiguous
+                q = q.contiguous()
+            # computed once, not once per KV write; a float decode step writes k once (one kernel, or one a row for a
+            # single row): the write computes it, its rope inside
+            Tensor.realize(*(t for t in (q, None if float_decoding else k, v) if t is not None))
         _, heads, dim = q.shape
         kv_heads = layout.kv_heads
         value_dim = layout.value_dim or layout.head_dim

@@ -227,8 +227,7 @@ def _kernel(
                 if segments:  # the output of the product whose rows hold o: one gated store each
                     at = 0
                     for target, size in zip(outs, segments):
-                        inside = (o >= at) & (o < at + size) if at else o < size
-                        stores.append(target[(o - at + n * size).valid(inside)].store(y).end(*ends))
+                        stores.append(target[(o - at + n * size).valid(_within(o, at, size))].store(y).end(*ends))
                         at += size
                 else:
                     stores.append(out[n, o].store(y).end(*ends))
@@ -236,6 +235,11 @@ def _kernel(
         return UOp.sink(*stores, arg=KernelInfo(name=name, opts_to_apply=()))
 
     return fxn
+
+
+def _within(o: UOp, first: int, count: int) -> UOp:
+    """Whether output row ``o`` is one of the ``count`` rows from ``first`` (a segment's)."""
+    return (o >= first) & (o < first + count) if first else o < count
 
 
 def _segment_reader(
@@ -248,8 +252,7 @@ def _segment_reader(
     def word(i: int | UOp) -> UOp:
         total, at = None, 0
         for matrix, rows in zip(weights, segments):
-            inside = (o >= at) & (o < at + rows) if at else o < rows
-            value = matrix[(((o - at) * blocks + block) * per_block + i).valid(inside)]
+            value = matrix[(((o - at) * blocks + block) * per_block + i).valid(_within(o, at, rows))]
             total, at = value if total is None else total + value, at + rows
         return total
 
