@@ -27,6 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from leat.bench import batched_test_name
+
 
 def leat_rows(file: str, backend: str, args: list[str]) -> list[dict]:
     """``leat bench FILE --backend BACKEND --kv f16 ARGS --json``'s rows."""
@@ -70,7 +72,7 @@ def pairs(leat: list[dict], bench: list[dict], batched: list[dict]) -> list[dict
         name = f"pp{row['n_prompt']}" if row["n_prompt"] and not row["n_gen"] else f"tg{row['n_gen']}"
         theirs[name] = row["avg_ts"]
     for row in batched:
-        theirs[f"tg{row['tg']} x{row['pl']}"] = row["speed_tg"]
+        theirs[batched_test_name(row["pp"], row["tg"], row["pl"])] = row["speed_tg"]
     out = []
     for row in leat:
         if (other := theirs.get(row["test"])) is not None:

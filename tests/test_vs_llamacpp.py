@@ -54,6 +54,16 @@ def test_tests_pair_by_name_with_leats_mean_over_llamacpps(script):
     assert table[4] == "| tg4 x2 | 61,302.7 ± 1.0 | 30,651.3 | 2.00x |"
 
 
+def test_batched_decode_after_longer_prompts_pairs_too(script):
+    """The script's default --batch-prompt 128: leat names the test ``pp128+tg4 x2``, llama-batched-bench's line
+    says pp 128; the two are one row (they were not, and the table lost every batched figure)."""
+    bench, batched = _recorded()
+    longer = [row | {"pp": 128} for row in batched]
+    leat = [{"test": "pp128+tg4 x2", "tokens_per_second": 61302.68, "stdev": 1.0}]
+    rows = script.pairs(leat, bench, longer)
+    assert [(r["test"], r["llama.cpp"]) for r in rows] == [("pp128+tg4 x2", 30651.339844)]
+
+
 FAKE = """\
 #!{python}
 import json, sys

@@ -181,12 +181,13 @@ def _rope64(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotated: int, neox:
     return out
 
 
-@pytest.mark.parametrize("device", ["CPU", "PYTHON"])  # PYTHON: thread groups, as on a GPU
+@pytest.mark.parametrize("device", ["default", "PYTHON"])  # default: DEV's (CPU in CI); PYTHON: thread groups
 @pytest.mark.parametrize(("neox", "rotated"), [(True, DIM), (False, DIM), (True, DIM // 2), (False, DIM // 2)])
 @pytest.mark.parametrize("kind", ["f32", "f16"])
 def test_rope_and_both_cache_writes_in_one_kernel(kind, neox, rotated, device):
     """rope_write: q rotated (returned), k rotated and v written at each row's position through its page table,
     against float64 RoPE; every other storage row unchanged."""
+    device = Device.DEFAULT if device == "default" else device
     rng = np.random.default_rng(12)
     rows = len(AT)
     table = rng.permutation(rows * PAGES).reshape(rows, PAGES).astype(np.int32)

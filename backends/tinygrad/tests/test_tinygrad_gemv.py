@@ -12,7 +12,7 @@ if probe_reason() is not None:
     pytest.skip(f"tinygrad cannot run here: {probe_reason()}", allow_module_level=True)
 
 from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv
-from tinygrad import Tensor
+from tinygrad import Device, Tensor
 
 Q = gguf.GGMLQuantizationType
 TYPES = list(LAYOUTS)
@@ -102,11 +102,12 @@ def _silu(v: np.ndarray) -> np.ndarray:
     return v / (1 + np.exp(-v))
 
 
-@pytest.mark.parametrize("device", ["CPU", "PYTHON"])  # PYTHON: thread groups and their group reduce, as a GPU's
+@pytest.mark.parametrize("device", ["default", "PYTHON"])  # default: DEV's (CPU in CI); PYTHON: as a GPU's groups
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_the_gated_unit_and_the_residual_in_the_products_kernel(qtype, device):
     """``up=``: silu(x G^T) * (x U^T) from one kernel; ``residual=``: x W^T + r. Each against float64 within the
     float32 sums' bound (carried through silu and the product of the two sums)."""
+    device = Device.DEFAULT if device == "default" else device
     rng = np.random.default_rng(int(qtype) + 7)
     outputs, k, shape = 16, 512, Shape(16, 4, 2)
     gate, up = (random_blocks(qtype, outputs, k, rng) for _ in range(2))
@@ -167,13 +168,14 @@ def test_the_backend_takes_a_products_consumer_into_its_kernel(fused):
     assert backend.add(residual, y).numpy() == pytest.approx(backend.add(residual, y).numpy(), abs=1e-6)
 
 
-@pytest.mark.parametrize("device", ["CPU", "PYTHON"])
+@pytest.mark.parametrize("device", ["default", "PYTHON"])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
 def test_several_products_of_one_x_in_one_kernel(qtype, device):
     """gemv_segments (a layer's q, k and v): each output equal to its own product's, bit for bit (the same sums in
     the same order; each weight's rows read through gated loads, stored through gated stores)."""
     from leat_backend_tinygrad.gemv import gemv_segments
 
+    device = Device.DEFAULT if device == "default" else device
     rng = np.random.default_rng(int(qtype) + 3)
     k, shape = 512, Shape(16, 4, 2)
     words = [Tensor(as_words(random_blocks(qtype, n, k, rng), qtype), device=device).realize() for n in (32, 16, 8)]
