@@ -27,8 +27,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from leat.bench import batched_test_name
-
 
 def leat_rows(file: str, backend: str, args: list[str]) -> list[dict]:
     """``leat bench FILE --backend BACKEND --kv f16 ARGS --json``'s rows."""
@@ -66,22 +64,26 @@ def batched_bench(
 
 
 def pairs(leat: list[dict], bench: list[dict], batched: list[dict]) -> list[dict]:
-    """One row per test that both sides ran: test name (leat's), leat's tok/s and its deviation, llama.cpp's, ratio."""
+    """One row per test that both sides ran: test name (leat's), leat's tok/s and its deviation, llama.cpp's, ratio.
+    leat's batched tests (``tg128 xN``, or ``pp128+tg128 xN`` after longer prompts) pair with llama-batched-bench's
+    line of N sequences (one run of each side has one prompt length and one decode length)."""
     theirs: dict[str, float] = {}
     for row in bench:
         name = f"pp{row['n_prompt']}" if row["n_prompt"] and not row["n_gen"] else f"tg{row['n_gen']}"
         theirs[name] = row["avg_ts"]
-    for row in batched:
-        theirs[batched_test_name(row["pp"], row["tg"], row["pl"])] = row["speed_tg"]
+    sequences = {row["pl"]: row["speed_tg"] for row in batched}
     out = []
     for row in leat:
-        if (other := theirs.get(row["test"])) is not None:
+        test = row["test"]
+        other = sequences.get(int(test.rsplit(" x", 1)[1])) if " x" in test else theirs.get(test)
+        if other is not None:
             mine = row["tokens_per_second"]
             out.append(
                 {
-                    "test": row["test"],
+                    "test": test,
                     "leat": mine,
                     "leat_stdev": row.get("stdev"),
+                    "leat_rates": row.get("rates"),  # each run's, to see a spread's cause (a slow first run)
                     "llama.cpp": other,
                     "ratio": mine / other,
                 }

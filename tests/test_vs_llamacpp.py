@@ -120,6 +120,7 @@ def test_one_run_beside_llamacpps_tools_with_matched_settings(tmp_path):
     want = [bench[0]["avg_ts"], bench[1]["avg_ts"], batched[0]["speed_tg"], batched[1]["speed_tg"]]
     assert [r["llama.cpp"] for r in rows] == want
     assert all(r["leat"] > 0 and r["ratio"] == pytest.approx(r["leat"] / r["llama.cpp"]) for r in rows)
+    assert all(r["leat_rates"] == [pytest.approx(r["leat"])] for r in rows)  # one run each: its rate is the mean
     assert "| tg4 x2 |" in done.stdout
     # the tools got the settings leat ran with: llama-bench the same tests and runs on the CPU; llama-batched-bench
     # 8-token prompts, 4 tokens a sequence, room for 2 sequences, and a second run for the counts it lost

@@ -261,12 +261,6 @@ def measure(run: Callable[[], int], repetitions: int) -> tuple[list[float], floa
     return rates, warmup
 
 
-def batched_test_name(prompt_tokens: int, generated: int, concurrency: int) -> str:
-    """A batched decode test's name: ``tg128 x8`` after the default 8-token prompts, else ``pp128+tg128 x8``."""
-    label = f"tg{generated}" if prompt_tokens == 8 else f"pp{prompt_tokens}+tg{generated}"
-    return f"{label} x{concurrency}"
-
-
 def bench(
     model: Any,
     model_name: str,
@@ -289,10 +283,9 @@ def bench(
     tests += [(f"pp{n}", n, prefill(model, n, kv)) for n in prompt if n > 0]
     tests += [(f"tg{n}", n, decode(model, n, kv)) for n in generate if n > 0]
     tg = max(generate) if generate else 16
+    label = f"tg{tg}" if batch_prompt == 8 else f"pp{batch_prompt}+tg{tg}"
     tests += [
-        (batched_test_name(batch_prompt, tg, c), c * tg, batched_decode(model, c, tg, batch_prompt, kv, profile))
-        for c in concurrency
-        if c > 0
+        (f"{label} x{c}", c * tg, batched_decode(model, c, tg, batch_prompt, kv, profile)) for c in concurrency if c > 0
     ]
     rows = []
     for index, (name, n, run) in enumerate(tests, 1):

@@ -35,7 +35,11 @@ from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
 from leat_backend_tinygrad.gemv import plain_rows, row_entry
 
-CHUNK = 64  # positions of one chunk of the second kernel (or the largest power of two dividing the positions)
+CHUNK = 64  # positions of one chunk of the second kernel at most (or the largest power of two dividing the positions)
+# ... halved down to MIN_CHUNK while there are fewer than CHUNKS chunks: the second kernel has a thread per (row, KV
+# head, chunk, value entry), so a small cache in few long chunks leaves most of a GPU idle (docs/benchmarks.md: the
+# tinygrad decode's device time by cache size)
+MIN_CHUNK, CHUNKS = 16, 32
 EMPTY = -1e30  # the max of a chunk with every position masked: finite, so exp(score - max) is 0, never NaN
 
 
@@ -55,10 +59,18 @@ def _end(x: UOp, *ranges: UOp) -> UOp:
     return x.end(*(r for r in ranges if r.op is Ops.RANGE))
 
 
-def _value(storage: UOp, scales: UOp | None, row: UOp, head: UOp, d: UOp) -> UOp:
-    """float32 of a stored K or V entry (a q8_0 quant times its block's float16 scale)."""
+def _value(storage: UOp, scales: UOp | None, row: UOp, head: UOp, d: UOp, seen: UOp) -> UOp:
+    """float32 of a stored K or V entry (a q8_0 quant times its block's float16 scale), read only where ``seen``
+    (else 0, no load: a position the row does not attend costs no memory traffic)."""
+    row = row.valid(seen)
     x = storage[row, head, d].cast(dtypes.float32)
     return x if scales is None else x * scales[row, head, d // 32].cast(dtypes.float32)
+
+
+def _seen(t: UOp, own: UOp, window: int | None) -> UOp:
+    """Whether a row at position ``own`` attends position ``t``: t <= own, and within its last ``window``."""
+    seen = t <= own
+    return seen if window is None else seen & (t > own - window)
 
 
 def _scores_kernel(rows, heads, kv_heads, dim, positions, page_size, scale, window, softcap, local, quantized):
@@ -74,17 +86,14 @@ def _scores_kernel(rows, heads, kv_heads, dim, positions, page_size, scale, wind
         d = _range(dim, 4, AxisType.REDUCE)
         t = tiles * tile + inner if inner is not None else tiles
         stored = table[row, t // page_size] * page_size + t % page_size
-        key = _value(keys, scales[0] if quantized else None, stored, head, d)
-        own = at[row]
-        masked = t > own
-        if window is not None:
-            masked = masked | (t <= own - window)
+        seen = _seen(t, at[row], window)
+        key = _value(keys, scales[0] if quantized else None, stored, head, d, seen)
         stores = []
         for g in range(group):
             score = _reduce(q[row, head * group + g, d] * key, d, Ops.ADD) * scale
             if softcap is not None:
                 score = (score / softcap).tanh() * softcap
-            stores.append(out[row, head * group + g, t].store(masked.where(-math.inf, score)))
+            stores.append(out[row, head * group + g, t].store(seen.where(score, -math.inf)))
         # the group's stores in one loop nest (an END each would be a loop nest each, the key loaded in each)
         ends = (row, head, tiles) if inner is None else (row, head, tiles, inner)
         return UOp.sink(
@@ -95,10 +104,10 @@ def _scores_kernel(rows, heads, kv_heads, dim, positions, page_size, scale, wind
     return fxn
 
 
-def _chunks_kernel(rows, heads, kv_heads, value_dim, positions, page_size, chunk, local, quantized):
+def _chunks_kernel(rows, heads, kv_heads, value_dim, positions, page_size, chunk, window, local, quantized):
     group, chunks = heads // kv_heads, positions // chunk
 
-    def fxn(num: UOp, peak: UOp, den: UOp, scores: UOp, values: UOp, table: UOp, *scales: UOp) -> UOp:
+    def fxn(num: UOp, peak: UOp, den: UOp, scores: UOp, values: UOp, table: UOp, at: UOp, *scales: UOp) -> UOp:
         loop = AxisType.GLOBAL if local else AxisType.LOOP
         row = _range(rows, 0, AxisType.GLOBAL)
         head = _range(kv_heads, 1, loop)
@@ -108,7 +117,8 @@ def _chunks_kernel(rows, heads, kv_heads, value_dim, positions, page_size, chunk
         t1, t2, t3 = (_range(chunk, 4 + i, AxisType.REDUCE) for i in range(3))
         t = c * chunk + t3
         stored = table[row, t // page_size] * page_size + t % page_size
-        value = _value(values, scales[0] if quantized else None, stored, head, d)  # one load for the group's heads
+        seen = _seen(t, at[row], window)  # a position not seen has score -inf: weight 0, its value not read
+        value = _value(values, scales[0] if quantized else None, stored, head, d, seen)  # one load for the group
         stores = []
         for g in range(group):
             h = head * group + g
@@ -171,20 +181,28 @@ def decode_attention(
     positions = table.shape[1] * page_size
     local = Device[q.device].renderer.has_local
     chunk = math.gcd(positions, CHUNK)
+    while positions // chunk < CHUNKS and chunk > MIN_CHUNK:
+        chunk //= 2
     while positions // chunk < 2 and chunk > 1:  # one chunk: the combine would not read the chunks' max (exp(m - m)
         chunk //= 2  # folds to 1) and tinygrad would leave that buffer out of the kernel's arguments, shifting the rest
     assert positions // chunk >= 2, "decode_attention needs two positions or more"
     extra = list(scales) if scales is not None else []
-    q, table, at = q.cast(dtypes.float32).contiguous(), table.cast(dtypes.int32).contiguous(), at.contiguous()
+    q, table, at = (
+        q.cast(dtypes.float32).contiguous(),
+        table.cast(dtypes.int32).contiguous(),
+        at.cast(dtypes.int32).contiguous(),
+    )
     score = Tensor.empty(rows, heads, positions, dtype=dtypes.float32, device=q.device)
     fxn = _scores_kernel(
         rows, heads, kv_heads, dim, positions, page_size, scale, window, softcap, local, scales is not None
     )
-    score = score.custom_kernel(q, keys, table, at.cast(dtypes.int32), *extra[:1], fxn=fxn)[0]
+    score = score.custom_kernel(q, keys, table, at, *extra[:1], fxn=fxn)[0]
     parts = [Tensor.empty(rows, heads, positions // chunk, value_dim, dtype=dtypes.float32, device=q.device)]
     parts += [Tensor.empty(*parts[0].shape, dtype=dtypes.float32, device=q.device) for _ in range(2)]
-    fxn = _chunks_kernel(rows, heads, kv_heads, value_dim, positions, page_size, chunk, local, scales is not None)
-    num, peak, den = parts[0].custom_kernel(parts[1], parts[2], score, values, table, *extra[1:], fxn=fxn)[:3]
+    fxn = _chunks_kernel(
+        rows, heads, kv_heads, value_dim, positions, page_size, chunk, window, local, scales is not None
+    )
+    num, peak, den = parts[0].custom_kernel(parts[1], parts[2], score, values, table, at, *extra[1:], fxn=fxn)[:3]
     out = Tensor.empty(rows, heads * value_dim, dtype=dtypes.float32, device=q.device)
     fxn = _combine_kernel(rows, heads, value_dim, positions // chunk, local, sinks is not None)
     extra = [sinks.cast(dtypes.float32).contiguous()] if sinks is not None else []

@@ -66,13 +66,13 @@ def q4_0(w: Word, b: Byte, u: UOp) -> Decoded:
     return out
 
 
-def _k_scale_min(b: Byte, j: UOp) -> tuple[UOp, UOp]:
-    """Q4_K's six-bit scale and min of sub-block ``j`` (0..7) from the 12 bytes at 4..15 (gguf's get_scale_min):
-    j < 4: the low six bits of bytes j and j + 4; else the low/high nibble of byte j + 4 with the top two bits of
-    bytes j - 4 and j."""
+def _k_scale_min(scales: tuple[UOp, UOp, UOp], j: UOp) -> tuple[UOp, UOp]:
+    """Q4_K's six-bit scale and min of sub-block ``j`` (0..7) from its 12 bytes of scales, the three uint32 words
+    (gguf's get_scale_min): j < 4: the low six bits of bytes j and j + 4; else the low/high nibble of byte j + 4
+    with the top two bits of bytes j - 4 and j. Byte jj + 4t is byte jj of word t."""
     low = j < 4
-    jj = low.where(j, j - 4)
-    s = [b(4 + jj), b(8 + jj), b(12 + jj)]  # bytes jj, jj + 4, jj + 8 of the scales
+    shift = (low.where(j, j - 4) * 8).cast(dtypes.uint32)
+    s = [((word >> shift) & 0xFF).cast(dtypes.int32) for word in scales]  # bytes jj, jj + 4, jj + 8
     sc = low.where(s[0] & 63, (s[2] & 15) | ((s[0] >> 6) << 4))
     mn = low.where(s[1] & 63, (s[2] >> 4) | ((s[1] >> 6) << 4))
     return sc.cast(dtypes.float32), mn.cast(dtypes.float32)
@@ -82,13 +82,14 @@ def q4_k(w: Word, b: Byte, c: UOp, g: UOp) -> Decoded:
     # 36 uint32: f16 d | f16 dmin, 12 bytes of scales/mins, 32 words of nibbles in 4 chunks c of 32 bytes: byte i of
     # chunk c holds element 64c + i (low nibble, sub-block 2c) and 64c + 32 + i (high, 2c + 1). Unit (c, g): the
     # 16 bytes 16g .. 16g + 15 of chunk c, words 4 + 8c + 4g .. + 3 (16-byte aligned: one 128-bit load), one
-    # decode of the two sub-blocks' scales for its 32 elements.
-    head = w(0)
+    # decode of the two sub-blocks' scales for its 32 elements. The head (words 0..3: d, dmin and the scales) is
+    # read at fixed word indices, one 128-bit load too, and the unit's scale bytes picked from it in registers.
+    head, *scales = (w(t) for t in range(4))
     d, dmin = _f16(head & 0xFFFF), _f16(head >> 16)
     words = [w(4 + c * 8 + g * 4 + t) for t in range(4)]
     out = []
     for half in (0, 1):
-        sc, mn = _k_scale_min(b, c * 2 + half)
+        sc, mn = _k_scale_min((scales[0], scales[1], scales[2]), c * 2 + half)
         scale, offset = d * sc, dmin * mn
         for t, word in enumerate(words):
             for k in range(4):
