@@ -2,8 +2,9 @@
 
 ``y[n, o] = sum_k x[n, k] * w[o, k]`` with ``w`` in its GGUF blocks. A set of ``Shape.lanes`` threads shares an
 output ``o``: the lanes read the row's blocks in storage order, each one unit of a block's quants (Q4_K: 16 bytes,
-one 128-bit load; Q8_0, Q4_0, Q6_K: one uint16 word; MXFP4: one byte; the widest aligned loads the block sizes
-allow), neighbouring lanes neighbouring units (coalesced); the set covers whole blocks per step (at least one:
+one 128-bit load; Q6_K: 4 bytes of each of its three quant fields, a 32-bit load each, its blocks stored padded
+to 212 bytes so that every block is 4-byte aligned; Q8_0, Q4_0: one uint16 word; MXFP4: one byte; the widest
+aligned loads the block sizes allow), neighbouring lanes neighbouring units (coalesced); the set covers whole blocks per step (at least one:
 a block's units are the fewest lanes). Each lane decodes its unit with the block's scales (the same float32
 operations as gguf-py's dequantizers, so each weight value is gguf's bit for bit), multiplies them by every row
 of ``x`` (the weight is read once for all rows) and keeps one float32 sum per row; the set's partial sums are
@@ -98,21 +99,25 @@ def q4_k(w: Word, b: Byte, c: UOp, g: UOp) -> Decoded:
     return out
 
 
-def q6_k(w: Word, b: Byte, h: UOp, g: UOp, r8: UOp) -> Decoded:
-    # 105 uint16: 128 bytes of low nibbles (words 0..63), 64 bytes of 2-bit highs (64..95), 16 int8 scales (bytes
-    # 192..207), f16 d (word 104). Half h (128 elements) uses ql[64h:64h+64], qh[32h:32h+32]; for l < 32 the four
-    # elements 128h + l + 32r are (ql[l] low, ql[l+32] low, ql[l] high, ql[l+32] high) | ((qh[l] >> 2r) & 3) << 4,
-    # minus 32, each times d * scale[element // 16]. Unit (h, g, r8): p = 8g + r8, l = 2p + k for the word's bytes k.
-    p = g * 8 + r8
-    d = _f16(w(104))
-    low_a, low_b, high = w(h * 32 + p), w(h * 32 + 16 + p), w(64 + h * 16 + p)
+def q6_k(w: Word, b: Byte, h: UOp, g: UOp, p4: UOp) -> Decoded:
+    # stored padded to 212 bytes (53 uint32 words; Layout.stored): 128 bytes of low nibbles (words 0..31), 64 bytes
+    # of 2-bit highs (32..47), 16 int8 scales (bytes 192..207, words 48..51), f16 d (word 52's low half). Half h
+    # (128 elements) uses ql[64h:64h+64], qh[32h:32h+32]; for l < 32 the four elements 128h + l + 32r are (ql[l] low,
+    # ql[l+32] low, ql[l] high, ql[l+32] high) | ((qh[l] >> 2r) & 3) << 4, minus 32, each times d * scale[element //
+    # 16]. Unit (h, g, p4): p = 4g + p4, l = 4p + k for the word's bytes k; scale[8h + 2r + g] is byte 2r + g of
+    # the words 48 + 2h, 49 + 2h (r < 2, r >= 2).
+    p = g * 4 + p4
+    d = _f16(w(52))
+    low_a, low_b, high = w(h * 16 + p), w(h * 16 + 8 + p), w(32 + h * 8 + p)
+    scale_words = (w(48 + h * 2), w(49 + h * 2))
     out = []
     for r in range(4):
-        scale = d * _i8(b(192 + h * 8 + r * 2 + g))  # scale of element 128h + 32r + l: l // 16 = g
-        for k in (0, 1):
+        shift = (g * 8 + (r % 2) * 16).cast(dtypes.uint32)
+        scale = d * _i8(((scale_words[r // 2] >> shift) & 0xFF).cast(dtypes.int32))
+        for k in range(4):
             low = (_part(low_a if r % 2 == 0 else low_b, k) >> (4 * (r // 2))) & 15
             q = (low | (((_part(high, k) >> (2 * r)) & 3) << 4)) - 32
-            out.append((h * 128 + r * 32 + p * 2 + k, scale * q.cast(dtypes.float32)))
+            out.append((h * 128 + r * 32 + p * 4 + k, scale * q.cast(dtypes.float32)))
     return out
 
 
@@ -137,13 +142,17 @@ class Layout:
     word: Any  # the tinygrad dtype a block's words are read as
     units: tuple[int, ...]  # a block's lanes, one range per axis (each lane decodes one unit of its quants)
     decode: Callable[..., Decoded]
+    stored: int = 0  # bytes a block is stored in, where padded to a multiple of the word (else gguf's block size)
+
+    def block_bytes(self, qtype: Q) -> int:
+        return self.stored or gguf.GGML_QUANT_SIZES[qtype][1]
 
 
 LAYOUTS: dict[Q, Layout] = {
     Q.Q8_0: Layout(dtypes.uint16, (16,), q8_0),
     Q.Q4_0: Layout(dtypes.uint16, (8,), q4_0),
     Q.Q4_K: Layout(dtypes.uint32, (4, 2), q4_k),
-    Q.Q6_K: Layout(dtypes.uint16, (2, 2, 8), q6_k),
+    Q.Q6_K: Layout(dtypes.uint32, (2, 2, 4), q6_k, stored=212),  # 210 bytes + 2 of padding: 32-bit loads
     Q.MXFP4: Layout(dtypes.uint8, (16,), mxfp4),
 }
 
@@ -209,7 +218,7 @@ def _kernel(
             o = first + r
             # x's loads are the same UOps for every output of the thread (and both matrices of a glu): read once
             if segments:
-                words_a_block = gguf.GGML_QUANT_SIZES[qtype][1] // layout.word.itemsize
+                words_a_block = layout.block_bytes(qtype) // layout.word.itemsize
                 reader = _segment_reader(weights, segments, o, block, blocks, layout, words_a_block)
                 decoded = [layout.decode(*reader, *lanes[1:])]
             else:
@@ -330,11 +339,15 @@ def plain_rows(t: Tensor) -> Tensor:
 
 def as_words(stored: np.ndarray, qtype: Q) -> np.ndarray:
     """Blocks [..., blocks, block_bytes] (uint8) viewed as the little-endian words the kernel reads (a type of
-    LAYOUTS; others unchanged). The backend stores such weights as words: a custom kernel's input must be a
-    plain buffer, and a bitcast view of one is copied."""
+    LAYOUTS; others unchanged), each block padded with zero bytes to its layout's ``stored`` size first (a copy).
+    The backend stores such weights as words: a custom kernel's input must be a plain buffer, and a bitcast view of
+    one is copied."""
     if qtype not in LAYOUTS or LAYOUTS[qtype].word == dtypes.uint8:
         return stored
-    return stored.view(np.dtype(f"<u{LAYOUTS[qtype].word.itemsize}"))
+    layout = LAYOUTS[qtype]
+    if (pad := layout.block_bytes(qtype) - stored.shape[-1]) > 0:
+        stored = np.concatenate([stored, np.zeros((*stored.shape[:-1], pad), np.uint8)], axis=-1)
+    return stored.view(np.dtype(f"<u{layout.word.itemsize}"))
 
 
 def gemv(
