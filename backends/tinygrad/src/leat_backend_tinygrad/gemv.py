@@ -4,13 +4,13 @@
 output ``o``: the lanes read the row's blocks in storage order, each one unit of a block's quants (Q4_K: 16 bytes,
 one 128-bit load; Q6_K: 4 bytes of each of its three quant fields, a 32-bit load each, its blocks stored padded
 to 212 bytes so that every block is 4-byte aligned; Q8_0, Q4_0: one uint16 word; MXFP4: one byte; the widest
-aligned loads the block sizes allow), neighbouring lanes neighbouring units (coalesced); the set covers whole blocks per step (at least one:
-a block's units are the fewest lanes). Each lane decodes its unit with the block's scales (the same float32
-operations as gguf-py's dequantizers, so each weight value is gguf's bit for bit), multiplies them by every row
-of ``x`` (the weight is read once for all rows) and keeps one float32 sum per row; the set's partial sums are
-added in local memory (tinygrad's GROUP_REDUCE). A thread computes ``Shape.per_thread`` neighbouring outputs from
-the same loads of x, and ``Shape.groups`` sets share a thread group. Devices without local memory (tinygrad's
-CPU device) run the lanes as a loop.
+aligned loads the block sizes allow), neighbouring lanes neighbouring units (coalesced); the set covers whole
+blocks per step (at least one: a block's units are the fewest lanes). Each lane decodes its unit with the
+block's scales (the same float32 operations as gguf-py's dequantizers, so each weight value is gguf's bit for
+bit), multiplies them by every row of ``x`` (the weight is read once for all rows) and keeps one float32 sum per
+row; the set's partial sums are added in local memory (tinygrad's GROUP_REDUCE). A thread computes
+``Shape.per_thread`` neighbouring outputs from the same loads of x, and ``Shape.groups`` sets share a thread
+group. Devices without local memory (tinygrad's CPU device) run the lanes as a loop.
 """
 
 from __future__ import annotations
@@ -85,12 +85,12 @@ def q4_k(w: Word, b: Byte, c: UOp, g: UOp) -> Decoded:
     # 16 bytes 16g .. 16g + 15 of chunk c, words 4 + 8c + 4g .. + 3 (16-byte aligned: one 128-bit load), one
     # decode of the two sub-blocks' scales for its 32 elements. The head (words 0..3: d, dmin and the scales) is
     # read at fixed word indices, one 128-bit load too, and the unit's scale bytes picked from it in registers.
-    head, *scales = (w(t) for t in range(4))
+    head, s0, s1, s2 = (w(t) for t in range(4))
     d, dmin = _f16(head & 0xFFFF), _f16(head >> 16)
     words = [w(4 + c * 8 + g * 4 + t) for t in range(4)]
     out = []
     for half in (0, 1):
-        sc, mn = _k_scale_min((scales[0], scales[1], scales[2]), c * 2 + half)
+        sc, mn = _k_scale_min((s0, s1, s2), c * 2 + half)
         scale, offset = d * sc, dmin * mn
         for t, word in enumerate(words):
             for k in range(4):
