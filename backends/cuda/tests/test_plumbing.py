@@ -511,3 +511,31 @@ def test_a_timer_destroys_its_events_when_collected(fake):
     events = [timer.start, timer.end]
     del timer
     assert destroyed == events
+
+
+@pytest.mark.parametrize("at", ["attention", "all"])
+def test_captured_decode_steps_prefetch_the_coming_weights(fake, tmp_path, at):
+    """With a prefetch budget, a captured one-token step asks L2 for the coming weights before each attention kernel
+    (and with "all" after each product too): the same launches as without, plus prefetch_l2 at those points, its
+    ranges uploaded before the capture (the fake driver refuses a copy inside one)."""
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)  # a planar type: its planes read side by side
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=2, context=64, dtype="f16")
+    decode = Batch([Row(0, 5, np.array([5]))])
+    backend.run(model.forward, decode, kv)
+    plain = list(fake.captured[0])
+    backend.release_graphs()
+    fake.captured.clear()
+    backend.prefetch_bytes, backend.prefetch_at = 1 << 20, at
+    backend.run(model.forward, decode, kv)
+    assert not backend.graph_failures and len(fake.captured) == 1
+    steps = fake.captured[0]
+    assert [f for f in steps if f != "prefetch_l2"] == plain
+    attention = [i for i, f in enumerate(steps) if f.startswith("_Z9attention")]
+    products = [i for i, f in enumerate(steps) if f.startswith("_Z6gemv_q")]
+    assert len(attention) == model.params.layers and len(products) == 4 * model.params.layers + 1
+    prefetches = [i for i, f in enumerate(steps) if f == "prefetch_l2"]
+    # a point whose coming weights were all asked for already launches nothing (the tiny model's are < 1 MiB)
+    assert prefetches and all(steps[i + 1].startswith("_Z9attention") or at == "all" for i in prefetches)
+    assert prefetches[0] == attention[0] - 1 if at == "attention" else prefetches[0] == products[0] + 1
