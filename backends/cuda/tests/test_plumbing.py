@@ -115,6 +115,9 @@ class FakeDriver:
     def cuEventRecord(self, event, stream):
         return (self.ok,)
 
+    def cuStreamWaitEvent(self, stream, event, flags):
+        return (self.ok,)
+
     def cuEventSynchronize(self, event):
         assert not self.capturing, "waiting for an event inside a graph capture"
         return (self.ok,)
@@ -188,9 +191,9 @@ def fake(monkeypatch, tmp_path_factory):
     monkeypatch.setattr(driver, "_local", types.SimpleNamespace())
     original = driver.Kernel.__call__
 
-    def checked(self, grid, block, *args, smem=0):
+    def checked(self, grid, block, *args, smem=0, stream=None):
         _check_types(self, args)
-        return original(self, grid, block, *args, smem=smem)
+        return original(self, grid, block, *args, smem=smem, stream=stream)
 
     monkeypatch.setattr(driver.Kernel, "__call__", checked)
     return fake
@@ -513,8 +516,8 @@ def test_a_timer_destroys_its_events_when_collected(fake):
     assert destroyed == events
 
 
-@pytest.mark.parametrize("at", ["attention", "all"])
-def test_captured_decode_steps_prefetch_the_coming_weights(fake, tmp_path, at):
+@pytest.mark.parametrize("at", ["attention", "all", "side"])
+def test_captured_decode_steps_prefetch_the_coming_weights(fake, tmp_path, monkeypatch, at):
     """With a prefetch budget, a captured one-token step asks L2 for the coming weights before each attention kernel
     (and with "all" after each product too): the same launches as without, plus prefetch_l2 at those points, its
     ranges uploaded before the capture (the fake driver refuses a copy inside one)."""
@@ -527,7 +530,9 @@ def test_captured_decode_steps_prefetch_the_coming_weights(fake, tmp_path, at):
     plain = list(fake.captured[0])
     backend.release_graphs()
     fake.captured.clear()
-    backend.prefetch_bytes, backend.prefetch_at = 1 << 20, at
+    if at == "side":  # on a side stream, a branch of the graph joined at its end
+        monkeypatch.setenv("LEAT_CUDA_PREFETCH_SIDE", "1")
+    backend.prefetch_bytes, backend.prefetch_at = 1 << 20, "all" if at == "all" else "attention"
     backend.run(model.forward, decode, kv)
     assert not backend.graph_failures and len(fake.captured) == 1
     steps = fake.captured[0]
@@ -538,4 +543,4 @@ def test_captured_decode_steps_prefetch_the_coming_weights(fake, tmp_path, at):
     prefetches = [i for i, f in enumerate(steps) if f == "prefetch_l2"]
     # a point whose coming weights were all asked for already launches nothing (the tiny model's are < 1 MiB)
     assert prefetches and all(steps[i + 1].startswith("_Z9attention") or at == "all" for i in prefetches)
-    assert prefetches[0] == attention[0] - 1 if at == "attention" else prefetches[0] == products[0] + 1
+    assert prefetches[0] == products[0] + 1 if at == "all" else prefetches[0] == attention[0] - 1

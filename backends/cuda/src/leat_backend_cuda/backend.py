@@ -388,6 +388,8 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         self.prefetch_at = os.environ.get("LEAT_CUDA_PREFETCH_AT", "attention")
         self._schedule: Schedule | None = None  # recording a step's reads (the eager run before a capture)
         self._prefetches: list[tuple[int, int]] = []  # the capture's points still to come: (ranges' address, count)
+        self._fork, self._join = driver.Event(self.device), driver.Event(self.device)
+        self._joins = False  # a side branch of the capture waits to be joined
 
     def describe(self) -> dict[str, Any]:
         free, total = self.device.free_memory()
@@ -934,8 +936,26 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             self._schedule.point()
         elif self._capturing and self._prefetches:
             address, count = self._prefetches.pop(0)
-            if count:
-                self.ops["prefetch_l2"]((-(-count // 32),), 32, address, count)
+            if not count:
+                return
+            threads = int(os.environ.get("LEAT_CUDA_PREFETCH_THREADS", "32"))
+            lines = int(os.environ.get("LEAT_CUDA_PREFETCH_LINES", "0"))
+            stream = None
+            if os.environ.get("LEAT_CUDA_PREFETCH_SIDE", "0") == "1":  # a branch of the graph beside the main one
+                stream = self.device.side_stream
+                self._fork.record()
+                self.device.wait(self._fork, stream)
+            self.ops["prefetch_l2"]((-(-count // threads),), threads, address, count, lines, stream=stream)
+            if stream is not None:
+                self._join.record(stream)
+                self._joins = True
+
+    def _joined(self, out: Any) -> Any:
+        """The capture's side branches (prefetches on the side stream) joined to the main stream at its end."""
+        if self._joins:
+            self.device.wait(self._join)
+            self._joins = False
+        return out
 
     def _prefetch_table(self, schedule: Schedule) -> Memory:
         """The schedule's ranges on the device, one table for the capture; ``_prefetches`` gets each point's part."""
@@ -1484,7 +1504,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             if self._schedule is not None:
                 table, self._schedule = self._prefetch_table(self._schedule), None
             self._capturing = True
-            graph = driver.Graph(self.device, lambda: _ready(forward(batch, kv)))
+            graph = driver.Graph(self.device, lambda: self._joined(_ready(forward(batch, kv))))
         finally:
             self._pool, self._capturing, self._schedule, self._prefetches = saved, False, None, []
             for key in (id(batch.tokens), id(batch.positions), id(batch.logit_index)):

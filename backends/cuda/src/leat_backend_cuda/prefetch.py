@@ -14,10 +14,11 @@ rows to their last: the byte stream is cut in that order.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 #: bytes a prefetch range is cut into (one bulk prefetch a thread; 16-byte multiples, as the instruction asks)
-RANGE_BYTES = 64 * 1024
+RANGE_BYTES = int(os.environ.get("LEAT_CUDA_PREFETCH_RANGE_KB", "64")) * 1024
 
 
 @dataclass
