@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -40,7 +39,6 @@ from leat_backend_cuda.deltanet import RecurrentOps
 from leat_backend_cuda.driver import DeviceArray, Memory
 from leat_backend_cuda.mla import LatentAttentionOps
 from leat_backend_cuda.moe import ExpertOps
-from leat_backend_cuda.prefetch import Read, Schedule
 from leat_backend_cuda.vision import VisionOps
 
 Q = gguf.GGMLQuantizationType
@@ -62,7 +60,6 @@ OPS_KERNELS = (
         "rms_norm_f16",
         "matmul_f32_naive",
         "splitk_sum",
-        "prefetch_l2",
         "scale_rows_bias",
         "scale_split",
         "scale_silu_mul",
@@ -91,9 +88,6 @@ GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
 #: contexts more splits, so more blocks (H200, device time of 128 one-token steps, 32 against 64: the 12-layer
 #: qwen3moe file 1,227 against 1,190 tok/s; the 8B file 371.7 against 362.9, at depth 512 351.8 against 347.8)
 ATTENTION_SPLIT_KEYS = 32
-#: captured steps of up to this many tokens prefetch their weights into L2 (prefetch.py): their products are all gemv_q
-PREFETCH_MAX_TOKENS = 2
-PREFETCH_MB = "0"  # LEAT_CUDA_PREFETCH_MB's default
 # KV storage: (the kernels' KV type, the element). q8_0 keeps GGUF's Q8_0 blocks (an f16 scale and 32 int8
 # along the head dimension) split into two allocations per layer and kind: the quants laid out as a float
 # cache would be, and the scales [pages, page_size, kv_heads, dim / 32]. A 34-byte block would leave rows
@@ -242,7 +236,6 @@ class _Captured:
     pool: driver.Pool
     inputs: DeviceArray  # int32 [3 x tokens + logits]: tokens, positions, token slots, then logit rows
     logits: DeviceArray
-    prefetch: Memory | None = None  # the ranges its prefetch_l2 launches read (prefetch.py)
 
 
 class Pending(DeviceArray):
@@ -381,15 +374,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         #: decided at the first upload, from the size of the file it maps (a small file's copies, or none)
         self.f16_budget: int | None = None if self.cublas else 0
         self._f16_slab: list | None = None  # [the slab f16 copies are cut from now, bytes of it taken]
-        #: bytes of coming weights a captured step of up to PREFETCH_MAX_TOKENS tokens asks the L2 cache for at each
-        #: prefetch point (prefetch.py; LEAT_CUDA_PREFETCH_MB), and where those points are: before each attention
-        #: kernel ("attention") or also after each product ("all")
-        self.prefetch_bytes = int(float(os.environ.get("LEAT_CUDA_PREFETCH_MB", PREFETCH_MB)) * 2**20)
-        self.prefetch_at = os.environ.get("LEAT_CUDA_PREFETCH_AT", "attention")
-        self._schedule: Schedule | None = None  # recording a step's reads (the eager run before a capture)
-        self._prefetches: list[tuple[int, int]] = []  # the capture's points still to come: (ranges' address, count)
-        self._fork, self._join = driver.Event(self.device), driver.Event(self.device)
-        self._joins = False  # a side branch of the capture waits to be joined
 
     def describe(self) -> dict[str, Any]:
         free, total = self.device.free_memory()
@@ -903,9 +887,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         padded = list(zip(segments, outs)) + [((None, None), None)] * (3 - len(segments))
         weights = [s[0] for s, _ in padded]
         second = up if up is not None else weights[1]
-        if self._schedule is not None:
-            read = [w for w, _ in segments]
-            self._schedule.read(Read([_regions(w) + _regions(up) for w in read] if up else [_regions(w) for w in read]))
         kernel(
             (grid,),
             128,
@@ -923,51 +904,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             k,
             smem=smem,
         )
-        self._prefetch_point("product")
         return outs
-
-    def _prefetch_point(self, kind: str) -> None:
-        """A place in a decode step where coming weights are asked into L2 (prefetch.py): before an attention
-        kernel, and with ``prefetch_at`` "all" after each product. Recorded in the eager run before a capture,
-        launched in the capture."""
-        if kind != "attention" and self.prefetch_at != "all":
-            return
-        if self._schedule is not None:
-            self._schedule.point()
-        elif self._capturing and self._prefetches:
-            address, count = self._prefetches.pop(0)
-            if not count:
-                return
-            threads = int(os.environ.get("LEAT_CUDA_PREFETCH_THREADS", "32"))
-            lines = int(os.environ.get("LEAT_CUDA_PREFETCH_LINES", "0"))
-            stream = None
-            if os.environ.get("LEAT_CUDA_PREFETCH_SIDE", "0") == "1":  # a branch of the graph beside the main one
-                stream = self.device.side_stream
-                self._fork.record()
-                self.device.wait(self._fork, stream)
-            self.ops["prefetch_l2"]((-(-count // threads),), threads, address, count, lines, stream=stream)
-            if stream is not None:
-                self._join.record(stream)
-                self._joins = True
-
-    def _joined(self, out: Any) -> Any:
-        """The capture's side branches (prefetches on the side stream) joined to the main stream at its end."""
-        if self._joins:
-            self.device.wait(self._join)
-            self._joins = False
-        return out
-
-    def _prefetch_table(self, schedule: Schedule) -> Memory:
-        """The schedule's ranges on the device, one table for the capture; ``_prefetches`` gets each point's part."""
-        ranges = schedule.ranges()
-        flat = np.array([value for point in ranges for pair in point for value in pair] or [0], np.int64)
-        table = Memory(flat.nbytes)
-        self.device.upload(table.ptr, flat)
-        at = table.ptr
-        for point in ranges:
-            self._prefetches.append((at, len(point)))
-            at += 16 * len(point)
-        return table
 
     def _f16_rows(self, x: DeviceArray, n: int, k: int) -> tuple[DeviceArray, DeviceArray]:
         """``x`` as f16 rows and their scales (x_to_f16), made once for the products that share it; a pending
@@ -1186,7 +1123,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         # many query tokens (a prefill): one key per lane; a decode step: one key per warp step (the
         # faster of the two for decode, also at depth 4096: measured on an H200, see NOTES.md)
         variant = "attention_wide" if n > quants.GEMV_MAX_TOKENS and dk % 8 == 0 else "attention"
-        self._prefetch_point("attention")
         self.ops[f"{variant}<{kind}, {dl}, {GROUP_HEADS}>"](
             (n, kv_heads * chunks, splits),
             128,
@@ -1495,24 +1431,19 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         self.device.upload(inputs.ptr, placeholder)
         self.device.synchronize()
         saved, self._pool = self._pool, pool
-        prefetch = self.prefetch_bytes > 0 and tokens <= PREFETCH_MAX_TOKENS
-        table = None
         try:
-            self._schedule = Schedule(self.prefetch_bytes) if prefetch else None  # the step's reads, in order
             _ready(forward(batch, kv))  # an eager run first, on padding only, builds what ops create lazily
             self.device.synchronize()
-            if self._schedule is not None:
-                table, self._schedule = self._prefetch_table(self._schedule), None
             self._capturing = True
-            graph = driver.Graph(self.device, lambda: self._joined(_ready(forward(batch, kv))))
+            graph = driver.Graph(self.device, lambda: _ready(forward(batch, kv)))
         finally:
-            self._pool, self._capturing, self._schedule, self._prefetches = saved, False, None, []
+            self._pool, self._capturing = saved, False
             for key in (id(batch.tokens), id(batch.positions), id(batch.logit_index)):
                 self._inputs.pop(key, None)
             self._tokens_meta.pop(id(batch), None)
         out = graph.result
         graph.result = None
-        return _Captured(graph, pool, inputs, out, table)
+        return _Captured(graph, pool, inputs, out)
 
     def _forget(self, kv_id: int) -> None:
         for key in [k for k in self._captured if k[1] == kv_id]:
@@ -1523,20 +1454,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         """Drop every captured graph and the memory it reserved."""
         self._captured.clear()
         self._uncapturable.clear()
-
-
-def _regions(weight: Matrix | None) -> list[tuple[int, int]]:
-    """The (address, bytes) regions of ``weight`` that a product reads side by side: its planes, or its blocks."""
-    if weight is None:
-        return []
-    layout = quants.LAYOUTS.get(weight.qtype)
-    if layout is None or layout.planes is None:
-        return [(weight.ptr, weight.memory.nbytes)]
-    out, at = [], weight.ptr
-    for size in layout.planes:
-        out.append((at, weight.blocks * size))
-        at += -(-weight.blocks * size // 16) * 16
-    return out
 
 
 def _settle(product: Pending, group: list[Pending], outs: list) -> DeviceArray:

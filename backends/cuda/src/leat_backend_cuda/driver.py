@@ -131,19 +131,6 @@ class Device:
         self.name = check(cu.cuDeviceGetName(256, self.handle)).split(b"\0")[0].decode()
         self.driver_version = check(cu.cuDriverGetVersion())
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
-        self._side: Any = None
-
-    @property
-    def side_stream(self) -> Any:
-        """A second stream, for work beside the main one's (a captured step's branches); made on first use."""
-        if self._side is None:
-            cu = _cu()
-            self._side = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
-        return self._side
-
-    def wait(self, event: Event, stream: Any = None) -> None:
-        """``stream`` (the main one by default) goes on only after ``event``'s point."""
-        check(_cu().cuStreamWaitEvent(self.stream if stream is None else stream, event.handle, 0), "cuStreamWaitEvent")
 
     @property
     def arch(self) -> str:
@@ -317,13 +304,12 @@ class Kernel:
             self._occupancy[key] = max(1, int(blocks))
         return self._occupancy[key]
 
-    def __call__(self, grid: Sequence[int], block: int, *args: Any, smem: int = 0, stream: Any = None) -> None:
+    def __call__(self, grid: Sequence[int], block: int, *args: Any, smem: int = 0) -> None:
         if len(args) != len(self.params):
             raise TypeError(f"{self.name} takes {len(self.params)} arguments, not {len(args)}")
         self._values[: len(args)] = [_param(a) for a in args]
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        stream = self.device.stream if stream is None else stream
-        err = _cu().cuLaunchKernel(self.function, gx, gy, gz, block, 1, 1, smem, stream, self._address, 0)
+        err = _cu().cuLaunchKernel(self.function, gx, gy, gz, block, 1, 1, smem, self.device.stream, self._address, 0)
         check(err, f"launch of {self.name}")
 
 
@@ -406,8 +392,8 @@ class Event:
         self.device = device
         self.handle = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
 
-    def record(self, stream: Any = None) -> None:
-        check(_cu().cuEventRecord(self.handle, self.device.stream if stream is None else stream), "cuEventRecord")
+    def record(self) -> None:
+        check(_cu().cuEventRecord(self.handle, self.device.stream), "cuEventRecord")
 
     def wait(self) -> None:
         check(_cu().cuEventSynchronize(self.handle), "cuEventSynchronize")

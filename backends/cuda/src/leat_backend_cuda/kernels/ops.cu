@@ -518,23 +518,6 @@ extern "C" __global__ void __launch_bounds__(1024) top_k_rows(const float* __res
     }
 }
 
-// Asks the L2 cache to fetch `count` byte ranges (pairs of address and size, 16-byte aligned) that a coming
-// kernel will read: one range a thread, fire and forget. A decode step's products wait on memory while the
-// latency-bound kernels between them (attention) leave DRAM idle; prefetch.py decides what to ask for.
-extern "C" __global__ void prefetch_l2(const i64* __restrict__ ranges, int count, int lines) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= count) return;
-    const char* at = (const char*)ranges[2 * i];
-    const unsigned bytes = (unsigned)ranges[2 * i + 1];
-#if __CUDA_ARCH__ >= 900
-    if (!lines) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(bytes) : "memory");
-        return;
-    }
-#endif
-    for (unsigned o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(at + o));
-}
-
 extern "C" __global__ void splitk_sum(const float* __restrict__ part, float* __restrict__ y, i64 n, int S) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float s = part[i];
