@@ -80,6 +80,13 @@ def test_a_shape_fits_the_outputs_and_the_device():
     assert shape.fitting(12, local=True) == Shape(16, 2, 2)
     assert shape.fitting(6, local=True) == Shape(16, 1, 2)
     assert shape.fitting(41, local=True) == Shape(16, 1, 1)
+    # lanes doubled for products of few outputs: 16 for the 8B file's gate/up, 32 for down and o, 64 for k and v
+    assert [Shape.for_outputs(n, threads=65536) for n in (14336, 4096, 1024)] == [
+        shape,
+        Shape(32, 4, 2),
+        Shape(64, 4, 2),
+    ]
+    assert Shape.for_outputs(1024, threads=0) == shape
 
 
 # tinygrad's PYTHON device runs kernels with local memory (thread groups, barriers) in Python: slow, so few outputs
