@@ -156,6 +156,48 @@ def q6_k(w: Word, b: Byte, h: UOp, g: UOp, p4: UOp) -> Grouped:
     return out
 
 
+def q4_k_exact(w: Word, b: Byte, c: UOp, g: UOp) -> Decoded:
+    # 36 uint32: f16 d | f16 dmin, 12 bytes of scales/mins, 32 words of nibbles in 4 chunks c of 32 bytes: byte i of
+    # chunk c holds element 64c + i (low nibble, sub-block 2c) and 64c + 32 + i (high, 2c + 1). Unit (c, g): the
+    # 16 bytes 16g .. 16g + 15 of chunk c, words 4 + 8c + 4g .. + 3 (16-byte aligned: one 128-bit load), one
+    # decode of the two sub-blocks' scales for its 32 elements. The head (words 0..3: d, dmin and the scales) is
+    # read at fixed word indices, one 128-bit load too, and the unit's scale bytes picked from it in registers.
+    head, s0, s1, s2 = (w(t) for t in range(4))
+    d, dmin = _f16(head & 0xFFFF), _f16(head >> 16)
+    words = [w(4 + c * 8 + g * 4 + t) for t in range(4)]
+    out = []
+    for half in (0, 1):
+        sc, mn = _k_scale_min((s0, s1, s2), c * 2 + half)
+        scale, offset = d * sc, dmin * mn
+        for t, word in enumerate(words):
+            for k in range(4):
+                q = (_part(word, k) >> (4 * half)) & 15
+                out.append((c * 64 + half * 32 + g * 16 + t * 4 + k, scale * q.cast(dtypes.float32) - offset))
+    return out
+
+
+def q6_k_exact(w: Word, b: Byte, h: UOp, g: UOp, p4: UOp) -> Decoded:
+    # stored padded to 212 bytes (53 uint32 words; Layout.stored): 128 bytes of low nibbles (words 0..31), 64 bytes
+    # of 2-bit highs (32..47), 16 int8 scales (bytes 192..207, words 48..51), f16 d (word 52's low half). Half h
+    # (128 elements) uses ql[64h:64h+64], qh[32h:32h+32]; for l < 32 the four elements 128h + l + 32r are (ql[l] low,
+    # ql[l+32] low, ql[l] high, ql[l+32] high) | ((qh[l] >> 2r) & 3) << 4, minus 32, each times d * scale[element //
+    # 16]. Unit (h, g, p4): p = 4g + p4, l = 4p + k for the word's bytes k; scale[8h + 2r + g] is byte 2r + g of
+    # the words 48 + 2h, 49 + 2h (r < 2, r >= 2).
+    p = g * 4 + p4
+    d = _f16(w(52))
+    low_a, low_b, high = w(h * 16 + p), w(h * 16 + 8 + p), w(32 + h * 8 + p)
+    scale_words = (w(48 + h * 2), w(49 + h * 2))
+    out = []
+    for r in range(4):
+        shift = (g * 8 + (r % 2) * 16).cast(dtypes.uint32)
+        scale = d * _i8(((scale_words[r // 2] >> shift) & 0xFF).cast(dtypes.int32))
+        for k in range(4):
+            low = (_part(low_a if r % 2 == 0 else low_b, k) >> (4 * (r // 2))) & 15
+            q = (low | (((_part(high, k) >> (2 * r)) & 3) << 4)) - 32
+            out.append((h * 128 + r * 32 + p * 4 + k, scale * q.cast(dtypes.float32)))
+    return out
+
+
 def _e2m1(n: UOp) -> UOp:
     """gguf's doubled E2M1 values (0, 1, 2, 3, 4, 6, 8, 12, then negated) of a nibble, as float32."""
     m = n & 7
@@ -186,8 +228,13 @@ class Layout:
 LAYOUTS: dict[Q, Layout] = {
     Q.Q8_0: Layout(dtypes.uint16, (16,), q8_0),
     Q.Q4_0: Layout(dtypes.uint16, (8,), q4_0),
-    Q.Q4_K: Layout(dtypes.uint32, (4, 2), q4_k),
-    Q.Q6_K: Layout(dtypes.uint32, (2, 2, 4), q6_k, stored=212),  # 210 bytes + 2 of padding: 32-bit loads
+    Q.Q4_K: Layout(dtypes.uint32, (4, 2), q4_k if os.environ.get("LEAT_TINYGRAD_GROUPED", "1") != "0" else q4_k_exact),
+    Q.Q6_K: Layout(
+        dtypes.uint32,
+        (2, 2, 4),
+        q6_k if os.environ.get("LEAT_TINYGRAD_GROUPED", "1") != "0" else q6_k_exact,
+        stored=212,
+    ),  # 210 bytes + 2 of padding: 32-bit loads
     Q.MXFP4: Layout(dtypes.uint8, (16,), mxfp4),
 }
 
