@@ -80,13 +80,11 @@ def test_a_shape_fits_the_outputs_and_the_device():
     assert shape.fitting(12, local=True) == Shape(16, 2, 2)
     assert shape.fitting(6, local=True) == Shape(16, 1, 2)
     assert shape.fitting(41, local=True) == Shape(16, 1, 1)
-    # lanes doubled for products of few outputs: 16 for the 8B file's gate/up, 32 for down and o, 64 for k and v
-    assert [Shape.for_outputs(n, threads=65536) for n in (14336, 4096, 1024)] == [
-        shape,
-        Shape(32, 4, 2),
-        Shape(64, 4, 2),
-    ]
-    assert Shape.for_outputs(1024, threads=0) == shape
+    # lanes doubled for products of few outputs: 16 for the 8B file's output matrix, 32 for down and o, 64 for k and v
+    sizes = (128256, 4096, 1024)
+    assert [Shape.for_product(n, threads=65536) for n in sizes] == [shape, Shape(32, 4, 2), Shape(64, 4, 2)]
+    assert Shape.for_product(1024, threads=0) == shape
+    assert Shape.for_product(14336, gated=True) == Shape(64, 1, 2)  # the gated unit: one shape of its own
 
 
 # tinygrad's PYTHON device runs kernels with local memory (thread groups, barriers) in Python: slow, so few outputs

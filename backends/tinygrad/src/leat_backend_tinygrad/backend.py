@@ -780,9 +780,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         g, u = self._product(gate), self._product(up)
         if g is not None and u is not None and g[1] is u[1] and g[2].qtype == u[2].qtype and g[2].shape == u[2].shape:
-            glu = os.environ.get("LEAT_TINYGRAD_GLU_SHAPE", "")
-            shape = Shape(*(int(v) for v in glu.split(","))) if glu else self.gemv_shape
-            return gemv(g[1], g[2].data, g[2].qtype, shape, up=u[2].data)  # both products, one kernel
+            return gemv(g[1], g[2].data, g[2].qtype, self.gemv_shape, up=u[2].data)  # both products, one kernel
         return self._values(gate).silu() * self._values(up)
 
     def sigmoid_mul(self, gate: Tensor, x: Tensor) -> Tensor:

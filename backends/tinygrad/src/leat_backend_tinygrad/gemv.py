@@ -30,22 +30,6 @@ Q = gguf.GGMLQuantizationType
 MAX_ROWS = 8  # products with up to this many rows of x use the kernel; each row is one more sum per thread
 
 Decoded = list[tuple[UOp, UOp]]  # (element offset in the block, float32 value)
-
-
-@dataclass(frozen=True)
-class Group:
-    """Elements of a block that share a scale, decoded to ``mul * (f - bias) - sub`` with ``f`` a float in [1, 2)
-    whose mantissa's top bits are the quant (``_unit_float``): the product sums ``f * x`` and ``x`` over the group
-    and applies the scale once, ``mul * (sum(f x) - bias * sum(x)) - sub * sum(x)``, instead of decoding every
-    element to its float (an int-to-float conversion and a multiply-add each). ``terms``: (element offset, f)."""
-
-    mul: UOp
-    sub: UOp | None
-    bias: float  # 1, or 1 plus a power of two
-    terms: list[tuple[UOp, UOp]]
-
-
-Grouped = list[Group]
 Word = Callable[[int | UOp], UOp]  # the block's little-endian word i (of the layout's word size)
 Byte = Callable[[int | UOp], UOp]  # the block's byte i, as int32
 
@@ -58,19 +42,6 @@ def _f16(word: UOp) -> UOp:
 def _part(word: UOp, k: int) -> UOp:
     """Byte k of a word, as int32."""
     return ((word >> (k * 8)) & 0xFF).cast(dtypes.int32)
-
-
-def _unit_float(word: UOp, bit: int, width: int) -> UOp:
-    """1 + q / 2^width as float32 (exact), for the ``width``-bit field q at ``bit`` of a uint32 word: q moved to the
-    top of the mantissa under the exponent of 1.0 (a shift and a masked or)."""
-    return (_moved(word, bit, width, 23 - width) | 0x3F800000).bitcast(dtypes.float32)
-
-
-def _moved(word: UOp, bit: int, width: int, to: int) -> UOp:
-    """The ``width``-bit field at ``bit`` of a uint32 word moved to bit ``to``, the rest of the word masked off."""
-    shift = to - bit
-    moved = word << shift if shift > 0 else word >> -shift if shift < 0 else word
-    return moved & (((1 << width) - 1) << to)
 
 
 def _i8(byte: UOp) -> UOp:
@@ -109,54 +80,7 @@ def _k_scale_min(scales: tuple[UOp, UOp, UOp], j: UOp) -> tuple[UOp, UOp]:
     return sc.cast(dtypes.float32), mn.cast(dtypes.float32)
 
 
-def q4_k(w: Word, b: Byte, c: UOp, g: UOp) -> Grouped:
-    # 36 uint32: f16 d | f16 dmin, 12 bytes of scales/mins, 32 words of nibbles in 4 chunks c of 32 bytes: byte i of
-    # chunk c holds element 64c + i (low nibble, sub-block 2c) and 64c + 32 + i (high, 2c + 1). Unit (c, g): the
-    # 16 bytes 16g .. 16g + 15 of chunk c, words 4 + 8c + 4g .. + 3 (16-byte aligned: one 128-bit load), one
-    # decode of the two sub-blocks' scales for its 32 elements. The head (words 0..3: d, dmin and the scales) is
-    # read at fixed word indices, one 128-bit load too, and the unit's scale bytes picked from it in registers.
-    # An element is d * sc * q - dmin * mn: with f = 1 + q / 16, (16 d sc) * (f - 1) - dmin * mn (a Group a half).
-    head, s0, s1, s2 = (w(t) for t in range(4))
-    d, dmin = _f16(head & 0xFFFF), _f16(head >> 16)
-    words = [w(4 + c * 8 + g * 4 + t) for t in range(4)]
-    out = []
-    for half in (0, 1):
-        sc, mn = _k_scale_min((s0, s1, s2), c * 2 + half)
-        terms = [
-            (c * 64 + half * 32 + g * 16 + t * 4 + k, _unit_float(word, 8 * k + 4 * half, 4))
-            for t, word in enumerate(words)
-            for k in range(4)
-        ]
-        out.append(Group(d * sc * 16.0, dmin * mn, 1.0, terms))
-    return out
-
-
-def q6_k(w: Word, b: Byte, h: UOp, g: UOp, p4: UOp) -> Grouped:
-    # stored padded to 212 bytes (53 uint32 words; Layout.stored): 128 bytes of low nibbles (words 0..31), 64 bytes
-    # of 2-bit highs (32..47), 16 int8 scales (bytes 192..207, words 48..51), f16 d (word 52's low half). Half h
-    # (128 elements) uses ql[64h:64h+64], qh[32h:32h+32]; for l < 32 the four elements 128h + l + 32r are (ql[l] low,
-    # ql[l+32] low, ql[l] high, ql[l+32] high) | ((qh[l] >> 2r) & 3) << 4, minus 32, each times d * scale[element //
-    # 16]. Unit (h, g, p4): p = 4g + p4, l = 4p + k for the word's bytes k; scale[8h + 2r + g] is byte 2r + g of
-    # the words 48 + 2h, 49 + 2h (r < 2, r >= 2). An element is d * scale * (q - 32): with f = 1 + q / 64 (the low
-    # nibble and the two high bits moved under the exponent of 1.0), (64 d scale) * (f - 1.5), a Group an r.
-    p = g * 4 + p4
-    d = _f16(w(52))
-    low_a, low_b, high = w(h * 16 + p), w(h * 16 + 8 + p), w(32 + h * 8 + p)
-    scale_words = (w(48 + h * 2), w(49 + h * 2))
-    out = []
-    for r in range(4):
-        shift = (g * 8 + (r % 2) * 16).cast(dtypes.uint32)
-        scale = d * _i8(((scale_words[r // 2] >> shift) & 0xFF).cast(dtypes.int32))
-        terms = []
-        for k in range(4):
-            low = _moved(low_a if r % 2 == 0 else low_b, 8 * k + 4 * (r // 2), 4, 17)
-            top = _moved(high, 8 * k + 2 * r, 2, 21)
-            terms.append((h * 128 + r * 32 + p * 4 + k, (low | top | 0x3F800000).bitcast(dtypes.float32)))
-        out.append(Group(scale * 64.0, None, 1.5, terms))
-    return out
-
-
-def q4_k_exact(w: Word, b: Byte, c: UOp, g: UOp) -> Decoded:
+def q4_k(w: Word, b: Byte, c: UOp, g: UOp) -> Decoded:
     # 36 uint32: f16 d | f16 dmin, 12 bytes of scales/mins, 32 words of nibbles in 4 chunks c of 32 bytes: byte i of
     # chunk c holds element 64c + i (low nibble, sub-block 2c) and 64c + 32 + i (high, 2c + 1). Unit (c, g): the
     # 16 bytes 16g .. 16g + 15 of chunk c, words 4 + 8c + 4g .. + 3 (16-byte aligned: one 128-bit load), one
@@ -176,7 +100,7 @@ def q4_k_exact(w: Word, b: Byte, c: UOp, g: UOp) -> Decoded:
     return out
 
 
-def q6_k_exact(w: Word, b: Byte, h: UOp, g: UOp, p4: UOp) -> Decoded:
+def q6_k(w: Word, b: Byte, h: UOp, g: UOp, p4: UOp) -> Decoded:
     # stored padded to 212 bytes (53 uint32 words; Layout.stored): 128 bytes of low nibbles (words 0..31), 64 bytes
     # of 2-bit highs (32..47), 16 int8 scales (bytes 192..207, words 48..51), f16 d (word 52's low half). Half h
     # (128 elements) uses ql[64h:64h+64], qh[32h:32h+32]; for l < 32 the four elements 128h + l + 32r are (ql[l] low,
@@ -218,7 +142,7 @@ def mxfp4(w: Word, b: Byte, u: UOp) -> Decoded:
 class Layout:
     word: Any  # the tinygrad dtype a block's words are read as
     units: tuple[int, ...]  # a block's lanes, one range per axis (each lane decodes one unit of its quants)
-    decode: Callable[..., Decoded | Grouped]
+    decode: Callable[..., Decoded]
     stored: int = 0  # bytes a block is stored in, where padded to a multiple of the word (else gguf's block size)
 
     def block_bytes(self, qtype: Q) -> int:
@@ -228,13 +152,8 @@ class Layout:
 LAYOUTS: dict[Q, Layout] = {
     Q.Q8_0: Layout(dtypes.uint16, (16,), q8_0),
     Q.Q4_0: Layout(dtypes.uint16, (8,), q4_0),
-    Q.Q4_K: Layout(dtypes.uint32, (4, 2), q4_k if os.environ.get("LEAT_TINYGRAD_GROUPED", "1") != "0" else q4_k_exact),
-    Q.Q6_K: Layout(
-        dtypes.uint32,
-        (2, 2, 4),
-        q6_k if os.environ.get("LEAT_TINYGRAD_GROUPED", "1") != "0" else q6_k_exact,
-        stored=212,
-    ),  # 210 bytes + 2 of padding: 32-bit loads
+    Q.Q4_K: Layout(dtypes.uint32, (4, 2), q4_k),
+    Q.Q6_K: Layout(dtypes.uint32, (2, 2, 4), q6_k, stored=212),  # 210 bytes + 2 of padding: 32-bit loads
     Q.MXFP4: Layout(dtypes.uint8, (16,), mxfp4),
 }
 
@@ -260,10 +179,13 @@ class Shape:
         return Shape(self.lanes, groups, per_thread)
 
     @staticmethod
-    def for_outputs(outputs: int, threads: int | None = None) -> Shape:
-        """The default shape with its lanes doubled (up to 64) until the product has ``threads`` threads
-        (MIN_THREADS): a product of few outputs and long rows (the 8B file's down, 4096 x 14336) otherwise leaves
-        most of the GPU idle (on the H200 its 512 thread groups of 64 made a quarter of a wave, 12% occupancy)."""
+    def for_product(outputs: int, gated: bool = False, threads: int | None = None) -> Shape:
+        """The shape a product gets unless one is asked for: the gated unit GATED_SHAPE; any other the default with
+        its lanes doubled (up to 64) until the product has ``threads`` threads (MIN_THREADS): a product of few
+        outputs and long rows (the 8B file's down, 4096 x 14336) otherwise leaves most of the GPU idle (on the
+        H200 its 512 thread groups of 64 threads made a quarter of a wave, 12% of the threads the SMs hold)."""
+        if gated:
+            return GATED_SHAPE
         shape = Shape()
         threads = MIN_THREADS if threads is None else threads
         while outputs // shape.per_thread * shape.lanes < threads and shape.lanes < 64:
@@ -271,9 +193,12 @@ class Shape:
         return shape
 
 
-#: threads a product's default shape reaches, where 64 lanes an output allow (Shape.for_outputs;
-#: LEAT_TINYGRAD_GEMV_THREADS, 0: the default shape for every product)
+#: threads a product's shape reaches, where 64 lanes an output allow (Shape.for_product; LEAT_TINYGRAD_GEMV_THREADS,
+#: 0: the default shape for every product but the gated unit)
 MIN_THREADS = int(os.environ.get("LEAT_TINYGRAD_GEMV_THREADS", "65536"))
+#: the gated unit's shape (its gate and up products in one kernel): on the H200, the 8B file, tg128 188.4 tok/s
+#: against 181.8 with the default's 16 lanes (docs/benchmarks.md, twenty-first session)
+GATED_SHAPE = Shape(64, 1, 2)
 
 
 def _kernel(
@@ -324,8 +249,8 @@ def _kernel(
             for n in range(rows):
                 sums = []
                 for values in decoded:
-                    total = _dot(values, lambda at, n=n: x[n, block * block_size + at])
-                    sums.append(total.reduce(step, *lanes, arg=Ops.ADD))
+                    terms = [value * x[n, block * block_size + at] for at, value in values]
+                    sums.append(sum(terms[1:], terms[0]).reduce(step, *lanes, arg=Ops.ADD))
                 y = sums[0]
                 if epilogue == "glu":  # silu(gate) * up, as the backend's silu_mul
                     y = y / (1.0 + (y * -1.0).exp()) * sums[1]
@@ -343,29 +268,6 @@ def _kernel(
         return UOp.sink(*stores, arg=KernelInfo(name=name, opts_to_apply=()))
 
     return fxn
-
-
-def _dot(values: Decoded | Grouped, x: Callable[[UOp], UOp]) -> UOp:
-    """The sum of a unit's decoded values times x at their offsets (``x(offset)``); a Grouped unit's groups each
-    scaled once (Group). The same x loads and sums serve every output and matrix of a thread (tinygrad's UOps are
-    shared where equal)."""
-    if values and isinstance(values[0], Group):
-        parts = []
-        for group in values:
-            assert isinstance(group, Group)
-            xs = [x(at) for at, _ in group.terms]
-            fx = [f * v for (_, f), v in zip(group.terms, xs)]
-            sum_fx, sum_x = sum(fx[1:], fx[0]), sum(xs[1:], xs[0])
-            # bias 1 + a power of two: (sum(f x) - sum(x)) - sum(x) * 2^e, whose product is exact, so the result is
-            # the same whether a compiler fuses it into a multiply-add or not (kernels that share sum(x) or not)
-            diff = sum_fx - sum_x
-            if group.bias != 1.0:
-                diff = diff - sum_x * (group.bias - 1.0)
-            part = group.mul * diff
-            parts.append(part - group.sub * sum_x if group.sub is not None else part)
-        return sum(parts[1:], parts[0])
-    terms = [value * x(at) for at, value in values]  # type: ignore[misc]
-    return sum(terms[1:], terms[0])
 
 
 def _within(o: UOp, first: int, count: int) -> UOp:
@@ -416,7 +318,7 @@ def gemv_segments(x: Tensor, words: list[Tensor], qtype: Q, shape: Shape | None 
     of each], as one kernel (the shape fitted to every weight's outputs, so a thread group's lie in one weight)."""
     local = Device[x.device].renderer.has_local
     sizes = tuple(w.shape[0] for w in words)
-    shape = (shape or Shape.for_outputs(sum(sizes))).fitting(math.gcd(*sizes), local)
+    shape = (shape or Shape.for_product(sum(sizes))).fitting(math.gcd(*sizes), local)
     rows, blocks = x.shape[0], words[0].shape[1]
     outs = [Tensor.empty(rows * size, dtype=dtypes.float32, device=x.device) for size in sizes]
     fxn = _kernel(qtype, rows, sum(sizes), blocks, local, shape, segments=sizes)
@@ -486,7 +388,7 @@ def gemv(
     (float32 [rows, outputs]): x @ w.T + residual."""
     outputs, blocks, _ = words.shape
     local = Device[x.device].renderer.has_local
-    shape = (shape or Shape.for_outputs(outputs)).fitting(outputs, local)
+    shape = (shape or Shape.for_product(outputs, gated=up is not None)).fitting(outputs, local)
     out = Tensor.empty(x.shape[0], outputs, dtype=dtypes.float32, device=x.device)
     epilogue, extra = "", []
     if up is not None:
