@@ -104,7 +104,7 @@ def test_thread_shapes_with_row_groups_give_the_same_products(qtype, shape):
 
 
 def _silu(v: np.ndarray) -> np.ndarray:
-    return v / (1 + np.exp(-v))
+    return v * 0.5 * (1 + np.tanh(v / 2))  # v * sigmoid(v), without exp's overflow for large -v
 
 
 @pytest.mark.parametrize("device", ["default", "PYTHON"])  # default: DEV's (CPU in CI); PYTHON: as a GPU's groups
@@ -134,6 +134,82 @@ def test_the_gated_unit_and_the_residual_in_the_products_kernel(qtype, device):
     assert (np.abs(added - (sg + residual)) <= bound_g + 1e-6 * np.abs(sg + residual)).all()
     # the gate alone is not the gated unit: a kernel that skipped up would fail the check above
     assert np.abs(glu - _silu(sg)).max() > 10 * limit.max()
+
+
+@pytest.mark.parametrize("device", ["default", "PYTHON"])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_the_rms_norm_of_x_in_the_products_kernel(qtype, device):
+    """``norm=`` (r, nw): the product, the gated unit, the residual product and the segments of RMSNorm(x) = x * r * nw
+    from the kernels that read x itself, each against float64 within the float32 sums' bound."""
+    from leat_backend_tinygrad.gemv import gemv_segments
+
+    device = Device.DEFAULT if device == "default" else device
+    rng = np.random.default_rng(int(qtype) + 13)
+    outputs, k, shape = 16, 512, Shape(16, 4, 2)
+    mats = [random_blocks(qtype, outputs, k, rng) for _ in range(2)]
+    w64 = [gguf.quants.dequantize(m.reshape(outputs, -1), qtype).reshape(outputs, k).astype(np.float64) for m in mats]
+    x = (rng.standard_normal((2, k)) * 3).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    residual = rng.standard_normal((2, outputs)).astype(np.float32)
+    r = (1 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1) + 1e-5)).astype(np.float32)
+    xn = x.astype(np.float64) * r[:, None] * nw  # the normalized rows, from the same float32 factors
+    words = [Tensor(as_words(m, qtype), device=device) for m in mats]
+    xt, norm = Tensor(x, device=device), (Tensor(r, device=device), Tensor(nw, device=device))
+    bound = [1e-6 * (np.abs(xn) @ np.abs(w).T) + 1e-6 for w in w64]
+    s0, s1 = xn @ w64[0].T, xn @ w64[1].T
+    assert (np.abs(gemv(xt, words[0], qtype, shape, norm=norm).numpy() - s0) <= bound[0]).all()
+    added = gemv(xt, words[0], qtype, shape, residual=Tensor(residual, device=device), norm=norm).numpy()
+    assert (np.abs(added - (s0 + residual)) <= bound[0] + 1e-6 * np.abs(residual)).all()
+    glu = gemv(xt, words[0], qtype, shape, up=words[1], norm=norm).numpy()
+    limit = 1.1 * bound[0] * np.abs(s1) + np.abs(_silu(s0)) * bound[1] + 1e-6 * np.abs(_silu(s0) * s1) + 1e-6
+    assert (np.abs(glu - _silu(s0) * s1) <= limit).all()
+    together = gemv_segments(xt, words, qtype, shape, norm=norm)
+    for got, s, b in zip(together, (s0, s1), bound):
+        assert (np.abs(got.numpy() - s) <= b).all()
+    # without the norm the same kernels give x W^T, far from these
+    assert np.abs(gemv(xt, words[0], qtype, shape).numpy() - s0).max() > 100 * bound[0].max()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_backend_applies_an_rms_norm_in_the_products_kernel(fused):
+    """With fuse_norms (LEAT_TINYGRAD_FUSE_NORMS=1) the gated unit and the q/k segments of an RMS norm's output read the
+    rows before the norm and normalize them in their kernels: the norm's elementwise kernel does not run (one kernel
+    fewer for each), and the values are the float64 ones of the normalized rows."""
+    from tinygrad.helpers import GlobalCounters
+
+    rng = np.random.default_rng(17)
+    backend = TinygradBackend()
+    backend.fuse_norms = fused
+    k, outputs = 512, 64
+    g, u, q, kk = (
+        backend.upload(FileTensor(n, Q.Q4_K, (outputs, k), random_blocks(Q.Q4_K, outputs, k, rng).reshape(outputs, -1)))
+        for n in "guqk"
+    )
+    x = Tensor((rng.standard_normal((2, k)) * 2).astype(np.float32)).realize()
+    nw = Tensor(rng.uniform(0.5, 1.5, k).astype(np.float32)).realize()
+    counts, results = [], []
+    for make in (
+        lambda h: [backend.silu_mul(backend.matmul(h, g), backend.matmul(h, u))],
+        lambda h: backend._together(backend.matmul(h, q), backend.matmul(h, kk)),
+    ):
+        GlobalCounters.reset()
+        outs = make(backend.rms_norm(x, nw, 1e-5))
+        Tensor.realize(*outs)
+        counts.append(GlobalCounters.kernel_count)
+        results.append([o.numpy() for o in outs])
+    x64 = x.numpy().astype(np.float64)
+    r = 1 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + 1e-5)
+    h64 = x64 * r * nw.numpy()
+    g64, u64, q64, k64 = (
+        gguf.quants.dequantize(m.data.numpy().view(np.uint8), Q.Q4_K).reshape(outputs, k) for m in (g, u, q, kk)
+    )
+    ah = np.abs(h64)
+    glu_bound = 2e-5 * (ah @ np.abs(g64).T) * (ah @ np.abs(u64).T) + 1e-5
+    assert (np.abs(results[0][0] - _silu(h64 @ g64.T) * (h64 @ u64.T)) <= glu_bound).all()
+    for got, w in zip(results[1], (q64, k64)):
+        assert (np.abs(got - h64 @ w.T) <= 2e-6 * (ah @ np.abs(w).T) + 1e-6).all()
+    # the norm: its reduce, then (unfused) an elementwise kernel of its output; then the one product kernel
+    assert counts == ([2, 2] if fused else [3, 3])
 
 
 @pytest.mark.parametrize("fused", [True, False])
