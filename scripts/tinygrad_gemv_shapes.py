@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Time gemv.py's decode product under several thread shapes, on the Llama-3-8B file's matrix shapes.
 
-    DEV=CUDA python scripts/tinygrad_gemv_shapes.py [--shapes 64,1,1 16,4,2 ...] [--rows 1]
+    DEV=CUDA python scripts/tinygrad_gemv_shapes.py [--shapes 64,1,1 16,4,2 ...] [--rows 1] [--only gate ...]
+        [--norm] [--reps 20]
 
 A shape is ``lanes,groups,per_thread`` (gemv.Shape): ``lanes`` threads share an output's row, ``groups`` such sets
 share a block, each thread computes ``per_thread`` outputs from the same loads of x. Each product runs over enough
 distinct copies of its weight (over 256 MB together) that none is read from the L2 cache, inside one TinyJit
 (a graph of launches), and the time per product is the replay's wall time over the copies; GB/s counts the weight
 bytes. The first shape is the reference; every other shape's outputs must equal its own (same sums, other order:
-within 1e-5 of the largest magnitude), or the row says so.
+within 1e-5 of the largest magnitude), or the row says so. "gated unit" is the backend's kernel for silu(x G^T) *
+(x U^T), gate and up read side by side (its GB/s counts both). ``--norm``: the products apply an RMS norm of x in
+their kernel (gemv's ``norm``, LEAT_TINYGRAD_FUSE_NORMS). ``--only``: the matrices whose names start so.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ MATRICES = [
     ("k/v", Q.Q4_K, 1024, 4096),
     ("v (Q6_K)", Q.Q6_K, 1024, 4096),
     ("gate/up", Q.Q4_K, 14336, 4096),
+    ("gated unit", Q.Q4_K, 14336, 4096),
     ("down", Q.Q4_K, 4096, 14336),
     ("down (Q6_K)", Q.Q6_K, 4096, 14336),
     ("output", Q.Q6_K, 128256, 4096),
@@ -51,6 +55,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES)
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--only", nargs="*", default=[], help="matrices whose names start with one of these")
+    ap.add_argument("--norm", action="store_true", help="an RMS norm of x applied in the products' kernels")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     shapes = [Shape(*map(int, s.split(","))) for s in args.shapes]
@@ -58,14 +64,26 @@ def main() -> None:
     print("| matrix | " + " | ".join(args.shapes) + " |")
     print("|---|" + "---:|" * len(shapes))
     for name, qtype, n, k in MATRICES:
+        if args.only and not any(name.startswith(o) for o in args.only):
+            continue
+        gated = name == "gated unit"
         host = blocks(qtype, n, k, rng)
-        copies = max(1, math.ceil(256e6 / host.nbytes))
+        read = host.nbytes * (2 if gated else 1)  # weight bytes a product reads
+        copies = max(2 if gated else 1, math.ceil(256e6 / read))
         ws = [Tensor(as_words(host, qtype)).realize()]
         ws += [(ws[0] + 0).realize() for _ in range(copies - 1)]  # distinct buffers, same bytes
+        ups = ws[1:] + ws[:1] if gated else [None] * copies  # the gated unit's up: another copy
         x = Tensor(rng.standard_normal((args.rows, k)).astype(np.float32)).realize()
+        norm = None
+        if args.norm:
+            norm = (Tensor(rng.uniform(0.5, 2, args.rows).astype(np.float32)).realize(), Tensor.ones(k).contiguous())
         cells, ref = [], None
         for shape in shapes:
-            step = TinyJit(lambda x, shape=shape, qtype=qtype, ws=ws: [gemv(x, w, qtype, shape) for w in ws])
+
+            def products(x, shape=shape, qtype=qtype, ws=ws, ups=ups, norm=norm):
+                return [gemv(x, w, qtype, shape, up=u, norm=norm) for w, u in zip(ws, ups)]
+
+            step = TinyJit(products)
             for _ in range(3):
                 outs = step(x)
             Device[Device.DEFAULT].synchronize()
@@ -78,7 +96,7 @@ def main() -> None:
             Device[Device.DEFAULT].synchronize()
             us = (time.perf_counter() - t0) / args.reps / copies * 1e6
             ok = np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
-            cells.append(f"{us:.1f} ({host.nbytes / us / 1e3:.0f})" + ("" if ok else " WRONG"))
+            cells.append(f"{us:.1f} ({read / us / 1e3:.0f})" + ("" if ok else " WRONG"))
         print(f"| {name} {qtype.name} {n}x{k} | " + " | ".join(cells) + " |", flush=True)
 
 
