@@ -85,6 +85,7 @@ def test_a_shape_fits_the_outputs_and_the_device():
     assert [Shape.for_product(n, threads=65536) for n in sizes] == [shape, Shape(32, 4, 2), Shape(64, 4, 2)]
     assert Shape.for_product(1024, threads=0) == shape
     assert Shape.for_product(14336, gated=True) == Shape(64, 1, 2)  # the gated unit: one shape of its own
+    assert Shape.for_product(1024, threads=65536, qtype=Q.Q6_K) == Shape(32, 4, 2)  # Q6_K: 32 lanes at most
 
 
 # tinygrad's PYTHON device runs kernels with local memory (thread groups, barriers) in Python: slow, so few outputs

@@ -179,16 +179,18 @@ class Shape:
         return Shape(self.lanes, groups, per_thread)
 
     @staticmethod
-    def for_product(outputs: int, gated: bool = False, threads: int | None = None) -> Shape:
+    def for_product(outputs: int, gated: bool = False, threads: int | None = None, qtype: Q | None = None) -> Shape:
         """The shape a product gets unless one is asked for: the gated unit GATED_SHAPE; any other the default with
-        its lanes doubled (up to 64) until the product has ``threads`` threads (MIN_THREADS): a product of few
-        outputs and long rows (the 8B file's down, 4096 x 14336) otherwise leaves most of the GPU idle (on the
-        H200 its 512 thread groups of 64 threads made a quarter of a wave, 12% of the threads the SMs hold)."""
+        its lanes doubled (up to 64, MAX_LANES for some types) until the product has ``threads`` threads
+        (MIN_THREADS): a product of few outputs and long rows (the 8B file's down, 4096 x 14336) otherwise leaves
+        most of the GPU idle (on the H200 its 512 thread groups of 64 threads made a quarter of a wave, 12% of the
+        threads the SMs hold)."""
         if gated:
             return GATED_SHAPE
         shape = Shape()
         threads = MIN_THREADS if threads is None else threads
-        while outputs // shape.per_thread * shape.lanes < threads and shape.lanes < 64:
+        most = MAX_LANES.get(qtype, 64) if qtype is not None else 64
+        while outputs // shape.per_thread * shape.lanes < threads and shape.lanes < most:
             shape = Shape(shape.lanes * 2, shape.groups, shape.per_thread)
         return shape
 
@@ -199,6 +201,9 @@ MIN_THREADS = int(os.environ.get("LEAT_TINYGRAD_GEMV_THREADS", "65536"))
 #: the gated unit's shape (its gate and up products in one kernel): on the H200, the 8B file, tg128 188.4 tok/s
 #: against 181.8 with the default's 16 lanes (docs/benchmarks.md, twenty-first session)
 GATED_SHAPE = Shape(64, 1, 2)
+#: lanes an output at most, by type, where fewer timed faster: a Q6_K product of 1024 x 4096 (the 8B file's v) took
+#: 9.2-9.6 us at 64 lanes and 5.3 at 16 or 32 (H200, ``scripts/tinygrad_gemv_shapes.py``, twenty-first session)
+MAX_LANES = {Q.Q6_K: 32}
 
 
 def _kernel(
@@ -331,7 +336,7 @@ def gemv_segments(
     ``norm``: (r, nw), x RMS-normalized in the kernel (as ``gemv``'s)."""
     local = Device[x.device].renderer.has_local
     sizes = tuple(w.shape[0] for w in words)
-    shape = (shape or Shape.for_product(sum(sizes))).fitting(math.gcd(*sizes), local)
+    shape = (shape or Shape.for_product(sum(sizes), qtype=qtype)).fitting(math.gcd(*sizes), local)
     rows, blocks = x.shape[0], words[0].shape[1]
     outs = [Tensor.empty(rows * size, dtype=dtypes.float32, device=x.device) for size in sizes]
     fxn = _kernel(qtype, rows, sum(sizes), blocks, local, shape, segments=sizes, normed=norm is not None)
@@ -409,7 +414,7 @@ def gemv(
     (x * nw as x is read, the sums times r), instead of a norm's kernels before it."""
     outputs, blocks, _ = words.shape
     local = Device[x.device].renderer.has_local
-    shape = (shape or Shape.for_product(outputs, gated=up is not None)).fitting(outputs, local)
+    shape = (shape or Shape.for_product(outputs, gated=up is not None, qtype=qtype)).fitting(outputs, local)
     out = Tensor.empty(x.shape[0], outputs, dtype=dtypes.float32, device=x.device)
     epilogue, extra = "", []
     if up is not None:
