@@ -189,8 +189,7 @@ class Shape:
             return GATED_SHAPE
         shape = Shape()
         threads = MIN_THREADS if threads is None else threads
-        most = MAX_LANES.get(qtype, 64) if qtype is not None else 64
-        while outputs // shape.per_thread * shape.lanes < threads and shape.lanes < most:
+        while outputs // shape.per_thread * shape.lanes < threads and shape.lanes < MAX_LANES.get(qtype, 64):
             shape = Shape(shape.lanes * 2, shape.groups, shape.per_thread)
         return shape
 
