@@ -104,6 +104,36 @@ def test_matmul(cuda, oracle, qtype, n):
     assert relative_error(got, want) < bound
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_K, Q.IQ4_XS], ids=lambda q: q.name)
+def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
+    """Each gemv_q the backend compiles (tokens, rows a warp, units in flight, mode), its shape forced through
+    quants.gemv_q_shape: plain with a bias, the RMS norm inside, the gated unit, both; rows not a multiple of any
+    group and long enough for several steps a lane; against the float64 products."""
+    assert quants.LAYOUTS[qtype].integer  # products of one token go through gemv_q
+    rng = np.random.default_rng(6000 + int(qtype))
+    cols = 2304 if quants.LAYOUTS[qtype].block == 256 else 2336
+    rows = 75
+    gate_data, up_data = stored(qtype, rows, cols, rng), stored(qtype, rows, cols, rng)
+    gate, up = (cuda.upload(Tensor(name, qtype, (rows, cols), d)) for name, d in (("g", gate_data), ("u", up_data)))
+    ref_gate, ref_up = (oracle.upload(Tensor(n, qtype, (rows, cols), d)) for n, d in (("g", gate_data), ("u", up_data)))
+    bias, norm_weight = rng.standard_normal(rows), rng.standard_normal(cols)
+    monkeypatch.setattr(cuda, "few_tokens", (1 << 30, 1 << 30))  # gemv_q for every token count it has
+    for tokens, r, u, mode in quants.GEMV_Q_VARIANTS:
+        monkeypatch.setattr(quants, "gemv_q_shape", lambda *_, shape=(r, u): shape)
+        x = rng.standard_normal((tokens, cols)) * 3
+        x_in = cuda_array(cuda, x)
+        if mode & quants.GEMV_Q_NORM:
+            x_in = cuda.rms_norm(x_in, cuda_array(cuda, norm_weight), 1e-5)
+            x = oracle.rms_norm(x, norm_weight, 1e-5)
+        if mode & quants.GEMV_Q_GLU:
+            got = cuda.silu_mul(cuda.matmul(x_in, gate), cuda.matmul(x_in, up))
+            want = oracle.silu_mul(oracle.matmul(x, ref_gate), oracle.matmul(x, ref_up))
+        else:
+            got = cuda.matmul(x_in, gate, cuda_array(cuda, bias))
+            want = oracle.matmul(x, ref_gate, bias)
+        assert relative_error(cuda.to_host(got), want) < 3e-4, (tokens, r, u, mode)
+
+
 @pytest.mark.parametrize(
     "qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q3_K, Q.F16, Q.IQ4_NL, Q.IQ2_XXS], ids=lambda q: q.name
 )

@@ -80,25 +80,33 @@ GEMV_Q_NORM, GEMV_Q_GLU = 1, 2
 GEMV_Q_FUSED_TOKENS = 2
 #: (tokens, rows per warp, units per lane, mode) of every gemv_q instantiation
 GEMV_Q_VARIANTS = (
-    [(1, r, u, m) for r, u in ((8, 1), (4, 1), (2, 2)) for m in (0, 1)]
-    + [(1, r, u, m) for r, u in ((4, 1), (2, 2)) for m in (2, 3)]
+    [(1, r, u, m) for r, u in ((8, 1), (4, 1), (4, 2), (2, 2)) for m in (0, 1)]
+    + [(1, 8, 2, 1)]
+    + [(1, r, u, m) for r, u in ((1, 2), (2, 2)) for m in (2, 3)]
     + [(2, 2, 2, m) for m in (0, 1, 2, 3)]
     + [(3, 2, 1, 0), (4, 2, 1, 0)]
 )
 
 
 def gemv_q_shape(tokens: int, mode: int, rows: int, cols: int) -> tuple[int, int]:
-    """Rows per warp and units in flight per lane for a product of this shape (measured on an H200:
-    many short rows favour more rows per warp, long rows two units in flight)."""
+    """Rows per warp and units in flight per lane for a product of this shape, as measured on an H200 for one token
+    (``scripts/decode_shapes.py``: each kind of product of a decode step tried in every shape): the gated unit over
+    many rows one row a warp (two with its up row), two units in flight; products of 4,096 rows and more four rows
+    a warp (eight with the norm inside: q, k and v), two units in flight, but for the output matrix; fewer rows (v
+    alone) two by two."""
     if tokens > 2:
         return 2, 1
     if tokens == 2:
         return 2, 2
     if mode & GEMV_Q_GLU:
-        return (4, 1) if rows >= 8192 else (2, 2)
+        return (1, 2) if rows >= 8192 else (2, 2)
     if rows >= 65536:
         return 4, 1
-    return (8, 1) if rows >= 8192 and cols <= 8192 else (2, 2)
+    if rows >= 8192 and cols <= 8192:
+        return 8, 1
+    if rows >= 4096:
+        return (8, 2) if mode & GEMV_Q_NORM else (4, 2)
+    return 2, 2
 
 
 #: (tiles NT, row tiles RT) of every gemm_few instantiation: products of up to 8 * NT tokens, 16 * RT rows a block

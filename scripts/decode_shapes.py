@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""The CUDA backend's one-token decode step under other gemv_q shapes: for each kind of product a step launches
+(its mode, rows and row length), every (rows a warp, units in flight) tried while the others keep
+``quants.gemv_q_shape``'s choice, then the best of each together.
+
+    python scripts/decode_shapes.py MODEL.gguf [--position 128] [--reps 50] [--rounds 2]
+
+A kind is (mode, rows, cols) as ``_gemv_q`` passes them to the shape rule: mode 1 has the RMS norm inside, 2 the
+gated unit (3: both); rows is the sum over the launch's segments (q, k and v together). A step is graph-replayed
+and timed on the device (``bench.step_ms``) at ``--position``; each figure is the median of ``--rounds`` timings.
+The shapes not in ``quants.GEMV_Q_VARIANTS`` are compiled beside the backend's own (the gated unit's only up to 4
+rows-and-units: it holds twice the weights). Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+from leat.batch import Batch, Row
+from leat.modelfile import ModelFile
+from leat_backend_cuda import quants
+from leat_backend_cuda.backend import CUDABackend
+from leat_backend_cuda.bench import architecture, step_ms
+
+SHAPES = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--position", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    quants.GEMV_Q_VARIANTS = tuple(
+        dict.fromkeys([*quants.GEMV_Q_VARIANTS, *((1, r, u, m) for r, u in SHAPES for m in range(4))])
+    )
+    default_rule = quants.gemv_q_shape
+    chosen: dict[tuple[int, int, int], tuple[int, int]] = {}
+    seen: dict[tuple[int, int, int], tuple[int, int]] = {}
+
+    def rule(tokens: int, mode: int, rows: int, cols: int) -> tuple[int, int]:
+        if tokens != 1:
+            return default_rule(tokens, mode, rows, cols)
+        key = (mode, rows, cols)
+        seen.setdefault(key, default_rule(tokens, mode, rows, cols))
+        return chosen.get(key, seen[key])
+
+    quants.gemv_q_shape = rule
+    file = ModelFile(args.model)
+    backend = CUDABackend()
+    arch = architecture(file, None)(file, backend)
+    kv = backend.allocate_kv(arch.kv_layouts(arch.params), 1, args.position + 64, dtype="f16")
+    token = np.random.default_rng(0).integers(0, arch.vocab_size, 1)
+    batch = Batch([Row(0, args.position, token)])
+
+    def step() -> float:
+        return statistics.median(step_ms(backend, arch.forward, batch, kv, args.reps) for _ in range(args.rounds))
+
+    base = step()
+    print(f"default rule: {base:.4f} ms a step ({1e3 / base:.1f} tok/s)\n")
+    print("| kind (mode, rows, cols) | default | shape | ms | against default |\n|---|---|---|---:|---:|")
+    best: dict[tuple[int, int, int], tuple[tuple[int, int], float]] = {}
+    for key, default in list(seen.items()):
+        best[key] = (default, base)
+        for shape in SHAPES:
+            if shape == default or shape[0] * shape[1] > (4 if key[0] & quants.GEMV_Q_GLU else 16):
+                continue
+            chosen[key] = shape
+            ms = step()
+            print(f"| {key} | {default} | {shape} | {ms:.4f} | {100 * (ms / base - 1):+.2f}% |", flush=True)
+            if ms < best[key][1]:
+                best[key] = (shape, ms)
+        chosen.pop(key)
+    for key, (shape, _) in best.items():
+        chosen[key] = shape
+    together = step()
+    again = (chosen.clear(), step())[1]
+    print(f"\nbest of each together: {together:.4f} ms ({1e3 / together:.1f} tok/s); default again: {again:.4f} ms")
+    for key, (shape, ms) in best.items():
+        print(f"  {key}: {shape} (alone {ms:.4f} ms)")
+
+
+if __name__ == "__main__":
+    main()
