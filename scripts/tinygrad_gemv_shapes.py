@@ -2,7 +2,7 @@
 """Time gemv.py's decode product under several thread shapes, on the Llama-3-8B file's matrix shapes.
 
     DEV=CUDA python scripts/tinygrad_gemv_shapes.py [--shapes 64,1,1 16,4,2 ...] [--rows 1] [--only gate ...]
-        [--norm] [--reps 20]
+        [--reps 20]
 
 A shape is ``lanes,groups,per_thread`` (gemv.Shape): ``lanes`` threads share an output's row, ``groups`` such sets
 share a block, each thread computes ``per_thread`` outputs from the same loads of x. Each product runs over enough
@@ -10,8 +10,7 @@ distinct copies of its weight (over 256 MB together) that none is read from the 
 (a graph of launches), and the time per product is the replay's wall time over the copies; GB/s counts the weight
 bytes. The first shape is the reference; every other shape's outputs must equal its own (same sums, other order:
 within 1e-5 of the largest magnitude), or the row says so. "gated unit" is the backend's kernel for silu(x G^T) *
-(x U^T), gate and up read side by side (its GB/s counts both). ``--norm``: the products apply an RMS norm of x in
-their kernel (gemv's ``norm``, LEAT_TINYGRAD_FUSE_NORMS). ``--only``: the matrices whose names start so.
+(x U^T), gate and up read side by side (its GB/s counts both). ``--only``: the matrices whose names start so.
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", nargs="*", default=[], help="matrices whose names start with one of these")
-    ap.add_argument("--norm", action="store_true", help="an RMS norm of x applied in the products' kernels")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     shapes = [Shape(*map(int, s.split(","))) for s in args.shapes]
@@ -74,14 +72,11 @@ def main() -> None:
         ws += [(ws[0] + 0).realize() for _ in range(copies - 1)]  # distinct buffers, same bytes
         ups = ws[1:] + ws[:1] if gated else [None] * copies  # the gated unit's up: another copy
         x = Tensor(rng.standard_normal((args.rows, k)).astype(np.float32)).realize()
-        norm = None
-        if args.norm:
-            norm = (Tensor(rng.uniform(0.5, 2, args.rows).astype(np.float32)).realize(), Tensor.ones(k).contiguous())
         cells, ref = [], None
         for shape in shapes:
 
-            def products(x, shape=shape, qtype=qtype, ws=ws, ups=ups, norm=norm):
-                return [gemv(x, w, qtype, shape, up=u, norm=norm) for w, u in zip(ws, ups)]
+            def products(x, shape=shape, qtype=qtype, ws=ws, ups=ups):
+                return [gemv(x, w, qtype, shape, up=u) for w, u in zip(ws, ups)]
 
             step = TinyJit(products)
             for _ in range(3):

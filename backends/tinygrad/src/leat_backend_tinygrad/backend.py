@@ -163,7 +163,6 @@ class _Step:
 
 
 PRODUCTS_KEPT = 8  # few-row products remembered for their consumers (a layer's q, k, v, o, gate, up, down)
-NORMS_KEPT = 4  # RMS norms' outputs remembered for the products that read them (fuse_norms)
 
 
 class _NotJittable(Exception):
@@ -234,12 +233,6 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         self.fuse_products = os.environ.get("LEAT_TINYGRAD_FUSE_PRODUCTS", "1") != "0"
         # the latest few-row products not yet consumed: id(output) -> (output, x, weight), for their consumers
         self._products: dict[int, tuple[Tensor, Tensor, Weight]] = {}
-        # few-row products of an RMS norm's output read the rows before it and apply the norm in their kernel (x * nw
-        # as x is read, the sums times each row's factor): the norm's elementwise kernel never runs (gemv.py's
-        # ``norm``; 1 turns it on, not yet timed on a GPU)
-        self.fuse_norms = os.environ.get("LEAT_TINYGRAD_FUSE_NORMS", "0") == "1"
-        # the latest such norms: id(output) -> (output, x, each row's factor, the norm's weight)
-        self._norms: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         # the latest rotated q and k: id(output) -> (output, input, spec, positions, cos, sin), for attention (_roped)
         self._ropes: dict[int, tuple[Tensor, Tensor, RopeSpec, Any, Tensor, Tensor]] = {}
         self._jits: dict[tuple[Callable, int, int], TinyJit] = {}
@@ -568,8 +561,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         elif quantized and weight.qtype in LAYOUTS and x.shape[0] <= self.gemv_rows and weight.data.ndim == 3:
             # Few rows (decode) of Q8_0, Q4_0, Q4_K, Q6_K, MXFP4: our own kernel, a set of lanes per output
             # reading the row's blocks in storage order (gemv.py)
-            source, norm = self._normed(x)
-            y = gemv(source, weight.data, weight.qtype, self.gemv_shape, norm=norm)
+            y = gemv(x, weight.data, weight.qtype, self.gemv_shape)
             if bias is None and self.fuse_products:  # its consumer may take it in (silu_mul, add): still lazy
                 self._products[id(y)] = (y, x, weight)
                 while len(self._products) > PRODUCTS_KEPT:
@@ -610,23 +602,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
 
     def rms_norm(self, x: Tensor, weight: Any, eps: float) -> Tensor:
         x = self._values(x)
-        factor = ((x * x).mean(axis=-1, keepdim=True) + eps).rsqrt()
-        if weight is None:
-            return x * factor
-        y = x * factor * (nw := self._values(weight))
-        if self.fuse_norms and x.ndim == 2 and x.shape[0] <= self.gemv_rows:  # a product of it may apply it (_normed)
-            self._norms[id(y)] = (y, x, factor, nw)
-            while len(self._norms) > NORMS_KEPT:
-                del self._norms[next(iter(self._norms))]
-        return y
-
-    def _normed(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
-        """What a few-row product of ``x`` reads: where ``x`` is an RMS norm's output (fuse_norms), the rows before the
-        norm and (each row's factor, the norm's weight) for gemv.py's ``norm``; else ``x`` and None."""
-        made = self._norms.get(id(x))
-        if made is None or made[0] is not x:
-            return x, None
-        return made[1], (made[2], made[3])
+        y = x * ((x * x).mean(axis=-1, keepdim=True) + eps).rsqrt()
+        return y * self._values(weight) if weight is not None else y
 
     def layer_norm(self, x: Tensor, weight: Any, bias: Any, eps: float) -> Tensor:
         x = self._values(x)
@@ -803,8 +780,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         g, u = self._product(gate), self._product(up)
         if g is not None and u is not None and g[1] is u[1] and g[2].qtype == u[2].qtype and g[2].shape == u[2].shape:
-            source, norm = self._normed(g[1])
-            return gemv(source, g[2].data, g[2].qtype, self.gemv_shape, up=u[2].data, norm=norm)  # both, one kernel
+            return gemv(g[1], g[2].data, g[2].qtype, self.gemv_shape, up=u[2].data)  # both products, one kernel
         return self._values(gate).silu() * self._values(up)
 
     def sigmoid_mul(self, gate: Tensor, x: Tensor) -> Tensor:
@@ -829,9 +805,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             made = self._product(product)
             if made is not None and isinstance(other, Tensor) and other.shape == product.shape:
                 _, x, weight = made
-                source, norm = self._normed(x)
-                residual = self._values(other)
-                return gemv(source, weight.data, weight.qtype, self.gemv_shape, residual=residual, norm=norm).realize()
+                return gemv(x, weight.data, weight.qtype, self.gemv_shape, residual=self._values(other)).realize()
         return (self._values(a) + self._values(b)).realize()
 
     def _roped(self, q: Tensor, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor, RopeSpec, Tensor, Tensor] | None:
@@ -866,8 +840,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         ]
         if len(alike) < 2:
             return list(made)
-        source, norm = self._normed(x)
-        outs = gemv_segments(source, [entries[i][2].data for i in alike], weight.qtype, self.gemv_shape, norm)
+        outs = gemv_segments(x, [entries[i][2].data for i in alike], weight.qtype, self.gemv_shape)
         together = list(made)
         for i, out in zip(alike, outs):
             together[i] = out.reshape(made[i].shape)

@@ -214,15 +214,12 @@ def _kernel(
     shape: Shape,
     epilogue: str = "",
     segments: tuple[int, ...] = (),
-    normed: bool = False,
 ):
     """The kernel's UOp program. ``epilogue`` "glu": a second weight (up, of the same type and shape) is multiplied
     by the same loads of x and each output is silu(x w^T) * (x up^T); "residual": an input of the output's shape
     is added to each output (a residual connection); "": the product alone. ``segments``: several weights of one
     type and row length, their outputs in turn (``outputs`` their sum; flat buffers in and out), each output row read
-    from its own weight by gated loads and stored by a gated store. ``normed``: x is RMS-normalized first, its two
-    last inputs a row's factor r (rsqrt(mean(x^2) + eps), float32 [rows]) and the norm's weight nw (float32 [k]):
-    each load of x is multiplied by nw, each row's sums by r (before the epilogue)."""
+    from its own weight by gated loads and stored by a gated store."""
     layout, (block_size, _) = LAYOUTS[qtype], gguf.GGML_QUANT_SIZES[qtype]
     units = math.prod(layout.units)
     per_step = math.gcd(max(shape.lanes // units, 1), blocks)  # whole blocks a row's lanes read per step
@@ -232,9 +229,6 @@ def _kernel(
     def fxn(out: UOp, x: UOp, weight: UOp, *extra: UOp) -> UOp:
         # the last unit axis gets the lowest id: tinygrad makes it threadIdx.x, so neighbouring threads read
         # neighbouring words; the row groups get the highest (the outermost thread index)
-        if normed:
-            *rest, factor, norm_weight = (weight, *extra)
-            weight, extra = rest[0], tuple(rest[1:])
         if segments:  # (outs..., x, weights...): the parameters of several products of one x
             params, count = (out, x, weight, *extra), len(segments)
             outs, x, weights = params[:count], params[count], params[count + 1 :]
@@ -259,11 +253,8 @@ def _kernel(
             for n in range(rows):
                 sums = []
                 for values in decoded:
-                    at_x = [block * block_size + at for at, _ in values]
-                    xs = [x[n, i] * norm_weight[i] for i in at_x] if normed else [x[n, i] for i in at_x]
-                    terms = [value * xv for (_, value), xv in zip(values, xs)]
-                    total = sum(terms[1:], terms[0]).reduce(step, *lanes, arg=Ops.ADD)
-                    sums.append(total * factor[n] if normed else total)
+                    terms = [value * x[n, block * block_size + at] for at, value in values]
+                    sums.append(sum(terms[1:], terms[0]).reduce(step, *lanes, arg=Ops.ADD))
                 y = sums[0]
                 if epilogue == "glu":  # silu(gate) * up, as the backend's silu_mul
                     y = y / (1.0 + (y * -1.0).exp()) * sums[1]
@@ -278,7 +269,6 @@ def _kernel(
                 else:
                     stores.append(out[n, o].store(y).end(*ends))
         name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}" + (f"_{epilogue}" if epilogue else "")
-        name += "_normed" if normed else ""
         return UOp.sink(*stores, arg=KernelInfo(name=name, opts_to_apply=()))
 
     return fxn
@@ -327,26 +317,18 @@ def _byte_reader(word: Word, layout: Layout) -> Byte:
     return byte
 
 
-def gemv_segments(
-    x: Tensor, words: list[Tensor], qtype: Q, shape: Shape | None = None, norm: tuple[Tensor, Tensor] | None = None
-) -> list[Tensor]:
+def gemv_segments(x: Tensor, words: list[Tensor], qtype: Q, shape: Shape | None = None) -> list[Tensor]:
     """x @ w.T for each weight of ``words`` (one type, one row length: a layer's q, k and v), float32 [rows, outputs
-    of each], as one kernel (the shape fitted to every weight's outputs, so a thread group's lie in one weight).
-    ``norm``: (r, nw), x RMS-normalized in the kernel (as ``gemv``'s)."""
+    of each], as one kernel (the shape fitted to every weight's outputs, so a thread group's lie in one weight)."""
     local = Device[x.device].renderer.has_local
     sizes = tuple(w.shape[0] for w in words)
     shape = (shape or Shape.for_product(sum(sizes), qtype=qtype)).fitting(math.gcd(*sizes), local)
     rows, blocks = x.shape[0], words[0].shape[1]
     outs = [Tensor.empty(rows * size, dtype=dtypes.float32, device=x.device) for size in sizes]
-    fxn = _kernel(qtype, rows, sum(sizes), blocks, local, shape, segments=sizes, normed=norm is not None)
-    flat = [_flat_buffer(w) for w in words] + _norm_inputs(norm)
+    fxn = _kernel(qtype, rows, sum(sizes), blocks, local, shape, segments=sizes)
+    flat = [_flat_buffer(w) for w in words]
     made = outs[0].custom_kernel(*outs[1:], x.cast(dtypes.float32).contiguous(), *flat, fxn=fxn)[: len(sizes)]
     return [m.reshape(rows, size) for m, size in zip(made, sizes)]
-
-
-def _norm_inputs(norm: tuple[Tensor, Tensor] | None) -> list[Tensor]:
-    """A fused RMS norm's kernel inputs: each row's factor and the norm's weight, float32 (none without a norm)."""
-    return [] if norm is None else [t.reshape(-1).cast(dtypes.float32).contiguous() for t in norm]
 
 
 def _flat_buffer(t: Tensor) -> Tensor:
@@ -403,14 +385,11 @@ def gemv(
     *,
     up: Tensor | None = None,
     residual: Tensor | None = None,
-    norm: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """float32 [rows, outputs] = x [rows, k] @ w.T for a weight of ``qtype`` (one of LAYOUTS) stored as its blocks'
     words [outputs, blocks, block_words] (``as_words``), as one kernel. With ``up`` (the words of a second weight of
     the same type and shape): silu(x @ w.T) * (x @ up.T), the gated unit, in the same kernel; with ``residual``
-    (float32 [rows, outputs]): x @ w.T + residual. With ``norm`` = (r, nw), each row's factor rsqrt(mean(x^2) + eps)
-    (float32 [rows]) and the norm's weight (float32 [k]): the product of RMSNorm(x) = x * r * nw, in the same kernel
-    (x * nw as x is read, the sums times r), instead of a norm's kernels before it."""
+    (float32 [rows, outputs]): x @ w.T + residual."""
     outputs, blocks, _ = words.shape
     local = Device[x.device].renderer.has_local
     shape = (shape or Shape.for_product(outputs, gated=up is not None, qtype=qtype)).fitting(outputs, local)
@@ -420,6 +399,5 @@ def gemv(
         epilogue, extra = "glu", [up]
     elif residual is not None:
         epilogue, extra = "residual", [plain_rows(residual)]
-    fxn = _kernel(qtype, x.shape[0], outputs, blocks, local, shape, epilogue, normed=norm is not None)
-    inputs = [*extra, *_norm_inputs(norm)]
-    return out.custom_kernel(x.cast(dtypes.float32).contiguous(), words, *inputs, fxn=fxn)[0]
+    fxn = _kernel(qtype, x.shape[0], outputs, blocks, local, shape, epilogue)
+    return out.custom_kernel(x.cast(dtypes.float32).contiguous(), words, *extra, fxn=fxn)[0]
