@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The CUDA backend's one-token decode step under other gemv_q shapes: for each kind of product a step launches
-(its mode, rows and row length), every (rows a warp, units in flight) tried while the others keep
+(its mode, rows and row length), every (rows a warp, units in flight, pipelined or not) tried while the others keep
 ``quants.gemv_q_shape``'s choice, then the best of each together.
 
     python scripts/decode_shapes.py MODEL.gguf [--position 128] [--reps 50] [--rounds 2]
@@ -24,7 +24,11 @@ from leat_backend_cuda import quants
 from leat_backend_cuda.backend import CUDABackend
 from leat_backend_cuda.bench import architecture, step_ms
 
-SHAPES = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2)]
+SHAPES = [
+    (r, u, 0) for r, u in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2))
+]
+# the pipelined loop holds the next step's weights too: the shapes whose loads fit twice
+SHAPES += [(r, u, quants.GEMV_Q_PIPE) for r, u in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2))]
 
 
 def main() -> None:
@@ -35,13 +39,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     quants.GEMV_Q_VARIANTS = tuple(
-        dict.fromkeys([*quants.GEMV_Q_VARIANTS, *((1, r, u, m) for r, u in SHAPES for m in range(4))])
+        dict.fromkeys([*quants.GEMV_Q_VARIANTS, *((1, r, u, m | p) for r, u, p in SHAPES for m in range(4))])
     )
     default_rule = quants.gemv_q_shape
-    chosen: dict[tuple[int, int, int], tuple[int, int]] = {}
-    seen: dict[tuple[int, int, int], tuple[int, int]] = {}
+    chosen: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+    seen: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 
-    def rule(tokens: int, mode: int, rows: int, cols: int) -> tuple[int, int]:
+    def rule(tokens: int, mode: int, rows: int, cols: int) -> tuple[int, int, int]:
         if tokens != 1:
             return default_rule(tokens, mode, rows, cols)
         key = (mode, rows, cols)
@@ -62,11 +66,12 @@ def main() -> None:
     base = step()
     print(f"default rule: {base:.4f} ms a step ({1e3 / base:.1f} tok/s)\n")
     print("| kind (mode, rows, cols) | default | shape | ms | against default |\n|---|---|---|---:|---:|")
-    best: dict[tuple[int, int, int], tuple[tuple[int, int], float]] = {}
+    best: dict[tuple[int, int, int], tuple[tuple[int, int, int], float]] = {}
     for key, default in list(seen.items()):
         best[key] = (default, base)
         for shape in SHAPES:
-            if shape == default or shape[0] * shape[1] > (4 if key[0] & quants.GEMV_Q_GLU else 16):
+            loads = shape[0] * shape[1] * (2 if shape[2] else 1)  # rows x units a lane holds
+            if shape == default or loads > (4 if key[0] & quants.GEMV_Q_GLU else 16):
                 continue
             chosen[key] = shape
             ms = step()

@@ -106,10 +106,13 @@ def test_matmul(cuda, oracle, qtype, n):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_K, Q.IQ4_XS], ids=lambda q: q.name)
 def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
-    """Each gemv_q the backend compiles (tokens, rows a warp, units in flight, mode), its shape forced through
-    quants.gemv_q_shape: plain with a bias, the RMS norm inside, the gated unit, both; rows not a multiple of any
-    group and long enough for several steps a lane; against the float64 products."""
+    """Each gemv_q the backend compiles (tokens, rows a warp, units in flight, mode), and the pipelined loop of each
+    (GEMV_Q_PIPE), its shape forced through quants.gemv_q_shape: plain with a bias, the RMS norm inside, the gated
+    unit, both; rows not a multiple of any group and long enough for several steps a lane; against the float64
+    products, and the pipelined loop equal to the plain one bit for bit (the same sums in the same order)."""
     assert quants.LAYOUTS[qtype].integer  # products of one token go through gemv_q
+    pipelined = [(t, r, u, m | quants.GEMV_Q_PIPE) for t, r, u, m in quants.GEMV_Q_VARIANTS]
+    monkeypatch.setattr(quants, "GEMV_Q_VARIANTS", tuple(quants.GEMV_Q_VARIANTS) + tuple(pipelined))
     rng = np.random.default_rng(6000 + int(qtype))
     cols = 2304 if quants.LAYOUTS[qtype].block == 256 else 2336
     rows = 75
@@ -119,19 +122,25 @@ def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
     bias, norm_weight = rng.standard_normal(rows), rng.standard_normal(cols)
     monkeypatch.setattr(cuda, "few_tokens", (1 << 30, 1 << 30))  # gemv_q for every token count it has
     for tokens, r, u, mode in quants.GEMV_Q_VARIANTS:
-        monkeypatch.setattr(quants, "gemv_q_shape", lambda *_, shape=(r, u): shape)
         x = rng.standard_normal((tokens, cols)) * 3
-        x_in = cuda_array(cuda, x)
-        if mode & quants.GEMV_Q_NORM:
-            x_in = cuda.rms_norm(x_in, cuda_array(cuda, norm_weight), 1e-5)
-            x = oracle.rms_norm(x, norm_weight, 1e-5)
+        results = []
+        for variant in (0, quants.GEMV_Q_PIPE) if mode & quants.GEMV_Q_PIPE else (0,):
+            monkeypatch.setattr(quants, "gemv_q_shape", lambda *_, shape=(r, u, variant): shape)
+            x_in = cuda_array(cuda, x)
+            if mode & quants.GEMV_Q_NORM:
+                x_in = cuda.rms_norm(x_in, cuda_array(cuda, norm_weight), 1e-5)
+            if mode & quants.GEMV_Q_GLU:
+                got = cuda.silu_mul(cuda.matmul(x_in, gate), cuda.matmul(x_in, up))
+            else:
+                got = cuda.matmul(x_in, gate, cuda_array(cuda, bias))
+            results.append(cuda.to_host(got))
+        ref = oracle.rms_norm(x, norm_weight, 1e-5) if mode & quants.GEMV_Q_NORM else x
         if mode & quants.GEMV_Q_GLU:
-            got = cuda.silu_mul(cuda.matmul(x_in, gate), cuda.matmul(x_in, up))
-            want = oracle.silu_mul(oracle.matmul(x, ref_gate), oracle.matmul(x, ref_up))
+            want = oracle.silu_mul(oracle.matmul(ref, ref_gate), oracle.matmul(ref, ref_up))
         else:
-            got = cuda.matmul(x_in, gate, cuda_array(cuda, bias))
-            want = oracle.matmul(x, ref_gate, bias)
-        assert relative_error(cuda.to_host(got), want) < 3e-4, (tokens, r, u, mode)
+            want = oracle.matmul(ref, ref_gate, bias)
+        assert relative_error(results[-1], want) < 3e-4, (tokens, r, u, mode)
+        np.testing.assert_array_equal(results[-1], results[0])
 
 
 @pytest.mark.parametrize(

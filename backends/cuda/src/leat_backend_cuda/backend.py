@@ -879,10 +879,10 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         n = x.size // k
         first = segments[0][0]
         outs = [out] if out is not None else [self._empty(x.shape[:-1] + (w.rows,)) for w, _ in segments]
-        shape = quants.gemv_q_shape(n, mode, sum(w.rows for w, _ in segments), k)
-        kernel = first.kernels[quants.gemv_q_name(first.qtype, n, shape, mode)]
+        rows, units, variant = quants.gemv_q_shape(n, mode, sum(w.rows for w, _ in segments), k)
+        kernel = first.kernels[quants.gemv_q_name(first.qtype, n, (rows, units), mode | variant)]
         smem = quants.gemv_q_smem(first.qtype, n, k)
-        groups = sum(-(-w.rows // (4 * shape[0])) for w, _ in segments)
+        groups = sum(-(-w.rows // (4 * rows)) for w, _ in segments)
         grid = min(groups, self.device.sm_count * kernel.occupancy(128, smem))
         padded = list(zip(segments, outs)) + [((None, None), None)] * (3 - len(segments))
         weights = [s[0] for s, _ in padded]

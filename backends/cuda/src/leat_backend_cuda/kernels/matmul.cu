@@ -85,8 +85,91 @@ __global__ void __launch_bounds__(128) gemv(const u8* __restrict__ w, i64 nb, co
 // launch: segment s is (w, nb, y, bias, M) for s = 0 and the numbered parameters for s = 1, 2
 // (M2 = M3 = 0 when unused). The grid is persistent: each block loops over groups of 4R rows of
 // every segment, so x is quantized once per block, not once per 4R rows.
+//
+// With PIPE (a variant, not a fusion) a warp issues the loads of its next step (the next U units of its rows, or
+// the first of its next group's) before the dot products of the current one, so its loads stay in flight while it
+// computes; the sums are the same, in the same order.
 #define NORM 1
 #define GLU 2
+#define PIPE 4
+
+// Where this warp of a gemv_q block works in group `group`: the segment (0-2) and its matrices (ws; wu, the gated
+// unit's up matrix), output, bias and rows; the warp's first row and each of its R rows' first block. False where
+// the group's rows for this warp lie past the segment's last row.
+template <int R, int MODE>
+__device__ __forceinline__ bool gemv_q_rows(int group, int g1, int g2, const u8* w, const u8* w2, const u8* w3, i64 nb,
+                                            i64 nb2, i64 nb3, float* y, float* y2, float* y3, const float* bias,
+                                            const float* bias2, const float* bias3, int M, int M2, int M3, int bpr,
+                                            int& seg, const u8*& ws, const u8*& wu, i64& nbs, float*& ys,
+                                            const float*& bs, int& Ms, int& row0, i64 (&first)[R]) {
+    seg = group < g1 ? 0 : group < g2 ? 1 : 2;
+    ws = seg == 0 ? w : seg == 1 ? w2 : w3;
+    wu = (MODE & GLU) ? w2 : ws;
+    nbs = seg == 0 ? nb : seg == 1 ? nb2 : nb3;
+    ys = seg == 0 ? y : seg == 1 ? y2 : y3;
+    bs = seg == 0 ? bias : seg == 1 ? bias2 : bias3;
+    Ms = seg == 0 ? M : seg == 1 ? M2 : M3;
+    row0 = ((group - (seg == 0 ? 0 : seg == 1 ? g1 : g2)) * 4 + (threadIdx.x >> 5)) * R;
+#pragma unroll
+    for (int r = 0; r < R; ++r) first[r] = (i64)min(row0 + r, Ms - 1) * bpr;
+    return row0 < Ms;
+}
+
+// gemv_q_rows's answer kept, for the pipelined loop (which holds the current group's and the next one's).
+template <int R>
+struct GemvRows {
+    int seg, Ms, row0;
+    const u8 *ws, *wu;
+    i64 nbs;
+    float* ys;
+    const float* bs;
+    i64 first[R];
+};
+
+// A lane's dot products of its U units from `base` (their weights in raw) with x, added to acc.
+template <class T, int NC, int U, int RR>
+__device__ __forceinline__ void gemv_q_step(const typename T::Raw (&raw)[U][RR], int base, int upr,
+                                            const uint4* xsh, int lines, int lane, float (&acc)[RR][NC]) {
+#pragma unroll
+    for (int s = 0; s < U; ++s) {
+        const int u = base + 32 * s;
+        if (u < upr) {
+            const int unit = u % T::UNITS;
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                u32 xw[T::UV / 2];
+                float xsr[T::NR], xsumr[T::NR];
+                unit_x<T, NC>(xsh, lines, c * lines + (u >> 5), lane, xw, xsr, xsumr);
+#pragma unroll
+                for (int r = 0; r < RR; ++r) acc[r][c] += T::dot(raw[s][r], unit, xw, xsr, xsumr);
+            }
+        }
+    }
+}
+
+// The warp's rows done: sums over the lanes, the norm's factor, the gated unit, bias and residual.
+template <int NC, int R, int RR, int MODE>
+__device__ __forceinline__ void gemv_q_rows_out(const float (&acc)[RR][NC], float* ys, const float* bs, int Ms, int row0,
+                                                bool first_segment, const float (&rnorm)[NC],
+                                                const float* __restrict__ res, int lane) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            float total = warp_sum(acc[r][c]);
+            if (MODE & NORM) total *= rnorm[c];
+            if (MODE & GLU) {
+                float up = warp_sum(acc[r + R][c]);
+                if (MODE & NORM) up *= rnorm[c];
+                total = total / (1.0f + expf(-total)) * up;
+            }
+            const i64 at = (i64)c * Ms + row0 + r;
+            if (lane == 0 && row0 + r < Ms)
+                ys[at] = total + (bs ? bs[row0 + r] : 0.0f) + (res && first_segment ? res[at] : 0.0f);
+        }
+    }
+}
+
 template <class T, int NC, int R, int U, int MODE>
 __global__ void __launch_bounds__(128) gemv_q(
     const u8* __restrict__ w, const u8* __restrict__ w2, const u8* __restrict__ w3, i64 nb, i64 nb2, i64 nb3,
@@ -109,61 +192,73 @@ __global__ void __launch_bounds__(128) gemv_q(
 
     const int lane = threadIdx.x & 31;
     const int g1 = (M + 4 * R - 1) / (4 * R), g2 = g1 + (M2 + 4 * R - 1) / (4 * R), groups = g2 + (M3 + 4 * R - 1) / (4 * R);
-    for (int group = blockIdx.x; group < groups; group += gridDim.x) {
-        const int seg = group < g1 ? 0 : group < g2 ? 1 : 2;
-        const u8* ws = seg == 0 ? w : seg == 1 ? w2 : w3;
-        const u8* wu = (MODE & GLU) ? w2 : ws;  // the up matrix of the gated unit
-        const i64 nbs = seg == 0 ? nb : seg == 1 ? nb2 : nb3;
-        float* ys = seg == 0 ? y : seg == 1 ? y2 : y3;
-        const float* bs = seg == 0 ? bias : seg == 1 ? bias2 : bias3;
-        const int Ms = seg == 0 ? M : seg == 1 ? M2 : M3;
-        const int row0 = ((group - (seg == 0 ? 0 : seg == 1 ? g1 : g2)) * 4 + (threadIdx.x >> 5)) * R;
-        if (row0 >= Ms) continue;
-        i64 first[R];
+#define GEMV_Q_AT(rows, g)                                                                                    \
+    gemv_q_rows<R, MODE>(g, g1, g2, w, w2, w3, nb, nb2, nb3, y, y2, y3, bias, bias2, bias3, M, M2, M3, bpr, rows.seg, \
+                         rows.ws, rows.wu, rows.nbs, rows.ys, rows.bs, rows.Ms, rows.row0, rows.first)
+#define GEMV_Q_ZERO \
+    _Pragma("unroll") for (int r = 0; r < RR; ++r) _Pragma("unroll") for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f
+    if constexpr ((MODE & PIPE) == 0) {
+        for (int group = blockIdx.x; group < groups; group += gridDim.x) {
+            // gemv_q_rows's work written out: through its references NVRTC 13 gives the gated unit (1 x 2) 117
+            // registers for sm_90 where this takes 96
+            const int seg = group < g1 ? 0 : group < g2 ? 1 : 2;
+            const u8* ws = seg == 0 ? w : seg == 1 ? w2 : w3;
+            const u8* wu = (MODE & GLU) ? w2 : ws;
+            const i64 nbs = seg == 0 ? nb : seg == 1 ? nb2 : nb3;
+            float* ys = seg == 0 ? y : seg == 1 ? y2 : y3;
+            const float* bs = seg == 0 ? bias : seg == 1 ? bias2 : bias3;
+            const int Ms = seg == 0 ? M : seg == 1 ? M2 : M3;
+            const int row0 = ((group - (seg == 0 ? 0 : seg == 1 ? g1 : g2)) * 4 + (threadIdx.x >> 5)) * R;
+            if (row0 >= Ms) continue;
+            i64 first[R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) first[r] = (i64)min(row0 + r, Ms - 1) * bpr;
-        float acc[RR][NC];
-#pragma unroll
-        for (int r = 0; r < RR; ++r)
-#pragma unroll
-            for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
-
-        for (int base = lane; base < upr; base += 32 * U) {
-            typename T::Raw raw[U][RR];
-            load_units<T, U, RR, R>(raw, ws, wu, nbs, first, base, upr);
-#pragma unroll
-            for (int s = 0; s < U; ++s) {
-                const int u = base + 32 * s;
-                if (u < upr) {
-                    const int unit = u % T::UNITS;
-#pragma unroll
-                    for (int c = 0; c < NC; ++c) {
-                        u32 xw[T::UV / 2];
-                        float xsr[T::NR], xsumr[T::NR];
-                        unit_x<T, NC>(xsh, lines, c * lines + (u >> 5), lane, xw, xsr, xsumr);
-#pragma unroll
-                        for (int r = 0; r < RR; ++r) acc[r][c] += T::dot(raw[s][r], unit, xw, xsr, xsumr);
-                    }
-                }
+            for (int r = 0; r < R; ++r) first[r] = (i64)min(row0 + r, Ms - 1) * bpr;
+            float acc[RR][NC];  // a lane's sums for its warp's rows
+            GEMV_Q_ZERO;
+            for (int base = lane; base < upr; base += 32 * U) {
+                typename T::Raw raw[U][RR];
+                load_units<T, U, RR, R>(raw, ws, wu, nbs, first, base, upr);
+                gemv_q_step<T, NC, U, RR>(raw, base, upr, xsh, lines, lane, acc);
             }
+            gemv_q_rows_out<NC, R, RR, MODE>(acc, ys, bs, Ms, row0, seg == 0, rnorm, res, lane);
         }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-#pragma unroll
-            for (int c = 0; c < NC; ++c) {
-                float total = warp_sum(acc[r][c]);
-                if (MODE & NORM) total *= rnorm[c];
-                if (MODE & GLU) {
-                    float up = warp_sum(acc[r + R][c]);
-                    if (MODE & NORM) up *= rnorm[c];
-                    total = total / (1.0f + expf(-total)) * up;
-                }
-                const i64 at = (i64)c * Ms + row0 + r;
-                if (lane == 0 && row0 + r < Ms)
-                    ys[at] = total + (bs ? bs[row0 + r] : 0.0f) + (res && seg == 0 ? res[at] : 0.0f);
+    } else {
+        const int steps = (upr + 32 * U - 1) / (32 * U);  // a group's steps, the same for every lane
+        int group = blockIdx.x;
+        GemvRows<R> at;
+        while (group < groups && !GEMV_Q_AT(at, group)) group += gridDim.x;
+        if (group >= groups) return;
+        GemvRows<R> next = at;
+        float acc[RR][NC];
+        GEMV_Q_ZERO;
+        typename T::Raw raw[U][RR], ahead[U][RR];
+        load_units<T, U, RR, R>(raw, at.ws, at.wu, at.nbs, at.first, lane, upr);
+        for (int step = 0;;) {
+            int coming = step + 1;
+            bool more = true;
+            if (coming == steps) {  // the next group with rows for this warp, if any
+                coming = 0;
+                do group += gridDim.x;
+                while (group < groups && !GEMV_Q_AT(next, group));
+                more = group < groups;
             }
+            if (more) load_units<T, U, RR, R>(ahead, next.ws, next.wu, next.nbs, next.first, lane + 32 * U * coming, upr);
+            gemv_q_step<T, NC, U, RR>(raw, lane + 32 * U * step, upr, xsh, lines, lane, acc);
+            if (step == steps - 1) {
+                gemv_q_rows_out<NC, R, RR, MODE>(acc, at.ys, at.bs, at.Ms, at.row0, at.seg == 0, rnorm, res, lane);
+                GEMV_Q_ZERO;
+            }
+            if (!more) break;
+#pragma unroll
+            for (int s = 0; s < U; ++s)
+#pragma unroll
+                for (int r = 0; r < RR; ++r) raw[s][r] = ahead[s][r];
+            at = next;
+            step = coming;
         }
     }
+#undef GEMV_Q_AT
+#undef GEMV_Q_ZERO
 }
 
 // Y = X W^T (+ bias) for a few tokens (up to 8 * NT) on tensor cores, each weight read once: the
