@@ -104,6 +104,14 @@ def test_matmul(cuda, oracle, qtype, n):
     assert relative_error(got, want) < bound
 
 
+def gate_and_up(cuda, oracle, qtype: Q, rows: int, cols: int, rng):
+    """Two random matrices of one type and shape (a gated unit's gate and up), on the GPU and in the oracle."""
+    data = [stored(qtype, rows, cols, rng) for _ in range(2)]
+    on_gpu = [cuda.upload(Tensor(name, qtype, (rows, cols), d)) for name, d in zip("gu", data)]
+    in_oracle = [oracle.upload(Tensor(name, qtype, (rows, cols), d)) for name, d in zip("gu", data)]
+    return on_gpu[0], on_gpu[1], in_oracle[0], in_oracle[1]
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_K, Q.IQ4_XS], ids=lambda q: q.name)
 def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
     """Each gemv_q the backend compiles (tokens, rows a warp, units in flight, mode), and the pipelined loop of each
@@ -116,9 +124,7 @@ def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
     rng = np.random.default_rng(6000 + int(qtype))
     cols = 2304 if quants.LAYOUTS[qtype].block == 256 else 2336
     rows = 75
-    gate_data, up_data = stored(qtype, rows, cols, rng), stored(qtype, rows, cols, rng)
-    gate, up = (cuda.upload(Tensor(name, qtype, (rows, cols), d)) for name, d in (("g", gate_data), ("u", up_data)))
-    ref_gate, ref_up = (oracle.upload(Tensor(n, qtype, (rows, cols), d)) for n, d in (("g", gate_data), ("u", up_data)))
+    gate, up, ref_gate, ref_up = gate_and_up(cuda, oracle, qtype, rows, cols, rng)
     bias, norm_weight = rng.standard_normal(rows), rng.standard_normal(cols)
     monkeypatch.setattr(cuda, "few_tokens", (1 << 30, 1 << 30))  # gemv_q for every token count it has
     for tokens, r, u, mode in quants.GEMV_Q_VARIANTS:
@@ -208,9 +214,7 @@ def test_gated_unit_in_one_gemm_few_launch(cuda, oracle, qtype):
     rng = np.random.default_rng(4000 + int(qtype))
     cols = 2304 if quants.LAYOUTS[qtype].block == 256 else 2336
     rows = 200
-    gate_data, up_data = stored(qtype, rows, cols, rng), stored(qtype, rows, cols, rng)
-    gate, up = (cuda.upload(Tensor(name, qtype, (rows, cols), d)) for name, d in (("g", gate_data), ("u", up_data)))
-    ref_gate, ref_up = (oracle.upload(Tensor(n, qtype, (rows, cols), d)) for n, d in (("g", gate_data), ("u", up_data)))
+    gate, up, ref_gate, ref_up = gate_and_up(cuda, oracle, qtype, rows, cols, rng)
     saved = cuda.few_tokens, cuda.few_shape, cuda.cublas_min_tokens_f16
     try:
         cuda.few_tokens = (1, quants.GEMM_FEW_MAX_TOKENS)
