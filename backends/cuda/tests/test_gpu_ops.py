@@ -121,6 +121,7 @@ def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
     assert quants.LAYOUTS[qtype].integer  # products of one token go through gemv_q
     pipelined = [(t, r, u, m | quants.GEMV_Q_PIPE) for t, r, u, m in quants.GEMV_Q_VARIANTS]
     monkeypatch.setattr(quants, "GEMV_Q_VARIANTS", tuple(quants.GEMV_Q_VARIANTS) + tuple(pipelined))
+    monkeypatch.setattr(cuda, "_modules", {})  # the type's kernels compiled again, with the pipelined ones
     rng = np.random.default_rng(6000 + int(qtype))
     cols = 2304 if quants.LAYOUTS[qtype].block == 256 else 2336
     rows = 75
