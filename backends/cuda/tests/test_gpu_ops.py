@@ -119,8 +119,9 @@ def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
     unit, both; rows not a multiple of any group and long enough for several steps a lane; against the float64
     products, and the pipelined loop equal to the plain one bit for bit (the same sums in the same order)."""
     assert quants.LAYOUTS[qtype].integer  # products of one token go through gemv_q
-    pipelined = [(t, r, u, m | quants.GEMV_Q_PIPE) for t, r, u, m in quants.GEMV_Q_VARIANTS]
-    monkeypatch.setattr(quants, "GEMV_Q_VARIANTS", tuple(quants.GEMV_Q_VARIANTS) + tuple(pipelined))
+    plain = tuple(quants.GEMV_Q_VARIANTS)
+    pipelined = tuple((t, r, u, m | quants.GEMV_Q_PIPE) for t, r, u, m in plain)
+    monkeypatch.setattr(quants, "GEMV_Q_VARIANTS", plain + pipelined)
     monkeypatch.setattr(cuda, "_modules", {})  # the type's kernels compiled again, with the pipelined ones
     rng = np.random.default_rng(6000 + int(qtype))
     cols = 2304 if quants.LAYOUTS[qtype].block == 256 else 2336
@@ -128,10 +129,10 @@ def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
     gate, up, ref_gate, ref_up = gate_and_up(cuda, oracle, qtype, rows, cols, rng)
     bias, norm_weight = rng.standard_normal(rows), rng.standard_normal(cols)
     monkeypatch.setattr(cuda, "few_tokens", (1 << 30, 1 << 30))  # gemv_q for every token count it has
-    for tokens, r, u, mode in quants.GEMV_Q_VARIANTS:
+    for tokens, r, u, mode in plain:
         x = rng.standard_normal((tokens, cols)) * 3
         results = []
-        for variant in (0, quants.GEMV_Q_PIPE) if mode & quants.GEMV_Q_PIPE else (0,):
+        for variant in (0, quants.GEMV_Q_PIPE):
             monkeypatch.setattr(quants, "gemv_q_shape", lambda *_, shape=(r, u, variant): shape)
             x_in = cuda_array(cuda, x)
             if mode & quants.GEMV_Q_NORM:

@@ -93,30 +93,10 @@ __global__ void __launch_bounds__(128) gemv(const u8* __restrict__ w, i64 nb, co
 #define GLU 2
 #define PIPE 4
 
-// Where this warp of a gemv_q block works in group `group`: the segment (0-2) and its matrices (ws; wu, the gated
-// unit's up matrix), output, bias and rows; the warp's first row and each of its R rows' first block. False where
-// the group's rows for this warp lie past the segment's last row.
+// Where a warp of a gemv_q block works in a group of rows, for the pipelined loop (which holds the current group's
+// and the next one's): the segment (0-2) and its matrices (ws; wu, the gated unit's up matrix), output, bias and
+// rows; the warp's first row and each of its R rows' first block.
 template <int R, int MODE>
-__device__ __forceinline__ bool gemv_q_rows(int group, int g1, int g2, const u8* w, const u8* w2, const u8* w3, i64 nb,
-                                            i64 nb2, i64 nb3, float* y, float* y2, float* y3, const float* bias,
-                                            const float* bias2, const float* bias3, int M, int M2, int M3, int bpr,
-                                            int& seg, const u8*& ws, const u8*& wu, i64& nbs, float*& ys,
-                                            const float*& bs, int& Ms, int& row0, i64 (&first)[R]) {
-    seg = group < g1 ? 0 : group < g2 ? 1 : 2;
-    ws = seg == 0 ? w : seg == 1 ? w2 : w3;
-    wu = (MODE & GLU) ? w2 : ws;
-    nbs = seg == 0 ? nb : seg == 1 ? nb2 : nb3;
-    ys = seg == 0 ? y : seg == 1 ? y2 : y3;
-    bs = seg == 0 ? bias : seg == 1 ? bias2 : bias3;
-    Ms = seg == 0 ? M : seg == 1 ? M2 : M3;
-    row0 = ((group - (seg == 0 ? 0 : seg == 1 ? g1 : g2)) * 4 + (threadIdx.x >> 5)) * R;
-#pragma unroll
-    for (int r = 0; r < R; ++r) first[r] = (i64)min(row0 + r, Ms - 1) * bpr;
-    return row0 < Ms;
-}
-
-// gemv_q_rows's answer kept, for the pipelined loop (which holds the current group's and the next one's).
-template <int R>
 struct GemvRows {
     int seg, Ms, row0;
     const u8 *ws, *wu;
@@ -124,6 +104,22 @@ struct GemvRows {
     float* ys;
     const float* bs;
     i64 first[R];
+    // false where the group's rows for this warp lie past its segment's last row
+    __device__ __forceinline__ bool at(int group, int g1, int g2, const u8* w, const u8* w2, const u8* w3, i64 nb,
+                                       i64 nb2, i64 nb3, float* y, float* y2, float* y3, const float* bias,
+                                       const float* bias2, const float* bias3, int M, int M2, int M3, int bpr) {
+        seg = group < g1 ? 0 : group < g2 ? 1 : 2;
+        ws = seg == 0 ? w : seg == 1 ? w2 : w3;
+        wu = (MODE & GLU) ? w2 : ws;
+        nbs = seg == 0 ? nb : seg == 1 ? nb2 : nb3;
+        ys = seg == 0 ? y : seg == 1 ? y2 : y3;
+        bs = seg == 0 ? bias : seg == 1 ? bias2 : bias3;
+        Ms = seg == 0 ? M : seg == 1 ? M2 : M3;
+        row0 = ((group - (seg == 0 ? 0 : seg == 1 ? g1 : g2)) * 4 + (threadIdx.x >> 5)) * R;
+#pragma unroll
+        for (int r = 0; r < R; ++r) first[r] = (i64)min(row0 + r, Ms - 1) * bpr;
+        return row0 < Ms;
+    }
 };
 
 // A lane's dot products of its U units from `base` (their weights in raw) with x, added to acc.
@@ -192,15 +188,13 @@ __global__ void __launch_bounds__(128) gemv_q(
 
     const int lane = threadIdx.x & 31;
     const int g1 = (M + 4 * R - 1) / (4 * R), g2 = g1 + (M2 + 4 * R - 1) / (4 * R), groups = g2 + (M3 + 4 * R - 1) / (4 * R);
-#define GEMV_Q_AT(rows, g)                                                                                    \
-    gemv_q_rows<R, MODE>(g, g1, g2, w, w2, w3, nb, nb2, nb3, y, y2, y3, bias, bias2, bias3, M, M2, M3, bpr, rows.seg, \
-                         rows.ws, rows.wu, rows.nbs, rows.ys, rows.bs, rows.Ms, rows.row0, rows.first)
+#define GEMV_Q_AT(rows, g) rows.at(g, g1, g2, w, w2, w3, nb, nb2, nb3, y, y2, y3, bias, bias2, bias3, M, M2, M3, bpr)
 #define GEMV_Q_ZERO \
     _Pragma("unroll") for (int r = 0; r < RR; ++r) _Pragma("unroll") for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f
     if constexpr ((MODE & PIPE) == 0) {
         for (int group = blockIdx.x; group < groups; group += gridDim.x) {
-            // gemv_q_rows's work written out: through its references NVRTC 13 gives the gated unit (1 x 2) 117
-            // registers for sm_90 where this takes 96
+            // GemvRows::at's work written out: through the struct NVRTC 13 gives the gated unit (1 x 2) 117 registers
+            // for sm_90 where this takes 96
             const int seg = group < g1 ? 0 : group < g2 ? 1 : 2;
             const u8* ws = seg == 0 ? w : seg == 1 ? w2 : w3;
             const u8* wu = (MODE & GLU) ? w2 : ws;
@@ -225,10 +219,10 @@ __global__ void __launch_bounds__(128) gemv_q(
     } else {
         const int steps = (upr + 32 * U - 1) / (32 * U);  // a group's steps, the same for every lane
         int group = blockIdx.x;
-        GemvRows<R> at;
+        GemvRows<R, MODE> at;
         while (group < groups && !GEMV_Q_AT(at, group)) group += gridDim.x;
         if (group >= groups) return;
-        GemvRows<R> next = at;
+        GemvRows<R, MODE> next = at;
         float acc[RR][NC];
         GEMV_Q_ZERO;
         typename T::Raw raw[U][RR], ahead[U][RR];
