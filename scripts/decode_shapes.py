@@ -3,13 +3,13 @@
 (its mode, rows and row length), every (rows a warp, units in flight, pipelined or not) tried while the others keep
 ``quants.gemv_q_shape``'s choice, then the best of each together.
 
-    python scripts/decode_shapes.py MODEL.gguf [--position 128] [--reps 50] [--rounds 2]
+    python scripts/decode_shapes.py MODEL.gguf [--position 128] [--reps 50] [--rounds 2] [--pipelined]
 
 A kind is (mode, rows, cols) as ``_gemv_q`` passes them to the shape rule: mode 1 has the RMS norm inside, 2 the
 gated unit (3: both); rows is the sum over the launch's segments (q, k and v together). A step is graph-replayed
 and timed on the device (``bench.step_ms``) at ``--position``; each figure is the median of ``--rounds`` timings.
 The shapes not in ``quants.GEMV_Q_VARIANTS`` are compiled beside the backend's own (the gated unit's only up to 4
-rows-and-units: it holds twice the weights). Needs a GPU.
+rows-and-units: it holds twice the weights). ``--pipelined`` tries only the pipelined shapes. Needs a GPU.
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ def main() -> None:
     ap.add_argument("--position", type=int, default=128)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pipelined", action="store_true", help="try only the pipelined shapes")
     args = ap.parse_args()
+    shapes = [s for s in SHAPES if s[2]] if args.pipelined else SHAPES
     quants.GEMV_Q_VARIANTS = tuple(
-        dict.fromkeys([*quants.GEMV_Q_VARIANTS, *((1, r, u, m | p) for r, u, p in SHAPES for m in range(4))])
+        dict.fromkeys([*quants.GEMV_Q_VARIANTS, *((1, r, u, m | p) for r, u, p in shapes for m in range(4))])
     )
     default_rule = quants.gemv_q_shape
     chosen: dict[tuple[int, int, int], tuple[int, int, int]] = {}
@@ -69,7 +71,7 @@ def main() -> None:
     best: dict[tuple[int, int, int], tuple[tuple[int, int, int], float]] = {}
     for key, default in list(seen.items()):
         best[key] = (default, base)
-        for shape in SHAPES:
+        for shape in shapes:
             loads = shape[0] * shape[1] * (2 if shape[2] else 1)  # rows x units a lane holds
             if shape == default or loads > (4 if key[0] & quants.GEMV_Q_GLU else 16):
                 continue

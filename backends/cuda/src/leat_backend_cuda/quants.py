@@ -84,8 +84,9 @@ GEMV_Q_FUSED_TOKENS = 2
 #: (tokens, rows per warp, units per lane, mode) of every gemv_q instantiation
 GEMV_Q_VARIANTS = (
     [(1, r, u, m) for r, u in ((8, 1), (4, 1), (4, 2), (2, 2)) for m in (0, 1)]
-    + [(1, 8, 2, 1)]
-    + [(1, r, u, m) for r, u in ((1, 2), (2, 2)) for m in (2, 3)]
+    + [(1, 8, 2, 1), (1, 4, 1, GEMV_Q_PIPE), (1, 4, 1, GEMV_Q_PIPE | 1)]
+    + [(1, 2, 2, m) for m in (2, 3)]
+    + [(1, 1, 2, GEMV_Q_PIPE | m) for m in (2, 3)]
     + [(2, 2, 2, m) for m in (0, 1, 2, 3)]
     + [(3, 2, 1, 0), (4, 2, 1, 0)]
 )
@@ -102,11 +103,13 @@ def gemv_q_shape(tokens: int, mode: int, rows: int, cols: int) -> tuple[int, int
     if tokens == 2:
         return 2, 2, 0
     if mode & GEMV_Q_GLU:
-        return (1, 2, 0) if rows >= 8192 else (2, 2, 0)
+        return (1, 2, GEMV_Q_PIPE) if rows >= 8192 else (2, 2, 0)
     if rows >= 65536:
         return 4, 1, 0
     if rows >= 8192 and cols <= 8192:
         return 8, 1, 0
+    if rows >= 4096 and cols > 8192:
+        return 4, 1, GEMV_Q_PIPE
     if rows >= 4096:
         return (8, 2, 0) if mode & GEMV_Q_NORM else (4, 2, 0)
     return 2, 2, 0
