@@ -77,7 +77,7 @@ GEMV_SHAPES = {1: (2, 2), 2: (2, 2), 3: (2, 1), 4: (2, 1), 5: (1, 2), 6: (1, 2),
 #: fusion modes of gemv_q (kernels/matmul.cu): 1 normalizes x first, 2 multiplies by gate and up
 GEMV_Q_NORM, GEMV_Q_GLU = 1, 2
 #: gemv_q's mode bit for its pipelined loop (the next step's loads issued before the current step's products): a
-#: variant of the kernel, not a fusion; none of GEMV_Q_VARIANTS has it yet (scripts/decode_shapes.py times it)
+#: variant of the kernel, not a fusion (scripts/decode_shapes.py times it; the gated unit and the long down rows take it)
 GEMV_Q_PIPE = 4
 #: tokens up to which gemv_q is instantiated with fusion modes
 GEMV_Q_FUSED_TOKENS = 2
@@ -95,9 +95,11 @@ GEMV_Q_VARIANTS = (
 def gemv_q_shape(tokens: int, mode: int, rows: int, cols: int) -> tuple[int, int, int]:
     """Rows per warp and units in flight per lane for a product of this shape, as measured on an H200 for one token
     (``scripts/decode_shapes.py``: each kind of product of a decode step tried in every shape): the gated unit over
-    many rows one row a warp (two with its up row), two units in flight; products of 4,096 rows and more four rows
-    a warp (eight with the norm inside: q, k and v), two units in flight, but for the output matrix; fewer rows (v
-    alone) two by two. The third number is the variant's mode bits (GEMV_Q_PIPE or 0), added to the fusions'."""
+    many rows one row a warp (two with its up row), two units in flight, pipelined; products of 4,096 rows and more
+    over rows of more than 8,192 values (down) four rows a warp, one unit, pipelined; other products of 4,096 rows
+    and more four rows a warp (eight with the norm inside: q, k and v), two units in flight, but for the output
+    matrix; fewer rows (v alone) two by two. The third number is the variant's mode bits (GEMV_Q_PIPE or 0), added
+    to the fusions'."""
     if tokens > 2:
         return 2, 1, 0
     if tokens == 2:
