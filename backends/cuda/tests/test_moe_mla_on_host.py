@@ -91,7 +91,6 @@ template <class T> unsigned __match_any_sync(unsigned, T v) {
     return same;
 }
 inline int __ffs(unsigned x) { return __builtin_ffs(x); }
-template <class T> T __ldcg(const T* p) { return *p; }
 inline float warp_sum(float v) { for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o); return v; }
 inline float warp_max(float v) { for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o)); return v; }
 inline float block_reduce(float v, bool max) {
@@ -316,8 +315,7 @@ void attend_kv(const float* q, const float* k, const float* v, KV* kc, KV* vc, u
                                      per_slot, page_size, window, split, scale, 0.0f, sinks);
         else
             attention<KV, 1, 4>(q, kc, vc, ks, vs, table, slots, pos, target, ml, acc, heads, kv_heads, dim, dim,
-                                per_slot, page_size, window, split, scale, 0.0f, sinks, nullptr, nullptr, nullptr,
-                                nullptr, nullptr, 0.0f, 0.0f, 0, kc, vc, ks, vs, nullptr, nullptr, 0, 0, 0.0f);
+                                per_slot, page_size, window, split, scale, 0.0f, sinks);
     };
     launch({(unsigned)n, (unsigned)(kv_heads * chunks), (unsigned)splits}, 128, body);
     if (splits > 1) launch({(unsigned)(n * heads), 1, 1}, 32, [=] { attention_combine(ml, acc, out, splits, dim, sinks, heads); });

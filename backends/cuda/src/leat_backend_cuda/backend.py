@@ -1092,13 +1092,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         n, heads, dk = q.shape
         kv_heads, dv = v.shape[1], v.shape[2]
         slots, positions, span = self._token_rows(batch)
-        # one token: attention itself rotates q and k and writes the cache (no rope_kv_write launch)
-        rotation = self._rotation(q, k, v) if n == 1 and dk <= 32 * 8 else None
-        if rotation is None:
-            q, (kind, cache, per_slot) = self._write_kv(k, v, kv, layer, slots, positions, q)
-        else:
-            q, (kind, cache, per_slot) = None, self._cache_views(kv, layer)
-        _, _, k_scale, v_scale, table = cache
+        q, (kind, (_, _, k_scale, v_scale, table), per_slot) = self._write_kv(k, v, kv, layer, slots, positions, q)
         # a prefill (some row has several tokens; never a captured decode step): tensor cores over an f16
         # cache; a q8_0 cache's prefill takes attention_wide below (flash.cu reads f16 tiles only)
         flash = n > quants.GEMV_MAX_TOKENS and n > len(batch.rows) and kind == "u16" and dk == dv
@@ -1129,11 +1123,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         # many query tokens (a prefill): one key per lane; a decode step: one key per warp step (the
         # faster of the two for decode, also at depth 4096: measured on an H200, see NOTES.md)
         variant = "attention_wide" if n > quants.GEMV_MAX_TOKENS and dk % 8 == 0 else "attention"
-        if variant == "attention":  # the rotation's arguments (null pointers where there is none)
-            rotation = rotation or (None,) * 5 + (0.0, 0.0, 0, None, None, 0, 0, 0.0)
-            extra = (*rotation[:8], *cache[:4], *rotation[8:])
-        else:
-            extra = ()
         self.ops[f"{variant}<{kind}, {dl}, {GROUP_HEADS}>"](
             (n, kv_heads * chunks, splits),
             128,
@@ -1159,48 +1148,10 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             float(scale),
             float(softcap),
             sinks,
-            *extra,
         )
         if splits > 1:
             self.ops["attention_combine"]((n * heads,), _threads(dv), part_ml, part_acc, out, splits, dv, sinks, heads)
         return out
-
-    def _cache_views(self, kv: KVCache, layer: int) -> tuple[str, tuple, int]:
-        """The KV kernels' element kind, ``layer``'s cache as they take it (K, V, q8_0's scale planes or None, the
-        layer's device page table) and the pages per slot."""
-        self._sync_pages(kv)
-        scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.dtype == "q8_0" else (None, None)
-        table = kv.device_tables[kv.group_of[layer]]  # a windowed group's entries behind the window are -1
-        return KV_DTYPES[kv.dtype][0], (kv.k[layer], kv.v[layer], *scales, table), kv.tables[0].shape[1]
-
-    def _rotation(self, q, k, v) -> tuple | None:
-        """Where q and k are still to be rotated and attention can do it with the values rope_kv_write gives (its
-        block of 128 threads reduces a per-head norm as rope_kv_write's does: no norm, or heads of 97-128
-        dimensions), the attention kernel's rotation arguments: q, k and v's rows, the norms' weights and epsilons,
-        whether normed, the positions, the frequency table, the rotated dims, NeoX's pairing and the magnitude."""
-        if not _rope_pair(q, k) or (_is_norm(q.fusion[1]) and _threads(q.shape[2]) != 128):
-            return None
-        (_, qx, rope_positions, spec), (_, kx, _, _) = q.fusion, k.fusion
-        norm = _is_norm(qx)
-        qx, qw, qe = _normed(qx) if norm else (_ready(qx), None, 0.0)
-        kx, kw, ke = _normed(kx) if norm else (_ready(kx), None, 0.0)
-        q.fused = k.fused = True
-        positions, table = self._ints(rope_positions), self._rope_table(spec)
-        return (
-            qx,
-            kx,
-            v,
-            qw,
-            kw,
-            qe,
-            ke,
-            int(norm),
-            positions,
-            table,
-            spec.dims,
-            int(spec.neox),
-            float(spec.attn_factor),
-        )
 
     def _write_kv(self, k, v, kv: KVCache, layer: int, slots, positions, q=None) -> tuple[Any, tuple[str, tuple, int]]:
         """Each token's k and v into ``layer``'s pages, and ``q`` made ready: q, and the KV kernels' element kind, the
@@ -1209,7 +1160,12 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         rotates them and writes the cache."""
         v = _ready(v)
         n, kv_heads, dk = k.shape
-        kind, cache, per_slot = self._cache_views(kv, layer)
+        self._sync_pages(kv)
+        kind = KV_DTYPES[kv.dtype][0]
+        scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.dtype == "q8_0" else (None, None)
+        table = kv.device_tables[kv.group_of[layer]]  # a windowed group's entries behind the window are -1
+        cache = (kv.k[layer], kv.v[layer], *scales, table)
+        per_slot = kv.tables[0].shape[1]
         sizes = (kv_heads, dk, v.shape[2], per_slot, kv.page_size)
         if q is None or not _rope_pair(q, k):
             k = _ready(k)

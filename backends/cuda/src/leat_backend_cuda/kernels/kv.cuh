@@ -29,16 +29,6 @@ __device__ __forceinline__ float kv_load(const u16* c, const u16*, i64 row, int 
 __device__ __forceinline__ float kv_load(const i8* c, const u16* s, i64 row, int dim, int d) {
     return (float)c[row * dim + d] * f16_to_f32(s[row * (dim >> 5) + (d >> 5)]);  // exact: 8 x 11 bits
 }
-// kv_load of a row this block has just stored, read through L2 (__ldcg), not the read-only path.
-__device__ __forceinline__ float kv_load_l2(const float* c, const u16*, i64 row, int dim, int d) {
-    return __ldcg(c + row * dim + d);
-}
-__device__ __forceinline__ float kv_load_l2(const u16* c, const u16*, i64 row, int dim, int d) {
-    return f16_to_f32(__ldcg(c + row * dim + d));
-}
-__device__ __forceinline__ float kv_load_l2(const i8* c, const u16* s, i64 row, int dim, int d) {
-    return (float)__ldcg(c + row * dim + d) * f16_to_f32(__ldcg(s + row * (dim >> 5) + (d >> 5)));
-}
 // Elements d ... d + 7 of row `row` (d a multiple of 8, dim of 8 for float and f16, of 32 for q8_0).
 __device__ __forceinline__ void kv_load8(const float* c, const u16*, i64 row, int dim, int d, float (&k)[8]) {
     load8(c + row * dim + d, k);

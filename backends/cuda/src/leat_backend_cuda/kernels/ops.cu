@@ -165,22 +165,6 @@ __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ 
     kv_put(vc, vs, row * dv, kv_heads * dv, [=](int i) { return vt[i]; });
 }
 
-// rope of one head row xr into yr; with `norm`, of rms_norm(xr, w) over the head (eps), as rope_norm computes it.
-// Every thread of the block takes part (the norm's factor is a block sum: the same values as rope_norm's where the
-// block has as many threads).
-__device__ __forceinline__ void rotate_head(const float* __restrict__ xr, const float* __restrict__ w, float eps,
-                                            bool norm, float* __restrict__ yr, double p,
-                                            const double* __restrict__ inv_freq, int head_dim, int dims, int neox,
-                                            float magnitude) {
-    if (norm) {
-        const float r = rms_factor(xr, head_dim, eps);
-        rope_head([=](int c) { return w ? xr[c] * r * w[c] : xr[c] * r; }, yr, p, inv_freq, head_dim, dims, neox,
-                  magnitude);
-    } else {
-        rope_head([=](int c) { return xr[c]; }, yr, p, inv_freq, head_dim, dims, neox, magnitude);
-    }
-}
-
 // rope of q, rope of k and kv_write in one launch, with the values of the three kernels bit for bit: per token,
 // blocks 0 .. heads - 1 rotate a q head into qy (rope; with NORM, rope_norm with the weights qw, eps qe), and blocks
 // heads .. heads + kv_heads - 1 rotate a k head (kw, ke) into shared memory (head_dim <= 512) and store it and the
@@ -199,9 +183,15 @@ __global__ void rope_kv_write(const float* __restrict__ q, const float* __restri
     const int t = blockIdx.x / (heads + kv_heads), h = blockIdx.x % (heads + kv_heads);
     const bool is_q = h < heads;
     const float* xr = is_q ? q + ((i64)t * heads + h) * head_dim : k + ((i64)t * kv_heads + h - heads) * head_dim;
+    const float* w = is_q ? qw : kw;
+    const float r = NORM ? rms_factor(xr, head_dim, is_q ? qe : ke) : 1.0f;
     float* yr = is_q ? qy + ((i64)t * heads + h) * head_dim : rotated;
-    rotate_head(xr, is_q ? qw : kw, is_q ? qe : ke, NORM, yr, (double)rope_pos[t], inv_freq, head_dim, dims, neox,
-                magnitude);
+    const double p = (double)rope_pos[t];
+    if (NORM)
+        rope_head([=](int c) { return w ? xr[c] * r * w[c] : xr[c] * r; }, yr, p, inv_freq, head_dim, dims, neox,
+                  magnitude);
+    else
+        rope_head([=](int c) { return xr[c]; }, yr, p, inv_freq, head_dim, dims, neox, magnitude);
     if (is_q) return;  // block-uniform
     __syncthreads();
     const int slot = tok_slot[t], pos = tok_pos[t];
@@ -215,26 +205,6 @@ __global__ void rope_kv_write(const float* __restrict__ q, const float* __restri
     kv_put(vc, vs, row * dv, dv, [=](int i) { return vt[i]; });
 }
 
-// One key of a warp's online softmax over GB query heads: the scores q . k (a warp sum; soft-capped where
-// softcap > 0), then each head's running max m, sum l and weighted values acc updated with the key's values.
-template <int DL, int GB>
-__device__ __forceinline__ void attend_key(const float (&qv)[GB][DL], const float (&kd)[DL], const float (&vd)[DL],
-                                           float softcap, float (&m)[GB], float (&l)[GB], float (&acc)[GB][DL]) {
-#pragma unroll
-    for (int g = 0; g < GB; ++g) {
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DL; ++i) s = fmaf(qv[g][i], kd[i], s);
-        s = warp_sum(s);
-        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-        const float mn = fmaxf(m[g], s), corr = expf(m[g] - mn), e = expf(s - mn);
-        l[g] = l[g] * corr + e;
-#pragma unroll
-        for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(acc[g][i], corr, e * vd[i]);
-        m[g] = mn;
-    }
-}
-
 // Causal (optionally windowed, soft-capped) attention of each token's query heads over its slot's
 // cached positions, grouped-query: a block serves one token, one KV head and up to GB of the query
 // heads that share it, over positions [z * split, (z + 1) * split) of its range (grid.z = splits).
@@ -242,12 +212,6 @@ __device__ __forceinline__ void attend_key(const float (&qv)[GB][DL], const floa
 // k, v and the output; online softmax per head in float32. With one split the normalized output
 // is written; with several, (max, sum) and the unnormalized sums go to `part_*` for
 // attention_combine.
-// A one-token step may leave q and k to be rotated here (rq, rk and rv not null; q unused): rope_kv_write's work
-// without its launch. Each block rotates its query heads into shared memory; the blocks whose range ends at the
-// token's position also rotate the k head and store it and the v row into the cache (kcw ... vsw: the cache
-// again, writable), then take that key last, as its warp would have, from the row just stored (read through L2:
-// the cache's other rows may come through the read-only path). The same values as rope_kv_write then attention
-// where rope_kv_write has as many threads (128: heads of 97-128 dimensions, or no per-head norm).
 template <typename KV, int DL, int GB>
 __global__ void __launch_bounds__(128) attention(
     const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const u16* __restrict__ ks,
@@ -255,35 +219,13 @@ __global__ void __launch_bounds__(128) attention(
     const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
     float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
     int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
-    const float* __restrict__ sinks, const float* __restrict__ rq, const float* __restrict__ rk,
-    const float* __restrict__ rv, const float* __restrict__ qw, const float* __restrict__ kw, float qe, float ke,
-    int norm, KV* kcw, KV* vcw, u16* ksw, u16* vsw, const int* __restrict__ rope_pos,
-    const double* __restrict__ inv_freq, int dims, int neox, float magnitude) {
+    const float* __restrict__ sinks) {
     const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
     const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int slot = tok_slot[t], pos = tok_pos[t];
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     const int begin = max(lo, z * split), end = slot < 0 ? 0 : min(pos + 1, (z + 1) * split);
-    const int* table = page_table + (i64)max(slot, 0) * pages_per_slot;
-    const bool fresh = rq && begin < end && end == pos + 1;  // this block stores the token's k and v
-    const i64 fresh_row = fresh ? ((i64)table[pos / page_size] * page_size + pos % page_size) * kv_heads + kvh : 0;
-    __shared__ float rotated[GB + 1][DL * 32];  // rq: the block's query heads, then the k head
-    if (rq) {  // block-uniform
-        const double p = (double)rope_pos[t];
-        for (int g = 0; g < GB && g0 + g < group; ++g)
-            rotate_head(rq + ((i64)t * heads + (i64)kvh * group + g0 + g) * dk, qw, qe, norm, rotated[g], p, inv_freq,
-                        dk, dims, neox, magnitude);
-        if (fresh) {
-            rotate_head(rk + ((i64)t * kv_heads + kvh) * dk, kw, ke, norm, rotated[GB], p, inv_freq, dk, dims, neox,
-                        magnitude);
-            __syncthreads();
-            const float *kt = rotated[GB], *vt = rv + ((i64)t * kv_heads + kvh) * dv;
-            kv_put(kcw, ksw, fresh_row * dk, dk, [=](int i) { return kt[i]; });
-            kv_put(vcw, vsw, fresh_row * dv, dv, [=](int i) { return vt[i]; });
-        }
-        __syncthreads();
-    }
 
     float qv[GB][DL], m[GB], l[GB], acc[GB][DL];
 #pragma unroll
@@ -292,22 +234,21 @@ __global__ void __launch_bounds__(128) attention(
 #pragma unroll
         for (int i = 0; i < DL; ++i) {
             const int d = lane + 32 * i;
-            const bool live = g0 + g < group && d < dk;
-            qv[g][i] = live ? (rq ? rotated[g][d] : q[((i64)t * heads + h) * dk + d]) * scale : 0.0f;
+            qv[g][i] = (g0 + g < group && d < dk) ? q[((i64)t * heads + h) * dk + d] * scale : 0.0f;
             acc[g][i] = 0.0f;
         }
         m[g] = NEG_INF;
         l[g] = 0.0f;
     }
+    const int* table = page_table + (i64)max(slot, 0) * pages_per_slot;
     // Each warp takes KB consecutive keys per step (positions begin + 4 * KB * step + KB * warp + j),
     // loading all of them before any arithmetic so their latencies overlap.
     constexpr int KB = 8;
-    const int stop = fresh ? pos : end;
-    for (int p0 = begin + KB * warp; p0 < stop; p0 += 4 * KB) {
+    for (int p0 = begin + KB * warp; p0 < end; p0 += 4 * KB) {
         float kd[KB][DL], vd[KB][DL];
 #pragma unroll
         for (int j = 0; j < KB; ++j) {
-            const int p = min(p0 + j, stop - 1);
+            const int p = min(p0 + j, end - 1);
             const i64 row = ((i64)table[p / page_size] * page_size + p % page_size) * kv_heads + kvh;
 #pragma unroll
             for (int i = 0; i < DL; ++i) {
@@ -318,19 +259,21 @@ __global__ void __launch_bounds__(128) attention(
         }
 #pragma unroll
         for (int j = 0; j < KB; ++j) {
-            if (p0 + j >= stop) break;
-            attend_key<DL, GB>(qv, kd[j], vd[j], softcap, m, l, acc);
-        }
-    }
-    if (fresh && ((pos - begin) / KB) % 4 == warp) {  // warp-uniform: the warp whose run holds the position
-        float kd[DL], vd[DL];
+            if (p0 + j >= end) break;
 #pragma unroll
-        for (int i = 0; i < DL; ++i) {
-            const int d = lane + 32 * i;
-            kd[i] = d < dk ? kv_load_l2(kcw, ksw, fresh_row, dk, d) : 0.0f;
-            vd[i] = d < dv ? kv_load_l2(vcw, vsw, fresh_row, dv, d) : 0.0f;
+            for (int g = 0; g < GB; ++g) {
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < DL; ++i) s = fmaf(qv[g][i], kd[j][i], s);
+                s = warp_sum(s);
+                if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+                const float mn = fmaxf(m[g], s), corr = expf(m[g] - mn), e = expf(s - mn);
+                l[g] = l[g] * corr + e;
+#pragma unroll
+                for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(acc[g][i], corr, e * vd[j][i]);
+                m[g] = mn;
+            }
         }
-        attend_key<DL, GB>(qv, kd, vd, softcap, m, l, acc);
     }
     attention_store<GB, DL>(m, l, acc, min(GB, group - g0), (i64)t * heads + (i64)kvh * group + g0, heads, dv, z,
                             nsplit, sinks, out, part_ml, part_acc);
