@@ -17,6 +17,8 @@
 #   cudatests [SECONDS]        the CUDA backend's GPU tests; tgtests [SECONDS] the tinygrad backend's
 #   vs FILE [SECONDS] [ARGS]   scripts/vs_llamacpp.py on /tmp/g/FILE beside the llama.cpp just built
 #   sh COMMAND...              any command
+#   pack DIR                   $OUT as one archive, DIR/kit-out.tgz (where a machine returns only a few files: run
+#                              with OUT outside the returned folder and pack into it at the end)
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site LEAT_HOME=/tmp/leat PATH=/tmp/site/bin:$PATH
 K=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-$PWD/kit-out}
@@ -66,6 +68,8 @@ for phase in "$@"; do
     log oldsite; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_old $K/old/*.whl > $OUT/pipold.log 2>&1; ls /tmp/site_old ;;
   sh)
     shift; log sh "$@"; eval "$@" ;;
+  pack)
+    log pack; tar czf "$2/kit-out.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" ;;
   *) echo "unknown phase $1" ;;
   esac
 done
