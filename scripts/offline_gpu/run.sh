@@ -14,7 +14,9 @@
 #   gen KIND NAME [LAYERS]     write make_bench_gguf.py's KIND to /tmp/g/NAME (genbg: in the background; wait)
 #   cuda LABEL [VAR=VALUE...]  leat bench /tmp/g/l8b.gguf on the CUDA backend, pp512 and tg128, 3 runs
 #   tg LABEL [VAR=VALUE...]    the same on tinygrad (DEV=CUDA), 2 runs
-#   cudatests [SECONDS]        the CUDA backend's GPU tests; tgtests [SECONDS] the tinygrad backend's
+#   cudatests [SECONDS] [N]    the CUDA backend's GPU tests (N: xdist workers), cut at SECONDS with a tally of the
+#                              outcomes so far (about 240 s alone on an H200; more beside a llama.cpp build);
+#                              tgtests [SECONDS] the tinygrad backend's
 #   vs FILE [SECONDS] [ARGS]   scripts/vs_llamacpp.py on /tmp/g/FILE beside the llama.cpp just built
 #   sh COMMAND...              any command
 #   pack DIR                   $OUT as one archive, DIR/kit-out.tgz (where a machine returns only a few files: run
@@ -58,8 +60,13 @@ for phase in "$@"; do
     label=$2; shift 2; (for e in "$@"; do export "$e"; done; bench $label $G/l8b.gguf cuda -p 512 -n 128 -r 3) ;;
   tg)  # tg LABEL [ENV=..]...
     label=$2; shift 2; (export DEV=CUDA; for e in "$@"; do export "$e"; done; bench $label $G/l8b.gguf tinygrad -p 512 -n 128 -r 2) ;;
-  cudatests)
-    log cudatests; timeout ${2:-240} python3 -m pytest backends/cuda/tests -m gpu -q -p no:cacheprovider -x 2>&1 > $OUT/cudatests.log; grep -E "passed|failed" $OUT/cudatests.log | tail -2 ;;
+  cudatests)  # cudatests [SECONDS] [WORKERS]: killed whole (xdist's workers too) at SECONDS; the tally even then
+    log cudatests
+    setsid python3 -m pytest backends/cuda/tests -m gpu -q -p no:cacheprovider ${3:+-n $3} > $OUT/cudatests.log 2>&1 &
+    tests=$!; for i in $(seq 1 ${2:-240}); do kill -0 $tests 2>/dev/null || break; sleep 1; done
+    kill -0 $tests 2>/dev/null && { kill -9 -- -$tests; echo "cut at ${2:-240} s"; }
+    grep -E "passed|failed" $OUT/cudatests.log | tail -2; grep -E "^FAILED|^ERROR" $OUT/cudatests.log | head -20
+    grep -E '^[.sFEx]+( +\[ *[0-9]+%\])?$' $OUT/cudatests.log | tr -cd '.sFEx' | fold -w1 | sort | uniq -c | tr '\n' ' '; echo ;;
   tgtests)
     log tgtests; DEV=CUDA timeout ${2:-200} python3 -m pytest backends/tinygrad/tests -q -p no:cacheprovider 2>&1 > $OUT/tgtests.log; grep -E "passed|failed" $OUT/tgtests.log | tail -2 ;;
   vs)  # vs FILE TIMEOUT "ARGS"
