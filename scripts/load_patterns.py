@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""How fast one H200 streams a quantized weight matrix in the load pattern of gemv_q's lanes, with no arithmetic:
+whether the pattern alone holds the one-token products under the card's bandwidth. Each kernel reads every unit of
+a buffer once, XORs what it loads into one word a thread (so the loads stay) and runs on a persistent grid of
+``--blocks`` blocks a multiprocessor (gemv_q's gated unit fits 3: 166 registers); each lane keeps ``U`` units' loads
+in flight (its loads for U units issued before any is used), as gemv_q's units in flight. Patterns:
+
+- ``q4k``: TQ4_KP's loads, the native Q4_K layout: a unit is 64 values of a 144-byte block, loaded as the block's
+  16-byte head and the unit's two 16-byte halves; lane i of a warp takes unit i of 32 consecutive units (eight
+  blocks), so one load instruction of a warp spans about 1,152 bytes and uses half of them.
+- ``q6k``: TQ6_KP's loads from its planes (low bits 128 bytes a block, high bits 64, scales 16, d 2): two 16-byte
+  loads of low bits, one of high bits, 8 bytes of scales and the 2-byte d a unit.
+- ``flat``: three 16-byte loads a unit, each load instruction of a warp reading 512 consecutive bytes.
+
+GB/s is the buffer's bytes over the device time of one pass (the median of ``--reps``), for buffers of each
+``--mbytes`` (66: the gated unit's two matrices of the 8B file; 528: its output matrix, past L2).
+
+    python scripts/load_patterns.py [--mbytes 66 528] [--units 1 2 4] [--blocks 3 6] [--reps 20]
+
+Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+from leat_backend_cuda import compiler, driver
+from leat_backend_cuda.backend import CUDABackend
+
+SOURCE = r"""
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef long long i64;
+
+__device__ __forceinline__ void mix(uint4& acc, const uint4& v) { acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w; }
+
+// Persistent grid: warp-steps of 32 * U units, lane i taking units step * 32 * U + 32 * s + i (s < U).
+#define STEPS                                                                                          \
+    const int lane = threadIdx.x & 31;                                                                 \
+    const i64 warp = blockIdx.x * 4 + (threadIdx.x >> 5), warps = (i64)gridDim.x * 4;                 \
+    uint4 acc = {0, 0, 0, 0};                                                                          \
+    for (i64 step = warp; step * 32 * U < units; step += warps)
+
+template <int U>
+__global__ void __launch_bounds__(128) q4k(const u8* __restrict__ w, i64 units, uint4* __restrict__ out) {
+    STEPS {
+        uint4 h[U], lo[U], hi[U];
+#pragma unroll
+        for (int s = 0; s < U; ++s) {
+            const i64 u = min(step * 32 * U + 32 * s + lane, units - 1);
+            const uint4* b = (const uint4*)(w + (u >> 2) * 144);
+            const int j = (int)(u & 3);
+            h[s] = __ldg(b);
+            lo[s] = __ldg(b + 1 + 2 * j);
+            hi[s] = __ldg(b + 2 + 2 * j);
+        }
+#pragma unroll
+        for (int s = 0; s < U; ++s) { mix(acc, h[s]); mix(acc, lo[s]); mix(acc, hi[s]); }
+    }
+    out[blockIdx.x * 128 + threadIdx.x] = acc;
+}
+
+template <int U>
+__global__ void __launch_bounds__(128) q6k(const u8* __restrict__ w, i64 units, uint4* __restrict__ out) {
+    const i64 nb = units / 4;
+    STEPS {
+        uint4 la[U], lb[U], hh[U], sc[U];
+#pragma unroll
+        for (int s = 0; s < U; ++s) {
+            const i64 u = min(step * 32 * U + 32 * s + lane, units - 1), blk = u >> 2;
+            const int n = (int)((u & 3) >> 1), l0 = 16 * (int)(u & 1);
+            const u8* ql = w + blk * 128 + 64 * n + l0;
+            la[s] = __ldg((const uint4*)ql);
+            lb[s] = __ldg((const uint4*)(ql + 32));
+            hh[s] = __ldg((const uint4*)(w + 128 * nb + blk * 64 + 32 * n + l0));
+            const uint2 scales = __ldg((const uint2*)(w + 192 * nb + blk * 16 + 8 * n));
+            sc[s] = {scales.x, scales.y, (unsigned)__ldg((const u16*)(w + 208 * nb) + blk), 0u};
+        }
+#pragma unroll
+        for (int s = 0; s < U; ++s) { mix(acc, la[s]); mix(acc, lb[s]); mix(acc, hh[s]); mix(acc, sc[s]); }
+    }
+    out[blockIdx.x * 128 + threadIdx.x] = acc;
+}
+
+template <int U>
+__global__ void __launch_bounds__(128) flat(const u8* __restrict__ w, i64 units, uint4* __restrict__ out) {
+    STEPS {
+        uint4 v[U][3];
+#pragma unroll
+        for (int s = 0; s < U; ++s) {
+            const i64 u0 = min(step * 32 * U + 32 * s, units - 32);  // the warp's 32 units: 1,536 bytes
+            const uint4* b = (const uint4*)(w + u0 * 48) + lane;
+#pragma unroll
+            for (int k = 0; k < 3; ++k) v[s][k] = __ldg(b + 32 * k);
+        }
+#pragma unroll
+        for (int s = 0; s < U; ++s) { mix(acc, v[s][0]); mix(acc, v[s][1]); mix(acc, v[s][2]); }
+    }
+    out[blockIdx.x * 128 + threadIdx.x] = acc;
+}
+"""
+# bytes a unit of each pattern (DRAM: the q4k head is read by four lanes, once from memory)
+UNIT_BYTES = {"q4k": 36, "q6k": 52.5, "flat": 48}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mbytes", type=int, nargs="+", default=[66, 528])
+    ap.add_argument("--units", type=int, nargs="+", default=[1, 2, 4], help="units in flight a lane")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[3, 6], help="blocks a multiprocessor")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    backend = CUDABackend()
+    device = backend.device
+    names = [f"{p}<{u}>" for p in UNIT_BYTES for u in args.units]
+    saved = compiler.source
+    compiler.source = lambda name: SOURCE if name == "load_patterns.cu" else saved(name)
+    try:
+        built = compiler.compile_program("load_patterns.cu", names, device.arch, use_cache=False)
+    finally:
+        compiler.source = saved
+    module = driver.Module(device, built.cubin, built.names, built.params)
+    most = max(args.blocks) * device.sm_count
+    out = driver.Memory(most * 128 * 16)
+    print("| pattern | units in flight | blocks an SM | MB | GB/s |\n|---|---:|---:|---:|---:|")
+    for mbytes in args.mbytes:
+        for pattern, unit_bytes in UNIT_BYTES.items():
+            units = int(mbytes * 1e6 / unit_bytes) // 128 * 128
+            size = int(units * unit_bytes) + 4096
+            buffer = driver.Memory(size)
+            device.upload(buffer.ptr, np.random.default_rng(0).integers(0, 255, size, np.uint8))
+            for u in args.units:
+                kernel = module[f"{pattern}<{u}>"]
+                for blocks in args.blocks:
+                    grid = blocks * device.sm_count
+                    # at most `blocks` blocks a multiprocessor: each takes its share of the shared memory
+                    smem = 200 * 1024 // blocks if blocks < 8 else 0
+                    if smem > 48 * 1024:
+                        attr = driver._cu().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                        driver.check(driver._cu().cuFuncSetAttribute(kernel.function, attr, smem), "shared memory")
+                    times = []
+                    for _ in range(args.reps):
+                        timer = driver.Timer(device)
+                        with timer:
+                            kernel((grid,), 128, buffer, units, out, smem=smem)
+                        times.append(timer.seconds)
+                    gbs = units * unit_bytes / statistics.median(times) / 1e9
+                    print(f"| {pattern} | {u} | {blocks} | {mbytes} | {gbs:,.0f} |", flush=True)
+            del buffer
+
+
+if __name__ == "__main__":
+    main()
