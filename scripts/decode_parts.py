@@ -17,12 +17,8 @@ import argparse
 import statistics
 from collections import Counter
 
-import numpy as np
-from leat.batch import Batch, Row
-from leat.modelfile import ModelFile
 from leat_backend_cuda import driver
-from leat_backend_cuda.backend import CUDABackend
-from leat_backend_cuda.bench import architecture, step_ms
+from leat_backend_cuda.bench import one_token_step, step_ms
 
 
 def main() -> None:
@@ -32,12 +28,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    file = ModelFile(args.model)
-    backend = CUDABackend()
-    arch = architecture(file, None)(file, backend)
-    kv = backend.allocate_kv(arch.kv_layouts(arch.params), 1, args.position + 64, dtype="f16")
-    token = np.random.default_rng(0).integers(0, arch.vocab_size, 1)
-    batch = Batch([Row(0, args.position, token)])
+    backend, arch, batch, kv = one_token_step(args.model, args.position)
 
     launch = driver.Kernel.__call__
     launched: Counter[str] = Counter()

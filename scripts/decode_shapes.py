@@ -17,12 +17,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import numpy as np
-from leat.batch import Batch, Row
-from leat.modelfile import ModelFile
 from leat_backend_cuda import quants
-from leat_backend_cuda.backend import CUDABackend
-from leat_backend_cuda.bench import architecture, step_ms
+from leat_backend_cuda.bench import one_token_step, step_ms
 
 SHAPES = [
     (r, u, 0) for r, u in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2))
@@ -55,12 +51,7 @@ def main() -> None:
         return chosen.get(key, seen[key])
 
     quants.gemv_q_shape = rule
-    file = ModelFile(args.model)
-    backend = CUDABackend()
-    arch = architecture(file, None)(file, backend)
-    kv = backend.allocate_kv(arch.kv_layouts(arch.params), 1, args.position + 64, dtype="f16")
-    token = np.random.default_rng(0).integers(0, arch.vocab_size, 1)
-    batch = Batch([Row(0, args.position, token)])
+    backend, arch, batch, kv = one_token_step(args.model, args.position)
 
     def step() -> float:
         return statistics.median(step_ms(backend, arch.forward, batch, kv, args.reps) for _ in range(args.rounds))

@@ -7,7 +7,11 @@ flow) on machines without a GPU; the GPU tests check the numbers.
 """
 
 import gc
+import importlib.util
+import re
+import sys
 import types
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -511,3 +515,26 @@ def test_a_timer_destroys_its_events_when_collected(fake):
     events = [timer.start, timer.end]
     del timer
     assert destroyed == events
+
+
+def test_decode_parts_leaves_each_kind_of_kernel_out_of_the_graph(fake, tmp_path, monkeypatch, capsys):
+    """scripts/decode_parts.py on the fake driver, where a replay takes a millisecond for each launch in the graph:
+    the step's launches counted by kind, and the step with one kind left out shorter by exactly that kind's
+    launches (so the kind was left out of the captured graph, and nothing else was)."""
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
+    fake.cuEventElapsedTime = lambda start, end: (fake.ok, float(len(fake.captured[-1])))
+    script = Path(__file__).parents[3] / "scripts" / "decode_parts.py"
+    spec = importlib.util.spec_from_file_location("decode_parts", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [str(script), str(path), "--position", "5", "--reps", "1", "--rounds", "1"])
+    module.main()
+    out = capsys.readouterr().out
+    whole, launches = re.search(r"whole step: ([\d.]+) ms .*, (\d+) launches", out).groups()
+    assert float(whole) == int(launches) > 0
+    rows = re.findall(r"\| (`\w+`|all but `gemv_q`) \| (\d+) \| ([\d.]+) \|", out)
+    kinds = {name.replace("`", ""): (int(count), float(ms)) for name, count, ms in rows}
+    assert {"gemv_q", "rope_kv_write", "attention", "all but gemv_q"} <= set(kinds)
+    assert kinds["gemv_q"][0] == 4 * 2 + 1  # tiny Llama: 2 layers of q+k+v, o, gate+up, down; the output matrix
+    for count, ms in kinds.values():
+        assert ms == int(launches) - count

@@ -34,6 +34,17 @@ def architecture(file: ModelFile, ref: str | None):
     return architecture_class(file)
 
 
+def one_token_step(path: str, position: int) -> tuple[CUDABackend, Any, Batch, Any]:
+    """A CUDA backend with the file at ``path`` loaded (its architecture), a one-slot f16 cache and a one-token batch
+    at ``position``: what the decode-step scripts (``scripts/decode_shapes.py``, ``decode_parts.py``) time."""
+    file = ModelFile(path)
+    backend = CUDABackend()
+    arch = architecture(file, None)(file, backend)
+    kv = backend.allocate_kv(arch.kv_layouts(arch.params), 1, position + 64, dtype="f16")
+    token = np.random.default_rng(0).integers(0, arch.vocab_size, 1)
+    return backend, arch, Batch([Row(0, position, token)]), kv
+
+
 def with_cublas(path: str) -> tuple[CUDABackend, Any]:
     """A CUDA backend with cuBLAS and the file at ``path`` loaded on it (its architecture); exits saying why where
     cuBLAS is missing (the scripts that compare its products with the own kernels)."""
