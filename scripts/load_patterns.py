@@ -10,12 +10,14 @@ in flight (its loads for U units issued before any is used), as gemv_q's units i
   blocks), so one load instruction of a warp spans about 1,152 bytes and uses half of them.
 - ``q6k``: TQ6_KP's loads from its planes (low bits 128 bytes a block, high bits 64, scales 16, d 2): two 16-byte
   loads of low bits, one of high bits, 8 bytes of scales and the 2-byte d a unit.
+- ``q4k_staged``: q4k's bytes copied into shared memory by coalesced cp.async (16 consecutive bytes a lane), the
+  next step's while the lanes read the current step's units there in q4k's pattern.
 - ``flat``: three 16-byte loads a unit, each load instruction of a warp reading 512 consecutive bytes.
 
 GB/s is the buffer's bytes over the device time of one pass (the median of ``--reps``), for buffers of each
-``--mbytes`` (66: the gated unit's two matrices of the 8B file; 528: its output matrix, past L2).
+``--mbytes`` (16: within L2; 66: the gated unit's two matrices of the 8B file; 528: its output matrix).
 
-    python scripts/load_patterns.py [--mbytes 66 528] [--units 1 2 4] [--blocks 3 6] [--reps 20]
+    python scripts/load_patterns.py [--mbytes 16 66 528] [--units 1 2 4] [--blocks 3 6] [--reps 20]
 
 Needs a GPU.
 """
@@ -84,6 +86,47 @@ __global__ void __launch_bounds__(128) q6k(const u8* __restrict__ w, i64 units, 
     out[blockIdx.x * 128 + threadIdx.x] = acc;
 }
 
+// q4k's units staged through shared memory: each warp copies the 1,152 bytes of a step's 32 units (eight blocks)
+// with cp.async, 16 consecutive bytes a lane (coalesced), the next step's while it reads the current one's units
+// from shared memory in q4k's pattern (two buffers of U steps a warp).
+template <int U>
+__global__ void __launch_bounds__(128) q4k_staged(const u8* __restrict__ w, i64 units, uint4* __restrict__ out) {
+    __shared__ __align__(16) u8 stage[4][2][U][1152];
+    const int wi = threadIdx.x >> 5;
+    int buffer = 0;
+    auto issue = [&](i64 step) {  // the warp's U chunks of step `step` into stage[wi][buffer]
+#pragma unroll
+        for (int s = 0; s < U; ++s) {
+            const i64 u0 = min(step * 32 * U + 32 * s, units - 32);
+            const u8* src = w + (u0 >> 2) * 144;
+            for (int at = 16 * (threadIdx.x & 31); at < 1152; at += 512) {
+                const unsigned dst = (unsigned)__cvta_generic_to_shared(&stage[wi][buffer][s][at]);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src + at) : "memory");
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    STEPS {
+        if (step == warp) issue(step);  // the first step's chunks
+        const i64 next = step + warps;
+        buffer ^= 1;
+        if (next * 32 * U < units) issue(next);  // into the other buffer
+        else asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncwarp();
+#pragma unroll
+        for (int s = 0; s < U; ++s) {
+            const u8* b = &stage[wi][buffer ^ 1][s][(lane >> 2) * 144];
+            const int j = lane & 3;
+            mix(acc, *(const uint4*)b);
+            mix(acc, *(const uint4*)(b + 16 + 32 * j));
+            mix(acc, *(const uint4*)(b + 32 + 32 * j));
+        }
+        __syncwarp();
+    }
+    out[blockIdx.x * 128 + threadIdx.x] = acc;
+}
+
 template <int U>
 __global__ void __launch_bounds__(128) flat(const u8* __restrict__ w, i64 units, uint4* __restrict__ out) {
     STEPS {
@@ -102,12 +145,12 @@ __global__ void __launch_bounds__(128) flat(const u8* __restrict__ w, i64 units,
 }
 """
 # bytes a unit of each pattern (DRAM: the q4k head is read by four lanes, once from memory)
-UNIT_BYTES = {"q4k": 36, "q6k": 52.5, "flat": 48}
+UNIT_BYTES = {"q4k": 36, "q4k_staged": 36, "q6k": 52.5, "flat": 48}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mbytes", type=int, nargs="+", default=[66, 528])
+    ap.add_argument("--mbytes", type=int, nargs="+", default=[16, 66, 528])
     ap.add_argument("--units", type=int, nargs="+", default=[1, 2, 4], help="units in flight a lane")
     ap.add_argument("--blocks", type=int, nargs="+", default=[3, 6], help="blocks a multiprocessor")
     ap.add_argument("--reps", type=int, default=20)
@@ -122,6 +165,7 @@ def main() -> None:
     finally:
         compiler.source = saved
     module = driver.Module(device, built.cubin, built.names, built.params)
+    cu = driver._cu()
     most = max(args.blocks) * device.sm_count
     out = driver.Memory(most * 128 * 16)
     print("| pattern | units in flight | blocks an SM | MB | GB/s |\n|---|---:|---:|---:|---:|")
@@ -136,10 +180,14 @@ def main() -> None:
                 for blocks in args.blocks:
                     grid = blocks * device.sm_count
                     # at most `blocks` blocks a multiprocessor: each takes its share of the shared memory
-                    smem = 200 * 1024 // blocks if blocks < 8 else 0
+                    attrs = cu.CUfunction_attribute
+                    own = driver.check(
+                        cu.cuFuncGetAttribute(attrs.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, kernel.function)
+                    )
+                    smem = max(0, 200 * 1024 // blocks - own) if blocks < 8 else 0
                     if smem > 48 * 1024:
-                        attr = driver._cu().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                        driver.check(driver._cu().cuFuncSetAttribute(kernel.function, attr, smem), "shared memory")
+                        attr = attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                        driver.check(cu.cuFuncSetAttribute(kernel.function, attr, smem), "shared memory")
                     times = []
                     for _ in range(args.reps):
                         timer = driver.Timer(device)
