@@ -538,3 +538,22 @@ def test_decode_parts_leaves_each_kind_of_kernel_out_of_the_graph(fake, tmp_path
     assert kinds["gemv_q"][0] == 4 * 2 + 1  # tiny Llama: 2 layers of q+k+v, o, gate+up, down; the output matrix
     for count, ms in kinds.values():
         assert ms == int(launches) - count
+
+
+def test_load_patterns_times_each_pattern_on_a_persistent_grid(fake, monkeypatch, capsys):
+    """scripts/load_patterns.py on the fake driver: a row for each pattern, units in flight, blocks a multiprocessor
+    and size, each from --reps launches of that pattern's kernel on blocks x multiprocessors blocks of 128 threads."""
+    fake.cuEventElapsedTime = lambda start, end: (fake.ok, 1.0)
+    fake.cuFuncGetAttribute = lambda attribute, function: (fake.ok, 4096)
+    script = Path(__file__).parents[3] / "scripts" / "load_patterns.py"
+    spec = importlib.util.spec_from_file_location("load_patterns", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = [str(script), "--mbytes", "1", "--units", "1", "2", "--blocks", "2", "--reps", "3"]
+    monkeypatch.setattr(sys, "argv", argv)
+    module.main()
+    rows = re.findall(r"\| (\w+) \| (\d) \| 2 \| 1 \| [\d,]+ \|", capsys.readouterr().out)
+    assert sorted(rows) == sorted((p, u) for p in module.UNIT_BYTES for u in "12")
+    kernels = [(f, grid, block) for f, grid, block in fake.launches if f != "graph"]
+    sms = CUDABackend().device.sm_count
+    assert len(kernels) == 3 * len(rows) and {(g, b) for _, g, b in kernels} == {((2 * sms, 1, 1), 128)}
