@@ -35,13 +35,11 @@ def main() -> None:
     skip: set[str] = set()
     keep: set[str] | None = None
 
-    def kind(kernel: driver.Kernel) -> str:
-        return kernel.name.split("<")[0]
-
     def call(self: driver.Kernel, *a, **kw) -> None:
+        kind = self.name.split("<")[0]  # the kernel's name up to its template arguments
         if backend._capturing:  # the graph's launches, once a capture
-            launched[kind(self)] += 1
-        if kind(self) in skip or (keep is not None and kind(self) not in keep):
+            launched[kind] += 1
+        if kind in skip or (keep is not None and kind not in keep):
             return
         launch(self, *a, **kw)
 
