@@ -19,12 +19,21 @@ GB/s is the buffer's bytes over the device time of one pass (the median of ``--r
 
     python scripts/load_patterns.py [--mbytes 16 66 528] [--units 1 2 4] [--blocks 3 6] [--reps 20]
 
+With ``--chain MB...`` it times instead a decode step's chain of products: kernels of those sizes (a layer's: q, k
+and v 14.2, o 9.4, gate and up 66, down 33) over ``--layers`` layers, each its own slice of one buffer, as one
+launch over all of it, as the chain of launches, as that chain replayed from a graph, and as the graph with
+programmatic dependent launch (each kernel letting the next start at its top and waiting for the previous one at
+its top, or after its first step's loads): what the kernel boundaries of a step cost a stream of loads.
+
+    python scripts/load_patterns.py --chain 14.2 9.4 66 33 --layers 8 --units 1 2 --blocks 3 6
+
 Needs a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import numpy as np
@@ -38,15 +47,21 @@ typedef long long i64;
 
 __device__ __forceinline__ void mix(uint4& acc, const uint4& v) { acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w; }
 
-// Persistent grid: warp-steps of 32 * U units, lane i taking units step * 32 * U + 32 * s + i (s < U).
+// Persistent grid: warp-steps of 32 * U units, lane i taking units step * 32 * U + 32 * s + i (s < U). Each
+// kernel lets the next one launch at once (programmatic dependent launch; without it both are no-ops) and waits
+// for the previous one at its top, or (`early`) after its first step's loads (AFTER_FIRST_LOADS), as a product whose
+// input the previous kernel writes could.
+#define AFTER_FIRST_LOADS if (early && step == warp) asm volatile("griddepcontrol.wait;" ::: "memory")
 #define STEPS                                                                                          \
+    asm volatile("griddepcontrol.launch_dependents;");                                                 \
+    if (!early) asm volatile("griddepcontrol.wait;" ::: "memory");                                     \
     const int lane = threadIdx.x & 31;                                                                 \
     const i64 warp = blockIdx.x * 4 + (threadIdx.x >> 5), warps = (i64)gridDim.x * 4;                 \
     uint4 acc = {0, 0, 0, 0};                                                                          \
     for (i64 step = warp; step * 32 * U < units; step += warps)
 
 template <int U>
-__global__ void __launch_bounds__(128) q4k(const u8* __restrict__ w, i64 units, uint4* __restrict__ out) {
+__global__ void __launch_bounds__(128) q4k(const u8* __restrict__ w, i64 units, uint4* __restrict__ out, int early) {
     STEPS {
         uint4 h[U], lo[U], hi[U];
 #pragma unroll
@@ -58,6 +73,7 @@ __global__ void __launch_bounds__(128) q4k(const u8* __restrict__ w, i64 units, 
             lo[s] = __ldg(b + 1 + 2 * j);
             hi[s] = __ldg(b + 2 + 2 * j);
         }
+        AFTER_FIRST_LOADS;
 #pragma unroll
         for (int s = 0; s < U; ++s) { mix(acc, h[s]); mix(acc, lo[s]); mix(acc, hi[s]); }
     }
@@ -65,7 +81,7 @@ __global__ void __launch_bounds__(128) q4k(const u8* __restrict__ w, i64 units, 
 }
 
 template <int U>
-__global__ void __launch_bounds__(128) q6k(const u8* __restrict__ w, i64 units, uint4* __restrict__ out) {
+__global__ void __launch_bounds__(128) q6k(const u8* __restrict__ w, i64 units, uint4* __restrict__ out, int early) {
     const i64 nb = units / 4;
     STEPS {
         uint4 la[U], lb[U], hh[U], sc[U];
@@ -80,6 +96,7 @@ __global__ void __launch_bounds__(128) q6k(const u8* __restrict__ w, i64 units, 
             const uint2 scales = __ldg((const uint2*)(w + 192 * nb + blk * 16 + 8 * n));
             sc[s] = {scales.x, scales.y, (unsigned)__ldg((const u16*)(w + 208 * nb) + blk), 0u};
         }
+        AFTER_FIRST_LOADS;
 #pragma unroll
         for (int s = 0; s < U; ++s) { mix(acc, la[s]); mix(acc, lb[s]); mix(acc, hh[s]); mix(acc, sc[s]); }
     }
@@ -90,7 +107,7 @@ __global__ void __launch_bounds__(128) q6k(const u8* __restrict__ w, i64 units, 
 // with cp.async, 16 consecutive bytes a lane (coalesced), the next step's while it reads the current one's units
 // from shared memory in q4k's pattern (two buffers of U steps a warp).
 template <int U>
-__global__ void __launch_bounds__(128) q4k_staged(const u8* __restrict__ w, i64 units, uint4* __restrict__ out) {
+__global__ void __launch_bounds__(128) q4k_staged(const u8* __restrict__ w, i64 units, uint4* __restrict__ out, int early) {
     __shared__ __align__(16) u8 stage[4][2][U][1152];
     const int wi = threadIdx.x >> 5;
     int buffer = 0;
@@ -112,6 +129,7 @@ __global__ void __launch_bounds__(128) q4k_staged(const u8* __restrict__ w, i64 
         buffer ^= 1;
         if (next * 32 * U < units) issue(next);  // into the other buffer
         else asm volatile("cp.async.commit_group;" ::: "memory");
+        AFTER_FIRST_LOADS;
         asm volatile("cp.async.wait_group 1;" ::: "memory");
         __syncwarp();
 #pragma unroll
@@ -128,7 +146,7 @@ __global__ void __launch_bounds__(128) q4k_staged(const u8* __restrict__ w, i64 
 }
 
 template <int U>
-__global__ void __launch_bounds__(128) flat(const u8* __restrict__ w, i64 units, uint4* __restrict__ out) {
+__global__ void __launch_bounds__(128) flat(const u8* __restrict__ w, i64 units, uint4* __restrict__ out, int early) {
     STEPS {
         uint4 v[U][3];
 #pragma unroll
@@ -138,6 +156,7 @@ __global__ void __launch_bounds__(128) flat(const u8* __restrict__ w, i64 units,
 #pragma unroll
             for (int k = 0; k < 3; ++k) v[s][k] = __ldg(b + 32 * k);
         }
+        AFTER_FIRST_LOADS;
 #pragma unroll
         for (int s = 0; s < U; ++s) { mix(acc, v[s][0]); mix(acc, v[s][1]); mix(acc, v[s][2]); }
     }
@@ -154,6 +173,8 @@ def main() -> None:
     ap.add_argument("--units", type=int, nargs="+", default=[1, 2, 4], help="units in flight a lane")
     ap.add_argument("--blocks", type=int, nargs="+", default=[3, 6], help="blocks a multiprocessor")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--chain", type=float, nargs="+", help="MB of each kernel of a layer: time chains instead")
+    ap.add_argument("--layers", type=int, default=8, help="layers of --chain")
     args = ap.parse_args()
     backend = CUDABackend()
     device = backend.device
@@ -165,38 +186,106 @@ def main() -> None:
     finally:
         compiler.source = saved
     module = driver.Module(device, built.cubin, built.names, built.params)
-    cu = driver._cu()
     most = max(args.blocks) * device.sm_count
     out = driver.Memory(most * 128 * 16)
+    if args.chain:
+        chains(device, module, out, args)
+        return
     print("| pattern | units in flight | blocks an SM | MB | GB/s |\n|---|---:|---:|---:|---:|")
     for mbytes in args.mbytes:
         for pattern, unit_bytes in UNIT_BYTES.items():
             units = int(mbytes * 1e6 / unit_bytes) // 128 * 128
-            size = int(units * unit_bytes) + 4096
-            buffer = driver.Memory(size)
-            device.upload(buffer.ptr, np.random.default_rng(0).integers(0, 255, size, np.uint8))
+            buffer = random_buffer(device, int(units * unit_bytes) + 4096)
             for u in args.units:
                 kernel = module[f"{pattern}<{u}>"]
                 for blocks in args.blocks:
-                    grid = blocks * device.sm_count
-                    # at most `blocks` blocks a multiprocessor: each takes its share of the shared memory
-                    attrs = cu.CUfunction_attribute
-                    own = driver.check(
-                        cu.cuFuncGetAttribute(attrs.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, kernel.function)
-                    )
-                    smem = max(0, 200 * 1024 // blocks - own) if blocks < 8 else 0
-                    if smem > 48 * 1024:
-                        attr = attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                        driver.check(cu.cuFuncSetAttribute(kernel.function, attr, smem), "shared memory")
+                    launch = launcher(kernel, blocks, device, overlap=False)
                     times = []
                     for _ in range(args.reps):
                         timer = driver.Timer(device)
                         with timer:
-                            kernel((grid,), 128, buffer, units, out, smem=smem)
+                            launch(buffer.ptr, units, out, 0)
                         times.append(timer.seconds)
                     gbs = units * unit_bytes / statistics.median(times) / 1e9
                     print(f"| {pattern} | {u} | {blocks} | {mbytes} | {gbs:,.0f} |", flush=True)
             del buffer
+
+
+def chains(device, module, out, args) -> None:
+    """A layer's kernels (--chain MB each) over --layers layers, each kernel its own slice of one buffer: GB/s of
+    one launch over all of it, of the chain of launches, of the chain captured as a graph and replayed, and of that
+    graph with programmatic dependent launch, each kernel waiting for the one before at its top or after its first
+    step's loads."""
+    print(f"chain of {len(args.chain)} kernels x {args.layers} layers: {args.chain} MB")
+    print(
+        "| pattern | units in flight | blocks an SM | one launch | chain | graph | graph, PDL | graph, PDL, loads first |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for pattern, unit_bytes in UNIT_BYTES.items():
+        slices = [int(mb * 1e6 / unit_bytes) // 128 * 128 for mb in args.chain] * args.layers
+        total = sum(slices)
+        buffer = random_buffer(device, int(total * unit_bytes) + 4096)
+        starts = [buffer.ptr + int(start * unit_bytes) for start in np.cumsum([0, *slices[:-1]]).tolist()]
+        calls = {"one": [(buffer.ptr, total)], "chain": list(zip(starts, slices, strict=True))}
+        for u in args.units:
+            kernel = module[f"{pattern}<{u}>"]
+            for blocks in args.blocks:
+                rates = []
+                for how in ("one", "chain", "graph", "graph pdl", "graph pdl early"):
+                    launch = launcher(kernel, blocks, device, overlap="pdl" in how)
+                    early = int(how.endswith("early"))
+                    run = functools.partial(launch_all, launch, calls["one" if how == "one" else "chain"], out, early)
+                    if how.startswith("graph"):
+                        run = driver.Graph(device, run).replay
+                    times = []
+                    for _ in range(args.reps):
+                        timer = driver.Timer(device)
+                        with timer:
+                            run()
+                        times.append(timer.seconds)
+                    rates.append(total * unit_bytes / statistics.median(times) / 1e9)
+                print(f"| {pattern} | {u} | {blocks} | " + " | ".join(f"{r:,.0f}" for r in rates) + " |", flush=True)
+        del buffer
+
+
+def launch_all(launch, calls, out, early: int) -> None:
+    for ptr, units in calls:
+        launch(ptr, units, out, early)
+
+
+def random_buffer(device, size: int) -> driver.Memory:
+    buffer = driver.Memory(size)
+    device.upload(buffer.ptr, np.random.default_rng(0).integers(0, 255, size, np.uint8))
+    return buffer
+
+
+def launcher(kernel, blocks: int, device, overlap: bool):
+    """launch(w, units, out) on a persistent grid of `blocks` blocks a multiprocessor, each taking its share of the
+    shared memory (so at most `blocks` fit); `overlap`: with programmatic stream serialization (cuLaunchKernelEx)."""
+    cu = driver._cu()
+    attrs = cu.CUfunction_attribute
+    own = driver.check(cu.cuFuncGetAttribute(attrs.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, kernel.function))
+    smem = max(0, 200 * 1024 // blocks - own) if blocks < 8 else 0
+    if own + smem > 48 * 1024:  # static and dynamic together past 48 KiB: opt in
+        attr = attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.check(cu.cuFuncSetAttribute(kernel.function, attr, smem), "shared memory")
+    grid = blocks * device.sm_count
+    if not overlap:
+        return lambda *args: kernel((grid,), 128, *args, smem=smem)
+    attribute = cu.CUlaunchAttribute()
+    attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = 128, 1, 1
+    config.sharedMemBytes, config.hStream = smem, device.stream
+    config.attrs, config.numAttrs = [attribute], 1
+
+    def launch(*args):
+        kernel._values[: len(args)] = [driver._param(a) for a in args]
+        driver.check(cu.cuLaunchKernelEx(config, kernel.function, kernel._address, 0), "launch")
+
+    return launch
 
 
 if __name__ == "__main__":

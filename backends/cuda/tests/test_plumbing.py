@@ -77,7 +77,7 @@ class FakeDriver:
         return self.ok, 13000
 
     def cuStreamCreate(self, flags):
-        return self.ok, "stream"
+        return self.ok, self.real.CUstream(0x5157)  # a real handle: CUlaunchConfig takes no other
 
     def cuMemAlloc(self, size):
         ptr = self.next_ptr
@@ -557,3 +557,34 @@ def test_load_patterns_times_each_pattern_on_a_persistent_grid(fake, monkeypatch
     kernels = [(f, grid, block) for f, grid, block in fake.launches if f != "graph"]
     sms = CUDABackend().device.sm_count
     assert len(kernels) == 3 * len(rows) and {(g, b) for _, g, b in kernels} == {((2 * sms, 1, 1), 128)}
+
+
+def test_load_patterns_times_chains_of_kernels_plain_in_graphs_and_overlapped(fake, monkeypatch, capsys):
+    """load_patterns.py --chain on the fake driver: for each pattern one launch over all the layers' bytes, the chain
+    of a launch a kernel (2 kernels x 3 layers), and three graphs of that chain (plain launches; with programmatic
+    stream serialization, each kernel waiting at its top or after its first loads) captured once, replayed --reps
+    times."""
+    fake.cuEventElapsedTime = lambda start, end: (fake.ok, 1.0)
+    fake.cuFuncGetAttribute = lambda attribute, function: (fake.ok, 4096)
+    overlapped = []
+
+    def launch_ex(config, f, params, extra):
+        assert config.numAttrs == 1 and config.attrs[0].value.programmaticStreamSerializationAllowed == 1
+        overlapped.append(f)
+        grid = (config.gridDimX, config.gridDimY, config.gridDimZ)
+        return fake.cuLaunchKernel(f, *grid, config.blockDimX, 1, 1, config.sharedMemBytes, config.hStream, params, 0)
+
+    fake.cuLaunchKernelEx = launch_ex
+    script = Path(__file__).parents[3] / "scripts" / "load_patterns.py"
+    spec = importlib.util.spec_from_file_location("load_patterns", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = [str(script), "--chain", "1", "2", "--layers", "3", "--units", "1", "--blocks", "2", "--reps", "4"]
+    monkeypatch.setattr(sys, "argv", argv)
+    module.main()
+    rows = re.findall(r"\| (\w+) \| 1 \| 2 \|((?: [\d,]+ \|){5})$", capsys.readouterr().out, re.MULTILINE)
+    assert sorted(p for p, _ in rows) == sorted(module.UNIT_BYTES)
+    kernels = [f for f, _, _ in fake.launches if f != "graph"]
+    per_pattern = 4 * 1 + 4 * 6 + 3 * 6  # one launch and the chain each rep; each graph's chain captured once
+    assert len(kernels) == per_pattern * len(rows) and len(overlapped) == 2 * 6 * len(rows)
+    assert sum(f == "graph" for f, _, _ in fake.launches) == 3 * 4 * len(rows)
