@@ -23,7 +23,10 @@ With ``--chain MB...`` it times instead a decode step's chain of products: kerne
 and v 14.2, o 9.4, gate and up 66, down 33) over ``--layers`` layers, each its own slice of one buffer, as one
 launch over all of it, as the chain of launches, as that chain replayed from a graph, and as the graph with
 programmatic dependent launch (each kernel letting the next start at its top and waiting for the previous one at
-its top, or after its first step's loads): what the kernel boundaries of a step cost a stream of loads.
+its top, or after its first step's loads), and as one persistent launch of all the passes with a barrier of the
+whole grid between them, without and with each block prefetching into L2 the bytes of its first step of the next
+pass before it waits there (q4k, q4k_staged, flat: units in order): what the kernel boundaries of a step cost a
+stream of loads, and what a step run as one kernel would get back.
 
     python scripts/load_patterns.py --chain 14.2 9.4 66 33 --layers 8 --units 1 2 --blocks 3 6
 
@@ -47,124 +50,178 @@ typedef long long i64;
 
 __device__ __forceinline__ void mix(uint4& acc, const uint4& v) { acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w; }
 
-// Persistent grid: warp-steps of 32 * U units, lane i taking units step * 32 * U + 32 * s + i (s < U). Each
-// kernel lets the next one launch at once (programmatic dependent launch; without it both are no-ops) and waits
-// for the previous one at its top, or (`early`) after its first step's loads (AFTER_FIRST_LOADS), as a product whose
-// input the previous kernel writes could.
+// Each pattern's pass over `units` units at w, by a persistent grid: warp-steps of 32 * U units, lane i taking units
+// step * 32 * U + 32 * s + i (s < U). With `early` the warp waits for the previous kernel (programmatic dependent
+// launch) after its first step's loads (AFTER_FIRST_LOADS), as a product whose input the previous kernel writes could.
 #define AFTER_FIRST_LOADS if (early && step == warp) asm volatile("griddepcontrol.wait;" ::: "memory")
 #define STEPS                                                                                          \
-    asm volatile("griddepcontrol.launch_dependents;");                                                 \
-    if (!early) asm volatile("griddepcontrol.wait;" ::: "memory");                                     \
     const int lane = threadIdx.x & 31;                                                                 \
     const i64 warp = blockIdx.x * 4 + (threadIdx.x >> 5), warps = (i64)gridDim.x * 4;                 \
-    uint4 acc = {0, 0, 0, 0};                                                                          \
     for (i64 step = warp; step * 32 * U < units; step += warps)
 
 template <int U>
-__global__ void __launch_bounds__(128) q4k(const u8* __restrict__ w, i64 units, uint4* __restrict__ out, int early) {
-    STEPS {
-        uint4 h[U], lo[U], hi[U];
+struct Q4K {
+    static __device__ void pass(const u8* __restrict__ w, i64 units, uint4& acc, int early) {
+        STEPS {
+            uint4 h[U], lo[U], hi[U];
 #pragma unroll
-        for (int s = 0; s < U; ++s) {
-            const i64 u = min(step * 32 * U + 32 * s + lane, units - 1);
-            const uint4* b = (const uint4*)(w + (u >> 2) * 144);
-            const int j = (int)(u & 3);
-            h[s] = __ldg(b);
-            lo[s] = __ldg(b + 1 + 2 * j);
-            hi[s] = __ldg(b + 2 + 2 * j);
+            for (int s = 0; s < U; ++s) {
+                const i64 u = min(step * 32 * U + 32 * s + lane, units - 1);
+                const uint4* b = (const uint4*)(w + (u >> 2) * 144);
+                const int j = (int)(u & 3);
+                h[s] = __ldg(b);
+                lo[s] = __ldg(b + 1 + 2 * j);
+                hi[s] = __ldg(b + 2 + 2 * j);
+            }
+            AFTER_FIRST_LOADS;
+#pragma unroll
+            for (int s = 0; s < U; ++s) { mix(acc, h[s]); mix(acc, lo[s]); mix(acc, hi[s]); }
         }
-        AFTER_FIRST_LOADS;
-#pragma unroll
-        for (int s = 0; s < U; ++s) { mix(acc, h[s]); mix(acc, lo[s]); mix(acc, hi[s]); }
     }
-    out[blockIdx.x * 128 + threadIdx.x] = acc;
-}
+};
 
 template <int U>
-__global__ void __launch_bounds__(128) q6k(const u8* __restrict__ w, i64 units, uint4* __restrict__ out, int early) {
-    const i64 nb = units / 4;
-    STEPS {
-        uint4 la[U], lb[U], hh[U], sc[U];
+struct Q6K {
+    static __device__ void pass(const u8* __restrict__ w, i64 units, uint4& acc, int early) {
+        const i64 nb = units / 4;
+        STEPS {
+            uint4 la[U], lb[U], hh[U], sc[U];
 #pragma unroll
-        for (int s = 0; s < U; ++s) {
-            const i64 u = min(step * 32 * U + 32 * s + lane, units - 1), blk = u >> 2;
-            const int n = (int)((u & 3) >> 1), l0 = 16 * (int)(u & 1);
-            const u8* ql = w + blk * 128 + 64 * n + l0;
-            la[s] = __ldg((const uint4*)ql);
-            lb[s] = __ldg((const uint4*)(ql + 32));
-            hh[s] = __ldg((const uint4*)(w + 128 * nb + blk * 64 + 32 * n + l0));
-            const uint2 scales = __ldg((const uint2*)(w + 192 * nb + blk * 16 + 8 * n));
-            sc[s] = {scales.x, scales.y, (unsigned)__ldg((const u16*)(w + 208 * nb) + blk), 0u};
+            for (int s = 0; s < U; ++s) {
+                const i64 u = min(step * 32 * U + 32 * s + lane, units - 1), blk = u >> 2;
+                const int n = (int)((u & 3) >> 1), l0 = 16 * (int)(u & 1);
+                const u8* ql = w + blk * 128 + 64 * n + l0;
+                la[s] = __ldg((const uint4*)ql);
+                lb[s] = __ldg((const uint4*)(ql + 32));
+                hh[s] = __ldg((const uint4*)(w + 128 * nb + blk * 64 + 32 * n + l0));
+                const uint2 scales = __ldg((const uint2*)(w + 192 * nb + blk * 16 + 8 * n));
+                sc[s] = {scales.x, scales.y, (unsigned)__ldg((const u16*)(w + 208 * nb) + blk), 0u};
+            }
+            AFTER_FIRST_LOADS;
+#pragma unroll
+            for (int s = 0; s < U; ++s) { mix(acc, la[s]); mix(acc, lb[s]); mix(acc, hh[s]); mix(acc, sc[s]); }
         }
-        AFTER_FIRST_LOADS;
-#pragma unroll
-        for (int s = 0; s < U; ++s) { mix(acc, la[s]); mix(acc, lb[s]); mix(acc, hh[s]); mix(acc, sc[s]); }
     }
-    out[blockIdx.x * 128 + threadIdx.x] = acc;
-}
+};
 
 // q4k's units staged through shared memory: each warp copies the 1,152 bytes of a step's 32 units (eight blocks)
 // with cp.async, 16 consecutive bytes a lane (coalesced), the next step's while it reads the current one's units
 // from shared memory in q4k's pattern (two buffers of U steps a warp).
 template <int U>
-__global__ void __launch_bounds__(128) q4k_staged(const u8* __restrict__ w, i64 units, uint4* __restrict__ out, int early) {
-    __shared__ __align__(16) u8 stage[4][2][U][1152];
-    const int wi = threadIdx.x >> 5;
-    int buffer = 0;
-    auto issue = [&](i64 step) {  // the warp's U chunks of step `step` into stage[wi][buffer]
+struct Q4KStaged {
+    static __device__ void pass(const u8* __restrict__ w, i64 units, uint4& acc, int early) {
+        __shared__ __align__(16) u8 stage[4][2][U][1152];
+        const int wi = threadIdx.x >> 5;
+        int buffer = 0;
+        auto issue = [&](i64 step) {  // the warp's U chunks of step `step` into stage[wi][buffer]
 #pragma unroll
-        for (int s = 0; s < U; ++s) {
-            const i64 u0 = min(step * 32 * U + 32 * s, units - 32);
-            const u8* src = w + (u0 >> 2) * 144;
-            for (int at = 16 * (threadIdx.x & 31); at < 1152; at += 512) {
-                const unsigned dst = (unsigned)__cvta_generic_to_shared(&stage[wi][buffer][s][at]);
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src + at) : "memory");
+            for (int s = 0; s < U; ++s) {
+                const i64 u0 = min(step * 32 * U + 32 * s, units - 32);
+                const u8* src = w + (u0 >> 2) * 144;
+                for (int at = 16 * (threadIdx.x & 31); at < 1152; at += 512) {
+                    const unsigned dst = (unsigned)__cvta_generic_to_shared(&stage[wi][buffer][s][at]);
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src + at) : "memory");
+                }
             }
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    };
-    STEPS {
-        if (step == warp) issue(step);  // the first step's chunks
-        const i64 next = step + warps;
-        buffer ^= 1;
-        if (next * 32 * U < units) issue(next);  // into the other buffer
-        else asm volatile("cp.async.commit_group;" ::: "memory");
-        AFTER_FIRST_LOADS;
-        asm volatile("cp.async.wait_group 1;" ::: "memory");
-        __syncwarp();
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        };
+        STEPS {
+            if (step == warp) issue(step);  // the first step's chunks
+            const i64 next = step + warps;
+            buffer ^= 1;
+            if (next * 32 * U < units) issue(next);  // into the other buffer
+            else asm volatile("cp.async.commit_group;" ::: "memory");
+            AFTER_FIRST_LOADS;
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+            __syncwarp();
 #pragma unroll
-        for (int s = 0; s < U; ++s) {
-            const u8* b = &stage[wi][buffer ^ 1][s][(lane >> 2) * 144];
-            const int j = lane & 3;
-            mix(acc, *(const uint4*)b);
-            mix(acc, *(const uint4*)(b + 16 + 32 * j));
-            mix(acc, *(const uint4*)(b + 32 + 32 * j));
+            for (int s = 0; s < U; ++s) {
+                const u8* b = &stage[wi][buffer ^ 1][s][(lane >> 2) * 144];
+                const int j = lane & 3;
+                mix(acc, *(const uint4*)b);
+                mix(acc, *(const uint4*)(b + 16 + 32 * j));
+                mix(acc, *(const uint4*)(b + 32 + 32 * j));
+            }
+            __syncwarp();
         }
-        __syncwarp();
+        asm volatile("cp.async.wait_group 0;" ::: "memory");  // none in flight into stage past the pass
     }
+};
+
+template <int U>
+struct Flat {
+    static __device__ void pass(const u8* __restrict__ w, i64 units, uint4& acc, int early) {
+        STEPS {
+            uint4 v[U][3];
+#pragma unroll
+            for (int s = 0; s < U; ++s) {
+                const i64 u0 = min(step * 32 * U + 32 * s, units - 32);  // the warp's 32 units: 1,536 bytes
+                const uint4* b = (const uint4*)(w + u0 * 48) + lane;
+#pragma unroll
+                for (int k = 0; k < 3; ++k) v[s][k] = __ldg(b + 32 * k);
+            }
+            AFTER_FIRST_LOADS;
+#pragma unroll
+            for (int s = 0; s < U; ++s) { mix(acc, v[s][0]); mix(acc, v[s][1]); mix(acc, v[s][2]); }
+        }
+    }
+};
+
+// One kernel a pass. It lets the next kernel launch at once (programmatic dependent launch; without that launch
+// attribute both griddepcontrol instructions are no-ops) and waits for the previous one at its top, or with `early`
+// after its first step's loads.
+template <class P>
+__global__ void __launch_bounds__(128) one(const u8* __restrict__ w, i64 units, uint4* __restrict__ out, int early) {
+    asm volatile("griddepcontrol.launch_dependents;");
+    if (!early) asm volatile("griddepcontrol.wait;" ::: "memory");
+    uint4 acc = {0, 0, 0, 0};
+    P::pass(w, units, acc, early);
     out[blockIdx.x * 128 + threadIdx.x] = acc;
 }
 
-template <int U>
-__global__ void __launch_bounds__(128) flat(const u8* __restrict__ w, i64 units, uint4* __restrict__ out, int early) {
-    STEPS {
-        uint4 v[U][3];
-#pragma unroll
-        for (int s = 0; s < U; ++s) {
-            const i64 u0 = min(step * 32 * U + 32 * s, units - 32);  // the warp's 32 units: 1,536 bytes
-            const uint4* b = (const uint4*)(w + u0 * 48) + lane;
-#pragma unroll
-            for (int k = 0; k < 3; ++k) v[s][k] = __ldg(b + 32 * k);
+// The passes of a whole chain in one launch: pass i over counts[i] units at w + starts[i], a barrier of the whole
+// grid between passes (every block resident: the caller's grid fits at once). With `prefetch` each block asks L2,
+// before it waits at a barrier, for the bytes its warps' first step of the next pass reads (patterns whose units lie
+// in order: `bytes_unit` of them a unit), so that pass starts on L2 hits instead of a drained memory pipeline.
+template <class P, int U>
+__global__ void __launch_bounds__(128) phases(const u8* __restrict__ w, const i64* __restrict__ starts,
+                                              const i64* __restrict__ counts, int n, uint4* __restrict__ out,
+                                              unsigned* __restrict__ barrier, int prefetch, int bytes_unit) {
+    uint4 acc = {0, 0, 0, 0};
+    for (int i = 0; i < n; ++i) {
+        P::pass(w + starts[i], counts[i], acc, 0);
+        if (i + 1 == n) break;
+        if (prefetch) {  // the block's warps' first steps of pass i + 1: 4 x 32U units from unit 128U * block
+            const u8* next = w + starts[i + 1] + (i64)blockIdx.x * 128 * U * bytes_unit;
+            const i64 end = w + starts[i + 1] + counts[i + 1] * bytes_unit - next;
+            for (i64 at = 128 * threadIdx.x; at < min((i64)128 * U * bytes_unit, end); at += 128 * 128)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(next + at));
         }
-        AFTER_FIRST_LOADS;
-#pragma unroll
-        for (int s = 0; s < U; ++s) { mix(acc, v[s][0]); mix(acc, v[s][1]); mix(acc, v[s][2]); }
+        __syncthreads();
+        if (threadIdx.x == 0) {  // arrive, then wait for the grid's (i + 1)-th arrival of every block
+            __threadfence();
+            atomicAdd(barrier, 1u);
+            const unsigned target = (unsigned)(i + 1) * gridDim.x;
+            while (*(volatile unsigned*)barrier < target) {}
+            __threadfence();
+        }
+        __syncthreads();
     }
     out[blockIdx.x * 128 + threadIdx.x] = acc;
 }
 """
 # bytes a unit of each pattern (DRAM: the q4k head is read by four lanes, once from memory)
 UNIT_BYTES = {"q4k": 36, "q4k_staged": 36, "q6k": 52.5, "flat": 48}
+STRUCTS = {"q4k": "Q4K", "q4k_staged": "Q4KStaged", "q6k": "Q6K", "flat": "Flat"}
+# patterns whose units lie in order in memory (what `phases` prefetches for); q6k's planes do not
+
+
+def one_name(pattern: str, u: int) -> str:
+    return f"one<{STRUCTS[pattern]}<{u}>>"
+
+
+def phases_name(pattern: str, u: int) -> str:
+    return f"phases<{STRUCTS[pattern]}<{u}>, {u}>"
 
 
 def main() -> None:
@@ -178,7 +235,8 @@ def main() -> None:
     args = ap.parse_args()
     backend = CUDABackend()
     device = backend.device
-    names = [f"{p}<{u}>" for p in UNIT_BYTES for u in args.units]
+    names = [one_name(p, u) for p in UNIT_BYTES for u in args.units]
+    names += [phases_name(p, u) for p in UNIT_BYTES for u in args.units] if args.chain else []
     saved = compiler.source
     compiler.source = lambda name: SOURCE if name == "load_patterns.cu" else saved(name)
     try:
@@ -197,7 +255,7 @@ def main() -> None:
             units = int(mbytes * 1e6 / unit_bytes) // 128 * 128
             buffer = random_buffer(device, int(units * unit_bytes) + 4096)
             for u in args.units:
-                kernel = module[f"{pattern}<{u}>"]
+                kernel = module[one_name(pattern, u)]
                 for blocks in args.blocks:
                     launch = launcher(kernel, blocks, device, overlap=False)
                     times = []
@@ -213,24 +271,29 @@ def main() -> None:
 
 def chains(device, module, out, args) -> None:
     """A layer's kernels (--chain MB each) over --layers layers, each kernel its own slice of one buffer: GB/s of
-    one launch over all of it, of the chain of launches, of the chain captured as a graph and replayed, and of that
+    one launch over all of it, of the chain of launches, of the chain captured as a graph and replayed, of that
     graph with programmatic dependent launch, each kernel waiting for the one before at its top or after its first
-    step's loads."""
+    step's loads, and of the chain as one persistent launch with a grid barrier between passes, without and with
+    each block prefetching its next pass's first bytes into L2 before the barrier."""
     print(f"chain of {len(args.chain)} kernels x {args.layers} layers: {args.chain} MB")
     print(
-        "| pattern | units in flight | blocks an SM | one launch | chain | graph | graph, PDL | graph, PDL, loads first |"
+        "| pattern | units in flight | blocks an SM | one launch | chain | graph | graph, PDL | graph, PDL, loads first"
+        " | persistent | persistent, prefetch |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    barrier = driver.Memory(4)
     for pattern, unit_bytes in UNIT_BYTES.items():
         slices = [int(mb * 1e6 / unit_bytes) // 128 * 128 for mb in args.chain] * args.layers
         total = sum(slices)
         buffer = random_buffer(device, int(total * unit_bytes) + 4096)
         starts = [buffer.ptr + int(start * unit_bytes) for start in np.cumsum([0, *slices[:-1]]).tolist()]
         calls = {"one": [(buffer.ptr, total)], "chain": list(zip(starts, slices, strict=True))}
+        offsets = driver.Memory(16 * len(slices))  # the passes' byte offsets, then their unit counts (int64)
+        device.upload(offsets.ptr, np.array([p - buffer.ptr for p in starts] + slices, np.int64))
         for u in args.units:
-            kernel = module[f"{pattern}<{u}>"]
+            kernel = module[one_name(pattern, u)]
             for blocks in args.blocks:
-                rates = []
+                rates: list[float | None] = []
                 for how in ("one", "chain", "graph", "graph pdl", "graph pdl early"):
                     launch = launcher(kernel, blocks, device, overlap="pdl" in how)
                     early = int(how.endswith("early"))
@@ -244,7 +307,24 @@ def chains(device, module, out, args) -> None:
                             run()
                         times.append(timer.seconds)
                     rates.append(total * unit_bytes / statistics.median(times) / 1e9)
-                print(f"| {pattern} | {u} | {blocks} | " + " | ".join(f"{r:,.0f}" for r in rates) + " |", flush=True)
+                persistent = module[phases_name(pattern, u)]
+                launch = launcher(persistent, blocks, device, overlap=False)
+                for prefetch in (0, 1):
+                    if persistent.occupancy(128, launch.smem) < blocks:  # a barrier needs every block resident
+                        rates.append(None)
+                        continue
+                    in_order = 0 if pattern == "q6k" else int(unit_bytes)
+                    args_ = (buffer.ptr, offsets, offsets.ptr + 8 * len(slices), len(slices), out, barrier)
+                    times = []
+                    for _ in range(args.reps):
+                        device.upload(barrier.ptr, np.zeros(1, np.uint32))
+                        timer = driver.Timer(device)
+                        with timer:
+                            launch(*args_, prefetch * bool(in_order), in_order)
+                        times.append(timer.seconds)
+                    rates.append(total * unit_bytes / statistics.median(times) / 1e9)
+                cells = " | ".join("-" if r is None else f"{r:,.0f}" for r in rates)
+                print(f"| {pattern} | {u} | {blocks} | {cells} |", flush=True)
         del buffer
 
 
@@ -271,7 +351,9 @@ def launcher(kernel, blocks: int, device, overlap: bool):
         driver.check(cu.cuFuncSetAttribute(kernel.function, attr, smem), "shared memory")
     grid = blocks * device.sm_count
     if not overlap:
-        return lambda *args: kernel((grid,), 128, *args, smem=smem)
+        launch = functools.partial(kernel, (grid,), 128, smem=smem)
+        launch.smem = smem  # type: ignore[attr-defined]
+        return launch
     attribute = cu.CUlaunchAttribute()
     attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     attribute.value.programmaticStreamSerializationAllowed = 1

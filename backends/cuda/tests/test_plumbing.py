@@ -561,9 +561,9 @@ def test_load_patterns_times_each_pattern_on_a_persistent_grid(fake, monkeypatch
 
 def test_load_patterns_times_chains_of_kernels_plain_in_graphs_and_overlapped(fake, monkeypatch, capsys):
     """load_patterns.py --chain on the fake driver: for each pattern one launch over all the layers' bytes, the chain
-    of a launch a kernel (2 kernels x 3 layers), and three graphs of that chain (plain launches; with programmatic
+    of a launch a kernel (2 kernels x 3 layers), three graphs of that chain (plain launches; with programmatic
     stream serialization, each kernel waiting at its top or after its first loads) captured once, replayed --reps
-    times."""
+    times, and the persistent kernel of all the passes, without and with prefetching, --reps launches each."""
     fake.cuEventElapsedTime = lambda start, end: (fake.ok, 1.0)
     fake.cuFuncGetAttribute = lambda attribute, function: (fake.ok, 4096)
     overlapped = []
@@ -582,9 +582,11 @@ def test_load_patterns_times_chains_of_kernels_plain_in_graphs_and_overlapped(fa
     argv = [str(script), "--chain", "1", "2", "--layers", "3", "--units", "1", "--blocks", "2", "--reps", "4"]
     monkeypatch.setattr(sys, "argv", argv)
     module.main()
-    rows = re.findall(r"\| (\w+) \| 1 \| 2 \|((?: [\d,]+ \|){5})$", capsys.readouterr().out, re.MULTILINE)
+    rows = re.findall(r"\| (\w+) \| 1 \| 2 \|((?: [\d,]+ \|){7})$", capsys.readouterr().out, re.MULTILINE)
     assert sorted(p for p, _ in rows) == sorted(module.UNIT_BYTES)
     kernels = [f for f, _, _ in fake.launches if f != "graph"]
-    per_pattern = 4 * 1 + 4 * 6 + 3 * 6  # one launch and the chain each rep; each graph's chain captured once
+    # one launch and the chain each rep; each graph's chain captured once; the persistent kernel twice each rep
+    per_pattern = 4 * 1 + 4 * 6 + 3 * 6 + 2 * 4
     assert len(kernels) == per_pattern * len(rows) and len(overlapped) == 2 * 6 * len(rows)
+    assert sum("6phases" in f for f in kernels) == 2 * 4 * len(rows)  # mangled: _Z6phasesI...
     assert sum(f == "graph" for f, _, _ in fake.launches) == 3 * 4 * len(rows)
