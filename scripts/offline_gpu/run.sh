@@ -4,6 +4,10 @@
 #
 #     bash KIT/run.sh setup "build_llama 12" "gen llama3-8b l8b.gguf" "cuda base" "vs l8b.gguf 300 --reps=3"
 #
+# or, with the phases of the checkout rather than the kit's copy (which make_kit.sh took when it ran):
+#
+#     KIT=KIT bash scripts/offline_gpu/run.sh setup ...
+#
 # Each argument is one phase and its words. Results go to $OUT (default ./kit-out): each `leat bench` row's mean,
 # deviation, warm-up and per-run rates are appended to summary.txt. Phases:
 #   setup                      install the kit's wheels into /tmp/site (leat's, and those the machine lacks)
@@ -22,7 +26,7 @@
 #   pack DIR                   $OUT as one archive, DIR/kit-out.tgz (where a machine returns only a few files: run
 #                              with OUT outside the returned folder and pack into it at the end)
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site LEAT_HOME=/tmp/leat PATH=/tmp/site/bin:$PATH
-K=$(cd "$(dirname "$0")" && pwd)
+K=$(cd "${KIT:-$(dirname "$0")}" && pwd)
 OUT=${OUT:-$PWD/kit-out}
 mkdir -p "$OUT"
 G=/tmp/g
@@ -62,11 +66,13 @@ for phase in "$@"; do
     label=$2; shift 2; (export DEV=CUDA; for e in "$@"; do export "$e"; done; bench $label $G/l8b.gguf tinygrad -p 512 -n 128 -r 2) ;;
   cudatests)  # cudatests [SECONDS] [WORKERS]: killed whole (xdist's workers too) at SECONDS; the tally even then
     log cudatests
-    setsid python3 -m pytest backends/cuda/tests -m gpu -q -p no:cacheprovider ${3:+-n $3} > $OUT/cudatests.log 2>&1 &
+    # -v: a line a test as it ends (with xdist `[gwN] [ P%] OUTCOME path::test`), so a cut run still names its failures
+    setsid python3 -m pytest backends/cuda/tests -m gpu -v -p no:cacheprovider ${3:+-n $3} > $OUT/cudatests.log 2>&1 &
     tests=$!; for i in $(seq 1 ${2:-240}); do kill -0 $tests 2>/dev/null || break; sleep 1; done
     kill -0 $tests 2>/dev/null && { kill -9 -- -$tests; echo "cut at ${2:-240} s"; }
-    grep -E "passed|failed" $OUT/cudatests.log | tail -2; grep -E "^FAILED|^ERROR" $OUT/cudatests.log | head -20
-    grep -E '^[.sFEx]+( +\[ *[0-9]+%\])?$' $OUT/cudatests.log | tr -cd '.sFEx' | fold -w1 | sort | uniq -c | tr '\n' ' '; echo ;;
+    grep -E "^=+ .*(passed|failed|skipped).* =+$" $OUT/cudatests.log | tail -1
+    grep -E "\] (FAILED|ERROR) [^ ]+::" $OUT/cudatests.log | head -20  # the progress lines, not -ra's summary
+    grep -oE "\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) [^ ]+::" $OUT/cudatests.log | cut -d' ' -f2 | sort | uniq -c | tr '\n' ' '; echo ;;
   tgtests)
     log tgtests; DEV=CUDA timeout ${2:-200} python3 -m pytest backends/tinygrad/tests -q -p no:cacheprovider 2>&1 > $OUT/tgtests.log; grep -E "passed|failed" $OUT/tgtests.log | tail -2 ;;
   vs)  # vs FILE TIMEOUT "ARGS"
