@@ -106,13 +106,7 @@ __device__ __forceinline__ void rope_head(In in, float* __restrict__ yr, double 
     for (int i = threadIdx.x; i < head_dim / 2; i += blockDim.x) {
         if (i < half) {
             const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-            double s, c;
-            sincos(p * inv_freq[i], &s, &c);
-            s *= magnitude;
-            c *= magnitude;
-            const float cf = (float)c, sf = (float)s, xa = in(a), xb = in(b);
-            yr[a] = xa * cf - xb * sf;
-            yr[b] = xa * sf + xb * cf;
+            rope_pair(in(a), in(b), p * inv_freq[i], magnitude, yr[a], yr[b]);
         } else {
             yr[2 * i] = in(2 * i);
             yr[2 * i + 1] = in(2 * i + 1);
