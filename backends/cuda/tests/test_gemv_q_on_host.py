@@ -1,8 +1,9 @@
-"""matmul.cu's gemv_q with its ROPE epilogue compiled for the host with g++ and run with each CUDA thread a fiber
-(test_moe_mla_on_host.py's harness): one token's q, k and v products rotated and written into the cache by the
-products' own epilogue equal the products followed by rope_kv_write (ops.cu), bit for bit: the rotated q, every K
-and V cache element, for f16 and float32 caches, with q, k and v in one launch and with v in a launch of its own.
-No GPU needed; skipped where g++ is missing."""
+"""matmul.cu's gemv_q (one-token and two-token products with int16 x) compiled for the host with g++ and run with each
+CUDA thread a fiber (test_moe_mla_on_host.py's harness), against the float64 products: with a bias and a residual,
+the RMS norm inside, the gated unit, three segments in one launch (q, k and v), and the pipelined loop equal to the
+plain one bit for bit; and its ROPE epilogue (one token's q rotated out, k rotated and v written into the cache)
+equal to the products followed by rope_kv_write (ops.cu) bit for bit. The GPU tests check every instantiation on a GPU; these check the kernel's logic on any
+machine with g++ (skipped where it is missing)."""
 
 import ctypes
 import importlib.util
@@ -20,11 +21,39 @@ _spec.loader.exec_module(host)
 ptr, f32 = host.ptr, host.f32
 Q = gguf.GGMLQuantizationType
 
+# (struct, tokens, rows a warp, units, mode) of each exported instantiation: mode 1 norm, 2 gated unit, 4 pipelined
+SHAPES = [(s, 1, r, u, m) for s in ("TQ8_0", "TQ4_0") for r, u in ((8, 2), (2, 1)) for m in (0, 1, 4, 5)]
+SHAPES += [(s, 1, 1, 2, m) for s in ("TQ8_0", "TQ4_0") for m in (2, 3, 6, 7)]
+SHAPES += [(s, 2, 2, 2, m) for s in ("TQ8_0",) for m in (0, 3, 4, 7)]
+
+
+def _name(shape) -> str:
+    return "gemv_{}_{}_{}_{}_{}".format(*shape)
+
+
 HARNESS = r"""
+template <class T, int NC, int R, int U, int MODE>
+void product(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 nb3, const float* x, float* y, float* y2,
+             float* y3, const float* bias, const float* res, const float* nw, int M, int M2, int M3, int K, int grid) {
+    launch({(unsigned)grid, 1, 1}, 128, [=] {
+        gemv_q<T, NC, R, U, MODE>(w, w2, w3, nb, nb2, nb3, x, y, y2, y3, bias, nullptr, nullptr, res, nw, 1e-5f, M, M2,
+                                  M3, K, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0,
+                                  0, 0.0f);
+    });
+}
+#define PRODUCT(NAME, T, NC, R, U, MODE)                                                                              \
+    extern "C" void NAME(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 nb3, const float* x, float* y, \
+                         float* y2, float* y3, const float* bias, const float* res, const float* nw, int M, int M2,  \
+                         int M3, int K, int grid) {                                                                   \
+        product<T, NC, R, U, MODE>(w, w2, w3, nb, nb2, nb3, x, y, y2, y3, bias, res, nw, M, M2, M3, K, grid);        \
+    }
+""" + "\n".join(f"PRODUCT({_name(s)}, {s[0]}, {s[1]}, {s[2]}, {s[3]}, {s[4]})" for s in SHAPES)
+
+ROPE_HARNESS = r"""
 // gemv_q<TQ8_0, 1 token, 8 rows a warp, 2 units, MODE> over up to three segments (q, k, v) with the norm inside;
 // MODE 1 plain, 17 with the ROPE epilogue
 template <int MODE>
-void product(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 nb3, const float* x, float* y, float* y2,
+void rope_product(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 nb3, const float* x, float* y, float* y2,
              float* y3, const float* nw, int M, int M2, int M3, int K, int roles, const int* slots,
              const int* cache_pos, const int* table, const int* rope_pos, const double* inv_freq, void* kc, void* vc,
              int kv_f16, int head_dim, int dims, int per_slot, int page_size, float magnitude) {
@@ -41,7 +70,7 @@ void product(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 nb3, 
                          const int* slots, const int* cache_pos, const int* table, const int* rope_pos,               \
                          const double* inv_freq, void* kc, void* vc, int kv_f16, int head_dim, int dims,              \
                          int per_slot, int page_size, float magnitude) {                                              \
-        product<MODE>(w, w2, w3, nb, nb2, nb3, x, y, y2, y3, nw, M, M2, M3, K, roles, slots, cache_pos, table,       \
+        rope_product<MODE>(w, w2, w3, nb, nb2, nb3, x, y, y2, y3, nw, M, M2, M3, K, roles, slots, cache_pos, table,       \
                       rope_pos, inv_freq, kc, vc, kv_f16, head_dim, dims, per_slot, page_size, magnitude);           \
     }
 PRODUCT(product_plain, 1)
@@ -69,7 +98,6 @@ void rope_kv(const float* q, const float* k, const float* v, float* qy, KV* kc, 
 ROPE_KV(rope_kv_f32, float)
 ROPE_KV(rope_kv_f16, u16)
 """
-
 CACHES = {"f32": np.float32, "f16": np.uint16}
 
 
@@ -79,9 +107,58 @@ def kernels(tmp_path_factory):
     matmul = matmul[: matmul.index("// Y = X W^T (+ bias) for a few tokens")]  # gemv and gemv_q, not the GEMMs
     matmul = matmul.replace("extern __shared__ uint4 xsh[];", "uint4* xsh = (uint4*)host_smem;")
     headers = {name: host._kernel(name) for name in ("quants.cuh", "runs.cuh", "iq_grids.cuh")}
-    headers["mma.cuh"] = (Path(__file__).parent / "host" / "mma.cuh").read_text()
-    # ops.cu first: matmul.cu's mode macros (NORM, ...) would rename its template parameters
-    return host.host_library(tmp_path_factory, "gemv-q-host", host._kernel("ops.cu") + matmul + HARNESS, headers)
+    headers["mma.cuh"] = (Path(__file__).parent / "host" / "mma.cuh").read_text()  # included, not used by gemv_q
+    # ops.cu (rope_kv_write, the ROPE epilogue's reference) first: matmul.cu's mode macros (NORM, ...) would rename
+    # its template parameters
+    source = host._kernel("ops.cu") + matmul + HARNESS + ROPE_HARNESS
+    return host.host_library(tmp_path_factory, "gemv-q-host", source, headers)
+
+
+def _weights(qtype, rows, cols, rng):
+    """A random matrix as the backend uploads it (Q8_0: planes), its blocks, and its exact values."""
+    data = gguf.quants.quantize(f32(rng.standard_normal((rows, cols))), qtype)
+    exact = gguf.quants.dequantize(data, qtype).astype(np.float64)
+    return quants.device_bytes(qtype, data), quants.blocks_of(qtype, rows, cols), exact
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if not s[4] & 4], ids=_name)
+def test_gemv_q_against_float64_and_pipelined_equal_to_plain(kernels, shape):
+    """Rows not a multiple of any group (three segments of 75, 40 and 33 rows; the gated unit 75), several steps a
+    lane (960 columns: 60 units of 16 values, 30 of 32), a grid of 3 blocks for more groups (each block takes
+    several); a bias and a residual on the first segment; the pipelined twin (mode | 4) gives the same bits."""
+    struct, tokens, r, u, mode = shape
+    qtype = {"TQ8_0": Q.Q8_0, "TQ4_0": Q.Q4_0}[struct]
+    rng = np.random.default_rng(7000 + SHAPES.index(shape))
+    cols, gated = 960, bool(mode & 2)
+    sizes = [75] if gated else [75, 40, 33]
+    segments = [_weights(qtype, m, cols, rng) for m in sizes]
+    if gated:  # gate and up: w and w2, both of the gate's blocks (nb); no bias, no residual
+        segments.append(_weights(qtype, sizes[0], cols, rng))
+        ws, nbs, ms = [segments[0][0], segments[1][0], None], [segments[0][1], 0, 0], [sizes[0], 0, 0]
+    else:
+        ws, nbs, ms = [w for w, _, _ in segments], [nb for _, nb, _ in segments], sizes
+    x, nw = f32(rng.standard_normal((tokens, cols)) * 2), f32(rng.standard_normal(cols))
+    bias, res = (None, None) if gated else (f32(rng.standard_normal(75)), f32(rng.standard_normal((tokens, 75))))
+    results = []
+    for twin in (mode, mode | 4):
+        outs = [np.full((tokens, m), np.nan, np.float32) for m in ms[: len(sizes)]]
+        run = getattr(kernels, _name((struct, tokens, r, u, twin)))
+        run(*map(ptr, ws), *map(ctypes.c_longlong, nbs), ptr(x), *map(ptr, outs + [None] * (3 - len(outs))),
+            ptr(bias), ptr(res), ptr(nw if mode & 1 else None), *ms, cols, 3)  # fmt: skip
+        results.append(outs)
+    xr = x.astype(np.float64)
+    if mode & 1:
+        xr = xr / np.sqrt(np.mean(xr**2, axis=1, keepdims=True) + 1e-5) * nw
+    if gated:
+        g, v = xr @ segments[0][2].T, xr @ segments[1][2].T
+        wants = [g / (1 + np.exp(-g)) * v]
+    else:
+        wants = [xr @ exact.T for _, _, exact in segments]
+        wants[0] = wants[0] + bias + res
+    for got, want in zip(results[0], wants, strict=True):
+        assert relative_error(got, want) < 3e-4, shape
+    for plain, pipelined in zip(*results, strict=True):
+        np.testing.assert_array_equal(pipelined, plain)
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
