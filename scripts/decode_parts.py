@@ -13,20 +13,15 @@ fusing that kind of kernel could save at most. Each figure is the median of ``--
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections import Counter
 
 from leat_backend_cuda import driver
-from leat_backend_cuda.bench import one_token_step, step_ms
+from leat_backend_cuda.bench import one_token_step, step_arguments, step_ms
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
-    ap.add_argument("--position", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = step_arguments(__doc__, rounds=3)
     args = ap.parse_args()
     backend, arch, batch, kv = one_token_step(args.model, args.position)
 

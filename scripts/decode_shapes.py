@@ -14,11 +14,10 @@ rows-and-units: it holds twice the weights). ``--pipelined`` tries only the pipe
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 from leat_backend_cuda import quants
-from leat_backend_cuda.bench import one_token_step, step_ms
+from leat_backend_cuda.bench import one_token_step, step_arguments, step_ms
 
 SHAPES = [
     (r, u, 0) for r, u in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2))
@@ -28,11 +27,7 @@ SHAPES += [(r, u, quants.GEMV_Q_PIPE) for r, u in ((1, 1), (1, 2), (2, 1), (2, 2
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
-    ap.add_argument("--position", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap = step_arguments(__doc__, rounds=2)
     ap.add_argument("--pipelined", action="store_true", help="try only the pipelined shapes")
     args = ap.parse_args()
     shapes = [s for s in SHAPES if s[2]] if args.pipelined else SHAPES

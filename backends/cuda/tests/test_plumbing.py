@@ -540,16 +540,22 @@ def test_one_token_decode_rotates_and_writes_the_cache_in_the_products(fake, tmp
         assert len([f for f in names if f.startswith("_Z6gemv_q")]) == 4 * model.params.layers + 1
 
 
+def _script(name: str):
+    """scripts/NAME.py's path and the module loaded from it (its main() not run)."""
+    script = Path(__file__).parents[3] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return script, module
+
+
 def test_decode_parts_leaves_each_kind_of_kernel_out_of_the_graph(fake, tmp_path, monkeypatch, capsys):
     """scripts/decode_parts.py on the fake driver, where a replay takes a millisecond for each launch in the graph:
     the step's launches counted by kind, and the step with one kind left out shorter by exactly that kind's
     launches (so the kind was left out of the captured graph, and nothing else was)."""
     path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
     fake.cuEventElapsedTime = lambda start, end: (fake.ok, float(len(fake.captured[-1])))
-    script = Path(__file__).parents[3] / "scripts" / "decode_parts.py"
-    spec = importlib.util.spec_from_file_location("decode_parts", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    script, module = _script("decode_parts")
     monkeypatch.setattr(sys, "argv", [str(script), str(path), "--position", "5", "--reps", "1", "--rounds", "1"])
     module.main()
     out = capsys.readouterr().out
@@ -568,10 +574,7 @@ def test_load_patterns_times_each_pattern_on_a_persistent_grid(fake, monkeypatch
     and size, each from --reps launches of that pattern's kernel on blocks x multiprocessors blocks of 128 threads."""
     fake.cuEventElapsedTime = lambda start, end: (fake.ok, 1.0)
     fake.cuFuncGetAttribute = lambda attribute, function: (fake.ok, 4096)
-    script = Path(__file__).parents[3] / "scripts" / "load_patterns.py"
-    spec = importlib.util.spec_from_file_location("load_patterns", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    script, module = _script("load_patterns")
     argv = [str(script), "--mbytes", "1", "--units", "1", "2", "--blocks", "2", "--reps", "3"]
     monkeypatch.setattr(sys, "argv", argv)
     module.main()
@@ -598,10 +601,7 @@ def test_load_patterns_times_chains_of_kernels_plain_in_graphs_and_overlapped(fa
         return fake.cuLaunchKernel(f, *grid, config.blockDimX, 1, 1, config.sharedMemBytes, config.hStream, params, 0)
 
     fake.cuLaunchKernelEx = launch_ex
-    script = Path(__file__).parents[3] / "scripts" / "load_patterns.py"
-    spec = importlib.util.spec_from_file_location("load_patterns", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    script, module = _script("load_patterns")
     argv = [str(script), "--chain", "1", "2", "--layers", "3", "--units", "1", "--blocks", "2", "--reps", "4"]
     monkeypatch.setattr(sys, "argv", argv)
     module.main()

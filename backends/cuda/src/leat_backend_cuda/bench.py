@@ -45,6 +45,16 @@ def one_token_step(path: str, position: int) -> tuple[CUDABackend, Any, Batch, A
     return backend, arch, Batch([Row(0, position, token)]), kv
 
 
+def step_arguments(description: str | None, rounds: int) -> argparse.ArgumentParser:
+    """The decode-step scripts' arguments (MODEL, --position, --reps, --rounds), for :func:`one_token_step`."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--position", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    return ap
+
+
 def with_cublas(path: str) -> tuple[CUDABackend, Any]:
     """A CUDA backend with cuBLAS and the file at ``path`` loaded on it (its architecture); exits saying why where
     cuBLAS is missing (the scripts that compare its products with the own kernels)."""
