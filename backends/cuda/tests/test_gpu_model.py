@@ -193,12 +193,20 @@ def test_rope_epilogue_equals_rope_kv_write(tmp_path, kv_dtype, v_type):
         kv = backend.allocate_kv(Llama.kv_layouts(model.params), 1, 16, dtype=kv_dtype)
         steps = [Batch([Row(0, i, tokens[i : i + 1])]) for i in range(len(tokens))]
         logits = np.stack([backend.to_host(backend.run(model.forward, step, kv))[0] for step in steps])
-        caches = [backend.to_host(c) for layer in range(layers) for c in (kv.k[layer], kv.v[layer])]
+        caches = [_bytes(backend, c) for layer in range(layers) for c in (kv.k[layer], kv.v[layer])]
         results.append((logits, caches))
     assert len(taken) >= layers and all(t is not None for t in taken)  # the epilogue ran, every layer
     np.testing.assert_array_equal(results[0][0], results[1][0])
     for fused_cache, plain_cache in zip(results[0][1], results[1][1], strict=True):
+        assert fused_cache.any()  # written: the cache starts as zeros
         np.testing.assert_array_equal(fused_cache, plain_cache)
+
+
+def _bytes(backend, memory) -> np.ndarray:
+    """A device allocation's bytes (a KV plane: Memory, no shape or dtype of its own)."""
+    out = np.empty(memory.nbytes, np.uint8)
+    backend.device.download(out, memory.ptr)
+    return out
 
 
 def _recorded(method, results: list):
