@@ -1,7 +1,8 @@
 """matmul.cu's gemv_q (one-token and two-token products with int16 x) compiled for the host with g++ and run with each
 CUDA thread a fiber (test_moe_mla_on_host.py's harness), against the float64 products: with a bias and a residual,
 the RMS norm inside, the gated unit, three segments in one launch (q, k and v), and the pipelined loop equal to the
-plain one bit for bit. The GPU tests check every instantiation on a GPU; these check the kernel's logic on any
+plain one bit for bit; and its ROPE epilogue (one token's q rotated out, k rotated and v written into the cache)
+equal to the products followed by rope_kv_write (ops.cu) bit for bit. The GPU tests check every instantiation on a GPU; these check the kernel's logic on any
 machine with g++ (skipped where it is missing)."""
 
 import ctypes
@@ -38,7 +39,8 @@ void product(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 nb3, 
              float* y3, const float* bias, const float* res, const float* nw, int M, int M2, int M3, int K, int grid) {
     launch({(unsigned)grid, 1, 1}, 128, [=] {
         gemv_q<T, NC, R, U, MODE>(w, w2, w3, nb, nb2, nb3, x, y, y2, y3, bias, nullptr, nullptr, res, nw, 1e-5f, M, M2,
-                                  M3, K);
+                                  M3, K, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0,
+                                  0, 0.0f);
     });
 }
 #define PRODUCT(NAME, T, NC, R, U, MODE)                                                                              \
@@ -49,6 +51,57 @@ void product(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 nb3, 
     }
 """ + "\n".join(f"PRODUCT({_name(s)}, {s[0]}, {s[1]}, {s[2]}, {s[3]}, {s[4]})" for s in SHAPES)
 
+ROPE_HARNESS = r"""
+// gemv_q<TQ8_0, 1 token, 8 rows a warp, 2 units, MODE> over up to three segments (q, k, v) with the norm inside;
+// MODE 1 plain, 17 with the ROPE epilogue
+template <int MODE>
+void rope_product(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 nb3, const float* x, float* y, float* y2,
+             float* y3, const float* nw, int M, int M2, int M3, int K, int roles, const int* slots,
+             const int* cache_pos, const int* table, const int* rope_pos, const double* inv_freq, void* kc, void* vc,
+             int kv_f16, int head_dim, int dims, int per_slot, int page_size, float magnitude) {
+    const unsigned groups = (unsigned)((M + 31) / 32 + (M2 + 31) / 32 + (M3 + 31) / 32);
+    launch({groups < 3 ? groups : 3, 1, 1}, 128, [=] {  // fewer blocks than groups: each takes several
+        gemv_q<TQ8_0, 1, 8, 2, MODE>(w, w2, w3, nb, nb2, nb3, x, y, y2, y3, nullptr, nullptr, nullptr, nullptr, nw, 1e-5f,
+                                      M, M2, M3, K, roles, slots, cache_pos, table, rope_pos, inv_freq, kc, vc, kv_f16,
+                                      head_dim, dims, per_slot, page_size, magnitude);
+    });
+}
+#define PRODUCT(NAME, MODE)                                                                                           \
+    extern "C" void NAME(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 nb3, const float* x, float* y, \
+                         float* y2, float* y3, const float* nw, int M, int M2, int M3, int K, int roles,              \
+                         const int* slots, const int* cache_pos, const int* table, const int* rope_pos,               \
+                         const double* inv_freq, void* kc, void* vc, int kv_f16, int head_dim, int dims,              \
+                         int per_slot, int page_size, float magnitude) {                                              \
+        rope_product<MODE>(w, w2, w3, nb, nb2, nb3, x, y, y2, y3, nw, M, M2, M3, K, roles, slots, cache_pos, table,       \
+                      rope_pos, inv_freq, kc, vc, kv_f16, head_dim, dims, per_slot, page_size, magnitude);           \
+    }
+PRODUCT(product_plain, 1)
+PRODUCT(product_rope, 17)
+// rope_kv_write as the backend launches it (one-token q and k without per-head norms)
+template <typename KV>
+void rope_kv(const float* q, const float* k, const float* v, float* qy, KV* kc, KV* vc, const int* table,
+             const int* slots, const int* cache_pos, const int* rope_pos, const double* inv_freq, int heads,
+             int kv_heads, int head_dim, int dims, float magnitude, int per_slot, int page_size) {
+    const unsigned threads = (unsigned)max(32, min(256, (head_dim + 31) / 32 * 32));
+    launch({(unsigned)(heads + kv_heads), 1, 1}, threads, [=] {
+        rope_kv_write<KV, false>(q, k, v, nullptr, nullptr, 0.0f, 0.0f, qy, kc, vc, nullptr, nullptr, table, slots,
+                                 cache_pos, rope_pos, inv_freq, heads, kv_heads, head_dim, head_dim, dims, 0, magnitude,
+                                 per_slot, page_size);
+    });
+}
+#define ROPE_KV(NAME, KV)                                                                                             \
+    extern "C" void NAME(const float* q, const float* k, const float* v, float* qy, KV* kc, KV* vc, const int* table, \
+                         const int* slots, const int* cache_pos, const int* rope_pos, const double* inv_freq,         \
+                         int heads, int kv_heads, int head_dim, int dims, float magnitude, int per_slot,              \
+                         int page_size) {                                                                             \
+        rope_kv<KV>(q, k, v, qy, kc, vc, table, slots, cache_pos, rope_pos, inv_freq, heads, kv_heads, head_dim,     \
+                    dims, magnitude, per_slot, page_size);                                                           \
+    }
+ROPE_KV(rope_kv_f32, float)
+ROPE_KV(rope_kv_f16, u16)
+"""
+CACHES = {"f32": np.float32, "f16": np.uint16}
+
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
@@ -57,7 +110,10 @@ def kernels(tmp_path_factory):
     matmul = matmul.replace("extern __shared__ uint4 xsh[];", "uint4* xsh = (uint4*)host_smem;")
     headers = {name: host._kernel(name) for name in ("quants.cuh", "runs.cuh", "iq_grids.cuh")}
     headers["mma.cuh"] = (Path(__file__).parent / "host" / "mma.cuh").read_text()  # included, not used by gemv_q
-    return host.host_library(tmp_path_factory, "gemv-q-host", matmul + HARNESS, headers)
+    # ops.cu (rope_kv_write, the ROPE epilogue's reference) first: matmul.cu's mode macros (NORM, ...) would rename
+    # its template parameters
+    source = host._kernel("ops.cu") + matmul + HARNESS + ROPE_HARNESS
+    return host.host_library(tmp_path_factory, "gemv-q-host", source, headers)
 
 
 def _weights(qtype, rows, cols, rng):
@@ -107,3 +163,76 @@ def test_gemv_q_against_float64_and_pipelined_equal_to_plain(kernels, shape):
         assert relative_error(got, want) < 3e-4, shape
     for plain, pipelined in zip(*results, strict=True):
         np.testing.assert_array_equal(pipelined, plain)
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("together", [True, False])
+@pytest.mark.parametrize("slot", [0, -1])
+def test_rope_epilogue_equals_products_then_rope_kv_write(kernels, cache, together, slot):
+    """q (4 heads), k and v (2 heads) of 32 dimensions, 24 of them rotated, from one normed x of 256 values; the
+    token at position 6 of a slot whose pages are out of order (slot -1: a padding row, which writes no cache)."""
+    rng = np.random.default_rng(31 + together)
+    heads, kv_heads, head_dim, dims, k_cols, page_size = 4, 2, 32, 24, 256, 4
+    rows = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    data = [gguf.quants.quantize(f32(rng.standard_normal((m, k_cols))), Q.Q8_0) for m in rows]
+    weights = [quants.device_bytes(Q.Q8_0, d) for d in data]  # as the backend uploads them (Q8_0: planes)
+    blocks = [quants.blocks_of(Q.Q8_0, m, k_cols) for m in rows]
+    x, nw = f32(rng.standard_normal(k_cols) * 2), f32(rng.standard_normal(k_cols))
+    inv_freq = np.ascontiguousarray(10000.0 ** (-np.arange(dims // 2) * 2 / dims), np.float64)
+    table, slots, cache_pos, rope_pos = (
+        np.array([[2, 0, 1]], np.int32),
+        np.array([slot], np.int32),
+        np.array([6], np.int32),
+        np.array([6], np.int32),
+    )
+    size = 3 * page_size * kv_heads * head_dim
+    magnitude = ctypes.c_float(0.9)
+    kv_f16 = int(cache == "f16")
+    none = (0, None, None, None, None, None, None, None, 0, 0, 0, 0, 0, ctypes.c_float(0.0))
+
+    def launch(fn, segments, outs, roles=0, caches=(None, None)):
+        nbs = [blocks[i] for i in segments] + [0] * (3 - len(segments))
+        ms = [rows[i] for i in segments] + [0] * (3 - len(segments))
+        segments = [weights[i] for i in segments] + [None] * (3 - len(segments))
+        outs = outs + [None] * (3 - len(outs))
+        rope = (
+            (roles, ptr(slots), ptr(cache_pos), ptr(table), ptr(rope_pos), ptr(inv_freq), *map(ptr, caches), kv_f16)
+            + (head_dim, dims, table.shape[1], page_size, magnitude)
+            if roles
+            else tuple(ptr(a) if isinstance(a, np.ndarray) or a is None else a for a in none)
+        )
+        fn(*map(ptr, segments), *map(ctypes.c_longlong, nbs), ptr(x), *map(ptr, outs), ptr(nw), *ms, k_cols, *rope)
+
+    # the plain products, then rope_kv_write
+    y = [np.full(m, np.nan, np.float32) for m in rows]
+    launch(kernels.product_plain, [0, 1, 2], list(y))
+    normed = x.astype(np.float64) / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5) * nw
+    for d, got in zip(data, y, strict=True):  # the products themselves: the float64 products of x's norm
+        assert relative_error(got, gguf.quants.dequantize(d, Q.Q8_0).astype(np.float64) @ normed) < 3e-4
+    want_q = np.full(rows[0], np.nan, np.float32)
+    want_k, want_v = np.zeros(size, CACHES[cache]), np.zeros(size, CACHES[cache])
+    getattr(kernels, f"rope_kv_{cache}")(
+        *map(ptr, (y[0], y[1], y[2], want_q, want_k, want_v, table, slots, cache_pos, rope_pos, inv_freq)),
+        heads,
+        kv_heads,
+        head_dim,
+        dims,
+        magnitude,
+        table.shape[1],
+        page_size,
+    )
+    # the products with the ROPE epilogue: q, k and v in one launch, or q and k, then v
+    got_q = np.full(rows[0], np.nan, np.float32)
+    got_k, got_v = np.zeros(size, CACHES[cache]), np.zeros(size, CACHES[cache])
+    if together:
+        launch(kernels.product_rope, [0, 1, 2], [got_q], 1 | 2 << 2 | 3 << 4, (got_k, got_v))
+    else:
+        launch(kernels.product_rope, [0, 1], [got_q], 1 | 2 << 2, (got_k, got_v))
+        launch(kernels.product_rope, [2], [], 3, (got_k, got_v))
+    np.testing.assert_array_equal(got_q, want_q)
+    np.testing.assert_array_equal(got_k, want_k)
+    np.testing.assert_array_equal(got_v, want_v)
+    if slot >= 0:  # the token's rows were written: the test compares something
+        assert np.count_nonzero(want_k) >= kv_heads * head_dim - 2 and np.count_nonzero(want_v) > 0
+    else:
+        assert not np.any(want_k) and not np.any(got_v)

@@ -171,6 +171,54 @@ def test_fused_decode_equals_unfused(files, name):
     assert result.max_abs_logit_diff < 5e-3, str(result)
 
 
+@pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
+@pytest.mark.parametrize("v_type", ["Q8_0", "Q4_0"])
+def test_rope_epilogue_equals_rope_kv_write(tmp_path, kv_dtype, v_type):
+    """One token a step, graph-replayed: q, k and v with RoPE and the cache write in gemv_q's epilogue (GEMV_Q_ROPE;
+    v in a launch of its own where its type differs from q's and k's, as Q4_K_M's Q6_K v does) give the logits and
+    the cache that the products followed by rope_kv_write give, bit for bit."""
+    import gguf
+    from leat_backend_cuda.backend import CUDABackend
+
+    q = gguf.GGMLQuantizationType
+    layers = Llama.tiny().layers
+    types = {f"blk.{i}.attn_v.weight": q[v_type] for i in range(layers)}
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", q.Q8_0, seed=21, types=types)
+    results, taken = [], []
+    for fused in (True, False):
+        backend = CUDABackend(poison=True)
+        backend._write_kv_fused = _recorded(backend._write_kv_fused, taken) if fused else lambda *args: None
+        model = load(path, backend)
+        tokens = prompt(model, 10, seed=4)
+        kv = backend.allocate_kv(Llama.kv_layouts(model.params), 1, 16, dtype=kv_dtype)
+        steps = [Batch([Row(0, i, tokens[i : i + 1])]) for i in range(len(tokens))]
+        logits = np.stack([backend.to_host(backend.run(model.forward, step, kv))[0] for step in steps])
+        caches = [_bytes(backend, c) for layer in range(layers) for c in (kv.k[layer], kv.v[layer])]
+        results.append((logits, caches))
+    assert len(taken) >= layers and all(t is not None for t in taken)  # the epilogue ran, every layer
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    for fused_cache, plain_cache in zip(results[0][1], results[1][1], strict=True):
+        assert fused_cache.any()  # written: the cache starts as zeros
+        np.testing.assert_array_equal(fused_cache, plain_cache)
+
+
+def _bytes(backend, memory) -> np.ndarray:
+    """A device allocation's bytes (a KV plane: Memory, no shape or dtype of its own)."""
+    out = np.empty(memory.nbytes, np.uint8)
+    backend.device.download(out, memory.ptr)
+    return out
+
+
+def _recorded(method, results: list):
+    """``method``, with each of its results appended to ``results``."""
+
+    def call(*args):
+        results.append(method(*args))
+        return results[-1]
+
+    return call
+
+
 def test_steps_with_prefill_chunks_replay_a_graph_and_equal_eager(files, cuda):
     """A step that carries prompt chunks beside decode rows runs as a captured graph (every token a row of its
     own, the asked-for logits picked inside): its logits and the cache it leaves equal the eager step's."""

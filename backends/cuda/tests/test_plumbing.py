@@ -517,6 +517,29 @@ def test_a_timer_destroys_its_events_when_collected(fake):
     assert destroyed == events
 
 
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+def test_one_token_decode_rotates_and_writes_the_cache_in_the_products(fake, tmp_path, dtype):
+    """One token a step, a float32 or f16 cache: q, k and v run as one gemv_q with the ROPE epilogue (mode bit 16: q
+    rotated out, k rotated and v into the cache), and no rope_kv_write is launched. Two rows a step keep
+    rope_kv_write (as a q8_0 cache does, whose blocks of 32 values span rows: not on the tiny model, whose heads
+    have 16)."""
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=2, context=64, dtype=dtype)
+    model.forward(Batch([Row(0, 0, np.arange(20) % 300), Row(1, 0, np.arange(3))]), kv)
+    for rows, fused in ((1, True), (2, False)):
+        fake.launches.clear()
+        decode = Batch([Row(0, 20, np.array([5])), Row(1, 3, np.array([7]))][:rows])
+        backend.to_host(model.forward(decode, kv))
+        names = [f for f, _, _ in fake.launches]
+        rope_kv = [f for f in names if f.startswith("_Z13rope_kv_write")]
+        with_rope = [f for f in names if f.startswith("_Z6gemv_q") and "ELi17EEv" in f]  # mode NORM | ROPE
+        assert len(rope_kv) == (0 if fused else model.params.layers), (rows, dtype)
+        assert len(with_rope) == (model.params.layers if fused else 0), (rows, dtype)
+        assert len([f for f in names if f.startswith("_Z6gemv_q")]) == 4 * model.params.layers + 1
+
+
 def _script(name: str):
     """scripts/NAME.py's path and the module loaded from it (its main() not run)."""
     script = Path(__file__).parents[3] / "scripts" / f"{name}.py"
@@ -540,7 +563,7 @@ def test_decode_parts_leaves_each_kind_of_kernel_out_of_the_graph(fake, tmp_path
     assert float(whole) == int(launches) > 0
     rows = re.findall(r"\| (`\w+`|all but `gemv_q`) \| (\d+) \| ([\d.]+) \|", out)
     kinds = {name.replace("`", ""): (int(count), float(ms)) for name, count, ms in rows}
-    assert {"gemv_q", "rope_kv_write", "attention", "all but gemv_q"} <= set(kinds)
+    assert {"gemv_q", "attention", "all but gemv_q"} <= set(kinds) and "rope_kv_write" not in kinds  # in q/k/v's
     assert kinds["gemv_q"][0] == 4 * 2 + 1  # tiny Llama: 2 layers of q+k+v, o, gate+up, down; the output matrix
     for count, ms in kinds.values():
         assert ms == int(launches) - count

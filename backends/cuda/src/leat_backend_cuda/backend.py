@@ -231,6 +231,19 @@ def _with_tokens(batch: Batch, fed: Any) -> Batch:
 
 
 @dataclass
+class RopeWrite:
+    """What gemv_q's ROPE epilogue takes (kernels/matmul.cu): each segment's role in ``roles`` (2 bits a segment:
+    0 out, 1 q rotated out, 2 k rotated into the K cache, 3 v into the V cache) and the kernel arguments after it."""
+
+    roles: int
+    rest: tuple
+
+    @property
+    def arguments(self) -> tuple:
+        return (self.roles, *self.rest)
+
+
+@dataclass
 class _Captured:
     graph: driver.Graph
     pool: driver.Pool
@@ -292,6 +305,13 @@ def _rope_pair(q: Any, k: Any) -> bool:
     (_, qx, q_positions, q_spec), (_, kx, k_positions, k_spec) = q.fusion, k.fusion
     same = q_positions is k_positions and q_spec is k_spec and q.shape[2] == k.shape[2] <= ROPE_KV_MAX_DIM
     return same and _is_norm(qx) == _is_norm(kx)
+
+
+def _waiting_product(x: Any) -> Pending | None:
+    """The gemv_q product still waiting behind ``x`` (itself or through a pending view), or None."""
+    if isinstance(x, Pending) and x.waiting("view"):
+        x = x.fusion[1]
+    return x if isinstance(x, Pending) and x.waiting("matmul") and not x.fused else None
 
 
 def _is_norm(x: Any) -> bool:
@@ -864,10 +884,14 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             column += rows
         return y, xscale
 
-    def _gemv_q(self, x, segments, residual=None, up: Matrix | None = None, out=None) -> list[DeviceArray]:
+    def _gemv_q(
+        self, x, segments, residual=None, up: Matrix | None = None, out=None, rope: RopeWrite | None = None
+    ) -> list[DeviceArray]:
         """One gemv_q launch: ``x`` times each (weight, bias) of ``segments`` (up to 3, same type and
         row length); a pending RMS norm of ``x`` is applied in the kernel; ``residual`` is added to the
-        first output; with ``up``, the single segment is the gate of silu(x G^T) * (x U^T)."""
+        first output; with ``up``, the single segment is the gate of silu(x G^T) * (x U^T); with ``rope``, the
+        segments' roles (q rotated, k rotated into the cache, v into the cache) in the epilogue (_write_kv_fused),
+        an output only for q's."""
         mode, norm_weight, eps = 0, None, 0.0
         if isinstance(x, Pending) and x.waiting("norm"):
             _, x, norm_weight, eps = x.fusion
@@ -878,8 +902,14 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         k = x.shape[-1]
         n = x.size // k
         first = segments[0][0]
-        outs = [out] if out is not None else [self._empty(x.shape[:-1] + (w.rows,)) for w, _ in segments]
+        roles = [(rope.roles >> (2 * i)) & 3 if rope is not None else 0 for i in range(len(segments))]
+        outs = [out] if out is not None else [None] * len(segments)
+        for i, ((w, _), role) in enumerate(zip(segments, roles, strict=True)):
+            if outs[i] is None and role < 2:  # k's and v's rows go into the cache under ROPE
+                outs[i] = self._empty(x.shape[:-1] + (w.rows,))
         rows, units, variant = quants.gemv_q_shape(n, mode, sum(w.rows for w, _ in segments), k)
+        if rope is not None:
+            mode |= quants.GEMV_Q_ROPE
         kernel = first.kernels[quants.gemv_q_name(first.qtype, n, (rows, units), mode | variant)]
         smem = quants.gemv_q_smem(first.qtype, n, k)
         groups = sum(-(-w.rows // (4 * rows)) for w, _ in segments)
@@ -902,6 +932,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             float(eps),
             *[w.rows if w else 0 for w in weights],
             k,
+            *(rope.arguments if rope is not None else quants.GEMV_Q_NO_ROPE),
             smem=smem,
         )
         return outs
@@ -1088,9 +1119,8 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
     def _attend(
         self, q, k, v, kv: KVCache, layer: int, batch: Batch, scale: float, softcap: float, sinks=None
     ) -> DeviceArray:
-        v = _ready(v)
         n, heads, dk = q.shape
-        kv_heads, dv = v.shape[1], v.shape[2]
+        kv_heads, dv = v.shape[1], v.shape[2]  # v may still be pending: _write_kv may take its product in
         slots, positions, span = self._token_rows(batch)
         q, (kind, (_, _, k_scale, v_scale, table), per_slot) = self._write_kv(k, v, kv, layer, slots, positions, q)
         # a prefill (some row has several tokens; never a captured decode step): tensor cores over an f16
@@ -1158,6 +1188,9 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         cache as the attention kernels take it (K, V, q8_0's scale planes or None, the layer's device page table) and
         the pages per slot. Where q and k are both still to be rotated (rope, rope_norm), one rope_kv_write launch
         rotates them and writes the cache."""
+        fused = self._write_kv_fused(q, k, v, kv, layer, slots, positions)
+        if fused is not None:
+            return fused
         v = _ready(v)
         n, kv_heads, dk = k.shape
         self._sync_pages(kv)
@@ -1205,6 +1238,52 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             kv.page_size,
         )
         return qy, (kind, cache, per_slot)
+
+    def _write_kv_fused(self, q, k, v, kv: KVCache, layer: int, slots, positions) -> tuple[Any, tuple] | None:
+        """_write_kv without rope_kv_write, where it can be: one token's q, k and v still waiting as gemv_q products
+        of one x, q and k to be rotated by one RoPE of adjacent pairs with no per-head norm, a float32 or f16 cache.
+        Their products run with the rotation and the cache write in gemv_q's epilogue (GEMV_Q_ROPE: the same values
+        bit for bit), q, k and v in one launch where they share a type (else q and k, then v); None where it does
+        not apply."""
+        if q is None or not _rope_pair(q, k) or _is_norm(q.fusion[1]):
+            return None
+        _, qx, rope_positions, spec = q.fusion
+        n, _, dk = q.shape
+        kind = KV_DTYPES[kv.dtype][0]
+        products = [_waiting_product(a) for a in (qx, k.fusion[1], v)]
+        if n != 1 or kind == "i8" or spec.neox or dk % 2 or spec.dims % 2 or None in products:
+            return None
+        qp, kp, vp = products
+        x, qtype = qp.fusion[1], qp.fusion[2].qtype
+        if kp.fusion[1] is not x or vp.fusion[1] is not x or kp.fusion[2].qtype != qtype:
+            return None
+        # (products, roles): q out rotated (1), k rotated into the cache (2), v into the cache (3); 2 bits a segment
+        if vp.fusion[2].qtype == qtype:
+            launches = [([qp, kp, vp], 1 | 2 << 2 | 3 << 4)]
+        else:
+            launches = [([qp, kp], 1 | 2 << 2), ([vp], 3)]
+        if not all(self._rope_twin(x, group) for group, _ in launches):
+            return None
+        self._sync_pages(kv)
+        table = kv.device_tables[kv.group_of[layer]]
+        per_slot = kv.tables[0].shape[1]
+        rest = (slots, positions, table, self._ints(rope_positions), self._rope_table(spec), kv.k[layer], kv.v[layer])
+        rest += (int(kind == "u16"), dk, spec.dims, per_slot, kv.page_size, float(spec.attn_factor))
+        outs = []
+        for group, roles in launches:
+            outs += self._gemv_q(x, [(p.fusion[2], p.fusion[3]) for p in group], rope=RopeWrite(roles, rest))
+        for pending in (*products, q, k):
+            pending.fused = True  # taken in: launched again only if something else asks for it
+        return outs[0].view(q.shape), (kind, (kv.k[layer], kv.v[layer], None, None, table), per_slot)
+
+    def _rope_twin(self, x, group: list[Pending]) -> bool:
+        """Whether the launch of ``group``'s products has a ROPE twin: the rule's shape for them, rows a warp even
+        and not pipelined, compiled with GEMV_Q_ROPE."""
+        weight = group[0].fusion[2]
+        mode = quants.GEMV_Q_NORM if isinstance(x, Pending) and x.waiting("norm") else 0
+        rows, units, variant = quants.gemv_q_shape(1, mode, sum(p.fusion[2].rows for p in group), weight.cols)
+        name = quants.gemv_q_name(weight.qtype, 1, (rows, units), mode | variant | quants.GEMV_Q_ROPE)
+        return variant == 0 and rows % 2 == 0 and weight.kernels is not None and name in weight.kernels.kernels
 
     def _flash(self, q, kv: KVCache, layer: int, batch: Batch, table, slots, positions, scale: float, softcap: float):
         """Tensor-core attention for a prefill over an f16 cache (kernels/flash.cu): the batch's rows cut

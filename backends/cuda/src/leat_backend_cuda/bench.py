@@ -264,6 +264,7 @@ def micro(backend: CUDABackend, arch: Any, rows: list[dict[str, Any]], args: arg
                     0,
                     0,
                     cols,
+                    *quants.GEMV_Q_NO_ROPE,
                 )
             else:
                 params = (m.ptr, m.blocks, one, out, None, rows_, cols)

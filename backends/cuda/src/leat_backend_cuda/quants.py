@@ -79,6 +79,9 @@ GEMV_Q_NORM, GEMV_Q_GLU = 1, 2
 #: gemv_q's mode bit for its pipelined loop (the next step's loads issued before the current step's products): a
 #: variant of the kernel, not a fusion (scripts/decode_shapes.py times it; the gated unit and the long down rows take it)
 GEMV_Q_PIPE = 4
+#: gemv_q's fusion bit for RoPE and the cache write in its epilogue (one token; rows of q rotated into its output, of k
+#: rotated into the K cache, of v into the V cache: rope_kv_write's work without its launch)
+GEMV_Q_ROPE = 16
 #: tokens up to which gemv_q is instantiated with fusion modes
 GEMV_Q_FUSED_TOKENS = 2
 #: (tokens, rows per warp, units per lane, mode) of every gemv_q instantiation
@@ -90,6 +93,13 @@ GEMV_Q_VARIANTS = (
     + [(2, 2, 2, m) for m in (0, 1, 2, 3)]
     + [(3, 2, 1, 0), (4, 2, 1, 0)]
 )
+#: the ROPE twins: the one-token shapes the rule gives q, k and v (rows a warp even, no gated unit, not pipelined)
+GEMV_Q_VARIANTS += [
+    (1, r, u, m | GEMV_Q_ROPE) for t, r, u, m in GEMV_Q_VARIANTS if t == 1 and m in (0, 1) and r % 2 == 0
+]
+#: gemv_q's last arguments where it has no ROPE epilogue: roles, the token slots, positions, page table, RoPE
+#: positions, frequencies, K and V caches; f16 or not, head_dim, dims, pages a slot, page size, the factor
+GEMV_Q_NO_ROPE: tuple = (0, None, None, None, None, None, None, None, 0, 0, 0, 0, 0, 0.0)
 
 
 def gemv_q_shape(tokens: int, mode: int, rows: int, cols: int) -> tuple[int, int, int]:

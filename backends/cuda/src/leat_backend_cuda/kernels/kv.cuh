@@ -1,7 +1,21 @@
 // What the attention kernels (ops.cu, mla.cu) share: the KV cache's element types, float32, f16 (u16)
-// or q8_0 (i8), read as floats and written from floats; and the merge of a block's warps at the end.
+// or q8_0 (i8), read as floats and written from floats; and the merge of a block's warps at the end. And what the
+// kernels that rotate k before writing it share with the rest: RoPE's pair rotation.
 #pragma once
 #include "common.cuh"
+
+// One RoPE pair: (xa, xb) rotated by `angle` (float64, as the oracle computes it), cos and sin times `magnitude`
+// (RopeSpec.attn_factor); each product and sum rounded on its own (no fused multiply-add), so that every kernel that
+// rotates (rope, rope_norm, rope_kv_write, gemv_q's ROPE epilogue) gives the same bits.
+__device__ __forceinline__ void rope_pair(float xa, float xb, double angle, float magnitude, float& ya, float& yb) {
+    double s, c;
+    sincos(angle, &s, &c);
+    s *= magnitude;
+    c *= magnitude;
+    const float cf = (float)c, sf = (float)s;
+    ya = __fsub_rn(__fmul_rn(xa, cf), __fmul_rn(xb, sf));
+    yb = __fadd_rn(__fmul_rn(xa, sf), __fmul_rn(xb, cf));
+}
 
 // Eight consecutive values (16-byte aligned) as floats.
 __device__ __forceinline__ void load8(const float* p, float (&k)[8]) {

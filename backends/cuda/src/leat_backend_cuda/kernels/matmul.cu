@@ -4,6 +4,7 @@
 //
 // Weights W are [M, K] row-major (GGUF order), activations X [N, K] float32, outputs Y [N, M].
 #include "runs.cuh"
+#include "kv.cuh"  // rope_pair, for the ROPE epilogue
 #include "mma.cuh"
 
 // Y = X W^T (+ bias) for N = NC tokens. Each warp computes R output rows; its lanes stride over
@@ -89,9 +90,78 @@ __global__ void __launch_bounds__(128) gemv(const u8* __restrict__ w, i64 nb, co
 // With PIPE (a variant, not a fusion) a warp issues the loads of its next step (the next U units of its rows, or
 // the first of its next group's) before the dot products of the current one, so its loads stay in flight while it
 // computes; the sums are the same, in the same order.
+//
+// With ROPE (one token a launch; not with GLU or PIPE; R even) the rows do not all go to y: segment s's role,
+// (roles >> 2s) & 3, is 0 (to its y, as without ROPE), 1 (q: rotated pair by pair, rows 2i and 2i + 1 of each head of
+// `head_dim` rows, into its y), 2 (k: rotated the same way, into the cache's K rows) or 3 (v: into the cache's V
+// rows of `dv`): rope_kv_write's values bit for bit (rope_pair; kv_put's f16 rounding), with no launch of its own.
 #define NORM 1
 #define GLU 2
 #define PIPE 4
+#define ROPE 16
+
+// Where gemv_q's ROPE epilogue puts its rows: the token's rotation (its RoPE position, the float64 frequencies, the
+// rotated dimensions of a head and the factor) and its cache row (its position in its page, the caches: f16 or
+// float32; the page is looked up once a launch).
+struct RopeWrite {
+    const int *tok_pos, *rope_pos;
+    const double* inv_freq;
+    void *kc, *vc;
+    int kv_f16, head_dim, dims, page_size;
+    float magnitude;
+};
+
+// The ROPE epilogue of a warp's R rows (row0 even; the sums and norm factor as gemv_q_rows_out makes them): lane
+// j < R / 2 takes pair j (rows row0 + 2j, row0 + 2j + 1) for q and k, lane j < R row row0 + j for v.
+template <int R, int MODE>
+__device__ __forceinline__ void gemv_q_rope_out(const float (&acc)[R][1], float* ys, const float* bs, int Ms, int row0,
+                                                int role, const float (&rnorm)[1], int lane, const RopeWrite& rw,
+                                                int page) {
+    float tot[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        float total = warp_sum(acc[r][0]);
+        if (MODE & NORM) total *= rnorm[0];
+        tot[r] = total + (bs ? bs[min(row0 + r, Ms - 1)] : 0.0f) + 0.0f;  // gemv_q_rows_out's value (no residual)
+    }
+    if (role == 3) {  // v: row row0 + lane into the cache
+        float x = 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; ++r) x = lane == r ? tot[r] : x;
+        const int row = row0 + lane;
+        if (lane < R && row < Ms && page >= 0) {
+            const int pos = rw.tok_pos[0];
+            const i64 at = ((i64)page * rw.page_size + pos % rw.page_size) * Ms + row;  // the token's heads adjoin
+            if (rw.kv_f16) ((u16*)rw.vc)[at] = f32_to_f16(x);
+            else ((float*)rw.vc)[at] = x;
+        }
+        return;
+    }
+    float xa = 0.0f, xb = 0.0f;
+#pragma unroll
+    for (int j = 0; j < R / 2; ++j) {
+        xa = lane == j ? tot[2 * j] : xa;
+        xb = lane == j ? tot[2 * j + 1] : xb;
+    }
+    const int row = row0 + 2 * lane, d = row % rw.head_dim;
+    if (lane >= R / 2 || row >= Ms) return;
+    float ya = xa, yb = xb;  // dimensions past `dims` are copied
+    if (d < rw.dims) rope_pair(xa, xb, (double)rw.rope_pos[0] * rw.inv_freq[d / 2], rw.magnitude, ya, yb);
+    if (role == 1) {
+        ys[row] = ya;
+        ys[row + 1] = yb;
+    } else if (page >= 0) {  // k into the cache
+        const int pos = rw.tok_pos[0];
+        const i64 at = ((i64)page * rw.page_size + pos % rw.page_size) * Ms + row;
+        if (rw.kv_f16) {
+            ((u16*)rw.kc)[at] = f32_to_f16(ya);
+            ((u16*)rw.kc)[at + 1] = f32_to_f16(yb);
+        } else {
+            ((float*)rw.kc)[at] = ya;
+            ((float*)rw.kc)[at + 1] = yb;
+        }
+    }
+}
 
 // Where a warp of a gemv_q block works in a group of rows, for the pipelined loop (which holds the current group's
 // and the next one's): the segment (0-2) and its matrices (ws; wu, the gated unit's up matrix), output, bias and
@@ -171,10 +241,19 @@ __global__ void __launch_bounds__(128) gemv_q(
     const u8* __restrict__ w, const u8* __restrict__ w2, const u8* __restrict__ w3, i64 nb, i64 nb2, i64 nb3,
     const float* __restrict__ x, float* __restrict__ y, float* __restrict__ y2, float* __restrict__ y3,
     const float* __restrict__ bias, const float* __restrict__ bias2, const float* __restrict__ bias3,
-    const float* __restrict__ res, const float* __restrict__ nw, float eps, int M, int M2, int M3, int K) {
+    const float* __restrict__ res, const float* __restrict__ nw, float eps, int M, int M2, int M3, int K, int roles,
+    const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, const int* __restrict__ page_table,
+    const int* __restrict__ rope_pos, const double* __restrict__ inv_freq, void* kc, void* vc, int kv_f16,
+    int head_dim, int dims, int pages_per_slot, int page_size, float magnitude) {
     constexpr int RR = (MODE & GLU) ? 2 * R : R;
+    static_assert(!(MODE & ROPE) || (NC == 1 && !(MODE & (GLU | PIPE)) && R % 2 == 0), "ROPE: one token, R even");
     extern __shared__ uint4 xsh[];
     const int bpr = K / T::BLOCK, upr = bpr * T::UNITS, lines = (upr + 31) >> 5;
+    int page = -1;  // ROPE: the token's cache page (loaded ahead: its loads overlap x's quantizing)
+    if constexpr ((MODE & ROPE) != 0) {
+        const int slot = tok_slot[0];
+        if (slot >= 0) page = page_table[(i64)slot * pages_per_slot + tok_pos[0] / page_size];
+    }
     float squares[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) squares[c] = 0.0f;
@@ -213,6 +292,14 @@ __global__ void __launch_bounds__(128) gemv_q(
                 typename T::Raw raw[U][RR];
                 load_units<T, U, RR, R>(raw, ws, wu, nbs, first, base, upr);
                 gemv_q_step<T, NC, U, RR>(raw, base, upr, xsh, lines, lane, acc);
+            }
+            const int role = (MODE & ROPE) ? (roles >> (2 * seg)) & 3 : 0;
+            if constexpr ((MODE & ROPE) != 0) {
+                if (role != 0) {
+                    const RopeWrite rw{tok_pos, rope_pos, inv_freq, kc, vc, kv_f16, head_dim, dims, page_size, magnitude};
+                    gemv_q_rope_out<R, MODE>(acc, ys, bs, Ms, row0, role, rnorm, lane, rw, page);
+                    continue;
+                }
             }
             gemv_q_rows_out<NC, R, RR, MODE>(acc, ys, bs, Ms, row0, seg == 0, rnorm, res, lane);
         }

@@ -106,13 +106,7 @@ __device__ __forceinline__ void rope_head(In in, float* __restrict__ yr, double 
     for (int i = threadIdx.x; i < head_dim / 2; i += blockDim.x) {
         if (i < half) {
             const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-            double s, c;
-            sincos(p * inv_freq[i], &s, &c);
-            s *= magnitude;
-            c *= magnitude;
-            const float cf = (float)c, sf = (float)s, xa = in(a), xb = in(b);
-            yr[a] = xa * cf - xb * sf;
-            yr[b] = xa * sf + xb * cf;
+            rope_pair(in(a), in(b), p * inv_freq[i], magnitude, yr[a], yr[b]);
         } else {
             yr[2 * i] = in(2 * i);
             yr[2 * i + 1] = in(2 * i + 1);
@@ -257,22 +251,50 @@ __global__ void __launch_bounds__(128) attention(
                 vd[j][i] = d < dv ? kv_load(vc, vs, row, dv, d) : 0.0f;
             }
         }
+        // the KB x GB scores' warp sums are independent: one butterfly for all of them, then one online-softmax
+        // update a head for the KB keys (not KB updates one after another)
+        float s[KB][GB];
 #pragma unroll
         for (int j = 0; j < KB; ++j) {
-            if (p0 + j >= end) break;
 #pragma unroll
             for (int g = 0; g < GB; ++g) {
-                float s = 0.0f;
+                s[j][g] = 0.0f;
 #pragma unroll
-                for (int i = 0; i < DL; ++i) s = fmaf(qv[g][i], kd[j][i], s);
-                s = warp_sum(s);
-                if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-                const float mn = fmaxf(m[g], s), corr = expf(m[g] - mn), e = expf(s - mn);
-                l[g] = l[g] * corr + e;
-#pragma unroll
-                for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(acc[g][i], corr, e * vd[j][i]);
-                m[g] = mn;
+                for (int i = 0; i < DL; ++i) s[j][g] = fmaf(qv[g][i], kd[j][i], s[j][g]);
             }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int j = 0; j < KB; ++j) {
+#pragma unroll
+                for (int g = 0; g < GB; ++g) s[j][g] += __shfl_xor_sync(FULL_MASK, s[j][g], o);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GB; ++g) {
+            float mn = m[g];
+#pragma unroll
+            for (int j = 0; j < KB; ++j) {
+                if (softcap > 0.0f) s[j][g] = softcap * tanhf(s[j][g] / softcap);
+                if (p0 + j < end) mn = fmaxf(mn, s[j][g]);
+            }
+            const float corr = expf(m[g] - mn);
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < KB; ++j) {
+                s[j][g] = p0 + j < end ? expf(s[j][g] - mn) : 0.0f;
+                sum += s[j][g];
+            }
+            l[g] = l[g] * corr + sum;
+#pragma unroll
+            for (int i = 0; i < DL; ++i) {
+                float a = acc[g][i] * corr;
+#pragma unroll
+                for (int j = 0; j < KB; ++j) a = fmaf(s[j][g], vd[j][i], a);
+                acc[g][i] = a;
+            }
+            m[g] = mn;
         }
     }
     attention_store<GB, DL>(m, l, acc, min(GB, group - g0), (i64)t * heads + (i64)kvh * group + g0, heads, dv, z,
