@@ -3,13 +3,16 @@
 (its mode, rows and row length), every (rows a warp, units in flight, pipelined or not) tried while the others keep
 ``quants.gemv_q_shape``'s choice, then the best of each together.
 
-    python scripts/decode_shapes.py MODEL.gguf [--position 128] [--reps 50] [--rounds 2] [--pipelined]
+    python scripts/decode_shapes.py MODEL.gguf [--position 128] [--reps 50] [--rounds 2] [--pipelined] [--rows N...]
 
 A kind is (mode, rows, cols) as ``_gemv_q`` passes them to the shape rule: mode 1 has the RMS norm inside, 2 the
 gated unit (3: both); rows is the sum over the launch's segments (q, k and v together). A step is graph-replayed
 and timed on the device (``bench.step_ms``) at ``--position``; each figure is the median of ``--rounds`` timings.
 The shapes not in ``quants.GEMV_Q_VARIANTS`` are compiled beside the backend's own (the gated unit's only up to 4
-rows-and-units: it holds twice the weights). ``--pipelined`` tries only the pipelined shapes. Needs a GPU.
+rows-and-units: it holds twice the weights), with the ROPE twins of the shapes q, k and v can take (rows a warp even,
+not pipelined: a one-token step rotates and writes the cache in their epilogue; a shape without a twin falls back to
+rope_kv_write). ``--pipelined`` tries only the pipelined shapes; ``--rows`` only the kinds of those row counts (e.g.
+the q/k/v launches: 6144 5120 1024 on Llama-3-8B). Needs a GPU.
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ SHAPES += [(r, u, quants.GEMV_Q_PIPE) for r, u in ((1, 1), (1, 2), (2, 1), (2, 2
 def main() -> None:
     ap = step_arguments(__doc__, rounds=2)
     ap.add_argument("--pipelined", action="store_true", help="try only the pipelined shapes")
+    ap.add_argument("--rows", type=int, nargs="*", help="try only the kinds of these row counts")
     args = ap.parse_args()
     shapes = [s for s in SHAPES if s[2]] if args.pipelined else SHAPES
+    modes = range(2) if args.rows else range(4)  # q, k and v's launches have no gated unit: fewer to compile
+    rope = [(1, r, u, m | quants.GEMV_Q_ROPE) for r, u, p in shapes if r % 2 == 0 and not p for m in (0, 1)]
     quants.GEMV_Q_VARIANTS = tuple(
-        dict.fromkeys([*quants.GEMV_Q_VARIANTS, *((1, r, u, m | p) for r, u, p in shapes for m in range(4))])
+        dict.fromkeys([*quants.GEMV_Q_VARIANTS, *((1, r, u, m | p) for r, u, p in shapes for m in modes), *rope])
     )
     default_rule = quants.gemv_q_shape
     chosen: dict[tuple[int, int, int], tuple[int, int, int]] = {}
@@ -56,6 +62,8 @@ def main() -> None:
     print("| kind (mode, rows, cols) | default | shape | ms | against default |\n|---|---|---|---:|---:|")
     best: dict[tuple[int, int, int], tuple[tuple[int, int, int], float]] = {}
     for key, default in list(seen.items()):
+        if args.rows and key[1] not in args.rows:
+            continue
         best[key] = (default, base)
         for shape in shapes:
             loads = shape[0] * shape[1] * (2 if shape[2] else 1)  # rows x units a lane holds

@@ -10,10 +10,11 @@ It runs itself under ``ncu`` (``--ncu PATH``; Nsight Compute, found on the PATH 
 replays each kernel of the one step it marks (cuProfilerStart/Stop) to read ``gpu__time_duration``,
 ``dram__bytes_read`` and ``dram__bytes_write``, at the clocks the GPU runs at (``--clock-control none``; ncu's own
 default locks them to the base clock); the step runs eagerly (a graph replays the same kernels). Rows are
-kernels grouped by name (template arguments kept, so each weight type is its own row). A product's FLOPs are
-2 x tokens x rows x columns of the weights of the type named in its kernel (the step's weights of each type are
-listed from the model); kernels whose name names no type get none. Serialized replay removes the overlap of
-consecutive kernels, so the sum can exceed the step's time in a graph (printed beside it for comparison).
+kernels grouped by name (template arguments kept, so each weight type is its own row). The products' FLOPs are
+2 x tokens x rows x columns of every weight matrix (the output matrix's at the rows whose logits are asked for),
+summed over the time of every product kernel (a type's weights spread over several kernels, so no figure a row).
+Serialized replay removes the overlap of consecutive kernels, so the sum can exceed the step's time in a graph
+(printed beside it for comparison).
 """
 
 from __future__ import annotations
@@ -65,15 +66,10 @@ def inner(args: argparse.Namespace) -> None:
     tokens = len(batch)
     by_type: dict[str, float] = defaultdict(float)
     for _, weight in matrices(arch):
-        by_type[weight.qtype.name] += 2.0 * tokens * weight.rows * weight.cols
+        # the output matrix multiplies only the rows whose logits are asked for (a prompt's last token)
+        rows = len(batch.rows) if weight.rows == arch.vocab_size else tokens
+        by_type[weight.qtype.name] += 2.0 * rows * weight.rows * weight.cols
     print(f"\nSTEP {tokens}", *(f"{k}={v}" for k, v in by_type.items()), flush=True)
-
-
-def type_of(kernel: str, types: dict[str, float]) -> str | None:
-    """The weight type a kernel's name names (``block_q4_K``, ``Q4_K``, ``q4_k``...), if any."""
-    squashed = re.sub(r"[^a-z0-9]", "", kernel.lower())
-    found = [t for t in types if re.sub(r"[^a-z0-9]", "", t.lower()) in squashed]
-    return max(found, key=len) if found else None
 
 
 def report(text: str, step_line: str) -> str:
@@ -92,20 +88,16 @@ def report(text: str, step_line: str) -> str:
     total_ns = sum(k[1] for k in kernels.values())
     lines = [
         f"# {tokens} tokens: {len(body)} kernels, {total_ns / 1e6:.3f} ms summed (each replayed alone by ncu)",
-        "| kernel | launches | time us | share | DRAM read MB | write MB | TB/s | TFLOP/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| kernel | launches | time us | share | DRAM read MB | write MB | TB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    counted: set[str] = set()
+    # no TFLOP/s a row: a type's weights are spread over several kernels (a decode step's q/k/v, o, gated unit and
+    # down products; a prefill's cuBLAS kernels, whose names name no type), so only the products' sum is known
     for name, (n, ns, read, write) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
-        weight_type = type_of(name, types)
-        flops = ""
-        if weight_type is not None and PRODUCT.search(name) and weight_type not in counted and ns:
-            counted.add(weight_type)  # a type's products in one kernel: its FLOPs over that kernel's time
-            flops = f"{types[weight_type] / ns / 1e3:.1f}"
         short = name if len(name) <= 70 else name[:67] + "..."
         lines.append(
             f"| `{short}` | {n:.0f} | {ns / 1e3:.1f} | {100 * ns / total_ns:.1f}% | {read / 1e6:.1f} | "
-            f"{write / 1e6:.1f} | {(read + write) / ns / 1e3:.2f} | {flops} |"
+            f"{write / 1e6:.1f} | {(read + write) / ns / 1e3:.2f} |"
         )
     product_ns = sum(k[1] for name, k in kernels.items() if PRODUCT.search(name) or "dequantize" in name)
     lines.append(
