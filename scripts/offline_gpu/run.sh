@@ -11,8 +11,8 @@
 # Each argument is one phase and its words. Results go to $OUT (default ./kit-out): each `leat bench` row's mean,
 # deviation, warm-up and per-run rates are appended to summary.txt. Phases:
 #   setup                      install the kit's wheels into /tmp/site (leat's, and those the machine lacks)
-#   oldsite                    install the wheels in KIT/old (another build of a plugin) into /tmp/site_old; run
-#                              a phase with PYTHONPATH=/tmp/site_old:/tmp/site to time that build
+#   oldsite [NAME]             install the wheels in KIT/NAME (default old: another build of a plugin) into
+#                              /tmp/site_NAME; run a phase with PYTHONPATH=/tmp/site_NAME:/tmp/site to time that build
 #   build_llama [JOBS]         build llama-bench and llama-batched-bench with CUDA for sm_90, in the background
 #   llwait [SECONDS]           wait for that build
 #   gen KIND NAME [LAYERS]     write make_bench_gguf.py's KIND to /tmp/g/NAME (genbg: in the background; wait)
@@ -77,8 +77,8 @@ for phase in "$@"; do
     log tgtests; DEV=CUDA timeout ${2:-200} python3 -m pytest backends/tinygrad/tests -q -p no:cacheprovider 2>&1 > $OUT/tgtests.log; grep -E "passed|failed" $OUT/tgtests.log | tail -2 ;;
   vs)  # vs FILE TIMEOUT "ARGS"
     log vs $2; timeout ${3:-300} python3 scripts/vs_llamacpp.py $G/$2 --llama-bin /tmp/llama.cpp/b/bin "${@:4}" --json $OUT/vs_$2.json 2>&1 | tee $OUT/vs_$2.txt | tail -14 ;;
-  oldsite)
-    log oldsite; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_old $K/old/*.whl > $OUT/pipold.log 2>&1; ls /tmp/site_old ;;
+  oldsite)  # oldsite [NAME]
+    n=${2:-old}; log oldsite $n; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_$n $K/$n/*.whl > $OUT/pip$n.log 2>&1; ls /tmp/site_$n ;;
   sh)
     shift; log sh "$@"; eval "$@" ;;
   pack)
