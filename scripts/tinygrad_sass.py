@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""What the GPU would run for the tinygrad backend's decode products (gemv.py), without a GPU: each product is built
+on tinygrad's NULL device, its kernel source as tinygrad renders it for CUDA is compiled by NVRTC to a cubin and read
+back with ``cuobjdump``: registers, the instructions of the main loop (the shortest backward branch holding a global
+load), of the whole kernel, and warp instructions a weight (the loop counted as often as it runs).
+
+    NVRTC_PATH=.../nvidia/cu13/lib/libnvrtc.so.13 DEV=NULL:CUDA:sm_90 NULL_ALLOW_COPYOUT=1 \\
+        python scripts/tinygrad_sass.py [--only gated ...] [--shape 64,1,2] [--rows 1] [--cuobjdump PATH]
+
+The products are the Llama-3-8B file's (``tinygrad_gemv_shapes.py``'s list); ``--shape`` is a ``gemv.Shape`` as
+``lanes,groups,per_thread`` (default: the backend's choice for each product). ``cuobjdump`` comes as
+``scripts/kernel_sass.py`` says. Compare with the CUDA backend's gemv_q (``kernel_sass.py``): 0.062 warp
+instructions a weight for its gated unit's loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_sass import INSTRUCTION, innermost_loop
+from tinygrad_gemv_shapes import MATRICES, blocks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", default=[], help="products whose names start with one of these")
+    parser.add_argument("--shape", help="lanes,groups,per_thread (default: gemv.Shape.for_product's)")
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
+    args = parser.parse_args()
+    from leat_backend_tinygrad.gemv import LAYOUTS, Shape, as_words, gemv
+    from tinygrad import Device, Tensor
+    from tinygrad.helpers import CCACHE
+    from tinygrad.runtime.support import compiler_cuda
+
+    CCACHE.value = 0  # compile every kernel (from tinygrad's disk cache the compiler would not see it); before the
+    # device opens, which gives its compiler the cache key
+
+    sources: list[str] = []
+    compile_ = compiler_cuda.NVRTCCompiler.compile
+
+    def recording(self, src: str) -> bytes:
+        sources.append(src)
+        return compile_(self, src)
+
+    compiler_cuda.NVRTCCompiler.compile = recording  # type: ignore[method-assign]
+    to_cubin = compiler_cuda.NVRTCCompiler(args.arch, ptx=False, cache_key="leat_sass")
+    tool = Path(args.cuobjdump)
+    env = {"PATH": f"{tool.parent}:/usr/bin:/bin"}  # nvdisasm beside cuobjdump
+    rng = np.random.default_rng(0)
+    print(f"# {Device.DEFAULT}, {args.rows} row(s) of x\n")
+    print(
+        "| product | shape | registers | loop instructions | runs | kernel instructions | warp instructions a weight |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, qtype, n, k in MATRICES:
+        if args.only and not any(name.startswith(o) for o in args.only):
+            continue
+        gated = name == "gated unit"
+        words = Tensor(as_words(blocks(qtype, n, k, rng), qtype))
+        x = Tensor(rng.standard_normal((args.rows, k)).astype(np.float32))
+        asked = Shape(*map(int, args.shape.split(","))) if args.shape else None
+        shape = (asked or Shape.for_product(n, gated=gated, qtype=qtype)).fitting(n, True)
+        sources.clear()
+        gemv(x, words, qtype, asked, up=words if gated else None).realize()
+        source = next(s for s in sources if "gemv_" in s)
+        with tempfile.TemporaryDirectory() as folder:
+            cubin = Path(folder) / "kernel.cubin"
+            cubin.write_bytes(to_cubin.compile(source))
+            usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, env=env, check=True)
+            sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, env=env, check=True).stdout
+        registers = int(re.search(r"REG:(\d+)", usage.stdout).group(1))
+        loop, code = innermost_loop(sass, "LDG"), INSTRUCTION.findall(sass)
+        # the loop runs once a step: the row's blocks over the blocks its lanes read at once (gemv._kernel's steps)
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        per_step = math.gcd(max(shape.lanes // math.prod(LAYOUTS[qtype].units), 1), k // block)
+        runs = k // block // per_step
+        dynamic = len(code) + len(loop) * (runs - 1)
+        warps = n // shape.per_thread * shape.lanes / 32
+        weights = n * k * (2 if gated else 1)
+        label = f"{shape.lanes},{shape.groups},{shape.per_thread}"
+        print(
+            f"| {name} {qtype.name} {n}x{k} | {label} | {registers} | {len(loop)} | {runs} | {len(code)} | "
+            f"{dynamic * warps / weights:.3f} |"
+        )
+        counts = Counter(op.split(".")[0] for op in loop)
+        print("|  | loop: " + ", ".join(f"{op} {c}" for op, c in counts.most_common(8)) + " | | | | | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
