@@ -45,6 +45,12 @@ def innermost_loop(sass: str, opcode: str) -> list[str]:
     return [op for at, op in code if first <= at <= last]
 
 
+def cuobjdump(tool: Path, cubin: Path, *args: str) -> str:
+    """``cuobjdump ARGS CUBIN``'s output, with the nvdisasm beside ``tool`` found first on the PATH."""
+    env = dict(os.environ, PATH=f"{tool.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    return subprocess.run([tool, *args, cubin], capture_output=True, text=True, env=env, check=True).stdout
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="+", help="kernel name expressions, as quants.py writes them")
@@ -54,12 +60,11 @@ def main() -> None:
     parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
     args = parser.parse_args()
     tool = Path(args.cuobjdump)
-    env = dict(os.environ, PATH=f"{tool.parent}{os.pathsep}{os.environ.get('PATH', '')}")  # nvdisasm beside it
     built = compiler.compile_program(args.file, args.names, args.arch, use_cache=False)
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "program.cubin"
         cubin.write_bytes(built.cubin)
-        usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, env=env, check=True).stdout
+        usage = cuobjdump(tool, cubin, "-res-usage")
         resources, function = {}, None
         for line in usage.splitlines():
             if found := re.search(r"Function (\S+):", line):
@@ -68,9 +73,7 @@ def main() -> None:
                 resources[function] = (int(found.group(1)), int(found.group(2)))
         for name in args.names:
             mangled = built.names[name]
-            sass = subprocess.run(
-                [tool, "-sass", "-fun", mangled, cubin], capture_output=True, text=True, env=env, check=True
-            ).stdout
+            sass = cuobjdump(tool, cubin, "-sass", "-fun", mangled)
             loop = innermost_loop(sass, args.opcode)
             registers, stack = resources.get(mangled, (0, 0))
             counts = Counter(op.split(".")[0] for op in loop)

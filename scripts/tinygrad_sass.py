@@ -19,7 +19,6 @@ import argparse
 import math
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -29,7 +28,7 @@ import gguf
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernel_sass import INSTRUCTION, innermost_loop
+from kernel_sass import INSTRUCTION, cuobjdump, innermost_loop
 from tinygrad_gemv_shapes import MATRICES, blocks
 
 
@@ -59,7 +58,6 @@ def main() -> None:
     compiler_cuda.NVRTCCompiler.compile = recording  # type: ignore[method-assign]
     to_cubin = compiler_cuda.NVRTCCompiler(args.arch, ptx=False, cache_key="leat_sass")
     tool = Path(args.cuobjdump)
-    env = {"PATH": f"{tool.parent}:/usr/bin:/bin"}  # nvdisasm beside cuobjdump
     rng = np.random.default_rng(0)
     print(f"# {Device.DEFAULT}, {args.rows} row(s) of x\n")
     print(
@@ -80,9 +78,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             cubin = Path(folder) / "kernel.cubin"
             cubin.write_bytes(to_cubin.compile(source))
-            usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, env=env, check=True)
-            sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, env=env, check=True).stdout
-        registers = int(re.search(r"REG:(\d+)", usage.stdout).group(1))
+            usage, sass = cuobjdump(tool, cubin, "-res-usage"), cuobjdump(tool, cubin, "-sass")
+        registers = int(re.search(r"REG:(\d+)", usage).group(1))
         loop, code = innermost_loop(sass, "LDG"), INSTRUCTION.findall(sass)
         # the loop runs once a step: the row's blocks over the blocks its lanes read at once (gemv._kernel's steps)
         block = gguf.GGML_QUANT_SIZES[qtype][0]

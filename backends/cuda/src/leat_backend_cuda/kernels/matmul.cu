@@ -124,17 +124,17 @@ __device__ __forceinline__ void gemv_q_rope_out(const float (&acc)[R][1], float*
         if (MODE & NORM) total *= rnorm[0];
         tot[r] = total + (bs ? bs[min(row0 + r, Ms - 1)] : 0.0f) + 0.0f;  // gemv_q_rows_out's value (no residual)
     }
+    // the token's cache entry (its heads adjoin: Ms values a position), and a value into it as f16 or float32
+    auto entry = [&]() { return ((i64)page * rw.page_size + rw.tok_pos[0] % rw.page_size) * Ms; };
+    auto put = [&](void* cache, i64 at, float value) {
+        if (rw.kv_f16) ((u16*)cache)[at] = f32_to_f16(value);
+        else ((float*)cache)[at] = value;
+    };
     if (role == 3) {  // v: row row0 + lane into the cache
         float x = 0.0f;
 #pragma unroll
         for (int r = 0; r < R; ++r) x = lane == r ? tot[r] : x;
-        const int row = row0 + lane;
-        if (lane < R && row < Ms && page >= 0) {
-            const int pos = rw.tok_pos[0];
-            const i64 at = ((i64)page * rw.page_size + pos % rw.page_size) * Ms + row;  // the token's heads adjoin
-            if (rw.kv_f16) ((u16*)rw.vc)[at] = f32_to_f16(x);
-            else ((float*)rw.vc)[at] = x;
-        }
+        if (lane < R && row0 + lane < Ms && page >= 0) put(rw.vc, entry() + row0 + lane, x);
         return;
     }
     float xa = 0.0f, xb = 0.0f;
@@ -151,15 +151,9 @@ __device__ __forceinline__ void gemv_q_rope_out(const float (&acc)[R][1], float*
         ys[row] = ya;
         ys[row + 1] = yb;
     } else if (page >= 0) {  // k into the cache
-        const int pos = rw.tok_pos[0];
-        const i64 at = ((i64)page * rw.page_size + pos % rw.page_size) * Ms + row;
-        if (rw.kv_f16) {
-            ((u16*)rw.kc)[at] = f32_to_f16(ya);
-            ((u16*)rw.kc)[at + 1] = f32_to_f16(yb);
-        } else {
-            ((float*)rw.kc)[at] = ya;
-            ((float*)rw.kc)[at + 1] = yb;
-        }
+        const i64 at = entry() + row;
+        put(rw.kc, at, ya);
+        put(rw.kc, at + 1, yb);
     }
 }
 
