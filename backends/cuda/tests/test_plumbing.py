@@ -508,6 +508,32 @@ def test_without_a_gpu_cublas_installed_or_not_leaves_the_own_gemm(fake):
     assert backend.describe()["cublas"].startswith("not used (")
 
 
+def test_a_launch_packs_its_arguments_as_param_converts_each(monkeypatch):
+    """Kernel.__call__ packs the arguments with one struct call (a float32 slot for each .f32 parameter): every
+    slot holds what ``_param`` makes of its argument (a pointer, 64-bit integer, float32 bits), and arguments the
+    packing refuses (an int over 63 bits, a float for an integer parameter) fall back to ``_param``."""
+    fake = FakeDriver()  # not the fixture: its type check refuses the odd arguments tried here
+    monkeypatch.setattr(driver, "_cu", lambda: fake)
+    monkeypatch.setattr(driver, "_local", types.SimpleNamespace())
+    device = driver.Device(0)
+    params = [".u64", ".u32", ".f32", ".s32", ".u64", ".f32", ".u64", ".u64"]
+    kernel = driver.Kernel("k", "k", device, params)
+    memory = driver.Memory(256)
+    pool = driver.Pool(device, lambda n: None)
+    array = driver.DeviceArray(memory.ptr + 64, (4,), np.float32, memory)
+    block = pool.take(100)
+    runs = [
+        (array, np.int32(5), 1.5, -3, None, np.float32(0.25), memory, block),
+        (array.view((2,), 1), 7, -0.0, np.int64(-1), 0, 3.0e38, block, 1 << 40),
+        (array, 1 << 63, 2.5, 0, array, 1.0, 0.5, memory),  # over 63 bits; a float for a pointer
+    ]
+    for args in runs:
+        kernel._values[:] = 0xAB
+        kernel((1,), 32, *args)
+        assert [int(v) for v in kernel._values] == [driver._param(a) for a in args]
+    assert len(fake.launches) == len(runs)
+
+
 def test_a_timer_destroys_its_events_when_collected(fake):
     destroyed = []
     fake.cuEventDestroy = lambda event: destroyed.append(event) or (fake.ok,)
@@ -567,6 +593,25 @@ def test_decode_parts_leaves_each_kind_of_kernel_out_of_the_graph(fake, tmp_path
     assert kinds["gemv_q"][0] == 4 * 2 + 1  # tiny Llama: 2 layers of q+k+v, o, gate+up, down; the output matrix
     for count, ms in kinds.values():
         assert ms == int(launches) - count
+
+
+def test_prefill_host_times_an_eager_prefill_and_its_launches(fake, tmp_path, monkeypatch, capsys):
+    """scripts/prefill_host.py on the fake driver: a prompt over the graphs' largest bucket runs eagerly (no graph
+    launched), and each round's launches a step are the launches one such prefill makes."""
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
+    script, module = _script("prefill_host")
+    load = module.one_token_step
+    monkeypatch.setattr(module, "one_token_step", lambda *a: (load(*a), fake.launches.clear())[0])  # steps only
+    monkeypatch.setattr(sys, "argv", [str(script), str(path), "--tokens", "300", "--reps", "2", "--rounds", "2"])
+    module.main()
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| (\d) \| ([\d.]+) \| ([\d.]+) \| [\d,]+ \| (\d+) \| [\d.]+ \| (\d+) \|", out, re.MULTILINE)
+    assert [r[0] for r in rows] == ["1", "2"] and "own GEMM" in out
+    names = [f for f, _, _ in fake.launches]
+    assert "graph" not in names and not fake.captured
+    per_step = len(names) // (3 + 2 * 2)  # three untimed steps, then two rounds of two
+    assert per_step > 0 and all(int(r[3]) == per_step and int(r[4]) == 0 for r in rows)
+    assert all(0 < float(queued) <= float(whole) for _, queued, whole, _, _ in rows)
 
 
 def test_load_patterns_times_each_pattern_on_a_persistent_grid(fake, monkeypatch, capsys):

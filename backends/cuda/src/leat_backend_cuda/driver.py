@@ -61,10 +61,16 @@ class CudaError(LeatError):
     """A CUDA driver call failed."""
 
 
-def _cu():
-    from cuda.bindings import driver
+_driver: Any = None
 
-    return driver
+
+def _cu():
+    global _driver
+    if _driver is None:  # imported once: a launch asks for it each time
+        from cuda.bindings import driver
+
+        _driver = driver
+    return _driver
 
 
 def check(result: Any, what: str = "CUDA call") -> Any:
@@ -196,8 +202,10 @@ class Block:
         self.ptr, self.size, self.pool = ptr, size, pool
 
     def __del__(self):
-        with contextlib.suppress(Exception):
+        try:  # (not contextlib.suppress: this runs for every activation a step frees)
             self.pool.free[self.size].append(self.ptr)
+        except Exception:  # noqa: BLE001, S110 - at interpreter exit the pool may be gone
+            pass
 
 
 class Pool:
@@ -245,7 +253,8 @@ class DeviceArray:
     __slots__ = ("dtype", "owner", "ptr", "shape")
 
     def __init__(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype, owner: Any):
-        self.ptr, self.shape, self.dtype, self.owner = ptr, tuple(int(s) for s in shape), np.dtype(dtype), owner
+        self.ptr, self.shape, self.owner = ptr, tuple(map(int, shape)), owner
+        self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
 
     @property
     def size(self) -> int:
@@ -269,6 +278,7 @@ class DeviceArray:
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype.name})"
 
 
+_POINTERS = (DeviceArray, Memory, Block)  # the arguments passed as their device pointer
 _FLOAT = struct.Struct("<f")
 _UINT = struct.Struct("<I")
 
@@ -283,17 +293,38 @@ def _param(value: Any) -> int:
     return value.ptr  # DeviceArray, Memory, Block
 
 
+def _slot(value: Any) -> Any:
+    """An argument that is not a Python int or float, as :class:`Kernel`'s packing takes it."""
+    if value is None:
+        return 0
+    if isinstance(value, int | np.integer):  # numpy's, and int's subclasses (bool, enums)
+        return int(value)
+    if isinstance(value, float | np.floating):
+        return float(value)
+    return value.ptr  # DeviceArray, Memory, Block
+
+
+_PLAIN = (int, float)
+_SUCCESS = 0  # CUresult.CUDA_SUCCESS (an int enum)
+
+
 class Kernel:
     """One compiled kernel. Arguments travel in 8-byte slots: device arrays as pointers, Python ints
-    as 64-bit integers (an ``int`` parameter reads the low half), floats as float32 bits."""
+    as 64-bit integers (an ``int`` parameter reads the low half), floats as float32 bits.
 
-    __slots__ = ("_address", "_occupancy", "_pointers", "_values", "device", "function", "name", "params")
+    A launch packs its arguments with one ``struct`` call (a float32 slot for each ``.f32`` parameter, a 64-bit
+    integer for every other), not an argument at a time: an eagerly run step's host time is largely its launches
+    (a 512-token prefill of the 8B bench file on the H200's host, ``scripts/prefill_host.py``: 323 launches at ~20
+    us each, 7 of them inside cuLaunchKernel, when each argument went through ``_param``)."""
+
+    __slots__ = ("_address", "_occupancy", "_pack", "_pointers", "_values", "device", "function", "name", "params")
 
     def __init__(self, function: Any, name: str, device: Device, params: list[str]):
         self.function, self.name, self.device, self.params = function, name, device, params
         self._values = np.zeros(max(len(params), 1), np.uint64)
         self._pointers = self._values.ctypes.data + 8 * np.arange(len(self._values), dtype=np.uint64)
         self._address = self._pointers.ctypes.data  # an int: numpy's .ctypes costs microseconds per launch
+        self._pack = struct.Struct("<" + "".join("f4x" if p == ".f32" else "q" for p in params)).pack_into
         self._occupancy: dict[tuple[int, int], int] = {}
 
     def occupancy(self, block: int, smem: int = 0) -> int:
@@ -307,10 +338,18 @@ class Kernel:
     def __call__(self, grid: Sequence[int], block: int, *args: Any, smem: int = 0) -> None:
         if len(args) != len(self.params):
             raise TypeError(f"{self.name} takes {len(self.params)} arguments, not {len(args)}")
-        self._values[: len(args)] = [_param(a) for a in args]
+        try:
+            self._pack(
+                self._values,
+                0,
+                *[a if type(a) in _PLAIN else a.ptr if type(a) in _POINTERS else _slot(a) for a in args],
+            )
+        except struct.error:  # an int over 63 bits, a float for an integer parameter: each as 8 bytes, as _param
+            self._values[: len(args)] = [_param(a) for a in args]
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         err = _cu().cuLaunchKernel(self.function, gx, gy, gz, block, 1, 1, smem, self.device.stream, self._address, 0)
-        check(err, f"launch of {self.name}")
+        if err[0] != _SUCCESS:
+            check(err, f"launch of {self.name}")
 
 
 class Module:
