@@ -4,7 +4,11 @@ cache, as `leat bench`'s ppN runs it (one forward pass, no graph: a chunk over t
 its enqueue (until ``Backend.run`` returns: every kernel launched, every cuBLAS call made) and as the whole step
 (until its logits are on the host), with the host time spent inside the launches and the cuBLAS calls.
 
-    python scripts/prefill_host.py MODEL.gguf [--tokens 512] [--reps 10] [--rounds 3]
+    python scripts/prefill_host.py MODEL.gguf [--tokens 512] [--reps 10] [--rounds 3] [--graph]
+
+``--graph`` runs the same prefill through a captured graph instead (the graphs' token buckets extended to
+``--tokens``): almost no host time, but a graph treats each token as a row of its own, so attention takes the
+one-token kernel, not the tile-wise tensor-core one.
 
 Where the enqueue is close to the whole step, the GPU waited for the host: the step's figure is the host's, and a
 slower host (or one busy with something else) gives a lower ppN. Where it is well under, the GPU bounds it. Each
@@ -21,6 +25,7 @@ from typing import Any
 
 import numpy as np
 from leat.batch import Batch, Row
+from leat_backend_cuda import backend as cuda_backend
 from leat_backend_cuda import driver
 from leat_backend_cuda.bench import one_token_step
 
@@ -52,7 +57,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--graph", action="store_true")
     args = ap.parse_args()
+    if args.graph:
+        cuda_backend.TOKEN_BUCKETS = (*cuda_backend.TOKEN_BUCKETS, args.tokens)
     backend, arch, _, kv = one_token_step(args.model, args.tokens)
     launches, gemms = Spent(), Spent()
     driver.Kernel.__call__ = launches.wrap(driver.Kernel.__call__)  # type: ignore[method-assign]
@@ -69,7 +77,8 @@ def main() -> None:
 
     for _ in range(3):
         step()
-    print(f"{args.tokens}-token prefill, eager: {'cuBLAS' if backend.cublas else 'own GEMM'} products\n")
+    how = "a captured graph" if args.graph else "eager"
+    print(f"{args.tokens}-token prefill, {how}: {'cuBLAS' if backend.cublas else 'own GEMM'} products\n")
     print("| round | enqueue ms | step ms | tok/s | launches | in launches ms | cuBLAS calls | in cuBLAS ms |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for index in range(1, args.rounds + 1):

@@ -595,23 +595,33 @@ def test_decode_parts_leaves_each_kind_of_kernel_out_of_the_graph(fake, tmp_path
         assert ms == int(launches) - count
 
 
-def test_prefill_host_times_an_eager_prefill_and_its_launches(fake, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("graph", [False, True])
+def test_prefill_host_times_a_prefill_and_its_launches(fake, tmp_path, monkeypatch, capsys, graph):
     """scripts/prefill_host.py on the fake driver: a prompt over the graphs' largest bucket runs eagerly (no graph
-    launched), and each round's launches a step are the launches one such prefill makes."""
+    launched), each round's launches a step the launches one such prefill makes; with --graph it replays a graph
+    (no launch of its own a step)."""
+    from leat_backend_cuda import backend as cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "TOKEN_BUCKETS", cuda_backend.TOKEN_BUCKETS)  # --graph extends them
     path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
     script, module = _script("prefill_host")
     load = module.one_token_step
     monkeypatch.setattr(module, "one_token_step", lambda *a: (load(*a), fake.launches.clear())[0])  # steps only
-    monkeypatch.setattr(sys, "argv", [str(script), str(path), "--tokens", "300", "--reps", "2", "--rounds", "2"])
+    argv = [str(script), str(path), "--tokens", "300", "--reps", "2", "--rounds", "2"] + ["--graph"] * graph
+    monkeypatch.setattr(sys, "argv", argv)
     module.main()
     out = capsys.readouterr().out
     rows = re.findall(r"^\| (\d) \| ([\d.]+) \| ([\d.]+) \| [\d,]+ \| (\d+) \| [\d.]+ \| (\d+) \|", out, re.MULTILINE)
     assert [r[0] for r in rows] == ["1", "2"] and "own GEMM" in out
     names = [f for f, _, _ in fake.launches]
+    assert all(0 < float(queued) <= float(whole) for _, queued, whole, _, _ in rows)
+    if graph:  # the first step captures; every step after it is one replay
+        assert len(fake.captured) == 1 and names.count("graph") == 3 + 2 * 2
+        assert all(int(r[3]) == 0 for r in rows)
+        return
     assert "graph" not in names and not fake.captured
     per_step = len(names) // (3 + 2 * 2)  # three untimed steps, then two rounds of two
     assert per_step > 0 and all(int(r[3]) == per_step and int(r[4]) == 0 for r in rows)
-    assert all(0 < float(queued) <= float(whole) for _, queued, whole, _, _ in rows)
 
 
 def test_load_patterns_times_each_pattern_on_a_persistent_grid(fake, monkeypatch, capsys):
