@@ -1334,6 +1334,8 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             return hit[1]
         if batch is self._tiled_batch:
             n = len(batch)
+            if n > FLASH_TILES_THREADS:
+                raise LeatError(f"flash_tiles takes up to {FLASH_TILES_THREADS} tokens, not {n}")
             capacity = min(n, -(-n // tile) + kv.tables[0].shape[0])
             array = self._empty((2 * capacity,), I32)
             self.ops["flash_tiles"]((1,), FLASH_TILES_THREADS, slots, positions, array, n, tile, capacity)
