@@ -623,7 +623,7 @@ def test_decode_parts_leaves_each_kind_of_kernel_out_of_the_graph(fake, tmp_path
 
 @pytest.mark.parametrize("graph", [False, True])
 def test_prefill_host_times_a_prefill_and_its_launches(fake, tmp_path, monkeypatch, capsys, graph):
-    """scripts/prefill_host.py on the fake driver: a prompt over the graphs' largest bucket runs eagerly (no graph
+    """scripts/prefill_host.py on the fake driver: the prefill runs eagerly (the backend's graphs off: no graph
     launched), each round's launches a step the launches one such prefill makes; with --graph it replays a graph
     (no launch of its own a step)."""
     from leat_backend_cuda import backend as cuda_backend
