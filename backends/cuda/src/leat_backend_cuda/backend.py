@@ -910,11 +910,15 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         k = x.shape[-1]
         n = x.size // k
         first = segments[0][0]
-        roles = [(rope.roles >> (2 * i)) & 3 if rope is not None else 0 for i in range(len(segments))]
-        outs = [out] if out is not None else [None] * len(segments)
-        for i, ((w, _), role) in enumerate(zip(segments, roles, strict=True)):
-            if outs[i] is None and role < 2:  # k's and v's rows go into the cache under ROPE
-                outs[i] = self._empty(x.shape[:-1] + (w.rows,))
+        roles = rope.roles if rope is not None else 0  # k's and v's rows (roles 2, 3) go into the cache: no output
+        outs = (
+            [out]
+            if out is not None
+            else [
+                self._empty(x.shape[:-1] + (w.rows,)) if (roles >> (2 * i)) & 3 < 2 else None
+                for i, (w, _) in enumerate(segments)
+            ]
+        )
         rows, units, variant = quants.gemv_q_shape(n, mode, sum(w.rows for w, _ in segments), k)
         if rope is not None:
             mode |= quants.GEMV_Q_ROPE
