@@ -416,12 +416,9 @@ def test_attention_softcap(cuda, oracle):
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (9, 3, 64), (8, 8, 64), (4, 2, 128), (20, 4, 64)])
 @pytest.mark.parametrize("window,softcap", [(None, 0.0), (37, 0.0), (None, 4.0)])
-@pytest.mark.parametrize("ahead", [True, False])
-def test_flash_prefill_attention(cuda, oracle, heads, kv_heads, dim, window, softcap, ahead, monkeypatch):
+def test_flash_prefill_attention(cuda, oracle, heads, kv_heads, dim, window, softcap):
     """The tensor-core prefill kernel (f16 cache, n > 8 tokens): rows of one, several and many tiles,
-    decode rows in the same batch, a second chunk over cached positions, windows and soft-capping; with each
-    step's K/V loaded during the step before (ahead) and after it."""
-    monkeypatch.setattr(cuda, "flash_ahead", ahead)
+    decode rows in the same batch, a second chunk over cached positions, windows and soft-capping."""
     rng = np.random.default_rng(12)
     layouts = [KVLayout(kv_heads, dim, window=window)]
     kvs = [b.allocate_kv(layouts, slots=3, context=320, page_size=16, dtype="f16") for b in (cuda, oracle)]

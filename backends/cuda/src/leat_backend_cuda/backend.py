@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -83,7 +82,7 @@ OPS_KERNELS = (
     ]
 )
 FLASH_DIMS = (64, 128)  # head dimensions of the tensor-core prefill attention
-FLASH_KERNELS = [f"flash_attention<{d}, {a}>" for d in FLASH_DIMS for a in ("true", "false")]
+FLASH_KERNELS = [f"flash_attention<{d}>" for d in FLASH_DIMS]
 ROPE_KV_MAX_DIM = 512  # head dimensions rope_kv_write holds (a k head in shared memory)
 GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
 #: positions of a decode step's attention split are a multiple of this (a block's 4 warps take 32 per step): at short
@@ -369,8 +368,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         self._halves: OrderedDict[int, tuple[DeviceArray, DeviceArray, DeviceArray]] = OrderedDict()
         self._captured: dict[tuple, _Captured] = {}
         self.flat_attention_budget = FLAT_ATTENTION_BUDGET
-        #: flash attention loads each step's K/V tile during the step before (LEAT_CUDA_FLASH_AHEAD=0: after it)
-        self.flash_ahead = os.environ.get("LEAT_CUDA_FLASH_AHEAD", "1") != "0"
         self._uncapturable: set[tuple] = set()  # graph keys whose capture failed: those shapes run eagerly
         self._capturing = False
         self._tiled_batch: Batch | None = None  # a graph's batch being captured with tile-wise attention
@@ -1308,8 +1305,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         per_block = 4 if group >= 3 else group  # query heads per block; its 4 warps split the tile's tokens
         tiles = self._flash_tiles(batch, 16 * 4 // per_block, kv, slots, positions)
         out = self._empty((n, heads * dim))
-        ahead = "true" if self.flash_ahead else "false"
-        self._module("flash", "flash.cu", FLASH_KERNELS, {})[f"flash_attention<{dim}, {ahead}>"](
+        self._module("flash", "flash.cu", FLASH_KERNELS, {})[f"flash_attention<{dim}>"](
             (tiles.size // 2, kv_heads * -(-group // per_block)),
             128,
             q,

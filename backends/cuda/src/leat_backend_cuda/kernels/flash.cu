@@ -13,9 +13,7 @@
 // ops.cu's attention. The output is [n, heads, D] float32, normalized.
 #include "mma.cuh"
 
-// AHEAD: each step's K/V tile is loaded into registers during the step before (the products of one step overlap
-// the loads of the next); without it a step's loads finish before its products start.
-template <int D, bool AHEAD>
+template <int D>
 __global__ void __launch_bounds__(128) flash_attention(
     const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
     const int* __restrict__ page_table, const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
@@ -68,34 +66,20 @@ __global__ void __launch_bounds__(128) flash_attention(
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 
-    // a step's K/V tile: LOADS 16-byte pieces of K and of V a thread, key idx / C8, dims 8 (idx % C8) on
-    constexpr int LOADS = BK * C8 / 128;
-    static_assert(BK * C8 % 128 == 0, "a tile's pieces divide among the block's threads");
-    uint4 kn[LOADS], vn[LOADS];
-    auto fetch = [&](int k0) {
-#pragma unroll
-        for (int i = 0; i < LOADS; ++i) {
-            const int idx = threadIdx.x + 128 * i, j = idx / C8, c = idx % C8, p = k0 + j;
-            kn[i] = vn[i] = make_uint4(0, 0, 0, 0);
+    for (int k0 = begin; k0 < end; k0 += BK) {
+        for (int idx = threadIdx.x; idx < BK * C8; idx += 128) {
+            const int j = idx / C8, c = idx % C8, p = k0 + j;
+            uint4 kval = make_uint4(0, 0, 0, 0), vval = kval;
             const int page = p < end ? table[p / page_size] : -1;
             if (page >= 0) {
                 const i64 row = ((i64)page * page_size + p % page_size) * kv_heads + kvh;
-                kn[i] = *(const uint4*)(kc + row * D + c * 8);
-                vn[i] = *(const uint4*)(vc + row * D + c * 8);
+                kval = *(const uint4*)(kc + row * D + c * 8);
+                vval = *(const uint4*)(vc + row * D + c * 8);
             }
-        }
-    };
-    if (AHEAD && begin < end) fetch(begin);
-    for (int k0 = begin; k0 < end; k0 += BK) {
-        if (!AHEAD) fetch(k0);
-#pragma unroll
-        for (int i = 0; i < LOADS; ++i) {
-            const int idx = threadIdx.x + 128 * i, j = idx / C8, c = idx % C8;
-            *(uint4*)(ks + j * LD + c * 8) = kn[i];
-            *(uint4*)(vs + j * LD + c * 8) = vn[i];
+            *(uint4*)(ks + j * LD + c * 8) = kval;
+            *(uint4*)(vs + j * LD + c * 8) = vval;
         }
         __syncthreads();
-        if (AHEAD && k0 + BK < end) fetch(k0 + BK);  // in flight while this step multiplies
         // S = Q K^T for this warp's 16 rows x BK keys (BK / 8 tiles of 8 keys)
         float s[BK / 8][4];
 #pragma unroll
