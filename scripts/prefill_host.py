@@ -7,8 +7,8 @@ its enqueue (until ``Backend.run`` returns: every kernel launched, every cuBLAS 
     python scripts/prefill_host.py MODEL.gguf [--tokens 512] [--reps 10] [--rounds 3] [--graph]
 
 ``--graph`` runs the same prefill through a captured graph instead (the graphs' token buckets extended to
-``--tokens``): almost no host time, but a graph treats each token as a row of its own, so attention takes the
-one-token kernel, not the tile-wise tensor-core one.
+``--tokens`` where it is past them): almost no host time; past ``TILED_GRAPH_TOKENS`` the graph attends tile-wise
+(flash.cu, its tiles made on the device), below it token by token (each token a row of its own).
 
 Where the enqueue is close to the whole step, the GPU waited for the host: the step's figure is the host's, and a
 slower host (or one busy with something else) gives a lower ppN. Where it is well under, the GPU bounds it. Each

@@ -241,6 +241,38 @@ def test_steps_with_prefill_chunks_replay_a_graph_and_equal_eager(files, cuda):
     )
 
 
+def test_steps_past_the_per_token_buckets_replay_a_graph_with_tiled_attention_and_equal_eager(tmp_path, cuda):
+    """A step of more than TILED_GRAPH_TOKENS tokens (a decode row beside a prompt's chunk) runs as a captured graph
+    whose flash attention takes the tiles flash_tiles made on the device: its logits and the cache it leaves agree
+    with the eager step's (flash attention over the host's tiles), then a deep chunk's step replays it and agrees too
+    (no attention budget past TILED_GRAPH_TOKENS)."""
+    import gguf
+    from leat_backend_cuda.backend import TILED_GRAPH_TOKENS
+
+    params = Llama.tiny(head_dim=64, width=256, context=2048)
+    path = write_tiny_gguf(Llama, tmp_path / "hd64.gguf", gguf.GGMLQuantizationType.Q8_0, params=params)
+    model = load(path, cuda)
+    layouts = Llama.kv_layouts(model.params)
+    caches = [cuda.allocate_kv(layouts, 3, 2048, dtype="f16") for _ in range(2)]
+    first, long = prompt(model, 20, seed=5), prompt(model, 1200, seed=6)
+    for kv in caches:
+        model.forward(Batch([Row(0, 0, first)]), kv)
+    n = TILED_GRAPH_TOKENS + 40
+    for step in (
+        Batch([Row(0, 20, np.array([7])), Row(2, 0, long[:n])]),
+        Batch([Row(2, n, long[n : 2 * n]), Row(0, 21, np.array([3]))]),
+        Batch([Row(2, 2 * n, long[2 * n : 3 * n])]),
+    ):
+        replay = cuda.to_host(cuda.run(model.forward, step, caches[0]))
+        eager = cuda.to_host(model.forward(step, caches[1]))
+        assert replay.shape == eager.shape == (len(step.rows), model.params.vocab)
+        np.testing.assert_allclose(replay, eager, rtol=0, atol=5e-3)
+    assert not cuda.graph_failures and any(key[2] == 384 for key in cuda._captured)
+    np.testing.assert_allclose(
+        _bytes(cuda, caches[0].k[0]).view(np.float16), _bytes(cuda, caches[1].k[0]).view(np.float16), rtol=0, atol=2e-3
+    )
+
+
 def test_speculative_rows_replay_a_graph_and_equal_eager(files, cuda):
     """Rows that want every token's logits (a token and its draft) run as a captured graph, each token a
     row of its own: the logits equal the eager step's, and the engine's greedy speculative output equals

@@ -16,6 +16,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from leat.backend import KVLayout
 from leat.batch import Batch, Row
 from leat.modelfile import ModelFile, Tensor
 from leat.testing import write_tiny_gguf
@@ -262,6 +263,31 @@ def test_steps_with_prefill_chunks_replay_a_graph(fake, tmp_path):
     deep = Batch([Row(0, 22, np.array([7])), Row(1, start, np.arange(100) % 300)])
     backend.run(model.forward, deep, kv)
     assert "graph" not in [f for f, _, _ in fake.launches] and len(fake.captured) == 1
+
+
+def test_prefill_steps_past_the_per_token_buckets_replay_a_graph_with_tiled_attention(fake, tmp_path):
+    """A step of more than TILED_GRAPH_TOKENS tokens is captured with flash attention, its tiles made on the device
+    (flash_tiles, then flash_attention, in the capture: the eager run before it keeps its own tiles out of the
+    graph), and replayed for such a step at any depth; a latent (MLA) cache's steps of that size stay eager."""
+    from leat_backend_cuda.backend import TILED_GRAPH_TOKENS
+
+    params = Llama.tiny(heads=4, kv_heads=2, head_dim=64, width=256, context=4096)
+    path = write_tiny_gguf(Llama, tmp_path / "hd64.gguf", Q.Q8_0, params=params)
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=2, context=4096, dtype="f16")
+    n = TILED_GRAPH_TOKENS + 44
+    fake.launches.clear()
+    backend.run(model.forward, Batch([Row(0, 0, np.arange(n) % 300)]), kv)
+    assert not backend.graph_failures and [k[2:] for k in backend._captured] == [(384, 1)]
+    captured = fake.captured[0]
+    assert captured.count("flash_tiles") == 1 and sum("flash_attention" in f for f in captured) == model.params.layers
+    fake.launches.clear()
+    deep = Batch([Row(1, 3000, np.arange(n) % 300)])  # far past the per-token graphs' attention budget
+    backend.run(model.forward, deep, kv)
+    assert [f for f, _, _ in fake.launches] == ["graph"]
+    latent = backend.allocate_kv([KVLayout(1, 64, 48, latent=True)] * 2, slots=1, context=1024, dtype="f16")
+    assert backend._graph_shape(Batch([Row(0, 0, np.arange(n) % 300)]), latent) is None
 
 
 def test_q8_0_kv_and_top_k(fake, tmp_path):

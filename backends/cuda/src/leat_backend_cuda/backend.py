@@ -66,6 +66,7 @@ OPS_KERNELS = (
         "scale_add",
         "split_plane",
         "gather_ints",
+        "flash_tiles",
         "argmax_rows",
         "top_k_rows",
         "kv_write<float>",
@@ -97,12 +98,14 @@ ATTENTION_SPLIT_KEYS = 32
 KV_DTYPES = {"f32": ("float", F32), "f16": ("u16", U16), "q8_0": ("i8", np.dtype(np.int8))}
 TOP_K_MAX = 64  # top_k on the device: at most this many per row
 # Token counts a graph is captured for: decode and speculative steps up to 64, then steps that carry prefill
-# chunks beside their decode rows. Past 256 tokens a step's device time (~30 ms on an H200 for the 8B bench
-# file) exceeds the eager path's Python (~10 ms), which then runs ahead of the device: no graph needed, and the
-# eager path's tile-wise prefill attention is faster (pp512 through a graph: 9,005 tok/s; eagerly: 9,457 and
-# 9,388, in other device calls of the same session).
-TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# chunks beside their decode rows. Up to TILED_GRAPH_TOKENS a graph attends token by token (each token a row of
+# its own); past it, as the eager path does: tile-wise on tensor cores (flash.cu, its tiles made on the device by
+# ops.cu's flash_tiles). A 512-token step of the 8B bench file takes ~17 ms on an H200 and ~20 ms of the eager
+# path's host time on the H200's host (twenty-sixth session, scripts/prefill_host.py), where the device used to
+# take ~30 ms and the host ~10 (pp512 9,005-9,457 then): the eager step now waits for the host.
+TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 LOGIT_BUCKETS = TOKEN_BUCKETS[: TOKEN_BUCKETS.index(64) + 1]
+TILED_GRAPH_TOKENS = 256
 # A prefill chunk in a graph attends token by token (no flash tiles): sum over chunks of tokens x last position
 # up to which that costs less than the eager path's Python (a 128-token chunk from position 1920)
 #: products of at least this many tokens go to cuBLAS where it is installed (cublas.py); fewer to the
@@ -145,6 +148,7 @@ F16_SLAB_BYTES = 1 << 30
 F16_WEIGHTS_SHARE = 0.25
 F16_WEIGHTS_FILE_SHARE = F16_WEIGHTS_SHARE / 4
 FLAT_ATTENTION_BUDGET = 128 * 2048
+FLASH_TILES_THREADS = 1024  # ops.cu's flash_tiles: one block, a thread a token (TOKEN_BUCKETS[-1] at most)
 
 
 def _host_dequantizable() -> frozenset[Q]:
@@ -366,6 +370,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         self.flat_attention_budget = FLAT_ATTENTION_BUDGET
         self._uncapturable: set[tuple] = set()  # graph keys whose capture failed: those shapes run eagerly
         self._capturing = False
+        self._tiled_batch: Batch | None = None  # a graph's batch being captured with tile-wise attention
         self.graph_failures: list[str] = []
         self.ops = self._module("ops", "ops.cu", OPS_KERNELS, {})
         # where argmax_async's ids land on the host: a ring, as a step's ids are read after the next is queued
@@ -1127,9 +1132,11 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         kv_heads, dv = v.shape[1], v.shape[2]  # v may still be pending: _write_kv may take its product in
         slots, positions, span = self._token_rows(batch)
         q, (kind, (_, _, k_scale, v_scale, table), per_slot) = self._write_kv(k, v, kv, layer, slots, positions, q)
-        # a prefill (some row has several tokens; never a captured decode step): tensor cores over an f16
-        # cache; a q8_0 cache's prefill takes attention_wide below (flash.cu reads f16 tiles only)
-        flash = n > quants.GEMV_MAX_TOKENS and n > len(batch.rows) and kind == "u16" and dk == dv
+        # a prefill (some row has several tokens, or a graph past TILED_GRAPH_TOKENS; never a captured decode step):
+        # tensor cores over an f16 cache; a q8_0 cache's prefill takes attention_wide below (flash.cu reads f16 tiles
+        # only)
+        prefill = n > len(batch.rows) or batch is self._tiled_batch
+        flash = n > quants.GEMV_MAX_TOKENS and prefill and kind == "u16" and dk == dv
         if flash and dk in FLASH_DIMS and sinks is None:
             return self._flash(q, kv, layer, batch, table, slots, positions, scale, softcap)
         lanes = -(-max(dk, dv) // 32)
@@ -1296,7 +1303,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         kv_heads = kv.layouts[layer].kv_heads
         group = heads // kv_heads
         per_block = 4 if group >= 3 else group  # query heads per block; its 4 warps split the tile's tokens
-        tiles = self._flash_tiles(batch, 16 * 4 // per_block)
+        tiles = self._flash_tiles(batch, 16 * 4 // per_block, kv, slots, positions)
         out = self._empty((n, heads * dim))
         self._module("flash", "flash.cu", FLASH_KERNELS, {})[f"flash_attention<{dim}>"](
             (tiles.size // 2, kv_heads * -(-group // per_block)),
@@ -1320,11 +1327,24 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         )
         return out
 
-    def _flash_tiles(self, batch: Batch, tile: int) -> DeviceArray:
-        """(first token, count) of each run of up to ``tile`` consecutive tokens of one row, on the device."""
-        hit = self._tiles.get((id(batch), tile))
+    def _flash_tiles(self, batch: Batch, tile: int, kv: KVCache, slots, positions) -> DeviceArray:
+        """(first token, count) of each run of up to ``tile`` consecutive tokens of one row, on the device. A graph's
+        are made there (ops.cu's flash_tiles, from the tokens' slots and positions), with room for the most tiles a
+        step of its tokens can have (a tile per ``tile`` tokens and one more a row, a row a slot); the spare
+        entries' count is 0."""
+        key = (id(batch), tile, self._capturing)  # the capture makes its own: the eager run's are not in the graph
+        hit = self._tiles.get(key)
         if hit is not None and hit[0] is batch:
             return hit[1]
+        if batch is self._tiled_batch:
+            n = len(batch)
+            if n > FLASH_TILES_THREADS:
+                raise LeatError(f"flash_tiles takes up to {FLASH_TILES_THREADS} tokens, not {n}")
+            capacity = min(n, -(-n // tile) + kv.tables[0].shape[0])
+            array = self._empty((2 * capacity,), I32)
+            self.ops["flash_tiles"]((1,), FLASH_TILES_THREADS, slots, positions, array, n, tile, capacity)
+            self._remember(self._tiles, key, (batch, array))
+            return array
         tiles, first = [], 0
         for row in batch.rows:
             count = len(row.tokens)
@@ -1333,7 +1353,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         host = np.asarray(tiles, np.int32).reshape(-1)
         array = self._empty(host.shape, I32)
         self.device.upload(array.ptr, host)
-        self._remember(self._tiles, (id(batch), tile), (batch, array))
+        self._remember(self._tiles, key, (batch, array))
         return array
 
     def _elementwise(self, kernel: str, *args: Any, like: DeviceArray) -> DeviceArray:
@@ -1438,8 +1458,9 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         then attends to its slot's cache up to its position. That is exact for any batch: decode rows,
         speculative rows (a token and its draft), and prefill chunks, whose tokens attend like
         consecutive decode steps of one slot. The logits rows the batch asks for are picked inside
-        the graph. A chunk deep into a long prompt is cheaper through the eager path's tile-wise
-        attention (``FLAT_ATTENTION_BUDGET``), and a batch over ``TOKEN_BUCKETS[-1]`` tokens runs eagerly.
+        the graph. Up to ``TILED_GRAPH_TOKENS`` tokens, a chunk deep into a long prompt is cheaper through
+        the eager path's tile-wise attention (``FLAT_ATTENTION_BUDGET``); past them a graph attends tile-wise
+        itself (its tiles made on the device), and a batch over ``TOKEN_BUCKETS[-1]`` tokens runs eagerly.
         """
         self.device.activate()
         shape = self._graph_shape(batch, kv)
@@ -1489,10 +1510,14 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             return None
         if batch.inputs is not None or any(r.bidirectional for r in batch.rows):
             return None  # an image's row (its inputs are embeddings, not tokens; it attends both ways): eagerly
-        chunks = (r for r in batch.rows if len(r.tokens) > 1 and not r.all_logits)
-        if sum(len(r.tokens) * (r.start + len(r.tokens)) for r in chunks) > self.flat_attention_budget:
-            return None
         tokens = next(b for b in TOKEN_BUCKETS if b >= n)
+        if tokens > TILED_GRAPH_TOKENS:  # attention as the eager path's (tile-wise where it is there): any depth
+            if kv.recurrent or any(layout.latent for layout in kv.layouts):
+                return None  # latent and recurrent layers would still go token by token: eagerly, as before
+        else:
+            chunks = (r for r in batch.rows if len(r.tokens) > 1 and not r.all_logits)
+            if sum(len(r.tokens) * (r.start + len(r.tokens)) for r in chunks) > self.flat_attention_budget:
+                return None  # token by token, a deep chunk's attention costs more than the eager path's host time
         wanted = len(batch.logit_index)
         logits = tokens if tokens <= LOGIT_BUCKETS[-1] else next((b for b in LOGIT_BUCKETS if b >= wanted), tokens)
         return tokens, logits
@@ -1514,13 +1539,14 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         self.device.upload(inputs.ptr, placeholder)
         self.device.synchronize()
         saved, self._pool = self._pool, pool
+        self._tiled_batch = batch if tokens > TILED_GRAPH_TOKENS else None
         try:
             _ready(forward(batch, kv))  # an eager run first, on padding only, builds what ops create lazily
             self.device.synchronize()
             self._capturing = True
             graph = driver.Graph(self.device, lambda: _ready(forward(batch, kv)))
         finally:
-            self._pool, self._capturing = saved, False
+            self._pool, self._capturing, self._tiled_batch = saved, False, None
             for key in (id(batch.tokens), id(batch.positions), id(batch.logit_index)):
                 self._inputs.pop(key, None)
             self._tokens_meta.pop(id(batch), None)

@@ -26,6 +26,7 @@ __global__ void __launch_bounds__(128) flash_attention(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = heads / kv_heads, kvh = blockIdx.y % kv_heads, chunk = blockIdx.y / kv_heads;
     const int first = tiles[2 * blockIdx.x], count = tiles[2 * blockIdx.x + 1];
+    if (count == 0) return;  // an entry past a graph's last tile (ops.cu's flash_tiles)
     const int slot = tok_slot[first];
     if (slot < 0) return;  // padding rows of a replayed graph: nothing to attend, nothing written
     const int p_first = tok_pos[first], p_last = tok_pos[first + count - 1];

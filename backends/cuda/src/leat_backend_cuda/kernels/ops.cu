@@ -615,6 +615,49 @@ extern "C" __global__ void split_plane(const u8* __restrict__ src, u8* __restric
     }
 }
 
+// flash.cu's tiles of a step's tokens, made on the device (a captured graph's prefill: the eager path makes them on
+// the host, backend._flash_tiles). A run is consecutive tokens of one slot at consecutive positions (a batch row; a
+// padding token, slot -1, is in none); a tile is up to `tile` tokens of a run, cut from the run's first token on.
+// tiles[2i] is tile i's first token and tiles[2i + 1] its count, in token order; the entries past the last tile up to
+// `capacity` get count 0 (flash_attention's blocks for them return at once). One block of FLASH_TILES_THREADS
+// threads, n <= FLASH_TILES_THREADS; `capacity` at least the tiles there are (the caller's bound: n / tile + rows).
+#define FLASH_TILES_THREADS 1024
+extern "C" __global__ void __launch_bounds__(FLASH_TILES_THREADS)
+    flash_tiles(const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, int* __restrict__ tiles, int n,
+                int tile, int capacity) {
+    __shared__ int scan[FLASH_TILES_THREADS];
+    const int i = threadIdx.x, slot = i < n ? tok_slot[i] : -1;
+    const bool starts = slot >= 0 && (i == 0 || tok_slot[i - 1] != slot || tok_pos[i - 1] + 1 != tok_pos[i]);
+    scan[i] = starts ? i : -1;  // the run's first token: an inclusive max-scan of the run starts
+    __syncthreads();
+    for (int d = 1; d < FLASH_TILES_THREADS; d <<= 1) {
+        const int other = i >= d ? scan[i - d] : -1;
+        __syncthreads();
+        scan[i] = max(scan[i], other);
+        __syncthreads();
+    }
+    const int run = scan[i];
+    const bool first = slot >= 0 && (i - run) % tile == 0;
+    __syncthreads();
+    scan[i] = first ? 1 : 0;  // the tile's index: an inclusive sum-scan of the tile starts, less one
+    __syncthreads();
+    for (int d = 1; d < FLASH_TILES_THREADS; d <<= 1) {
+        const int other = i >= d ? scan[i - d] : 0;
+        __syncthreads();
+        scan[i] += other;
+        __syncthreads();
+    }
+    const int index = scan[i] - 1, total = scan[FLASH_TILES_THREADS - 1];
+    if (first && index < capacity) {
+        int count = 1;  // the run's tokens from i on, up to `tile`
+        while (count < tile && i + count < n && tok_slot[i + count] == slot && tok_pos[i + count] == tok_pos[i] + count)
+            ++count;
+        tiles[2 * index] = i;
+        tiles[2 * index + 1] = count;
+    }
+    for (int e = total + i; e < capacity; e += FLASH_TILES_THREADS) tiles[2 * e] = tiles[2 * e + 1] = 0;
+}
+
 // dst[i] = src[index[i]] for i < n: a step's tokens taken from the last step's argmax (run's `fed`).
 extern "C" __global__ void gather_ints(const int* __restrict__ src, const int* __restrict__ index, int* __restrict__ dst,
                                        int n) {
