@@ -650,6 +650,39 @@ def test_prefill_host_times_a_prefill_and_its_launches(fake, tmp_path, monkeypat
     assert per_step > 0 and all(int(r[3]) == per_step and int(r[4]) == 0 for r in rows)
 
 
+@pytest.mark.parametrize("fill", [7, None])
+def test_decode_host_times_a_token_in_parts_and_in_loops(fake, tmp_path, monkeypatch, capsys, fill):
+    """scripts/decode_host.py on the fake driver: every part and every loop's rounds, one capture and a replay for each
+    step the script runs, and its check that the page-locked copy equals to_host's as the downloads make them (each
+    download fills its destination with one byte: equal; with the second copy's byte another: not equal)."""
+    import ctypes
+
+    downloads = []
+
+    def download(dst, src, size, stream):
+        downloads.append(dst)
+        ctypes.memset(dst, fill if fill is not None else len(downloads) % 2, size)
+        return (fake.ok,)
+
+    monkeypatch.setattr(fake, "cuMemcpyDtoHAsync", download)
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
+    script, module = _script("decode_host")
+    monkeypatch.setattr(sys, "argv", [str(script), str(path), "--position", "5", "--reps", "3", "--rounds", "2"])
+    module.main()
+    out = capsys.readouterr().out
+    parts = re.findall(r"^\| ([\w -]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.MULTILINE)
+    assert [p[0] for p in parts] == list(module.PARTS)
+    loops = re.findall(r"^\| ([^|]+) \| (\d) \| ([\d.]+) \| ([\d.]+) \|$", out, re.MULTILINE)
+    assert [(name.split(" (")[0], int(i)) for name, i, _, _ in loops] == [
+        (name, i)
+        for name in ("run + to_host", "run + page-locked download + copy", "run alone, back to back")
+        for i in (1, 2)
+    ]
+    assert f"equals to_host's: {fill is not None}" in out
+    assert len(fake.captured) == 1
+    assert [f for f, _, _ in fake.launches].count("graph") == 5 + 1 + 3 + 3 * 2 * 128
+
+
 def test_load_patterns_times_each_pattern_on_a_persistent_grid(fake, monkeypatch, capsys):
     """scripts/load_patterns.py on the fake driver: a row for each pattern, units in flight, blocks a multiprocessor
     and size, each from --reps launches of that pattern's kernel on blocks x multiprocessors blocks of 128 threads."""
