@@ -100,8 +100,9 @@ def table(rows: list[dict]) -> str:
 
 
 def leat_version() -> str:
-    """The leat checkout's commit where there is one, else the installed version."""
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    """The leat checkout's commit where there is one ("-dirty" after it where the checkout's tracked files differ from
+    it: a copy of a working tree, as a device machine runs, is not that commit), else the installed version."""
+    done = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=False)
     if done.returncode == 0:
         return done.stdout.strip()
     from importlib.metadata import version

@@ -132,3 +132,21 @@ def test_one_run_beside_llamacpps_tools_with_matched_settings(tmp_path):
     assert int(first[first.index("-c") + 1]) >= 2 * (8 + 4)
     assert first[first.index("-npl") + 1] == "1,2" and second[second.index("-npl") + 1] == "1,2"
     assert "-ngl" in first and first[first.index("-ngl") + 1] == "0"
+
+
+def test_the_leat_version_says_when_the_checkout_is_not_its_commit(script, tmp_path, monkeypatch):
+    """A device machine runs a copy of the working tree beside a git directory that may be older: the version names
+    the commit and, where the tracked files differ from it, says so (a run there once printed a commit it did not
+    run)."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "f.txt").write_text("a")
+    subprocess.run([*git, "-C", str(tmp_path), "add", "f.txt"], check=True)
+    subprocess.run([*git, "-C", str(tmp_path), "commit", "-qm", "one"], check=True)
+    head = subprocess.run(
+        ["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    )
+    monkeypatch.chdir(tmp_path)
+    assert script.leat_version() == head.stdout.strip()
+    (tmp_path / "f.txt").write_text("b")
+    assert script.leat_version() == head.stdout.strip() + "-dirty"
