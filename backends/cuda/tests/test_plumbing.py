@@ -441,6 +441,37 @@ def test_a_step_whose_graph_cannot_be_captured_runs_eagerly_and_says_so(fake, tm
     assert not backend._captured
 
 
+def test_a_chunks_new_graph_needs_the_devices_free_share_or_its_steps_run_eagerly(fake, tmp_path, caplog, monkeypatch):
+    """A graph's private pool stays reserved while it lives, so a new graph of a prompt's chunk (over 64 tokens) is
+    captured only while GRAPH_FREE_SHARE of the device's memory is free; short of that its steps run eagerly (same
+    results), recorded and logged once. Decode steps' graphs are captured regardless, and graphs captured before
+    keep replaying."""
+    from leat_backend_cuda.backend import GRAPH_FREE_SHARE
+
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=2, context=256, dtype="f16")
+    chunk = lambda tokens: Batch([Row(0, 0, np.arange(tokens) % 50)])
+    total = 140 << 30
+    free = {"bytes": int(GRAPH_FREE_SHARE * total)}  # just enough
+    monkeypatch.setattr(fake, "cuMemGetInfo", lambda: (fake.ok, free["bytes"], total))
+    backend.run(model.forward, chunk(70), kv)
+    assert [key[2] for key in backend._captured] == [96]
+    free["bytes"] -= 1
+    with caplog.at_level("WARNING", logger="leat.cuda"):
+        for _ in range(2):
+            assert backend.to_host(backend.run(model.forward, chunk(100), kv)).shape == (1, model.params.vocab)
+    assert len(backend._captured) == 1 and len(backend.graph_failures) == 1 and "free" in backend.graph_failures[0]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "leat.cuda"]
+    assert len(warnings) == 1 and "no graph for steps of 128 tokens" in warnings[0]
+    backend.run(model.forward, Batch([Row(1, 0, np.array([5]))]), kv)  # a decode step: captured regardless
+    assert sorted(key[2] for key in backend._captured) == [1, 96]
+    replays = [name for name, _, _ in fake.launches].count("graph")
+    backend.run(model.forward, chunk(70), kv)  # the chunk's graph captured before replays
+    assert [name for name, _, _ in fake.launches].count("graph") == replays + 1
+
+
 def test_products_of_f16_copies_go_to_cublas_with_their_siblings_and_their_epilogue_into_the_consumer(
     fake, monkeypatch
 ):

@@ -107,6 +107,12 @@ TOP_K_MAX = 64  # top_k on the device: at most this many per row
 TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 LOGIT_BUCKETS = TOKEN_BUCKETS[: TOKEN_BUCKETS.index(64) + 1]
 TILED_GRAPH_TOKENS = 256
+#: the share of the device's memory that must be free for a new graph of a prompt's chunk (over LOGIT_BUCKETS[-1]
+#: tokens) to be captured: a graph's private pool stays reserved while the graph lives (the 8B file's 512-token step
+#: ~0.9 GiB, once per logits bucket a step shape meets); short of it such steps run eagerly, so that graphs do not
+#: take what eager steps need. Decode and speculative steps' graphs (their pools are small, and without them a step
+#: waits on the host) are captured regardless
+GRAPH_FREE_SHARE = 0.1
 # A prefill chunk in a graph attends token by token (no flash tiles): sum over chunks of tokens x last position
 # up to which that costs less than the eager path's Python (a 128-token chunk from position 1920)
 #: products of at least this many tokens go to cuBLAS where it is installed (cublas.py); fewer to the
@@ -1471,6 +1477,8 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         captured = self._captured.get(key)
         if captured is None:
             try:
+                if shape[0] > LOGIT_BUCKETS[-1]:
+                    self._graph_room()
                 captured = self._captured[key] = self._capture(forward, kv, *shape)
                 if not any(k[1] == id(kv) for k in self._captured if k != key):  # graphs go with their cache
                     weakref.finalize(kv, self._forget, id(kv))
@@ -1522,6 +1530,15 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         wanted = len(batch.logit_index)
         logits = tokens if tokens <= LOGIT_BUCKETS[-1] else next((b for b in LOGIT_BUCKETS if b >= wanted), tokens)
         return tokens, logits
+
+    def _graph_room(self) -> None:
+        """Raises unless ``GRAPH_FREE_SHARE`` of the device's memory is free for a new chunk's graph."""
+        free, total = self.device.free_memory()
+        if free < GRAPH_FREE_SHARE * total:
+            raise LeatError(
+                f"{free >> 20} MiB of the device's {total >> 20} MiB free, under the {GRAPH_FREE_SHARE:.0%} a new "
+                "graph needs"
+            )
 
     def _capture(self, forward: Callable, kv: KVCache, tokens: int, logits: int) -> _Captured:
         self._sync_pages(kv)
