@@ -283,16 +283,6 @@ _FLOAT = struct.Struct("<f")
 _UINT = struct.Struct("<I")
 
 
-def _param(value: Any) -> int:
-    if isinstance(value, int | np.integer):
-        return int(value) & 0xFFFFFFFFFFFFFFFF
-    if isinstance(value, float | np.floating):
-        return _UINT.unpack(_FLOAT.pack(float(value)))[0]
-    if value is None:
-        return 0
-    return value.ptr  # DeviceArray, Memory, Block
-
-
 def _slot(value: Any) -> Any:
     """An argument that is not a Python int or float, as :class:`Kernel`'s packing takes it."""
     if value is None:
@@ -302,6 +292,14 @@ def _slot(value: Any) -> Any:
     if isinstance(value, float | np.floating):
         return float(value)
     return value.ptr  # DeviceArray, Memory, Block
+
+
+def _param(value: Any) -> int:
+    """An argument as its 8-byte slot's bits, one at a time (the packing's fallback): a float as float32."""
+    slot = _slot(value)
+    if isinstance(slot, float):
+        return _UINT.unpack(_FLOAT.pack(slot))[0]
+    return slot & 0xFFFFFFFFFFFFFFFF
 
 
 _PLAIN = (int, float)
