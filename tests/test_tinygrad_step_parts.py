@@ -24,7 +24,9 @@ def test_a_kind_is_the_name_up_to_its_sizes():
     assert parts.kind("E_32_32_4") == "E"
 
 
-def test_the_step_runs_with_a_kind_left_out(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def tiny_llama(tmp_path) -> str:
+    """A tiny Llama file for tinygrad's default device (skips where tinygrad or the llama plugin is missing)."""
     pytest.importorskip("leat_backend_tinygrad")
     from leat_backend_tinygrad.backend import probe_reason
 
@@ -36,8 +38,13 @@ def test_the_step_runs_with_a_kind_left_out(tmp_path, monkeypatch, capsys):
     entry = plugins.host().get("architectures", "llama")
     if entry is None:
         pytest.skip("no installed plugin serves llama")
-    path = str(write_tiny_gguf(entry.load(), tmp_path / "tiny-llama.gguf"))
-    monkeypatch.setattr("sys.argv", ["x", path, "--capacity", "32", "--context", "9", "--steps", "2", "--rounds", "1"])
+    return str(write_tiny_gguf(entry.load(), tmp_path / "tiny-llama.gguf"))
+
+
+def test_the_step_runs_with_a_kind_left_out(tiny_llama, monkeypatch, capsys):
+    monkeypatch.setattr(
+        "sys.argv", ["x", tiny_llama, "--capacity", "32", "--context", "9", "--steps", "2", "--rounds", "1"]
+    )
     parts.main()
     lines = capsys.readouterr().out.splitlines()
     total = int(lines[0].split(", ")[-1].split()[0])
@@ -48,22 +55,12 @@ def test_the_step_runs_with_a_kind_left_out(tmp_path, monkeypatch, capsys):
     assert all(float(row[2]) > 0 for label, row in rows.items() if label not in ("variant", "---"))
 
 
-def test_leaving_a_kind_out_takes_exactly_its_kernels(tmp_path):
-    pytest.importorskip("leat_backend_tinygrad")
-    from leat_backend_tinygrad.backend import probe_reason
-
-    if probe_reason() is not None:
-        pytest.skip(f"tinygrad cannot run here: {probe_reason()}")
+def test_leaving_a_kind_out_takes_exactly_its_kernels(tiny_llama):
     import leat
     import numpy as np
-    from leat import plugins
     from leat.batch import Batch, Row
-    from leat.testing import write_tiny_gguf
 
-    entry = plugins.host().get("architectures", "llama")
-    if entry is None:
-        pytest.skip("no installed plugin serves llama")
-    model = leat.load(str(write_tiny_gguf(entry.load(), tmp_path / "tiny-llama.gguf")), backend="tinygrad")
+    model = leat.load(tiny_llama, backend="tinygrad")
     backend, forward = model.backend, model.architecture.forward
     kv = model.new_kv(32, slots=1, dtype="f16")
     for p in range(3):
