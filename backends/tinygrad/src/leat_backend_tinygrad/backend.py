@@ -36,6 +36,7 @@ from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
+from leat_backend_tinygrad import norm
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemm import half_product, tuned_opts
@@ -231,6 +232,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # few-row products take their consumer into their kernel: silu_mul of a gate and an up product of the same x
         # (one kernel for both, gemv.py's "glu"), add of a product and the residual ("residual"); 0: each its own
         self.fuse_products = os.environ.get("LEAT_TINYGRAD_FUSE_PRODUCTS", "1") != "0"
+        # RMS norms of up to this many rows are norm.py's one kernel where it applies (0: tinygrad's own two)
+        self.norm_rows = int(os.environ.get("LEAT_TINYGRAD_NORM_ROWS", str(DECODE_BUCKETS[-1])))
         # the latest few-row products not yet consumed: id(output) -> (output, x, weight), for their consumers
         self._products: dict[int, tuple[Tensor, Tensor, Weight]] = {}
         # the latest rotated q and k: id(output) -> (output, input, spec, positions, cos, sin), for attention (_roped)
@@ -533,7 +536,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
     def embed(self, weight: Weight, tokens: np.ndarray) -> Tensor:
         step = self._stepping(tokens)
         if step is not None:  # a gather of the stored rows on the device, dequantized there
-            return weight._values(weight.data[step.tokens], (len(tokens), *weight.shape[1:]))
+            # realized here: the layer's norm and its residual add both read it, and left lazy each would repeat the
+            # gather and the dequantizing (three kernels)
+            return weight._values(weight.data[step.tokens], (len(tokens), *weight.shape[1:])).realize()
         # The rows are taken from the host copy of the stored bytes and dequantized there (as llama.cpp's
         # get_rows): a gather from a [vocab, d] table on the device would read the whole table.
         rows = np.asarray(weight.host).reshape(weight.shape[0], -1)[np.asarray(tokens)]
@@ -602,6 +607,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
 
     def rms_norm(self, x: Tensor, weight: Any, eps: float) -> Tensor:
         x = self._values(x)
+        if x.shape[0] <= self.norm_rows and norm.applies(x):  # few rows (decode): one kernel of our own
+            return norm.rms_norm(x, self._values(weight) if weight is not None else None, eps)
         y = x * ((x * x).mean(axis=-1, keepdim=True) + eps).rsqrt()
         return y * self._values(weight) if weight is not None else y
 
