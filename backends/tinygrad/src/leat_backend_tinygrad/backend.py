@@ -36,7 +36,7 @@ from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
-from leat_backend_tinygrad import norm
+from leat_backend_tinygrad import norm, qkv
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemm import half_product, tuned_opts
@@ -694,8 +694,14 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 positions = self._tensor(at.astype(np.int32))
             if roped is not None:
                 (q_in, k_in, spec, cos, sin), storage = roped, (kv.k[layer], kv.v[layer])
-                q_in, k_in, v = self._together(q_in, k_in, v)
-                q = rope_write(q_in, k_in, v, cos, sin, *storage, table, positions, kv.page_size, spec.dims, spec.neox)
+                made = self._rope_products(q_in, k_in, v, spec, cos, sin, storage, table, positions, kv.page_size)
+                if made is not None:
+                    q = made
+                else:
+                    q_in, k_in, v = self._together(q_in, k_in, v)
+                    q = rope_write(
+                        q_in, k_in, v, cos, sin, *storage, table, positions, kv.page_size, spec.dims, spec.neox
+                    )
             elif not batched:
                 for i, row in enumerate(batch.rows):
                     at = step.at[page_group][i] if step else None
@@ -827,6 +833,40 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         if spec.dims % 2 or (q_in.shape[2] - spec.dims) % 2 or q_in.shape[1] % k_in.shape[1]:  # rope_write's pairs
             return None
         return q_in, k_in, spec, cos, sin
+
+    def _rope_products(self, q_in, k_in, v, spec: RopeSpec, cos, sin, storage, table, positions, page_size: int):
+        """q rotated by qkv.py's one kernel (q's and k's products, v's where it is alike, RoPE and both cache writes),
+        where q and k are few-row products not yet run of one x and one weight type, the rotation is in pairs
+        (2i, 2i + 1) and the device has thread groups; else None (the products, then rope_write)."""
+        if spec.neox or not Device[self.device].renderer.has_local:
+            return None
+        made = [self._viewed_product(t) for t in (q_in, k_in, v)]
+        if made[0] is None:
+            return None
+        _, x, weight = made[0]
+
+        def alike(entry) -> bool:
+            return (
+                entry is not None
+                and entry[1] is x
+                and entry[2].qtype == weight.qtype
+                and (entry[2].data.shape[1:] == weight.data.shape[1:])
+            )
+
+        if not alike(made[1]):
+            return None
+        together = made if alike(made[2]) else made[:2]
+        sizes = tuple(entry[2].data.shape[0] for entry in together)
+        shape = qkv.fitted(self.gemv_shape or Shape.for_product(sum(sizes), qtype=weight.qtype), sizes, local=True)
+        if shape is None:
+            return None
+        for entry in together:
+            self._products.pop(id(entry[0]), None)
+        apart = None if len(together) == 3 else v
+        words = [entry[2].data for entry in together]
+        return qkv.rope_write_products(
+            x, words, weight.qtype, shape, apart, cos, sin, *storage, table, positions, page_size, spec.dims
+        )
 
     def _together(self, *made: Tensor) -> list[Tensor]:
         """``made`` (views of few-row products not yet run, such as a layer's q, k and v), those of them that are

@@ -205,6 +205,40 @@ GATED_SHAPE = Shape(64, 1, 2)
 MAX_LANES = {Q.Q6_K: 32}
 
 
+@dataclass(frozen=True)
+class Threads:
+    """A product kernel's thread ranges: the lanes (one range per axis of a block's units, the whole blocks a step
+    first), the reduce's step over the row's blocks, the block a lane reads, a thread's first output and the ranges
+    its stores end."""
+
+    lanes: list[UOp]
+    step: UOp
+    block: UOp
+    first: UOp
+    ends: tuple[UOp, ...]
+
+    @staticmethod
+    def make(layout: Layout, outputs: int, blocks: int, local: bool, shape: Shape) -> Threads:
+        per_step = math.gcd(max(shape.lanes // math.prod(layout.units), 1), blocks)  # whole blocks a row's lanes read
+        lane_type = AxisType.GROUP_REDUCE if local else AxisType.REDUCE
+        tile = shape.groups * shape.per_thread  # outputs of one thread group
+        # the last unit axis gets the lowest id: tinygrad makes it threadIdx.x, so neighbouring threads read
+        # neighbouring words; the row groups get the highest (the outermost thread index)
+        sizes = (per_step, *layout.units)
+        lanes = [UOp.range(n, 2 + len(sizes) - i, lane_type) for i, n in enumerate(sizes)]
+        tiles = UOp.range(outputs // tile, 0, AxisType.GLOBAL)
+        group = UOp.range(shape.groups, 3 + len(sizes), AxisType.LOCAL) if shape.groups > 1 else None
+        step = UOp.range(blocks // per_step, 1, AxisType.REDUCE)
+        first = tiles * tile if group is None else tiles * tile + group * shape.per_thread
+        ends = (tiles,) if group is None else (tiles, group)
+        return Threads(lanes, step, step * per_step + lanes[0], first, ends)
+
+    def total(self, values: Decoded, x: UOp, n: int, block_size: int) -> UOp:
+        """Row ``n`` of x times a lane's decoded weight ``values``, summed over the row (the step and the lanes)."""
+        terms = [value * x[n, self.block * block_size + at] for at, value in values]
+        return sum(terms[1:], terms[0]).reduce(self.step, *self.lanes, arg=Ops.ADD)
+
+
 def _kernel(
     qtype: Q,
     rows: int,
@@ -221,53 +255,41 @@ def _kernel(
     type and row length, their outputs in turn (``outputs`` their sum; flat buffers in and out), each output row read
     from its own weight by gated loads and stored by a gated store."""
     layout, (block_size, _) = LAYOUTS[qtype], gguf.GGML_QUANT_SIZES[qtype]
-    units = math.prod(layout.units)
-    per_step = math.gcd(max(shape.lanes // units, 1), blocks)  # whole blocks a row's lanes read per step
-    lane_type = AxisType.GROUP_REDUCE if local else AxisType.REDUCE
-    tile = shape.groups * shape.per_thread  # outputs of one thread group
 
     def fxn(out: UOp, x: UOp, weight: UOp, *extra: UOp) -> UOp:
-        # the last unit axis gets the lowest id: tinygrad makes it threadIdx.x, so neighbouring threads read
-        # neighbouring words; the row groups get the highest (the outermost thread index)
         if segments:  # (outs..., x, weights...): the parameters of several products of one x
             params, count = (out, x, weight, *extra), len(segments)
             outs, x, weights = params[:count], params[count], params[count + 1 :]
-        sizes = (per_step, *layout.units)
-        lanes = [UOp.range(n, 2 + len(sizes) - i, lane_type) for i, n in enumerate(sizes)]
-        tiles = UOp.range(outputs // tile, 0, AxisType.GLOBAL)
-        group = UOp.range(shape.groups, 3 + len(sizes), AxisType.LOCAL) if shape.groups > 1 else None
-        step = UOp.range(blocks // per_step, 1, AxisType.REDUCE)
-        block = step * per_step + lanes[0]
-        first = tiles * tile if group is None else tiles * tile + group * shape.per_thread
+        threads = Threads.make(layout, outputs, blocks, local, shape)
         matrices = (weight, extra[0]) if epilogue == "glu" else (weight,)
         stores = []
         for r in range(shape.per_thread):
-            o = first + r
+            o = threads.first + r
             # x's loads are the same UOps for every output of the thread (and both matrices of a glu): read once
             if segments:
                 words_a_block = layout.block_bytes(qtype) // layout.word.itemsize
-                reader = _segment_reader(weights, segments, o, block, blocks, layout, words_a_block)
-                decoded = [layout.decode(*reader, *lanes[1:])]
+                reader = _segment_reader(weights, segments, o, threads.block, blocks, layout, words_a_block)
+                decoded = [layout.decode(*reader, *threads.lanes[1:])]
             else:
-                decoded = [layout.decode(*_reader(matrix, o, block, layout), *lanes[1:]) for matrix in matrices]
+                decoded = [
+                    layout.decode(*_reader(matrix, o, threads.block, layout), *threads.lanes[1:]) for matrix in matrices
+                ]
             for n in range(rows):
-                sums = []
-                for values in decoded:
-                    terms = [value * x[n, block * block_size + at] for at, value in values]
-                    sums.append(sum(terms[1:], terms[0]).reduce(step, *lanes, arg=Ops.ADD))
+                sums = [threads.total(values, x, n, block_size) for values in decoded]
                 y = sums[0]
                 if epilogue == "glu":  # silu(gate) * up, as the backend's silu_mul
                     y = y / (1.0 + (y * -1.0).exp()) * sums[1]
                 elif epilogue == "residual":
                     y = y + row_entry(extra[0], n, o, outputs)
-                ends = (tiles,) if group is None else (tiles, group)
                 if segments:  # the output of the product whose rows hold o: one gated store each
                     at = 0
                     for target, size in zip(outs, segments):
-                        stores.append(target[(o - at + n * size).valid(_within(o, at, size))].store(y).end(*ends))
+                        stores.append(
+                            target[(o - at + n * size).valid(_within(o, at, size))].store(y).end(*threads.ends)
+                        )
                         at += size
                 else:
-                    stores.append(out[n, o].store(y).end(*ends))
+                    stores.append(out[n, o].store(y).end(*threads.ends))
         name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}" + (f"_{epilogue}" if epilogue else "")
         return UOp.sink(*stores, arg=KernelInfo(name=name, opts_to_apply=()))
 
