@@ -63,3 +63,30 @@ def test_the_backend_keeps_tinygrads_norm_where_the_kernel_does_not_apply():
     np.testing.assert_allclose(got, reference(x, w, 1e-6), rtol=2e-6, atol=1e-6)
     on_groups = Device[Device.DEFAULT].renderer.has_local
     assert norm.applies(Tensor(np.zeros((2, 512), np.float32))) == on_groups
+
+
+@pytest.mark.parametrize("device", ["default", "PYTHON"])
+@pytest.mark.parametrize("k", [512, 384, 8192])  # 16 and 12 threads of a run, 128 of two (run_lanes)
+def test_the_quantizing_kernel_gives_the_norm_and_its_integers(k, device):
+    """rms_norm_quantized: each thread holding whole runs of 32; its norm within float32 rounding of rms_norm's (the
+    lanes' sums add in another order), its integers, scales and sums intx.quantize's of that output, bit for bit."""
+    from leat_backend_tinygrad import intx
+
+    device = Device.DEFAULT if device == "default" else device
+    if not Device[device].renderer.has_local:
+        pytest.skip(f"{device} has no thread groups: rms_norm keeps tinygrad's kernels there")
+    rng = np.random.default_rng(k)
+    x = (rng.standard_normal((2, k)) * 3).astype(np.float32)
+    w = rng.standard_normal(k).astype(np.float32)
+    xt, wt = Tensor(x, device=device).realize(), Tensor(w, device=device).realize()
+    assert norm.run_lanes(k) is not None
+    y, quantized = norm.rms_norm_quantized(xt, wt, 1e-5)
+    np.testing.assert_allclose(y.numpy(), reference(x, w, 1e-5), rtol=2e-6, atol=1e-6)
+    again = intx.quantize(y.realize())
+    for got, want in zip(quantized.tensors(), again.tensors()):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_threads_of_whole_runs():
+    assert norm.run_lanes(4096) == 128 and norm.run_lanes(8192) == 128 and norm.run_lanes(2048) == 64
+    assert norm.run_lanes(896) == 28 and norm.run_lanes(100) is None and norm.run_lanes(16384) is None

@@ -11,6 +11,7 @@ from leat_backend_tinygrad.backend import probe_reason
 if probe_reason() is not None:
     pytest.skip(f"tinygrad cannot run here: {probe_reason()}", allow_module_level=True)
 
+from leat_backend_tinygrad import intx
 from leat_backend_tinygrad.attention import rope_write
 from leat_backend_tinygrad.gemv import Shape, as_words, gemv_segments
 from leat_backend_tinygrad.qkv import fitted, rope_write_products
@@ -30,8 +31,10 @@ def _blocks(rng, outputs: int) -> np.ndarray:
 
 @pytest.mark.parametrize("device", ["default", "PYTHON"])  # default: DEV's (CPU in CI); PYTHON: thread groups
 @pytest.mark.parametrize("v_apart", [False, True])  # v a third product of the kernel, or its own kernel's output
-@pytest.mark.parametrize(("kind", "rotated"), [("f16", DIM), ("f32", DIM // 2)])
-def test_one_kernel_equals_the_products_then_rope_write(kind, rotated, v_apart, device):
+@pytest.mark.parametrize(
+    ("kind", "rotated", "integer"), [("f16", DIM, False), ("f32", DIM // 2, False), ("f16", DIM, True)]
+)
+def test_one_kernel_equals_the_products_then_rope_write(kind, rotated, integer, v_apart, device):
     device = Device.DEFAULT if device == "default" else device
     if not Device[device].renderer.has_local:
         pytest.skip(f"{device} has no thread groups: the backend keeps the products and rope_write there")
@@ -42,6 +45,8 @@ def test_one_kernel_equals_the_products_then_rope_write(kind, rotated, v_apart, 
         for n in (HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM)
     ]
     x = Tensor(rng.standard_normal((rows, K)).astype(np.float32), device=device).realize()
+    if integer:  # x as 16-bit integers (intx.py): integer products in both kernels
+        x = intx.quantize(x)
     table = Tensor(rng.permutation(rows * PAGES).reshape(rows, PAGES).astype(np.int32), device=device).realize()
     at = Tensor(np.asarray(AT, np.int32), device=device).realize()
     angles = np.asarray(AT, np.float64)[:, None] * 10000.0 ** (-np.arange(rotated // 2) * 2 / rotated)

@@ -36,7 +36,7 @@ from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
-from leat_backend_tinygrad import norm, qkv
+from leat_backend_tinygrad import intx, norm, qkv
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemm import half_product, tuned_opts
@@ -232,6 +232,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # few-row products take their consumer into their kernel: silu_mul of a gate and an up product of the same x
         # (one kernel for both, gemv.py's "glu"), add of a product and the residual ("residual"); 0: each its own
         self.fuse_products = os.environ.get("LEAT_TINYGRAD_FUSE_PRODUCTS", "1") != "0"
+        # few-row Q4_K products with x as 16-bit integers (intx.py: integer dot products); 1 turns it on (not yet timed)
+        self.int_products = os.environ.get("LEAT_TINYGRAD_INT_PRODUCTS", "0") == "1"
+        self._quantized: dict[int, tuple[Tensor, Any]] = {}  # id(x) -> (x, intx.quantize(x)), the latest few
         # RMS norms of up to this many rows are norm.py's one kernel where it applies (0: tinygrad's own two)
         self.norm_rows = int(os.environ.get("LEAT_TINYGRAD_NORM_ROWS", str(DECODE_BUCKETS[-1])))
         # the latest few-row products not yet consumed: id(output) -> (output, x, weight), for their consumers
@@ -566,7 +569,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         elif quantized and weight.qtype in LAYOUTS and x.shape[0] <= self.gemv_rows and weight.data.ndim == 3:
             # Few rows (decode) of Q8_0, Q4_0, Q4_K, Q6_K, MXFP4: our own kernel, a set of lanes per output
             # reading the row's blocks in storage order (gemv.py)
-            y = gemv(x, weight.data, weight.qtype, self.gemv_shape)
+            y = gemv(self._gemv_x(x, weight.qtype), weight.data, weight.qtype, self.gemv_shape)
             if bias is None and self.fuse_products:  # its consumer may take it in (silu_mul, add): still lazy
                 self._products[id(y)] = (y, x, weight)
                 while len(self._products) > PRODUCTS_KEPT:
@@ -608,7 +611,12 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
     def rms_norm(self, x: Tensor, weight: Any, eps: float) -> Tensor:
         x = self._values(x)
         if x.shape[0] <= self.norm_rows and norm.applies(x):  # few rows (decode): one kernel of our own
-            return norm.rms_norm(x, self._values(weight) if weight is not None else None, eps)
+            w = self._values(weight) if weight is not None else None
+            if self.int_products and norm.run_lanes(x.shape[1]) is not None:  # its output quantized there too
+                y, quantized = norm.rms_norm_quantized(x, w, eps)
+                self._remember_quantized(y, quantized)
+                return y
+            return norm.rms_norm(x, w, eps)
         y = x * ((x * x).mean(axis=-1, keepdim=True) + eps).rsqrt()
         return y * self._values(weight) if weight is not None else y
 
@@ -793,7 +801,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         g, u = self._product(gate), self._product(up)
         if g is not None and u is not None and g[1] is u[1] and g[2].qtype == u[2].qtype and g[2].shape == u[2].shape:
-            return gemv(g[1], g[2].data, g[2].qtype, self.gemv_shape, up=u[2].data)  # both products, one kernel
+            x = self._gemv_x(g[1], g[2].qtype)
+            return gemv(x, g[2].data, g[2].qtype, self.gemv_shape, up=u[2].data)  # both products, one kernel
         return self._values(gate).silu() * self._values(up)
 
     def sigmoid_mul(self, gate: Tensor, x: Tensor) -> Tensor:
@@ -818,6 +827,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             made = self._product(product)
             if made is not None and isinstance(other, Tensor) and other.shape == product.shape:
                 _, x, weight = made
+                x = self._gemv_x(x, weight.qtype)
                 return gemv(x, weight.data, weight.qtype, self.gemv_shape, residual=self._values(other)).realize()
         return (self._values(a) + self._values(b)).realize()
 
@@ -865,8 +875,36 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         apart = None if len(together) == 3 else v
         words = [entry[2].data for entry in together]
         return qkv.rope_write_products(
-            x, words, weight.qtype, shape, apart, cos, sin, *storage, table, positions, page_size, spec.dims
+            self._gemv_x(x, weight.qtype),
+            words,
+            weight.qtype,
+            shape,
+            apart,
+            cos,
+            sin,
+            *storage,
+            table,
+            positions,
+            page_size,
+            spec.dims,
         )
+
+    def _gemv_x(self, x: Tensor, qtype: Q) -> Any:
+        """x for a few-row product of a ``qtype`` weight: with ``int_products`` and a Q4_K weight, x quantized to 16-bit
+        integers (intx.quantize; once an x, shared by its products: q, k and v, gate and up); else x."""
+        if not self.int_products or qtype != Q.Q4_K or x.shape[-1] % intx.RUN:
+            return x
+        made = self._quantized.get(id(x))
+        if made is None or made[0] is not x:
+            return self._remember_quantized(x, intx.quantize(x))
+        return made[1]
+
+    def _remember_quantized(self, x: Tensor, quantized: intx.Quantized) -> intx.Quantized:
+        """``quantized`` as x's 16-bit integers for its products (_gemv_x), the latest PRODUCTS_KEPT kept."""
+        self._quantized[id(x)] = (x, quantized)
+        while len(self._quantized) > PRODUCTS_KEPT:
+            del self._quantized[next(iter(self._quantized))]
+        return quantized
 
     def _together(self, *made: Tensor) -> list[Tensor]:
         """``made`` (views of few-row products not yet run, such as a layer's q, k and v), those of them that are
@@ -887,7 +925,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         ]
         if len(alike) < 2:
             return list(made)
-        outs = gemv_segments(x, [entries[i][2].data for i in alike], weight.qtype, self.gemv_shape)
+        words = [entries[i][2].data for i in alike]
+        outs = gemv_segments(self._gemv_x(x, weight.qtype), words, weight.qtype, self.gemv_shape)
         together = list(made)
         for i, out in zip(alike, outs):
             together[i] = out.reshape(made[i].shape)

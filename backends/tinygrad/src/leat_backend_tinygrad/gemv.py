@@ -236,7 +236,23 @@ class Threads:
     def total(self, values: Decoded, x: UOp, n: int, block_size: int) -> UOp:
         """Row ``n`` of x times a lane's decoded weight ``values``, summed over the row (the step and the lanes)."""
         terms = [value * x[n, self.block * block_size + at] for at, value in values]
-        return sum(terms[1:], terms[0]).reduce(self.step, *self.lanes, arg=Ops.ADD)
+        return self.add_up(sum(terms[1:], terms[0]))
+
+    def add_up(self, lane: UOp) -> UOp:
+        """A lane's part summed over the row (the step and the lanes)."""
+        return lane.reduce(self.step, *self.lanes, arg=Ops.ADD)
+
+    def products(
+        self, layout: Layout, reader: tuple[Word, Byte], x: tuple[UOp, ...], integer: str, block_size: int
+    ) -> Callable[[int], UOp]:
+        """Row n's product with the weight row ``reader`` reads, for each n: x float (one parameter; the decoded
+        values made once, shared by the rows) or, ``integer``, ``intx.quantize``'s three (``intx.q4_k_dot``)."""
+        if integer:
+            from leat_backend_tinygrad import intx
+
+            return lambda n: self.add_up(intx.q4_k_dot(reader[0], *self.lanes[1:], x, n, self.block, integer == "cuda"))
+        values = layout.decode(*reader, *self.lanes[1:])
+        return lambda n: self.total(values, x[0], n, block_size)
 
 
 def _kernel(
@@ -248,18 +264,25 @@ def _kernel(
     shape: Shape,
     epilogue: str = "",
     segments: tuple[int, ...] = (),
+    integer: str = "",
 ):
     """The kernel's UOp program. ``epilogue`` "glu": a second weight (up, of the same type and shape) is multiplied
     by the same loads of x and each output is silu(x w^T) * (x up^T); "residual": an input of the output's shape
     is added to each output (a residual connection); "": the product alone. ``segments``: several weights of one
     type and row length, their outputs in turn (``outputs`` their sum; flat buffers in and out), each output row read
-    from its own weight by gated loads and stored by a gated store."""
+    from its own weight by gated loads and stored by a gated store. ``integer`` (Q4_K): x comes as ``intx.quantize``
+    makes it (three parameters where there was one) and the products are integer ones (``intx.q4_k_dot``; "cuda":
+    with CUDA's dp2a, "portable": the same sums as plain integer operations)."""
     layout, (block_size, _) = LAYOUTS[qtype], gguf.GGML_QUANT_SIZES[qtype]
+    assert not integer or qtype == Q.Q4_K, "integer products are Q4_K's"
+    inputs = 3 if integer else 1  # x's parameters
 
-    def fxn(out: UOp, x: UOp, weight: UOp, *extra: UOp) -> UOp:
-        if segments:  # (outs..., x, weights...): the parameters of several products of one x
-            params, count = (out, x, weight, *extra), len(segments)
-            outs, x, weights = params[:count], params[count], params[count + 1 :]
+    def fxn(*params: UOp) -> UOp:
+        count = len(segments) or 1  # outputs
+        outs, x_in, rest = params[:count], params[count : count + inputs], params[count + inputs :]
+        out = outs[0]
+        weights, extra = (rest[:count], rest[count:]) if segments else (rest[:1], rest[1:])
+        weight = weights[0]
         threads = Threads.make(layout, outputs, blocks, local, shape)
         matrices = (weight, extra[0]) if epilogue == "glu" else (weight,)
         stores = []
@@ -268,14 +291,12 @@ def _kernel(
             # x's loads are the same UOps for every output of the thread (and both matrices of a glu): read once
             if segments:
                 words_a_block = layout.block_bytes(qtype) // layout.word.itemsize
-                reader = _segment_reader(weights, segments, o, threads.block, blocks, layout, words_a_block)
-                decoded = [layout.decode(*reader, *threads.lanes[1:])]
+                readers = [_segment_reader(weights, segments, o, threads.block, blocks, layout, words_a_block)]
             else:
-                decoded = [
-                    layout.decode(*_reader(matrix, o, threads.block, layout), *threads.lanes[1:]) for matrix in matrices
-                ]
+                readers = [_reader(matrix, o, threads.block, layout) for matrix in matrices]
+            products = [threads.products(layout, reader, x_in, integer, block_size) for reader in readers]
             for n in range(rows):
-                sums = [threads.total(values, x, n, block_size) for values in decoded]
+                sums = [product(n) for product in products]
                 y = sums[0]
                 if epilogue == "glu":  # silu(gate) * up, as the backend's silu_mul
                     y = y / (1.0 + (y * -1.0).exp()) * sums[1]
@@ -339,17 +360,19 @@ def _byte_reader(word: Word, layout: Layout) -> Byte:
     return byte
 
 
-def gemv_segments(x: Tensor, words: list[Tensor], qtype: Q, shape: Shape | None = None) -> list[Tensor]:
+def gemv_segments(x: Any, words: list[Tensor], qtype: Q, shape: Shape | None = None) -> list[Tensor]:
     """x @ w.T for each weight of ``words`` (one type, one row length: a layer's q, k and v), float32 [rows, outputs
-    of each], as one kernel (the shape fitted to every weight's outputs, so a thread group's lie in one weight)."""
+    of each], as one kernel (the shape fitted to every weight's outputs, so a thread group's lie in one weight). x: a
+    float Tensor or, for Q4_K, ``intx.Quantized``."""
     local = Device[x.device].renderer.has_local
     sizes = tuple(w.shape[0] for w in words)
     shape = (shape or Shape.for_product(sum(sizes), qtype=qtype)).fitting(math.gcd(*sizes), local)
     rows, blocks = x.shape[0], words[0].shape[1]
     outs = [Tensor.empty(rows * size, dtype=dtypes.float32, device=x.device) for size in sizes]
-    fxn = _kernel(qtype, rows, sum(sizes), blocks, local, shape, segments=sizes)
+    inputs, integer = x_inputs(x)
+    fxn = _kernel(qtype, rows, sum(sizes), blocks, local, shape, segments=sizes, integer=integer)
     flat = [_flat_buffer(w) for w in words]
-    made = outs[0].custom_kernel(*outs[1:], x.cast(dtypes.float32).contiguous(), *flat, fxn=fxn)[: len(sizes)]
+    made = outs[0].custom_kernel(*outs[1:], *inputs, *flat, fxn=fxn)[: len(sizes)]
     return [m.reshape(rows, size) for m, size in zip(made, sizes)]
 
 
@@ -400,7 +423,7 @@ def as_words(stored: np.ndarray, qtype: Q) -> np.ndarray:
 
 
 def gemv(
-    x: Tensor,
+    x: Any,
     words: Tensor,
     qtype: Q,
     shape: Shape | None = None,
@@ -411,7 +434,8 @@ def gemv(
     """float32 [rows, outputs] = x [rows, k] @ w.T for a weight of ``qtype`` (one of LAYOUTS) stored as its blocks'
     words [outputs, blocks, block_words] (``as_words``), as one kernel. With ``up`` (the words of a second weight of
     the same type and shape): silu(x @ w.T) * (x @ up.T), the gated unit, in the same kernel; with ``residual``
-    (float32 [rows, outputs]): x @ w.T + residual."""
+    (float32 [rows, outputs]): x @ w.T + residual. x: a float Tensor or, for Q4_K, ``intx.Quantized`` (integer
+    products)."""
     outputs, blocks, _ = words.shape
     local = Device[x.device].renderer.has_local
     shape = (shape or Shape.for_product(outputs, gated=up is not None, qtype=qtype)).fitting(outputs, local)
@@ -421,5 +445,16 @@ def gemv(
         epilogue, extra = "glu", [up]
     elif residual is not None:
         epilogue, extra = "residual", [plain_rows(residual)]
-    fxn = _kernel(qtype, x.shape[0], outputs, blocks, local, shape, epilogue)
-    return out.custom_kernel(x.cast(dtypes.float32).contiguous(), words, *extra, fxn=fxn)[0]
+    inputs, integer = x_inputs(x)
+    fxn = _kernel(qtype, x.shape[0], outputs, blocks, local, shape, epilogue, integer=integer)
+    return out.custom_kernel(*inputs, words, *extra, fxn=fxn)[0]
+
+
+def x_inputs(x: Any) -> tuple[list[Tensor], str]:
+    """A product kernel's x parameters and its ``integer`` mode: x float32 as it is (""), or an ``intx.Quantized``'s
+    three tensors ("cuda" where the device's renderer is CUDA's, else "portable")."""
+    from leat_backend_tinygrad import intx
+
+    if isinstance(x, intx.Quantized):
+        return list(x.tensors()), "cuda" if intx.intrinsic(x.device) else "portable"
+    return [x.cast(dtypes.float32).contiguous()], ""

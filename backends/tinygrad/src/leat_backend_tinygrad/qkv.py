@@ -10,6 +10,8 @@ own kernel and this one writes it into the storage beside k. One kernel where th
 
 from __future__ import annotations
 
+from typing import Any
+
 import gguf
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.uop.ops import KernelInfo
@@ -23,6 +25,7 @@ from leat_backend_tinygrad.gemv import (
     _segment_reader,
     _within,
     plain_rows,
+    x_inputs,
 )
 
 
@@ -35,29 +38,34 @@ def fitted(shape: Shape, sizes: tuple[int, ...], local: bool) -> Shape | None:
     return fit if fit.per_thread % 2 == 0 else None
 
 
-def _kernel(qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rotated, page_size, v_apart):
+def _kernel(qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rotated, page_size, v_apart, integer):
     layout, (block_size, _) = LAYOUTS[qtype], gguf.GGML_QUANT_SIZES[qtype]
     outputs, count = sum(sizes), len(sizes)
     words_a_block = layout.block_bytes(qtype) // layout.word.itemsize
     starts = [sum(sizes[:i]) for i in range(count)]  # each product's first output (q, k, then v where it is here)
+    inputs = 3 if integer else 1  # x's parameters (gemv.x_inputs)
 
-    def fxn(q_out: UOp, keys: UOp, values: UOp, x: UOp, *rest: UOp) -> UOp:
+    def fxn(q_out: UOp, keys: UOp, values: UOp, *rest: UOp) -> UOp:
+        x, rest = rest[:inputs], rest[inputs:]
         weights, (cos, sin, table, at), v_in = rest[:count], rest[count : count + 4], rest[count + 4 :]
         kind = keys.dtype
         storage_entries = keys.shape[0] * kv_heads * dim
         threads = Threads.make(layout, outputs, blocks, local, shape)
         stores = []
-        decoded = [
-            layout.decode(
-                *_segment_reader(weights, sizes, threads.first + r, threads.block, blocks, layout, words_a_block),
-                *threads.lanes[1:],
+        products = [
+            threads.products(
+                layout,
+                _segment_reader(weights, sizes, threads.first + r, threads.block, blocks, layout, words_a_block),
+                x,
+                integer,
+                block_size,
             )
             for r in range(shape.per_thread)
         ]
         for j in range(shape.per_thread // 2):
             o = threads.first + 2 * j  # even: a rotation pair (o, o + 1) within one head of one product
             for n in range(rows):
-                a, b = (threads.total(values_, x, n, block_size) for values_ in decoded[2 * j : 2 * j + 2])
+                a, b = products[2 * j](n), products[2 * j + 1](n)
                 position = at[n]
                 stored = _page(table[n, position // page_size], keys, page_size) * page_size + position % page_size
                 for s, (first, size) in enumerate(zip(starts, sizes)):
@@ -97,7 +105,7 @@ def _kernel(qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rota
 
 
 def rope_write_products(
-    x: Tensor,
+    x: Any,
     weights: list[Tensor],
     qtype: gguf.GGMLQuantizationType,
     shape: Shape,
@@ -111,7 +119,7 @@ def rope_write_products(
     page_size: int,
     rotated: int,
 ) -> Tensor:
-    """q rotated, float32 [rows, heads, dim], from x [rows, k] and the blocks' words of q's and k's weights (and v's,
+    """q rotated, float32 [rows, heads, dim], from x [rows, k] (float, or for Q4_K ``intx.Quantized``) and the blocks' words of q's and k's weights (and v's,
     a third, where ``v`` is None; else ``v`` [rows, kv_heads * dim] is v's product, written as it is); k rotated and
     v written into ``keys`` and ``values`` [storage rows, kv_heads, dim] at each row's position ``at`` [rows] through
     its page table ``table`` [rows, pages]; ``cos`` and ``sin`` [rows, rotated / 2] each row's at its position.
@@ -121,8 +129,11 @@ def rope_write_products(
     dim = keys.shape[2]
     heads, kv_heads, half = sizes[0] // dim, keys.shape[1], rotated // 2
     local = Device[x.device].renderer.has_local
-    fxn = _kernel(qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rotated, page_size, v is not None)
-    inputs = [x.cast(dtypes.float32).contiguous(), *(_flat_buffer(w) for w in weights)]
+    x_in, integer = x_inputs(x)
+    fxn = _kernel(
+        qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rotated, page_size, v is not None, integer
+    )
+    inputs = [*x_in, *(_flat_buffer(w) for w in weights)]
     inputs += [cos.reshape(rows, half).contiguous(), sin.reshape(rows, half).contiguous()]
     inputs += [table.cast(dtypes.int32).contiguous(), at.cast(dtypes.int32).contiguous()]
     inputs += [plain_rows(v)] if v is not None else []
