@@ -68,11 +68,12 @@ def _value(storage: UOp, scales: UOp | None, row: UOp, head: UOp, d: UOp, seen: 
     return x if scales is None else x * scales[row, head, d // 32].cast(dtypes.float32)
 
 
-def _page(entry: UOp, storage: UOp, page_size: int) -> UOp:
-    """A page-table entry clamped to the storage's pages (every entry is one already): with its bounds known, tinygrad
-    drops the wrap-around it otherwise computes for each index into the storage, and neighbouring entries' loads
-    become one wide load."""
-    return entry.cast(dtypes.weakint).maximum(0).minimum(storage.shape[0] // page_size - 1)
+def storage_row(table: UOp, row: UOp, position: UOp, storage: UOp, page_size: int) -> UOp:
+    """The storage row of row ``row``'s ``position`` through its page table, the table's entry clamped to the
+    storage's pages (every entry is one already): with the entry's bounds known, tinygrad drops the wrap-around it
+    otherwise computes for each index into the storage, and neighbouring entries' loads become one wide load."""
+    entry = table[row, position // page_size].cast(dtypes.weakint)
+    return entry.maximum(0).minimum(storage.shape[0] // page_size - 1) * page_size + position % page_size
 
 
 def _seen(t: UOp, own: UOp, window: int | None) -> UOp:
@@ -95,7 +96,7 @@ def _scores_kernel(rows, heads, kv_heads, dim, positions, page_size, scale, wind
         vector = math.gcd(dim, KEY_VECTOR)
         d = _range(dim // vector, 4, AxisType.REDUCE)
         t = tiles * tile + inner if inner is not None else tiles
-        stored = _page(table[row, t // page_size], keys, page_size) * page_size + t % page_size
+        stored = storage_row(table, row, t, keys, page_size)
         seen = _seen(t, at[row], window)
         entries = [d * vector + j for j in range(vector)]
         key = [_value(keys, scales[0] if quantized else None, stored, head, e, seen) for e in entries]
@@ -128,7 +129,7 @@ def _chunks_kernel(rows, heads, kv_heads, value_dim, positions, page_size, chunk
         # three passes over the chunk, each its own loop: the max, the exponents' sum, the values' weighted sum
         t1, t2, t3 = (_range(chunk, 4 + i, AxisType.REDUCE) for i in range(3))
         t = c * chunk + t3
-        stored = _page(table[row, t // page_size], values, page_size) * page_size + t % page_size
+        stored = storage_row(table, row, t, values, page_size)
         seen = _seen(t, at[row], window)  # a position not seen has score -inf: weight 0, its value not read
         value = _value(values, scales[0] if quantized else None, stored, head, d, seen)  # one load for the group
         stores = []

@@ -291,7 +291,7 @@ def _kernel(
             # x's loads are the same UOps for every output of the thread (and both matrices of a glu): read once
             if segments:
                 words_a_block = layout.block_bytes(qtype) // layout.word.itemsize
-                readers = [_segment_reader(weights, segments, o, threads.block, blocks, layout, words_a_block)]
+                readers = [segment_reader(weights, segments, o, threads.block, blocks, layout, words_a_block)]
             else:
                 readers = [_reader(matrix, o, threads.block, layout) for matrix in matrices]
             products = [threads.products(layout, reader, x_in, integer, block_size) for reader in readers]
@@ -306,7 +306,7 @@ def _kernel(
                     at = 0
                     for target, size in zip(outs, segments):
                         stores.append(
-                            target[(o - at + n * size).valid(_within(o, at, size))].store(y).end(*threads.ends)
+                            target[(o - at + n * size).valid(within_rows(o, at, size))].store(y).end(*threads.ends)
                         )
                         at += size
                 else:
@@ -317,12 +317,12 @@ def _kernel(
     return fxn
 
 
-def _within(o: UOp, first: int, count: int) -> UOp:
+def within_rows(o: UOp, first: int, count: int) -> UOp:
     """Whether output row ``o`` is one of the ``count`` rows from ``first`` (a segment's)."""
     return (o >= first) & (o < first + count) if first else o < count
 
 
-def _segment_reader(
+def segment_reader(
     weights: tuple[UOp, ...], segments: tuple[int, ...], o: UOp, block: UOp, blocks: int, layout: Layout, per_block: int
 ) -> tuple[Word, Byte]:
     """The word and byte readers of output row ``o`` of several weights (flat buffers of words, ``per_block`` words a
@@ -332,7 +332,7 @@ def _segment_reader(
     def word(i: int | UOp) -> UOp:
         total, at = None, 0
         for matrix, rows in zip(weights, segments):
-            value = matrix[(((o - at) * blocks + block) * per_block + i).valid(_within(o, at, rows))]
+            value = matrix[(((o - at) * blocks + block) * per_block + i).valid(within_rows(o, at, rows))]
             total, at = value if total is None else total + value, at + rows
         return total
 
@@ -371,12 +371,12 @@ def gemv_segments(x: Any, words: list[Tensor], qtype: Q, shape: Shape | None = N
     outs = [Tensor.empty(rows * size, dtype=dtypes.float32, device=x.device) for size in sizes]
     inputs, integer = x_inputs(x)
     fxn = _kernel(qtype, rows, sum(sizes), blocks, local, shape, segments=sizes, integer=integer)
-    flat = [_flat_buffer(w) for w in words]
+    flat = [flat_buffer(w) for w in words]
     made = outs[0].custom_kernel(*outs[1:], *inputs, *flat, fxn=fxn)[: len(sizes)]
     return [m.reshape(rows, size) for m, size in zip(made, sizes)]
 
 
-def _flat_buffer(t: Tensor) -> Tensor:
+def flat_buffer(t: Tensor) -> Tensor:
     """``t`` as a flat buffer for a custom kernel: the realized buffer it views, else a contiguous copy."""
     u = unreshaped(t)
     if u.op is Ops.BUFFER and math.prod(u.shape) == t.numel():

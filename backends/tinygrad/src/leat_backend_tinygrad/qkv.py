@@ -16,15 +16,15 @@ import gguf
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.uop.ops import KernelInfo
 
-from leat_backend_tinygrad.attention import _page
+from leat_backend_tinygrad.attention import storage_row
 from leat_backend_tinygrad.gemv import (
     LAYOUTS,
     Shape,
     Threads,
-    _flat_buffer,
-    _segment_reader,
-    _within,
+    flat_buffer,
     plain_rows,
+    segment_reader,
+    within_rows,
     x_inputs,
 )
 
@@ -55,7 +55,7 @@ def _kernel(qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rota
         products = [
             threads.products(
                 layout,
-                _segment_reader(weights, sizes, threads.first + r, threads.block, blocks, layout, words_a_block),
+                segment_reader(weights, sizes, threads.first + r, threads.block, blocks, layout, words_a_block),
                 x,
                 integer,
                 block_size,
@@ -67,9 +67,9 @@ def _kernel(qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rota
             for n in range(rows):
                 a, b = products[2 * j](n), products[2 * j + 1](n)
                 position = at[n]
-                stored = _page(table[n, position // page_size], keys, page_size) * page_size + position % page_size
+                stored = storage_row(table, n, position, keys, page_size)
                 for s, (first, size) in enumerate(zip(starts, sizes)):
-                    within = _within(o, first, size)
+                    within = within_rows(o, first, size)
                     entry = o - first
                     head, e = entry // dim, entry % dim
                     if s == 2:  # v: as made
@@ -133,7 +133,7 @@ def rope_write_products(
     fxn = _kernel(
         qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rotated, page_size, v is not None, integer
     )
-    inputs = [*x_in, *(_flat_buffer(w) for w in weights)]
+    inputs = [*x_in, *(flat_buffer(w) for w in weights)]
     inputs += [cos.reshape(rows, half).contiguous(), sin.reshape(rows, half).contiguous()]
     inputs += [table.cast(dtypes.int32).contiguous(), at.cast(dtypes.int32).contiguous()]
     inputs += [plain_rows(v)] if v is not None else []
