@@ -122,3 +122,21 @@ def test_decode_steps_with_integer_products_meet_the_backend_bar(tmp_path, monke
     print(agreement)
     assert not agreement.failures(top1=0.99, kl=1e-3), f"{agreement}"
     assert agreement.mean_kl > 1e-12  # not the float path (float32 against float64: ~1e-13)
+
+
+@pytest.mark.parametrize(("mode", "quantized"), [("0", False), ("1", True), ("normed", False)])
+def test_which_products_take_integer_x(mode, quantized, monkeypatch):
+    """LEAT_TINYGRAD_INT_PRODUCTS: "1" quantizes any Q4_K product's x (once an x), "normed" only an x the norm kernel
+    quantized (none here: x is made directly), "0" none; other types never."""
+    from leat_backend_tinygrad.backend import TinygradBackend
+
+    monkeypatch.setenv("LEAT_TINYGRAD_INT_PRODUCTS", mode)
+    backend = TinygradBackend()
+    x = Tensor(np.ones((1, 64), np.float32)).realize()
+    made = backend._gemv_x(x, Q.Q4_K)
+    assert isinstance(made, intx.Quantized) == quantized
+    assert backend._gemv_x(x, Q.Q4_K) is made  # once an x
+    assert backend._gemv_x(x, Q.Q6_K) is x
+    monkeypatch.setenv("LEAT_TINYGRAD_INT_PRODUCTS", "yes")
+    with pytest.raises(ValueError, match="use 0, 1 or normed"):
+        TinygradBackend()

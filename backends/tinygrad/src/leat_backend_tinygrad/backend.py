@@ -232,8 +232,13 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # few-row products take their consumer into their kernel: silu_mul of a gate and an up product of the same x
         # (one kernel for both, gemv.py's "glu"), add of a product and the residual ("residual"); 0: each its own
         self.fuse_products = os.environ.get("LEAT_TINYGRAD_FUSE_PRODUCTS", "1") != "0"
-        # few-row Q4_K products with x as 16-bit integers (intx.py: integer dot products); 1 turns it on (not yet timed)
-        self.int_products = os.environ.get("LEAT_TINYGRAD_INT_PRODUCTS", "0") == "1"
+        # few-row Q4_K products with x as 16-bit integers (intx.py: integer dot products; not yet timed): "1" every such
+        # product (an x the norm kernel did not quantize gets a quantize_x kernel), "normed" only those whose x the norm
+        # kernel quantized (q, k, v, gate, up: no kernel more), "0" (default) none
+        mode = os.environ.get("LEAT_TINYGRAD_INT_PRODUCTS", "0")
+        if mode not in ("0", "1", "normed"):
+            raise ValueError(f"LEAT_TINYGRAD_INT_PRODUCTS={mode!r}: use 0, 1 or normed")
+        self.int_products, self.int_products_normed_only = mode != "0", mode == "normed"
         self._quantized: dict[int, tuple[Tensor, Any]] = {}  # id(x) -> (x, intx.quantize(x)), the latest few
         # RMS norms of up to this many rows are norm.py's one kernel where it applies (0: tinygrad's own two)
         self.norm_rows = int(os.environ.get("LEAT_TINYGRAD_NORM_ROWS", str(DECODE_BUCKETS[-1])))
@@ -891,12 +896,13 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
 
     def _gemv_x(self, x: Tensor, qtype: Q) -> Any:
         """x for a few-row product of a ``qtype`` weight: with ``int_products`` and a Q4_K weight, x quantized to 16-bit
-        integers (intx.quantize; once an x, shared by its products: q, k and v, gate and up); else x."""
+        integers (by the norm kernel that made x, else intx.quantize unless ``int_products_normed_only``; once an x,
+        shared by its products: q, k and v, gate and up); else x."""
         if not self.int_products or qtype != Q.Q4_K or x.shape[-1] % intx.RUN:
             return x
         made = self._quantized.get(id(x))
         if made is None or made[0] is not x:
-            return self._remember_quantized(x, intx.quantize(x))
+            return x if self.int_products_normed_only else self._remember_quantized(x, intx.quantize(x))
         return made[1]
 
     def _remember_quantized(self, x: Tensor, quantized: intx.Quantized) -> intx.Quantized:
