@@ -10,6 +10,7 @@ own kernel and this one writes it into the storage beside k. One kernel where th
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import gguf
@@ -32,8 +33,6 @@ from leat_backend_tinygrad.gemv import (
 def fitted(shape: Shape, sizes: tuple[int, ...], local: bool) -> Shape | None:
     """``shape`` fitted to the products' outputs as ``gemv_segments`` fits it, where each thread's outputs pair up
     (an even number a thread), else None."""
-    import math
-
     fit = shape.fitting(math.gcd(*sizes), local)
     return fit if fit.per_thread % 2 == 0 else None
 
