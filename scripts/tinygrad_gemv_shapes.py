@@ -2,7 +2,7 @@
 """Time gemv.py's decode product under several thread shapes, on the Llama-3-8B file's matrix shapes.
 
     DEV=CUDA python scripts/tinygrad_gemv_shapes.py [--shapes 64,1,1 16,4,2 ...] [--rows 1] [--only gate ...]
-        [--reps 20]
+        [--reps 20] [--integer]
 
 A shape is ``lanes,groups,per_thread`` (gemv.Shape): ``lanes`` threads share an output's row, ``groups`` such sets
 share a block, each thread computes ``per_thread`` outputs from the same loads of x. Each product runs over enough
@@ -11,6 +11,7 @@ distinct copies of its weight (over 256 MB together) that none is read from the 
 bytes. The first shape is the reference; every other shape's outputs must equal its own (same sums, other order:
 within 1e-5 of the largest magnitude), or the row says so. "gated unit" is the backend's kernel for silu(x G^T) *
 (x U^T), gate and up read side by side (its GB/s counts both). ``--only``: the matrices whose names start so.
+``--integer``: the Q4_K products take x as 16-bit integers (``intx.py``; x quantized once, outside the timing).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 
 import gguf
 import numpy as np
+from leat_backend_tinygrad import intx
 from leat_backend_tinygrad.gemv import Shape, as_words, gemv
 from tinygrad import Device, Tensor, TinyJit
 
@@ -55,6 +57,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", nargs="*", default=[], help="matrices whose names start with one of these")
+    ap.add_argument("--integer", action="store_true", help="Q4_K products of 16-bit integer x (intx.py)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     shapes = [Shape(*map(int, s.split(","))) for s in args.shapes]
@@ -72,22 +75,25 @@ def main() -> None:
         ws += [(ws[0] + 0).realize() for _ in range(copies - 1)]  # distinct buffers, same bytes
         ups = ws[1:] + ws[:1] if gated else [None] * copies  # the gated unit's up: another copy
         x = Tensor(rng.standard_normal((args.rows, k)).astype(np.float32)).realize()
+        integer = args.integer and qtype == Q.Q4_K
+        inputs = [t.realize() for t in intx.quantize(x).tensors()] if integer else [x]
         cells, ref = [], None
         for shape in shapes:
 
-            def products(x, shape=shape, qtype=qtype, ws=ws, ups=ups):
+            def products(*xs, shape=shape, qtype=qtype, ws=ws, ups=ups):
+                x = intx.Quantized(*xs) if len(xs) == 3 else xs[0]
                 return [gemv(x, w, qtype, shape, up=u) for w, u in zip(ws, ups)]
 
             step = TinyJit(products)
             for _ in range(3):
-                outs = step(x)
+                outs = step(*inputs)
             Device[Device.DEFAULT].synchronize()
             got = outs[0].numpy()
             if ref is None:
                 ref = got
             t0 = time.perf_counter()
             for _ in range(args.reps):
-                step(x)
+                step(*inputs)
             Device[Device.DEFAULT].synchronize()
             us = (time.perf_counter() - t0) / args.reps / copies * 1e6
             ok = np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()

@@ -5,10 +5,11 @@ back with ``cuobjdump``: registers, the instructions of the main loop (the short
 load), of the whole kernel, and warp instructions a weight (the loop counted as often as it runs).
 
     NVRTC_PATH=.../nvidia/cu13/lib/libnvrtc.so.13 DEV=NULL:CUDA:sm_90 NULL_ALLOW_COPYOUT=1 \\
-        python scripts/tinygrad_sass.py [--only gated ...] [--shape 64,1,2] [--rows 1] [--cuobjdump PATH]
+        python scripts/tinygrad_sass.py [--only gated ...] [--shape 64,1,2] [--rows 1] [--integer] [--cuobjdump PATH]
 
 The products are the Llama-3-8B file's (``tinygrad_gemv_shapes.py``'s list); ``--shape`` is a ``gemv.Shape`` as
-``lanes,groups,per_thread`` (default: the backend's choice for each product). ``cuobjdump`` comes as
+``lanes,groups,per_thread`` (default: the backend's choice for each product); ``--integer`` gives the Q4_K products x
+as 16-bit integers (``intx.py``'s integer dot products). ``cuobjdump`` comes as
 ``scripts/kernel_sass.py`` says. Compare with the CUDA backend's gemv_q (``kernel_sass.py``): 0.062 warp
 instructions a weight for its gated unit's loop.
 """
@@ -37,14 +38,16 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=[], help="products whose names start with one of these")
     parser.add_argument("--shape", help="lanes,groups,per_thread (default: gemv.Shape.for_product's)")
     parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--integer", action="store_true", help="Q4_K products of 16-bit integer x (intx.py)")
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
     args = parser.parse_args()
     from leat_backend_tinygrad.gemv import LAYOUTS, Shape, as_words, gemv
     from tinygrad import Device, Tensor
-    from tinygrad.helpers import CCACHE
+    from tinygrad.helpers import CCACHE, PARALLEL
     from tinygrad.runtime.support import compiler_cuda
 
+    PARALLEL.value = 0  # compile in this process (a schedule of several kernels compiles in worker processes)
     CCACHE.value = 0  # compile every kernel (from tinygrad's disk cache the compiler would not see it); before the
     # device opens, which gives its compiler the cache key
 
@@ -73,6 +76,10 @@ def main() -> None:
         asked = Shape(*map(int, args.shape.split(","))) if args.shape else None
         shape = (asked or Shape.for_product(n, gated=gated, qtype=qtype)).fitting(n, True)
         sources.clear()
+        if args.integer and qtype == gguf.GGMLQuantizationType.Q4_K:
+            from leat_backend_tinygrad import intx
+
+            x = intx.quantize(x)
         gemv(x, words, qtype, asked, up=words if gated else None).realize()
         source = next(s for s in sources if "gemv_" in s)
         with tempfile.TemporaryDirectory() as folder:

@@ -40,6 +40,7 @@ CHUNK = 64  # positions of one chunk of the second kernel at most (or the larges
 # head, chunk, value entry), so a small cache in few long chunks leaves most of a GPU idle (docs/benchmarks.md: the
 # tinygrad decode's device time by cache size)
 MIN_CHUNK, CHUNKS = 16, 32
+KEY_VECTOR = 32  # a key's entries a thread loads at once in the scores kernel (64 bytes of float16)
 EMPTY = -1e30  # the max of a chunk with every position masked: finite, so exp(score - max) is 0, never NaN
 
 
@@ -67,6 +68,14 @@ def _value(storage: UOp, scales: UOp | None, row: UOp, head: UOp, d: UOp, seen: 
     return x if scales is None else x * scales[row, head, d // 32].cast(dtypes.float32)
 
 
+def storage_row(table: UOp, row: UOp, position: UOp, storage: UOp, page_size: int) -> UOp:
+    """The storage row of row ``row``'s ``position`` through its page table, the table's entry clamped to the
+    storage's pages (every entry is one already): with the entry's bounds known, tinygrad drops the wrap-around it
+    otherwise computes for each index into the storage, and neighbouring entries' loads become one wide load."""
+    entry = table[row, position // page_size].cast(dtypes.weakint)
+    return entry.maximum(0).minimum(storage.shape[0] // page_size - 1) * page_size + position % page_size
+
+
 def _seen(t: UOp, own: UOp, window: int | None) -> UOp:
     """Whether a row at position ``own`` attends position ``t``: t <= own, and within its last ``window``."""
     seen = t <= own
@@ -83,14 +92,18 @@ def _scores_kernel(rows, heads, kv_heads, dim, positions, page_size, scale, wind
         head = _range(kv_heads, 1, loop)
         tiles = _range(positions // tile, 2, loop)
         inner = _range(tile, 3, AxisType.LOCAL) if tile > 1 else None
-        d = _range(dim, 4, AxisType.REDUCE)
+        # a key's entries VECTOR at a time (one wide load; a q8_0 block's VECTOR share its scale)
+        vector = math.gcd(dim, KEY_VECTOR)
+        d = _range(dim // vector, 4, AxisType.REDUCE)
         t = tiles * tile + inner if inner is not None else tiles
-        stored = table[row, t // page_size] * page_size + t % page_size
+        stored = storage_row(table, row, t, keys, page_size)
         seen = _seen(t, at[row], window)
-        key = _value(keys, scales[0] if quantized else None, stored, head, d, seen)
+        entries = [d * vector + j for j in range(vector)]
+        key = [_value(keys, scales[0] if quantized else None, stored, head, e, seen) for e in entries]
         stores = []
         for g in range(group):
-            score = _reduce(q[row, head * group + g, d] * key, d, Ops.ADD) * scale
+            terms = [q[row, head * group + g, e] * k for e, k in zip(entries, key)]
+            score = _reduce(sum(terms[1:], terms[0]), d, Ops.ADD) * scale
             if softcap is not None:
                 score = (score / softcap).tanh() * softcap
             stores.append(out[row, head * group + g, t].store(seen.where(score, -math.inf)))
@@ -116,7 +129,7 @@ def _chunks_kernel(rows, heads, kv_heads, value_dim, positions, page_size, chunk
         # three passes over the chunk, each its own loop: the max, the exponents' sum, the values' weighted sum
         t1, t2, t3 = (_range(chunk, 4 + i, AxisType.REDUCE) for i in range(3))
         t = c * chunk + t3
-        stored = table[row, t // page_size] * page_size + t % page_size
+        stored = storage_row(table, row, t, values, page_size)
         seen = _seen(t, at[row], window)  # a position not seen has score -inf: weight 0, its value not read
         value = _value(values, scales[0] if quantized else None, stored, head, d, seen)  # one load for the group
         stores = []

@@ -36,6 +36,7 @@ from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
+from leat_backend_tinygrad import intx, norm, qkv
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemm import half_product, tuned_opts
@@ -231,6 +232,16 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # few-row products take their consumer into their kernel: silu_mul of a gate and an up product of the same x
         # (one kernel for both, gemv.py's "glu"), add of a product and the residual ("residual"); 0: each its own
         self.fuse_products = os.environ.get("LEAT_TINYGRAD_FUSE_PRODUCTS", "1") != "0"
+        # few-row Q4_K products with x as 16-bit integers (intx.py: integer dot products; not yet timed): "1" every such
+        # product (an x the norm kernel did not quantize gets a quantize_x kernel), "normed" only those whose x the norm
+        # kernel quantized (q, k, v, gate, up: no kernel more), "0" (default) none
+        mode = os.environ.get("LEAT_TINYGRAD_INT_PRODUCTS", "0")
+        if mode not in ("0", "1", "normed"):
+            raise ValueError(f"LEAT_TINYGRAD_INT_PRODUCTS={mode!r}: use 0, 1 or normed")
+        self.int_products, self.int_products_normed_only = mode != "0", mode == "normed"
+        self._quantized: dict[int, tuple[Tensor, Any]] = {}  # id(x) -> (x, intx.quantize(x)), the latest few
+        # RMS norms of up to this many rows are norm.py's one kernel where it applies (0: tinygrad's own two)
+        self.norm_rows = int(os.environ.get("LEAT_TINYGRAD_NORM_ROWS", str(DECODE_BUCKETS[-1])))
         # the latest few-row products not yet consumed: id(output) -> (output, x, weight), for their consumers
         self._products: dict[int, tuple[Tensor, Tensor, Weight]] = {}
         # the latest rotated q and k: id(output) -> (output, input, spec, positions, cos, sin), for attention (_roped)
@@ -533,7 +544,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
     def embed(self, weight: Weight, tokens: np.ndarray) -> Tensor:
         step = self._stepping(tokens)
         if step is not None:  # a gather of the stored rows on the device, dequantized there
-            return weight._values(weight.data[step.tokens], (len(tokens), *weight.shape[1:]))
+            # realized here: the layer's norm and its residual add both read it, and left lazy each would repeat the
+            # gather and the dequantizing (three kernels)
+            return weight._values(weight.data[step.tokens], (len(tokens), *weight.shape[1:])).realize()
         # The rows are taken from the host copy of the stored bytes and dequantized there (as llama.cpp's
         # get_rows): a gather from a [vocab, d] table on the device would read the whole table.
         rows = np.asarray(weight.host).reshape(weight.shape[0], -1)[np.asarray(tokens)]
@@ -561,7 +574,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         elif quantized and weight.qtype in LAYOUTS and x.shape[0] <= self.gemv_rows and weight.data.ndim == 3:
             # Few rows (decode) of Q8_0, Q4_0, Q4_K, Q6_K, MXFP4: our own kernel, a set of lanes per output
             # reading the row's blocks in storage order (gemv.py)
-            y = gemv(x, weight.data, weight.qtype, self.gemv_shape)
+            y = gemv(self._gemv_x(x, weight.qtype), weight.data, weight.qtype, self.gemv_shape)
             if bias is None and self.fuse_products:  # its consumer may take it in (silu_mul, add): still lazy
                 self._products[id(y)] = (y, x, weight)
                 while len(self._products) > PRODUCTS_KEPT:
@@ -602,6 +615,13 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
 
     def rms_norm(self, x: Tensor, weight: Any, eps: float) -> Tensor:
         x = self._values(x)
+        if x.shape[0] <= self.norm_rows and norm.applies(x):  # few rows (decode): one kernel of our own
+            w = self._values(weight) if weight is not None else None
+            if self.int_products and norm.run_lanes(x.shape[1]) is not None:  # its output quantized there too
+                y, quantized = norm.rms_norm_quantized(x, w, eps)
+                self._remember_quantized(y, quantized)
+                return y
+            return norm.rms_norm(x, w, eps)
         y = x * ((x * x).mean(axis=-1, keepdim=True) + eps).rsqrt()
         return y * self._values(weight) if weight is not None else y
 
@@ -687,8 +707,14 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 positions = self._tensor(at.astype(np.int32))
             if roped is not None:
                 (q_in, k_in, spec, cos, sin), storage = roped, (kv.k[layer], kv.v[layer])
-                q_in, k_in, v = self._together(q_in, k_in, v)
-                q = rope_write(q_in, k_in, v, cos, sin, *storage, table, positions, kv.page_size, spec.dims, spec.neox)
+                made = self._rope_products(q_in, k_in, v, spec, cos, sin, storage, table, positions, kv.page_size)
+                if made is not None:
+                    q = made
+                else:
+                    q_in, k_in, v = self._together(q_in, k_in, v)
+                    q = rope_write(
+                        q_in, k_in, v, cos, sin, *storage, table, positions, kv.page_size, spec.dims, spec.neox
+                    )
             elif not batched:
                 for i, row in enumerate(batch.rows):
                     at = step.at[page_group][i] if step else None
@@ -780,7 +806,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         g, u = self._product(gate), self._product(up)
         if g is not None and u is not None and g[1] is u[1] and g[2].qtype == u[2].qtype and g[2].shape == u[2].shape:
-            return gemv(g[1], g[2].data, g[2].qtype, self.gemv_shape, up=u[2].data)  # both products, one kernel
+            x = self._gemv_x(g[1], g[2].qtype)
+            return gemv(x, g[2].data, g[2].qtype, self.gemv_shape, up=u[2].data)  # both products, one kernel
         return self._values(gate).silu() * self._values(up)
 
     def sigmoid_mul(self, gate: Tensor, x: Tensor) -> Tensor:
@@ -805,6 +832,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             made = self._product(product)
             if made is not None and isinstance(other, Tensor) and other.shape == product.shape:
                 _, x, weight = made
+                x = self._gemv_x(x, weight.qtype)
                 return gemv(x, weight.data, weight.qtype, self.gemv_shape, residual=self._values(other)).realize()
         return (self._values(a) + self._values(b)).realize()
 
@@ -820,6 +848,69 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         if spec.dims % 2 or (q_in.shape[2] - spec.dims) % 2 or q_in.shape[1] % k_in.shape[1]:  # rope_write's pairs
             return None
         return q_in, k_in, spec, cos, sin
+
+    def _rope_products(self, q_in, k_in, v, spec: RopeSpec, cos, sin, storage, table, positions, page_size: int):
+        """q rotated by qkv.py's one kernel (q's and k's products, v's where it is alike, RoPE and both cache writes),
+        where q and k are few-row products not yet run of one x and one weight type, the rotation is in pairs
+        (2i, 2i + 1) and the device has thread groups; else None (the products, then rope_write)."""
+        if spec.neox or not Device[self.device].renderer.has_local:
+            return None
+        made = [self._viewed_product(t) for t in (q_in, k_in, v)]
+        if made[0] is None:
+            return None
+        _, x, weight = made[0]
+
+        def alike(entry) -> bool:
+            return (
+                entry is not None
+                and entry[1] is x
+                and entry[2].qtype == weight.qtype
+                and (entry[2].data.shape[1:] == weight.data.shape[1:])
+            )
+
+        if not alike(made[1]):
+            return None
+        together = made if alike(made[2]) else made[:2]
+        sizes = tuple(entry[2].data.shape[0] for entry in together)
+        shape = qkv.fitted(self.gemv_shape or Shape.for_product(sum(sizes), qtype=weight.qtype), sizes, local=True)
+        if shape is None:
+            return None
+        for entry in together:
+            self._products.pop(id(entry[0]), None)
+        apart = None if len(together) == 3 else v
+        words = [entry[2].data for entry in together]
+        return qkv.rope_write_products(
+            self._gemv_x(x, weight.qtype),
+            words,
+            weight.qtype,
+            shape,
+            apart,
+            cos,
+            sin,
+            *storage,
+            table,
+            positions,
+            page_size,
+            spec.dims,
+        )
+
+    def _gemv_x(self, x: Tensor, qtype: Q) -> Any:
+        """x for a few-row product of a ``qtype`` weight: with ``int_products`` and a Q4_K weight, x quantized to 16-bit
+        integers (by the norm kernel that made x, else intx.quantize unless ``int_products_normed_only``; once an x,
+        shared by its products: q, k and v, gate and up); else x."""
+        if not self.int_products or qtype != Q.Q4_K or x.shape[-1] % intx.RUN:
+            return x
+        made = self._quantized.get(id(x))
+        if made is None or made[0] is not x:
+            return x if self.int_products_normed_only else self._remember_quantized(x, intx.quantize(x))
+        return made[1]
+
+    def _remember_quantized(self, x: Tensor, quantized: intx.Quantized) -> intx.Quantized:
+        """``quantized`` as x's 16-bit integers for its products (_gemv_x), the latest PRODUCTS_KEPT kept."""
+        self._quantized[id(x)] = (x, quantized)
+        while len(self._quantized) > PRODUCTS_KEPT:
+            del self._quantized[next(iter(self._quantized))]
+        return quantized
 
     def _together(self, *made: Tensor) -> list[Tensor]:
         """``made`` (views of few-row products not yet run, such as a layer's q, k and v), those of them that are
@@ -840,7 +931,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         ]
         if len(alike) < 2:
             return list(made)
-        outs = gemv_segments(x, [entries[i][2].data for i in alike], weight.qtype, self.gemv_shape)
+        words = [entries[i][2].data for i in alike]
+        outs = gemv_segments(self._gemv_x(x, weight.qtype), words, weight.qtype, self.gemv_shape)
         together = list(made)
         for i, out in zip(alike, outs):
             together[i] = out.reshape(made[i].shape)

@@ -205,6 +205,56 @@ GATED_SHAPE = Shape(64, 1, 2)
 MAX_LANES = {Q.Q6_K: 32}
 
 
+@dataclass(frozen=True)
+class Threads:
+    """A product kernel's thread ranges: the lanes (one range per axis of a block's units, the whole blocks a step
+    first), the reduce's step over the row's blocks, the block a lane reads, a thread's first output and the ranges
+    its stores end."""
+
+    lanes: list[UOp]
+    step: UOp
+    block: UOp
+    first: UOp
+    ends: tuple[UOp, ...]
+
+    @staticmethod
+    def make(layout: Layout, outputs: int, blocks: int, local: bool, shape: Shape) -> Threads:
+        per_step = math.gcd(max(shape.lanes // math.prod(layout.units), 1), blocks)  # whole blocks a row's lanes read
+        lane_type = AxisType.GROUP_REDUCE if local else AxisType.REDUCE
+        tile = shape.groups * shape.per_thread  # outputs of one thread group
+        # the last unit axis gets the lowest id: tinygrad makes it threadIdx.x, so neighbouring threads read
+        # neighbouring words; the row groups get the highest (the outermost thread index)
+        sizes = (per_step, *layout.units)
+        lanes = [UOp.range(n, 2 + len(sizes) - i, lane_type) for i, n in enumerate(sizes)]
+        tiles = UOp.range(outputs // tile, 0, AxisType.GLOBAL)
+        group = UOp.range(shape.groups, 3 + len(sizes), AxisType.LOCAL) if shape.groups > 1 else None
+        step = UOp.range(blocks // per_step, 1, AxisType.REDUCE)
+        first = tiles * tile if group is None else tiles * tile + group * shape.per_thread
+        ends = (tiles,) if group is None else (tiles, group)
+        return Threads(lanes, step, step * per_step + lanes[0], first, ends)
+
+    def total(self, values: Decoded, x: UOp, n: int, block_size: int) -> UOp:
+        """Row ``n`` of x times a lane's decoded weight ``values``, summed over the row (the step and the lanes)."""
+        terms = [value * x[n, self.block * block_size + at] for at, value in values]
+        return self.add_up(sum(terms[1:], terms[0]))
+
+    def add_up(self, lane: UOp) -> UOp:
+        """A lane's part summed over the row (the step and the lanes)."""
+        return lane.reduce(self.step, *self.lanes, arg=Ops.ADD)
+
+    def products(
+        self, layout: Layout, reader: tuple[Word, Byte], x: tuple[UOp, ...], integer: str, block_size: int
+    ) -> Callable[[int], UOp]:
+        """Row n's product with the weight row ``reader`` reads, for each n: x float (one parameter; the decoded
+        values made once, shared by the rows) or, ``integer``, ``intx.quantize``'s three (``intx.q4_k_dot``)."""
+        if integer:
+            from leat_backend_tinygrad import intx
+
+            return lambda n: self.add_up(intx.q4_k_dot(reader[0], *self.lanes[1:], x, n, self.block, integer == "cuda"))
+        values = layout.decode(*reader, *self.lanes[1:])
+        return lambda n: self.total(values, x[0], n, block_size)
+
+
 def _kernel(
     qtype: Q,
     rows: int,
@@ -214,72 +264,65 @@ def _kernel(
     shape: Shape,
     epilogue: str = "",
     segments: tuple[int, ...] = (),
+    integer: str = "",
 ):
     """The kernel's UOp program. ``epilogue`` "glu": a second weight (up, of the same type and shape) is multiplied
     by the same loads of x and each output is silu(x w^T) * (x up^T); "residual": an input of the output's shape
     is added to each output (a residual connection); "": the product alone. ``segments``: several weights of one
     type and row length, their outputs in turn (``outputs`` their sum; flat buffers in and out), each output row read
-    from its own weight by gated loads and stored by a gated store."""
+    from its own weight by gated loads and stored by a gated store. ``integer`` (Q4_K): x comes as ``intx.quantize``
+    makes it (three parameters where there was one) and the products are integer ones (``intx.q4_k_dot``; "cuda":
+    with CUDA's dp2a, "portable": the same sums as plain integer operations)."""
     layout, (block_size, _) = LAYOUTS[qtype], gguf.GGML_QUANT_SIZES[qtype]
-    units = math.prod(layout.units)
-    per_step = math.gcd(max(shape.lanes // units, 1), blocks)  # whole blocks a row's lanes read per step
-    lane_type = AxisType.GROUP_REDUCE if local else AxisType.REDUCE
-    tile = shape.groups * shape.per_thread  # outputs of one thread group
+    assert not integer or qtype == Q.Q4_K, "integer products are Q4_K's"
+    inputs = 3 if integer else 1  # x's parameters
 
-    def fxn(out: UOp, x: UOp, weight: UOp, *extra: UOp) -> UOp:
-        # the last unit axis gets the lowest id: tinygrad makes it threadIdx.x, so neighbouring threads read
-        # neighbouring words; the row groups get the highest (the outermost thread index)
-        if segments:  # (outs..., x, weights...): the parameters of several products of one x
-            params, count = (out, x, weight, *extra), len(segments)
-            outs, x, weights = params[:count], params[count], params[count + 1 :]
-        sizes = (per_step, *layout.units)
-        lanes = [UOp.range(n, 2 + len(sizes) - i, lane_type) for i, n in enumerate(sizes)]
-        tiles = UOp.range(outputs // tile, 0, AxisType.GLOBAL)
-        group = UOp.range(shape.groups, 3 + len(sizes), AxisType.LOCAL) if shape.groups > 1 else None
-        step = UOp.range(blocks // per_step, 1, AxisType.REDUCE)
-        block = step * per_step + lanes[0]
-        first = tiles * tile if group is None else tiles * tile + group * shape.per_thread
+    def fxn(*params: UOp) -> UOp:
+        count = len(segments) or 1  # outputs
+        outs, x_in, rest = params[:count], params[count : count + inputs], params[count + inputs :]
+        out = outs[0]
+        weights, extra = (rest[:count], rest[count:]) if segments else (rest[:1], rest[1:])
+        weight = weights[0]
+        threads = Threads.make(layout, outputs, blocks, local, shape)
         matrices = (weight, extra[0]) if epilogue == "glu" else (weight,)
         stores = []
         for r in range(shape.per_thread):
-            o = first + r
+            o = threads.first + r
             # x's loads are the same UOps for every output of the thread (and both matrices of a glu): read once
             if segments:
                 words_a_block = layout.block_bytes(qtype) // layout.word.itemsize
-                reader = _segment_reader(weights, segments, o, block, blocks, layout, words_a_block)
-                decoded = [layout.decode(*reader, *lanes[1:])]
+                readers = [segment_reader(weights, segments, o, threads.block, blocks, layout, words_a_block)]
             else:
-                decoded = [layout.decode(*_reader(matrix, o, block, layout), *lanes[1:]) for matrix in matrices]
+                readers = [_reader(matrix, o, threads.block, layout) for matrix in matrices]
+            products = [threads.products(layout, reader, x_in, integer, block_size) for reader in readers]
             for n in range(rows):
-                sums = []
-                for values in decoded:
-                    terms = [value * x[n, block * block_size + at] for at, value in values]
-                    sums.append(sum(terms[1:], terms[0]).reduce(step, *lanes, arg=Ops.ADD))
+                sums = [product(n) for product in products]
                 y = sums[0]
                 if epilogue == "glu":  # silu(gate) * up, as the backend's silu_mul
                     y = y / (1.0 + (y * -1.0).exp()) * sums[1]
                 elif epilogue == "residual":
                     y = y + row_entry(extra[0], n, o, outputs)
-                ends = (tiles,) if group is None else (tiles, group)
                 if segments:  # the output of the product whose rows hold o: one gated store each
                     at = 0
                     for target, size in zip(outs, segments):
-                        stores.append(target[(o - at + n * size).valid(_within(o, at, size))].store(y).end(*ends))
+                        stores.append(
+                            target[(o - at + n * size).valid(within_rows(o, at, size))].store(y).end(*threads.ends)
+                        )
                         at += size
                 else:
-                    stores.append(out[n, o].store(y).end(*ends))
+                    stores.append(out[n, o].store(y).end(*threads.ends))
         name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}" + (f"_{epilogue}" if epilogue else "")
         return UOp.sink(*stores, arg=KernelInfo(name=name, opts_to_apply=()))
 
     return fxn
 
 
-def _within(o: UOp, first: int, count: int) -> UOp:
+def within_rows(o: UOp, first: int, count: int) -> UOp:
     """Whether output row ``o`` is one of the ``count`` rows from ``first`` (a segment's)."""
     return (o >= first) & (o < first + count) if first else o < count
 
 
-def _segment_reader(
+def segment_reader(
     weights: tuple[UOp, ...], segments: tuple[int, ...], o: UOp, block: UOp, blocks: int, layout: Layout, per_block: int
 ) -> tuple[Word, Byte]:
     """The word and byte readers of output row ``o`` of several weights (flat buffers of words, ``per_block`` words a
@@ -289,7 +332,7 @@ def _segment_reader(
     def word(i: int | UOp) -> UOp:
         total, at = None, 0
         for matrix, rows in zip(weights, segments):
-            value = matrix[(((o - at) * blocks + block) * per_block + i).valid(_within(o, at, rows))]
+            value = matrix[(((o - at) * blocks + block) * per_block + i).valid(within_rows(o, at, rows))]
             total, at = value if total is None else total + value, at + rows
         return total
 
@@ -317,21 +360,23 @@ def _byte_reader(word: Word, layout: Layout) -> Byte:
     return byte
 
 
-def gemv_segments(x: Tensor, words: list[Tensor], qtype: Q, shape: Shape | None = None) -> list[Tensor]:
+def gemv_segments(x: Any, words: list[Tensor], qtype: Q, shape: Shape | None = None) -> list[Tensor]:
     """x @ w.T for each weight of ``words`` (one type, one row length: a layer's q, k and v), float32 [rows, outputs
-    of each], as one kernel (the shape fitted to every weight's outputs, so a thread group's lie in one weight)."""
+    of each], as one kernel (the shape fitted to every weight's outputs, so a thread group's lie in one weight). x: a
+    float Tensor or, for Q4_K, ``intx.Quantized``."""
     local = Device[x.device].renderer.has_local
     sizes = tuple(w.shape[0] for w in words)
     shape = (shape or Shape.for_product(sum(sizes), qtype=qtype)).fitting(math.gcd(*sizes), local)
     rows, blocks = x.shape[0], words[0].shape[1]
     outs = [Tensor.empty(rows * size, dtype=dtypes.float32, device=x.device) for size in sizes]
-    fxn = _kernel(qtype, rows, sum(sizes), blocks, local, shape, segments=sizes)
-    flat = [_flat_buffer(w) for w in words]
-    made = outs[0].custom_kernel(*outs[1:], x.cast(dtypes.float32).contiguous(), *flat, fxn=fxn)[: len(sizes)]
+    inputs, integer = x_inputs(x)
+    fxn = _kernel(qtype, rows, sum(sizes), blocks, local, shape, segments=sizes, integer=integer)
+    flat = [flat_buffer(w) for w in words]
+    made = outs[0].custom_kernel(*outs[1:], *inputs, *flat, fxn=fxn)[: len(sizes)]
     return [m.reshape(rows, size) for m, size in zip(made, sizes)]
 
 
-def _flat_buffer(t: Tensor) -> Tensor:
+def flat_buffer(t: Tensor) -> Tensor:
     """``t`` as a flat buffer for a custom kernel: the realized buffer it views, else a contiguous copy."""
     u = unreshaped(t)
     if u.op is Ops.BUFFER and math.prod(u.shape) == t.numel():
@@ -378,7 +423,7 @@ def as_words(stored: np.ndarray, qtype: Q) -> np.ndarray:
 
 
 def gemv(
-    x: Tensor,
+    x: Any,
     words: Tensor,
     qtype: Q,
     shape: Shape | None = None,
@@ -389,7 +434,8 @@ def gemv(
     """float32 [rows, outputs] = x [rows, k] @ w.T for a weight of ``qtype`` (one of LAYOUTS) stored as its blocks'
     words [outputs, blocks, block_words] (``as_words``), as one kernel. With ``up`` (the words of a second weight of
     the same type and shape): silu(x @ w.T) * (x @ up.T), the gated unit, in the same kernel; with ``residual``
-    (float32 [rows, outputs]): x @ w.T + residual."""
+    (float32 [rows, outputs]): x @ w.T + residual. x: a float Tensor or, for Q4_K, ``intx.Quantized`` (integer
+    products)."""
     outputs, blocks, _ = words.shape
     local = Device[x.device].renderer.has_local
     shape = (shape or Shape.for_product(outputs, gated=up is not None, qtype=qtype)).fitting(outputs, local)
@@ -399,5 +445,16 @@ def gemv(
         epilogue, extra = "glu", [up]
     elif residual is not None:
         epilogue, extra = "residual", [plain_rows(residual)]
-    fxn = _kernel(qtype, x.shape[0], outputs, blocks, local, shape, epilogue)
-    return out.custom_kernel(x.cast(dtypes.float32).contiguous(), words, *extra, fxn=fxn)[0]
+    inputs, integer = x_inputs(x)
+    fxn = _kernel(qtype, x.shape[0], outputs, blocks, local, shape, epilogue, integer=integer)
+    return out.custom_kernel(*inputs, words, *extra, fxn=fxn)[0]
+
+
+def x_inputs(x: Any) -> tuple[list[Tensor], str]:
+    """A product kernel's x parameters and its ``integer`` mode: x float32 as it is (""), or an ``intx.Quantized``'s
+    three tensors ("cuda" where the device's renderer is CUDA's, else "portable")."""
+    from leat_backend_tinygrad import intx
+
+    if isinstance(x, intx.Quantized):
+        return list(x.tensors()), "cuda" if intx.intrinsic(x.device) else "portable"
+    return [x.cast(dtypes.float32).contiguous()], ""
