@@ -276,11 +276,15 @@ def test_jitted_decode_steps_of_rows_at_different_depths_match_the_f64_oracle(na
 
 def test_an_eager_decode_step_rotates_and_writes_in_rope_write(tmp_path, monkeypatch):
     """Outside TinyJit too (the forward called as it is), a decode step's attention takes q and k from before rope
-    into rope_write, and its logits are those of the step with the fusions off (each rope and write its own)."""
+    into rope_write (or, on a device with thread groups, the products themselves into qkv.py's one kernel), and its
+    logits are those of the step with the fusions off (each rope and write its own)."""
     import leat_backend_tinygrad.backend as module
+    from leat_backend_tinygrad import qkv
 
     calls = []
     monkeypatch.setattr(module, "rope_write", lambda *a: calls.append(1) or rope_write(*a))
+    products = qkv.rope_write_products
+    monkeypatch.setattr(qkv, "rope_write_products", lambda *a: calls.append(2) or products(*a))
     path = _tiny("q4_k-llama3", tmp_path / "tiny.gguf")
     ids = np.arange(3, 12)
     logits = {}

@@ -140,3 +140,18 @@ def test_which_products_take_integer_x(mode, quantized, monkeypatch):
     monkeypatch.setenv("LEAT_TINYGRAD_INT_PRODUCTS", "yes")
     with pytest.raises(ValueError, match="use 0, 1 or normed"):
         TinygradBackend()
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_integer_products_are_the_default_where_the_renderer_has_dp2a(cuda, monkeypatch):
+    """Unset, LEAT_TINYGRAD_INT_PRODUCTS is "1" on a CUDA renderer (its dp2a: measured faster on the H200) and "0"
+    elsewhere (the portable integer sums are not yet timed)."""
+    from leat_backend_tinygrad.backend import TinygradBackend
+
+    monkeypatch.delenv("LEAT_TINYGRAD_INT_PRODUCTS", raising=False)
+    monkeypatch.setattr(intx, "intrinsic", lambda device: cuda)
+    backend = TinygradBackend()
+    assert backend.int_products == cuda and not backend.int_products_normed_only
+    monkeypatch.undo()
+    monkeypatch.delenv("LEAT_TINYGRAD_INT_PRODUCTS", raising=False)
+    assert TinygradBackend().int_products == intx.intrinsic(Device.DEFAULT)  # this machine's device as it is

@@ -1,5 +1,8 @@
 """``qkv.py``: a decode step's q, k (and v) products with RoPE and the cache writes in one kernel, against the two
-kernels it replaces (``gemv_segments``, then ``attention.rope_write``), bit for bit."""
+kernels it replaces (``gemv_segments``, then ``attention.rope_write``): bit for bit on tinygrad's PYTHON device (each
+operation rounded as rendered), within float32 rounding on a compiled device (a GPU compiler contracts multiplies and
+adds into fused ones differently in the two programs: on the H200 3-12% of q's entries differ, by at most 3.1e-7 of
+their size)."""
 
 from __future__ import annotations
 
@@ -68,10 +71,17 @@ def test_one_kernel_equals_the_products_then_rope_write(kind, rotated, integer, 
     got = rope_write_products(
         x, words[:2] if v_apart else words, Q.Q4_K, shape, apart, cos, sin, keys, values, table, at, PAGE, rotated
     )
-    np.testing.assert_array_equal(got.numpy(), want_q)
-    np.testing.assert_array_equal(keys.numpy(), want_k)
-    np.testing.assert_array_equal(values.numpy(), want_v)
+    same = np.testing.assert_array_equal if device == "PYTHON" else _within_rounding
+    same(got.numpy(), want_q)
+    same(keys.numpy(), want_k)
+    same(values.numpy(), want_v)
     assert (want_k != before[0]).any() and (want_v != before[1]).any()  # the rows were written
+
+
+def _within_rounding(got: np.ndarray, want: np.ndarray) -> None:
+    """Equal but for the last bits of float32 (f16 storage: of float16) rounding, relative to the largest entry."""
+    eps = float(np.finfo(want.dtype).eps)
+    np.testing.assert_allclose(got, want, rtol=4 * eps, atol=4 * eps * float(np.abs(want).max()))
 
 
 def test_a_shape_pairs_each_threads_outputs():
