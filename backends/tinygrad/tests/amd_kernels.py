@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import struct
 import time
 from dataclasses import replace
@@ -54,7 +55,8 @@ def check(lib: bytes, arch: str) -> dict:
 def run_model(path: str, kv_dtype: str) -> None:
     """A prefill chunk (16 tokens: eager, then captured under TinyJit as full chunks are), a decode step, a 5-token
     chunk padded to 16 (both captured under TinyJit) and a mixed step (a decode row and another slot's 5-token chunk)
-    through ``Backend.run``, as the engine runs them; then gemv.py's kernels (``run_gemv``)."""
+    through ``Backend.run``, as the engine runs them; then gemv.py's kernels (``run_gemv``); then a chunk and a
+    decode step with integer products."""
     import leat
     import numpy as np
     from leat.batch import Batch, Row
@@ -73,12 +75,22 @@ def run_model(path: str, kv_dtype: str) -> None:
         rows = [Row(0, 22 + start // 5, np.array([23])), Row(1, start, np.arange(30 + start, 35 + start))]
         backend.to_host(backend.run(forward, Batch(rows), kv))
     run_gemv()
+    # the integer products' kernels (LEAT_TINYGRAD_INT_PRODUCTS=1: off by default on AMD, a user's choice): the norm
+    # that quantizes its output, q/k/v, the gated unit, quantize_x and the residual products on 16-bit integer x
+    os.environ["LEAT_TINYGRAD_INT_PRODUCTS"] = "1"
+    model = leat.load(path, backend="tinygrad")
+    kv = model.backend.allocate_kv(layouts, slots=1, context=48, dtype=kv_dtype)
+    model.backend.set_pages(kv, 0, np.arange(3))
+    for row in (Row(0, 0, np.arange(1, 17)), Row(0, 16, np.array([17]))):
+        model.backend.to_host(model.backend.run(model.architecture.forward, Batch([row]), kv))
 
 
 def run_gemv() -> None:
-    """gemv.py's kernel of every type it has, for two rows (the tiny model's decode step has one row of Q4_K)."""
+    """gemv.py's kernel of every type it has, for two rows (the tiny model's decode step has one row of Q4_K), and of
+    Q4_K on 16-bit integer x (intx.py)."""
     import gguf
     import numpy as np
+    from leat_backend_tinygrad import intx
     from leat_backend_tinygrad.gemv import LAYOUTS, as_words, gemv
     from tinygrad import Tensor
 
@@ -86,6 +98,8 @@ def run_gemv() -> None:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         stored = as_words(np.zeros((64, 512 // block, size), np.uint8), qtype)
         gemv(Tensor.zeros(2, 512).contiguous(), Tensor(stored), qtype).realize()
+        if qtype == gguf.GGMLQuantizationType.Q4_K:
+            gemv(intx.quantize(Tensor.zeros(2, 512).contiguous()), Tensor(stored), qtype).realize()
 
 
 def main(path: str, archs: list[str], kv_dtype: str = "f32") -> dict:
@@ -106,6 +120,7 @@ def main(path: str, archs: list[str], kv_dtype: str = "f32") -> dict:
     run_model(path, kv_dtype)
     report: dict = {"kernels": len(asts), "run_s": round(time.perf_counter() - began, 1)}
     report["gemv"] = sorted(ast.arg.name for ast in asts.values() if ast.arg.name.startswith("gemv_"))
+    report["integer"] = sorted(n for n in (ast.arg.name for ast in asts.values()) if "_i16" in n or "quantize_x" in n)
     target = Device[Device.DEFAULT].renderer.target
     tasks = [(ast, AMDLLVMRenderer(replace(target, arch=arch))) for arch in archs for ast in asts.values()]
     began, pool = time.perf_counter(), get_worker_pool()

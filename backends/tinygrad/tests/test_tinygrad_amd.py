@@ -76,3 +76,9 @@ def test_every_kernel_of_a_prefill_and_a_decode_step_compiles_for_rdna3_and_cdna
 
     names = {f"gemv_{q.name.lower()}_2_64_{512 // gguf.GGML_QUANT_SIZES[q][0]}" for q in LAYOUTS}
     assert names <= set(report["gemv"]) and any(name.startswith("gemv_q4_k_1_") for name in report["gemv"]), report
+    # and on 16-bit integer x (intx.py; LEAT_TINYGRAD_INT_PRODUCTS=1): the norm that quantizes, q/k/v with RoPE (the
+    # tiny model's v is Q4_K too), the gated unit, quantize_x and the residual products
+    integer = report["integer"]
+    assert any(n.startswith("rms_norm_") for n in integer) and any(n.startswith("quantize_x_") for n in integer)
+    for kind in ("_i16_rope", "_i16_glu", "_i16_residual"):
+        assert any(n.endswith(kind) for n in integer), (kind, integer)

@@ -619,7 +619,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         x = self._values(x)
         if x.shape[0] <= self.norm_rows and norm.applies(x):  # few rows (decode): one kernel of our own
             w = self._values(weight) if weight is not None else None
-            if self.int_products and norm.run_lanes(x.shape[1]) is not None:  # its output quantized there too
+            # its output quantized there too where the products after it take integer x (gemv.py's few rows)
+            if self.int_products and x.shape[0] <= self.gemv_rows and norm.run_lanes(x.shape[1]) is not None:
                 y, quantized = norm.rms_norm_quantized(x, w, eps)
                 self._remember_quantized(y, quantized)
                 return y

@@ -311,7 +311,8 @@ def _kernel(
                         at += size
                 else:
                     stores.append(out[n, o].store(y).end(*threads.ends))
-        name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}" + (f"_{epilogue}" if epilogue else "")
+        name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}" + ("_i16" if integer else "")
+        name += f"_{epilogue}" if epilogue else ""  # _i16: x as 16-bit integers (intx.py)
         return UOp.sink(*stores, arg=KernelInfo(name=name, opts_to_apply=()))
 
     return fxn

@@ -76,7 +76,8 @@ def _kernel(rows: int, k: int, eps: float, weighted: bool, quantized: bool):
                 run = lane * (len(ys) // intx.RUN) + m
                 stores += intx.run_stores(quants, row, run, ys[m * intx.RUN : (m + 1) * intx.RUN])
         return UOp.sink(
-            UOp.group(*stores).end(row, lane), arg=KernelInfo(name=f"rms_norm_{rows}_{k}", opts_to_apply=())
+            UOp.group(*stores).end(row, lane),
+            arg=KernelInfo(name=f"rms_norm_{rows}_{k}" + ("_i16" if quantized else ""), opts_to_apply=()),
         )
 
     return fxn

@@ -97,7 +97,7 @@ def _kernel(qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rota
                                 (n * kv_heads * dim + entry + d).valid(within)
                             ]
                             stores.append(flat_values[(flat + d).valid(within)].store(value.cast(kind)))
-        name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}_rope"
+        name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}" + ("_i16" if integer else "") + "_rope"
         return UOp.sink(*(store.end(*threads.ends) for store in stores), arg=KernelInfo(name=name, opts_to_apply=()))
 
     return fxn
