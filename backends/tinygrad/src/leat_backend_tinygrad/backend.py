@@ -235,7 +235,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # few-row Q4_K products with x as 16-bit integers (intx.py: integer dot products): "1" every such product (an x
         # the norm kernel did not quantize gets a quantize_x kernel), "normed" only those whose x the norm kernel
         # quantized (q, k, v, gate, up: no kernel more), "0" none. Default "1" where the renderer is CUDA's (its dp2a;
-        # H200, 8B file: tg128 187.5 -> 235.2 tok/s), "0" elsewhere (the portable integer sums are not yet timed)
+        # H200, 8B file: tg128 +13% in one call), "0" elsewhere (the portable integer sums are not yet timed)
         mode = os.environ.get("LEAT_TINYGRAD_INT_PRODUCTS", "1" if intx.intrinsic(self.device) else "0")
         if mode not in ("0", "1", "normed"):
             raise ValueError(f"LEAT_TINYGRAD_INT_PRODUCTS={mode!r}: use 0, 1 or normed")
