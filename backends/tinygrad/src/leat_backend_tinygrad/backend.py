@@ -90,6 +90,17 @@ def _share_kernel_cache_across_threads() -> None:
     helpers._db_connection, helpers._leat_shared = connection, True
 
 
+def _alike(entry: tuple[Tensor, Tensor, Weight] | None, first: tuple[Tensor, Tensor, Weight]) -> bool:
+    """Whether the few-row product ``entry`` (``_viewed_product``'s) can share ``first``'s kernel: the same x, the
+    same weight type and row length."""
+    return (
+        entry is not None
+        and entry[1] is first[1]
+        and entry[2].qtype == first[2].qtype
+        and entry[2].data.shape[1:] == first[2].data.shape[1:]
+    )
+
+
 @contextlib.contextmanager
 def _outside_capture():
     """Kernels realized inside run now, even within a TinyJit's capture (which would add them to every replay)."""
@@ -861,19 +872,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         made = [self._viewed_product(t) for t in (q_in, k_in, v)]
         if made[0] is None:
             return None
-        _, x, weight = made[0]
-
-        def alike(entry) -> bool:
-            return (
-                entry is not None
-                and entry[1] is x
-                and entry[2].qtype == weight.qtype
-                and (entry[2].data.shape[1:] == weight.data.shape[1:])
-            )
-
-        if not alike(made[1]):
+        if not _alike(made[1], made[0]):
             return None
-        together = made if alike(made[2]) else made[:2]
+        _, x, weight = made[0]
+        together = made if _alike(made[2], made[0]) else made[:2]
         sizes = tuple(entry[2].data.shape[0] for entry in together)
         shape = qkv.fitted(self.gemv_shape or Shape.for_product(sum(sizes), qtype=weight.qtype), sizes, local=True)
         if shape is None:
@@ -924,14 +926,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         if first is None:
             return list(made)
         _, x, weight = first
-        alike = [
-            i
-            for i, e in enumerate(entries)
-            if e is not None
-            and e[1] is x
-            and e[2].qtype == weight.qtype
-            and e[2].data.shape[1:] == weight.data.shape[1:]
-        ]
+        alike = [i for i, e in enumerate(entries) if _alike(e, first)]
         if len(alike) < 2:
             return list(made)
         words = [entries[i][2].data for i in alike]
