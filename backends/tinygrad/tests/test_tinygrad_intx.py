@@ -1,5 +1,5 @@
-"""``intx.py``: x quantized to 16-bit integers a run of 32, and Q4_K products of it with integer dot products, against
-float64 (with the same quantized x: float32 rounding only; with x itself: the quantizing's error)."""
+"""``intx.py``: x quantized to 16-bit integers a run of 32, and Q4_K and Q6_K products of it with integer dot
+products, against float64 (with the same quantized x: float32 rounding only; with x itself: the quantizing's error)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,14 @@ Q = gguf.GGMLQuantizationType
 K = 512
 
 
-def _blocks(rng, outputs: int) -> np.ndarray:
-    stored = rng.integers(0, 256, (outputs, K // 256, 144), dtype=np.uint8)
-    stored[..., :4] = np.array([0.02, 0.01], np.float16).view(np.uint8)
+def _blocks(rng, outputs: int, qtype: Q = Q.Q4_K) -> np.ndarray:
+    """Random blocks of ``qtype`` (every quant and scale byte random) with small super-block scales."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    stored = rng.integers(0, 256, (outputs, K // 256, size), dtype=np.uint8)
+    if qtype == Q.Q4_K:
+        stored[..., :4] = np.array([0.02, 0.01], np.float16).view(np.uint8)
+    else:  # Q6_K: d last
+        stored[..., -2:] = np.array([0.02], np.float16).view(np.uint8)
     return stored
 
 
@@ -53,27 +58,28 @@ def test_quantized_x_round_trips_within_half_a_step(device):
 
 @pytest.mark.parametrize("device", ["default", "PYTHON"])
 @pytest.mark.parametrize("kind", ["plain", "glu", "segments"])
-def test_integer_products_against_float64(kind, device):
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=["q4_k", "q6_k"])
+def test_integer_products_against_float64(qtype, kind, device):
     device = Device.DEFAULT if device == "default" else device
     rng = np.random.default_rng(2)
     outputs, rows = 16, 2
-    stored = [_blocks(rng, outputs) for _ in range(2)]
-    w = [gguf.quants.dequantize(s.reshape(outputs, -1), Q.Q4_K).reshape(outputs, K).astype(np.float64) for s in stored]
-    words = [Tensor(as_words(s, Q.Q4_K), device=device).realize() for s in stored]
+    stored = [_blocks(rng, outputs, qtype) for _ in range(2)]
+    w = [gguf.quants.dequantize(s.reshape(outputs, -1), qtype).reshape(outputs, K).astype(np.float64) for s in stored]
+    words = [Tensor(as_words(s, qtype), device=device).realize() for s in stored]
     x = _x(rng, rows)
     q = intx.quantize(Tensor(x, device=device).realize())
     _, xq = _dequantized(q)
     shape = Shape(16, 2, 2)
     if kind == "plain":
-        got, want, exact = gemv(q, words[0], Q.Q4_K, shape).numpy(), xq @ w[0].T, x @ w[0].T
+        got, want, exact = gemv(q, words[0], qtype, shape).numpy(), xq @ w[0].T, x @ w[0].T
     elif kind == "glu":
-        got = gemv(q, words[0], Q.Q4_K, shape, up=words[1]).numpy()
+        got = gemv(q, words[0], qtype, shape, up=words[1]).numpy()
         gate, gate_x = xq @ w[0].T, x.astype(np.float64) @ w[0].T
         with np.errstate(over="ignore"):  # silu of a large negative gate: exp overflows, the product is -0
             want = gate / (1 + np.exp(-gate)) * (xq @ w[1].T)
             exact = gate_x / (1 + np.exp(-gate_x)) * (x @ w[1].T)
     else:
-        made = gemv_segments(q, words, Q.Q4_K, shape)
+        made = gemv_segments(q, words, qtype, shape)
         got = np.concatenate([m.numpy() for m in made], axis=1)
         want, exact = np.concatenate([xq @ m.T for m in w], axis=1), np.concatenate([x @ m.T for m in w], axis=1)
     magnitude = (np.abs(xq) @ np.abs(np.concatenate(w)).T).max(axis=1, keepdims=True)
@@ -84,14 +90,15 @@ def test_integer_products_against_float64(kind, device):
     assert np.abs(got - exact).max() <= 1e-3 * np.abs(exact).max()
     # the same product of the float path (gemv's float kernel), to the quantizing's error
     if kind == "plain":
-        floats = gemv(Tensor(x, device=device), words[0], Q.Q4_K, shape).numpy()
+        floats = gemv(Tensor(x, device=device), words[0], qtype, shape).numpy()
         assert np.abs(got - floats).max() <= 1e-3 * np.abs(floats).max()
 
 
-def test_decode_steps_with_integer_products_meet_the_backend_bar(tmp_path, monkeypatch):
-    """A tiny Q4_K Llama-3's jitted decode steps with LEAT_TINYGRAD_INT_PRODUCTS=1 (every few-row Q4_K product,
-    fused or not, on 16-bit integer x) against the float64 oracle: the backend bar, top-1 >= 99% and mean KL < 1e-3
-    (16-bit x cannot hold float32's ~1e-13)."""
+@pytest.mark.parametrize("name", ["q4_k-llama3", "q6_k"])
+def test_decode_steps_with_integer_products_meet_the_backend_bar(name, tmp_path, monkeypatch):
+    """A tiny Q4_K Llama-3's (and a Q6_K Llama's) jitted decode steps with LEAT_TINYGRAD_INT_PRODUCTS=1 (every
+    few-row product of the type, fused or not, on 16-bit integer x) against the float64 oracle: the backend bar,
+    top-1 >= 99% and mean KL < 1e-3 (16-bit x cannot hold float32's ~1e-13)."""
     import importlib.util
     from pathlib import Path
 
@@ -104,7 +111,7 @@ def test_decode_steps_with_integer_products_meet_the_backend_bar(tmp_path, monke
     )
     tiny_models = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tiny_models)
-    path = str(tiny_models.build("q4_k-llama3", tmp_path / "tiny.gguf"))
+    path = str(tiny_models.build(name, tmp_path / "tiny.gguf"))
     ids = np.arange(1, 25)
     want = leat.load(path, backend="cpu", precision="f64").logits(ids.tolist(), native=True)
     monkeypatch.setenv("LEAT_TINYGRAD_INT_PRODUCTS", "1")
@@ -126,8 +133,9 @@ def test_decode_steps_with_integer_products_meet_the_backend_bar(tmp_path, monke
 
 @pytest.mark.parametrize(("mode", "quantized"), [("0", False), ("1", True), ("normed", False)])
 def test_which_products_take_integer_x(mode, quantized, monkeypatch):
-    """LEAT_TINYGRAD_INT_PRODUCTS: "1" quantizes any Q4_K product's x (once an x), "normed" only an x the norm kernel
-    quantized (none here: x is made directly), "0" none; other types never."""
+    """LEAT_TINYGRAD_INT_PRODUCTS: "1" quantizes a Q4_K or Q6_K product's x (once an x, shared by both types),
+    "normed" only an x the norm kernel quantized (none here: x is made directly), "0" none; other types never.
+    LEAT_TINYGRAD_INT_TYPES narrows the types."""
     from leat_backend_tinygrad.backend import TinygradBackend
 
     monkeypatch.setenv("LEAT_TINYGRAD_INT_PRODUCTS", mode)
@@ -136,7 +144,15 @@ def test_which_products_take_integer_x(mode, quantized, monkeypatch):
     made = backend._gemv_x(x, Q.Q4_K)
     assert isinstance(made, intx.Quantized) == quantized
     assert backend._gemv_x(x, Q.Q4_K) is made  # once an x
-    assert backend._gemv_x(x, Q.Q6_K) is x
+    assert backend._gemv_x(x, Q.Q6_K) is made
+    assert backend._gemv_x(x, Q.Q8_0) is x
+    monkeypatch.setenv("LEAT_TINYGRAD_INT_TYPES", "q4_k")
+    backend = TinygradBackend()
+    assert backend._gemv_x(x, Q.Q6_K) is x and backend.describe()["int_types"] == "q4_k"
+    assert isinstance(backend._gemv_x(x, Q.Q4_K), intx.Quantized) == quantized
+    monkeypatch.setenv("LEAT_TINYGRAD_INT_TYPES", "q4_k,q8_0")
+    with pytest.raises(ValueError, match="q8_0"):
+        TinygradBackend()
     monkeypatch.setenv("LEAT_TINYGRAD_INT_PRODUCTS", "yes")
     with pytest.raises(ValueError, match="use 0, 1 or normed"):
         TinygradBackend()

@@ -35,6 +35,9 @@ from leat.model import PREFILL_CHUNK
 from leat.modelfile import Tensor as FileTensor
 from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
+from tinygrad.device import Buffer
+from tinygrad.dtype import _to_np_dtype
+from tinygrad.uop.ops import Ops
 
 from leat_backend_tinygrad import intx, norm, qkv
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
@@ -243,7 +246,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # few-row products take their consumer into their kernel: silu_mul of a gate and an up product of the same x
         # (one kernel for both, gemv.py's "glu"), add of a product and the residual ("residual"); 0: each its own
         self.fuse_products = os.environ.get("LEAT_TINYGRAD_FUSE_PRODUCTS", "1") != "0"
-        # few-row Q4_K products with x as 16-bit integers (intx.py: integer dot products): "1" every such product (an x
+        # few-row Q4_K and Q6_K products with x as 16-bit integers (intx.py: integer dot products): "1" every such product (an x
         # the norm kernel did not quantize gets a quantize_x kernel), "normed" only those whose x the norm kernel
         # quantized (q, k, v, gate, up: no kernel more), "0" none. Default "1" where the renderer is CUDA's (its dp2a;
         # H200, 8B file: tg128 +13% in one call), "0" elsewhere (the portable integer sums are not yet timed)
@@ -251,6 +254,13 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         if mode not in ("0", "1", "normed"):
             raise ValueError(f"LEAT_TINYGRAD_INT_PRODUCTS={mode!r}: use 0, 1 or normed")
         self.int_products, self.int_products_normed_only = mode != "0", mode == "normed"
+        # the weight types whose products take integer x (LEAT_TINYGRAD_INT_TYPES, names: "q4_k" times Q6_K's float)
+        names = os.environ.get("LEAT_TINYGRAD_INT_TYPES", ",".join(t.name.lower() for t in intx.DOTS))
+        self.int_types = frozenset(t for t in intx.DOTS if t.name.lower() in names.lower().split(","))
+        if unknown := set(names.lower().split(",")) - {t.name.lower() for t in intx.DOTS} - {""}:
+            raise ValueError(
+                f"LEAT_TINYGRAD_INT_TYPES: {', '.join(sorted(unknown))}? use of {', '.join(t.name.lower() for t in intx.DOTS)}"
+            )
         self._quantized: dict[int, tuple[Tensor, Any]] = {}  # id(x) -> (x, intx.quantize(x)), the latest few
         # RMS norms of up to this many rows are norm.py's one kernel where it applies (0: tinygrad's own two)
         self.norm_rows = int(os.environ.get("LEAT_TINYGRAD_NORM_ROWS", str(DECODE_BUCKETS[-1])))
@@ -278,6 +288,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             "compiler": type(Device[self.device].compiler).__name__,
             "kernel_cache": CACHEDB,
             "int_products": "normed" if self.int_products_normed_only else int(self.int_products),
+            "int_types": ",".join(sorted(t.name.lower() for t in self.int_types)),
         }
 
     # -- memory -------------------------------------------------------------------------------------
@@ -311,6 +322,17 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         return self._tensor(np.asarray(x, dtype=np.float32))
 
     def to_host(self, x: Tensor) -> np.ndarray:
+        """x as a host array. A realized buffer of x's size (a step's logits, reshaped) is copied out by its
+        allocator, as tinygrad's own copy does in the end, without scheduling a copy on the way (tinygrad is pinned
+        to 0.14.0, where the tests hold it). With the TinyJit's arguments only Variables (``run``), a 1B file's
+        decode step took 1.09 -> 0.40 ms of host time on tinygrad's NULL device (2-core machine)."""
+        base = unreshaped(x)
+        buffer = base.realized if base.op is Ops.BUFFER else None
+        kind = _to_np_dtype(x.dtype)
+        if isinstance(buffer, Buffer) and buffer.nbytes == x.nbytes() and kind is not None:
+            out = np.empty(x.shape, kind)
+            buffer.allocator._copyout(memoryview(out).cast("B"), buffer._buf)
+            return out
         return x.numpy()
 
     def from_host(self, x: np.ndarray) -> Tensor:
@@ -321,9 +343,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         """One forward step; a decode batch (one token per row) or a one-row prefill chunk runs under TinyJit.
 
         The batch is padded to a bucket of DECODE_BUCKETS with copies of its first row (which write the
-        same K/V to the same place); each (forward, KV cache, bucket) has its own TinyJit. Its inputs are
-        the step's tokens, positions and page-table rows as Tensors, and each row's KV storage row per
-        page group as bound Variables; ops read those in place of the batch's host arrays (embed gathers
+        same K/V to the same place); each (forward, KV cache, bucket) has its own TinyJit. The step's
+        tokens, positions and page-table rows are copied into Tensors kept for its key (``_input``), which the
+        captured kernels read as they read the weights; each row's KV storage row per page group is a bound
+        Variable, the TinyJit's only arguments; ops read those in place of the batch's host arrays (embed gathers
         the stored rows on the device, rope gathers rows of a cos/sin table made on the host). The first
         call captures the kernels (TinyJit's usual eager first call is skipped: everything it would
         initialise is realized already), later ones replay them: no graph building or scheduling in
@@ -358,18 +381,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             return self._run_parts(forward, batch, kv, parts)
         else:
             return forward(batch, kv)
-        jit = self._jits.get(key)
-        if jit is None:
-            if key[2] == "prefill" and not self._rope_specs:
-                # rope tables are made on the host from the specs an eager step meets (a decode step comes after
-                # a prefill); this eager step writes the same K/V the capture below writes again
-                forward(batch, kv)
-            if not any(k[1] == id(kv) for k in self._jits):
-                weakref.finalize(kv, self._forget, id(kv))  # a cache's jits go with it
-            jit = self._jits[key] = TinyJit(self._jitted_step)
-            # capture on the first call: weights, KV storage and rope tables are realized already; a padded chunk's
-            # (alone or with decode rows) on its second (its first runs as an eager step would: a one-off pays no capture)
-            jit.cnt = 0 if key[2] in ("padded", "mixed") else 1
+        if key not in self._jits and key[2] == "prefill" and not self._rope_specs:
+            # rope tables are made on the host from the specs an eager step meets (a decode step comes after a
+            # prefill); this eager step writes the same K/V the capture below writes again
+            forward(batch, kv)
         for spec in self._rope_specs.values():  # tables made inside a capture would be copied again at each replay
             self._rope_table(spec, kv.context)
         extra: list[Tensor] = []
@@ -389,7 +404,6 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             padded = Batch(batch.rows + [batch.rows[0]] * (bucket - n))
         else:
             padded = batch
-        positions = padded.positions.astype(np.int32)
         starts = np.asarray([row.start for row in padded.rows], np.int64)
         pages, at = [], []
         for table in kv.tables:
@@ -400,11 +414,23 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             pages.append(self._input(key, 2 + len(pages), np.maximum(rows, 0).astype(np.int32)))
             at.extend(self._at_variable(len(at)).bind(int(a)) for a in page * kv.page_size + starts % kv.page_size)
         slots = [UOp.variable(f"slot_{i}", 0, 1 << 20).bind(row.slot) for i, row in enumerate(padded.rows)]
+        tokens = self._input(key, 0, padded.tokens.astype(np.int32))
+        positions = self._input(key, 1, padded.positions.astype(np.int32))
+        valid, last = extra if extra else (None, None)
+        jit = self._jits.get(key)
+        if jit is None:
+            if not any(k[1] == id(kv) for k in self._jits):
+                weakref.finalize(kv, self._forget, id(kv))  # a cache's jits go with it
+            jit = self._jits[key] = TinyJit(self._jitted_step)
+            # capture on the first call: weights, KV storage and rope tables are realized already; a padded chunk's
+            # (alone or with decode rows) on its second (its first runs as an eager step would: a one-off pays no capture)
+            jit.cnt = 0 if key[2] in ("padded", "mixed") else 1
         self._enter(kv, list(kv.recurrent), batch.rows)
-        self._step = _Step(forward, kv, padded)
+        self._step = _Step(forward, kv, padded, tokens, positions, pages, valid=valid, last=last)
         try:
-            tokens = self._input(key, 0, padded.tokens.astype(np.int32))
-            logits = jit(tokens, self._input(key, 1, positions), *slots, *pages, *at, *extra)
+            # the step's arrays are in its inputs' buffers already (copied in): the TinyJit is given only the bound
+            # Variables, so its graphs read those buffers as they read the weights (no node updated a replay)
+            logits = jit(*slots, *at)
         except _NotJittable:
             self._eager.add(forward)
             self._forget(id(kv))
@@ -498,14 +524,11 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 return False
         return True
 
-    def _jitted_step(self, tokens: Tensor, positions: Tensor, *inputs: Any) -> Tensor:
+    def _jitted_step(self, *variables: UOp) -> Tensor:
+        """The step's forward; ``variables``: each row's slot, then each page group's rows' storage rows (bound)."""
         step, rows = self._step, len(self._step.batch.rows)
-        step.slots, inputs = list(inputs[:rows]), inputs[rows:]
-        groups = len(step.kv.tables)
-        step.tokens, step.positions, step.pages = tokens, positions, list(inputs[:groups])
-        step.at = [list(inputs[groups + g * rows : groups + (g + 1) * rows]) for g in range(groups)]
-        if len(inputs) > groups * (1 + rows):
-            step.valid, step.last = inputs[groups * (1 + rows) :]
+        step.slots, at = list(variables[:rows]), variables[rows:]
+        step.at = [list(at[g * rows : (g + 1) * rows]) for g in range(len(step.kv.tables))]
         out = step.forward(step.batch, step.kv).contiguous()
         if step.pending:
             out.realize()
@@ -526,11 +549,14 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         into its buffer with the allocator's copy-in, as tinygrad's own realize does (``Allocator._copyin``;
         tinygrad is pinned to 0.14.0, where the tests hold it). A new Tensor per input and step costs tinygrad a
         schedule each: a 1B file's decode step took 6.7-7.3 ms of host time that way, 0.9-1.2 ms this way (tinygrad's
-        NULL device on a 2-core machine, docs/benchmarks.md)."""
+        NULL device on a 2-core machine, docs/benchmarks.md). The TinyJit's kernels read the buffer as captured: where
+        a new Tensor must be made (another shape), the key's TinyJit goes and the next step captures anew."""
         array = np.ascontiguousarray(array)
         inputs = self._inputs.setdefault(key, {})
         dtype, tensor = inputs.get(index, (None, None))
         if tensor is None or tensor.shape != array.shape or dtype != array.dtype:
+            if tensor is not None:
+                self._jits.pop(key, None)
             tensor = self._tensor(array).realize()
             inputs[index] = (array.dtype, tensor)
         else:
@@ -900,10 +926,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         )
 
     def _gemv_x(self, x: Tensor, qtype: Q) -> Any:
-        """x for a few-row product of a ``qtype`` weight: with ``int_products`` and a Q4_K weight, x quantized to 16-bit
-        integers (by the norm kernel that made x, else intx.quantize unless ``int_products_normed_only``; once an x,
+        """x for a few-row product of a ``qtype`` weight: with ``int_products`` and a weight of ``int_types`` (Q4_K,
+        Q6_K), x quantized to 16-bit integers (by the norm kernel that made x, else intx.quantize unless ``int_products_normed_only``; once an x,
         shared by its products: q, k and v, gate and up); else x."""
-        if not self.int_products or qtype != Q.Q4_K or x.shape[-1] % intx.RUN:
+        if not self.int_products or qtype not in self.int_types or x.shape[-1] % intx.RUN:
             return x
         made = self._quantized.get(id(x))
         if made is None or made[0] is not x:

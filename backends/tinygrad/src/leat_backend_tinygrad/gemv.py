@@ -242,16 +242,17 @@ class Threads:
         """A lane's part summed over the row (the step and the lanes)."""
         return lane.reduce(self.step, *self.lanes, arg=Ops.ADD)
 
-    def products(
-        self, layout: Layout, reader: tuple[Word, Byte], x: tuple[UOp, ...], integer: str, block_size: int
-    ) -> Callable[[int], UOp]:
+    def products(self, qtype: Q, reader: tuple[Word, Byte], x: tuple[UOp, ...], integer: str) -> Callable[[int], UOp]:
         """Row n's product with the weight row ``reader`` reads, for each n: x float (one parameter; the decoded
-        values made once, shared by the rows) or, ``integer``, ``intx.quantize``'s three (``intx.q4_k_dot``)."""
+        values made once, shared by the rows) or, ``integer``, ``intx.quantize``'s tensors that the type's integer
+        product reads (``intx.DOTS``, ``intx.PARAMS``)."""
         if integer:
             from leat_backend_tinygrad import intx
 
-            return lambda n: self.add_up(intx.q4_k_dot(reader[0], *self.lanes[1:], x, n, self.block, integer == "cuda"))
-        values = layout.decode(*reader, *self.lanes[1:])
+            dot, cuda = intx.DOTS[qtype], integer == "cuda"
+            return lambda n: self.add_up(dot(reader[0], self.lanes[1:], x, n, self.block, cuda))
+        values = LAYOUTS[qtype].decode(*reader, *self.lanes[1:])
+        block_size = gguf.GGML_QUANT_SIZES[qtype][0]
         return lambda n: self.total(values, x[0], n, block_size)
 
 
@@ -270,12 +271,11 @@ def _kernel(
     by the same loads of x and each output is silu(x w^T) * (x up^T); "residual": an input of the output's shape
     is added to each output (a residual connection); "": the product alone. ``segments``: several weights of one
     type and row length, their outputs in turn (``outputs`` their sum; flat buffers in and out), each output row read
-    from its own weight by gated loads and stored by a gated store. ``integer`` (Q4_K): x comes as ``intx.quantize``
-    makes it (three parameters where there was one) and the products are integer ones (``intx.q4_k_dot``; "cuda":
-    with CUDA's dp2a, "portable": the same sums as plain integer operations)."""
-    layout, (block_size, _) = LAYOUTS[qtype], gguf.GGML_QUANT_SIZES[qtype]
-    assert not integer or qtype == Q.Q4_K, "integer products are Q4_K's"
-    inputs = 3 if integer else 1  # x's parameters
+    from its own weight by gated loads and stored by a gated store. ``integer`` (Q4_K, Q6_K): x comes as ``intx.quantize``
+    makes it (``x_params``: the tensors of it the type reads) and the products are integer ones (``intx.DOTS``;
+    "cuda": with CUDA's dp2a, "portable": the same sums as plain integer operations)."""
+    layout = LAYOUTS[qtype]
+    inputs = x_params(qtype, integer)
 
     def fxn(*params: UOp) -> UOp:
         count = len(segments) or 1  # outputs
@@ -294,7 +294,7 @@ def _kernel(
                 readers = [segment_reader(weights, segments, o, threads.block, blocks, layout, words_a_block)]
             else:
                 readers = [_reader(matrix, o, threads.block, layout) for matrix in matrices]
-            products = [threads.products(layout, reader, x_in, integer, block_size) for reader in readers]
+            products = [threads.products(qtype, reader, x_in, integer) for reader in readers]
             for n in range(rows):
                 sums = [product(n) for product in products]
                 y = sums[0]
@@ -370,7 +370,7 @@ def gemv_segments(x: Any, words: list[Tensor], qtype: Q, shape: Shape | None = N
     shape = (shape or Shape.for_product(sum(sizes), qtype=qtype)).fitting(math.gcd(*sizes), local)
     rows, blocks = x.shape[0], words[0].shape[1]
     outs = [Tensor.empty(rows * size, dtype=dtypes.float32, device=x.device) for size in sizes]
-    inputs, integer = x_inputs(x)
+    inputs, integer = x_inputs(x, qtype)
     fxn = _kernel(qtype, rows, sum(sizes), blocks, local, shape, segments=sizes, integer=integer)
     flat = [flat_buffer(w) for w in words]
     made = outs[0].custom_kernel(*outs[1:], *inputs, *flat, fxn=fxn)[: len(sizes)]
@@ -446,16 +446,25 @@ def gemv(
         epilogue, extra = "glu", [up]
     elif residual is not None:
         epilogue, extra = "residual", [plain_rows(residual)]
-    inputs, integer = x_inputs(x)
+    inputs, integer = x_inputs(x, qtype)
     fxn = _kernel(qtype, x.shape[0], outputs, blocks, local, shape, epilogue, integer=integer)
     return out.custom_kernel(*inputs, words, *extra, fxn=fxn)[0]
 
 
-def x_inputs(x: Any) -> tuple[list[Tensor], str]:
-    """A product kernel's x parameters and its ``integer`` mode: x float32 as it is (""), or an ``intx.Quantized``'s
-    three tensors ("cuda" where the device's renderer is CUDA's, else "portable")."""
+def x_inputs(x: Any, qtype: Q) -> tuple[list[Tensor], str]:
+    """A ``qtype`` product kernel's x parameters and its ``integer`` mode: x float32 as it is (""), or those of an
+    ``intx.Quantized``'s tensors that the type's product reads ("cuda" where the device's renderer is CUDA's, else
+    "portable")."""
     from leat_backend_tinygrad import intx
 
     if isinstance(x, intx.Quantized):
-        return list(x.tensors()), "cuda" if intx.intrinsic(x.device) else "portable"
+        assert qtype in intx.DOTS, f"no integer product for {qtype.name}"
+        return list(x.tensors()[: intx.PARAMS[qtype]]), "cuda" if intx.intrinsic(x.device) else "portable"
     return [x.cast(dtypes.float32).contiguous()], ""
+
+
+def x_params(qtype: Q, integer: str) -> int:
+    """How many parameters x takes in a ``qtype`` product kernel (``x_inputs``)."""
+    from leat_backend_tinygrad import intx
+
+    return intx.PARAMS[qtype] if integer else 1

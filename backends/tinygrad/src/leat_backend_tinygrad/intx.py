@@ -1,4 +1,4 @@
-"""Few-row Q4_K products with x as 16-bit integers: integer dot products in place of float ones.
+"""Few-row Q4_K and Q6_K products with x as 16-bit integers: integer dot products in place of float ones.
 
 ``gemv.py``'s float products issue ~0.2 warp instructions a Q4_K weight (a float conversion and two FMA a weight,
 the nibble's shifts and masks), about twice what the H200's issue rate allows at its bandwidth. Here x is quantized
@@ -7,19 +7,26 @@ half run), and a lane's unit multiplies 4 nibbles at a time: the nibbles of a wo
 by two pairs of int16 x values and added into an int32 (CUDA's ``__dp2a_lo``/``__dp2a_hi``, one instruction each,
 where the renderer is CUDA's; elsewhere the same sums as shifts, products and adds). A sub-block's 16 products of
 the lane then take its scales in float32: ``x_scale * (d * sc * sum(q x) - dmin * m * sum(x))``, every integer sum
-exact (at most 16 * 15 * 32767 < 2^24, so exact in float32 too). The activations keep 16 bits (the CUDA backend's
-``gemv_q`` quantizes x the same way); the weights' values are gguf's. Compiled for sm_90 (docs/benchmarks.md,
-twenty-eighth session) the q/o product's loop is 179 instructions for what the float loop does in 404.
+exact (at most 16 * 15 * 32767 < 2^24, so exact in float32 too). A Q6_K lane's 16 weights are four runs of 4, each
+in its own sub-block: a run's six-bit quants are put together in the 4 bytes of a word and made signed there (q - 32
+as ``(q + 0x60) ^ 0x80`` a byte: no carry between bytes), then two dp2a and the sub-block's and x's scales (no sums:
+``PARAMS``). The activations keep 16 bits (the CUDA backend's ``gemv_q`` quantizes x the same way); the weights'
+values are gguf's. Compiled for sm_90 (docs/benchmarks.md, twenty-eighth session) the q/o product's loop is 179
+instructions for what the float loop does in 404.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import gguf
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.renderer.cstyle import CUDARenderer
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
+from leat_backend_tinygrad.gemv import _f16, _k_scale_min
+
+Q = gguf.GGMLQuantizationType
 RUN = 32  # values of x sharing a scale (a Q4_K sub-block)
 LIMIT = 32767  # a run's largest magnitude maps to this
 
@@ -114,13 +121,16 @@ def dp2a(high: bool, pair: UOp, quads: UOp, acc: UOp, cuda: bool) -> UOp:
     return acc + low * b0 + top * b1
 
 
-def q4_k_dot(w, c: UOp, g: UOp, x: tuple[UOp, UOp, UOp], n: int, block: UOp, cuda: bool) -> UOp:
-    """A lane's Q4_K unit (c, g: ``gemv.q4_k``'s 16 bytes of chunk c) times row ``n`` of quantized x (words, scales,
-    sums), float32: its two sub-blocks' 16 integer products each, then their scales."""
-    words, scales, sums = x
-    head, s0, s1, s2 = (w(t) for t in range(4))
-    from leat_backend_tinygrad.gemv import _f16, _k_scale_min
+def _x_pair(words: UOp, n: int, pair: UOp, cuda: bool) -> UOp:
+    """Word ``pair`` of row ``n`` of x's integers (elements 2 pair, 2 pair + 1), loaded as int32 (for dp2a)."""
+    return words[n, pair].load(dtype=dtypes.int32) if cuda else words[n, pair]
 
+
+def q4_k_dot(w, lanes: list[UOp], x: tuple[UOp, ...], n: int, block: UOp, cuda: bool) -> UOp:
+    """A lane's Q4_K unit (lanes c, g: ``gemv.q4_k``'s 16 bytes of chunk c) times row ``n`` of quantized x (words,
+    scales, sums), float32: its two sub-blocks' 16 integer products each, then their scales."""
+    (c, g), (words, scales, sums) = lanes, x
+    head, s0, s1, s2 = (w(t) for t in range(4))
     d, dmin = _f16(head & 0xFFFF), _f16(head >> 16)
     quants = [w(4 + c * 8 + g * 4 + t) for t in range(4)]
     total = None
@@ -131,12 +141,43 @@ def q4_k_dot(w, c: UOp, g: UOp, x: tuple[UOp, UOp, UOp], n: int, block: UOp, cud
         for t, word in enumerate(quants):
             nibbles = ((word >> (4 * half)) & 0x0F0F0F0F).bitcast(dtypes.int32)  # elements 4t .. 4t + 3 as bytes
             pair = (start + t * 4) // 2
-            lo = words[n, pair].load(dtype=dtypes.int32) if cuda else words[n, pair]
-            hi = words[n, pair + 1].load(dtype=dtypes.int32) if cuda else words[n, pair + 1]
-            acc = dp2a(False, lo, nibbles, acc if acc is not None else nibbles.const_like(0), cuda)
-            acc = dp2a(True, hi, nibbles, acc, cuda)
+            acc = dp2a(
+                False, _x_pair(words, n, pair, cuda), nibbles, nibbles.const_like(0) if acc is None else acc, cuda
+            )
+            acc = dp2a(True, _x_pair(words, n, pair + 1, cuda), nibbles, acc, cuda)
         part = scales[n, start // RUN] * (
             d * sc * acc.cast(dtypes.float32) - dmin * mn * sums[n, start // 16].cast(dtypes.float32)
         )
         total = part if total is None else total + part
     return total
+
+
+def q6_k_dot(w, lanes: list[UOp], x: tuple[UOp, ...], n: int, block: UOp, cuda: bool) -> UOp:
+    """A lane's Q6_K unit (lanes h, g, p4: ``gemv.q6_k``'s) times row ``n`` of quantized x (words, scales), float32:
+    for each r < 4 the 4 elements 128h + 32r + 4p .. + 3 (p = 4g + p4; sub-block 8h + 2r + g), their signed six-bit
+    quants in one word's bytes, two dp2a, then d * scale * x's run scale."""
+    (h, g, p4), (words, scales) = lanes, x
+    p = g * 4 + p4
+    d = _f16(w(52))
+    low_a, low_b, high = w(h * 16 + p), w(h * 16 + 8 + p), w(32 + h * 8 + p)
+    scale_words = (w(48 + h * 2), w(49 + h * 2))
+    total = None
+    for r in range(4):
+        low = ((low_a if r % 2 == 0 else low_b) >> (4 * (r // 2))) & 0x0F0F0F0F
+        unsigned = low | (((high >> (2 * r)) & 0x03030303) << 4)  # each byte 0..63
+        quads = ((unsigned + 0x60606060) ^ 0x80808080).bitcast(dtypes.int32)  # each byte q - 32 as int8
+        start = block * 256 + h * 128 + r * 32 + p * 4
+        acc = dp2a(False, _x_pair(words, n, start // 2, cuda), quads, quads.const_like(0), cuda)
+        acc = dp2a(True, _x_pair(words, n, start // 2 + 1, cuda), quads, acc, cuda)
+        shift = (g * 8 + (r % 2) * 16).cast(dtypes.uint32)
+        sc = ((scale_words[r // 2] >> shift) & 0xFF).cast(dtypes.uint8).bitcast(dtypes.int8).cast(dtypes.float32)
+        part = scales[n, start // RUN] * (d * sc * acc.cast(dtypes.float32))
+        total = part if total is None else total + part
+    return total
+
+
+#: each type's integer dot product of a lane's unit (``gemv.Threads.products``)
+DOTS = {Q.Q4_K: q4_k_dot, Q.Q6_K: q6_k_dot}
+#: how many of ``Quantized.tensors()`` each type's product reads (words, scales, sums: Q6_K needs no sums; a kernel's
+#: parameter it never reads is dropped by tinygrad, shifting the others)
+PARAMS = {Q.Q4_K: 3, Q.Q6_K: 2}

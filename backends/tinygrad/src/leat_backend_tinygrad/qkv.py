@@ -27,6 +27,7 @@ from leat_backend_tinygrad.gemv import (
     segment_reader,
     within_rows,
     x_inputs,
+    x_params,
 )
 
 
@@ -38,11 +39,11 @@ def fitted(shape: Shape, sizes: tuple[int, ...], local: bool) -> Shape | None:
 
 
 def _kernel(qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rotated, page_size, v_apart, integer):
-    layout, (block_size, _) = LAYOUTS[qtype], gguf.GGML_QUANT_SIZES[qtype]
+    layout = LAYOUTS[qtype]
     outputs, count = sum(sizes), len(sizes)
     words_a_block = layout.block_bytes(qtype) // layout.word.itemsize
     starts = [sum(sizes[:i]) for i in range(count)]  # each product's first output (q, k, then v where it is here)
-    inputs = 3 if integer else 1  # x's parameters (gemv.x_inputs)
+    inputs = x_params(qtype, integer)
 
     def fxn(q_out: UOp, keys: UOp, values: UOp, *rest: UOp) -> UOp:
         x, rest = rest[:inputs], rest[inputs:]
@@ -53,11 +54,10 @@ def _kernel(qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rota
         stores = []
         products = [
             threads.products(
-                layout,
+                qtype,
                 segment_reader(weights, sizes, threads.first + r, threads.block, blocks, layout, words_a_block),
                 x,
                 integer,
-                block_size,
             )
             for r in range(shape.per_thread)
         ]
@@ -118,7 +118,7 @@ def rope_write_products(
     page_size: int,
     rotated: int,
 ) -> Tensor:
-    """q rotated, float32 [rows, heads, dim], from x [rows, k] (float, or for Q4_K ``intx.Quantized``) and the blocks'
+    """q rotated, float32 [rows, heads, dim], from x [rows, k] (float, or for Q4_K and Q6_K ``intx.Quantized``) and the blocks'
     words of q's and k's weights (and v's, a third, where ``v`` is None; else ``v`` [rows, kv_heads * dim] is v's
     product, written as it is); k rotated and v written into ``keys`` and ``values`` [storage rows, kv_heads, dim] at
     each row's position ``at`` [rows] through its page table ``table`` [rows, pages]; ``cos`` and ``sin`` [rows,
@@ -128,7 +128,7 @@ def rope_write_products(
     dim = keys.shape[2]
     heads, kv_heads, half = sizes[0] // dim, keys.shape[1], rotated // 2
     local = Device[x.device].renderer.has_local
-    x_in, integer = x_inputs(x)
+    x_in, integer = x_inputs(x, qtype)
     fxn = _kernel(
         qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rotated, page_size, v is not None, integer
     )
