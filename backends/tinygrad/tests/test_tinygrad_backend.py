@@ -472,6 +472,51 @@ def test_engine_decode_under_tinyjit_matches_the_f64_oracle(name, tmp_path):
 GREEDY = {"temperature": 0}
 
 
+def test_replayed_decode_steps_update_no_graph_node_and_a_new_input_shape_captures_anew(tmp_path):
+    """A decode step's TinyJit gets only bound Variables: its inputs' buffers (tokens, positions, page rows) are
+    captured as the weights are, so no kernel of its graphs has a buffer replaced at a replay, and the steps still
+    read each step's tokens (the logits equal eager steps'). Where an input must be a new Tensor (another shape), the
+    key's TinyJit is dropped, so no replay reads a buffer it no longer gets."""
+    from leat.testing import write_tiny_gguf
+    from leat_arch_llama.llama import Llama
+    from tinygrad.engine.realize import get_call_arg_uops
+    from tinygrad.uop.ops import Ops
+
+    path = str(write_tiny_gguf(Llama, tmp_path / "tiny.gguf"))
+    model = leat.load(path, backend="tinygrad")
+    backend, forward = model.backend, model.architecture.forward
+    kv, eager_kv = model.new_kv(32, slots=1, dtype="f32"), model.new_kv(32, slots=1, dtype="f32")
+    ids = np.arange(3, 15)
+    for cache in (kv, eager_kv):
+        backend.to_host(backend.run(forward, Batch([Row(0, 0, ids[:4])]), cache))
+    got, want = [], []
+    for pos in range(4, 12):
+        step = Batch([Row(0, pos, ids[pos : pos + 1])])
+        got.append(backend.to_host(backend.run(forward, step, kv)))
+        want.append(forward(step, eager_kv).numpy())
+    np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), rtol=1e-4, atol=1e-4)
+    key = next(k for k in backend._jits if k[1] == id(kv) and k[2] == 1)
+    assert backend._jits[key].cnt > 2  # replayed
+    captured = backend._jits[key].captured
+    assert captured.expected_input_info == [] and captured.expected_names == []  # no Tensor argument
+    calls = [c for c in captured.linear.toposort() if c.op is Ops.CALL and c.src[0].op is Ops.PROGRAM]
+    assert calls and not [b for c in calls for b in get_call_arg_uops(c) if b.op is Ops.PARAM], "a buffer replaced"
+    backend._input(key, 0, np.zeros(1, np.int32))  # the same shape: the buffer is written, the TinyJit stays
+    assert key in backend._jits
+    backend._input(key, 0, np.zeros(2, np.int32))
+    assert key not in backend._jits
+
+
+def test_to_host_copies_a_realized_buffer_out_and_any_other_tensor_as_numpy_does(backend):
+    from tinygrad import Tensor
+
+    values = np.arange(24, dtype=np.float32).reshape(2, 12)
+    realized = Tensor(values).realize()
+    np.testing.assert_array_equal(backend.to_host(realized.reshape(4, 6)), values.reshape(4, 6))
+    np.testing.assert_array_equal(backend.to_host(realized[1:]), values[1:])  # a view: tinygrad's own copy
+    np.testing.assert_array_equal(backend.to_host(realized * 2), values * 2)  # not realized yet
+
+
 def test_prefill_chunks_of_a_jitted_length_replay_under_tinyjit(tmp_path, monkeypatch):
     """One-row prefill chunks of a length in ``prefill_lengths`` (the engine's full chunk, 512, by default) run
     under a TinyJit of their own: the first is captured, later ones at other positions and pages replay it.
