@@ -87,7 +87,7 @@ def run_model(path: str, kv_dtype: str) -> None:
 
 def run_gemv() -> None:
     """gemv.py's kernel of every type it has, for two rows (the tiny model's decode step has one row of Q4_K), and of
-    Q4_K on 16-bit integer x (intx.py)."""
+    each type with an integer product (Q4_K, Q6_K) on 16-bit integer x (intx.py)."""
     import gguf
     import numpy as np
     from leat_backend_tinygrad import intx
@@ -98,7 +98,7 @@ def run_gemv() -> None:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         stored = as_words(np.zeros((64, 512 // block, size), np.uint8), qtype)
         gemv(Tensor.zeros(2, 512).contiguous(), Tensor(stored), qtype).realize()
-        if qtype == gguf.GGMLQuantizationType.Q4_K:
+        if qtype in intx.DOTS:
             gemv(intx.quantize(Tensor.zeros(2, 512).contiguous()), Tensor(stored), qtype).realize()
 
 

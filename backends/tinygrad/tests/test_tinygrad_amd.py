@@ -82,3 +82,6 @@ def test_every_kernel_of_a_prefill_and_a_decode_step_compiles_for_rdna3_and_cdna
     assert any(n.startswith("rms_norm_") for n in integer) and any(n.startswith("quantize_x_") for n in integer)
     for kind in ("_i16_rope", "_i16_glu", "_i16_residual"):
         assert any(n.endswith(kind) for n in integer), (kind, integer)
+    from leat_backend_tinygrad import intx  # each integer type's product (amd_kernels.run_gemv)
+
+    assert {f"gemv_{q.name.lower()}_2_64_2_i16" for q in intx.DOTS} <= set(integer), integer

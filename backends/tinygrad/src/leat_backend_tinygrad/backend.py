@@ -246,21 +246,22 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # few-row products take their consumer into their kernel: silu_mul of a gate and an up product of the same x
         # (one kernel for both, gemv.py's "glu"), add of a product and the residual ("residual"); 0: each its own
         self.fuse_products = os.environ.get("LEAT_TINYGRAD_FUSE_PRODUCTS", "1") != "0"
-        # few-row Q4_K and Q6_K products with x as 16-bit integers (intx.py: integer dot products): "1" every such product (an x
-        # the norm kernel did not quantize gets a quantize_x kernel), "normed" only those whose x the norm kernel
-        # quantized (q, k, v, gate, up: no kernel more), "0" none. Default "1" where the renderer is CUDA's (its dp2a;
-        # H200, 8B file: tg128 +13% in one call), "0" elsewhere (the portable integer sums are not yet timed)
+        # few-row Q4_K and Q6_K products with x as 16-bit integers (intx.py: integer dot products): "1" every such
+        # product (an x the norm kernel did not quantize gets a quantize_x kernel), "normed" only those whose x the
+        # norm kernel quantized (q, k, v, gate, up: no kernel more), "0" none. Default "1" where the renderer is
+        # CUDA's (its dp2a; H200, 8B file: tg128 +13% in one call for Q4_K, +2.6% more for Q6_K), "0" elsewhere (the
+        # portable integer sums are not yet timed)
         mode = os.environ.get("LEAT_TINYGRAD_INT_PRODUCTS", "1" if intx.intrinsic(self.device) else "0")
         if mode not in ("0", "1", "normed"):
             raise ValueError(f"LEAT_TINYGRAD_INT_PRODUCTS={mode!r}: use 0, 1 or normed")
         self.int_products, self.int_products_normed_only = mode != "0", mode == "normed"
-        # the weight types whose products take integer x (LEAT_TINYGRAD_INT_TYPES, names: "q4_k" times Q6_K's float)
-        names = os.environ.get("LEAT_TINYGRAD_INT_TYPES", ",".join(t.name.lower() for t in intx.DOTS))
-        self.int_types = frozenset(t for t in intx.DOTS if t.name.lower() in names.lower().split(","))
-        if unknown := set(names.lower().split(",")) - {t.name.lower() for t in intx.DOTS} - {""}:
-            raise ValueError(
-                f"LEAT_TINYGRAD_INT_TYPES: {', '.join(sorted(unknown))}? use of {', '.join(t.name.lower() for t in intx.DOTS)}"
-            )
+        # the types whose products take integer x (LEAT_TINYGRAD_INT_TYPES, comma-separated names; default every type
+        # of intx.DOTS: "q4_k" leaves Q6_K's products on float x)
+        known = {t.name.lower(): t for t in intx.DOTS}
+        names = [n for n in os.environ.get("LEAT_TINYGRAD_INT_TYPES", ",".join(known)).lower().split(",") if n]
+        if unknown := sorted(set(names) - known.keys()):
+            raise ValueError(f"LEAT_TINYGRAD_INT_TYPES: {', '.join(unknown)}? use names of {', '.join(known)}")
+        self.int_types = frozenset(known[n] for n in names)
         self._quantized: dict[int, tuple[Tensor, Any]] = {}  # id(x) -> (x, intx.quantize(x)), the latest few
         # RMS norms of up to this many rows are norm.py's one kernel where it applies (0: tinygrad's own two)
         self.norm_rows = int(os.environ.get("LEAT_TINYGRAD_NORM_ROWS", str(DECODE_BUCKETS[-1])))
@@ -927,8 +928,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
 
     def _gemv_x(self, x: Tensor, qtype: Q) -> Any:
         """x for a few-row product of a ``qtype`` weight: with ``int_products`` and a weight of ``int_types`` (Q4_K,
-        Q6_K), x quantized to 16-bit integers (by the norm kernel that made x, else intx.quantize unless ``int_products_normed_only``; once an x,
-        shared by its products: q, k and v, gate and up); else x."""
+        Q6_K), x quantized to 16-bit integers (by the norm kernel that made x, else intx.quantize unless
+        ``int_products_normed_only``; once an x, shared by its products: q, k and v, gate and up); else x."""
         if not self.int_products or qtype not in self.int_types or x.shape[-1] % intx.RUN:
             return x
         made = self._quantized.get(id(x))

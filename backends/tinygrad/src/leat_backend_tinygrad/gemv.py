@@ -271,9 +271,9 @@ def _kernel(
     by the same loads of x and each output is silu(x w^T) * (x up^T); "residual": an input of the output's shape
     is added to each output (a residual connection); "": the product alone. ``segments``: several weights of one
     type and row length, their outputs in turn (``outputs`` their sum; flat buffers in and out), each output row read
-    from its own weight by gated loads and stored by a gated store. ``integer`` (Q4_K, Q6_K): x comes as ``intx.quantize``
-    makes it (``x_params``: the tensors of it the type reads) and the products are integer ones (``intx.DOTS``;
-    "cuda": with CUDA's dp2a, "portable": the same sums as plain integer operations)."""
+    from its own weight by gated loads and stored by a gated store. ``integer`` (Q4_K, Q6_K): x comes as
+    ``intx.quantize`` makes it (``x_params``: the tensors of it the type reads) and the products are integer ones
+    (``intx.DOTS``; "cuda": with CUDA's dp2a, "portable": the same sums as plain integer operations)."""
     layout = LAYOUTS[qtype]
     inputs = x_params(qtype, integer)
 
