@@ -326,7 +326,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         """x as a host array. A realized buffer of x's size (a step's logits, reshaped) is copied out by its
         allocator, as tinygrad's own copy does in the end, without scheduling a copy on the way (tinygrad is pinned
         to 0.14.0, where the tests hold it). With the TinyJit's arguments only Variables (``run``), a 1B file's
-        decode step took 1.09 -> 0.40 ms of host time on tinygrad's NULL device (2-core machine)."""
+        decode step took 1.18-1.23 -> 0.47-0.48 ms of host time on tinygrad's NULL device (2-core machine,
+        `scripts/tinygrad_host_profile.py FILE decode`)."""
         base = unreshaped(x)
         buffer = base.realized if base.op is Ops.BUFFER else None
         kind = _to_np_dtype(x.dtype)
