@@ -5,7 +5,8 @@ intx.py), whose agreement with the float64 oracle is the backend bar (top-1 >= 9
 ~1e-13 that most of these tests hold the float path to. ``test_tinygrad_intx.py`` sets the variable itself and checks
 the integer path at its bar; a run with ``LEAT_TINYGRAD_INT_PRODUCTS`` set keeps the value it was given. The variable
 is set for each module before its fixtures (a module's ``backend`` is made once: on the H200 one made before a
-function's setting took integer x, and a Q6_K product missed the float bar by 2e-4), and again for each test.
+function's setting took integer x, and a Q6_K product missed the float bar by 2e-4); a test's own ``monkeypatch``
+of it is undone after the test.
 """
 
 from __future__ import annotations
@@ -15,18 +16,9 @@ import os
 import pytest
 
 
-def _float_products(patch: pytest.MonkeyPatch) -> None:
-    if "LEAT_TINYGRAD_INT_PRODUCTS" not in os.environ:
-        patch.setenv("LEAT_TINYGRAD_INT_PRODUCTS", "0")
-
-
 @pytest.fixture(scope="module", autouse=True)
-def _float_products_for_the_module():
+def _float_products_unless_asked():
     with pytest.MonkeyPatch.context() as patch:
-        _float_products(patch)
+        if "LEAT_TINYGRAD_INT_PRODUCTS" not in os.environ:
+            patch.setenv("LEAT_TINYGRAD_INT_PRODUCTS", "0")
         yield
-
-
-@pytest.fixture(autouse=True)
-def _float_products_unless_asked(monkeypatch):
-    _float_products(monkeypatch)

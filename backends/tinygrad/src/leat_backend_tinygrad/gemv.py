@@ -108,18 +108,28 @@ def q6_k(w: Word, b: Byte, h: UOp, g: UOp, p4: UOp) -> Decoded:
     # 16]. Unit (h, g, p4): p = 4g + p4, l = 4p + k for the word's bytes k; scale[8h + 2r + g] is byte 2r + g of
     # the words 48 + 2h, 49 + 2h (r < 2, r >= 2).
     p = g * 4 + p4
-    d = _f16(w(52))
-    low_a, low_b, high = w(h * 16 + p), w(h * 16 + 8 + p), w(32 + h * 8 + p)
-    scale_words = (w(48 + h * 2), w(49 + h * 2))
+    d, (low_a, low_b, high), scale_words = q6_k_words(w, h, p)
     out = []
     for r in range(4):
-        shift = (g * 8 + (r % 2) * 16).cast(dtypes.uint32)
-        scale = d * _i8(((scale_words[r // 2] >> shift) & 0xFF).cast(dtypes.int32))
+        scale = d * q6_k_scale(scale_words, g, r)
         for k in range(4):
             low = (_part(low_a if r % 2 == 0 else low_b, k) >> (4 * (r // 2))) & 15
             q = (low | (((_part(high, k) >> (2 * r)) & 3) << 4)) - 32
             out.append((h * 128 + r * 32 + p * 4 + k, scale * q.cast(dtypes.float32)))
     return out
+
+
+def q6_k_words(w: Word, h: UOp, p: UOp) -> tuple[UOp, tuple[UOp, UOp, UOp], tuple[UOp, UOp]]:
+    """What a Q6_K lane (half ``h``, word ``p`` of 8) reads of its block: d (float32), its three quant words (low
+    nibbles of ql[l], of ql[l + 32], the 2-bit highs) and the half's two words of scales."""
+    quants = (w(h * 16 + p), w(h * 16 + 8 + p), w(32 + h * 8 + p))
+    return _f16(w(52)), quants, (w(48 + h * 2), w(49 + h * 2))
+
+
+def q6_k_scale(scale_words: tuple[UOp, UOp], g: UOp, r: int) -> UOp:
+    """The int8 scale of sub-block 8h + 2r + g (byte 2r + g of the half's scale words), as float32."""
+    shift = (g * 8 + (r % 2) * 16).cast(dtypes.uint32)
+    return _i8(((scale_words[r // 2] >> shift) & 0xFF).cast(dtypes.int32))
 
 
 def _e2m1(n: UOp) -> UOp:

@@ -24,7 +24,7 @@ from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.renderer.cstyle import CUDARenderer
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
-from leat_backend_tinygrad.gemv import _f16, _k_scale_min
+from leat_backend_tinygrad.gemv import _f16, _k_scale_min, q6_k_scale, q6_k_words
 
 Q = gguf.GGMLQuantizationType
 RUN = 32  # values of x sharing a scale (a Q4_K sub-block)
@@ -158,9 +158,7 @@ def q6_k_dot(w, lanes: list[UOp], x: tuple[UOp, ...], n: int, block: UOp, cuda: 
     quants in one word's bytes, two dp2a, then d * scale * x's run scale."""
     (h, g, p4), (words, scales) = lanes, x
     p = g * 4 + p4
-    d = _f16(w(52))
-    low_a, low_b, high = w(h * 16 + p), w(h * 16 + 8 + p), w(32 + h * 8 + p)
-    scale_words = (w(48 + h * 2), w(49 + h * 2))
+    d, (low_a, low_b, high), scale_words = q6_k_words(w, h, p)
     total = None
     for r in range(4):
         low = ((low_a if r % 2 == 0 else low_b) >> (4 * (r // 2))) & 0x0F0F0F0F
@@ -169,9 +167,7 @@ def q6_k_dot(w, lanes: list[UOp], x: tuple[UOp, ...], n: int, block: UOp, cuda: 
         start = block * 256 + h * 128 + r * 32 + p * 4
         acc = dp2a(False, _x_pair(words, n, start // 2, cuda), quads, quads.const_like(0), cuda)
         acc = dp2a(True, _x_pair(words, n, start // 2 + 1, cuda), quads, acc, cuda)
-        shift = (g * 8 + (r % 2) * 16).cast(dtypes.uint32)
-        sc = ((scale_words[r // 2] >> shift) & 0xFF).cast(dtypes.uint8).bitcast(dtypes.int8).cast(dtypes.float32)
-        part = scales[n, start // RUN] * (d * sc * acc.cast(dtypes.float32))
+        part = scales[n, start // RUN] * (d * q6_k_scale(scale_words, g, r) * acc.cast(dtypes.float32))
         total = part if total is None else total + part
     return total
 

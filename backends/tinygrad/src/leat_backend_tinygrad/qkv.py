@@ -118,8 +118,8 @@ def rope_write_products(
     page_size: int,
     rotated: int,
 ) -> Tensor:
-    """q rotated, float32 [rows, heads, dim], from x [rows, k] (float, or for Q4_K and Q6_K ``intx.Quantized``) and the blocks'
-    words of q's and k's weights (and v's, a third, where ``v`` is None; else ``v`` [rows, kv_heads * dim] is v's
+    """q rotated, float32 [rows, heads, dim], from x [rows, k] (float, or for Q4_K and Q6_K ``intx.Quantized``) and
+    the blocks' words of q's and k's weights (and v's, a third, where ``v`` is None; else ``v`` [rows, kv_heads * dim] is v's
     product, written as it is); k rotated and v written into ``keys`` and ``values`` [storage rows, kv_heads, dim] at
     each row's position ``at`` [rows] through its page table ``table`` [rows, pages]; ``cos`` and ``sin`` [rows,
     rotated / 2] each row's at its position. ``shape`` must be ``fitted``."""
