@@ -120,6 +120,7 @@ def main(path: str, archs: list[str], kv_dtype: str = "f32") -> dict:
     run_model(path, kv_dtype)
     report: dict = {"kernels": len(asts), "run_s": round(time.perf_counter() - began, 1)}
     report["gemv"] = sorted(ast.arg.name for ast in asts.values() if ast.arg.name.startswith("gemv_"))
+    report["softmax"] = sorted(ast.arg.name for ast in asts.values() if ast.arg.name.startswith("softmax_"))
     report["integer"] = sorted(n for n in (ast.arg.name for ast in asts.values()) if "_i16" in n or "quantize_x" in n)
     target = Device[Device.DEFAULT].renderer.target
     tasks = [(ast, AMDLLVMRenderer(replace(target, arch=arch))) for arch in archs for ast in asts.values()]

@@ -70,6 +70,8 @@ def test_every_kernel_of_a_prefill_and_a_decode_step_compiles_for_rdna3_and_cdna
     # the prefill's eager and jitted chunk and the decode step: products (split and dequantize-then-multiply), norms,
     # rope, KV writes, paged attention; each kernel once per target
     assert report["kernels"] >= 40 and all(report[arch]["kernels"] == report["kernels"] for arch in ARCHS), report
+    # the chunks' softmax (softmax.py): the eager chunk's, the jitted full chunk's and the padded last chunk's
+    assert report["softmax"], report
     # gemv.py's quantized products of every type (amd_kernels.run_gemv: two rows), and the model's own (one row)
     import gguf
     from leat_backend_tinygrad.gemv import LAYOUTS

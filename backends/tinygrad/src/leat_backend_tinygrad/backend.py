@@ -39,7 +39,7 @@ from tinygrad.device import Buffer
 from tinygrad.dtype import _to_np_dtype
 from tinygrad.uop.ops import Ops
 
-from leat_backend_tinygrad import intx, norm, qkv
+from leat_backend_tinygrad import intx, norm, qkv, softmax
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemm import half_product, tuned_opts
@@ -243,6 +243,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         self.prefill_lengths = frozenset(int(x) for x in lengths.split(",") if x.strip())
         # decode steps (every row one token) attend with attention.py's kernels, all rows at once (0: row by row)
         self.decode_attention = os.environ.get("LEAT_TINYGRAD_DECODE_ATTENTION", "1") != "0"
+        # a prompt chunk's softmax (its scale, mask, soft cap and sinks) as softmax.py's one kernel where it applies
+        # (a device with thread groups); 0: tinygrad's kernels for the Tensor ops (three over the scores)
+        self.softmax_kernel = os.environ.get("LEAT_TINYGRAD_SOFTMAX", "1") != "0"
         # few-row products take their consumer into their kernel: silu_mul of a gate and an up product of the same x
         # (one kernel for both, gemv.py's "glu"), add of a product and the residual ("residual"); 0: each its own
         self.fuse_products = os.environ.get("LEAT_TINYGRAD_FUSE_PRODUCTS", "1") != "0"
@@ -290,6 +293,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             "kernel_cache": CACHEDB,
             "int_products": "normed" if self.int_products_normed_only else int(self.int_products),
             "int_types": ",".join(sorted(t.name.lower() for t in self.int_types)),
+            "softmax_kernel": int(self.softmax_kernel),
         }
 
     # -- memory -------------------------------------------------------------------------------------
@@ -734,7 +738,6 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         kv_heads = layout.kv_heads
         value_dim = layout.value_dim or layout.head_dim
         group = heads // kv_heads
-        sink = self._values(sinks).reshape(kv_heads, group, 1, 1) if sinks is not None else None
         step = self._stepping(batch)
         page_group = kv.group_of[layer]
         if decoding:
@@ -782,7 +785,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             )
         outs = []
         for i, (row, offset) in enumerate(zip(batch.rows, batch.offsets)):
-            length, start = len(row.tokens), row.start
+            length = len(row.tokens)
             span = slice(int(offset), int(offset) + length)
             at, table = (step.at[page_group][i], step.pages[page_group][i]) if step else (None, None)
             self._store(kv, layer, "k", row, span, k, at)
@@ -792,39 +795,63 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             kind = dtypes.float16 if self.half_products and self.gemm_rows and length >= self.gemm_rows else None
             keys = self._gather(kv, layer, "k", row.slot, table, kind)
             values = keys[..., :value_dim] if layout.latent else self._gather(kv, layer, "v", row.slot, table, kind)
-            total = keys.shape[0]
             qs = q[span].reshape(length, kv_heads, group, dim).permute(1, 2, 0, 3)
             qs = qs if kind is None else qs.cast(kind).contiguous()
             scores = qs.matmul(
                 keys.permute(1, 2, 0).unsqueeze(1), dtype=dtypes.float32
             )  # [kv_heads, group, length, total]
-            # realized on their own, a chunk's products are tensor-core kernels (fused with the softmax's reductions, not)
-            scores = (scores if kind is None else scores.contiguous()) * scale
-            if softcap is not None:
-                scores = (scores / softcap).tanh() * softcap
-            if step is None:
-                query_pos, key_pos = start + np.arange(length)[:, None], np.arange(total)[None, :]
-                seen = start + length - 1 if row.bidirectional else query_pos
-            else:  # the queries at the positions the step's input holds
-                query_pos = step.positions[span].reshape(length, 1)
-                key_pos = Tensor.arange(total).reshape(1, total)
-                seen = query_pos
-            masked = key_pos > seen
-            if layout.window is not None:
-                masked = masked | (key_pos <= query_pos - layout.window)
-            scores = (masked if step else self._tensor(masked)).where(-math.inf, scores)
-            peak = scores.max(axis=-1, keepdim=True)
-            if sink is not None:
-                peak = peak.maximum(sink)
-            weights = (scores - peak).exp()
-            denominator = weights.sum(axis=-1, keepdim=True)
-            if sink is not None:
-                denominator = denominator + (sink - peak).exp()
-            probabilities = weights / denominator if kind is None else (weights / denominator).cast(kind).contiguous()
+            probabilities = self._probabilities(scores, kind, scale, softcap, layout.window, sinks, row, step, offset)
             # [kv_heads, group, length, value_dim]
             out = probabilities.matmul(values.permute(1, 0, 2).unsqueeze(1), dtype=dtypes.float32)
             outs.append(out.permute(2, 0, 1, 3).reshape(length, heads * value_dim))
         return outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:], dim=0)
+
+    def _probabilities(self, scores, kind, scale, softcap, window, sinks, row, step, offset) -> Tensor:
+        """A chunk's attention probabilities [kv_heads, group, length, total] from its scores (q . k, float32): scaled,
+        soft-capped, masked (causal, windowed; a bidirectional row's queries see through its last position), the
+        softmax with each head's ``sinks`` logit in its denominator; float16 where ``kind``. One kernel where
+        softmax.py's applies (the queries' positions the step's input, at the row's offset, where jitted), else
+        Tensor ops."""
+        kv_heads, group, length, total = scores.shape
+        if self.softmax_kernel and not row.bidirectional and softmax.applies(scores.device, total):
+            positions, first = (
+                (step.positions, int(offset)) if step else (self._tensor(np.arange(row.start, row.start + length, dtype=np.int32)), 0)
+            )
+            made = softmax.probabilities(
+                scores.contiguous().reshape(kv_heads * group, length, total),
+                positions,
+                first,
+                scale,
+                window,
+                softcap,
+                None if sinks is None else self._values(sinks).reshape(kv_heads * group),
+                kind or dtypes.float32,
+            )
+            return made.reshape(kv_heads, group, length, total)
+        sink = self._values(sinks).reshape(kv_heads, group, 1, 1) if sinks is not None else None
+        # realized on their own, a chunk's products are tensor-core kernels (fused with the softmax's reductions, not)
+        scores = (scores if kind is None else scores.contiguous()) * scale
+        if softcap is not None:
+            scores = (scores / softcap).tanh() * softcap
+        if step is None:
+            query_pos, key_pos = row.start + np.arange(length)[:, None], np.arange(total)[None, :]
+            seen = row.start + length - 1 if row.bidirectional else query_pos
+        else:  # the queries at the positions the step's input holds
+            query_pos = step.positions[int(offset) : int(offset) + length].reshape(length, 1)
+            key_pos = Tensor.arange(total).reshape(1, total)
+            seen = query_pos
+        masked = key_pos > seen
+        if window is not None:
+            masked = masked | (key_pos <= query_pos - window)
+        scores = (masked if step else self._tensor(masked)).where(-math.inf, scores)
+        peak = scores.max(axis=-1, keepdim=True)
+        if sink is not None:
+            peak = peak.maximum(sink)
+        weights = (scores - peak).exp()
+        denominator = weights.sum(axis=-1, keepdim=True)
+        if sink is not None:
+            denominator = denominator + (sink - peak).exp()
+        return weights / denominator if kind is None else (weights / denominator).cast(kind).contiguous()
 
     def _decoding(self, batch: Batch, kv: KVCache, layout: KVLayout) -> bool:
         """Whether a layer's attention for ``batch`` runs as attention.py's kernels: every row one token attending
