@@ -20,7 +20,7 @@ from tinygrad.helpers import GlobalCounters
 
 
 def reference(scores, positions, offset, scale, window=None, softcap=None, sinks=None) -> np.ndarray:
-    heads, length, total = scores.shape
+    _, length, total = scores.shape
     x = scores.astype(np.float64) * scale
     if softcap is not None:
         x = np.tanh(x / softcap) * softcap

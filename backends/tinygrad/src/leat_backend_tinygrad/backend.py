@@ -814,9 +814,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         Tensor ops."""
         kv_heads, group, length, total = scores.shape
         if self.softmax_kernel and not row.bidirectional and softmax.applies(scores.device, total):
-            positions, first = (
-                (step.positions, int(offset)) if step else (self._tensor(np.arange(row.start, row.start + length, dtype=np.int32)), 0)
-            )
+            if step is not None:  # the step's input: the jitted kernel reads the positions each replay copies in
+                positions, first = step.positions, int(offset)
+            else:
+                positions, first = self._tensor(np.arange(row.start, row.start + length, dtype=np.int32)), 0
             made = softmax.probabilities(
                 scores.contiguous().reshape(kv_heads * group, length, total),
                 positions,
