@@ -20,6 +20,7 @@ from tinygrad.helpers import GlobalCounters
 
 
 def reference(scores, positions, offset, scale, window=None, softcap=None, sinks=None) -> np.ndarray:
+    """float64 probabilities [heads, length, total] of scores [heads, length, total], sinks [heads]."""
     _, length, total = scores.shape
     x = scores.astype(np.float64) * scale
     if softcap is not None:
@@ -47,22 +48,25 @@ def _device(device: str) -> str:
     return device
 
 
-# (heads, length, total, offset, window, softcap, sinks, float16): a total whose last load some lanes pass (40, 100,
-# 530), one every lane fills (64); a window, a soft cap, sinks; float16 probabilities (tensor-core chunks)
+# (kv_heads, group, length, total, offset, window, softcap, sinks, float16): a total whose last load some lanes pass
+# (40, 100, 530), one every lane fills (64); GQA groups; a window, a soft cap, sinks; float16 probabilities
 CASES = [
-    (3, 5, 40, 2, None, None, False, False),
-    (2, 4, 100, 0, 7, 30.0, True, True),
-    (1, 3, 64, 1, None, None, False, False),
-    (2, 2, 530, 3, 200, None, True, True),
+    (3, 1, 5, 40, 2, None, None, False, False),
+    (1, 2, 4, 100, 0, 7, 30.0, True, True),
+    (1, 1, 3, 64, 1, None, None, False, False),
+    (1, 2, 2, 530, 3, 200, None, True, True),
 ]
 
 
 @pytest.mark.parametrize("device", ["default", "PYTHON"])
-@pytest.mark.parametrize(("heads", "length", "total", "offset", "window", "softcap", "sinks", "half"), CASES)
-def test_one_kernel_against_float64(heads, length, total, offset, window, softcap, sinks, half, device):
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "length", "total", "offset", "window", "softcap", "sinks", "half"), CASES
+)
+def test_one_kernel_against_float64(kv_heads, group, length, total, offset, window, softcap, sinks, half, device):
     device = _device(device)
     rng = np.random.default_rng(total)
-    scores = (rng.standard_normal((heads, length, total)) * 8).astype(np.float32)
+    heads = kv_heads * group
+    scores = (rng.standard_normal((kv_heads, group, length, total)) * 8).astype(np.float32)
     # the chunk's queries at the end of what the keys hold (a later chunk of a prompt), after `offset` other rows
     positions = np.arange(total - length - offset, total).astype(np.int32)
     logits = rng.standard_normal(heads).astype(np.float32) * 3 if sinks else None
@@ -71,8 +75,9 @@ def test_one_kernel_against_float64(heads, length, total, offset, window, softca
     GlobalCounters.reset()
     got = softmax.probabilities(*inputs, offset, 0.3, window, softcap, sink, dtypes.float16 if half else dtypes.float32)
     got = got.realize()
-    assert GlobalCounters.kernel_count == 1
-    want = reference(scores, positions, offset, 0.3, window, softcap, logits)
+    assert GlobalCounters.kernel_count == 1 and got.shape == scores.shape
+    want = reference(scores.reshape(heads, length, total), positions, offset, 0.3, window, softcap, logits)
+    got = got.reshape(heads, length, total)
     if half:  # float16's rounding of values at most 1: half an ulp of 1 (2^-11) at most
         np.testing.assert_allclose(got.numpy().astype(np.float64), want, rtol=0, atol=2.0**-11)
     else:  # float32 exponents and sums of at most 530 terms: a few float32 epsilons of each

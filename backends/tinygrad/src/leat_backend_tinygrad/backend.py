@@ -818,17 +818,16 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 positions, first = step.positions, int(offset)
             else:
                 positions, first = self._tensor(np.arange(row.start, row.start + length, dtype=np.int32)), 0
-            made = softmax.probabilities(
-                scores.contiguous().reshape(kv_heads * group, length, total),
+            return softmax.probabilities(
+                scores,
                 positions,
                 first,
                 scale,
                 window,
                 softcap,
-                None if sinks is None else self._values(sinks).reshape(kv_heads * group),
+                None if sinks is None else self._values(sinks),
                 kind or dtypes.float32,
             )
-            return made.reshape(kv_heads, group, length, total)
         sink = self._values(sinks).reshape(kv_heads, group, 1, 1) if sinks is not None else None
         # realized on their own, a chunk's products are tensor-core kernels (fused with the softmax's reductions, not)
         scores = (scores if kind is None else scores.contiguous()) * scale

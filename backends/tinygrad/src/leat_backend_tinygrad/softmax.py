@@ -51,15 +51,15 @@ def _group_sum(x: UOp, lane: UOp) -> UOp:
     return shared.reduce(loop, arg=Ops.ADD)
 
 
-def _kernel(heads, length, total, offset, scale, softcap, window, sinks, kind: DType):
+def _kernel(kv_heads, group, length, total, offset, scale, softcap, window, sinks, kind: DType):
     n = lanes(total)
     assert n is not None
     per = -(-total // n)
 
     def fxn(out: UOp, scores: UOp, positions: UOp, *sink: UOp) -> UOp:
-        head = UOp.range(heads, 0, AxisType.GLOBAL)
-        query = UOp.range(length, 1, AxisType.GLOBAL)
-        lane = UOp.range(n, 2, AxisType.GROUP_REDUCE)
+        kv_head, g = UOp.range(kv_heads, 0, AxisType.GLOBAL), UOp.range(group, 1, AxisType.GLOBAL)
+        query = UOp.range(length, 2, AxisType.GLOBAL)
+        lane = UOp.range(n, 3, AxisType.GROUP_REDUCE)
         own = positions[query + offset].cast(dtypes.weakint)
         keys = [lane + s * n for s in range(per)]  # the thread's key positions: neighbouring lanes, neighbours
         inside = [None if (s + 1) * n <= total else t < total for s, t in enumerate(keys)]  # the last may pass total
@@ -68,7 +68,9 @@ def _kernel(heads, length, total, offset, scale, softcap, window, sinks, kind: D
             seen = t <= own
             if window is not None:
                 seen = seen & (t > own - window)
-            x = scores[head, query, t.valid(seen if within is None else seen & within)] * scale  # no load if unseen
+            x = (
+                scores[kv_head, g, query, t.valid(seen if within is None else seen & within)] * scale
+            )  # no load if unseen
             if softcap is not None:
                 x = (x / softcap).tanh() * softcap
             values.append((seen if within is None else seen & within).where(x, -math.inf))
@@ -77,19 +79,19 @@ def _kernel(heads, length, total, offset, scale, softcap, window, sinks, kind: D
             peak = peak.maximum(v)
         peak = peak.reduce(lane, arg=Ops.MAX)
         if sinks:
-            peak = peak.maximum(sink[0][head])
+            peak = peak.maximum(sink[0][kv_head * group + g])
         exps = [(v - peak).exp() for v in values]
         denominator = _group_sum(sum(exps[1:], exps[0]), lane)
         if sinks:
-            denominator = denominator + (sink[0][head] - peak).exp()
+            denominator = denominator + (sink[0][kv_head * group + g] - peak).exp()
         inverse = 1.0 / denominator
         stores = []
         for t, within, e in zip(keys, inside, exps):
             at = t if within is None else t.valid(within)
-            stores.append(out[head, query, at].store((e * inverse).cast(kind)))
+            stores.append(out[kv_head, g, query, at].store((e * inverse).cast(kind)))
         return UOp.sink(
-            UOp.group(*stores).end(head, query, lane),
-            arg=KernelInfo(name=f"softmax_{heads}_{length}_{total}", opts_to_apply=()),
+            UOp.group(*stores).end(kv_head, g, query, lane),
+            arg=KernelInfo(name=f"softmax_{kv_heads * group}_{length}_{total}", opts_to_apply=()),
         )
 
     return fxn
@@ -105,14 +107,16 @@ def probabilities(
     sinks: Tensor | None = None,
     kind: DType = dtypes.float32,
 ) -> Tensor:
-    """``kind`` [heads, length, total]: each query's attention probabilities over key positions 0 .. total - 1.
+    """``kind`` [kv_heads, group, length, total]: each query's attention probabilities over key positions 0 ..
+    total - 1, for each query head (a KV head's GQA group of them).
 
-    ``scores`` [heads, length, total] float32, q . k before ``scale``; ``positions`` int32, query i's position at
-    ``offset + i`` (it sees key positions up to its own, or its last ``window`` of them); ``sinks`` [heads] float32,
-    each head's extra logit in its softmax's denominator. Every row sees at least its own position."""
-    heads, length, total = scores.shape
-    out = Tensor.empty(heads, length, total, dtype=kind, device=scores.device)
-    extra = [sinks.reshape(heads).cast(dtypes.float32).contiguous()] if sinks is not None else []
-    fxn = _kernel(heads, length, total, offset, scale, softcap, window, sinks is not None, kind)
+    ``scores`` [kv_heads, group, length, total] float32, q . k before ``scale`` (a product's output as it is: a
+    reshape of it made contiguous would be a copy); ``positions`` int32, query i's position at ``offset + i`` (it
+    sees key positions up to its own, or its last ``window`` of them); ``sinks`` [kv_heads * group] float32, each
+    head's extra logit in its softmax's denominator. Every row sees at least its own position."""
+    kv_heads, group, length, total = scores.shape
+    out = Tensor.empty(kv_heads, group, length, total, dtype=kind, device=scores.device)
+    extra = [sinks.reshape(kv_heads * group).cast(dtypes.float32).contiguous()] if sinks is not None else []
+    fxn = _kernel(kv_heads, group, length, total, offset, scale, softcap, window, sinks is not None, kind)
     inputs = (scores.cast(dtypes.float32).contiguous(), positions.cast(dtypes.int32).contiguous(), *extra)
     return out.custom_kernel(*inputs, fxn=fxn)[0]
