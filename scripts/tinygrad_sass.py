@@ -2,7 +2,8 @@
 """What the GPU would run for the tinygrad backend's decode products (gemv.py), without a GPU: each product is built
 on tinygrad's NULL device, its kernel source as tinygrad renders it for CUDA is compiled by NVRTC to a cubin and read
 back with ``cuobjdump``: registers, the instructions of the main loop (the shortest backward branch holding a global
-load), of the whole kernel, and warp instructions a weight (the loop counted as often as it runs).
+load), of the whole kernel, the lanes' sum (``lanesum.py``: its shuffles, local loads and barriers; where it is a
+loop, the loop of local loads), and warp instructions a weight (each loop counted as often as it runs).
 
     NVRTC_PATH=.../nvidia/cu13/lib/libnvrtc.so.13 DEV=NULL:CUDA:sm_90 NULL_ALLOW_COPYOUT=1 \\
         python scripts/tinygrad_sass.py [--only gated ...] [--shape 64,1,2] [--rows 1] [--integer] [--cuobjdump PATH]
@@ -11,7 +12,8 @@ The products are the Llama-3-8B file's (``tinygrad_gemv_shapes.py``'s list); ``-
 ``lanes,groups,per_thread`` (default: the backend's choice for each product); ``--integer`` gives the Q4_K products x
 as 16-bit integers (``intx.py``'s integer dot products). ``cuobjdump`` comes as
 ``scripts/kernel_sass.py`` says. Compare with the CUDA backend's gemv_q (``kernel_sass.py``): 0.062 warp
-instructions a weight for its gated unit's loop.
+instructions a weight for its gated unit's loop. ``LEAT_TINYGRAD_LANE_SUM=group`` counts tinygrad's GROUP_REDUCE in
+place of the default butterfly of shuffles.
 """
 
 from __future__ import annotations
@@ -63,10 +65,15 @@ def main() -> None:
     tool = Path(args.cuobjdump)
     rng = np.random.default_rng(0)
     print(f"# {Device.DEFAULT}, {args.rows} row(s) of x\n")
+    from leat_backend_tinygrad import lanesum
+
+    mode = lanesum.mode(Device.DEFAULT)
+    print(f"lanes summed by: {mode}\n")
     print(
-        "| product | shape | registers | loop instructions | runs | kernel instructions | warp instructions a weight |"
+        "| product | shape | registers | loop instructions | runs | lanes' sum: SHFL, LDS, BAR, loop x runs "
+        "| kernel instructions | warp instructions a weight |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---|---:|---:|")
     for name, qtype, n, k in MATRICES:
         if args.only and not any(name.startswith(o) for o in args.only):
             continue
@@ -92,16 +99,27 @@ def main() -> None:
         block = gguf.GGML_QUANT_SIZES[qtype][0]
         per_step = math.gcd(max(shape.lanes // math.prod(LAYOUTS[qtype].units), 1), k // block)
         runs = k // block // per_step
-        dynamic = len(code) + len(loop) * (runs - 1)
+        # the lanes' sum as a loop of local loads (tinygrad's group reduce): every thread loads each lane's (or, after
+        # the butterfly, each warp's) partial sum of each of its sums once
+        ops = [op for _, op in code]
+        sums = args.rows * shape.per_thread * (2 if gated else 1)
+        total = per_step * math.prod(LAYOUTS[qtype].units)  # a result's lanes
+        reads = sums * (total if mode == "group" else max(total // lanesum.WARP, 1))
+        reduce = innermost_loop(sass, "LDS")
+        in_loop = sum(op.startswith("LDS") for op in reduce)
+        reduce_runs = reads // in_loop if in_loop else 1
+        dynamic = len(code) + len(loop) * (runs - 1) + len(reduce) * (reduce_runs - 1)
+        shuffles, local_loads, barriers = (sum(op.startswith(p) for op in ops) for p in ("SHFL", "LDS", "BAR"))
+        summed = f"{shuffles}, {local_loads}, {barriers}, " + (f"{len(reduce)} x {reduce_runs}" if reduce else "-")
         warps = n // shape.per_thread * shape.lanes / 32
         weights = n * k * (2 if gated else 1)
         label = f"{shape.lanes},{shape.groups},{shape.per_thread}"
         print(
-            f"| {name} {qtype.name} {n}x{k} | {label} | {registers} | {len(loop)} | {runs} | {len(code)} | "
+            f"| {name} {qtype.name} {n}x{k} | {label} | {registers} | {len(loop)} | {runs} | {summed} | {len(code)} | "
             f"{dynamic * warps / weights:.3f} |"
         )
         counts = Counter(op.split(".")[0] for op in loop)
-        print("|  | loop: " + ", ".join(f"{op} {c}" for op, c in counts.most_common(8)) + " | | | | | |", flush=True)
+        print("|  | loop: " + ", ".join(f"{op} {c}" for op, c in counts.most_common(8)) + " | | | | | | |", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from tinygrad.device import Buffer
 from tinygrad.dtype import _to_np_dtype
 from tinygrad.uop.ops import Ops
 
-from leat_backend_tinygrad import intx, norm, qkv, softmax
+from leat_backend_tinygrad import intx, lanesum, norm, qkv, softmax
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemm import half_product, tuned_opts
@@ -294,6 +294,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             "int_products": "normed" if self.int_products_normed_only else int(self.int_products),
             "int_types": ",".join(sorted(t.name.lower() for t in self.int_types)),
             "softmax_kernel": int(self.softmax_kernel),
+            "lane_sum": lanesum.mode(self.device) if Device[self.device].renderer.has_local else "loop",
         }
 
     # -- memory -------------------------------------------------------------------------------------

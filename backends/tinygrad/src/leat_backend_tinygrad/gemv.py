@@ -26,6 +26,8 @@ import numpy as np
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
+from leat_backend_tinygrad import lanesum
+
 Q = gguf.GGMLQuantizationType
 MAX_ROWS = 8  # products with up to this many rows of x use the kernel; each row is one more sum per thread
 
@@ -217,31 +219,40 @@ MAX_LANES = {Q.Q6_K: 32}
 
 @dataclass(frozen=True)
 class Threads:
-    """A product kernel's thread ranges: the lanes (one range per axis of a block's units, the whole blocks a step
-    first), the reduce's step over the row's blocks, the block a lane reads, a thread's first output and the ranges
-    its stores end."""
+    """A product kernel's thread ranges: the lanes (``lanes``: an index per axis of a block's units, the whole blocks
+    a step first; their ranges and sum in ``lane_set``), the reduce's step over the row's blocks, the block a lane
+    reads, a thread's first output and the ranges its stores end: ``ends`` a result's (the lanes' too where each
+    holds the sum), ``apart`` a store's that reads no sum (each lane stores the same)."""
 
     lanes: list[UOp]
+    lane_set: lanesum.Lanes
     step: UOp
     block: UOp
     first: UOp
     ends: tuple[UOp, ...]
+    apart: tuple[UOp, ...]
 
     @staticmethod
-    def make(layout: Layout, outputs: int, blocks: int, local: bool, shape: Shape) -> Threads:
+    def make(layout: Layout, outputs: int, blocks: int, local: bool, shape: Shape, lane_sum: str = "group") -> Threads:
+        """``lane_sum``: how the lanes' parts are added (``lanesum.MODES``)."""
         per_step = math.gcd(max(shape.lanes // math.prod(layout.units), 1), blocks)  # whole blocks a row's lanes read
-        lane_type = AxisType.GROUP_REDUCE if local else AxisType.REDUCE
         tile = shape.groups * shape.per_thread  # outputs of one thread group
         # the last unit axis gets the lowest id: tinygrad makes it threadIdx.x, so neighbouring threads read
         # neighbouring words; the row groups get the highest (the outermost thread index)
         sizes = (per_step, *layout.units)
-        lanes = [UOp.range(n, 2 + len(sizes) - i, lane_type) for i, n in enumerate(sizes)]
+        lane_set = lanesum.Lanes.make(sizes, 3, lane_sum, local)
+        lanes = [lane_set.at(i) for i in range(len(sizes))]
         tiles = UOp.range(outputs // tile, 0, AxisType.GLOBAL)
-        group = UOp.range(shape.groups, 3 + len(sizes), AxisType.LOCAL) if shape.groups > 1 else None
+        group = UOp.range(shape.groups, 4 + len(sizes), AxisType.LOCAL) if shape.groups > 1 else None
+        lane_set.outer = [group] if group is not None else []
         step = UOp.range(blocks // per_step, 1, AxisType.REDUCE)
         first = tiles * tile if group is None else tiles * tile + group * shape.per_thread
-        ends = (tiles,) if group is None else (tiles, group)
-        return Threads(lanes, step, step * per_step + lanes[0], first, ends)
+        apart = (tiles,) if group is None else (tiles, group)
+        return Threads(lanes, lane_set, step, step * per_step + lanes[0], first, apart + lane_set.ends(), apart)
+
+    def gate(self, index: UOp, condition: UOp | None = None) -> UOp:
+        """A result's store index, gated to ``condition`` (where given) and to one lane of the result's."""
+        return self.lane_set.gate(index, condition)
 
     def total(self, values: Decoded, x: UOp, n: int, block_size: int) -> UOp:
         """Row ``n`` of x times a lane's decoded weight ``values``, summed over the row (the step and the lanes)."""
@@ -250,7 +261,7 @@ class Threads:
 
     def add_up(self, lane: UOp) -> UOp:
         """A lane's part summed over the row (the step and the lanes)."""
-        return lane.reduce(self.step, *self.lanes, arg=Ops.ADD)
+        return self.lane_set.sum(lane, self.step)
 
     def products(self, qtype: Q, reader: tuple[Word, Byte], x: tuple[UOp, ...], integer: str) -> Callable[[int], UOp]:
         """Row n's product with the weight row ``reader`` reads, for each n: x float (one parameter; the decoded
@@ -276,6 +287,7 @@ def _kernel(
     epilogue: str = "",
     segments: tuple[int, ...] = (),
     integer: str = "",
+    lane_sum: str = "group",
 ):
     """The kernel's UOp program. ``epilogue`` "glu": a second weight (up, of the same type and shape) is multiplied
     by the same loads of x and each output is silu(x w^T) * (x up^T); "residual": an input of the output's shape
@@ -293,7 +305,7 @@ def _kernel(
         out = outs[0]
         weights, extra = (rest[:count], rest[count:]) if segments else (rest[:1], rest[1:])
         weight = weights[0]
-        threads = Threads.make(layout, outputs, blocks, local, shape)
+        threads = Threads.make(layout, outputs, blocks, local, shape, lane_sum)
         matrices = (weight, extra[0]) if epilogue == "glu" else (weight,)
         stores = []
         for r in range(shape.per_thread):
@@ -316,11 +328,13 @@ def _kernel(
                     at = 0
                     for target, size in zip(outs, segments):
                         stores.append(
-                            target[(o - at + n * size).valid(within_rows(o, at, size))].store(y).end(*threads.ends)
+                            target[threads.gate(o - at + n * size, within_rows(o, at, size))]
+                            .store(y)
+                            .end(*threads.ends)
                         )
                         at += size
                 else:
-                    stores.append(out[n, o].store(y).end(*threads.ends))
+                    stores.append(out[n, threads.gate(o)].store(y).end(*threads.ends))
         name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}" + ("_i16" if integer else "")
         name += f"_{epilogue}" if epilogue else ""  # _i16: x as 16-bit integers (intx.py)
         return UOp.sink(*stores, arg=KernelInfo(name=name, opts_to_apply=()))
@@ -381,7 +395,8 @@ def gemv_segments(x: Any, words: list[Tensor], qtype: Q, shape: Shape | None = N
     rows, blocks = x.shape[0], words[0].shape[1]
     outs = [Tensor.empty(rows * size, dtype=dtypes.float32, device=x.device) for size in sizes]
     inputs, integer = x_inputs(x, qtype)
-    fxn = _kernel(qtype, rows, sum(sizes), blocks, local, shape, segments=sizes, integer=integer)
+    lane_sum = lanesum.mode(x.device)
+    fxn = _kernel(qtype, rows, sum(sizes), blocks, local, shape, segments=sizes, integer=integer, lane_sum=lane_sum)
     flat = [flat_buffer(w) for w in words]
     made = outs[0].custom_kernel(*outs[1:], *inputs, *flat, fxn=fxn)[: len(sizes)]
     return [m.reshape(rows, size) for m, size in zip(made, sizes)]
@@ -457,7 +472,8 @@ def gemv(
     elif residual is not None:
         epilogue, extra = "residual", [plain_rows(residual)]
     inputs, integer = x_inputs(x, qtype)
-    fxn = _kernel(qtype, x.shape[0], outputs, blocks, local, shape, epilogue, integer=integer)
+    lane_sum = lanesum.mode(x.device)
+    fxn = _kernel(qtype, x.shape[0], outputs, blocks, local, shape, epilogue, integer=integer, lane_sum=lane_sum)
     return out.custom_kernel(*inputs, words, *extra, fxn=fxn)[0]
 
 

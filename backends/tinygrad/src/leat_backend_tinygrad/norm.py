@@ -12,9 +12,9 @@ local memory (tinygrad's CPU device) keep the Tensor ops.
 from __future__ import annotations
 
 from tinygrad import Device, Tensor, UOp, dtypes
-from tinygrad.uop.ops import AxisType, KernelInfo, Ops
+from tinygrad.uop.ops import AxisType, KernelInfo
 
-from leat_backend_tinygrad import intx
+from leat_backend_tinygrad import intx, lanesum
 from leat_backend_tinygrad.gemv import plain_rows, row_entry
 
 VECTOR = 4  # floats a load (128 bits)
@@ -49,14 +49,15 @@ def applies(x: Tensor) -> bool:
     return len(x.shape) == 2 and lanes(x.shape[1]) is not None and Device[x.device].renderer.has_local
 
 
-def _kernel(rows: int, k: int, eps: float, weighted: bool, quantized: bool):
+def _kernel(rows: int, k: int, eps: float, weighted: bool, quantized: bool, kind: str):
     n = run_lanes(k) if quantized else lanes(k)
     assert n is not None
 
     def fxn(out: UOp, *params: UOp) -> UOp:
         quants, (x, *weight) = (params[:3], params[3:]) if quantized else ((), params)
         row = UOp.range(rows, 0, AxisType.GLOBAL)
-        lane = UOp.range(n, 1, AxisType.GROUP_REDUCE)
+        threads = lanesum.Lanes.make((n,), 1, kind, True)
+        lane = threads.at(0)
         if quantized:  # the lane's whole runs, one after the other (each run's integers made from its own values)
             per_lane = k // (n * intx.RUN)
             at = [(lane * per_lane + m) * intx.RUN + j for m in range(per_lane) for j in range(intx.RUN)]
@@ -64,7 +65,7 @@ def _kernel(rows: int, k: int, eps: float, weighted: bool, quantized: bool):
             at = [(s * n + lane) * VECTOR + v for s in range(k // (n * VECTOR)) for v in range(VECTOR)]
         values = [row_entry(x, row, i, k) for i in at]
         squares = [v * v for v in values]
-        total = sum(squares[1:], squares[0]).reduce(lane, arg=Ops.ADD)
+        total = threads.sum(sum(squares[1:], squares[0]))
         factor = (total * (1.0 / k) + eps).rsqrt()
         stores, ys = [], []
         for i, v in zip(at, values):  # the values the thread loaded, scaled: no second load of x
@@ -76,7 +77,7 @@ def _kernel(rows: int, k: int, eps: float, weighted: bool, quantized: bool):
                 run = lane * (len(ys) // intx.RUN) + m
                 stores += intx.run_stores(quants, row, run, ys[m * intx.RUN : (m + 1) * intx.RUN])
         return UOp.sink(
-            UOp.group(*stores).end(row, lane),
+            UOp.group(*stores).end(row, *threads.threads()),
             arg=KernelInfo(name=f"rms_norm_{rows}_{k}" + ("_i16" if quantized else ""), opts_to_apply=()),
         )
 
@@ -89,7 +90,8 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     rows, k = x.shape
     out = Tensor.empty(rows, k, dtype=dtypes.float32, device=x.device)
     extra = [] if weight is None else [weight.reshape(k).cast(dtypes.float32).contiguous()]
-    return out.custom_kernel(plain_rows(x), *extra, fxn=_kernel(rows, k, eps, weight is not None, False))[0]
+    fxn = _kernel(rows, k, eps, weight is not None, False, lanesum.mode(x.device))
+    return out.custom_kernel(plain_rows(x), *extra, fxn=fxn)[0]
 
 
 def rms_norm_quantized(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, intx.Quantized]:
@@ -98,6 +100,6 @@ def rms_norm_quantized(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Te
     rows, k = x.shape
     out = Tensor.empty(rows, k, dtype=dtypes.float32, device=x.device)
     extra = [] if weight is None else [weight.reshape(k).cast(dtypes.float32).contiguous()]
-    fxn = _kernel(rows, k, eps, weight is not None, True)
+    fxn = _kernel(rows, k, eps, weight is not None, True, lanesum.mode(x.device))
     made = out.custom_kernel(*intx.empty(rows, k, x.device), plain_rows(x), *extra, fxn=fxn)
     return made[0], intx.Quantized(*made[1:4])

@@ -17,6 +17,7 @@ import gguf
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.uop.ops import KernelInfo
 
+from leat_backend_tinygrad import lanesum
 from leat_backend_tinygrad.attention import storage_row
 from leat_backend_tinygrad.gemv import (
     LAYOUTS,
@@ -38,7 +39,9 @@ def fitted(shape: Shape, sizes: tuple[int, ...], local: bool) -> Shape | None:
     return fit if fit.per_thread % 2 == 0 else None
 
 
-def _kernel(qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rotated, page_size, v_apart, integer):
+def _kernel(
+    qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rotated, page_size, v_apart, integer, lanes
+):
     layout = LAYOUTS[qtype]
     outputs, count = sum(sizes), len(sizes)
     words_a_block = layout.block_bytes(qtype) // layout.word.itemsize
@@ -50,8 +53,8 @@ def _kernel(qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rota
         weights, (cos, sin, table, at), v_in = rest[:count], rest[count : count + 4], rest[count + 4 :]
         kind = keys.dtype
         storage_entries = keys.shape[0] * kv_heads * dim
-        threads = Threads.make(layout, outputs, blocks, local, shape)
-        stores = []
+        threads = Threads.make(layout, outputs, blocks, local, shape, lanes)
+        stores, copies = [], []  # the products' results; v's copy where v is made apart (no sum: every lane's)
         products = [
             threads.products(
                 qtype,
@@ -84,21 +87,23 @@ def _kernel(qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rota
                         ya, yb = a * c - b * sn, a * sn + b * c
                     if s == 0:
                         at_q = n * size + entry
-                        stores += [q_out[at_q.valid(within)].store(ya), q_out[(at_q + 1).valid(within)].store(yb)]
+                        stores += [q_out[threads.gate(at_q, within)].store(ya)]
+                        stores += [q_out[threads.gate(at_q + 1, within)].store(yb)]
                         continue
                     flat = (stored * kv_heads + head) * dim + e  # the storage's entry, flat (a gated store's index)
                     storage = (keys if s == 1 else values).reshape((storage_entries,))
-                    stores += [storage[flat.valid(within)].store(ya.cast(kind))]
-                    stores += [storage[(flat + 1).valid(within)].store(yb.cast(kind))]
+                    stores += [storage[threads.gate(flat, within)].store(ya.cast(kind))]
+                    stores += [storage[threads.gate(flat + 1, within)].store(yb.cast(kind))]
                     if s == 1 and v_apart:  # v made by its own kernel: written beside k
                         flat_values = values.reshape((storage_entries,))
                         for d in (0, 1):
                             value = v_in[0].reshape((rows * kv_heads * dim,))[
                                 (n * kv_heads * dim + entry + d).valid(within)
                             ]
-                            stores.append(flat_values[(flat + d).valid(within)].store(value.cast(kind)))
+                            copies.append(flat_values[(flat + d).valid(within)].store(value.cast(kind)))
         name = f"gemv_{qtype.name.lower()}_{rows}_{outputs}_{blocks}" + ("_i16" if integer else "") + "_rope"
-        return UOp.sink(*(store.end(*threads.ends) for store in stores), arg=KernelInfo(name=name, opts_to_apply=()))
+        ended = [store.end(*threads.ends) for store in stores] + [copy.end(*threads.apart) for copy in copies]
+        return UOp.sink(*ended, arg=KernelInfo(name=name, opts_to_apply=()))
 
     return fxn
 
@@ -129,8 +134,22 @@ def rope_write_products(
     heads, kv_heads, half = sizes[0] // dim, keys.shape[1], rotated // 2
     local = Device[x.device].renderer.has_local
     x_in, integer = x_inputs(x, qtype)
+    lanes = lanesum.mode(x.device)
     fxn = _kernel(
-        qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rotated, page_size, v is not None, integer
+        qtype,
+        rows,
+        sizes,
+        blocks,
+        local,
+        shape,
+        heads,
+        kv_heads,
+        dim,
+        rotated,
+        page_size,
+        v is not None,
+        integer,
+        lanes,
     )
     inputs = [*x_in, *(flat_buffer(w) for w in weights)]
     inputs += [cos.reshape(rows, half).contiguous(), sin.reshape(rows, half).contiguous()]
