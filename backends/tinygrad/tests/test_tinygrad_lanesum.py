@@ -166,7 +166,7 @@ def test_butterfly_norm_on_thread_groups_against_float64(monkeypatch):
 RENDER = """
 import json, sys
 from tinygrad import Tensor, dtypes
-from leat_backend_tinygrad import intx, norm
+from leat_backend_tinygrad import intx, norm, softmax
 from leat_backend_tinygrad.gemv import GATED_SHAPE, Shape, gemv, gemv_segments, LAYOUTS
 import gguf
 Q = gguf.GGMLQuantizationType
@@ -185,6 +185,9 @@ for t in gemv_segments(x, [words(Q.Q4_K, 512, 4096), words(Q.Q4_K, 128, 4096)], 
 print("@@kernel norm", flush=True)
 y, quantized = norm.rms_norm_quantized(x, Tensor.empty(4096).realize(), 1e-5)
 y.realize()
+print("@@kernel softmax", flush=True)  # 528 keys: 64 lanes a row, two warps
+scores = Tensor.empty(8, 4, 512, 528, dtype=dtypes.float32).realize()
+softmax.probabilities(scores, Tensor.empty(512, dtype=dtypes.int32).realize(), 0, 0.1, kind=dtypes.float16).realize()
 print("@@kernel partial", flush=True)  # 512 values in runs of 32: 16 threads, half a warp
 y, quantized = norm.rms_norm_quantized(Tensor.empty(1, 512).realize(), Tensor.empty(512).realize(), 1e-5)
 y.realize()
@@ -215,6 +218,7 @@ def test_the_shuffles_render_and_compile_for_sm_90(tmp_path):
     # warps added in local memory), the Q6_K product's 2 of 32 (5 each), the segments' 2 of 64 (640 outputs: lanes
     # doubled to 64, Shape.for_product), the norm's 1 of 128 lanes
     counts = {name: text.count("__shfl_xor_sync(0xffffffffu") for name, text in parts.items()}
-    assert counts == {"glu": 20, "residual": 10, "segments": 10, "norm": 5, "partial": 0}, counts
+    # and the softmax's max, then its sum (5 each)
+    assert counts == {"glu": 20, "residual": 10, "segments": 10, "norm": 5, "softmax": 10, "partial": 0}, counts
     # a thread group of 16 threads: the mask names those (the other 16 of the warp do not exist)
     assert parts["partial"].count("__shfl_xor_sync(0xffffu") == 4, parts["partial"][-3000:]

@@ -8,9 +8,9 @@ are given). tinygrad's own schedule of these Tensor ops is three kernels over th
 sum, the probabilities), the first two reductions a thread group of few threads looping over a row's values: on
 the H200 the 8B file's 512-token chunk spent 10.8 ms of its ~112 in them (docs/benchmarks.md, eighteenth session).
 Here a thread group (a CUDA block) is a row: each of its ``lanes(total)`` threads loads its values once (neighbouring
-threads neighbouring values: one 128-byte load a warp), the group takes their max and then their exponents' sum in
-local memory (tinygrad's GROUP_REDUCE), and each thread writes the probabilities of the values it holds. Devices
-without local memory (tinygrad's CPU device) keep the Tensor ops.
+threads neighbouring values: one 128-byte load a warp), the group takes their max and then their exponents' sum
+(``lanesum.py``: warp shuffles on CUDA, local memory elsewhere), and each thread writes the probabilities of the
+values it holds. Devices without local memory (tinygrad's CPU device) keep the Tensor ops.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from __future__ import annotations
 import math
 
 from tinygrad import Device, Tensor, UOp, dtypes
-from tinygrad.dtype import AddrSpace, DType
+from tinygrad.dtype import DType
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
+
+from leat_backend_tinygrad import lanesum
 
 FEWEST_LANES, MOST_LANES = 32, 128  # threads a row
 FEW_VALUES, MOST_VALUES = 16, 64  # values a thread: lanes double while past FEW_VALUES; past MOST_VALUES, no kernel
@@ -39,19 +41,7 @@ def applies(device: str, total: int) -> bool:
     return Device[device].renderer.has_local and lanes(total) is not None
 
 
-def _group_sum(x: UOp, lane: UOp) -> UOp:
-    """The sum over the thread group of ``x`` (a value of each of its threads, ``lane`` their range) as tinygrad's
-    GROUP_REDUCE lowers it (each thread's value into local memory, then every thread adds them all), with a loop
-    range of its own: a second GROUP_REDUCE over the same threads would take the first one's loop, whose end
-    tinygrad merges with this one's though this one reads that one's result (a KeyError in ``merge_reduce_ends``)."""
-    loop = UOp.range(lane.vmax + 1, lane.arg[0] + 200, AxisType.REDUCE)
-    shared = UOp.placeholder((lane.vmax + 1,), dtypes.float32, lane.arg[0] + 200, AddrSpace.LOCAL)
-    written = shared.index(lane).store(x).end(lane)
-    shared = shared.after(written).index(loop)
-    return shared.reduce(loop, arg=Ops.ADD)
-
-
-def _kernel(kv_heads, group, length, total, offset, scale, softcap, window, sinks, kind: DType):
+def _kernel(kv_heads, group, length, total, offset, scale, softcap, window, sinks, kind: DType, lane_sum: str):
     n = lanes(total)
     assert n is not None
     per = -(-total // n)
@@ -59,7 +49,8 @@ def _kernel(kv_heads, group, length, total, offset, scale, softcap, window, sink
     def fxn(out: UOp, scores: UOp, positions: UOp, *sink: UOp) -> UOp:
         kv_head, g = UOp.range(kv_heads, 0, AxisType.GLOBAL), UOp.range(group, 1, AxisType.GLOBAL)
         query = UOp.range(length, 2, AxisType.GLOBAL)
-        lane = UOp.range(n, 3, AxisType.GROUP_REDUCE)
+        threads = lanesum.Lanes.make((n,), 3, lane_sum, True)
+        lane = threads.at(0)
         own = positions[query + offset].cast(dtypes.weakint)
         keys = [lane + s * n for s in range(per)]  # the thread's key positions: neighbouring lanes, neighbours
         inside = [None if (s + 1) * n <= total else t < total for s, t in enumerate(keys)]  # the last may pass total
@@ -68,20 +59,18 @@ def _kernel(kv_heads, group, length, total, offset, scale, softcap, window, sink
             seen = t <= own
             if window is not None:
                 seen = seen & (t > own - window)
-            x = (
-                scores[kv_head, g, query, t.valid(seen if within is None else seen & within)] * scale
-            )  # no load if unseen
+            x = scores[kv_head, g, query, t.valid(seen if within is None else seen & within)] * scale  # none unseen
             if softcap is not None:
                 x = (x / softcap).tanh() * softcap
             values.append((seen if within is None else seen & within).where(x, -math.inf))
         peak = values[0]
         for v in values[1:]:
             peak = peak.maximum(v)
-        peak = peak.reduce(lane, arg=Ops.MAX)
+        peak = threads.reduce(peak, op=Ops.MAX)
         if sinks:
             peak = peak.maximum(sink[0][kv_head * group + g])
         exps = [(v - peak).exp() for v in values]
-        denominator = _group_sum(sum(exps[1:], exps[0]), lane)
+        denominator = threads.reduce(sum(exps[1:], exps[0]), after=True)  # reads the max's result
         if sinks:
             denominator = denominator + (sink[0][kv_head * group + g] - peak).exp()
         inverse = 1.0 / denominator
@@ -90,7 +79,7 @@ def _kernel(kv_heads, group, length, total, offset, scale, softcap, window, sink
             at = t if within is None else t.valid(within)
             stores.append(out[kv_head, g, query, at].store((e * inverse).cast(kind)))
         return UOp.sink(
-            UOp.group(*stores).end(kv_head, g, query, lane),
+            UOp.group(*stores).end(kv_head, g, query, *threads.threads()),
             arg=KernelInfo(name=f"softmax_{kv_heads * group}_{length}_{total}", opts_to_apply=()),
         )
 
@@ -117,6 +106,7 @@ def probabilities(
     kv_heads, group, length, total = scores.shape
     out = Tensor.empty(kv_heads, group, length, total, dtype=kind, device=scores.device)
     extra = [sinks.reshape(kv_heads * group).cast(dtypes.float32).contiguous()] if sinks is not None else []
-    fxn = _kernel(kv_heads, group, length, total, offset, scale, softcap, window, sinks is not None, kind)
+    lane_sum = lanesum.mode(scores.device)
+    fxn = _kernel(kv_heads, group, length, total, offset, scale, softcap, window, sinks is not None, kind, lane_sum)
     inputs = (scores.cast(dtypes.float32).contiguous(), positions.cast(dtypes.int32).contiguous(), *extra)
     return out.custom_kernel(*inputs, fxn=fxn)[0]
