@@ -9,7 +9,7 @@ loop, the loop of local loads), and warp instructions a weight (each loop counte
         python scripts/tinygrad_sass.py [--only gated ...] [--shape 64,1,2] [--rows 1] [--integer] [--cuobjdump PATH]
 
 The products are the Llama-3-8B file's (``tinygrad_gemv_shapes.py``'s list); ``--shape`` is a ``gemv.Shape`` as
-``lanes,groups,per_thread`` (default: the backend's choice for each product); ``--integer`` gives the Q4_K products x
+``lanes,groups,per_thread`` (default: the backend's choice for each product); ``--integer`` gives the Q4_K and Q6_K products x
 as 16-bit integers (``intx.py``'s integer dot products). ``cuobjdump`` comes as
 ``scripts/kernel_sass.py`` says. Compare with the CUDA backend's gemv_q (``kernel_sass.py``): 0.062 warp
 instructions a weight for its gated unit's loop. ``LEAT_TINYGRAD_LANE_SUM=group`` counts tinygrad's GROUP_REDUCE in
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=[], help="products whose names start with one of these")
     parser.add_argument("--shape", help="lanes,groups,per_thread (default: gemv.Shape.for_product's)")
     parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--integer", action="store_true", help="Q4_K products of 16-bit integer x (intx.py)")
+    parser.add_argument("--integer", action="store_true", help="Q4_K and Q6_K products of 16-bit integer x (intx.py)")
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
     args = parser.parse_args()
@@ -83,9 +83,9 @@ def main() -> None:
         asked = Shape(*map(int, args.shape.split(","))) if args.shape else None
         shape = (asked or Shape.for_product(n, gated=gated, qtype=qtype)).fitting(n, True)
         sources.clear()
-        if args.integer and qtype == gguf.GGMLQuantizationType.Q4_K:
-            from leat_backend_tinygrad import intx
+        from leat_backend_tinygrad import intx
 
+        if args.integer and qtype in intx.DOTS:
             x = intx.quantize(x)
         gemv(x, words, qtype, asked, up=words if gated else None).realize()
         source = next(s for s in sources if "gemv_" in s)

@@ -98,6 +98,7 @@ def test_the_mode_is_checked(monkeypatch):
     monkeypatch.setenv("LEAT_TINYGRAD_LANE_SUM", "shuffle")
     with pytest.raises(ValueError, match="CUDA"):
         lanesum.mode("PYTHON")  # the shuffle is CUDA's intrinsic
+    assert lanesum.mode("CPU") == "group"  # no thread groups: the lanes are a loop whatever the setting
     monkeypatch.delenv("LEAT_TINYGRAD_LANE_SUM")
     assert lanesum.mode("PYTHON") == "group"
 

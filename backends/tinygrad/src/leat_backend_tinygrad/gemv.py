@@ -8,7 +8,7 @@ aligned loads the block sizes allow), neighbouring lanes neighbouring units (coa
 blocks per step (at least one: a block's units are the fewest lanes). Each lane decodes its unit with the
 block's scales (the same float32 operations as gguf-py's dequantizers, so each weight value is gguf's bit for
 bit), multiplies them by every row of ``x`` (the weight is read once for all rows) and keeps one float32 sum per
-row; the set's partial sums are added in local memory (tinygrad's GROUP_REDUCE). A thread computes
+row; the set's partial sums are added as ``lanesum.py`` adds lanes (warp shuffles on CUDA). A thread computes
 ``Shape.per_thread`` neighbouring outputs from the same loads of x, and ``Shape.groups`` sets share a thread
 group. Devices without local memory (tinygrad's CPU device) run the lanes as a loop.
 """

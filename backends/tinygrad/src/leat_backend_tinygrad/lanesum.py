@@ -39,11 +39,13 @@ SLOTS = 1000  # our buffers' slots start here, our loops' ids at 2 SLOTS (tinygr
 
 def mode(device: str) -> str:
     """The way lanes are summed on ``device``: ``LEAT_TINYGRAD_LANE_SUM`` if set, else "shuffle" where the renderer is
-    CUDA's, else "group"."""
+    CUDA's, else "group" (always on a device without thread groups, where the lanes are a loop)."""
     renderer = Device[device].renderer
     chosen = os.environ.get("LEAT_TINYGRAD_LANE_SUM", "shuffle" if isinstance(renderer, CUDARenderer) else "group")
     if chosen not in MODES:
         raise ValueError(f"LEAT_TINYGRAD_LANE_SUM={chosen!r}: use one of {', '.join(MODES)}")
+    if not renderer.has_local:
+        return "group"  # no thread groups: the lanes are a loop whatever the setting
     if chosen == "shuffle" and not isinstance(renderer, CUDARenderer):
         raise ValueError(f"LEAT_TINYGRAD_LANE_SUM=shuffle needs CUDA's renderer, not {type(renderer).__name__}")
     return chosen

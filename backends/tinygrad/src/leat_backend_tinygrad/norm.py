@@ -4,8 +4,8 @@
 two kernels: the sum of squares (for the 8B file's rows of 4096, one thread group of 16 threads, each looping over
 256 values one load at a time: a chain of dependent loads) and the scaling. Here a thread group (a CUDA block) is a
 row: each of its ``lanes(k)`` threads loads its values at once as 128-bit loads (4 floats, neighbouring threads
-neighbouring words), adds their squares, the group adds the lanes' sums in local memory (tinygrad's GROUP_REDUCE:
-every thread reads them all), and each thread scales and stores the values it holds in registers. Devices without
+neighbouring words), adds their squares, the group adds the lanes' sums (``lanesum.py``: warp shuffles on CUDA,
+local memory elsewhere), and each thread scales and stores the values it holds in registers. Devices without
 local memory (tinygrad's CPU device) keep the Tensor ops.
 """
 

@@ -40,7 +40,7 @@ def fitted(shape: Shape, sizes: tuple[int, ...], local: bool) -> Shape | None:
 
 
 def _kernel(
-    qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rotated, page_size, v_apart, integer, lanes
+    qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rotated, page_size, v_apart, integer, lane_sum
 ):
     layout = LAYOUTS[qtype]
     outputs, count = sum(sizes), len(sizes)
@@ -53,7 +53,7 @@ def _kernel(
         weights, (cos, sin, table, at), v_in = rest[:count], rest[count : count + 4], rest[count + 4 :]
         kind = keys.dtype
         storage_entries = keys.shape[0] * kv_heads * dim
-        threads = Threads.make(layout, outputs, blocks, local, shape, lanes)
+        threads = Threads.make(layout, outputs, blocks, local, shape, lane_sum)
         stores, copies = [], []  # the products' results; v's copy where v is made apart (no sum: every lane's)
         products = [
             threads.products(
@@ -134,22 +134,9 @@ def rope_write_products(
     heads, kv_heads, half = sizes[0] // dim, keys.shape[1], rotated // 2
     local = Device[x.device].renderer.has_local
     x_in, integer = x_inputs(x, qtype)
-    lanes = lanesum.mode(x.device)
+    lane_sum, v_apart = lanesum.mode(x.device), v is not None
     fxn = _kernel(
-        qtype,
-        rows,
-        sizes,
-        blocks,
-        local,
-        shape,
-        heads,
-        kv_heads,
-        dim,
-        rotated,
-        page_size,
-        v is not None,
-        integer,
-        lanes,
+        qtype, rows, sizes, blocks, local, shape, heads, kv_heads, dim, rotated, page_size, v_apart, integer, lane_sum
     )
     inputs = [*x_in, *(flat_buffer(w) for w in weights)]
     inputs += [cos.reshape(rows, half).contiguous(), sin.reshape(rows, half).contiguous()]
