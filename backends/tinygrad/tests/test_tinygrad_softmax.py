@@ -102,7 +102,7 @@ def test_the_backend_takes_the_kernel_where_it_applies_with_the_tensor_ops_proba
     monkeypatch.setattr(softmax, "probabilities", lambda *a, **k: calls.append(a[2]) or original(*a, **k))
     backend = TinygradBackend()
     backend.device = "PYTHON"  # the backend's own tensors (positions, sinks) on the device the kernel runs on
-    kv_heads, group, length, total, offset, start = 2, 2, 6, 24, 3, 10
+    kv_heads, group, length, total, offset, start = 1, 2, 4, 16, 3, 10
     rng = np.random.default_rng(5)
     scores = (rng.standard_normal((kv_heads, group, length, total)) * 6).astype(np.float32)
     sinks = Tensor(rng.standard_normal(kv_heads * group).astype(np.float32), device="PYTHON").realize()
