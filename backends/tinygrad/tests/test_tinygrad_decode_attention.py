@@ -82,9 +82,11 @@ def paged(rng, kind: str):
     return stored, (tuple(scales) if scales else None), table, held
 
 
-def _kernels_case(kind: str, feature: str, device: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The three kernels on ``device`` for one storage kind and feature: (their output, the float64 reference, the
-    stored values in float64)."""
+def _kernels_case(
+    kind: str, feature: str, device: str, fused: bool | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kernels on ``device`` for one storage kind and feature: (their output, the float64 reference, the stored
+    values in float64)."""
     rng = np.random.default_rng(7)
     (keys, values), scales, table, (k64, v64) = paged(rng, kind)
     q = rng.standard_normal((len(AT), HEADS, DIM)).astype(np.float32)
@@ -104,6 +106,7 @@ def _kernels_case(kind: str, feature: str, device: str) -> tuple[np.ndarray, np.
         softcap,
         Tensor(sinks, device=device) if feature == "sinks" else None,
         tuple(moved[2:]) if scales else None,
+        fused,
     ).numpy()
     want = reference(q, k64, v64, AT, 0.3, window, softcap, sinks if feature == "sinks" else None)
     return got, want, v64
@@ -119,10 +122,12 @@ def test_kernels_against_float64(kind, feature):
         np.testing.assert_allclose(got[0].reshape(HEADS, DIM), v64[0, 0].repeat(HEADS // KV_HEADS, 0), atol=1e-6)
 
 
-@pytest.mark.parametrize(("kind", "feature"), [("f16", "window"), ("q8_0", "sinks")])
-def test_kernels_with_thread_groups_against_float64(kind, feature):
-    """The three kernels on tinygrad's PYTHON device, which runs thread groups (their local axes) as a GPU does."""
-    got, want, _ = _kernels_case(kind, feature, "PYTHON")
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
+@pytest.mark.parametrize(("kind", "feature"), [("f16", "window"), ("q8_0", "sinks"), ("f32", "softcap")])
+def test_kernels_with_thread_groups_against_float64(kind, feature, fused):
+    """The kernels on tinygrad's PYTHON device, which runs thread groups (their local axes) as a GPU does: the scores
+    and chunks as one kernel (their scores in local memory) or as two."""
+    got, want, _ = _kernels_case(kind, feature, "PYTHON", fused)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 

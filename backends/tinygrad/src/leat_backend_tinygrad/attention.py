@@ -29,8 +29,10 @@ float16 scale per 32 values) is read as stored and dequantized as it is read. De
 from __future__ import annotations
 
 import math
+import os
 
 from tinygrad import Device, Tensor, UOp, dtypes
+from tinygrad.dtype import AddrSpace
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
 from leat_backend_tinygrad.gemv import plain_rows, row_entry
@@ -41,6 +43,7 @@ CHUNK = 64  # positions of one chunk of the second kernel at most (or the larges
 # tinygrad decode's device time by cache size)
 MIN_CHUNK, CHUNKS = 16, 32
 KEY_VECTOR = 32  # a key's entries a thread loads at once in the scores kernel (64 bytes of float16)
+SCORES_SLOT = 900  # the fused kernel's local buffer (its id apart from the kernel's own buffers' slots)
 EMPTY = -1e30  # the max of a chunk with every position masked: finite, so exp(score - max) is 0, never NaN
 
 
@@ -148,6 +151,59 @@ def _chunks_kernel(rows, heads, kv_heads, value_dim, positions, page_size, chunk
     return fxn
 
 
+def _fused_kernel(rows, heads, kv_heads, dim, value_dim, positions, page_size, chunk, scale, window, softcap, q8):
+    """``scores`` and ``chunks`` as one kernel (thread groups only): a thread group a (row, KV head, chunk), a thread
+    a value entry d. The group's scores of the chunk's positions go to local memory (each thread makes
+    ``passes`` of them: pair p = g * chunk + i, head g of the group at the chunk's position i), then each thread takes
+    them through the chunks kernel's three passes for its d. The scores never reach global memory."""
+    group, chunks = heads // kv_heads, positions // chunk
+    pairs = group * chunk
+    passes = -(-pairs // value_dim)
+    vector = math.gcd(dim, KEY_VECTOR)
+
+    def fxn(num: UOp, peak: UOp, den: UOp, q: UOp, keys: UOp, values: UOp, table: UOp, at: UOp, *scales: UOp):
+        row = _range(rows, 0, AxisType.GLOBAL)
+        head = _range(kv_heads, 1, AxisType.GLOBAL)
+        c = _range(chunks, 2, AxisType.GLOBAL)
+        d = _range(value_dim, 3, AxisType.LOCAL)
+        own = at[row]
+        shared = UOp.placeholder((passes * value_dim,), dtypes.float32, SCORES_SLOT, AddrSpace.LOCAL)
+        writes = []
+        for j in range(passes):
+            p = d + j * value_dim
+            g, t = p // chunk, c * chunk + p % chunk
+            inside = p < pairs if (j + 1) * value_dim > pairs else None  # the last pass's threads past the pairs
+            seen = _seen(t, own, window) if inside is None else _seen(t, own, window) & inside
+            stored = storage_row(table, row, t, keys, page_size)
+            e = _range(dim // vector, 4 + j, AxisType.REDUCE)
+            entries = [e * vector + k for k in range(vector)]
+            key = [_value(keys, scales[0] if q8 else None, stored, head, x, seen) for x in entries]
+            terms = [q[row, head * group + g, x] * k for x, k in zip(entries, key)]
+            score = _reduce(sum(terms[1:], terms[0]), e, Ops.ADD) * scale
+            if softcap is not None:
+                score = (score / softcap).tanh() * softcap
+            writes.append(shared.index(p).store(seen.where(score, -math.inf)))
+        written = UOp.group(*writes).end(d)
+        scores = shared.after(written)
+        t1, t2, t3 = (_range(chunk, 4 + passes + i, AxisType.REDUCE) for i in range(3))
+        t = c * chunk + t3
+        seen = _seen(t, own, window)
+        value = _value(values, scales[1] if q8 else None, storage_row(table, row, t, values, page_size), head, d, seen)
+        stores = []
+        for g in range(group):
+            m = _reduce(scores.index(g * chunk + t1), t1, Ops.MAX).maximum(EMPTY)
+            s = _reduce((scores.index(g * chunk + t2) - m).exp(), t2, Ops.ADD)
+            n = _reduce((scores.index(g * chunk + t3) - m).exp() * value, t3, Ops.ADD)
+            for buffer, x in ((num, n), (peak, m), (den, s)):
+                stores.append(buffer[row, head * group + g, c, d].store(x))
+        return UOp.sink(
+            _end(UOp.group(*stores), row, head, c, d),
+            arg=KernelInfo(name=f"attn_fused_{rows}_{heads}_{positions}", opts_to_apply=()),
+        )
+
+    return fxn
+
+
 def _combine_kernel(rows, heads, value_dim, chunks, local, sinks):
     def fxn(out: UOp, num: UOp, peak: UOp, den: UOp, *sink: UOp) -> UOp:
         row = _range(rows, 0, AxisType.GLOBAL)
@@ -181,6 +237,7 @@ def decode_attention(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     scales: tuple[Tensor, Tensor] | None = None,
+    fused: bool | None = None,
 ) -> Tensor:
     """Attention of one query token per row: float32 [rows, heads * value_dim].
 
@@ -188,7 +245,8 @@ def decode_attention(
     value_dim] the layer's paged storage (float32, float16, or int8 with ``scales``, their q8_0 scales [storage rows,
     kv_heads, dim / 32] float16); ``table`` [rows, pages] int32 each row's page table (every entry a valid page),
     ``at`` [rows] int32 each row's position (it sees positions 0 .. at, or its last ``window`` of them); ``sinks``
-    [heads] float32 each head's extra logit in its softmax's denominator."""
+    [heads] float32 each head's extra logit in its softmax's denominator. ``fused``: the scores and the chunks in one
+    kernel where the device has thread groups (default: ``LEAT_TINYGRAD_FUSED_ATTENTION``, on unless "0")."""
     rows, heads, dim = q.shape
     kv_heads, value_dim = keys.shape[1], values.shape[2]
     positions = table.shape[1] * page_size
@@ -205,17 +263,23 @@ def decode_attention(
         table.cast(dtypes.int32).contiguous(),
         at.cast(dtypes.int32).contiguous(),
     )
-    score = Tensor.empty(rows, heads, positions, dtype=dtypes.float32, device=q.device)
-    fxn = _scores_kernel(
-        rows, heads, kv_heads, dim, positions, page_size, scale, window, softcap, local, scales is not None
-    )
-    score = score.custom_kernel(q, keys, table, at, *extra[:1], fxn=fxn)[0]
     parts = [Tensor.empty(rows, heads, positions // chunk, value_dim, dtype=dtypes.float32, device=q.device)]
     parts += [Tensor.empty(*parts[0].shape, dtype=dtypes.float32, device=q.device) for _ in range(2)]
-    fxn = _chunks_kernel(
-        rows, heads, kv_heads, value_dim, positions, page_size, chunk, window, local, scales is not None
-    )
-    num, peak, den = parts[0].custom_kernel(parts[1], parts[2], score, values, table, at, *extra[1:], fxn=fxn)[:3]
+    if fused is None:
+        fused = os.environ.get("LEAT_TINYGRAD_FUSED_ATTENTION", "1") != "0"
+    if fused and local:
+        fxn = _fused_kernel(
+            rows, heads, kv_heads, dim, value_dim, positions, page_size, chunk, scale, window, softcap, bool(extra)
+        )
+        num, peak, den = parts[0].custom_kernel(parts[1], parts[2], q, keys, values, table, at, *extra, fxn=fxn)[:3]
+    else:
+        score = Tensor.empty(rows, heads, positions, dtype=dtypes.float32, device=q.device)
+        fxn = _scores_kernel(
+            rows, heads, kv_heads, dim, positions, page_size, scale, window, softcap, local, bool(extra)
+        )
+        score = score.custom_kernel(q, keys, table, at, *extra[:1], fxn=fxn)[0]
+        fxn = _chunks_kernel(rows, heads, kv_heads, value_dim, positions, page_size, chunk, window, local, bool(extra))
+        num, peak, den = parts[0].custom_kernel(parts[1], parts[2], score, values, table, at, *extra[1:], fxn=fxn)[:3]
     out = Tensor.empty(rows, heads * value_dim, dtype=dtypes.float32, device=q.device)
     fxn = _combine_kernel(rows, heads, value_dim, positions // chunk, local, sinks is not None)
     extra = [sinks.cast(dtypes.float32).contiguous()] if sinks is not None else []
