@@ -27,7 +27,7 @@ def main() -> None:
     args = ap.parse_args()
     import numpy as np
     from leat_backend_tinygrad import attention
-    from tinygrad import Device, Tensor, TinyJit, dtypes
+    from tinygrad import Device, Tensor, TinyJit
 
     configs = [  # (label, fused, MIN_CHUNK, CHUNKS)
         ("two kernels", False, 16, 32),
@@ -50,9 +50,11 @@ def main() -> None:
         for label, fused, low, chunks in configs:
             attention.MIN_CHUNK, attention.CHUNKS = low, chunks
 
-            def step(q, table, at, fused=fused):
+            def step(q, table, at, fused=fused, storage=storage):
                 outs = [
-                    attention.decode_attention(q, storage[2 * i], storage[2 * i + 1], table, at, PAGE, 0.088, fused=fused)
+                    attention.decode_attention(
+                        q, storage[2 * i], storage[2 * i + 1], table, at, PAGE, 0.088, fused=fused
+                    )
                     for i in range(args.layers)
                 ]
                 return Tensor.stack(*outs).realize()
