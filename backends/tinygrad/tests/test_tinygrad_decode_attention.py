@@ -21,6 +21,7 @@ from leat_backend_tinygrad.backend import TinygradBackend, probe_reason
 if probe_reason() is not None:
     pytest.skip(f"tinygrad cannot run here: {probe_reason()}", allow_module_level=True)
 
+from leat_backend_tinygrad import attention
 from leat_backend_tinygrad.attention import decode_attention, rope_write
 from tinygrad import Device, Tensor
 from tinygrad.helpers import GlobalCounters
@@ -128,6 +129,18 @@ def test_kernels_with_thread_groups_against_float64(kind, feature, fused):
     """The kernels on tinygrad's PYTHON device, which runs thread groups (their local axes) as a GPU does: the scores
     and chunks as one kernel (their scores in local memory) or as two."""
     got, want, _ = _kernels_case(kind, feature, "PYTHON", fused)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(("kind", "feature"), [("f16", "sinks"), ("q8_0", "window")])
+def test_the_combines_lanes_against_float64(kind, feature, monkeypatch):
+    """The combine with each value entry's chunks shared by lanes (chunks of 4 positions, 8 a row, 4 lanes of two
+    chunks each) on the PYTHON device: the lanes' max and sums through local memory."""
+    monkeypatch.setattr(attention, "MIN_CHUNK", 4)
+    monkeypatch.setattr(attention, "COMBINE_LANES", 4)
+    monkeypatch.setenv("LEAT_TINYGRAD_LANE_SUM", "local")
+    assert attention.combine_lanes(PAGE * PAGES // 4) == 4
+    got, want, _ = _kernels_case(kind, feature, "PYTHON", True)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 

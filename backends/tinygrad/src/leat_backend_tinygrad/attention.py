@@ -35,6 +35,7 @@ from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.dtype import AddrSpace
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
+from leat_backend_tinygrad import lanesum
 from leat_backend_tinygrad.gemv import plain_rows, row_entry
 
 CHUNK = 64  # positions of one chunk of the second kernel at most (or the largest power of two dividing the positions)
@@ -44,6 +45,8 @@ CHUNK = 64  # positions of one chunk of the second kernel at most (or the larges
 MIN_CHUNK, CHUNKS = 16, 32
 KEY_VECTOR = 32  # a key's entries a thread loads at once in the scores kernel (64 bytes of float16)
 SCORES_SLOT = 900  # the fused kernel's local buffer (its id apart from the kernel's own buffers' slots)
+COMBINE_LANES, COMBINE_THREADS, COMBINE_PER = 32, 128, 16  # the combine's lanes a value entry at most, its
+# threads a group, and chunks a lane at most
 EMPTY = -1e30  # the max of a chunk with every position masked: finite, so exp(score - max) is 0, never NaN
 
 
@@ -225,6 +228,49 @@ def _combine_kernel(rows, heads, value_dim, chunks, local, sinks):
     return fxn
 
 
+def combine_lanes(chunks: int) -> int | None:
+    """Threads that share a (row, head, value entry)'s chunks in the combine (each takes every lanes-th chunk, the
+    lanes then add up: ``lanesum.py``), or None where the chunks split too unevenly (the loop kernel then)."""
+    n = math.gcd(chunks, COMBINE_LANES)
+    return n if n >= 4 and chunks // n <= COMBINE_PER else None
+
+
+def _combine_lanes_kernel(rows, heads, value_dim, chunks, sinks, lanes, lane_sum):
+    """``combine`` with a value entry's chunks shared by ``lanes`` threads: each thread loads its few chunks' three
+    values at once (no chain of dependent loads over all the chunks), then the lanes take the max and the two sums
+    (warp shuffles on CUDA), and the first lane stores."""
+    per, inner = chunks // lanes, math.gcd(value_dim, max(COMBINE_THREADS // lanes, 1))
+
+    def fxn(out: UOp, num: UOp, peak: UOp, den: UOp, *sink: UOp) -> UOp:
+        row, head = _range(rows, 0, AxisType.GLOBAL), _range(heads, 1, AxisType.GLOBAL)
+        tile = _range(value_dim // inner, 2, AxisType.GLOBAL)
+        threads = lanesum.Lanes.make((lanes,), 3, lane_sum, True)
+        entry = _range(inner, 8, AxisType.LOCAL)  # above the lanes' ids: the lanes are the fastest threads
+        threads.outer = [entry] if entry.op is Ops.RANGE else []
+        d = tile * inner + entry
+        cs = [threads.at(0) + lanes * k for k in range(per)]  # neighbouring lanes, neighbouring chunks
+        peaks = [peak[row, head, c, 0] for c in cs]
+        top = peaks[0]
+        for m in peaks[1:]:
+            top = top.maximum(m)
+        top = threads.reduce(top, op=Ops.MAX)
+        if sinks:
+            top = top.maximum(sink[0][head])
+        weights = [(m - top).exp() for m in peaks]
+        parts = [w * den[row, head, c, 0] for w, c in zip(weights, cs)]
+        total = threads.reduce(sum(parts[1:], parts[0]), after=True)
+        if sinks:
+            total = total + (sink[0][head] - top).exp()
+        parts = [w * num[row, head, c, d] for w, c in zip(weights, cs)]
+        value = threads.reduce(sum(parts[1:], parts[0]), after=True) / total
+        ends = (row, head, tile, *threads.outer, *threads.ends())
+        store = out[row, threads.gate(head * value_dim + d)].store(value)
+        name = f"attn_combine_{rows}_{heads}_{chunks}_lanes"
+        return UOp.sink(_end(store, *ends), arg=KernelInfo(name=name, opts_to_apply=()))
+
+    return fxn
+
+
 def decode_attention(
     q: Tensor,
     keys: Tensor,
@@ -281,7 +327,13 @@ def decode_attention(
         fxn = _chunks_kernel(rows, heads, kv_heads, value_dim, positions, page_size, chunk, window, local, bool(extra))
         num, peak, den = parts[0].custom_kernel(parts[1], parts[2], score, values, table, at, *extra[1:], fxn=fxn)[:3]
     out = Tensor.empty(rows, heads * value_dim, dtype=dtypes.float32, device=q.device)
-    fxn = _combine_kernel(rows, heads, value_dim, positions // chunk, local, sinks is not None)
+    lanes = combine_lanes(positions // chunk) if local and fused else None
+    if lanes is not None:
+        fxn = _combine_lanes_kernel(
+            rows, heads, value_dim, positions // chunk, sinks is not None, lanes, lanesum.mode(q.device)
+        )
+    else:
+        fxn = _combine_kernel(rows, heads, value_dim, positions // chunk, local, sinks is not None)
     extra = [sinks.cast(dtypes.float32).contiguous()] if sinks is not None else []
     return out.custom_kernel(num, peak, den, *extra, fxn=fxn)[0]
 
