@@ -75,6 +75,7 @@ def run_model(path: str, kv_dtype: str) -> None:
         rows = [Row(0, 22 + start // 5, np.array([23])), Row(1, start, np.arange(30 + start, 35 + start))]
         backend.to_host(backend.run(forward, Batch(rows), kv))
     run_gemv()
+    run_attention()
     # the integer products' kernels (LEAT_TINYGRAD_INT_PRODUCTS=1: off by default on AMD, a user's choice): the norm
     # that quantizes its output, q/k/v, the gated unit, quantize_x and the residual products on 16-bit integer x
     os.environ["LEAT_TINYGRAD_INT_PRODUCTS"] = "1"
@@ -102,6 +103,21 @@ def run_gemv() -> None:
             gemv(intx.quantize(Tensor.zeros(2, 512).contiguous()), Tensor(stored), qtype).realize()
 
 
+def run_attention() -> None:
+    """attention.py's decode attention over 128 positions (8 chunks of 16: the combine's lanes; the tiny model's
+    slot has 3 chunks, the combine's loop)."""
+    from leat_backend_tinygrad.attention import decode_attention
+    from tinygrad import Tensor, dtypes
+
+    q, table, at = (
+        Tensor.zeros(1, 4, 64).contiguous(),
+        Tensor.zeros(1, 8, dtype=dtypes.int32).contiguous(),
+        Tensor([127]),
+    )
+    kv = [Tensor.zeros(128, 2, 64, dtype=dtypes.float16).contiguous() for _ in range(2)]
+    decode_attention(q, *kv, table, at.cast(dtypes.int32), 16, 0.125).realize()
+
+
 def main(path: str, archs: list[str], kv_dtype: str = "f32") -> dict:
     from tinygrad import Device
     from tinygrad.engine import realize
@@ -121,6 +137,7 @@ def main(path: str, archs: list[str], kv_dtype: str = "f32") -> dict:
     report: dict = {"kernels": len(asts), "run_s": round(time.perf_counter() - began, 1)}
     report["gemv"] = sorted(ast.arg.name for ast in asts.values() if ast.arg.name.startswith("gemv_"))
     report["softmax"] = sorted(ast.arg.name for ast in asts.values() if ast.arg.name.startswith("softmax_"))
+    report["attention"] = sorted(ast.arg.name for ast in asts.values() if ast.arg.name.startswith("attn_"))
     report["integer"] = sorted(n for n in (ast.arg.name for ast in asts.values()) if "_i16" in n or "quantize_x" in n)
     target = Device[Device.DEFAULT].renderer.target
     tasks = [(ast, AMDLLVMRenderer(replace(target, arch=arch))) for arch in archs for ast in asts.values()]

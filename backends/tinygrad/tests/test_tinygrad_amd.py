@@ -72,6 +72,10 @@ def test_every_kernel_of_a_prefill_and_a_decode_step_compiles_for_rdna3_and_cdna
     assert report["kernels"] >= 40 and all(report[arch]["kernels"] == report["kernels"] for arch in ARCHS), report
     # the chunks' softmax (softmax.py): the eager chunk's, the jitted full chunk's and the padded last chunk's
     assert report["softmax"], report
+    # the decode step's attention (attention.py): the scores and chunks in one kernel (local memory), then the combine
+    assert any(n.startswith("attn_fused_") for n in report["attention"]), report
+    assert any(n.startswith("attn_combine_") and not n.endswith("_lanes") for n in report["attention"]), report
+    assert any(n.endswith("_lanes") for n in report["attention"]), report
     # gemv.py's quantized products of every type (amd_kernels.run_gemv: two rows), and the model's own (one row)
     import gguf
     from leat_backend_tinygrad.gemv import LAYOUTS
