@@ -17,6 +17,13 @@ kernels a layer, whatever the batch's rows:
 3. ``combine``: a thread per (row, head, value entry d) takes the chunks' maxima to their max M (and the head's sink
    logit, where sinks are given) and writes sum_c exp(m_c - M) * num_c / (sum_c exp(m_c - M) * den_c + exp(sink - M)).
 
+On a device with thread groups (a GPU) the first two are one kernel (``_fused_kernel``; the backend's default,
+``LEAT_TINYGRAD_FUSED_ATTENTION=0`` keeps them apart): a thread group a (row, KV head, chunk) writes its chunk's
+scores into local memory and takes them through the second kernel's three passes, so the scores never go to global
+memory and a layer's attention is two launches. Its combine shares each value entry's chunks among up to 32 lanes
+(``combine_lanes``: each loads its few chunks' values at once, then the lanes take the max and the sums through
+``lanesum.py``, warp shuffles on CUDA) rather than one thread looping over every chunk.
+
 The positions are all of a row's table (pages x page_size, the slot's capacity, as the row-by-row path's gather),
 those past the row's own masked. On a GPU a thread group (a CUDA block) is up to 32 positions of one (row, KV head)
 in the first kernel and the value entries of one (row, head[, chunk]) in the others; ``chunks`` stores m and the
@@ -29,7 +36,6 @@ float16 scale per 32 values) is read as stored and dequantized as it is read. De
 from __future__ import annotations
 
 import math
-import os
 
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.dtype import AddrSpace
@@ -283,7 +289,7 @@ def decode_attention(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     scales: tuple[Tensor, Tensor] | None = None,
-    fused: bool | None = None,
+    fused: bool = True,
 ) -> Tensor:
     """Attention of one query token per row: float32 [rows, heads * value_dim].
 
@@ -292,7 +298,7 @@ def decode_attention(
     kv_heads, dim / 32] float16); ``table`` [rows, pages] int32 each row's page table (every entry a valid page),
     ``at`` [rows] int32 each row's position (it sees positions 0 .. at, or its last ``window`` of them); ``sinks``
     [heads] float32 each head's extra logit in its softmax's denominator. ``fused``: the scores and the chunks in one
-    kernel where the device has thread groups (default: ``LEAT_TINYGRAD_FUSED_ATTENTION``, on unless "0")."""
+    kernel, and the combine's lanes, where the device has thread groups (the backend's ``fused_attention``)."""
     rows, heads, dim = q.shape
     kv_heads, value_dim = keys.shape[1], values.shape[2]
     positions = table.shape[1] * page_size
@@ -311,8 +317,6 @@ def decode_attention(
     )
     parts = [Tensor.empty(rows, heads, positions // chunk, value_dim, dtype=dtypes.float32, device=q.device)]
     parts += [Tensor.empty(*parts[0].shape, dtype=dtypes.float32, device=q.device) for _ in range(2)]
-    if fused is None:
-        fused = os.environ.get("LEAT_TINYGRAD_FUSED_ATTENTION", "1") != "0"
     if fused and local:
         fxn = _fused_kernel(
             rows, heads, kv_heads, dim, value_dim, positions, page_size, chunk, scale, window, softcap, bool(extra)

@@ -246,6 +246,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # a prompt chunk's softmax (its scale, mask, soft cap and sinks) as softmax.py's one kernel where it applies
         # (a device with thread groups); 0: tinygrad's kernels for the Tensor ops (three over the scores)
         self.softmax_kernel = os.environ.get("LEAT_TINYGRAD_SOFTMAX", "1") != "0"
+        # decode attention's scores and chunks in one kernel, its combine over lanes (attention.py; thread groups only)
+        self.fused_attention = os.environ.get("LEAT_TINYGRAD_FUSED_ATTENTION", "1") != "0"
         # few-row products take their consumer into their kernel: silu_mul of a gate and an up product of the same x
         # (one kernel for both, gemv.py's "glu"), add of a product and the residual ("residual"); 0: each its own
         self.fuse_products = os.environ.get("LEAT_TINYGRAD_FUSE_PRODUCTS", "1") != "0"
@@ -294,6 +296,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             "int_products": "normed" if self.int_products_normed_only else int(self.int_products),
             "int_types": ",".join(sorted(t.name.lower() for t in self.int_types)),
             "softmax_kernel": int(self.softmax_kernel),
+            "fused_attention": int(self.fused_attention and Device[self.device].renderer.has_local),
             "lane_sum": lanesum.mode(self.device) if Device[self.device].renderer.has_local else "loop",
         }
 
@@ -783,6 +786,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 softcap,
                 sinks,
                 scales,
+                self.fused_attention,
             )
         outs = []
         for i, (row, offset) in enumerate(zip(batch.rows, batch.offsets)):
