@@ -144,6 +144,28 @@ def test_the_combines_lanes_against_float64(kind, feature, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+def test_the_combines_lanes_past_the_last_chunk_against_float64():
+    """Nine chunks (slots of nine pages of 4 positions) over 8 lanes: the last lanes' second chunk is past the last,
+    read as empty (no load, weight 0), on the PYTHON device."""
+    rng = np.random.default_rng(11)
+    pages, at = 9, [35, 20]
+    assert attention.combine_lanes(pages) == 8
+    table = rng.permutation(2 * pages).reshape(2, pages).astype(np.int32)
+    k, v = (rng.standard_normal((2, pages * PAGE, KV_HEADS, DIM)).astype(np.float32) for _ in range(2))
+    storage = [np.zeros((2 * pages * PAGE, KV_HEADS, DIM), np.float32) for _ in range(2)]
+    for stored, x in zip(storage, (k, v)):
+        stored[(table[:, :, None] * PAGE + np.arange(PAGE)).reshape(2, -1)] = x
+    q = rng.standard_normal((2, HEADS, DIM)).astype(np.float32)
+    sinks = np.array([-2.0, 0.0, 1.5, 4.0, -30.0, 0.7], np.float32)
+    got = decode_attention(
+        *(Tensor(x, device="PYTHON") for x in (q, *storage, table, np.asarray(at, np.int32))),
+        PAGE,
+        0.3,
+        sinks=Tensor(sinks, device="PYTHON"),
+    ).numpy()
+    np.testing.assert_allclose(got, reference(q, k, v, at, 0.3, sinks=sinks), rtol=2e-5, atol=2e-5)
+
+
 def test_off_by_one_in_the_causal_length_would_fail():
     """The reference given one position more per row differs from the kernels by far more than the tolerance."""
     rng = np.random.default_rng(8)

@@ -238,14 +238,16 @@ def combine_lanes(chunks: int) -> int | None:
     """Threads that share a (row, head, value entry)'s chunks in the combine (each takes every lanes-th chunk, the
     lanes then add up: ``lanesum.py``), or None where the chunks split too unevenly (the loop kernel then)."""
     n = math.gcd(chunks, COMBINE_LANES)
-    return n if n >= 4 and chunks // n <= COMBINE_PER else None
+    if n < 4:  # chunks few or odd (a slot of 9 pages): a power of two of lanes, the last lanes' last chunk none
+        n = 1 << (min(chunks, COMBINE_LANES).bit_length() - 1)
+    return n if n >= 4 and -(-chunks // n) <= COMBINE_PER else None
 
 
 def _combine_lanes_kernel(rows, heads, value_dim, chunks, sinks, lanes, lane_sum):
     """``combine`` with a value entry's chunks shared by ``lanes`` threads: each thread loads its few chunks' three
     values at once (no chain of dependent loads over all the chunks), then the lanes take the max and the two sums
     (warp shuffles on CUDA), and the first lane stores."""
-    per, inner = chunks // lanes, math.gcd(value_dim, max(COMBINE_THREADS // lanes, 1))
+    per, inner = -(-chunks // lanes), math.gcd(value_dim, max(COMBINE_THREADS // lanes, 1))
 
     def fxn(out: UOp, num: UOp, peak: UOp, den: UOp, *sink: UOp) -> UOp:
         row, head = _range(rows, 0, AxisType.GLOBAL), _range(heads, 1, AxisType.GLOBAL)
@@ -254,8 +256,13 @@ def _combine_lanes_kernel(rows, heads, value_dim, chunks, sinks, lanes, lane_sum
         entry = _range(inner, 8, AxisType.LOCAL)  # above the lanes' ids: the lanes are the fastest threads
         threads.outer = [entry] if entry.op is Ops.RANGE else []
         d = tile * inner + entry
-        cs = [threads.at(0) + lanes * k for k in range(per)]  # neighbouring lanes, neighbouring chunks
-        peaks = [peak[row, head, c, 0] for c in cs]
+        raw = [threads.at(0) + lanes * k for k in range(per)]  # neighbouring lanes, neighbouring chunks
+        # past the last chunk (where lanes do not divide the chunks): no load, an empty chunk's max (its weight 0)
+        inside = [None if (k + 1) * lanes <= chunks else c < chunks for k, c in enumerate(raw)]
+        cs = [c if i is None else c.valid(i) for c, i in zip(raw, inside)]
+        peaks = [
+            peak[row, head, c, 0] if i is None else i.where(peak[row, head, c, 0], EMPTY) for c, i in zip(cs, inside)
+        ]
         top = peaks[0]
         for m in peaks[1:]:
             top = top.maximum(m)
