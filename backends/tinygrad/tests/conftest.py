@@ -22,3 +22,16 @@ def _float_products_unless_asked():
         if "LEAT_TINYGRAD_INT_PRODUCTS" not in os.environ:
             patch.setenv("LEAT_TINYGRAD_INT_PRODUCTS", "0")
         yield
+
+
+@pytest.fixture(scope="session")
+def cpu_device() -> str:
+    """tinygrad's CPU device, for a test that checks it beside a device with thread groups; skipped where it cannot
+    compile (a GPU machine without clang, where ``CC`` may be a gcc that does not take clang's ``--target``)."""
+    from tinygrad import Tensor
+
+    try:
+        (Tensor([1.0], device="CPU") + 1).realize().numpy()
+    except Exception as error:  # noqa: BLE001 - a compiler's failure can be any error; the skip names it
+        pytest.skip(f"tinygrad's CPU device cannot compile here: {str(error)[:200]}")
+    return "CPU"

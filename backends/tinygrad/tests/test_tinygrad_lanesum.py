@@ -98,9 +98,13 @@ def test_the_mode_is_checked(monkeypatch):
     monkeypatch.setenv("LEAT_TINYGRAD_LANE_SUM", "shuffle")
     with pytest.raises(ValueError, match="CUDA"):
         lanesum.mode("PYTHON")  # the shuffle is CUDA's intrinsic
-    assert lanesum.mode("CPU") == "group"  # no thread groups: the lanes are a loop whatever the setting
     monkeypatch.delenv("LEAT_TINYGRAD_LANE_SUM")
     assert lanesum.mode("PYTHON") == "group"
+
+
+def test_a_device_without_thread_groups_sums_in_a_loop(cpu_device, monkeypatch):
+    monkeypatch.setenv("LEAT_TINYGRAD_LANE_SUM", "shuffle")
+    assert lanesum.mode(cpu_device) == "group"  # no thread groups: the lanes are a loop whatever the setting
 
 
 def _blocks(qtype: Q, outputs: int, k: int, rng) -> np.ndarray:
@@ -135,7 +139,7 @@ def test_butterfly_products_on_thread_groups_against_float64(qtype, shape, epilo
     xt = Tensor(x, device="PYTHON").realize()
     x_in = intx.quantize(xt) if integer else xt
     if integer:  # the products of x as its integers: the reference multiplies those
-        q = intx.quantize(Tensor(x, device="CPU").realize())
+        q = x_in  # its words and scales as the device's quantize made them (test_tinygrad_intx.py checks those)
         pairs = q.words.numpy().view(np.int16).reshape(rows, k).astype(np.float64)
         x64 = pairs * np.repeat(q.scales.numpy().astype(np.float64), intx.RUN, axis=1)
     else:

@@ -91,7 +91,7 @@ def test_lanes_double_while_a_thread_would_hold_many_values():
     assert softmax.lanes(8192) == 128 and softmax.lanes(8193) is None  # 64 a thread at most: tinygrad's kernels past
 
 
-def test_the_backend_takes_the_kernel_where_it_applies_with_the_tensor_ops_probabilities(monkeypatch):
+def test_the_backend_takes_the_kernel_where_it_applies_with_the_tensor_ops_probabilities(monkeypatch, cpu_device):
     """The backend's chunk probabilities (``_probabilities``) through the kernel and through its Tensor ops, on the
     PYTHON device: eager (positions made from the row) and jitted (the step's positions, at the row's offset), with a
     window, a soft cap and sinks; and on a device without thread groups the Tensor ops only."""
@@ -120,7 +120,7 @@ def test_the_backend_takes_the_kernel_where_it_applies_with_the_tensor_ops_proba
         np.testing.assert_allclose(made[0], made[1], rtol=2e-6, atol=1e-8)
         assert made[0].shape == (kv_heads, group, length, total)
     assert calls == [0, offset]  # the kernel ran once each way (not with softmax_kernel off), at the row's offset
-    backend.softmax_kernel, backend.device = True, "CPU"
-    x = Tensor(scores, device="CPU")  # tinygrad's CPU device: no thread groups, the Tensor ops
+    backend.softmax_kernel, backend.device = True, cpu_device
+    x = Tensor(scores, device=cpu_device)  # tinygrad's CPU device: no thread groups, the Tensor ops
     backend._probabilities(x, None, 0.4, 20.0, 4, None, row, None, 0).realize()
     assert calls == [0, offset]
