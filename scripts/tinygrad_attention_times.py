@@ -29,12 +29,12 @@ def main() -> None:
     from leat_backend_tinygrad import attention
     from tinygrad import Device, Tensor, TinyJit
 
-    configs = [  # (label, fused, MIN_CHUNK, CHUNKS)
-        ("two kernels", False, 16, 32),
-        ("fused", True, 16, 32),
+    configs = [  # (label, fused, the chunks' least size, the chunks halved while fewer than this)
+        ("three kernels", False, attention.MIN_CHUNK, attention.CHUNKS),
+        ("fused (default)", True, attention.FUSED_MIN_CHUNK, attention.CHUNKS),
+        ("fused, chunks of 16+", True, 16, 32),
         ("fused, >= 16 chunks", True, 16, 16),
         ("fused, >= 8 chunks", True, 16, 8),
-        ("fused, chunks of 32+", True, 32, 32),
     ]
     for positions in (int(p) for p in args.positions.split(",")):
         pages = positions // PAGE
@@ -48,7 +48,8 @@ def main() -> None:
         at = Tensor(np.full(args.rows, positions - 1, np.int32)).realize()
         first = None
         for label, fused, low, chunks in configs:
-            attention.MIN_CHUNK, attention.CHUNKS = low, chunks
+            attention.MIN_CHUNK = attention.FUSED_MIN_CHUNK = low
+            attention.CHUNKS = chunks
 
             def step(q, table, at, fused=fused, storage=storage):
                 outs = [

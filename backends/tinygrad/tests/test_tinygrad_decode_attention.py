@@ -136,7 +136,7 @@ def test_kernels_with_thread_groups_against_float64(kind, feature, fused):
 def test_the_combines_lanes_against_float64(kind, feature, monkeypatch):
     """The combine with each value entry's chunks shared by lanes (chunks of 4 positions, 8 a row, 4 lanes of two
     chunks each) on the PYTHON device: the lanes' max and sums through local memory."""
-    monkeypatch.setattr(attention, "MIN_CHUNK", 4)
+    monkeypatch.setattr(attention, "FUSED_MIN_CHUNK", 4)
     monkeypatch.setattr(attention, "COMBINE_LANES", 4)
     monkeypatch.setenv("LEAT_TINYGRAD_LANE_SUM", "local")
     assert attention.combine_lanes(PAGE * PAGES // 4) == 4

@@ -49,6 +49,10 @@ CHUNK = 64  # positions of one chunk of the second kernel at most (or the larges
 # head, chunk, value entry), so a small cache in few long chunks leaves most of a GPU idle (docs/benchmarks.md: the
 # tinygrad decode's device time by cache size)
 MIN_CHUNK, CHUNKS = 16, 32
+# ... down to FUSED_MIN_CHUNK for the fused kernel, whose thread group takes its chunk's scores itself: on the H200 a
+# 640-position slot's attention took 15.45 us a layer in 20 chunks of 32 against 20.42 in 40 of 16 (docs/benchmarks.md,
+# thirty-second session, scripts/tinygrad_attention_times.py)
+FUSED_MIN_CHUNK = 32
 KEY_VECTOR = 32  # a key's entries a thread loads at once in the scores kernel (64 bytes of float16)
 SCORES_SLOT = 900  # the fused kernel's local buffer (its id apart from the kernel's own buffers' slots)
 COMBINE_LANES, COMBINE_THREADS, COMBINE_PER = 32, 128, 16  # the combine's lanes a value entry at most, its
@@ -310,8 +314,8 @@ def decode_attention(
     kv_heads, value_dim = keys.shape[1], values.shape[2]
     positions = table.shape[1] * page_size
     local = Device[q.device].renderer.has_local
-    chunk = math.gcd(positions, CHUNK)
-    while positions // chunk < CHUNKS and chunk > MIN_CHUNK:
+    chunk, fused = math.gcd(positions, CHUNK), fused and local
+    while positions // chunk < CHUNKS and chunk > (FUSED_MIN_CHUNK if fused else MIN_CHUNK):
         chunk //= 2
     while positions // chunk < 2 and chunk > 1:  # one chunk: the combine would not read the chunks' max (exp(m - m)
         chunk //= 2  # folds to 1) and tinygrad would leave that buffer out of the kernel's arguments, shifting the rest
@@ -324,7 +328,7 @@ def decode_attention(
     )
     parts = [Tensor.empty(rows, heads, positions // chunk, value_dim, dtype=dtypes.float32, device=q.device)]
     parts += [Tensor.empty(*parts[0].shape, dtype=dtypes.float32, device=q.device) for _ in range(2)]
-    if fused and local:
+    if fused:
         fxn = _fused_kernel(
             rows, heads, kv_heads, dim, value_dim, positions, page_size, chunk, scale, window, softcap, bool(extra)
         )
@@ -338,7 +342,7 @@ def decode_attention(
         fxn = _chunks_kernel(rows, heads, kv_heads, value_dim, positions, page_size, chunk, window, local, bool(extra))
         num, peak, den = parts[0].custom_kernel(parts[1], parts[2], score, values, table, at, *extra[1:], fxn=fxn)[:3]
     out = Tensor.empty(rows, heads * value_dim, dtype=dtypes.float32, device=q.device)
-    lanes = combine_lanes(positions // chunk) if local and fused else None
+    lanes = combine_lanes(positions // chunk) if fused else None
     if lanes is not None:
         fxn = _combine_lanes_kernel(
             rows, heads, value_dim, positions // chunk, sinks is not None, lanes, lanesum.mode(q.device)
