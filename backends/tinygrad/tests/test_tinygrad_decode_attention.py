@@ -132,13 +132,14 @@ def test_kernels_with_thread_groups_against_float64(kind, feature, fused):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize(("kind", "feature"), [("f16", "sinks"), ("q8_0", "window")])
-def test_the_combines_lanes_against_float64(kind, feature, monkeypatch):
+@pytest.mark.parametrize(("kind", "feature", "mode"), [("f16", "sinks", "local"), ("q8_0", "window", "group")])
+def test_the_combines_lanes_against_float64(kind, feature, mode, monkeypatch):
     """The combine with each value entry's chunks shared by lanes (chunks of 4 positions, 8 a row, 4 lanes of two
-    chunks each) on the PYTHON device: the lanes' max and sums through local memory."""
+    chunks each) on the PYTHON device: the lanes' max and sums through local memory as the butterfly's exchanges
+    (CUDA's shuffles) or as tinygrad's group reduce (AMD's default)."""
     monkeypatch.setattr(attention, "FUSED_MIN_CHUNK", 4)
     monkeypatch.setattr(attention, "COMBINE_LANES", 4)
-    monkeypatch.setenv("LEAT_TINYGRAD_LANE_SUM", "local")
+    monkeypatch.setenv("LEAT_TINYGRAD_LANE_SUM", mode)
     assert attention.combine_lanes(PAGE * PAGES // 4) == 4
     got, want, _ = _kernels_case(kind, feature, "PYTHON", True)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
