@@ -57,17 +57,18 @@ def reference(q, keys, values, at, scale, window=None, softcap=None, sinks=None)
     return out.reshape(rows, -1)
 
 
-def paged(rng, kind: str):
+def paged(rng, kind: str, at=AT, pages=PAGES):
     """Random keys and values [rows, positions, kv_heads, dim] stored in shuffled pages of one storage (float32,
-    float16 or q8_0 as the backend stores them), with each row's table; positions past a row's own hold values 100
-    times larger (a kernel that attends one position too many would be far off). Returns (stored keys and values,
-    q8_0 scales or None, tables, the float64 values the storage holds [rows, positions, kv_heads, dim])."""
-    rows, positions = len(AT), PAGE * PAGES
-    table = rng.permutation(rows * PAGES).reshape(rows, PAGES).astype(np.int32)
+    float16 or q8_0 as the backend stores them), with each row's table (``pages`` pages a row, a row at each
+    position of ``at``); positions past a row's own hold values 100 times larger (a kernel that attends one position
+    too many would be far off). Returns (stored keys and values, q8_0 scales or None, tables, the float64 values the
+    storage holds [rows, positions, kv_heads, dim])."""
+    rows, positions = len(at), PAGE * pages
+    table = rng.permutation(rows * pages).reshape(rows, pages).astype(np.int32)
     stored, scales, held = [], [], []
     for _ in range(2):
         x = rng.standard_normal((rows, positions, KV_HEADS, DIM)).astype(np.float32)
-        x[np.arange(positions)[None, :] > np.asarray(AT)[:, None]] *= 100
+        x[np.arange(positions)[None, :] > np.asarray(at)[:, None]] *= 100
         storage = np.zeros((rows * positions, KV_HEADS, DIM), np.float32)
         storage[(table[:, :, None] * PAGE + np.arange(PAGE)).reshape(rows, positions)] = x
         if kind == "q8_0":
@@ -151,20 +152,19 @@ def test_the_combines_lanes_past_the_last_chunk_against_float64():
     rng = np.random.default_rng(11)
     pages, at = 9, [35, 20]
     assert attention.combine_lanes(pages) == 8
-    table = rng.permutation(2 * pages).reshape(2, pages).astype(np.int32)
-    k, v = (rng.standard_normal((2, pages * PAGE, KV_HEADS, DIM)).astype(np.float32) for _ in range(2))
-    storage = [np.zeros((2 * pages * PAGE, KV_HEADS, DIM), np.float32) for _ in range(2)]
-    for stored, x in zip(storage, (k, v)):
-        stored[(table[:, :, None] * PAGE + np.arange(PAGE)).reshape(2, -1)] = x
+    (keys, values), _, table, (k64, v64) = paged(rng, "f32", at, pages)
     q = rng.standard_normal((2, HEADS, DIM)).astype(np.float32)
     sinks = np.array([-2.0, 0.0, 1.5, 4.0, -30.0, 0.7], np.float32)
     got = decode_attention(
-        *(Tensor(x, device="PYTHON") for x in (q, *storage, table, np.asarray(at, np.int32))),
+        Tensor(q, device="PYTHON"),
+        keys.to("PYTHON").realize(),
+        values.to("PYTHON").realize(),
+        *(Tensor(x, device="PYTHON") for x in (table, np.asarray(at, np.int32))),
         PAGE,
         0.3,
         sinks=Tensor(sinks, device="PYTHON"),
     ).numpy()
-    np.testing.assert_allclose(got, reference(q, k, v, at, 0.3, sinks=sinks), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got, reference(q, k64, v64, at, 0.3, sinks=sinks), rtol=2e-5, atol=2e-5)
 
 
 def test_off_by_one_in_the_causal_length_would_fail():
