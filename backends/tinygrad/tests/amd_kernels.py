@@ -109,13 +109,9 @@ def run_attention() -> None:
     from leat_backend_tinygrad.attention import decode_attention
     from tinygrad import Tensor, dtypes
 
-    q, table, at = (
-        Tensor.zeros(1, 4, 64).contiguous(),
-        Tensor.zeros(1, 8, dtype=dtypes.int32).contiguous(),
-        Tensor([127]),
-    )
+    q, table = Tensor.zeros(1, 4, 64).contiguous(), Tensor.zeros(1, 8, dtype=dtypes.int32).contiguous()
     kv = [Tensor.zeros(128, 2, 64, dtype=dtypes.float16).contiguous() for _ in range(2)]
-    decode_attention(q, *kv, table, at.cast(dtypes.int32), 16, 0.125).realize()
+    decode_attention(q, *kv, table, Tensor([127], dtype=dtypes.int32), 16, 0.125).realize()
 
 
 def main(path: str, archs: list[str], kv_dtype: str = "f32") -> dict:
