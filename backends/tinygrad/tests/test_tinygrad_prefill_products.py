@@ -74,6 +74,84 @@ def test_opts_follow_the_output_size_and_need_nvidia_tensor_cores():
         assert gemm.tuned_opts(renderer, 512, 4096, 4096) is None
 
 
+STAGED = """
+import json, sys
+import numpy as np
+from tinygrad import Device, Tensor, dtypes
+from leat_backend_tinygrad import gemm
+report = []
+for kind, rows, outputs, inputs, tiles in json.loads(sys.argv[1]):
+    if kind == "float16" and sys.version_info < (3, 12):
+        continue  # the PYTHON device holds float16 from Python 3.12 on
+    rng = np.random.default_rng(rows + outputs)
+    x = rng.standard_normal((rows, inputs)).astype(kind)
+    w = rng.standard_normal((outputs, inputs)).astype(kind)
+    got = gemm.staged_product(Tensor(x), Tensor(w), gemm.Tiles(*tiles)).numpy()
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = 2.0**-10 * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T) + 1e-6
+    report.append([kind, rows, tiles, got.shape == want.shape and bool((np.abs(got - want) <= bound).all()),
+                   float(np.abs(got - want).max())])
+print("@@report", json.dumps(report), flush=True)
+"""
+# (kind, rows, outputs, inputs, tiles): warps in both directions (tinygrad's four local ranges, the first two merged),
+# in one direction (three ranges), rows the tile does not divide (the last tile's extra rows computed, not stored)
+STAGED_CASES = [
+    ["float32", 64, 64, 64, [32, 32, 32, 2, 2]],
+    ["float32", 100, 32, 96, [32, 16, 32, 2, 1]],
+    ["float32", 48, 64, 32, [16, 32, 16, 1, 2]],
+    ["float16", 100, 64, 64, [32, 32, 32, 2, 2]],
+    ["float16", 64, 128, 128, [64, 128, 64, 2, 4]],
+]
+
+
+def test_staged_product_equals_the_float64_product_on_emulated_tensor_cores(tmp_path):
+    """gemm.staged_product on tinygrad's PYTHON device emulating sm_80's tensor cores (a thread group's warps, shared
+    memory and mma.sync's fragments as the GPU has them): float32 x and w (the tf32 m16n8k8 shape) on any Python,
+    float16 (m16n8k16, the backend's) where the interpreter is 3.12 or later, against float64 within the float16
+    bound. A fragment or copy laid out wrongly puts whole products in the wrong place (errors of order 10)."""
+    env = os.environ | {"DEV": "PYTHON::sm_80", "CACHEDB": str(tmp_path / "cache.db")}
+    command = [sys.executable, "-c", STAGED, json.dumps(STAGED_CASES)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.split("@@report ")[-1])
+    assert len(report) == (5 if sys.version_info >= (3, 12) else 3), report
+    assert all(ok for *_, ok, _ in report), report
+
+
+def test_staged_tiles_follow_the_shape_and_need_nvidia_tensor_cores():
+    from tinygrad import dtypes
+
+    renderer = Device[Device.DEFAULT].renderer
+    if gemm.tensor_core(renderer, dtypes.float16) is None or renderer.target.device not in ("CUDA", "NV"):
+        assert gemm.tiles_for(renderer, 512, 4096, 4096) is None
+        return
+    for outputs, inputs in SHAPES_8B.values():
+        tiles = gemm.tiles_for(renderer, 512, outputs, inputs)
+        assert tiles is not None and gemm.fits(tiles, outputs, inputs, dtypes.float16), (outputs, tiles)
+    assert gemm.tiles_for(renderer, gemm.MIN_STAGED_ROWS - 1, 4096, 4096) is None
+    assert gemm.tiles_for(renderer, 512, 4096, 4000) is None  # no depth of 64 divides 4000
+
+
+@pytest.mark.parametrize("rows", [512, 300])
+def test_staged_product_on_the_device_equals_the_float64_product(rows):
+    """On a device with NVIDIA's tensor cores (the GPU run), the backend's staged products at the 8B file's shapes
+    against float64 within the float16 bound; 300 rows: a last tile of rows past the end."""
+    from tinygrad import dtypes
+
+    renderer = Device[Device.DEFAULT].renderer
+    if gemm.tensor_core(renderer, dtypes.float16) is None or renderer.target.device not in ("CUDA", "NV"):
+        pytest.skip(f"no NVIDIA float16 tensor cores on {Device.DEFAULT}")
+    rng = np.random.default_rng(rows)
+    for outputs, inputs in [SHAPES_8B["k/v"], SHAPES_8B["gate/up"], SHAPES_8B["down"]]:
+        x = rng.standard_normal((rows, inputs)).astype(np.float16)
+        w = rng.standard_normal((outputs, inputs)).astype(np.float16)
+        tiles = gemm.tiles_for(renderer, rows, outputs, inputs)
+        got = gemm.staged_product(Tensor(x), Tensor(w), tiles).numpy()
+        want = x.astype(np.float64) @ w.astype(np.float64).T
+        assert got.shape == want.shape
+        assert (np.abs(got - want) <= _bound(x.astype(np.float64), w.astype(np.float64))).all(), (outputs, tiles)
+
+
 def _nvrtc() -> Path | None:
     """libnvrtc.so.13 of the nvidia-cuda-nvrtc wheel (the CUDA backend's dependency), or None."""
     import site

@@ -42,7 +42,7 @@ from tinygrad.uop.ops import Ops
 from leat_backend_tinygrad import intx, lanesum, norm, qkv, softmax
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
-from leat_backend_tinygrad.gemm import half_product, tuned_opts
+from leat_backend_tinygrad.gemm import half_product, staged_product, tiles_for, tuned_opts
 from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv, gemv_segments, unreshaped
 from leat_backend_tinygrad.kv import KVCache, PagedKV
 from leat_backend_tinygrad.quants import DEQUANTIZERS
@@ -233,6 +233,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         self.f16_budget: int | None = int(budget) if budget else None if self.half_products and not cpu else 0
         # their tensor-core optimisations chosen per shape (gemm.py); LEAT_TINYGRAD_TC_OPTS=0 leaves them to tinygrad
         self.tc_opts = os.environ.get("LEAT_TINYGRAD_TC_OPTS", "1") != "0"
+        # or, where NVIDIA's tensor cores and the shape allow, our kernel of tiles staged through shared memory
+        # (gemm.staged_product); LEAT_TINYGRAD_STAGED=0 keeps the kernel above for every shape
+        self.staged_products = os.environ.get("LEAT_TINYGRAD_STAGED", "1") != "0"
         # products with up to this many rows and a weight of a gemv.py type use its kernel (0: never)
         self.gemv_rows = int(os.environ.get("LEAT_TINYGRAD_GEMV_ROWS", str(MAX_ROWS)))
         # its threads' shape, "lanes,groups,per_thread" (gemv.Shape; unset: gemv.Shape()'s default)
@@ -297,6 +300,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             "int_types": ",".join(sorted(t.name.lower() for t in self.int_types)),
             "softmax_kernel": int(self.softmax_kernel),
             "fused_attention": int(self.fused_attention and Device[self.device].renderer.has_local),
+            "staged_products": int(
+                self.staged_products and tiles_for(Device[self.device].renderer, 512, 4096, 4096) is not None
+            ),
             "lane_sum": lanesum.mode(self.device) if Device[self.device].renderer.has_local else "loop",
         }
 
@@ -609,15 +615,21 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             # Many rows (prefill): dequantize the blocks once into a copy (float32, or float16), then a plain product.
             # Fused into the product, the dequantization would be repeated for every tile of rows (the 8B
             # file's first pp512 did not finish in minutes that way). In float16 (half_products) tensor-core kernels
-            # take the product, summing in float32 (gemm.py: opts chosen per shape), and the weight's copy is kept
+            # take the product, summing in float32 (gemm.py: tiles staged through shared memory where NVIDIA's tensor cores
+            # take them, else opts chosen per shape), and the weight's copy is kept
             # across chunks (_half_values: the 8B file's copies were 17.5 ms of a 166 ms chunk on the H200).
             # x and the product are realized on their own (contiguous): fused with the norm before it, or with a
             # sibling product through silu_mul after it, tinygrad wrote one kernel without tensor cores (the 8B
             # file's gate and up with their norm: 20 ms a layer of a 512-token chunk, 85% of it)
             if self.half_products:
                 x, (outputs, inputs) = x.cast(dtypes.float16).contiguous(), weight.shape
-                opts = tuned_opts(Device[self.device].renderer, x.shape[0], outputs, inputs) if self.tc_opts else None
-                y = half_product(x, self._half_values(weight), opts)
+                renderer = Device[self.device].renderer
+                tiles = tiles_for(renderer, x.shape[0], outputs, inputs) if self.staged_products else None
+                if tiles is not None:
+                    y = staged_product(x, self._half_values(weight), tiles)
+                else:
+                    opts = tuned_opts(renderer, x.shape[0], outputs, inputs) if self.tc_opts else None
+                    y = half_product(x, self._half_values(weight), opts)
             else:
                 y = (x.contiguous() @ weight.values().contiguous().T).contiguous()
         elif quantized and weight.qtype in LAYOUTS and x.shape[0] <= self.gemv_rows and weight.data.ndim == 3:
