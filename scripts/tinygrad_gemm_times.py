@@ -20,17 +20,20 @@ import argparse
 import time
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336)}
-# (rows, outputs, depth, warp_rows, warp_outputs) of gemm.Tiles tried by --sweep
+# gemm.Tiles (rows, outputs, depth, warp_rows, warp_outputs[, pad, stages]) tried by --sweep
 SWEEP = [
     (64, 128, 64, 2, 4),
     (128, 128, 64, 2, 4),
     (64, 64, 64, 2, 2),
-    (128, 64, 64, 4, 2),
     (64, 256, 64, 2, 4),
     (128, 128, 32, 2, 4),
-    (64, 128, 32, 2, 4),
-    (128, 128, 64, 4, 4),
     (32, 128, 64, 1, 4),
+    (128, 128, 32, 2, 4, 8, 2),
+    (64, 128, 32, 2, 4, 8, 2),
+    (64, 64, 64, 2, 2, 8, 2),
+    (32, 128, 64, 1, 4, 8, 2),
+    (128, 64, 32, 4, 2, 8, 2),
+    (64, 256, 32, 2, 4, 8, 2),
 ]
 
 

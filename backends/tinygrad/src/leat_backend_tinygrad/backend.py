@@ -42,7 +42,7 @@ from tinygrad.uop.ops import Ops
 from leat_backend_tinygrad import intx, lanesum, norm, qkv, softmax
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
-from leat_backend_tinygrad.gemm import half_product, staged_product, tiles_for, tuned_opts
+from leat_backend_tinygrad.gemm import Tiles, half_product, staged_product, tiles_for, tuned_opts
 from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv, gemv_segments, unreshaped
 from leat_backend_tinygrad.kv import KVCache, PagedKV
 from leat_backend_tinygrad.quants import DEQUANTIZERS
@@ -236,6 +236,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # or, where NVIDIA's tensor cores and the shape allow, our kernel of tiles staged through shared memory
         # (gemm.staged_product); LEAT_TINYGRAD_STAGED=0 keeps the kernel above for every shape
         self.staged_products = os.environ.get("LEAT_TINYGRAD_STAGED", "1") != "0"
+        # every staged product's tiles, "rows,outputs,depth,warp_rows,warp_outputs[,pad,stages]" (gemm.Tiles; unset:
+        # gemm.TILES by output size; a shape the tiles do not fit keeps the kernel above)
+        tiles = os.environ.get("LEAT_TINYGRAD_TILES", "")
+        self.staged_tiles = Tiles(*(int(v) for v in tiles.split(","))) if tiles else None
         # products with up to this many rows and a weight of a gemv.py type use its kernel (0: never)
         self.gemv_rows = int(os.environ.get("LEAT_TINYGRAD_GEMV_ROWS", str(MAX_ROWS)))
         # its threads' shape, "lanes,groups,per_thread" (gemv.Shape; unset: gemv.Shape()'s default)
@@ -624,7 +628,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             if self.half_products:
                 x, (outputs, inputs) = x.cast(dtypes.float16).contiguous(), weight.shape
                 renderer = Device[self.device].renderer
-                tiles = tiles_for(renderer, x.shape[0], outputs, inputs) if self.staged_products else None
+                chosen = self.staged_tiles
+                tiles = (
+                    tiles_for(renderer, x.shape[0], outputs, inputs, chosen=chosen) if self.staged_products else None
+                )
                 if tiles is not None:
                     y = staged_product(x, self._half_values(weight), tiles)
                 else:

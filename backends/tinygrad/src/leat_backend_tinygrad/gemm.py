@@ -113,13 +113,14 @@ class Tiles:
     warp_rows: int = 2
     warp_outputs: int = 4
     pad: int = 8  # entries a shared row is longer than depth: a fragment's 8 rows fall on different banks
+    stages: int = 1  # slices in shared memory: 2 multiplies one while the next one's loads are in flight
 
     @property
     def threads(self) -> int:
         return 32 * self.warp_rows * self.warp_outputs
 
     def shared_bytes(self, kind: DType) -> int:
-        return (self.rows + self.outputs) * (self.depth + self.pad) * kind.itemsize
+        return self.stages * (self.rows + self.outputs) * (self.depth + self.pad) * kind.itemsize
 
 
 #: per tensor-core shape (tinygrad's dims: N, M, K): the inputs a lane's t (lane % 4) steps by, then a's elements as
@@ -149,13 +150,16 @@ def tensor_core(renderer: Renderer, kind: DType):
     )
 
 
-def tiles_for(renderer: Renderer, rows: int, outputs: int, inputs: int, kind: DType = dtypes.float16) -> Tiles | None:
-    """The :data:`TILES` for a product of this shape, or None (the product is not staged): no NVIDIA tensor core for
-    ``kind`` (tinygrad's AMD ones lay their fragments out otherwise), fewer than MIN_STAGED_ROWS rows, or a tile the
-    outputs or inputs do not divide. Rows need not divide: the last tile's extra rows are computed and not stored."""
+def tiles_for(
+    renderer: Renderer, rows: int, outputs: int, inputs: int, kind: DType = dtypes.float16, chosen: Tiles | None = None
+) -> Tiles | None:
+    """The :data:`TILES` (or ``chosen``) for a product of this shape, or None (the product is not staged): no NVIDIA
+    tensor core for ``kind`` (tinygrad's AMD ones lay their fragments out otherwise), fewer than MIN_STAGED_ROWS rows,
+    or a tile the outputs or inputs do not divide. Rows need not divide: the last tile's extra rows are computed and
+    not stored."""
     if tensor_core(renderer, kind) is None or renderer.target.device not in ("CUDA", "NV") or rows < MIN_STAGED_ROWS:
         return None
-    tiles = next(tiles for bound, tiles in TILES if bound is None or outputs < bound)
+    tiles = chosen or next(tiles for bound, tiles in TILES if bound is None or outputs < bound)
     return tiles if fits(tiles, outputs, inputs, kind) else None
 
 
@@ -163,7 +167,8 @@ def fits(tiles: Tiles, outputs: int, inputs: int, kind: DType) -> bool:
     """Whether a staged product of these outputs and inputs can take ``tiles``."""
     copy = 16 // kind.itemsize  # entries a 16-byte copy moves
     return (
-        outputs % tiles.outputs == 0
+        tiles.stages in (1, 2)
+        and outputs % tiles.outputs == 0
         and inputs % tiles.depth == 0
         and tiles.depth % max(copy, 16) == 0
         and tiles.rows % (16 * tiles.warp_rows) == 0
@@ -179,9 +184,8 @@ def _staged_kernel(
 ):
     step, a_elements, b_elements = FRAGMENTS[dims]
     tm, tn = tiles.rows // tiles.warp_rows // 16, tiles.outputs // tiles.warp_outputs // 8  # mma tiles a warp
-    stride = tiles.depth + tiles.pad
-    copy = 16 // kind.itemsize
-    per_row = tiles.depth // copy  # copies a tile row takes
+    stride, copy = tiles.depth + tiles.pad, 16 // kind.itemsize
+    steps, per_row = inputs // tiles.depth, tiles.depth // copy  # depth steps; 16-byte copies a tile row
     zero = UOp.const((0.0,) * 4, dtypes.float32)
 
     def fxn(out: UOp, x: UOp, w: UOp) -> UOp:
@@ -193,45 +197,88 @@ def _staged_kernel(
         t, g = UOp.range(4, 3 if four else 2, AxisType.LOCAL), UOp.range(8, 2 if four else 3, AxisType.LOCAL)
         wr = UOp.range(tiles.warp_rows, 4, AxisType.LOCAL) if tiles.warp_rows > 1 else UOp.const(0)
         wo = UOp.range(tiles.warp_outputs, 5, AxisType.LOCAL) if tiles.warp_outputs > 1 else UOp.const(0)
-        depth = UOp.range(inputs // tiles.depth, 6, AxisType.REDUCE)
         warp, warps = wr * tiles.warp_outputs + wo, tiles.warp_rows * tiles.warp_outputs
-        shared_x = UOp.placeholder((tiles.rows * stride,), kind, 900, AddrSpace.LOCAL)
-        shared_w = UOp.placeholder((tiles.outputs * stride,), kind, 901, AddrSpace.LOCAL)
-        entry = UOp.range(copy, 7, AxisType.UPCAST)
-        copies = []
-        # a copy's row is g + 8 warp (+ a pass's rows), its 16 bytes the t-th (+ 4 a pass) of the row: no division
-        # of g or t, which tinygrad would split into ranges of their own (and its lanes out of the fragments' order)
-        for shared, source, first, size, last in (
-            (shared_x, x, block_rows * tiles.rows, tiles.rows, rows - 1 if rows % tiles.rows else None),
-            (shared_w, w, block_outputs * tiles.outputs, tiles.outputs, None),
-        ):
-            for i, j in itertools.product(range(size // (8 * warps)), range(per_row // 4)):
-                r, column = g + 8 * warp + 8 * warps * i, (t + 4 * j) * copy + entry
-                row = first + r if last is None else (first + r).minimum(last)  # past the last row: its copy again
-                copies.append(shared.index(r * stride + column).store(source[row, depth * tiles.depth + column]))
-        copied = UOp.group(*copies).end(entry)
-        staged_x, staged_w = shared_x.after(copied), shared_w.after(copied)
-        inner = UOp.range(tiles.depth // dims[2], 8, AxisType.REDUCE)
+        shared_x = UOp.placeholder((tiles.stages * tiles.rows * stride,), kind, 900, AddrSpace.LOCAL)
+        shared_w = UOp.placeholder((tiles.stages * tiles.outputs * stride,), kind, 901, AddrSpace.LOCAL)
+
+        def copies(at_step: UOp, stage: UOp | int, entry_axis: int, x_to: UOp, w_to: UOp) -> UOp:
+            """Step ``at_step``'s slices of x and w into shared stage ``stage``: a copy's row is g + 8 warp (+ a
+            pass's rows), its 16 bytes the t-th (+ 4 a pass) of the row; no division of g or t, which tinygrad
+            would split into ranges of their own (and the lanes out of the fragments' order)."""
+            entry, made = UOp.range(copy, entry_axis, AxisType.UPCAST), []
+            for shared, source, first, size, last in (
+                (x_to, x, block_rows * tiles.rows, tiles.rows, rows - 1 if rows % tiles.rows else None),
+                (w_to, w, block_outputs * tiles.outputs, tiles.outputs, None),
+            ):
+                for i, j in itertools.product(range(size // (8 * warps)), range(per_row // 4)):
+                    r, column = g + 8 * warp + 8 * warps * i, (t + 4 * j) * copy + entry
+                    row = first + r if last is None else (first + r).minimum(last)  # past the last row: its copy again
+                    at = (stage * size + r) * stride + column
+                    made.append(shared.index(at).store(source[row, at_step * tiles.depth + column]))
+            return UOp.group(*made).end(entry)
+
         row0, output0 = wr * (tiles.rows // tiles.warp_rows), wo * (tiles.outputs // tiles.warp_outputs)
-        k0 = inner * dims[2] + step * t
-        a = [
-            UOp.stack(*[staged_x.index((row0 + 16 * i + 8 * r8 + g) * stride + k0 + dk) for r8, dk in a_elements])
-            for i in range(tm)
-        ]
-        b = [
-            UOp.stack(*[staged_w.index((output0 + 8 * n + g) * stride + k0 + dk) for dk in b_elements])
-            for n in range(tn)
-        ]
+
+        def products(staged_x: UOp, staged_w: UOp, stage: UOp | int, inner: UOp | int, sums: dict) -> dict:
+            """Each of the warp's mma tiles' sums after the 16 (tf32: 8) inputs ``inner`` of the staged slices."""
+            k0 = inner * dims[2] + step * t
+            ax, aw = stage * tiles.rows + row0 + g, stage * tiles.outputs + output0 + g
+            a = [
+                UOp.stack(*[staged_x.index((ax + 16 * i + 8 * r8) * stride + k0 + dk) for r8, dk in a_elements])
+                for i in range(tm)
+            ]
+            b = [UOp.stack(*[staged_w.index((aw + 8 * n) * stride + k0 + dk) for dk in b_elements]) for n in range(tn)]
+            return {(i, n): UOp.wmma(a[i], b[n], sums[i, n], dims, device, 32) for i in range(tm) for n in range(tn)}
+
+        if tiles.stages == 1:
+            # each step: copy, barrier, multiply, barrier (tinygrad adds both: the copies' AFTER, the loop's reuse)
+            depth = UOp.range(steps, 6, AxisType.REDUCE)
+            copied = copies(depth, 0, 7, shared_x, shared_w)
+            inner = UOp.range(tiles.depth // dims[2], 8, AxisType.REDUCE)
+            last = products(
+                shared_x.after(copied),
+                shared_w.after(copied),
+                0,
+                inner,
+                dict.fromkeys(itertools.product(range(tm), range(tn)), zero),
+            )
+            totals = {key: value.reduce(depth, inner, arg=Ops.ADD) for key, value in last.items()}
+        else:
+            # two stages: step d multiplies stage d % 2 while its loads of step d + 1 are in flight, then stores them
+            # into the other stage; one barrier a step. The sums live in registers of our own across the loop
+            # (tinygrad's reduce could not hold the copies inside its loop)
+            sums = UOp.placeholder((tm * tn * 4,), dtypes.float32, 902, AddrSpace.REG)
+            zeroed = UOp.group(*[sums.after(t).index(i).store(0.0) for i in range(tm * tn * 4)])
+            fence = UOp(Ops.BARRIER, src=(copies(UOp.const(0), 0, 7, shared_x, shared_w),))
+            staged_x, staged_w = shared_x.after(fence), shared_w.after(fence)
+            depth = UOp.range(steps, 6, AxisType.LOOP)
+            summed = sums.after(zeroed, depth)
+            now = {
+                (i, n): UOp.stack(*[summed.index((i * tn + n) * 4 + e) for e in range(4)])
+                for i in range(tm)
+                for n in range(tn)
+            }
+            for inner in range(tiles.depth // dims[2]):
+                now = products(staged_x, staged_w, depth % 2, inner, now)
+            kept = [summed.index((i * tn + n) * 4 + e).store(v[e]) for (i, n), v in now.items() for e in range(4)]
+            done = tuple(now.values())  # the next step's stores wait for this step's products (no barrier between)
+            ahead = copies(
+                (depth + 1).minimum(steps - 1), 1 - depth % 2, 9, shared_x.after(*done), shared_w.after(*done)
+            )
+            looped = sums.after(UOp(Ops.BARRIER, src=(UOp.group(*kept, ahead),)).end(depth))
+            totals = {
+                (i, n): UOp.stack(*[looped.index((i * tn + n) * 4 + e) for e in range(4)])
+                for i in range(tm)
+                for n in range(tn)
+            }
         stores = []
-        for i in range(tm):
-            for n in range(tn):
-                total = UOp.wmma(a[i], b[n], zero, dims, device, 32).reduce(depth, inner, arg=Ops.ADD)
-                for e in range(4):
-                    row = block_rows * tiles.rows + row0 + 16 * i + 8 * (e // 2) + g
-                    column = block_outputs * tiles.outputs + output0 + 8 * n + 2 * t + e % 2
-                    stores.append(out[row if rows % tiles.rows == 0 else row.valid(row < rows), column].store(total[e]))
+        for (i, n), total in totals.items():
+            for e in range(4):
+                row = block_rows * tiles.rows + row0 + 16 * i + 8 * (e // 2) + g
+                column = block_outputs * tiles.outputs + output0 + 8 * n + 2 * t + e % 2
+                stores.append(out[row if rows % tiles.rows == 0 else row.valid(row < rows), column].store(total[e]))
         ranges = [r for r in (block_rows, block_outputs, t, g, wr, wo) if r.op is Ops.RANGE]
-        name = f"staged_{rows}_{outputs}_{inputs}"
+        name = f"staged{tiles.stages}_{rows}_{outputs}_{inputs}"
         return UOp.group(*stores).end(*ranges).sink(arg=KernelInfo(name=name, opts_to_apply=()))
 
     return fxn
