@@ -2,17 +2,17 @@
 NVIDIA's tensor cores (:func:`staged_product`), else tinygrad's tensor-core kernel with optimisations chosen per shape.
 
 **Staged** (:class:`Tiles`): a thread group computes a tile of the result (``Tiles.rows`` x ``Tiles.outputs``); for each
-``Tiles.depth`` inputs its threads copy x's and w's slices into shared memory (16 bytes a thread and load), then each
-warp multiplies its share from there with ``mma.sync`` (tinygrad's WMMA op, the m16n8k16 float16 shape, float32 sums),
-its fragments read from shared memory in the layout the instruction wants. tinygrad's own tensor-core kernels read
-every fragment from global memory; on the H100 the staged kernel took gate/up 4096 -> 14336 at 512 rows in 322.6 us
-against 571.2 for the pinned opts below, down 14336 -> 4096 in 373.6 against 807.1 (issue #22; docs/benchmarks.md).
-The same kernel with float32 x and w runs the tf32 m16n8k8 shape, which tinygrad's PYTHON device emulates on any
-Python (float16 needs 3.12 there): the tests check the tiling there against float64.
+``Tiles.depth`` inputs its threads copy x's and w's slices into shared memory (16 bytes a copy), then each warp
+multiplies its share from there with ``mma.sync`` (tinygrad's WMMA op, the m16n8k16 float16 shape, float32 sums), its
+fragments read from shared memory in the layout the instruction wants. With two stages a step multiplies one slice
+while its loads of the next are in flight, and stores them into the other stage after its products (one barrier a
+step). tinygrad's own tensor-core kernels read every fragment from global memory; on the H100, four products of a
+512-row chunk a replay, the chosen tiles took gate/up 4096 -> 14336 356.0 us against 578.6 for the pinned opts
+below, down 14336 -> 4096 357.4 against 945.8, q/o 125.8 against 278.9 (issue #22; docs/benchmarks.md). The same
+kernel with float32 x and w runs the tf32 m16n8k8 shape, which tinygrad's PYTHON device emulates on any Python
+(float16 needs 3.12 there): the tests check the tiling there against float64.
 
-**Pinned opts**: the kernel tinygrad builds for
-
-``y[n, o] = sum_k x[n, k] * w[o, k]``, x and w float16, the sums float32: the kernel tinygrad builds for
+**Pinned opts**: ``y[n, o] = sum_k x[n, k] * w[o, k]``, x and w float16, the sums float32: the kernel tinygrad builds for
 ``x.matmul(w.T, dtype=dtypes.float32)`` (the same ranges, numbered as tinygrad numbers them, and the same reduce of
 the float16 products cast to float32), written as a UOp program (``Tensor.custom_kernel``) so that its
 ``KernelInfo(opts_to_apply=...)`` carries the optimisations (tinygrad's ``Opt``: tensor cores, upcasts, locals): tinygrad
@@ -132,8 +132,11 @@ FRAGMENTS: dict[tuple[int, int, int], tuple[int, tuple[tuple[int, int], ...], tu
     (8, 16, 8): (1, ((0, 0), (1, 0), (0, 4), (1, 4)), (0, 4)),
 }
 #: the tiles a product takes, by output size (the first whose bound its output size is under; None: any). Chosen on
-#: the H100 at a 512-row chunk of the 8B file's products (docs/benchmarks.md)
-TILES: tuple[tuple[int | None, Tiles], ...] = ((8192, Tiles(64, 128, 64, 2, 4)), (None, Tiles(128, 128, 64, 2, 4)))
+#: the H100 at a 512-row chunk of the 8B file's products (`scripts/tinygrad_gemm_times.py --staged --sweep`; docs/benchmarks.md)
+TILES: tuple[tuple[int | None, Tiles], ...] = (
+    (2048, Tiles(128, 64, 32, 4, 2, stages=2)),
+    (None, Tiles(128, 128, 32, 2, 4, stages=2)),
+)
 MIN_STAGED_ROWS = 64  # fewer rows waste most of a tile: tinygrad's kernel (or the opts above) takes them
 SHARED_LIMIT = 48 * 1024  # tinygrad declares shared memory statically: at most 48 KB a thread group
 
