@@ -83,6 +83,23 @@ def test_describe_names_the_device(backend):
     assert info["backend"] == "tinygrad" and info["device"] and info["kernel_cache"]
 
 
+def test_staged_products_follow_their_settings(monkeypatch):
+    # LEAT_TINYGRAD_TILES: every staged product's tiles (gemm.Tiles); describe() says whether products are staged,
+    # which needs NVIDIA's tensor cores (none on the CPU device)
+    from leat_backend_tinygrad import gemm
+    from tinygrad import Device, dtypes
+
+    monkeypatch.setenv("LEAT_TINYGRAD_TILES", "64,128,32,2,4,8,2")
+    backend = TinygradBackend()
+    assert backend.staged_tiles == gemm.Tiles(64, 128, 32, 2, 4, 8, 2) and backend.staged_products
+    nvidia = gemm.tensor_core(Device[backend.device].renderer, dtypes.float16) is not None
+    assert backend.describe()["staged_products"] == int(nvidia)
+    monkeypatch.setenv("LEAT_TINYGRAD_STAGED", "0")
+    monkeypatch.delenv("LEAT_TINYGRAD_TILES")
+    backend = TinygradBackend()
+    assert backend.staged_tiles is None and backend.describe()["staged_products"] == 0
+
+
 @pytest.mark.parametrize(
     "qtype",
     [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K],

@@ -125,7 +125,7 @@ def test_staged_tiles_follow_the_shape_and_need_nvidia_tensor_cores():
     from tinygrad import dtypes
 
     renderer = Device[Device.DEFAULT].renderer
-    if gemm.tensor_core(renderer, dtypes.float16) is None or renderer.target.device not in ("CUDA", "NV"):
+    if gemm.tensor_core(renderer, dtypes.float16) is None:
         assert gemm.tiles_for(renderer, 512, 4096, 4096) is None
         return
     for outputs, inputs in SHAPES_8B.values():
@@ -145,7 +145,7 @@ def test_staged_product_on_the_device_equals_the_float64_product(rows):
     from tinygrad import dtypes
 
     renderer = Device[Device.DEFAULT].renderer
-    if gemm.tensor_core(renderer, dtypes.float16) is None or renderer.target.device not in ("CUDA", "NV"):
+    if gemm.tensor_core(renderer, dtypes.float16) is None:
         pytest.skip(f"no NVIDIA float16 tensor cores on {Device.DEFAULT}")
     rng = np.random.default_rng(rows)
     for outputs, inputs in [SHAPES_8B["k/v"], SHAPES_8B["gate/up"], SHAPES_8B["down"]]:
@@ -213,6 +213,45 @@ def test_the_h200s_opts_render_tensor_core_kernels_for_sm_90(tmp_path):
         # our kernel left to tinygrad's heuristic is tinygrad's own matmul kernel (the same name: a cache hit)
         assert len(_launched(plain)) == 2 and len(set(_launched(plain))) == 1, plain[:2000]
         assert (_launched(product) == _launched(plain)[:1]) == (report[name] is None), (product[:2000], plain[:2000])
+
+
+STAGED_RENDER = """
+import json, sys
+from tinygrad import Device, Tensor, dtypes
+from leat_backend_tinygrad import gemm
+renderer, report = Device[Device.DEFAULT].renderer, {}
+for name, rows, outputs, inputs in json.loads(sys.argv[1]):
+    tiles = gemm.tiles_for(renderer, rows, outputs, inputs)
+    report[name] = None if tiles is None else repr(tiles)
+    print("@@staged", name, flush=True)
+    x = Tensor.empty(rows, inputs, dtype=dtypes.float16).realize()
+    w = Tensor.empty(outputs, inputs, dtype=dtypes.float16).realize()
+    gemm.staged_product(x, w, tiles).realize()
+print("@@report", json.dumps(report), flush=True)
+"""
+
+
+def test_the_staged_products_render_and_compile_for_sm_90(tmp_path):
+    """The backend's staged products at the 8B file's shapes (512 rows, and 300: rows the tile does not divide) as
+    NVRTC compiles them for sm_90 on tinygrad's NULL device: each a kernel of float16 mma.sync, the two-stage tiles'
+    loop with one barrier a step (two in all: after the first slice's copy, at the loop's end), within 48 KB of
+    shared memory."""
+    if (nvrtc := _nvrtc()) is None:
+        pytest.skip("no libnvrtc.so.13 (the nvidia-cuda-nvrtc wheel: uv sync --all-extras)")
+    shapes = [[f"{name} {rows}", rows, *shape] for name, shape in SHAPES_8B.items() for rows in (512, 300)]
+    env = os.environ | {"DEV": "NULL:CUDA:sm_90", "NVRTC_PATH": str(nvrtc), "DEBUG": "4"}
+    env["CACHEDB"] = str(tmp_path / "cache.db")
+    command = [sys.executable, "-c", STAGED_RENDER, json.dumps(shapes)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.split("@@report ")[-1])
+    assert all(tiles is not None and "stages=2" in tiles for tiles in report.values()), report
+    for name, *_ in shapes:
+        source = done.stdout.split(f"@@staged {name}\n")[1].split("@@")[0]
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in source, source[:2000]
+        assert source.count("__syncthreads();") == 2, source[:4000]
+        shared = [int(n) for n in re.findall(r"__shared__ __align__\(16\) half buf\d+\[(\d+)\]", source)]
+        assert len(shared) == 2 and 0 < 2 * sum(shared) <= gemm.SHARED_LIMIT, shared
 
 
 def _launched(text: str) -> list[str]:

@@ -35,7 +35,7 @@ import itertools
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.codegen import full_rewrite_to_sink
 from tinygrad.codegen.opt import KernelOptError, Opt, OptOps
-from tinygrad.codegen.opt.tc import cuda_81616
+from tinygrad.codegen.opt.tc import cuda_8168_tf32, cuda_81616
 from tinygrad.dtype import AddrSpace, DType
 from tinygrad.renderer import Renderer
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
@@ -142,13 +142,11 @@ SHARED_LIMIT = 48 * 1024  # tinygrad declares shared memory statically: at most 
 
 
 def tensor_core(renderer: Renderer, kind: DType):
-    """The renderer's tensor core of :data:`FRAGMENTS`' shapes taking ``kind`` inputs and float32 sums, or None."""
+    """The renderer's NVIDIA tensor core (m16n8k16 float16, m16n8k8 tf32: :data:`FRAGMENTS`' shapes) taking ``kind``
+    inputs and float32 sums, or None (other devices' tensor cores lay their fragments out otherwise)."""
+    nvidia = (*cuda_81616, *cuda_8168_tf32)
     return next(
-        (
-            tc
-            for tc in renderer.tensor_cores
-            if tc.dims in FRAGMENTS and tc.dtype_in == kind and tc.dtype_out == dtypes.float32
-        ),
+        (tc for tc in renderer.tensor_cores if tc in nvidia and tc.dtype_in == kind and tc.dtype_out == dtypes.float32),
         None,
     )
 
@@ -157,10 +155,10 @@ def tiles_for(
     renderer: Renderer, rows: int, outputs: int, inputs: int, kind: DType = dtypes.float16, chosen: Tiles | None = None
 ) -> Tiles | None:
     """The :data:`TILES` (or ``chosen``) for a product of this shape, or None (the product is not staged): no NVIDIA
-    tensor core for ``kind`` (tinygrad's AMD ones lay their fragments out otherwise), fewer than MIN_STAGED_ROWS rows,
+    tensor core for ``kind`` (:func:`tensor_core`), fewer than MIN_STAGED_ROWS rows,
     or a tile the outputs or inputs do not divide. Rows need not divide: the last tile's extra rows are computed and
     not stored."""
-    if tensor_core(renderer, kind) is None or renderer.target.device not in ("CUDA", "NV") or rows < MIN_STAGED_ROWS:
+    if tensor_core(renderer, kind) is None or rows < MIN_STAGED_ROWS:
         return None
     tiles = chosen or next(tiles for bound, tiles in TILES if bound is None or outputs < bound)
     return tiles if fits(tiles, outputs, inputs, kind) else None
