@@ -619,23 +619,21 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             # Many rows (prefill): dequantize the blocks once into a copy (float32, or float16), then a plain product.
             # Fused into the product, the dequantization would be repeated for every tile of rows (the 8B
             # file's first pp512 did not finish in minutes that way). In float16 (half_products) tensor-core kernels
-            # take the product, summing in float32 (gemm.py: tiles staged through shared memory where NVIDIA's tensor cores
-            # take them, else opts chosen per shape), and the weight's copy is kept
-            # across chunks (_half_values: the 8B file's copies were 17.5 ms of a 166 ms chunk on the H200).
+            # take the product, summing in float32 (gemm.py: tiles staged through shared memory where NVIDIA's tensor
+            # cores take them, else opts chosen per shape), and the weight's copy is kept across chunks (_half_values:
+            # the 8B file's copies were 17.5 ms of a 166 ms chunk on the H200).
             # x and the product are realized on their own (contiguous): fused with the norm before it, or with a
             # sibling product through silu_mul after it, tinygrad wrote one kernel without tensor cores (the 8B
             # file's gate and up with their norm: 20 ms a layer of a 512-token chunk, 85% of it)
             if self.half_products:
                 x, (outputs, inputs) = x.cast(dtypes.float16).contiguous(), weight.shape
-                renderer = Device[self.device].renderer
-                chosen = self.staged_tiles
-                tiles = (
-                    tiles_for(renderer, x.shape[0], outputs, inputs, chosen=chosen) if self.staged_products else None
-                )
+                renderer, rows = Device[self.device].renderer, x.shape[0]
+                staged = self.staged_products
+                tiles = tiles_for(renderer, rows, outputs, inputs, chosen=self.staged_tiles) if staged else None
                 if tiles is not None:
                     y = staged_product(x, self._half_values(weight), tiles)
                 else:
-                    opts = tuned_opts(renderer, x.shape[0], outputs, inputs) if self.tc_opts else None
+                    opts = tuned_opts(renderer, rows, outputs, inputs) if self.tc_opts else None
                     y = half_product(x, self._half_values(weight), opts)
             else:
                 y = (x.contiguous() @ weight.values().contiguous().T).contiguous()

@@ -35,7 +35,7 @@ import itertools
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.codegen import full_rewrite_to_sink
 from tinygrad.codegen.opt import KernelOptError, Opt, OptOps
-from tinygrad.codegen.opt.tc import cuda_8168_tf32, cuda_81616
+from tinygrad.codegen.opt.tc import TensorCore, cuda_8168_tf32, cuda_81616
 from tinygrad.dtype import AddrSpace, DType
 from tinygrad.renderer import Renderer
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
@@ -141,7 +141,7 @@ MIN_STAGED_ROWS = 64  # fewer rows waste most of a tile: tinygrad's kernel (or t
 SHARED_LIMIT = 48 * 1024  # tinygrad declares shared memory statically: at most 48 KB a thread group
 
 
-def tensor_core(renderer: Renderer, kind: DType):
+def tensor_core(renderer: Renderer, kind: DType) -> TensorCore | None:
     """The renderer's NVIDIA tensor core (m16n8k16 float16, m16n8k8 tf32: :data:`FRAGMENTS`' shapes) taking ``kind``
     inputs and float32 sums, or None (other devices' tensor cores lay their fragments out otherwise)."""
     nvidia = (*cuda_81616, *cuda_8168_tf32)
@@ -219,6 +219,11 @@ def _staged_kernel(
             return UOp.group(*made).end(entry)
 
         row0, output0 = wr * (tiles.rows // tiles.warp_rows), wo * (tiles.outputs // tiles.warp_outputs)
+        keys = list(itertools.product(range(tm), range(tn)))  # the warp's mma tiles
+
+        def held(sums: UOp) -> dict:
+            """Each mma tile's four sums as kept in ``sums`` (registers)."""
+            return {(i, n): UOp.stack(*[sums.index((i * tn + n) * 4 + e) for e in range(4)]) for i, n in keys}
 
         def products(staged_x: UOp, staged_w: UOp, stage: UOp | int, inner: UOp | int, sums: dict) -> dict:
             """Each of the warp's mma tiles' sums after the 16 (tf32: 8) inputs ``inner`` of the staged slices."""
@@ -229,20 +234,14 @@ def _staged_kernel(
                 for i in range(tm)
             ]
             b = [UOp.stack(*[staged_w.index((aw + 8 * n) * stride + k0 + dk) for dk in b_elements]) for n in range(tn)]
-            return {(i, n): UOp.wmma(a[i], b[n], sums[i, n], dims, device, 32) for i in range(tm) for n in range(tn)}
+            return {(i, n): UOp.wmma(a[i], b[n], sums[i, n], dims, device, 32) for i, n in keys}
 
         if tiles.stages == 1:
             # each step: copy, barrier, multiply, barrier (tinygrad adds both: the copies' AFTER, the loop's reuse)
             depth = UOp.range(steps, 6, AxisType.REDUCE)
             copied = copies(depth, 0, 7, shared_x, shared_w)
             inner = UOp.range(tiles.depth // dims[2], 8, AxisType.REDUCE)
-            last = products(
-                shared_x.after(copied),
-                shared_w.after(copied),
-                0,
-                inner,
-                dict.fromkeys(itertools.product(range(tm), range(tn)), zero),
-            )
+            last = products(shared_x.after(copied), shared_w.after(copied), 0, inner, dict.fromkeys(keys, zero))
             totals = {key: value.reduce(depth, inner, arg=Ops.ADD) for key, value in last.items()}
         else:
             # two stages: step d multiplies stage d % 2 while its loads of step d + 1 are in flight, then stores them
@@ -254,11 +253,7 @@ def _staged_kernel(
             staged_x, staged_w = shared_x.after(fence), shared_w.after(fence)
             depth = UOp.range(steps, 6, AxisType.LOOP)
             summed = sums.after(zeroed, depth)
-            now = {
-                (i, n): UOp.stack(*[summed.index((i * tn + n) * 4 + e) for e in range(4)])
-                for i in range(tm)
-                for n in range(tn)
-            }
+            now = held(summed)
             for inner in range(tiles.depth // dims[2]):
                 now = products(staged_x, staged_w, depth % 2, inner, now)
             kept = [summed.index((i * tn + n) * 4 + e).store(v[e]) for (i, n), v in now.items() for e in range(4)]
@@ -267,11 +262,7 @@ def _staged_kernel(
                 (depth + 1).minimum(steps - 1), 1 - depth % 2, 9, shared_x.after(*done), shared_w.after(*done)
             )
             looped = sums.after(UOp(Ops.BARRIER, src=(UOp.group(*kept, ahead),)).end(depth))
-            totals = {
-                (i, n): UOp.stack(*[looped.index((i * tn + n) * 4 + e) for e in range(4)])
-                for i in range(tm)
-                for n in range(tn)
-            }
+            totals = held(looped)
         stores = []
         for (i, n), total in totals.items():
             for e in range(4):
