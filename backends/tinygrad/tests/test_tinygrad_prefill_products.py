@@ -5,6 +5,10 @@ On the test device (CI: tinygrad's CPU device, no tensor cores) the kernel is ch
 here, with no opts and with opts the CPU can apply; on tinygrad's NULL device with NVIDIA's renderer for sm_90 (NVRTC
 from the ``nvidia-cuda-nvrtc`` wheel; renders and compiles, runs nothing) the H200's opts are checked as tinygrad
 applies them: its own record of the opts and the tensor cores' ``mma`` instructions in the source.
+
+``gemm.staged_product`` (tiles staged through shared memory, NVIDIA's tensor cores only) is checked against float64 on
+tinygrad's PYTHON device emulating sm_80's tensor cores, rendered and compiled for sm_90 on the NULL device, and run
+against float64 where the test device has NVIDIA's tensor cores (the GPU run).
 """
 
 from __future__ import annotations
@@ -132,7 +136,8 @@ def test_staged_tiles_follow_the_shape_and_need_nvidia_tensor_cores():
         tiles = gemm.tiles_for(renderer, 512, outputs, inputs)
         assert tiles is not None and gemm.fits(tiles, outputs, inputs, dtypes.float16), (outputs, tiles)
     assert gemm.tiles_for(renderer, gemm.MIN_STAGED_ROWS - 1, 4096, 4096) is None
-    assert gemm.tiles_for(renderer, 512, 4096, 4000) is None  # no depth of 64 divides 4000
+    depth = gemm.tiles_for(renderer, 512, 4096, 4096).depth
+    assert gemm.tiles_for(renderer, 512, 4096, 4096 + depth // 2) is None  # inputs the tiles' depth does not divide
 
 
 TWO_KINDS_OF_STAGE = (gemm.Tiles(128, 128, 64, 2, 4, stages=1), gemm.Tiles(64, 128, 32, 2, 4, stages=2))
