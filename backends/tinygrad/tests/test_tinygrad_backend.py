@@ -84,8 +84,8 @@ def test_describe_names_the_device(backend):
 
 
 def test_staged_products_follow_their_settings(monkeypatch):
-    # LEAT_TINYGRAD_TILES: every staged product's tiles (gemm.Tiles); describe() says whether products are staged,
-    # which needs NVIDIA's tensor cores (none on the CPU device)
+    # LEAT_TINYGRAD_TILES: every staged product's tiles (gemm.Tiles); describe() names a 4096 x 4096 product's tiles,
+    # None without NVIDIA's tensor cores (the CPU device), "off" with LEAT_TINYGRAD_STAGED=0
     from leat_backend_tinygrad import gemm
     from tinygrad import Device, dtypes
 
@@ -93,11 +93,12 @@ def test_staged_products_follow_their_settings(monkeypatch):
     backend = TinygradBackend()
     assert backend.staged_tiles == gemm.Tiles(64, 128, 32, 2, 4, 8, 2) and backend.staged_products
     nvidia = gemm.tensor_core(Device[backend.device].renderer, dtypes.float16) is not None
-    assert backend.describe()["staged_products"] == int(nvidia)
+    expected = repr(gemm.Tiles(64, 128, 32, 2, 4, 8, 2)) if nvidia else "None"
+    assert backend.describe()["staged_products"] == expected
     monkeypatch.setenv("LEAT_TINYGRAD_STAGED", "0")
     monkeypatch.delenv("LEAT_TINYGRAD_TILES")
     backend = TinygradBackend()
-    assert backend.staged_tiles is None and backend.describe()["staged_products"] == 0
+    assert backend.staged_tiles is None and backend.describe()["staged_products"] == "off"
 
 
 @pytest.mark.parametrize(

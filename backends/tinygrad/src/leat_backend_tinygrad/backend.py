@@ -304,9 +304,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             "int_types": ",".join(sorted(t.name.lower() for t in self.int_types)),
             "softmax_kernel": int(self.softmax_kernel),
             "fused_attention": int(self.fused_attention and Device[self.device].renderer.has_local),
-            "staged_products": int(
-                self.staged_products and tiles_for(Device[self.device].renderer, 512, 4096, 4096) is not None
-            ),
+            # whether a 512-row chunk's 4096 x 4096 product is staged (gemm.tiles_for), and with what
+            "staged_products": repr(tiles_for(Device[self.device].renderer, 512, 4096, 4096, chosen=self.staged_tiles))
+            if self.staged_products
+            else "off",
             "lane_sum": lanesum.mode(self.device) if Device[self.device].renderer.has_local else "loop",
         }
 
