@@ -81,7 +81,7 @@ def test_opts_follow_the_output_size_and_need_nvidia_tensor_cores():
 STAGED = """
 import json, sys
 import numpy as np
-from tinygrad import Device, Tensor, dtypes
+from tinygrad import Tensor
 from leat_backend_tinygrad import gemm
 report = []
 for kind, rows, outputs, inputs, tiles in json.loads(sys.argv[1]):

@@ -171,10 +171,9 @@ def fits(tiles: Tiles, outputs: int, inputs: int, kind: DType) -> bool:
         tiles.stages in (1, 2)
         and outputs % tiles.outputs == 0
         and inputs % tiles.depth == 0
-        and tiles.depth % max(copy, 16) == 0
         and tiles.rows % (16 * tiles.warp_rows) == 0
         and tiles.outputs % (8 * tiles.warp_outputs) == 0
-        and tiles.depth % (4 * copy) == 0  # a row's copies come in fours (a lane's t)
+        and tiles.depth % (4 * copy) == 0  # a row's copies come in fours (a lane's t); so 16 (tf32: 8) divides it
         and all(size % (8 * tiles.threads // 32) == 0 for size in (tiles.rows, tiles.outputs))  # rows in eights a warp
         and tiles.shared_bytes(kind) <= SHARED_LIMIT
     )
