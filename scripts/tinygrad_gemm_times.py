@@ -7,6 +7,7 @@ times a float16 weight copy [n, k], summed in float32.
     DEV=CUDA python scripts/tinygrad_gemm_times.py --pinned              # gemm.py's opts per shape
     DEV=CUDA python scripts/tinygrad_gemm_times.py --staged              # gemm.py's staged tiles (the backend's)
     DEV=CUDA python scripts/tinygrad_gemm_times.py --staged --sweep      # and every tile set of SWEEP beside them
+    DEV=CUDA python scripts/tinygrad_gemm_times.py --staged --tiles 128,128,32,2,4,0,2 --only gate/up
 
 Each line times ``--batch`` products of the shape (different weights of it) in one TinyJit, replayed as a graph, 3
 times to warm up and ``--reps`` times timed with a device synchronisation at the end: microseconds a product and
@@ -20,22 +21,21 @@ import argparse
 import time
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336)}
-# gemm.Tiles (rows, outputs, depth, warp_rows, warp_outputs[, pad, stages]) tried by --sweep
+# gemm.Tiles (rows, outputs, depth, warp_rows, warp_outputs[, pad, stages, runs]) tried by --sweep (pad None: the
+# tiles' own choice; runs 0: the fragments read in PTX's order, 4 bytes at a time, as before the thirty-fourth session)
 SWEEP = [
-    (64, 128, 64, 2, 4),
-    (128, 128, 64, 2, 4),
-    (64, 64, 64, 2, 2),
-    (64, 256, 64, 2, 4),
-    (128, 128, 32, 2, 4),
-    (32, 128, 64, 1, 4),
-    (128, 128, 32, 2, 4, 8, 2),
-    (64, 128, 32, 2, 4, 8, 2),
-    (64, 64, 64, 2, 2, 8, 2),
-    (32, 128, 64, 1, 4, 8, 2),
-    (128, 64, 32, 4, 2, 8, 2),
-    (64, 256, 32, 2, 4, 8, 2),
-    (128, 256, 32, 2, 4),
-    (256, 128, 32, 4, 2),
+    (128, 128, 32, 2, 4, 8, 2, 0),
+    (128, 64, 32, 4, 2, 8, 2, 0),
+    (128, 128, 32, 2, 4, None, 2),
+    (128, 128, 32, 4, 2, None, 2),
+    (128, 64, 32, 4, 2, None, 2),
+    (64, 128, 32, 2, 4, None, 2),
+    (64, 64, 32, 2, 2, None, 2),
+    (128, 256, 32, 2, 4, None, 2),
+    (256, 128, 32, 4, 2, None, 2),
+    (128, 256, 32, 2, 4, None, 1),
+    (128, 128, 64, 2, 4, None, 1),
+    (128, 128, 64, 4, 2, None, 1),
 ]
 
 
@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--pinned", action="store_true", help="gemm.tuned_opts's kernel")
     ap.add_argument("--staged", action="store_true", help="gemm.staged_product with gemm.tiles_for's tiles")
     ap.add_argument("--sweep", action="store_true", help="with --staged: every tile set of SWEEP too")
+    ap.add_argument("--only", nargs="*", default=[], help="these products only (names as SHAPES has them)")
+    ap.add_argument("--tiles", nargs="*", default=[], help="with --staged: these tiles only, as LEAT_TINYGRAD_TILES")
     args = ap.parse_args()
     from leat_backend_tinygrad import gemm
     from tinygrad import Device, Tensor, TinyJit, dtypes
@@ -71,6 +73,8 @@ def main() -> None:
         return got
 
     for name, (n, k) in SHAPES.items():
+        if args.only and name not in args.only:
+            continue
         xs = [Tensor.rand(args.rows, k, dtype=dtypes.float16).realize() for _ in range(args.batch)]
         ws = [Tensor.rand(n, k, dtype=dtypes.float16).realize() for _ in range(args.batch)]
         renderer, flops = Device[xs[0].device].renderer, 2 * args.rows * n * k
@@ -86,7 +90,8 @@ def main() -> None:
         if not args.staged:
             continue
         chosen = gemm.tiles_for(renderer, args.rows, n, k)
-        tried = [chosen] if chosen else []
+        tried = [chosen] if chosen and not args.tiles else []
+        tried += [gemm.Tiles(*(int(v) for v in t.split(","))) for t in args.tiles]
         tried += [gemm.Tiles(*t) for t in SWEEP] if args.sweep else []
         for tiles in dict.fromkeys(tried):
             if not gemm.fits(tiles, n, k, dtypes.float16):

@@ -112,25 +112,42 @@ class Tiles:
     depth: int = 64
     warp_rows: int = 2
     warp_outputs: int = 4
-    pad: int = 8  # entries a shared row is longer than depth: a fragment's 8 rows fall on different banks
+    #: entries a shared row is longer than depth (None: :meth:`padding`'s choice)
+    pad: int | None = None
     stages: int = 1  # slices in shared memory: 2 multiplies one while the next one's loads are in flight
+    #: a lane reads its quarter of each row's slice, 16 bytes at a time (:data:`A_WORDS`); False: the inputs in PTX's
+    #: order, 4 bytes at a time
+    runs: bool = True
 
     @property
     def threads(self) -> int:
         return 32 * self.warp_rows * self.warp_outputs
 
+    def padding(self, kind: DType) -> int:
+        """``pad``, or the one that puts a warp's 16-byte reads of its fragments (8 lanes at a time: rows g and g + 1,
+        each lane t its quarter of the row) on distinct banks: a row of 4 (mod 8) 16-byte units where a lane reads one
+        unit, an odd number where it reads more (its first reads then fall apart)."""
+        if self.pad is not None:
+            return self.pad
+        units = self.depth * kind.itemsize // 16  # a row's 16-byte units
+        if not self.runs:  # 4-byte reads of 8 rows at a time
+            return 8
+        odd = units // 4 > 1
+        extra = next(e for e in range(8) if ((units + e) % 2 == 1 if odd else (units + e) % 8 == 4))
+        return extra * 16 // kind.itemsize
+
     def shared_bytes(self, kind: DType) -> int:
-        return self.stages * (self.rows + self.outputs) * (self.depth + self.pad) * kind.itemsize
+        return self.stages * (self.rows + self.outputs) * (self.depth + self.padding(kind)) * kind.itemsize
 
 
-#: per tensor-core shape (tinygrad's dims: N, M, K): the inputs a lane's t (lane % 4) steps by, then a's elements as
-#: (block of 8 rows, input offset) and b's as input offsets, in the order mma.sync takes them (PTX ISA, "Matrix
-#: Fragments for mma.m16n8k16" and "mma.m16n8k8" tf32); a lane's row (or output) within 8 is its g (lane // 4). The
-#: results' four elements are (8 * (e // 2) + g, 2 * t + e % 2) for both.
-FRAGMENTS: dict[tuple[int, int, int], tuple[int, tuple[tuple[int, int], ...], tuple[int, ...]]] = {
-    (8, 16, 16): (2, ((0, 0), (0, 1), (1, 0), (1, 1), (0, 8), (0, 9), (1, 8), (1, 9)), (0, 1, 8, 9)),
-    (8, 16, 8): (1, ((0, 0), (1, 0), (0, 4), (1, 4)), (0, 4)),
-}
+#: a lane's 32-bit words of one row that one mma.sync takes (float16, m16n8k16: four entries; tf32, m16n8k8: two)
+WORDS = 2
+#: a's words in the order mma.sync takes its registers: (block of 8 rows, word); b's are its words 0 and 1. Which
+#: inputs (k) a lane's entries are does not matter to a sum over k as long as a and b agree: a lane (t = lane % 4)
+#: takes the t-th quarter of each depth slice's row, contiguous, WORDS a product, so its words of a slice are one
+#: 16-byte read from shared memory (PTX ISA's "Matrix Fragments" layouts renumber k; its results' four elements are
+#: (8 * (e // 2) + g, 2 * t + e % 2), g = lane // 4)
+A_WORDS = ((0, 0), (1, 0), (0, 1), (1, 1))
 #: the tiles a product takes, by output size (the first whose bound its output size is under; None: any). Chosen on
 #: the H100 at a 512-row chunk of the 8B file's products (`scripts/tinygrad_gemm_times.py --staged --sweep`; docs/benchmarks.md)
 TILES: tuple[tuple[int | None, Tiles], ...] = (
@@ -174,6 +191,7 @@ def fits(tiles: Tiles, outputs: int, inputs: int, kind: DType) -> bool:
         and tiles.rows % (16 * tiles.warp_rows) == 0
         and tiles.outputs % (8 * tiles.warp_outputs) == 0
         and tiles.depth % (4 * copy) == 0  # a row's copies come in fours (a lane's t); so 16 (tf32: 8) divides it
+        and tiles.padding(kind) * kind.itemsize % 16 == 0  # shared rows start on 16 bytes (copies, 16-byte reads)
         and all(size % (8 * tiles.threads // 32) == 0 for size in (tiles.rows, tiles.outputs))  # rows in eights a warp
         and tiles.shared_bytes(kind) <= SHARED_LIMIT
     )
@@ -182,10 +200,10 @@ def fits(tiles: Tiles, outputs: int, inputs: int, kind: DType) -> bool:
 def _staged_kernel(
     rows: int, outputs: int, inputs: int, tiles: Tiles, kind: DType, dims: tuple[int, int, int], device: str
 ):
-    step, a_elements, b_elements = FRAGMENTS[dims]
+    per_word, copy = 4 // kind.itemsize, 16 // kind.itemsize  # entries a 32-bit word holds, a 16-byte copy moves
     tm, tn = tiles.rows // tiles.warp_rows // 16, tiles.outputs // tiles.warp_outputs // 8  # mma tiles a warp
-    stride, copy = tiles.depth + tiles.pad, 16 // kind.itemsize
-    steps, per_row = inputs // tiles.depth, tiles.depth // copy  # depth steps; 16-byte copies a tile row
+    stride, steps = tiles.depth + tiles.padding(kind), inputs // tiles.depth
+    per_row, run = tiles.depth // copy, tiles.depth // 4  # a row's copies; a lane's run (the row's t-th quarter)
     zero = UOp.const((0.0,) * 4, dtypes.float32)
 
     def fxn(out: UOp, x: UOp, w: UOp) -> UOp:
@@ -201,11 +219,11 @@ def _staged_kernel(
         shared_x = UOp.placeholder((tiles.stages * tiles.rows * stride,), kind, 900, AddrSpace.LOCAL)
         shared_w = UOp.placeholder((tiles.stages * tiles.outputs * stride,), kind, 901, AddrSpace.LOCAL)
 
-        def copies(at_step: UOp, stage: UOp | int, entry_axis: int, x_to: UOp, w_to: UOp) -> UOp:
+        def copies(at_step: UOp, stage: UOp | int, x_to: UOp, w_to: UOp) -> UOp:
             """Step ``at_step``'s slices of x and w into shared stage ``stage``: a copy's row is g + 8 warp (+ a
             pass's rows), its 16 bytes the t-th (+ 4 a pass) of the row; no division of g or t, which tinygrad
             would split into ranges of their own (and the lanes out of the fragments' order)."""
-            entry, made = UOp.range(copy, entry_axis, AxisType.UPCAST), []
+            entry, made = UOp.range(copy, 7, AxisType.UPCAST), []
             for shared, source, first, size, last in (
                 (x_to, x, block_rows * tiles.rows, tiles.rows, rows - 1 if rows % tiles.rows else None),
                 (w_to, w, block_outputs * tiles.outputs, tiles.outputs, None),
@@ -224,42 +242,49 @@ def _staged_kernel(
             """Each mma tile's four sums as kept in ``sums`` (registers)."""
             return {(i, n): UOp.stack(*[sums.index((i * tn + n) * 4 + e) for e in range(4)]) for i, n in keys}
 
-        def products(staged_x: UOp, staged_w: UOp, stage: UOp | int, inner: UOp | int, sums: dict) -> dict:
-            """Each of the warp's mma tiles' sums after the 16 (tf32: 8) inputs ``inner`` of the staged slices."""
-            k0 = inner * dims[2] + step * t
+        def products(staged_x: UOp, staged_w: UOp, stage: UOp | int, inner: int, sums: dict) -> dict:
+            """Each of the warp's mma tiles' sums after the ``inner``-th mma.sync of the staged slices: the lane's
+            WORDS words from ``inner * WORDS`` of its run (t-th quarter) of each row."""
             ax, aw = stage * tiles.rows + row0 + g, stage * tiles.outputs + output0 + g
+
+            def word(shared: UOp, row: UOp, j: int) -> list[UOp]:
+                if tiles.runs:  # the lane's run: a row's t-th quarter, WORDS words a product
+                    start = t * run + (inner * WORDS + j) * per_word
+                else:  # PTX's order: the lane's words t and t + 4 of the product's inputs
+                    start = inner * dims[2] + t * per_word + j * dims[2] // 2
+                return [shared.index(row * stride + start + e) for e in range(per_word)]
+
             a = [
-                UOp.stack(*[staged_x.index((ax + 16 * i + 8 * r8) * stride + k0 + dk) for r8, dk in a_elements])
-                for i in range(tm)
+                UOp.stack(*[e for r8, j in A_WORDS for e in word(staged_x, ax + 16 * i + 8 * r8, j)]) for i in range(tm)
             ]
-            b = [UOp.stack(*[staged_w.index((aw + 8 * n) * stride + k0 + dk) for dk in b_elements]) for n in range(tn)]
+            b = [UOp.stack(*[e for j in range(WORDS) for e in word(staged_w, aw + 8 * n, j)]) for n in range(tn)]
             return {(i, n): UOp.wmma(a[i], b[n], sums[i, n], dims, device, 32) for i, n in keys}
 
+        mmas = tiles.depth // dims[2]  # mma.sync a depth step (each WORDS words of a lane's run)
         if tiles.stages == 1:
             # each step: copy, barrier, multiply, barrier (tinygrad adds both: the copies' AFTER, the loop's reuse)
             depth = UOp.range(steps, 6, AxisType.REDUCE)
-            copied = copies(depth, 0, 7, shared_x, shared_w)
-            inner = UOp.range(tiles.depth // dims[2], 8, AxisType.REDUCE)
-            last = products(shared_x.after(copied), shared_w.after(copied), 0, inner, dict.fromkeys(keys, zero))
-            totals = {key: value.reduce(depth, inner, arg=Ops.ADD) for key, value in last.items()}
+            copied = copies(depth, 0, shared_x, shared_w)
+            now = dict.fromkeys(keys, zero)
+            for inner in range(mmas):
+                now = products(shared_x.after(copied), shared_w.after(copied), 0, inner, now)
+            totals = {key: value.reduce(depth, arg=Ops.ADD) for key, value in now.items()}
         else:
             # two stages: step d multiplies stage d % 2 while its loads of step d + 1 are in flight, then stores them
             # into the other stage; one barrier a step. The sums live in registers of our own across the loop
             # (tinygrad's reduce could not hold the copies inside its loop)
             sums = UOp.placeholder((tm * tn * 4,), dtypes.float32, 902, AddrSpace.REG)
             zeroed = UOp.group(*[sums.after(t).index(i).store(0.0) for i in range(tm * tn * 4)])
-            fence = UOp(Ops.BARRIER, src=(copies(UOp.const(0), 0, 7, shared_x, shared_w),))
+            fence = UOp(Ops.BARRIER, src=(copies(UOp.const(0), 0, shared_x, shared_w),))
             staged_x, staged_w = shared_x.after(fence), shared_w.after(fence)
             depth = UOp.range(steps, 6, AxisType.LOOP)
             summed = sums.after(zeroed, depth)
             now = held(summed)
-            for inner in range(tiles.depth // dims[2]):
+            for inner in range(mmas):
                 now = products(staged_x, staged_w, depth % 2, inner, now)
             kept = [summed.index((i * tn + n) * 4 + e).store(v[e]) for (i, n), v in now.items() for e in range(4)]
             done = tuple(now.values())  # the next step's stores wait for this step's products (no barrier between)
-            ahead = copies(
-                (depth + 1).minimum(steps - 1), 1 - depth % 2, 9, shared_x.after(*done), shared_w.after(*done)
-            )
+            ahead = copies((depth + 1).minimum(steps - 1), 1 - depth % 2, shared_x.after(*done), shared_w.after(*done))
             looped = sums.after(UOp(Ops.BARRIER, src=(UOp.group(*kept, ahead),)).end(depth))
             totals = held(looped)
         stores = []
