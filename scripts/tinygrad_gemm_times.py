@@ -28,14 +28,13 @@ SWEEP = [
     (128, 64, 32, 4, 2, 8, 2, 0),
     (128, 128, 32, 2, 4, None, 2),
     (128, 128, 32, 4, 2, None, 2),
+    (128, 128, 32, 2, 2, None, 2),
     (128, 64, 32, 4, 2, None, 2),
-    (64, 128, 32, 2, 4, None, 2),
+    (64, 128, 32, 2, 2, None, 2),
     (64, 64, 32, 2, 2, None, 2),
-    (128, 256, 32, 2, 4, None, 2),
-    (256, 128, 32, 4, 2, None, 2),
-    (128, 256, 32, 2, 4, None, 1),
     (128, 128, 64, 2, 4, None, 1),
-    (128, 128, 64, 4, 2, None, 1),
+    (256, 128, 32, 4, 2, None, 1),
+    (128, 256, 32, 2, 4, None, 1),
 ]
 
 
@@ -91,7 +90,7 @@ def main() -> None:
             continue
         chosen = gemm.tiles_for(renderer, args.rows, n, k)
         tried = [chosen] if chosen and not args.tiles else []
-        tried += [gemm.Tiles(*(int(v) for v in t.split(","))) for t in args.tiles]
+        tried += [gemm.Tiles.parse(t) for t in args.tiles]
         tried += [gemm.Tiles(*t) for t in SWEEP] if args.sweep else []
         for tiles in dict.fromkeys(tried):
             if not gemm.fits(tiles, n, k, dtypes.float16):

@@ -89,11 +89,12 @@ def test_staged_products_follow_their_settings(monkeypatch):
     from leat_backend_tinygrad import gemm
     from tinygrad import Device, dtypes
 
-    monkeypatch.setenv("LEAT_TINYGRAD_TILES", "64,128,32,2,4,8,2")
+    monkeypatch.setenv("LEAT_TINYGRAD_TILES", "128,64,32,4,2,8,2,0")
     backend = TinygradBackend()
-    assert backend.staged_tiles == gemm.Tiles(64, 128, 32, 2, 4, 8, 2) and backend.staged_products
+    assert backend.staged_tiles == gemm.Tiles(128, 64, 32, 4, 2, 8, 2, runs=False) and backend.staged_products
+    assert gemm.Tiles.parse("128,64,32,4,2,auto,2") == gemm.Tiles(128, 64, 32, 4, 2, None, 2, runs=True)
     nvidia = gemm.tensor_core(Device[backend.device].renderer, dtypes.float16) is not None
-    expected = repr(gemm.Tiles(64, 128, 32, 2, 4, 8, 2)) if nvidia else "None"
+    expected = repr(gemm.Tiles(128, 64, 32, 4, 2, 8, 2, runs=False)) if nvidia else "None"
     assert backend.describe()["staged_products"] == expected
     monkeypatch.setenv("LEAT_TINYGRAD_STAGED", "0")
     monkeypatch.delenv("LEAT_TINYGRAD_TILES")

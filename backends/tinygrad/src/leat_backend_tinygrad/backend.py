@@ -236,10 +236,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # or, where NVIDIA's tensor cores and the shape allow, our kernel of tiles staged through shared memory
         # (gemm.staged_product); LEAT_TINYGRAD_STAGED=0 keeps the kernel above for every shape
         self.staged_products = os.environ.get("LEAT_TINYGRAD_STAGED", "1") != "0"
-        # every staged product's tiles, "rows,outputs,depth,warp_rows,warp_outputs[,pad,stages]" (gemm.Tiles; unset:
+        # every staged product's tiles, "rows,outputs,depth,warp_rows,warp_outputs[,pad,stages,runs]" (gemm.Tiles; unset:
         # gemm.TILES by output size; a shape the tiles do not fit keeps the kernel above)
         tiles = os.environ.get("LEAT_TINYGRAD_TILES", "")
-        self.staged_tiles = Tiles(*(int(v) for v in tiles.split(","))) if tiles else None
+        self.staged_tiles = Tiles.parse(tiles) if tiles else None
         # products with up to this many rows and a weight of a gemv.py type use its kernel (0: never)
         self.gemv_rows = int(os.environ.get("LEAT_TINYGRAD_GEMV_ROWS", str(MAX_ROWS)))
         # its threads' shape, "lanes,groups,per_thread" (gemv.Shape; unset: gemv.Shape()'s default)

@@ -112,41 +112,65 @@ class Tiles:
     depth: int = 64
     warp_rows: int = 2
     warp_outputs: int = 4
-    #: entries a shared row is longer than depth (None: :meth:`padding`'s choice)
+    #: entries a shared row is longer than its slice (None: :meth:`strides`' choice)
     pad: int | None = None
     stages: int = 1  # slices in shared memory: 2 multiplies one while the next one's loads are in flight
-    #: a lane reads its quarter of each row's slice, 16 bytes at a time (:data:`A_WORDS`); False: the inputs in PTX's
-    #: order, 4 bytes at a time
+    #: the fragments read 16 bytes at a time in the registers' order (:data:`A_WORDS`); False: in PTX's order of the
+    #: inputs, 4 bytes at a time (more shared-memory reads; kept for comparison)
     runs: bool = True
+
+    @classmethod
+    def parse(cls, text: str) -> Tiles:
+        """Tiles from "rows,outputs,depth,warp_rows,warp_outputs[,pad,stages,runs]" (LEAT_TINYGRAD_TILES; pad "" or
+        "auto": :meth:`strides`' choice; runs 0 or 1)."""
+        values = [v.strip() for v in text.split(",")]
+        sizes = [int(v) for v in values[:5]]
+        pad = None if len(values) < 6 or values[5] in ("", "auto") else int(values[5])
+        stages = int(values[6]) if len(values) > 6 else 1
+        return cls(*sizes, pad=pad, stages=stages, runs=values[7] != "0" if len(values) > 7 else True)
 
     @property
     def threads(self) -> int:
         return 32 * self.warp_rows * self.warp_outputs
 
-    def padding(self, kind: DType) -> int:
-        """``pad``, or the one that puts a warp's 16-byte reads of its fragments (8 lanes at a time: rows g and g + 1,
-        each lane t its quarter of the row) on distinct banks: a row of 4 (mod 8) 16-byte units where a lane reads one
-        unit, an odd number where it reads more (its first reads then fall apart)."""
-        if self.pad is not None:
-            return self.pad
-        units = self.depth * kind.itemsize // 16  # a row's 16-byte units
-        if not self.runs:  # 4-byte reads of 8 rows at a time
-            return 8
-        odd = units // 4 > 1
-        extra = next(e for e in range(8) if ((units + e) % 2 == 1 if odd else (units + e) % 8 == 4))
-        return extra * 16 // kind.itemsize
+    def strides(self, kind: DType) -> tuple[int, int]:
+        """Entries from one shared row to the next: x's (with ``runs`` a row holds two of x's rows, g and g + 8 of
+        an mma tile, interleaved a word at a time) and w's. Unless ``pad`` says, each row is padded by the fewest
+        16-byte units that put a quarter-warp's first 16-byte fragment reads (rows g and g + 1, lanes t) on the most
+        distinct banks."""
+        units = self.depth * kind.itemsize // 16  # 16-byte units of a row's slice
+        if not self.runs:
+            pad = 8 if self.pad is None else self.pad
+            return self.depth + pad, self.depth + pad
+        per_unit = 16 // kind.itemsize
+
+        def padded(row: int, lane: int) -> int:  # a row of ``row`` units, a lane's reads ``lane`` units apart
+            if self.pad is not None:
+                return row * per_unit + self.pad
+            return (row + min(range(8), key=lambda extra: _clashes(row + extra, lane))) * per_unit
+
+        return padded(2 * units, units // 2), padded(units, units // 4)
 
     def shared_bytes(self, kind: DType) -> int:
-        return self.stages * (self.rows + self.outputs) * (self.depth + self.padding(kind)) * kind.itemsize
+        x_stride, w_stride = self.strides(kind)
+        x_rows = self.rows // 2 if self.runs else self.rows
+        return self.stages * (x_rows * x_stride + self.outputs * w_stride) * kind.itemsize
+
+
+def _clashes(row: int, lane: int) -> int:
+    """The most of a quarter-warp's 16-byte reads on one group of banks: lanes t = 0..3 of rows g and g + 1 reading
+    unit ``t * lane`` of rows ``row`` units long."""
+    at = [(g * row + t * lane) % 8 for g in (0, 1) for t in range(4)]
+    return max(at.count(unit) for unit in at)
 
 
 #: a lane's 32-bit words of one row that one mma.sync takes (float16, m16n8k16: four entries; tf32, m16n8k8: two)
 WORDS = 2
-#: a's words in the order mma.sync takes its registers: (block of 8 rows, word); b's are its words 0 and 1. Which
-#: inputs (k) a lane's entries are does not matter to a sum over k as long as a and b agree: a lane (t = lane % 4)
-#: takes the t-th quarter of each depth slice's row, contiguous, WORDS a product, so its words of a slice are one
-#: 16-byte read from shared memory (PTX ISA's "Matrix Fragments" layouts renumber k; its results' four elements are
-#: (8 * (e // 2) + g, 2 * t + e % 2), g = lane // 4)
+#: a's registers in mma.sync's order as (row g or g + 8, word); b's are words 0 and 1 of its row. Which inputs (k) a
+#: lane's words hold does not matter to a sum over k as long as a and b agree: with ``Tiles.runs`` lane t (lane % 4)
+#: takes the t-th quarter of each slice's row, WORDS words a product, and x's rows g and g + 8 lie interleaved a word
+#: at a time, so an mma's a is one 16-byte read and b half of one (PTX ISA's "Matrix Fragments" layouts, k renumbered;
+#: the results' four elements are (8 * (e // 2) + g, 2 * t + e % 2), g = lane // 4)
 A_WORDS = ((0, 0), (1, 0), (0, 1), (1, 1))
 #: the tiles a product takes, by output size (the first whose bound its output size is under; None: any). Chosen on
 #: the H100 at a 512-row chunk of the 8B file's products (`scripts/tinygrad_gemm_times.py --staged --sweep`; docs/benchmarks.md)
@@ -178,21 +202,25 @@ def tiles_for(
     if tensor_core(renderer, kind) is None or rows < MIN_STAGED_ROWS:
         return None
     tiles = chosen or next(tiles for bound, tiles in TILES if bound is None or outputs < bound)
-    return tiles if fits(tiles, outputs, inputs, kind) else None
+    return tiles if fits(tiles, outputs, inputs, kind, rows) else None
 
 
-def fits(tiles: Tiles, outputs: int, inputs: int, kind: DType) -> bool:
-    """Whether a staged product of these outputs and inputs can take ``tiles``."""
+def fits(tiles: Tiles, outputs: int, inputs: int, kind: DType, rows: int | None = None) -> bool:
+    """Whether a staged product of these outputs and inputs (and ``rows``, where given) can take ``tiles``."""
     copy = 16 // kind.itemsize  # entries a 16-byte copy moves
     return (
-        tiles.stages in (1, 2)
+        # one warp of rows and a last tile of fewer rows: tinygrad 0.14's rewrites leave rows of the first tile unset
+        # (found on the PYTHON device: rows 8-31 of 32 with 40 rows); the tiles the backend takes have more warps
+        (rows is None or rows % tiles.rows == 0 or tiles.warp_rows > 1)
+        and tiles.stages in (1, 2)
         and outputs % tiles.outputs == 0
         and inputs % tiles.depth == 0
         and tiles.rows % (16 * tiles.warp_rows) == 0
         and tiles.outputs % (8 * tiles.warp_outputs) == 0
         and tiles.depth % (4 * copy) == 0  # a row's copies come in fours (a lane's t); so 16 (tf32: 8) divides it
-        and tiles.padding(kind) * kind.itemsize % 16 == 0  # shared rows start on 16 bytes (copies, 16-byte reads)
+        and all(stride * kind.itemsize % 16 == 0 for stride in tiles.strides(kind))  # rows start on 16 bytes
         and all(size % (8 * tiles.threads // 32) == 0 for size in (tiles.rows, tiles.outputs))  # rows in eights a warp
+        and (not tiles.runs or tiles.rows % (16 * tiles.threads // 32) == 0)  # x's pairs of rows in eights a warp
         and tiles.shared_bytes(kind) <= SHARED_LIMIT
     )
 
@@ -202,8 +230,9 @@ def _staged_kernel(
 ):
     per_word, copy = 4 // kind.itemsize, 16 // kind.itemsize  # entries a 32-bit word holds, a 16-byte copy moves
     tm, tn = tiles.rows // tiles.warp_rows // 16, tiles.outputs // tiles.warp_outputs // 8  # mma tiles a warp
-    stride, steps = tiles.depth + tiles.padding(kind), inputs // tiles.depth
+    (x_stride, w_stride), steps = tiles.strides(kind), inputs // tiles.depth
     per_row, run = tiles.depth // copy, tiles.depth // 4  # a row's copies; a lane's run (the row's t-th quarter)
+    x_rows = tiles.rows // 2 if tiles.runs else tiles.rows  # shared rows of x (with runs: pairs of x's rows)
     zero = UOp.const((0.0,) * 4, dtypes.float32)
 
     def fxn(out: UOp, x: UOp, w: UOp) -> UOp:
@@ -216,23 +245,39 @@ def _staged_kernel(
         wr = UOp.range(tiles.warp_rows, 4, AxisType.LOCAL) if tiles.warp_rows > 1 else UOp.const(0)
         wo = UOp.range(tiles.warp_outputs, 5, AxisType.LOCAL) if tiles.warp_outputs > 1 else UOp.const(0)
         warp, warps = wr * tiles.warp_outputs + wo, tiles.warp_rows * tiles.warp_outputs
-        shared_x = UOp.placeholder((tiles.stages * tiles.rows * stride,), kind, 900, AddrSpace.LOCAL)
-        shared_w = UOp.placeholder((tiles.stages * tiles.outputs * stride,), kind, 901, AddrSpace.LOCAL)
+        shared_x = UOp.placeholder((tiles.stages * x_rows * x_stride,), kind, 900, AddrSpace.LOCAL)
+        shared_w = UOp.placeholder((tiles.stages * tiles.outputs * w_stride,), kind, 901, AddrSpace.LOCAL)
+        first_row, last_row = block_rows * tiles.rows, rows - 1 if rows % tiles.rows else None
+
+        def x_row(r: UOp) -> UOp:
+            """x's row of the tile's row ``r``: past the last row, the last again (computed, never stored)."""
+            return first_row + r if last_row is None else (first_row + r).minimum(last_row)
 
         def copies(at_step: UOp, stage: UOp | int, x_to: UOp, w_to: UOp) -> UOp:
             """Step ``at_step``'s slices of x and w into shared stage ``stage``: a copy's row is g + 8 warp (+ a
             pass's rows), its 16 bytes the t-th (+ 4 a pass) of the row; no division of g or t, which tinygrad
-            would split into ranges of their own (and the lanes out of the fragments' order)."""
+            would split into ranges of their own (and the lanes out of the fragments' order). With ``runs`` a
+            thread copies its quarter of x's rows g and g + 8 of an mma tile, interleaved a word at a time."""
             entry, made = UOp.range(copy, 7, AxisType.UPCAST), []
-            for shared, source, first, size, last in (
-                (x_to, x, block_rows * tiles.rows, tiles.rows, rows - 1 if rows % tiles.rows else None),
-                (w_to, w, block_outputs * tiles.outputs, tiles.outputs, None),
-            ):
+            inputs_at = at_step * tiles.depth
+            parts = [(w_to, w, block_outputs * tiles.outputs, tiles.outputs, w_stride)]
+            if not tiles.runs:
+                parts.append((x_to, x, None, tiles.rows, x_stride))
+            for shared, source, first, size, stride in parts:
                 for i, j in itertools.product(range(size // (8 * warps)), range(per_row // 4)):
                     r, column = g + 8 * warp + 8 * warps * i, (t + 4 * j) * copy + entry
-                    row = first + r if last is None else (first + r).minimum(last)  # past the last row: its copy again
+                    row = x_row(r) if first is None else first + r
                     at = (stage * size + r) * stride + column
-                    made.append(shared.index(at).store(source[row, at_step * tiles.depth + column]))
+                    made.append(shared.index(at).store(source[row, inputs_at + column]))
+            if tiles.runs:
+                for i in range(x_rows // (8 * warps)):
+                    block = warp + warps * i  # the pair's mma tile of 16 rows
+                    pair = stage * x_rows + 8 * block + g
+                    for h, word in itertools.product((0, 1), range(run // per_word)):
+                        row = x_row(16 * block + 8 * h + g)
+                        at = pair * x_stride + 2 * t * run + (word // 2 * 4 + word % 2 * 2 + h) * per_word
+                        source_at = inputs_at + t * run + word * per_word
+                        made += [x_to.index(at + e).store(x[row, source_at + e]) for e in range(per_word)]
             return UOp.group(*made).end(entry)
 
         row0, output0 = wr * (tiles.rows // tiles.warp_rows), wo * (tiles.outputs // tiles.warp_outputs)
@@ -245,19 +290,27 @@ def _staged_kernel(
         def products(staged_x: UOp, staged_w: UOp, stage: UOp | int, inner: int, sums: dict) -> dict:
             """Each of the warp's mma tiles' sums after the ``inner``-th mma.sync of the staged slices: the lane's
             WORDS words from ``inner * WORDS`` of its run (t-th quarter) of each row."""
-            ax, aw = stage * tiles.rows + row0 + g, stage * tiles.outputs + output0 + g
+            aw = stage * tiles.outputs + output0 + g
+            if tiles.runs:  # the lane's run: a row's t-th quarter, WORDS words a product (x's rows interleaved)
+                start, size = t * run + inner * WORDS * per_word, WORDS * per_word
+                pairs = [(stage * x_rows + row0 // 2 + 8 * i + g) * x_stride + 2 * start for i in range(tm)]
+                a = [UOp.stack(*[staged_x.index(at + e) for e in range(2 * size)]) for at in pairs]
+                b = [
+                    UOp.stack(*[staged_w.index((aw + 8 * n) * w_stride + start + e) for e in range(size)])
+                    for n in range(tn)
+                ]
+            else:  # PTX's order: the lane's words t and t + 4 of the product's inputs
 
-            def word(shared: UOp, row: UOp, j: int) -> list[UOp]:
-                if tiles.runs:  # the lane's run: a row's t-th quarter, WORDS words a product
-                    start = t * run + (inner * WORDS + j) * per_word
-                else:  # PTX's order: the lane's words t and t + 4 of the product's inputs
+                def word(shared: UOp, row: UOp, j: int) -> list[UOp]:
                     start = inner * dims[2] + t * per_word + j * dims[2] // 2
-                return [shared.index(row * stride + start + e) for e in range(per_word)]
+                    return [shared.index(row * x_stride + start + e) for e in range(per_word)]
 
-            a = [
-                UOp.stack(*[e for r8, j in A_WORDS for e in word(staged_x, ax + 16 * i + 8 * r8, j)]) for i in range(tm)
-            ]
-            b = [UOp.stack(*[e for j in range(WORDS) for e in word(staged_w, aw + 8 * n, j)]) for n in range(tn)]
+                ax = stage * tiles.rows + row0 + g
+                a = [
+                    UOp.stack(*[e for r8, j in A_WORDS for e in word(staged_x, ax + 16 * i + 8 * r8, j)])
+                    for i in range(tm)
+                ]
+                b = [UOp.stack(*[e for j in range(WORDS) for e in word(staged_w, aw + 8 * n, j)]) for n in range(tn)]
             return {(i, n): UOp.wmma(a[i], b[n], sums[i, n], dims, device, 32) for i, n in keys}
 
         mmas = tiles.depth // dims[2]  # mma.sync a depth step (each WORDS words of a lane's run)
@@ -306,7 +359,7 @@ def staged_product(x: Tensor, w: Tensor, tiles: Tiles) -> Tensor:
     (rows, inputs), outputs = x.shape, w.shape[0]
     renderer = Device[x.device].renderer
     core = tensor_core(renderer, x.dtype)
-    if core is None or not fits(tiles, outputs, inputs, x.dtype):
+    if core is None or not fits(tiles, outputs, inputs, x.dtype, rows):
         raise ValueError(f"no staged product of {x.dtype} {rows}x{inputs} @ {outputs}x{inputs} with {tiles} here")
     out = Tensor.empty(rows, outputs, dtype=dtypes.float32, device=x.device)
     fxn = _staged_kernel(rows, outputs, inputs, tiles, x.dtype, core.dims, renderer.target.device)
