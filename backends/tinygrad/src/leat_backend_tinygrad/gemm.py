@@ -3,8 +3,12 @@ NVIDIA's tensor cores (:func:`staged_product`), else tinygrad's tensor-core kern
 
 **Staged** (:class:`Tiles`): a thread group computes a tile of the result (``Tiles.rows`` x ``Tiles.outputs``); for each
 ``Tiles.depth`` inputs its threads copy x's and w's slices into shared memory (16 bytes a copy), then each warp
-multiplies its share from there with ``mma.sync`` (tinygrad's WMMA op, the m16n8k16 float16 shape, float32 sums), its
-fragments read from shared memory in the layout the instruction wants. With two stages a step multiplies one slice
+multiplies its share from there with ``mma.sync`` (tinygrad's WMMA op, the m16n8k16 float16 shape, float32 sums).
+A sum over k does not care which inputs a lane's fragment entries are, as long as a's and b's agree: each lane takes
+its quarter of a slice's row, and x's rows g and g + 8 of an mma tile lie interleaved a word at a time, so a
+fragment of a is one 16-byte read of shared memory, already in its registers' order, and b's of two mma.sync one
+(``Tiles.runs``; :data:`A_WORDS`). Read 4 bytes at a time in PTX's order instead, the H100's profile of the gate/up
+product showed 44% of a warp's time waiting on the queue of shared-memory instructions. With two stages a step multiplies one slice
 while its loads of the next are in flight, and stores them into the other stage after its products (one barrier a
 step). tinygrad's own tensor-core kernels read every fragment from global memory; on the H100, four products of a
 512-row chunk a replay, the chosen tiles took gate/up 4096 -> 14336 356.0 us against 578.6 for the pinned opts
@@ -173,17 +177,19 @@ WORDS = 2
 #: the results' four elements are (8 * (e // 2) + g, 2 * t + e % 2), g = lane // 4)
 A_WORDS = ((0, 0), (1, 0), (0, 1), (1, 1))
 #: the tiles a product takes, by output size (the first whose bound its output size is under; None: any). Chosen on
-#: the H100 at a 512-row chunk of the 8B file's products (`scripts/tinygrad_gemm_times.py --staged --sweep`; docs/benchmarks.md)
+#: the H100 at a 512-row chunk of the 8B file's products (`scripts/tinygrad_gemm_times.py --staged --tiles ...`;
+#: docs/benchmarks.md): 128 x 128 tiles, eight warps of 64 x 32 results for q/o and k/v, four of 64 x 64 for the
+#: larger products (fewer shared-memory reads a product; two thread groups a multiprocessor either way)
 TILES: tuple[tuple[int | None, Tiles], ...] = (
-    (2048, Tiles(128, 64, 32, 4, 2, stages=2)),
-    (None, Tiles(128, 128, 32, 2, 4, stages=2)),
+    (7680, Tiles(128, 128, 32, 2, 4, stages=2)),
+    (None, Tiles(128, 128, 32, 2, 2, stages=2)),
 )
 MIN_STAGED_ROWS = 64  # fewer rows waste most of a tile: tinygrad's kernel (or the opts above) takes them
 SHARED_LIMIT = 48 * 1024  # tinygrad declares shared memory statically: at most 48 KB a thread group
 
 
 def tensor_core(renderer: Renderer, kind: DType) -> TensorCore | None:
-    """The renderer's NVIDIA tensor core (m16n8k16 float16, m16n8k8 tf32: :data:`FRAGMENTS`' shapes) taking ``kind``
+    """The renderer's NVIDIA tensor core (m16n8k16 float16, m16n8k8 tf32: the shapes :data:`A_WORDS` lays out) taking ``kind``
     inputs and float32 sums, or None (other devices' tensor cores lay their fragments out otherwise)."""
     nvidia = (*cuda_81616, *cuda_8168_tf32)
     return next(
