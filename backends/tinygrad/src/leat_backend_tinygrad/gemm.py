@@ -8,13 +8,13 @@ A sum over k does not care which inputs a lane's fragment entries are, as long a
 its quarter of a slice's row, and x's rows g and g + 8 of an mma tile lie interleaved a word at a time, so a
 fragment of a is one 16-byte read of shared memory, already in its registers' order, and b's of two mma.sync one
 (``Tiles.runs``; :data:`A_WORDS`). Read 4 bytes at a time in PTX's order instead, the H100's profile of the gate/up
-product showed 44% of a warp's time waiting on the queue of shared-memory instructions. With two stages a step multiplies one slice
-while its loads of the next are in flight, and stores them into the other stage after its products (one barrier a
-step). tinygrad's own tensor-core kernels read every fragment from global memory; on the H100, four products of a
-512-row chunk a replay, the chosen tiles took gate/up 4096 -> 14336 356.0 us against 578.6 for the pinned opts
-below, down 14336 -> 4096 357.4 against 945.8, q/o 125.8 against 278.9 (issue #22; docs/benchmarks.md). The same
-kernel with float32 x and w runs the tf32 m16n8k8 shape, which tinygrad's PYTHON device emulates on any Python
-(float16 needs 3.12 there): the tests check the tiling there against float64.
+product showed 44% of a warp's time waiting on the queue of shared-memory instructions. With two stages a step
+multiplies one slice while its loads of the next are in flight, and stores them into the other stage after its
+products (one barrier a step). tinygrad's own tensor-core kernels read every fragment from global memory; on the
+H100, four products of a 512-row chunk a replay, the chosen tiles took gate/up 4096 -> 14336 283.1 us against 572.5
+for the pinned opts below, down 14336 -> 4096 281.3 against 987.8, q/o 114.3 against 292.8 (issue #22;
+docs/benchmarks.md). The same kernel with float32 x and w runs the tf32 m16n8k8 shape, which tinygrad's PYTHON
+device emulates on any Python (float16 needs 3.12 there): the tests check the tiling there against float64.
 
 **Pinned opts**: ``y[n, o] = sum_k x[n, k] * w[o, k]``, x and w float16, the sums float32: the kernel tinygrad builds for
 ``x.matmul(w.T, dtype=dtypes.float32)`` (the same ranges, numbered as tinygrad numbers them, and the same reduce of
@@ -189,8 +189,8 @@ SHARED_LIMIT = 48 * 1024  # tinygrad declares shared memory statically: at most 
 
 
 def tensor_core(renderer: Renderer, kind: DType) -> TensorCore | None:
-    """The renderer's NVIDIA tensor core (m16n8k16 float16, m16n8k8 tf32: the shapes :data:`A_WORDS` lays out) taking ``kind``
-    inputs and float32 sums, or None (other devices' tensor cores lay their fragments out otherwise)."""
+    """The renderer's NVIDIA tensor core (m16n8k16 float16, m16n8k8 tf32: the shapes :data:`A_WORDS` lays out)
+    taking ``kind`` inputs and float32 sums, or None (other devices' tensor cores lay their fragments out otherwise)."""
     nvidia = (*cuda_81616, *cuda_8168_tf32)
     return next(
         (tc for tc in renderer.tensor_cores if tc in nvidia and tc.dtype_in == kind and tc.dtype_out == dtypes.float32),
@@ -259,12 +259,12 @@ def _staged_kernel(
             """x's row of the tile's row ``r``: past the last row, the last again (computed, never stored)."""
             return first_row + r if last_row is None else (first_row + r).minimum(last_row)
 
-        def copies(at_step: UOp, stage: UOp | int, x_to: UOp, w_to: UOp) -> UOp:
+        def copies(at_step: UOp, stage: UOp | int, entry_axis: int, x_to: UOp, w_to: UOp) -> UOp:
             """Step ``at_step``'s slices of x and w into shared stage ``stage``: a copy's row is g + 8 warp (+ a
             pass's rows), its 16 bytes the t-th (+ 4 a pass) of the row; no division of g or t, which tinygrad
             would split into ranges of their own (and the lanes out of the fragments' order). With ``runs`` a
             thread copies its quarter of x's rows g and g + 8 of an mma tile, interleaved a word at a time."""
-            entry, made = UOp.range(copy, 7, AxisType.UPCAST), []
+            entry, made = UOp.range(copy, entry_axis, AxisType.UPCAST), []
             inputs_at = at_step * tiles.depth
             parts = [(w_to, w, block_outputs * tiles.outputs, tiles.outputs, w_stride)]
             if not tiles.runs:
@@ -323,7 +323,7 @@ def _staged_kernel(
         if tiles.stages == 1:
             # each step: copy, barrier, multiply, barrier (tinygrad adds both: the copies' AFTER, the loop's reuse)
             depth = UOp.range(steps, 6, AxisType.REDUCE)
-            copied = copies(depth, 0, shared_x, shared_w)
+            copied = copies(depth, 0, 7, shared_x, shared_w)
             now = dict.fromkeys(keys, zero)
             for inner in range(mmas):
                 now = products(shared_x.after(copied), shared_w.after(copied), 0, inner, now)
@@ -334,7 +334,7 @@ def _staged_kernel(
             # (tinygrad's reduce could not hold the copies inside its loop)
             sums = UOp.placeholder((tm * tn * 4,), dtypes.float32, 902, AddrSpace.REG)
             zeroed = UOp.group(*[sums.after(t).index(i).store(0.0) for i in range(tm * tn * 4)])
-            fence = UOp(Ops.BARRIER, src=(copies(UOp.const(0), 0, shared_x, shared_w),))
+            fence = UOp(Ops.BARRIER, src=(copies(UOp.const(0), 0, 7, shared_x, shared_w),))
             staged_x, staged_w = shared_x.after(fence), shared_w.after(fence)
             depth = UOp.range(steps, 6, AxisType.LOOP)
             summed = sums.after(zeroed, depth)
@@ -343,7 +343,9 @@ def _staged_kernel(
                 now = products(staged_x, staged_w, depth % 2, inner, now)
             kept = [summed.index((i * tn + n) * 4 + e).store(v[e]) for (i, n), v in now.items() for e in range(4)]
             done = tuple(now.values())  # the next step's stores wait for this step's products (no barrier between)
-            ahead = copies((depth + 1).minimum(steps - 1), 1 - depth % 2, shared_x.after(*done), shared_w.after(*done))
+            ahead = copies(
+                (depth + 1).minimum(steps - 1), 1 - depth % 2, 9, shared_x.after(*done), shared_w.after(*done)
+            )
             looped = sums.after(UOp(Ops.BARRIER, src=(UOp.group(*kept, ahead),)).end(depth))
             totals = held(looped)
         stores = []
