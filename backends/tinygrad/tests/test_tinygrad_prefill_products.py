@@ -99,13 +99,14 @@ print("@@report", json.dumps(report), flush=True)
 """
 # (kind, rows, outputs, inputs, tiles: rows, outputs, depth, warp rows, warp outputs, pad, stages[, runs]): warps in
 # both directions (tinygrad's four local ranges, the first two merged), in one direction (three ranges), rows the tile
-# does not divide (the last tile's extra rows computed, not stored), one stage and two (three and more depth steps:
+# does not divide (the last tile's extra rows the last row again, stored over it), one stage and two (three and more depth steps:
 # both stages taken twice, the last step's loads of itself again), the fragments read in runs (the default: x's rows
-# interleaved in pairs; its padding chosen, or given) and in PTX's order (runs 0), depths of one and two 16-byte reads
+# interleaved in pairs; its padding chosen, or given) and in PTX's order (runs 0), depths of one and two 16-byte reads;
+# one warp of rows with a short last tile (40 rows: tinygrad 0.14 dropped the gate of such a tile's stores)
 STAGED_CASES = [
     ["float32", 100, 32, 96, [32, 16, 32, 2, 1, None, 2]],
     ["float32", 48, 64, 64, [32, 32, 16, 2, 1, None, 2]],
-    ["float32", 64, 64, 64, [32, 32, 16, 1, 2, None, 2]],
+    ["float32", 40, 64, 64, [32, 32, 16, 1, 2, None, 2]],
     ["float32", 100, 64, 64, [32, 32, 32, 2, 2, 8, 1, 0]],
     ["float16", 100, 64, 64, [64, 32, 32, 2, 2, 8, 1]],
     ["float16", 130, 256, 192, [128, 64, 32, 4, 2, None, 2]],
@@ -132,10 +133,6 @@ def test_staged_product_equals_the_float64_product_on_emulated_tensor_cores(tmp_
 def test_staged_tiles_follow_the_shape_and_need_nvidia_tensor_cores():
     from tinygrad import dtypes
 
-    # one warp of rows takes only rows its tiles divide (tinygrad 0.14 loses rows of a first tile beside a short last)
-    one_warp = gemm.Tiles(32, 32, 16, 1, 2)
-    assert gemm.fits(one_warp, 64, 64, dtypes.float32, rows=64) and not gemm.fits(one_warp, 64, 64, dtypes.float32, 40)
-    assert gemm.fits(gemm.Tiles(32, 32, 16, 2, 1), 64, 64, dtypes.float32, rows=40)
     # x's rows interleaved in pairs: each warp copies eights of pairs
     assert not gemm.fits(gemm.Tiles(64, 128, 32, 2, 4), 256, 64, dtypes.float16)
     assert gemm.fits(gemm.Tiles(64, 128, 32, 2, 4, runs=False), 256, 64, dtypes.float16)

@@ -203,22 +203,19 @@ def tiles_for(
 ) -> Tiles | None:
     """The :data:`TILES` (or ``chosen``) for a product of this shape, or None (the product is not staged): no NVIDIA
     tensor core for ``kind`` (:func:`tensor_core`), fewer than MIN_STAGED_ROWS rows,
-    or a tile the outputs or inputs do not divide. Rows need not divide: the last tile's extra rows are computed and
-    not stored."""
+    or a tile the outputs or inputs do not divide. Rows need not divide: the last tile's extra rows repeat the last
+    row and store its result over it again (the same values)."""
     if tensor_core(renderer, kind) is None or rows < MIN_STAGED_ROWS:
         return None
     tiles = chosen or next(tiles for bound, tiles in TILES if bound is None or outputs < bound)
-    return tiles if fits(tiles, outputs, inputs, kind, rows) else None
+    return tiles if fits(tiles, outputs, inputs, kind) else None
 
 
-def fits(tiles: Tiles, outputs: int, inputs: int, kind: DType, rows: int | None = None) -> bool:
-    """Whether a staged product of these outputs and inputs (and ``rows``, where given) can take ``tiles``."""
+def fits(tiles: Tiles, outputs: int, inputs: int, kind: DType) -> bool:
+    """Whether a staged product of these outputs and inputs can take ``tiles`` (any number of rows can)."""
     copy = 16 // kind.itemsize  # entries a 16-byte copy moves
     return (
-        # one warp of rows and a last tile of fewer rows: tinygrad 0.14's rewrites leave rows of the first tile unset
-        # (found on the PYTHON device: rows 8-31 of 32 with 40 rows); the tiles the backend takes have more warps
-        (rows is None or rows % tiles.rows == 0 or tiles.warp_rows > 1)
-        and tiles.stages in (1, 2)
+        tiles.stages in (1, 2)
         and outputs % tiles.outputs == 0
         and inputs % tiles.depth == 0
         and tiles.rows % (16 * tiles.warp_rows) == 0
@@ -256,7 +253,7 @@ def _staged_kernel(
         first_row, last_row = block_rows * tiles.rows, rows - 1 if rows % tiles.rows else None
 
         def x_row(r: UOp) -> UOp:
-            """x's row of the tile's row ``r``: past the last row, the last again (computed, never stored)."""
+            """x's row of the tile's row ``r``: past the last row, the last again (its result stored there again)."""
             return first_row + r if last_row is None else (first_row + r).minimum(last_row)
 
         def copies(at_step: UOp, stage: UOp | int, entry_axis: int, x_to: UOp, w_to: UOp) -> UOp:
@@ -353,7 +350,9 @@ def _staged_kernel(
             for e in range(4):
                 row = block_rows * tiles.rows + row0 + 16 * i + 8 * (e // 2) + g
                 column = block_outputs * tiles.outputs + output0 + 8 * n + 2 * t + e % 2
-                stores.append(out[row if rows % tiles.rows == 0 else row.valid(row < rows), column].store(total[e]))
+                # a row past the last stores the last row's result again (its x rows are the last row's copies):
+                # tinygrad 0.14 drops a store's gate where it can solve it for a thread group's index (one warp of rows)
+                stores.append(out[row if rows % tiles.rows == 0 else row.minimum(rows - 1), column].store(total[e]))
         ranges = [r for r in (block_rows, block_outputs, t, g, wr, wo) if r.op is Ops.RANGE]
         name = f"staged{tiles.stages}_{rows}_{outputs}_{inputs}"
         return UOp.group(*stores).end(*ranges).sink(arg=KernelInfo(name=name, opts_to_apply=()))
@@ -367,7 +366,7 @@ def staged_product(x: Tensor, w: Tensor, tiles: Tiles) -> Tensor:
     (rows, inputs), outputs = x.shape, w.shape[0]
     renderer = Device[x.device].renderer
     core = tensor_core(renderer, x.dtype)
-    if core is None or not fits(tiles, outputs, inputs, x.dtype, rows):
+    if core is None or not fits(tiles, outputs, inputs, x.dtype):
         raise ValueError(f"no staged product of {x.dtype} {rows}x{inputs} @ {outputs}x{inputs} with {tiles} here")
     out = Tensor.empty(rows, outputs, dtype=dtypes.float32, device=x.device)
     fxn = _staged_kernel(rows, outputs, inputs, tiles, x.dtype, core.dims, renderer.target.device)
