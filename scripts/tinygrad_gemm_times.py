@@ -7,7 +7,7 @@ times a float16 weight copy [n, k], summed in float32.
     DEV=CUDA python scripts/tinygrad_gemm_times.py --pinned              # gemm.py's opts per shape
     DEV=CUDA python scripts/tinygrad_gemm_times.py --staged              # gemm.py's staged tiles (the backend's)
     DEV=CUDA python scripts/tinygrad_gemm_times.py --staged --sweep      # and every tile set of SWEEP beside them
-    DEV=CUDA python scripts/tinygrad_gemm_times.py --staged --tiles 128,128,32,2,4,0,2 --only gate/up
+    DEV=CUDA python scripts/tinygrad_gemm_times.py --staged --tiles 128,128,32,2,2,auto,2 --only gate/up
 
 Each line times ``--batch`` products of the shape (different weights of it) in one TinyJit, replayed as a graph, 3
 times to warm up and ``--reps`` times timed with a device synchronisation at the end: microseconds a product and
@@ -21,20 +21,20 @@ import argparse
 import time
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336)}
-# gemm.Tiles (rows, outputs, depth, warp_rows, warp_outputs[, pad, stages, runs]) tried by --sweep (pad None: the
-# tiles' own choice; runs 0: the fragments read in PTX's order, 4 bytes at a time, as before the thirty-fourth session)
+# gemm.Tiles tried by --sweep, as LEAT_TINYGRAD_TILES writes them (gemm.Tiles.parse: pad auto, the tiles' own choice;
+# runs 0: the fragments read in PTX's order, 4 bytes at a time, as before the thirty-fourth session)
 SWEEP = [
-    (128, 128, 32, 2, 4, 8, 2, 0),
-    (128, 64, 32, 4, 2, 8, 2, 0),
-    (128, 128, 32, 2, 4, None, 2),
-    (128, 128, 32, 4, 2, None, 2),
-    (128, 128, 32, 2, 2, None, 2),
-    (128, 64, 32, 4, 2, None, 2),
-    (64, 128, 32, 2, 2, None, 2),
-    (64, 64, 32, 2, 2, None, 2),
-    (128, 128, 64, 2, 4, None, 1),
-    (256, 128, 32, 4, 2, None, 1),
-    (128, 256, 32, 2, 4, None, 1),
+    "128,128,32,2,4,8,2,0",
+    "128,64,32,4,2,8,2,0",
+    "128,128,32,2,4,auto,2",
+    "128,128,32,4,2,auto,2",
+    "128,128,32,2,2,auto,2",
+    "128,64,32,4,2,auto,2",
+    "64,128,32,2,2,auto,2",
+    "64,64,32,2,2,auto,2",
+    "128,128,64,2,4,auto,1",
+    "256,128,32,4,2,auto,1",
+    "128,256,32,2,4,auto,1",
 ]
 
 
@@ -90,8 +90,7 @@ def main() -> None:
             continue
         chosen = gemm.tiles_for(renderer, args.rows, n, k)
         tried = [chosen] if chosen and not args.tiles else []
-        tried += [gemm.Tiles.parse(t) for t in args.tiles]
-        tried += [gemm.Tiles(*t) for t in SWEEP] if args.sweep else []
+        tried += [gemm.Tiles.parse(t) for t in [*args.tiles, *(SWEEP if args.sweep else [])]]
         for tiles in dict.fromkeys(tried):
             if not gemm.fits(tiles, n, k, dtypes.float16):
                 continue

@@ -276,11 +276,12 @@ def _staged_kernel(
                 for i in range(x_rows // (8 * warps)):
                     block = warp + warps * i  # the pair's mma tile of 16 rows
                     pair = stage * x_rows + 8 * block + g
-                    for h, word in itertools.product((0, 1), range(run // per_word)):
+                    for h in (0, 1):  # rows g and g + 8 of the tile
                         row = x_row(16 * block + 8 * h + g)
-                        at = pair * x_stride + 2 * t * run + (word // 2 * 4 + word % 2 * 2 + h) * per_word
-                        source_at = inputs_at + t * run + word * per_word
-                        made += [x_to.index(at + e).store(x[row, source_at + e]) for e in range(per_word)]
+                        for word in range(run // per_word):
+                            at = pair * x_stride + 2 * t * run + (word // 2 * 4 + word % 2 * 2 + h) * per_word
+                            source_at = inputs_at + t * run + word * per_word
+                            made += [x_to.index(at + e).store(x[row, source_at + e]) for e in range(per_word)]
             return UOp.group(*made).end(entry)
 
         row0, output0 = wr * (tiles.rows // tiles.warp_rows), wo * (tiles.outputs // tiles.warp_outputs)
