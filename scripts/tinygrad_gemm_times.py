@@ -21,6 +21,8 @@ import argparse
 import time
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336)}
+# the backend's products of one x as one (TinygradBackend.matmuls): q, k and v side by side; gate and up
+SHAPES |= {"qkv": (6144, 4096), "gate+up": (28672, 4096)}
 # gemm.Tiles tried by --sweep, as LEAT_TINYGRAD_TILES writes them (gemm.Tiles.parse: pad auto, the tiles' own choice;
 # runs 0: the fragments read in PTX's order, 4 bytes at a time, as before the thirty-fourth session)
 SWEEP = [

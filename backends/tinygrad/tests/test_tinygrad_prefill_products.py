@@ -359,3 +359,45 @@ def test_float16_copies_stop_at_the_budget(monkeypatch):
         assert (np.abs(got - x @ w.T) <= _bound(x, w)).all()
     assert weights[0].half is not None and weights[1].half is None  # the second past the budget: copied per product
     assert backend.f16_budget == 100
+
+
+def test_products_of_one_x_are_one_staged_product_of_their_copies_side_by_side(monkeypatch):
+    """``matmuls`` of a prompt chunk (a layer's q, k and v): one staged product of the weights' float16 copies side
+    by side, the copy made once and kept, each output the weight's own product (float64 within the float16 bound) plus
+    its bias; few rows, or outputs past gemm.JOINED_OUTPUTS (gate and up): each weight's own product. Without NVIDIA's
+    tensor cores (CI's CPU device) the plain float16 product stands in for the staged kernel (the same sums), so the
+    joining is what is checked there; the GPU run checks the staged kernel itself (80 rows: a short last tile)."""
+    import leat_backend_tinygrad.backend as module
+    from tinygrad import dtypes
+
+    for key, value in {"HALF": "1", "GEMM_ROWS": "16", "F16_BUDGET": str(1 << 30)}.items():
+        monkeypatch.setenv(f"LEAT_TINYGRAD_{key}", value)
+    if gemm.tensor_core(Device[Device.DEFAULT].renderer, dtypes.float16) is None:
+        monkeypatch.setattr(module, "tiles_for", lambda *args, **kwargs: gemm.Tiles())
+        monkeypatch.setattr(module, "staged_product", lambda x, w, tiles: gemm.half_product(x, w))
+    backend = TinygradBackend()
+    rng = np.random.default_rng(7)
+    inputs, weights, values = 256, [], []
+    for i, (qtype, outputs, block) in enumerate([(Q.Q8_0, 128, 34), (Q.Q4_0, 64, 18), (Q.Q8_0, 64, 34)]):
+        stored = rng.integers(0, 256, (outputs, inputs // 32 * block), dtype=np.uint8)
+        stored.reshape(outputs, inputs // 32, block)[..., :2] = np.array([0.01], np.float16).view(np.uint8)
+        weights.append(backend.upload(FileTensor(f"w{i}", qtype, (outputs, inputs), stored)))
+        values.append(gguf.quants.dequantize(stored, qtype).reshape(outputs, inputs).astype(np.float16))
+    bias = rng.standard_normal(64).astype(np.float32)
+    biases = [None, backend.from_host(bias), None]
+    x = rng.standard_normal((80, inputs)).astype(np.float16).astype(np.float64)  # float16 values: x is cast to them
+    for _ in range(2):  # the second call takes the kept copy
+        got = [t.numpy() for t in backend.matmuls(backend.from_host(x.astype(np.float32)), weights, biases)]
+        for out, w, b in zip(got, values, [0.0, bias, 0.0]):
+            w = w.astype(np.float64)
+            assert out.shape == (80, len(w)) and (np.abs(out - b - x @ w.T) <= _bound(x, w) + 1e-5).all()
+    ((kept, copy),) = backend._joined.values()
+    assert kept == tuple(weights) and all(w.half is None for w in weights)
+    np.testing.assert_array_equal(copy.numpy(), np.concatenate(values))
+    assert backend.allocations.by_type["F16 copies"] == 2 * 256 * inputs
+    few = backend.matmuls(backend.from_host(x[:8].astype(np.float32)), weights[:2])  # under GEMM_ROWS: each its own
+    assert [t.shape for t in few] == [(8, 128), (8, 64)] and len(backend._joined) == 1
+    monkeypatch.setattr(module, "JOINED_OUTPUTS", 255)  # outputs past the bound (gate and up): each its own product
+    apart = backend.matmuls(backend.from_host(x.astype(np.float32)), weights)
+    assert [t.shape for t in apart] == [(80, 128), (80, 64), (80, 64)] and len(backend._joined) == 1
+    assert all(w.half is not None for w in weights)

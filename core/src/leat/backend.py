@@ -348,6 +348,12 @@ class Backend:
         """x [n, k] times the transpose of weight [m, k] (GGUF row-major), plus bias [m]: -> [n, m]."""
         raise self._missing()
 
+    def matmuls(self, x: Any, weights: Sequence[Any], biases: Sequence[Any] | None = None) -> list[Any]:
+        """x [n, k] times each of ``weights`` (plus its bias in ``biases``, None: none), in order: products of one
+        input (a layer's q, k and v; gate and up) that a backend may make as one product of the weights side by
+        side. The default calls :meth:`matmul` for each."""
+        return [self.matmul(x, w, b) for w, b in zip(weights, biases or [None] * len(weights), strict=True)]
+
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         """x / sqrt(mean(x^2) + eps) * weight over the last axis (weight None: no scale)."""
         raise self._missing()

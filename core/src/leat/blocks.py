@@ -135,9 +135,9 @@ def attention(
     (default 1/sqrt(head_dim)) with the scores' ``softcap`` and the heads' ``sinks`` as :meth:`Backend.attention`
     takes them, then the output projection."""
     n = len(batch)
-    q = B.reshape(B.matmul(x, w.q, w.q_bias), (n, heads, head_dim))
-    k = B.reshape(B.matmul(x, w.k, w.k_bias), (n, kv_heads, head_dim))
-    v = B.reshape(B.matmul(x, w.v, w.v_bias), (n, kv_heads, head_dim))
+    q, k, v = B.matmuls(x, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias))
+    q = B.reshape(q, (n, heads, head_dim))
+    k, v = B.reshape(k, (n, kv_heads, head_dim)), B.reshape(v, (n, kv_heads, head_dim))
     if w.q_norm is not None:
         q = B.rms_norm(q, w.q_norm, norm_eps)
         k = B.rms_norm(k, w.k_norm, norm_eps)
@@ -148,7 +148,7 @@ def attention(
 
 
 def swiglu(B: Backend, x: Any, gate: Any, up: Any, down: Any) -> Any:
-    return B.matmul(B.silu_mul(B.matmul(x, gate), B.matmul(x, up)), down)
+    return B.matmul(B.silu_mul(*B.matmuls(x, (gate, up))), down)
 
 
 def feed_forward(B: Backend, x: Any, mlp: tuple[Any, Any, Any] | None, experts: Any = None, moe: Any = None) -> Any:

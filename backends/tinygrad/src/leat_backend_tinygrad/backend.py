@@ -17,11 +17,12 @@ do full-length prefill chunks: see :meth:`TinygradBackend.run`. The paged KV cac
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import shutil
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,12 +38,13 @@ from leat.moe import MoESpec, MoEWeights, route
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 from tinygrad.device import Buffer
 from tinygrad.dtype import _to_np_dtype
+from tinygrad.helpers import getenv
 from tinygrad.uop.ops import Ops
 
 from leat_backend_tinygrad import intx, lanesum, norm, qkv, softmax
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
-from leat_backend_tinygrad.gemm import Tiles, half_product, staged_product, tiles_for, tuned_opts
+from leat_backend_tinygrad.gemm import JOINED_OUTPUTS, Tiles, half_product, staged_product, tiles_for, tuned_opts
 from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv, gemv_segments, unreshaped
 from leat_backend_tinygrad.kv import KVCache, PagedKV
 from leat_backend_tinygrad.quants import DEQUANTIZERS
@@ -217,6 +219,12 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         super().__init__(precision, **options)
         _share_kernel_cache_across_threads()
         self.device = Device.DEFAULT
+        # CUDA's renderer: float16 loads and stores grouped 8 at a time (16 bytes, as float32's by 4; tinygrad's
+        # ALLOW_HALF8, read through its cached getenv). H100, the 8B file: the staged products read x and w in half
+        # the instructions and pp512 went +8% (docs/benchmarks.md). ALLOW_HALF8=0 in the environment keeps 4 at a time
+        if intx.intrinsic(self.device) and "ALLOW_HALF8" not in os.environ:
+            os.environ["ALLOW_HALF8"] = "1"
+            getenv.cache_clear()
         self._kv_at = UOp.variable("kv_at", 0, 1 << 30)
         self.jit = os.environ.get("LEAT_TINYGRAD_JIT", "1") != "0"
         # products with this many rows or more dequantize the weight into a temporary copy first (0: never);
@@ -279,6 +287,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         self.norm_rows = int(os.environ.get("LEAT_TINYGRAD_NORM_ROWS", str(DECODE_BUCKETS[-1])))
         # the latest few-row products not yet consumed: id(output) -> (output, x, weight), for their consumers
         self._products: dict[int, tuple[Tensor, Tensor, Weight]] = {}
+        # float16 copies of several weights side by side (matmuls): ids -> (the weights, the copy)
+        self._joined: dict[tuple[int, ...], tuple[tuple[Weight, ...], Tensor]] = {}
         # the latest rotated q and k: id(output) -> (output, input, spec, positions, cos, sin), for attention (_roped)
         self._ropes: dict[int, tuple[Tensor, Tensor, RopeSpec, Any, Tensor, Tensor]] = {}
         self._jits: dict[tuple[Callable, int, int], TinyJit] = {}
@@ -658,14 +668,46 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             y = x @ self._values(weight).T
         return y + self._values(bias) if bias is not None else y
 
-    def _half_values(self, weight: Weight) -> Tensor:
-        """float16 values of a quantized weight for a prefill product: its copy, made and realized at its first such
-        product (never inside a TinyJit's capture) and kept while ``f16_budget`` lasts; past it, a copy made in each
-        chunk's own kernels. The budget, unless set, is F16_WEIGHTS_SHARE of a CUDA device's memory when the weights
-        take at most a quarter of that share, else none; F16_BUDGET where tinygrad does not tell the memory."""
-        if weight.half is not None:
-            return weight.half
-        half = weight.values().cast(dtypes.float16).contiguous()
+    def matmuls(self, x: Any, weights: Sequence[Any], biases: Sequence[Any] | None = None) -> list[Any]:
+        """Products of one x: a prompt chunk's staged products of quantized weights as one, the weights' float16
+        copies side by side in one copy, while their outputs together are at most gemm.JOINED_OUTPUTS (a layer's q,
+        k and v: the 8B file's 4096, 1024 and 1024 outputs fill 128, 32 and 32 thread groups of 128 x 128 alone, on
+        an H100's 132 multiprocessors); else :meth:`matmul` each."""
+        x, biases = self._values(x), biases or [None] * len(weights)
+        sizes = [w.shape[0] for w in weights]
+        rows, inputs, outputs = x.shape[0], weights[0].shape[-1], sum(sizes)
+        joined = (
+            1 < len(weights)
+            and outputs <= JOINED_OUTPUTS
+            and self.half_products
+            and self.staged_products
+            and self.gemm_rows
+            and rows >= self.gemm_rows
+            and all(
+                isinstance(w, Weight) and w.qtype in DEQUANTIZERS and w.shape == (w.shape[0], inputs) for w in weights
+            )
+        )
+        renderer = Device[self.device].renderer
+        tiles = tiles_for(renderer, rows, outputs, inputs, chosen=self.staged_tiles) if joined else None
+        if tiles is None:
+            return super().matmuls(x, weights, biases)
+        y = staged_product(x.cast(dtypes.float16).contiguous(), self._half_values(*weights), tiles)
+        ends = list(itertools.accumulate(sizes))
+        outs = [y[:, end - size : end] for size, end in zip(sizes, ends)]
+        return [out if b is None else out + self._values(b) for out, b in zip(outs, biases)]
+
+    def _half_values(self, *weights: Weight) -> Tensor:
+        """float16 values of quantized weights (their rows one after another) for a prefill product: a copy, made and
+        realized at its first such product (never inside a TinyJit's capture) and kept while ``f16_budget`` lasts
+        (one weight's on it, several's by their ids); past it, a copy made in each chunk's own kernels. The budget,
+        unless set, is F16_WEIGHTS_SHARE of a CUDA device's memory when the weights take at most a quarter of that
+        share, else none; F16_BUDGET where tinygrad does not tell the memory."""
+        key = tuple(id(w) for w in weights)
+        kept = weights[0].half if len(weights) == 1 else self._joined.get(key, (None, None))[1]
+        if kept is not None:
+            return kept
+        values = [w.values() for w in weights]
+        half = (values[0] if len(values) == 1 else values[0].cat(*values[1:])).cast(dtypes.float16).contiguous()
         if self.f16_budget is None:
             total = _device_memory(self.device)
             share = total is not None and self.allocations.weights <= F16_WEIGHTS_SHARE / 4 * total
@@ -675,10 +717,14 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             return half
         self.f16_budget -= size
         with _outside_capture():
-            weight.half = half.realize()
+            half.realize()
+        if len(weights) == 1:
+            weights[0].half = half
+        else:
+            self._joined[key] = (weights, half)  # the weights held: their ids stay theirs
         self.allocations.weights += size
         self.allocations.by_type["F16 copies"] = self.allocations.by_type.get("F16 copies", 0) + size
-        return weight.half
+        return half
 
     def rms_norm(self, x: Tensor, weight: Any, eps: float) -> Tensor:
         x = self._values(x)

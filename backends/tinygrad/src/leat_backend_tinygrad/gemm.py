@@ -184,6 +184,10 @@ TILES: tuple[tuple[int | None, Tiles], ...] = (
     (7680, Tiles(128, 128, 32, 2, 4, stages=2)),
     (None, Tiles(128, 128, 32, 2, 2, stages=2)),
 )
+#: products of one x are staged as one (TinygradBackend.matmuls) while their outputs together are at most this: the 8B
+#: file's q, k and v (6144 outputs, 512 rows: 130 us as one against 91.5 + 2 x 78 apart, H100), not its gate and up
+#: (28672: 583 us as one against 2 x 274: each alone already fills the multiprocessors)
+JOINED_OUTPUTS = 8192
 MIN_STAGED_ROWS = 64  # fewer rows waste most of a tile: tinygrad's kernel (or the opts above) takes them
 SHARED_LIMIT = 48 * 1024  # tinygrad declares shared memory statically: at most 48 KB a thread group
 
