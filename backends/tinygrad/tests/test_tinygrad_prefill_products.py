@@ -102,7 +102,8 @@ print("@@report", json.dumps(report), flush=True)
 # does not divide (the last tile's extra rows the last row again, stored over it), one stage and two (three and more depth steps:
 # both stages taken twice, the last step's loads of itself again), the fragments read in runs (the default: x's rows
 # interleaved in pairs; its padding chosen, or given) and in PTX's order (runs 0), depths of one and two 16-byte reads;
-# one warp of rows with a short last tile (40 rows: tinygrad 0.14 dropped the gate of such a tile's stores)
+# one warp of rows with a short last tile (40 rows: tinygrad 0.14 dropped the gate of such a tile's stores); ring.py's
+# three stages (here its plain copies: the PYTHON device runs no asm) over six steps (the ring taken twice) and one
 STAGED_CASES = [
     ["float32", 100, 32, 96, [32, 16, 32, 2, 1, None, 2]],
     ["float32", 48, 64, 64, [32, 32, 16, 2, 1, None, 2]],
@@ -112,6 +113,10 @@ STAGED_CASES = [
     ["float16", 130, 256, 192, [128, 64, 32, 4, 2, None, 2]],
     ["float16", 64, 128, 128, [64, 64, 64, 2, 2, None, 2]],
     ["float16", 130, 256, 192, [64, 128, 32, 2, 4, 8, 2, 0]],
+    ["float32", 100, 64, 96, [64, 32, 16, 2, 2, None, 3]],
+    ["float32", 20, 32, 16, [64, 32, 16, 2, 2, None, 3]],
+    ["float16", 130, 256, 192, [128, 128, 32, 2, 2, None, 3]],
+    ["float16", 64, 128, 96, [128, 128, 32, 2, 4, None, 3]],
 ]
 
 
@@ -126,7 +131,7 @@ def test_staged_product_equals_the_float64_product_on_emulated_tensor_cores(tmp_
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.split("@@report ")[-1])
-    assert len(report) == (8 if sys.version_info >= (3, 12) else 4), report
+    assert len(report) == (12 if sys.version_info >= (3, 12) else 6), report
     assert all(ok for *_, ok, _ in report), report
 
 
@@ -148,7 +153,11 @@ def test_staged_tiles_follow_the_shape_and_need_nvidia_tensor_cores():
     assert gemm.tiles_for(renderer, 512, 4096, 4096 + depth // 2) is None  # inputs the tiles' depth does not divide
 
 
-TWO_KINDS_OF_STAGE = (gemm.Tiles(128, 128, 64, 2, 4, stages=1), gemm.Tiles(128, 128, 32, 2, 4, stages=2, runs=False))
+KINDS_OF_STAGE = (
+    gemm.Tiles(128, 128, 64, 2, 4, stages=1),
+    gemm.Tiles(128, 128, 32, 2, 4, stages=2, runs=False),
+    gemm.Tiles(128, 128, 32, 2, 4, stages=3),  # ring.py's: cp.async on CUDA
+)
 
 
 @pytest.mark.parametrize("rows", [512, 300])
@@ -166,8 +175,8 @@ def test_staged_product_on_the_device_equals_the_float64_product(rows):
         w = rng.standard_normal((outputs, inputs)).astype(np.float16)
         want = x.astype(np.float64) @ w.astype(np.float64).T
         bound = _bound(x.astype(np.float64), w.astype(np.float64))
-        # the backend's tiles, and both kinds of stage (a barrier missing shows here: threads run as they do)
-        for tiles in (gemm.tiles_for(renderer, rows, outputs, inputs), *TWO_KINDS_OF_STAGE):
+        # the backend's tiles, and every kind of stage (a barrier or a wait missing shows here: threads run as they do)
+        for tiles in (gemm.tiles_for(renderer, rows, outputs, inputs), *KINDS_OF_STAGE):
             got = gemm.staged_product(Tensor(x), Tensor(w), tiles).numpy()
             assert got.shape == want.shape and (np.abs(got - want) <= bound).all(), (outputs, tiles)
 

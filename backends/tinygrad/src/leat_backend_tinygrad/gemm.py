@@ -42,7 +42,10 @@ from tinygrad.codegen.opt import KernelOptError, Opt, OptOps
 from tinygrad.codegen.opt.tc import TensorCore, cuda_8168_tf32, cuda_81616
 from tinygrad.dtype import AddrSpace, DType
 from tinygrad.renderer import Renderer
+from tinygrad.renderer.cstyle import CUDARenderer
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
+
+from leat_backend_tinygrad import ring
 
 TC, UPCAST, LOCAL, SWAP = OptOps.TC, OptOps.UPCAST, OptOps.LOCAL, OptOps.SWAP
 #: (largest output size, opts) in order: a product takes the first whose bound its output size is under (None: any);
@@ -118,7 +121,9 @@ class Tiles:
     warp_outputs: int = 4
     #: entries a shared row is longer than its slice (None: :meth:`strides`' choice)
     pad: int | None = None
-    stages: int = 1  # slices in shared memory: 2 multiplies one while the next one's loads are in flight
+    #: slices in shared memory: 2 multiplies one while the next one's loads are in flight; 3 is ring.py's kernel (its
+    #: copies asynchronous, two steps ahead)
+    stages: int = 1
     #: the fragments read 16 bytes at a time in the registers' order (:data:`A_WORDS`); False: in PTX's order of the
     #: inputs, 4 bytes at a time (more shared-memory reads; kept for comparison)
     runs: bool = True
@@ -156,6 +161,8 @@ class Tiles:
         return padded(2 * units, units // 2), padded(units, units // 4)
 
     def shared_bytes(self, kind: DType) -> int:
+        if self.stages == ring.STAGES:
+            return ring.shared_bytes(self, kind)
         x_stride, w_stride = self.strides(kind)
         x_rows = self.rows // 2 if self.runs else self.rows
         return self.stages * (x_rows * x_stride + self.outputs * w_stride) * kind.itemsize
@@ -219,7 +226,8 @@ def fits(tiles: Tiles, outputs: int, inputs: int, kind: DType) -> bool:
     """Whether a staged product of these outputs and inputs can take ``tiles`` (any number of rows can)."""
     copy = 16 // kind.itemsize  # entries a 16-byte copy moves
     return (
-        tiles.stages in (1, 2)
+        tiles.stages in (1, 2, ring.STAGES)
+        and (tiles.stages < ring.STAGES or ring.fits(tiles, kind))
         and outputs % tiles.outputs == 0
         and inputs % tiles.depth == 0
         and tiles.rows % (16 * tiles.warp_rows) == 0
@@ -373,6 +381,13 @@ def staged_product(x: Tensor, w: Tensor, tiles: Tiles) -> Tensor:
     core = tensor_core(renderer, x.dtype)
     if core is None or not fits(tiles, outputs, inputs, x.dtype):
         raise ValueError(f"no staged product of {x.dtype} {rows}x{inputs} @ {outputs}x{inputs} with {tiles} here")
+    if tiles.stages == ring.STAGES:  # x interleaved beforehand, its rows padded to the tile: the result's too
+        padded = -(-rows // tiles.rows) * tiles.rows
+        out = Tensor.empty(padded, outputs, dtype=dtypes.float32, device=x.device)
+        asynchronous = isinstance(renderer, CUDARenderer)
+        fxn = ring.kernel(padded, outputs, inputs, tiles, x.dtype, core.dims, renderer.target.device, asynchronous)
+        y = out.custom_kernel(ring.interleaved(x, tiles.depth, padded).contiguous(), w, fxn=fxn)[0]
+        return y if padded == rows else y[:rows]
     out = Tensor.empty(rows, outputs, dtype=dtypes.float32, device=x.device)
     fxn = _staged_kernel(rows, outputs, inputs, tiles, x.dtype, core.dims, renderer.target.device)
     return out.custom_kernel(x, w, fxn=fxn)[0]
