@@ -386,7 +386,7 @@ def staged_product(x: Tensor, w: Tensor, tiles: Tiles) -> Tensor:
         out = Tensor.empty(padded, outputs, dtype=dtypes.float32, device=x.device)
         asynchronous = isinstance(renderer, CUDARenderer)
         fxn = ring.kernel(padded, outputs, inputs, tiles, x.dtype, core.dims, renderer.target.device, asynchronous)
-        y = out.custom_kernel(ring.interleaved(x, tiles.depth, padded).contiguous(), w, fxn=fxn)[0]
+        y = out.custom_kernel(ring.interleaved(x, tiles.depth, padded), w, fxn=fxn)[0]
         return y if padded == rows else y[:rows]
     out = Tensor.empty(rows, outputs, dtype=dtypes.float32, device=x.device)
     fxn = _staged_kernel(rows, outputs, inputs, tiles, x.dtype, core.dims, renderer.target.device)
