@@ -10,7 +10,8 @@ fragment of a is one 16-byte read of shared memory, already in its registers' or
 (``Tiles.runs``; :data:`A_WORDS`). Read 4 bytes at a time in PTX's order instead, the H100's profile of the gate/up
 product showed 44% of a warp's time waiting on the queue of shared-memory instructions. With two stages a step
 multiplies one slice while its loads of the next are in flight, and stores them into the other stage after its
-products (one barrier a step). tinygrad's own tensor-core kernels read every fragment from global memory; on the
+products (one barrier a step); with three (``ring.py``) x and w go into a ring of shared stages by asynchronous
+copies two steps ahead. tinygrad's own tensor-core kernels read every fragment from global memory; on the
 H100, four products of a 512-row chunk a replay, the chosen tiles took gate/up 4096 -> 14336 283.1 us against 572.5
 for the pinned opts below, down 14336 -> 4096 281.3 against 987.8, q/o 114.3 against 292.8 (issue #22;
 docs/benchmarks.md). The same kernel with float32 x and w runs the tf32 m16n8k8 shape, which tinygrad's PYTHON
