@@ -18,7 +18,6 @@ the same places, which checks the ring's indexing where no GPU is.
 from __future__ import annotations
 
 import itertools
-import math
 from typing import TYPE_CHECKING
 
 from tinygrad import Tensor, UOp, dtypes
@@ -40,34 +39,31 @@ def interleaved(x: Tensor, depth: int, rows: int) -> Tensor:
     """x [n, k] as the ring reads it, [rows / 2, 2 k]: rows padded with zeros to ``rows`` (a multiple of 16), then each
     16-row tile's rows g and g + 8 as one row of pairs: for each slice of ``depth`` inputs, lane t's quarter of it from
     both rows, a 32-bit word of row g, then of row g + 8 (gemm.A_WORDS' order), the lane's two 16-byte units swapped
-    where g is odd (the swizzle). One kernel of our own, a thread a 16-byte unit of the result (two 8-byte reads):
-    tinygrad's kernel for the same permute as Tensor ops moved ~60 GB/s on the H100."""
+    where g is odd (the swizzle). One kernel of our own (after the padding's copy), a thread a 16-byte unit of the
+    result from two 8-byte reads, a warp's writes whole rows of pairs' slices: tinygrad's kernel for the same permute
+    as Tensor ops moved ~60 GB/s on the H100 (the products with it: docs/benchmarks.md). With the index kept
+    non-negative (the swap as (unit + g) % 2) NVRTC gets 8-byte loads and a 16-byte store; otherwise tinygrad wrapped
+    each index modulo the buffer and read 2 bytes at a time."""
     (n, k), kind = x.shape, x.dtype
     per_word, copy = 4 // kind.itemsize, 16 // kind.itemsize
-    units = 2 * k // copy  # a row of pairs' 16-byte units
-    lanes = math.gcd(units, 64)
 
-    def fxn(out: UOp, source: UOp) -> UOp:
-        pair = UOp.range(rows // 2, 0, AxisType.GLOBAL)
-        block, lane = UOp.range(units // lanes, 1, AxisType.GLOBAL), UOp.range(lanes, 2, AxisType.LOCAL)
-        unit = block * lanes + lane
-        g = pair % 8
-        half = unit % 2 + (g % 2) * (1 - 2 * (unit % 2))  # the lane's unit, swapped on odd g
-        first = unit // 8 * depth + unit % 8 // 2 * (depth // 4) + half * (copy // 2)  # the run's first input
-        row = pair // 8 * 16 + g
+    def fxn(out: UOp, source: UOp) -> UOp:  # source: x padded
+        # a thread a unit: tile (16 rows), slice; lanes: the lane's unit (the fastest: neighbouring threads write
+        # neighbouring units, read neighbouring inputs), t, g (rows g and g + 8); no divisions
+        tile, part = UOp.range(rows // 16, 0, AxisType.GLOBAL), UOp.range(k // depth, 1, AxisType.GLOBAL)
+        unit, t, g = (UOp.range(size, axis, AxisType.LOCAL) for size, axis in ((2, 2), (4, 3), (8, 4)))
+        half = (unit + g) % 2  # the lane's unit it holds: swapped on odd g
+        first = part * depth + t * (depth // 4) + half * (copy // 2)  # its first input
+        pair, at = tile * 8 + g, (part * 8 + t * 2 + unit) * copy  # where it goes
         stores = []
         for j in range(copy):
-            at = row + 8 * ((j // per_word) % 2)  # row g or g + 8
-            value = source[at.minimum(n - 1), first + j // (2 * per_word) * per_word + j % per_word]
-            stores.append(out[pair, unit * copy + j].store((at < n).where(value, value.const_like(0))))
-        return (
-            UOp.group(*stores)
-            .end(pair, block, lane)
-            .sink(arg=KernelInfo(name=f"interleave_{rows}_{k}", opts_to_apply=()))
-        )
+            row = tile * 16 + g + 8 * ((j // per_word) % 2)  # row g or g + 8
+            stores.append(out[pair, at + j].store(source[row, first + j // (2 * per_word) * per_word + j % per_word]))
+        name = f"interleave_{rows}_{k}"
+        return UOp.group(*stores).end(tile, part, g, t, unit).sink(arg=KernelInfo(name=name, opts_to_apply=()))
 
     out = Tensor.empty(rows // 2, 2 * k, dtype=kind, device=x.device)
-    return out.custom_kernel(x.contiguous(), fxn=fxn)[0]
+    return out.custom_kernel(x.pad(((0, rows - n), (0, 0))).contiguous(), fxn=fxn)[0]  # the padding: zeros
 
 
 def fits(tiles: Tiles, kind: DType) -> bool:
