@@ -7,12 +7,14 @@ Step d multiplies stage d % 3 while the copies of step d + 2 fill stage (d + 2) 
 thread waits for its copies of step d + 1 (``cp.async.wait_group 1``) and the thread group meets at one barrier.
 The layouts are ``gemm.py``'s (``Tiles.runs``: a lane's quarter of each slice's row, x's rows g and g + 8 of an mma
 tile interleaved a word at a time), but a 16-byte asynchronous copy cannot interleave: x is laid out so beforehand
-(:func:`interleaved`, rows padded to the tile with zeros, one kernel with its cast), and each shared row of pairs is
+(:func:`interleaved`, rows padded to the tile with zeros, a kernel of its own), and each shared row of pairs is
 copied as it lies. Three stages of 128 x 128 x 32 float16 tiles take all of the 48 KB tinygrad declares statically:
-no padding, so the rows of pairs (128 bytes: each on the same banks) are swizzled instead, a row's 16-byte units
-exchanged in pairs (unit ^ 1) on odd rows, which puts a quarter-warp's fragment reads (rows g and g + 1) on distinct
-banks. Renderers other than CUDA's (tinygrad's PYTHON device in the tests) copy with plain 16-byte loads and stores at
-the same places, which checks the ring's indexing where no GPU is.
+no padding, so the rows of pairs (128 bytes: each on the same banks) are swizzled instead, a lane's two 16-byte units
+exchanged on odd rows (in the interleaved x already), which puts a quarter-warp's fragment reads (rows g and g + 1)
+on distinct banks. tinygrad places a step's copies after its products (its order puts statements that nothing
+reads late); NVRTC's sm_90 SASS issues them about halfway through the step's mma.sync. Renderers other than CUDA's
+(tinygrad's PYTHON device in the tests) copy with plain 16-byte loads and stores at the same places, which checks the
+ring's indexing where no GPU is.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def kernel(
 
         def copies(step: UOp, stage: UOp, entry_axis: int, x_to: UOp, w_to: UOp, after: UOp | None = None) -> UOp:
             """Step ``step``'s slices into ``stage``: a copy's row is g + 8 warp (+ a pass's rows), its 16 bytes the
-            t-th (+ 4 a pass) of the row's slice (x's rows of pairs swizzled: unit ^ 1 on odd rows). Asynchronous
+            t-th (+ 4 a pass) of the row's slice (x's rows of pairs as :func:`interleaved` lays them). Asynchronous
             copies come one after another (each the one before as an operand its statement ignores: a group holds no
             asm statements), the first after ``after``; the last is returned."""
             entry = None if asynchronous else UOp.range(copy, entry_axis, AxisType.UPCAST)
