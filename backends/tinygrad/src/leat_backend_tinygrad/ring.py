@@ -93,10 +93,9 @@ def kernel(
     def fxn(out: UOp, x: UOp, w: UOp) -> UOp:
         block_rows = UOp.range(rows // tiles.rows, 0, AxisType.GLOBAL)
         block_outputs = UOp.range(outputs // tiles.outputs, 1, AxisType.GLOBAL)
-        four = tiles.warp_rows > 1 and tiles.warp_outputs > 1  # numbered as gemm.py numbers them (t the fastest)
-        t, g = UOp.range(4, 3 if four else 2, AxisType.LOCAL), UOp.range(8, 2 if four else 3, AxisType.LOCAL)
-        wr = UOp.range(tiles.warp_rows, 4, AxisType.LOCAL) if tiles.warp_rows > 1 else UOp.const(0)
-        wo = UOp.range(tiles.warp_outputs, 5, AxisType.LOCAL) if tiles.warp_outputs > 1 else UOp.const(0)
+        # four local ranges (fits), numbered as gemm.py numbers them: tinygrad merges t and g, t the fastest
+        t, g = UOp.range(4, 3, AxisType.LOCAL), UOp.range(8, 2, AxisType.LOCAL)
+        wr, wo = UOp.range(tiles.warp_rows, 4, AxisType.LOCAL), UOp.range(tiles.warp_outputs, 5, AxisType.LOCAL)
         warp, warps = wr * tiles.warp_outputs + wo, tiles.warp_rows * tiles.warp_outputs
         shared_x = UOp.placeholder((STAGES * x_stage,), kind, 900, AddrSpace.LOCAL)
         shared_w = UOp.placeholder((STAGES * w_stage,), kind, 901, AddrSpace.LOCAL)
@@ -182,8 +181,8 @@ def kernel(
                 row = block_rows * tiles.rows + row0 + 16 * i + 8 * (e // 2) + g
                 column = block_outputs * tiles.outputs + output0 + 8 * n + 2 * t + e % 2
                 stores.append(out[row, column].store(total[e]))
-        ranges = [r for r in (block_rows, block_outputs, t, g, wr, wo) if r.op is Ops.RANGE]
         name = f"ring_{rows}_{outputs}_{inputs}"
-        return UOp.group(*stores).end(*ranges).sink(arg=KernelInfo(name=name, opts_to_apply=()))
+        ended = UOp.group(*stores).end(block_rows, block_outputs, t, g, wr, wo)
+        return ended.sink(arg=KernelInfo(name=name, opts_to_apply=()))
 
     return fxn
