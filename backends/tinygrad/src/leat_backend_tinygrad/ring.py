@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from leat_backend_tinygrad.gemm import Tiles
 
 STAGES = 3
-#: a lane's 32-bit words of one row that one mma.sync takes (as gemm.WORDS)
-WORDS = 2
 _COPY = 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"((unsigned)__cvta_generic_to_shared({0})), "l"({1}));'
 _COMMIT = 'asm volatile("cp.async.commit_group;");'
 _WAIT = 'asm volatile("cp.async.wait_group {n};");'
@@ -84,7 +82,7 @@ def kernel(
 ):
     """The ring's kernel for ``Tensor.custom_kernel(interleaved x, w)``: out [rows, outputs] float32 (``rows`` the
     padded count)."""
-    per_word, copy = 4 // kind.itemsize, 16 // kind.itemsize  # entries a 32-bit word holds, a 16-byte copy moves
+    copy = 16 // kind.itemsize  # entries a 16-byte copy moves
     tm, tn = tiles.rows // tiles.warp_rows // 16, tiles.outputs // tiles.warp_outputs // 8  # mma tiles a warp
     depth, steps, pairs = tiles.depth, inputs // tiles.depth, tiles.rows // 2
     run = depth // 4  # a lane's run: the t-th quarter of a slice's row
@@ -138,7 +136,8 @@ def kernel(
 
         def products(staged_x: UOp, staged_w: UOp, stage: UOp, inner: int, sums: dict) -> dict:
             """The warp's mma tiles' sums after the ``inner``-th mma.sync of the stage (gemm.py's runs)."""
-            start, size = t * run + inner * WORDS * per_word, WORDS * per_word
+            size = dims[2] // 4  # a lane's entries of a row that one mma.sync takes (its t-th quarter of k)
+            start = t * run + inner * size
             unit = 2 * t + inner + (g % 2) * (1 - 2 * inner)  # the lane's a: 16 bytes, its two units swapped on odd g
             a = []
             for i in range(tm):
