@@ -29,7 +29,7 @@ import pytest
 from leat.batch import Batch, Row
 from leat.compare import compare
 from leat.modelfile import Tensor as FileTensor
-from leat_backend_tinygrad import gemm
+from leat_backend_tinygrad import gemm, ring
 from leat_backend_tinygrad.backend import TinygradBackend, Weight, probe_reason
 from tinygrad import Device, Tensor
 from tinygrad.codegen.opt import Opt, OptOps
@@ -82,7 +82,7 @@ STAGED = """
 import json, sys
 import numpy as np
 from tinygrad import Tensor
-from leat_backend_tinygrad import gemm
+from leat_backend_tinygrad import gemm, ring
 report = []
 for kind, rows, outputs, inputs, tiles in json.loads(sys.argv[1]):
     if kind == "float16" and sys.version_info < (3, 12):
@@ -194,7 +194,7 @@ def _nvrtc() -> Path | None:
 RENDER = """
 import json, sys
 from tinygrad import Device, Tensor, dtypes
-from leat_backend_tinygrad import gemm
+from leat_backend_tinygrad import gemm, ring
 renderer, report = Device[Device.DEFAULT].renderer, {}
 for name, rows, outputs, inputs in json.loads(sys.argv[1]):
     x = Tensor.empty(rows, inputs, dtype=dtypes.float16).realize()
@@ -240,7 +240,7 @@ def test_the_h200s_opts_render_tensor_core_kernels_for_sm_90(tmp_path):
 STAGED_RENDER = """
 import json, sys
 from tinygrad import Device, Tensor, dtypes
-from leat_backend_tinygrad import gemm
+from leat_backend_tinygrad import gemm, ring
 renderer, report = Device[Device.DEFAULT].renderer, {}
 for name, rows, outputs, inputs in json.loads(sys.argv[1]):
     tiles = gemm.tiles_for(renderer, rows, outputs, inputs)
@@ -255,9 +255,9 @@ print("@@report", json.dumps(report), flush=True)
 
 def test_the_staged_products_render_and_compile_for_sm_90(tmp_path):
     """The backend's staged products at the 8B file's shapes (512 rows, and 300: rows the tile does not divide) as
-    NVRTC compiles them for sm_90 on tinygrad's NULL device: each a kernel of float16 mma.sync, the two-stage tiles'
-    loop with one barrier a step (two in all: after the first slice's copy, at the loop's end), within 48 KB of
-    shared memory."""
+    NVRTC compiles them for sm_90 on tinygrad's NULL device: each a kernel of float16 mma.sync, ring.py's loop with
+    its copies asynchronous and one barrier a step (three in all: after the first slice's copy, at the loop's end,
+    after the last wait), within 48 KB of shared memory."""
     if (nvrtc := _nvrtc()) is None:
         pytest.skip("no libnvrtc.so.13 (the nvidia-cuda-nvrtc wheel: uv sync --all-extras)")
     shapes = [[f"{name} {rows}", rows, *shape] for name, shape in SHAPES_8B.items() for rows in (512, 300)]
@@ -267,11 +267,11 @@ def test_the_staged_products_render_and_compile_for_sm_90(tmp_path):
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.split("@@report ")[-1])
-    assert all(tiles is not None and "stages=2" in tiles for tiles in report.values()), report
+    assert all(tiles is not None and f"stages={ring.STAGES}" in tiles for tiles in report.values()), report
     for name, *_ in shapes:
         source = done.stdout.split(f"@@staged {name}\n")[1].split("@@")[0]
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in source, source[:2000]
-        assert source.count("__syncthreads();") == 2, source[:4000]
+        assert source.count("__syncthreads();") == 3 and "cp.async.cg.shared.global" in source, source[:4000]
         shared = [int(n) for n in re.findall(r"__shared__ __align__\(16\) half buf\d+\[(\d+)\]", source)]
         assert len(shared) == 2 and 0 < 2 * sum(shared) <= gemm.SHARED_LIMIT, shared
 

@@ -184,11 +184,13 @@ WORDS = 2
 #: at a time, so an mma's a is one 16-byte read and b half of one (PTX ISA's "Matrix Fragments" layouts, k renumbered;
 #: the results' four elements are (8 * (e // 2) + g, 2 * t + e % 2), g = lane // 4)
 A_WORDS = ((0, 0), (1, 0), (0, 1), (1, 1))
-#: the tiles a product takes, by output size (the first whose bound its output size is under; None: any). Chosen on
-#: the H100 at a 512-row chunk of the 8B file's products (`scripts/tinygrad_gemm_times.py --staged --tiles ...`;
-#: docs/benchmarks.md): 128 x 128 tiles, eight warps of 64 x 32 results for q/o and k/v, four of 64 x 64 for the
-#: larger products (fewer shared-memory reads a product; two thread groups a multiprocessor either way)
+#: the tiles a product takes: the first whose bound its output size is under (None: any) and that fits it (gemm.fits:
+#: the ring's take float16 only). Chosen on the H100 at a 512-row chunk of the 8B file's products
+#: (`scripts/tinygrad_gemm_times.py --staged --tiles ...`; docs/benchmarks.md): ring.py's 128 x 128 tiles of four
+#: warps (64 x 64 results each) for every shape, e.g. gate/up 221 us against the two-stage kernel's 304 (o 113 against
+#: 108, the one it loses, by less than the interleave of x it adds); the two-stage kernels for float32 (tf32)
 TILES: tuple[tuple[int | None, Tiles], ...] = (
+    (None, Tiles(128, 128, 32, 2, 2, pad=0, stages=3)),
     (7680, Tiles(128, 128, 32, 2, 4, stages=2)),
     (None, Tiles(128, 128, 32, 2, 2, stages=2)),
 )
@@ -219,8 +221,10 @@ def tiles_for(
     row and store its result over it again (the same values)."""
     if tensor_core(renderer, kind) is None or rows < MIN_STAGED_ROWS:
         return None
-    tiles = chosen or next(tiles for bound, tiles in TILES if bound is None or outputs < bound)
-    return tiles if fits(tiles, outputs, inputs, kind) else None
+    if chosen is not None:
+        return chosen if fits(chosen, outputs, inputs, kind) else None
+    under = (tiles for bound, tiles in TILES if bound is None or outputs < bound)
+    return next((tiles for tiles in under if fits(tiles, outputs, inputs, kind)), None)
 
 
 def fits(tiles: Tiles, outputs: int, inputs: int, kind: DType) -> bool:
