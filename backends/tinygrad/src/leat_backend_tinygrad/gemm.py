@@ -187,8 +187,9 @@ A_WORDS = ((0, 0), (1, 0), (0, 1), (1, 1))
 #: the tiles a product takes: the first whose bound its output size is under (None: any) and that fits it (gemm.fits:
 #: the ring's take float16 only). Chosen on the H100 at a 512-row chunk of the 8B file's products
 #: (`scripts/tinygrad_gemm_times.py --staged --tiles ...`; docs/benchmarks.md): ring.py's 128 x 128 tiles of four
-#: warps (64 x 64 results each) for every shape, e.g. gate/up 221 us against the two-stage kernel's 304 (o 113 against
-#: 108, the one it loses, by less than the interleave of x it adds); the two-stage kernels for float32 (tf32)
+#: warps (64 x 64 results each) for every shape, e.g. gate/up 221 us against the two-stage kernel's 304, qkv 113
+#: against 133 (q/o 113 against 108 and k/v 110 against 106 alone, its interleave of x included: the 8B file's o is
+#: the one such product a layer runs); the two-stage kernels for float32 (tf32)
 TILES: tuple[tuple[int | None, Tiles], ...] = (
     (None, Tiles(128, 128, 32, 2, 2, pad=0, stages=3)),
     (7680, Tiles(128, 128, 32, 2, 4, stages=2)),
