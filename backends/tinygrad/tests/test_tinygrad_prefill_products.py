@@ -97,13 +97,14 @@ for kind, rows, outputs, inputs, tiles in json.loads(sys.argv[1]):
                    float(np.abs(got - want).max())])
 print("@@report", json.dumps(report), flush=True)
 """
-# (kind, rows, outputs, inputs, tiles: rows, outputs, depth, warp rows, warp outputs, pad, stages[, runs]): warps in
+# (kind, rows, outputs, inputs, tiles: rows, outputs, depth, warp rows, warp outputs, pad, stages[, runs, split]): warps in
 # both directions (tinygrad's four local ranges, the first two merged), in one direction (three ranges), rows the tile
 # does not divide (the last tile's extra rows the last row again, stored over it), one stage and two (three and more depth steps:
 # both stages taken twice, the last step's loads of itself again), the fragments read in runs (the default: x's rows
 # interleaved in pairs; its padding chosen, or given) and in PTX's order (runs 0), depths of one and two 16-byte reads;
 # one warp of rows with a short last tile (40 rows: tinygrad 0.14 dropped the gate of such a tile's stores); ring.py's
-# three stages (here its plain copies: the PYTHON device runs no asm) over six steps (the ring taken twice) and one
+# three stages (here its plain copies: the PYTHON device runs no asm) over six steps (the ring taken twice) and one,
+# and with the inputs split in two and three parts (three steps and two a part)
 STAGED_CASES = [
     ["float32", 100, 32, 96, [32, 16, 32, 2, 1, None, 2]],
     ["float32", 48, 64, 64, [32, 32, 16, 2, 1, None, 2]],
@@ -117,6 +118,8 @@ STAGED_CASES = [
     ["float32", 20, 32, 16, [64, 32, 16, 2, 2, None, 3]],
     ["float16", 130, 256, 192, [128, 128, 32, 2, 2, None, 3]],
     ["float16", 64, 128, 96, [128, 128, 32, 2, 4, None, 3]],
+    ["float32", 100, 64, 96, [64, 32, 16, 2, 2, None, 3, 1, 2]],
+    ["float16", 130, 256, 192, [128, 128, 32, 2, 2, None, 3, 1, 3]],
 ]
 
 
@@ -131,7 +134,7 @@ def test_staged_product_equals_the_float64_product_on_emulated_tensor_cores(tmp_
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.split("@@report ")[-1])
-    assert len(report) == (12 if sys.version_info >= (3, 12) else 6), report
+    assert len(report) == (14 if sys.version_info >= (3, 12) else 7), report
     assert all(ok for *_, ok, _ in report), report
 
 
@@ -141,6 +144,11 @@ def test_staged_tiles_follow_the_shape_and_need_nvidia_tensor_cores():
     # x's rows interleaved in pairs: each warp copies eights of pairs
     assert not gemm.fits(gemm.Tiles(64, 128, 32, 2, 4), 256, 64, dtypes.float16)
     assert gemm.fits(gemm.Tiles(64, 128, 32, 2, 4, runs=False), 256, 64, dtypes.float16)
+    # the inputs split in parts: ring.py's kernel only, each part whole slices
+    ring_tiles = gemm.Tiles(128, 128, 32, 2, 2, stages=3, split=2)
+    assert gemm.fits(ring_tiles, 256, 128, dtypes.float16) and not gemm.fits(ring_tiles, 256, 96, dtypes.float16)
+    assert not gemm.fits(gemm.Tiles(128, 128, 32, 2, 2, stages=2, split=2), 256, 128, dtypes.float16)
+    assert gemm.Tiles.parse("128,128,32,2,2,0,3,1,2") == dataclasses.replace(ring_tiles, pad=0)
     renderer = Device[Device.DEFAULT].renderer
     if gemm.tensor_core(renderer, dtypes.float16) is None:
         assert gemm.tiles_for(renderer, 512, 4096, 4096) is None
@@ -157,6 +165,7 @@ KINDS_OF_STAGE = (
     gemm.Tiles(128, 128, 64, 2, 4, stages=1),
     gemm.Tiles(128, 128, 32, 2, 4, stages=2, runs=False),
     gemm.Tiles(128, 128, 32, 2, 4, stages=3),  # ring.py's: cp.async on CUDA
+    gemm.Tiles(128, 128, 32, 2, 2, stages=3, split=2),  # the inputs in two parts, summed after
 )
 
 

@@ -245,8 +245,8 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # or, where NVIDIA's tensor cores and the shape allow, our kernel of tiles staged through shared memory
         # (gemm.staged_product); LEAT_TINYGRAD_STAGED=0 keeps the kernel above for every shape
         self.staged_products = os.environ.get("LEAT_TINYGRAD_STAGED", "1") != "0"
-        # every staged product's tiles, "rows,outputs,depth,warp_rows,warp_outputs[,pad,stages,runs]" (gemm.Tiles; unset:
-        # the first of gemm.TILES that fits the shape; a shape the tiles do not fit keeps the kernel above)
+        # every staged product's tiles, "rows,outputs,depth,warp_rows,warp_outputs[,pad,stages,runs,split]" (gemm.Tiles;
+        # unset: the first of gemm.TILES that fits the shape; a shape the tiles do not fit keeps the kernel above)
         tiles = os.environ.get("LEAT_TINYGRAD_TILES", "")
         self.staged_tiles = Tiles.parse(tiles) if tiles else None
         # products with up to this many rows and a weight of a gemv.py type use its kernel (0: never)

@@ -128,16 +128,20 @@ class Tiles:
     #: the fragments read 16 bytes at a time in the registers' order (:data:`A_WORDS`); False: in PTX's order of the
     #: inputs, 4 bytes at a time (more shared-memory reads; kept for comparison)
     runs: bool = True
+    #: parts the inputs are split into (ring.py's kernel only): a thread group sums one part, the parts' results are
+    #: summed after (more thread groups where a product's tiles are fewer than the multiprocessors can hold)
+    split: int = 1
 
     @classmethod
     def parse(cls, text: str) -> Tiles:
-        """Tiles from "rows,outputs,depth,warp_rows,warp_outputs[,pad,stages,runs]" (LEAT_TINYGRAD_TILES; pad "" or
-        "auto": :meth:`strides`' choice; runs 0 or 1)."""
+        """Tiles from "rows,outputs,depth,warp_rows,warp_outputs[,pad,stages,runs,split]" (LEAT_TINYGRAD_TILES; pad ""
+        or "auto": :meth:`strides`' choice; runs 0 or 1)."""
         values = [v.strip() for v in text.split(",")]
         sizes = [int(v) for v in values[:5]]
         pad = None if len(values) < 6 or values[5] in ("", "auto") else int(values[5])
         stages = int(values[6]) if len(values) > 6 else 1
-        return cls(*sizes, pad=pad, stages=stages, runs=values[7] != "0" if len(values) > 7 else True)
+        runs = values[7] != "0" if len(values) > 7 else True
+        return cls(*sizes, pad=pad, stages=stages, runs=runs, split=int(values[8]) if len(values) > 8 else 1)
 
     @property
     def threads(self) -> int:
@@ -235,7 +239,8 @@ def fits(tiles: Tiles, outputs: int, inputs: int, kind: DType) -> bool:
         tiles.stages in (1, 2, ring.STAGES)
         and (tiles.stages < ring.STAGES or ring.fits(tiles, kind))
         and outputs % tiles.outputs == 0
-        and inputs % tiles.depth == 0
+        and inputs % (tiles.depth * tiles.split) == 0
+        and (tiles.split == 1 or tiles.stages == ring.STAGES)
         and tiles.rows % (16 * tiles.warp_rows) == 0
         and tiles.outputs % (8 * tiles.warp_outputs) == 0
         and tiles.depth % (4 * copy) == 0  # a row's copies come in fours (a lane's t); so 16 (tf32: 8) divides it
@@ -389,10 +394,12 @@ def staged_product(x: Tensor, w: Tensor, tiles: Tiles) -> Tensor:
         raise ValueError(f"no staged product of {x.dtype} {rows}x{inputs} @ {outputs}x{inputs} with {tiles} here")
     if tiles.stages == ring.STAGES:  # x interleaved beforehand, its rows padded to the tile: the result's too
         padded = -(-rows // tiles.rows) * tiles.rows
-        out = Tensor.empty(padded, outputs, dtype=dtypes.float32, device=x.device)
+        out = Tensor.empty(tiles.split * padded, outputs, dtype=dtypes.float32, device=x.device)
         asynchronous = isinstance(renderer, CUDARenderer)
         fxn = ring.kernel(padded, outputs, inputs, tiles, x.dtype, core.dims, renderer.target.device, asynchronous)
         y = out.custom_kernel(ring.interleaved(x, tiles.depth, padded), w, fxn=fxn)[0]
+        if tiles.split > 1:  # the parts' sums, lazy: a consumer's kernel may take the sum in
+            y = y.reshape(tiles.split, padded, outputs).sum(0)
         return y if padded == rows else y[:rows]
     out = Tensor.empty(rows, outputs, dtype=dtypes.float32, device=x.device)
     fxn = _staged_kernel(rows, outputs, inputs, tiles, x.dtype, core.dims, renderer.target.device)

@@ -80,17 +80,18 @@ def shared_bytes(tiles: Tiles, kind: DType) -> int:
 def kernel(
     rows: int, outputs: int, inputs: int, tiles: Tiles, kind: DType, dims: tuple, device: str, asynchronous: bool
 ):
-    """The ring's kernel for ``Tensor.custom_kernel(interleaved x, w)``: out [rows, outputs] float32 (``rows`` the
-    padded count)."""
+    """The ring's kernel for ``Tensor.custom_kernel(interleaved x, w)``: out [split * rows, outputs] float32 (``rows``
+    the padded count; with ``tiles.split`` parts, part p's sums over the p-th of the inputs in rows p * rows on)."""
     copy = 16 // kind.itemsize  # entries a 16-byte copy moves
     tm, tn = tiles.rows // tiles.warp_rows // 16, tiles.outputs // tiles.warp_outputs // 8  # mma tiles a warp
-    depth, steps, pairs = tiles.depth, inputs // tiles.depth, tiles.rows // 2
+    depth, steps, pairs = tiles.depth, inputs // tiles.depth // tiles.split, tiles.rows // 2  # a part's steps
     run = depth // 4  # a lane's run: the t-th quarter of a slice's row
     x_stage, w_stage = pairs * 2 * depth, tiles.outputs * depth
 
     def fxn(out: UOp, x: UOp, w: UOp) -> UOp:
         block_rows = UOp.range(rows // tiles.rows, 0, AxisType.GLOBAL)
         block_outputs = UOp.range(outputs // tiles.outputs, 1, AxisType.GLOBAL)
+        part = UOp.range(tiles.split, 10, AxisType.GLOBAL) if tiles.split > 1 else None
         # four local ranges (fits), numbered as gemm.py numbers them: tinygrad merges t and g, t the fastest
         t, g = UOp.range(4, 3, AxisType.LOCAL), UOp.range(8, 2, AxisType.LOCAL)
         wr, wo = UOp.range(tiles.warp_rows, 4, AxisType.LOCAL), UOp.range(tiles.warp_outputs, 5, AxisType.LOCAL)
@@ -104,6 +105,7 @@ def kernel(
             copies come one after another (each the one before as an operand its statement ignores: a group holds no
             asm statements), the first after ``after``; the last is returned."""
             entry = None if asynchronous else UOp.range(copy, entry_axis, AxisType.UPCAST)
+            sliced = step if part is None else part * steps + step  # the slice of the inputs: in the part's share
             parts = [
                 (x_to, x, block_rows * pairs, pairs, 2 * depth, x_stage),
                 (w_to, w, block_outputs * tiles.outputs, tiles.outputs, depth, w_stage),
@@ -113,7 +115,7 @@ def kernel(
                 for i, j in itertools.product(range(size // (8 * warps)), range(length // copy // 4)):
                     r, unit = g + 8 * warp + 8 * warps * i, t + 4 * j
                     at = stage * stage_size + r * length + unit * copy
-                    column = step * length + unit * copy
+                    column = sliced * length + unit * copy
                     if entry is None:
                         made.append(statement(_COPY, shared.index(at), source[first + r, column], *made[-1:]))
                     else:
@@ -178,10 +180,12 @@ def kernel(
         for (i, n), total in held(looped).items():
             for e in range(4):
                 row = block_rows * tiles.rows + row0 + 16 * i + 8 * (e // 2) + g
+                row = row if part is None else part * rows + row
                 column = block_outputs * tiles.outputs + output0 + 8 * n + 2 * t + e % 2
                 stores.append(out[row, column].store(total[e]))
-        name = f"ring_{rows}_{outputs}_{inputs}"
-        ended = UOp.group(*stores).end(block_rows, block_outputs, t, g, wr, wo)
+        name = f"ring_{rows}_{outputs}_{inputs}" + (f"_split{tiles.split}" if part is not None else "")
+        ranges = (block_rows, block_outputs) if part is None else (block_rows, block_outputs, part)
+        ended = UOp.group(*stores).end(*ranges, t, g, wr, wo)
         return ended.sink(arg=KernelInfo(name=name, opts_to_apply=()))
 
     return fxn
