@@ -382,7 +382,8 @@ def test_float16_copies_stop_at_the_budget(monkeypatch):
 def test_products_of_one_x_are_one_staged_product_of_their_copies_side_by_side(monkeypatch):
     """``matmuls`` of a prompt chunk (a layer's q, k and v): one staged product of the weights' float16 copies side
     by side, the copy made once and kept, each output the weight's own product (float64 within the float16 bound) plus
-    its bias; few rows, or outputs past gemm.JOINED_OUTPUTS (gate and up): each weight's own product. Without NVIDIA's
+    its bias; few rows: each weight's own product; outputs past gemm.JOINED_OUTPUTS (gate and up): each weight's own
+    staged product of one x laid out once (gemm.laid_out: ring.py's interleave). Without NVIDIA's
     tensor cores (CI's CPU device) the plain float16 product stands in for the staged kernel (the same sums), so the
     joining is what is checked there; the GPU run checks the staged kernel itself (80 rows: a short last tile)."""
     import leat_backend_tinygrad.backend as module
@@ -392,7 +393,9 @@ def test_products_of_one_x_are_one_staged_product_of_their_copies_side_by_side(m
         monkeypatch.setenv(f"LEAT_TINYGRAD_{key}", value)
     if gemm.tensor_core(Device[Device.DEFAULT].renderer, dtypes.float16) is None:
         monkeypatch.setattr(module, "tiles_for", lambda *args, **kwargs: gemm.Tiles())
-        monkeypatch.setattr(module, "staged_product", lambda x, w, tiles: gemm.half_product(x, w))
+        monkeypatch.setattr(module, "staged_product", lambda x, w, tiles, laid=None: gemm.half_product(x, w))
+    laid_out, laid = module.laid_out, []
+    monkeypatch.setattr(module, "laid_out", lambda x, tiles: laid.append(tiles) or laid_out(x, tiles))
     backend = TinygradBackend()
     rng = np.random.default_rng(7)
     inputs, weights, values = 256, [], []
@@ -415,7 +418,11 @@ def test_products_of_one_x_are_one_staged_product_of_their_copies_side_by_side(m
     assert backend.allocations.by_type["F16 copies"] == 2 * 256 * inputs
     few = backend.matmuls(backend.from_host(x[:8].astype(np.float32)), weights[:2])  # under GEMM_ROWS: each its own
     assert [t.shape for t in few] == [(8, 128), (8, 64)] and len(backend._joined) == 1
+    assert not laid
     monkeypatch.setattr(module, "JOINED_OUTPUTS", 255)  # outputs past the bound (gate and up): each its own product
-    apart = backend.matmuls(backend.from_host(x.astype(np.float32)), weights)
+    apart = [t.numpy() for t in backend.matmuls(backend.from_host(x.astype(np.float32)), weights)]
     assert [t.shape for t in apart] == [(80, 128), (80, 64), (80, 64)] and len(backend._joined) == 1
-    assert all(w.half is not None for w in weights)
+    assert all(w.half is not None for w in weights) and len(laid) == 1  # x laid out once for the three
+    for out, w in zip(apart, values):
+        w = w.astype(np.float64)
+        assert (np.abs(out - x @ w.T) <= _bound(x, w) + 1e-5).all()

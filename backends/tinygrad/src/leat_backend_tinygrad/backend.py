@@ -45,7 +45,15 @@ from tinygrad.uop.ops import Ops
 from leat_backend_tinygrad import intx, lanesum, norm, qkv, softmax
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
-from leat_backend_tinygrad.gemm import JOINED_OUTPUTS, Tiles, half_product, staged_product, tiles_for, tuned_opts
+from leat_backend_tinygrad.gemm import (
+    JOINED_OUTPUTS,
+    Tiles,
+    half_product,
+    laid_out,
+    staged_product,
+    tiles_for,
+    tuned_opts,
+)
 from leat_backend_tinygrad.gemv import LAYOUTS, MAX_ROWS, Shape, as_words, gemv, gemv_segments, unreshaped
 from leat_backend_tinygrad.kv import KVCache, PagedKV
 from leat_backend_tinygrad.quants import DEQUANTIZERS
@@ -674,13 +682,13 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         """Products of one x: a prompt chunk's staged products of quantized weights as one, the weights' float16
         copies side by side in one copy, while their outputs together are at most gemm.JOINED_OUTPUTS (a layer's q,
         k and v: the 8B file's 4096, 1024 and 1024 outputs fill 128, 32 and 32 thread groups of 128 x 128 alone, on
-        an H100's 132 multiprocessors); else :meth:`matmul` each."""
+        an H100's 132 multiprocessors); larger (gate and up) staged apart from one x laid out once (gemm.laid_out:
+        ring.py's interleave); else :meth:`matmul` each."""
         x, biases = self._values(x), biases or [None] * len(weights)
         sizes = [w.shape[0] for w in weights]
         rows, inputs, outputs = x.shape[0], weights[0].shape[-1], sum(sizes)
-        joined = (
+        staged = (
             1 < len(weights)
-            and outputs <= JOINED_OUTPUTS
             and self.half_products
             and self.staged_products
             and self.gemm_rows
@@ -690,12 +698,20 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             )
         )
         renderer = Device[self.device].renderer
-        tiles = tiles_for(renderer, rows, outputs, inputs, chosen=self.staged_tiles) if joined else None
+        # one product of the copies side by side, or one tile set for all apart; None: matmul each
+        shapes = [outputs] if outputs <= JOINED_OUTPUTS else sizes
+        chosen = {tiles_for(renderer, rows, n, inputs, chosen=self.staged_tiles) for n in shapes} if staged else set()
+        tiles = chosen.pop() if len(chosen) == 1 else None
         if tiles is None:
             return super().matmuls(x, weights, biases)
-        y = staged_product(x.cast(dtypes.float16).contiguous(), self._half_values(*weights), tiles)
-        ends = list(itertools.accumulate(sizes))
-        outs = [y[:, end - size : end] for size, end in zip(sizes, ends)]
+        x = x.cast(dtypes.float16).contiguous()
+        if outputs <= JOINED_OUTPUTS:
+            y = staged_product(x, self._half_values(*weights), tiles)
+            ends = list(itertools.accumulate(sizes))
+            outs = [y[:, end - size : end] for size, end in zip(sizes, ends)]
+        else:
+            laid = laid_out(x, tiles)
+            outs = [staged_product(x, self._half_values(w), tiles, laid) for w in weights]
         return [out if b is None else out + self._values(b) for out, b in zip(outs, biases)]
 
     def _half_values(self, *weights: Weight) -> Tensor:

@@ -384,9 +384,18 @@ def _staged_kernel(
     return fxn
 
 
-def staged_product(x: Tensor, w: Tensor, tiles: Tiles) -> Tensor:
+def laid_out(x: Tensor, tiles: Tiles) -> Tensor:
+    """x as the staged kernel of ``tiles`` reads it: for ring.py's, interleaved and its rows padded to the tile (a
+    kernel of its own, which products of one x can share: :func:`staged_product`'s ``laid``); else x."""
+    if tiles.stages != ring.STAGES:
+        return x
+    return ring.interleaved(x, tiles.depth, -(-x.shape[0] // tiles.rows) * tiles.rows)
+
+
+def staged_product(x: Tensor, w: Tensor, tiles: Tiles, laid: Tensor | None = None) -> Tensor:
     """float32 [rows, outputs] = x [rows, inputs] @ w.T, x and w float16 (or float32: tf32 products) and contiguous,
-    as one staged kernel of ``tiles`` (:func:`tiles_for` says which a shape takes; :func:`fits` whether it can)."""
+    as one staged kernel of ``tiles`` (:func:`tiles_for` says which a shape takes; :func:`fits` whether it can);
+    ``laid``: x's :func:`laid_out` already made (None: made here)."""
     (rows, inputs), outputs = x.shape, w.shape[0]
     renderer = Device[x.device].renderer
     core = tensor_core(renderer, x.dtype)
@@ -397,7 +406,7 @@ def staged_product(x: Tensor, w: Tensor, tiles: Tiles) -> Tensor:
         out = Tensor.empty(tiles.split * padded, outputs, dtype=dtypes.float32, device=x.device)
         asynchronous = isinstance(renderer, CUDARenderer)
         fxn = ring.kernel(padded, outputs, inputs, tiles, x.dtype, core.dims, renderer.target.device, asynchronous)
-        y = out.custom_kernel(ring.interleaved(x, tiles.depth, padded), w, fxn=fxn)[0]
+        y = out.custom_kernel(laid_out(x, tiles) if laid is None else laid, w, fxn=fxn)[0]
         if tiles.split > 1:  # the parts' sums, lazy: a consumer's kernel may take the sum in
             y = y.reshape(tiles.split, padded, outputs).sum(0)
         return y if padded == rows else y[:rows]
