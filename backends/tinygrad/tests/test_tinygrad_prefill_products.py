@@ -82,7 +82,7 @@ STAGED = """
 import json, sys
 import numpy as np
 from tinygrad import Tensor
-from leat_backend_tinygrad import gemm, ring
+from leat_backend_tinygrad import gemm
 report = []
 for kind, rows, outputs, inputs, tiles in json.loads(sys.argv[1]):
     if kind == "float16" and sys.version_info < (3, 12):
@@ -203,7 +203,7 @@ def _nvrtc() -> Path | None:
 RENDER = """
 import json, sys
 from tinygrad import Device, Tensor, dtypes
-from leat_backend_tinygrad import gemm, ring
+from leat_backend_tinygrad import gemm
 renderer, report = Device[Device.DEFAULT].renderer, {}
 for name, rows, outputs, inputs in json.loads(sys.argv[1]):
     x = Tensor.empty(rows, inputs, dtype=dtypes.float16).realize()
@@ -249,7 +249,7 @@ def test_the_h200s_opts_render_tensor_core_kernels_for_sm_90(tmp_path):
 STAGED_RENDER = """
 import json, sys
 from tinygrad import Device, Tensor, dtypes
-from leat_backend_tinygrad import gemm, ring
+from leat_backend_tinygrad import gemm
 renderer, report = Device[Device.DEFAULT].renderer, {}
 for name, rows, outputs, inputs in json.loads(sys.argv[1]):
     tiles = gemm.tiles_for(renderer, rows, outputs, inputs)
