@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import gguf
@@ -159,6 +160,28 @@ def test_staged_tiles_follow_the_shape_and_need_nvidia_tensor_cores():
     assert gemm.tiles_for(renderer, gemm.MIN_STAGED_ROWS - 1, 4096, 4096) is None
     depth = gemm.tiles_for(renderer, 512, 4096, 4096).depth
     assert gemm.tiles_for(renderer, 512, 4096, 4096 + depth // 2) is None  # inputs the tiles' depth does not divide
+
+
+def test_ring_tiles_split_the_inputs_of_products_with_few_thread_groups():
+    from tinygrad import dtypes
+    from tinygrad.codegen.opt import tc
+
+    hopper = types.SimpleNamespace(tensor_cores=tc.get_cuda("sm_90"))  # all tiles_for reads of a renderer
+
+    def split(rows: int, outputs: int, inputs: int, groups: int) -> int:
+        tiles = gemm.tiles_for(hopper, rows, outputs, inputs, split_groups=groups)
+        assert tiles is not None and gemm.fits(tiles, outputs, inputs, dtypes.float16)
+        return tiles.split
+
+    # 128 x 128 tiles: 512 rows of o or down are 4 x 32 = 128 thread groups, of q, k and v as one 4 x 48, of gate 4 x 112
+    assert [split(512, 4096, 14336, n) for n in (0, 128, 129, 256, 257, 512)] == [1, 1, 2, 2, 4, 4]
+    assert [split(512, 6144, 4096, n) for n in (192, 193, 384, 385)] == [1, 2, 2, 4]
+    assert split(512, 14336, 4096, 448) == 1 and split(512, 14336, 4096, 449) == 2
+    assert split(512, 4096, 32 * 3, 256) == 1  # neither two nor four parts of whole 32-input slices: unsplit
+    assert split(512, 4096, 32 * 6, 512) == 2  # two parts, not four: the most that fit, short of the groups asked
+    assert split(100, 4096, 4096, 129) == 4  # one tile of rows (the last one's extra rows repeat the last)
+    chosen = gemm.Tiles(128, 128, 32, 2, 2, stages=3)
+    assert gemm.tiles_for(hopper, 512, 4096, 4096, chosen=chosen, split_groups=10**6) == chosen  # taken as it is
 
 
 KINDS_OF_STAGE = (

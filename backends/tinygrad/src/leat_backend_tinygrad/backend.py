@@ -47,6 +47,7 @@ from leat_backend_tinygrad.attention import decode_attention, rope_write, write_
 from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemm import (
     JOINED_OUTPUTS,
+    SPLIT_GROUPS,
     Tiles,
     half_product,
     laid_out,
@@ -257,6 +258,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # unset: the first of gemm.TILES that fits the shape; a shape the tiles do not fit keeps the kernel above)
         tiles = os.environ.get("LEAT_TINYGRAD_TILES", "")
         self.staged_tiles = Tiles.parse(tiles) if tiles else None
+        # gemm.TILES' ring tiles split the inputs in parts while a product has fewer thread groups than this (gemm.
+        # SPLIT_GROUPS; 0: never); LEAT_TINYGRAD_SPLIT_GROUPS sets it
+        self.split_groups = int(os.environ.get("LEAT_TINYGRAD_SPLIT_GROUPS", str(SPLIT_GROUPS)))
         # products with up to this many rows and a weight of a gemv.py type use its kernel (0: never)
         self.gemv_rows = int(os.environ.get("LEAT_TINYGRAD_GEMV_ROWS", str(MAX_ROWS)))
         # its threads' shape, "lanes,groups,per_thread" (gemv.Shape; unset: gemv.Shape()'s default)
@@ -325,9 +329,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             "softmax_kernel": int(self.softmax_kernel),
             "fused_attention": int(self.fused_attention and Device[self.device].renderer.has_local),
             # whether a 512-row chunk's 4096 x 4096 product is staged (gemm.tiles_for), and with what
-            "staged_products": repr(tiles_for(Device[self.device].renderer, 512, 4096, 4096, chosen=self.staged_tiles))
-            if self.staged_products
-            else "off",
+            "staged_products": repr(self._tiles(512, 4096, 4096)) if self.staged_products else "off",
             "lane_sum": lanesum.mode(self.device) if Device[self.device].renderer.has_local else "loop",
         }
 
@@ -650,7 +652,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 x, (outputs, inputs) = x.cast(dtypes.float16).contiguous(), weight.shape
                 renderer, rows = Device[self.device].renderer, x.shape[0]
                 staged = self.staged_products
-                tiles = tiles_for(renderer, rows, outputs, inputs, chosen=self.staged_tiles) if staged else None
+                tiles = self._tiles(rows, outputs, inputs) if staged else None
                 if tiles is not None:
                     y = staged_product(x, self._half_values(weight), tiles)
                 else:
@@ -697,10 +699,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 isinstance(w, Weight) and w.qtype in DEQUANTIZERS and w.shape == (w.shape[0], inputs) for w in weights
             )
         )
-        renderer = Device[self.device].renderer
         # one product of the copies side by side, or one tile set for all apart; None: matmul each
         shapes = [outputs] if outputs <= JOINED_OUTPUTS else sizes
-        chosen = {tiles_for(renderer, rows, n, inputs, chosen=self.staged_tiles) for n in shapes} if staged else set()
+        chosen = {self._tiles(rows, n, inputs) for n in shapes} if staged else set()
         tiles = chosen.pop() if len(chosen) == 1 else None
         if tiles is None:
             return super().matmuls(x, weights, biases)
@@ -713,6 +714,11 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             laid = laid_out(x, tiles)
             outs = [staged_product(x, self._half_values(w), tiles, laid) for w in weights]
         return [out if b is None else out + self._values(b) for out, b in zip(outs, biases)]
+
+    def _tiles(self, rows: int, outputs: int, inputs: int) -> Tiles | None:
+        """The staged product's tiles for this shape (gemm.tiles_for with this backend's settings), or None."""
+        renderer = Device[self.device].renderer
+        return tiles_for(renderer, rows, outputs, inputs, chosen=self.staged_tiles, split_groups=self.split_groups)
 
     def _half_values(self, *weights: Weight) -> Tensor:
         """float16 values of quantized weights (their rows one after another) for a prefill product: a copy, made and

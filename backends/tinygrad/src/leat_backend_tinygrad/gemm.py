@@ -203,6 +203,11 @@ TILES: tuple[tuple[int | None, Tiles], ...] = (
 #: file's q, k and v (6144 outputs, 512 rows: 130 us as one against 91.5 + 2 x 78 apart, H100), not its gate and up
 #: (28672: 583 us as one against 2 x 274: each alone already fills the multiprocessors)
 JOINED_OUTPUTS = 8192
+#: a product of the ring's tiles (split 1) in fewer thread groups than this sums its inputs in parts (Tiles.split): the
+#: fewest of SPLITS that reach it and the inputs divide (0: never split). An H100's 132 multiprocessors hold two of
+#: the ring's 128-thread groups each (212 registers a thread); the 8B file's o and down fill 128 alone
+SPLIT_GROUPS = 0
+SPLITS = (2, 4)
 MIN_STAGED_ROWS = 64  # fewer rows waste most of a tile: tinygrad's kernel (or the opts above) takes them
 SHARED_LIMIT = 48 * 1024  # tinygrad declares shared memory statically: at most 48 KB a thread group
 
@@ -218,18 +223,31 @@ def tensor_core(renderer: Renderer, kind: DType) -> TensorCore | None:
 
 
 def tiles_for(
-    renderer: Renderer, rows: int, outputs: int, inputs: int, kind: DType = dtypes.float16, chosen: Tiles | None = None
+    renderer: Renderer,
+    rows: int,
+    outputs: int,
+    inputs: int,
+    kind: DType = dtypes.float16,
+    chosen: Tiles | None = None,
+    split_groups: int = SPLIT_GROUPS,
 ) -> Tiles | None:
     """The :data:`TILES` (or ``chosen``) for a product of this shape, or None (the product is not staged): no NVIDIA
     tensor core for ``kind`` (:func:`tensor_core`), fewer than MIN_STAGED_ROWS rows,
     or a tile the outputs or inputs do not divide. Rows need not divide: the last tile's extra rows repeat the last
-    row and store its result over it again (the same values)."""
+    row and store its result over it again (the same values). :data:`TILES`' ring tiles are split while the product
+    has fewer than ``split_groups`` thread groups (:data:`SPLIT_GROUPS`); ``chosen`` tiles are taken as they are."""
     if tensor_core(renderer, kind) is None or rows < MIN_STAGED_ROWS:
         return None
     if chosen is not None:
         return chosen if fits(chosen, outputs, inputs, kind) else None
     under = (tiles for bound, tiles in TILES if bound is None or outputs < bound)
-    return next((tiles for tiles in under if fits(tiles, outputs, inputs, kind)), None)
+    tiles = next((tiles for tiles in under if fits(tiles, outputs, inputs, kind)), None)
+    groups = -(-rows // tiles.rows) * (outputs // tiles.outputs) if tiles is not None else 0
+    if tiles is None or tiles.stages != ring.STAGES or tiles.split != 1 or groups >= split_groups:
+        return tiles
+    parts = (dataclasses.replace(tiles, split=n) for n in SPLITS)
+    fitting = [part for part in parts if fits(part, outputs, inputs, kind)]
+    return next((part for part in fitting if groups * part.split >= split_groups), fitting[-1] if fitting else tiles)
 
 
 def fits(tiles: Tiles, outputs: int, inputs: int, kind: DType) -> bool:
