@@ -85,27 +85,30 @@ import numpy as np
 from tinygrad import Tensor
 from leat_backend_tinygrad import gemm
 report = []
-for kind, rows, outputs, inputs, tiles in json.loads(sys.argv[1]):
-    if kind == "float16" and sys.version_info < (3, 12):
+for kinds, rows, outputs, inputs, tiles in json.loads(sys.argv[1]):
+    x_kind, kind = (kinds.split("/") * 2)[:2]  # "x's/w's", or one for both
+    if "float16" in kinds and sys.version_info < (3, 12):
         continue  # the PYTHON device holds float16 from Python 3.12 on
     rng = np.random.default_rng(rows + outputs)
-    x = rng.standard_normal((rows, inputs)).astype(kind)
+    x = rng.standard_normal((rows, inputs)).astype(x_kind)
     w = rng.standard_normal((outputs, inputs)).astype(kind)
     got = gemm.staged_product(Tensor(x), Tensor(w), gemm.Tiles(*tiles)).numpy()
+    x = x.astype(kind)  # the values the product takes
     want = x.astype(np.float64) @ w.astype(np.float64).T
     bound = 2.0**-10 * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T) + 1e-6
-    report.append([kind, rows, tiles, got.shape == want.shape and bool((np.abs(got - want) <= bound).all()),
+    report.append([kinds, rows, tiles, got.shape == want.shape and bool((np.abs(got - want) <= bound).all()),
                    float(np.abs(got - want).max())])
 print("@@report", json.dumps(report), flush=True)
 """
-# (kind, rows, outputs, inputs, tiles: rows, outputs, depth, warp rows, warp outputs, pad, stages[, runs, split]): warps in
+# (kind or "x's kind/w's", rows, outputs, inputs, tiles: rows, outputs, depth, warp rows, warp outputs, pad, stages[, runs, split]): warps in
 # both directions (tinygrad's four local ranges, the first two merged), in one direction (three ranges), rows the tile
 # does not divide (the last tile's extra rows the last row again, stored over it), one stage and two (three and more depth steps:
 # both stages taken twice, the last step's loads of itself again), the fragments read in runs (the default: x's rows
 # interleaved in pairs; its padding chosen, or given) and in PTX's order (runs 0), depths of one and two 16-byte reads;
 # one warp of rows with a short last tile (40 rows: tinygrad 0.14 dropped the gate of such a tile's stores); ring.py's
 # three stages (here its plain copies: the PYTHON device runs no asm) over six steps (the ring taken twice) and one,
-# and with the inputs split in two and three parts (three steps and two a part)
+# and with the inputs split in two and three parts (three steps and two a part); a float32 x with float16 w (the
+# backend's: x cast as ring.py's interleave lays it out, or beforehand for the others)
 STAGED_CASES = [
     ["float32", 100, 32, 96, [32, 16, 32, 2, 1, None, 2]],
     ["float32", 48, 64, 64, [32, 32, 16, 2, 1, None, 2]],
@@ -121,6 +124,8 @@ STAGED_CASES = [
     ["float16", 64, 128, 96, [128, 128, 32, 2, 4, None, 3]],
     ["float32", 100, 64, 96, [64, 32, 16, 2, 2, None, 3, 1, 2]],
     ["float16", 130, 256, 192, [128, 128, 32, 2, 2, None, 3, 1, 3]],
+    ["float32/float16", 100, 128, 64, [128, 128, 32, 2, 2, None, 3]],
+    ["float32/float16", 100, 64, 64, [64, 32, 32, 2, 2, 8, 1]],
 ]
 
 
@@ -135,7 +140,7 @@ def test_staged_product_equals_the_float64_product_on_emulated_tensor_cores(tmp_
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.split("@@report ")[-1])
-    assert len(report) == (14 if sys.version_info >= (3, 12) else 7), report
+    assert len(report) == (16 if sys.version_info >= (3, 12) else 7), report
     assert all(ok for *_, ok, _ in report), report
 
 
@@ -416,9 +421,14 @@ def test_products_of_one_x_are_one_staged_product_of_their_copies_side_by_side(m
         monkeypatch.setenv(f"LEAT_TINYGRAD_{key}", value)
     if gemm.tensor_core(Device[Device.DEFAULT].renderer, dtypes.float16) is None:
         monkeypatch.setattr(module, "tiles_for", lambda *args, **kwargs: gemm.Tiles())
-        monkeypatch.setattr(module, "staged_product", lambda x, w, tiles, laid=None: gemm.half_product(x, w))
+
+        # the staged kernel takes x of any float type as w's
+        def staged(x, w, tiles, laid=None):
+            return gemm.half_product(x.cast(w.dtype).contiguous(), w)
+
+        monkeypatch.setattr(module, "staged_product", staged)
     laid_out, laid = module.laid_out, []
-    monkeypatch.setattr(module, "laid_out", lambda x, tiles: laid.append(tiles) or laid_out(x, tiles))
+    monkeypatch.setattr(module, "laid_out", lambda x, tiles, kind: laid.append(tiles) or laid_out(x, tiles, kind))
     backend = TinygradBackend()
     rng = np.random.default_rng(7)
     inputs, weights, values = 256, [], []

@@ -649,15 +649,14 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             # sibling product through silu_mul after it, tinygrad wrote one kernel without tensor cores (the 8B
             # file's gate and up with their norm: 20 ms a layer of a 512-token chunk, 85% of it)
             if self.half_products:
-                x, (outputs, inputs) = x.cast(dtypes.float16).contiguous(), weight.shape
-                renderer, rows = Device[self.device].renderer, x.shape[0]
-                staged = self.staged_products
-                tiles = self._tiles(rows, outputs, inputs) if staged else None
-                if tiles is not None:
+                (rows, inputs), outputs = x.shape, weight.shape[0]
+                tiles = self._tiles(rows, outputs, inputs) if self.staged_products else None
+                if tiles is not None:  # x cast to float16 as the kernel lays it out (gemm.laid_out)
                     y = staged_product(x, self._half_values(weight), tiles)
                 else:
+                    renderer = Device[self.device].renderer
                     opts = tuned_opts(renderer, rows, outputs, inputs) if self.tc_opts else None
-                    y = half_product(x, self._half_values(weight), opts)
+                    y = half_product(x.cast(dtypes.float16).contiguous(), self._half_values(weight), opts)
             else:
                 y = (x.contiguous() @ weight.values().contiguous().T).contiguous()
         elif quantized and weight.qtype in LAYOUTS and x.shape[0] <= self.gemv_rows and weight.data.ndim == 3:
@@ -705,13 +704,12 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         tiles = chosen.pop() if len(chosen) == 1 else None
         if tiles is None:
             return super().matmuls(x, weights, biases)
-        x = x.cast(dtypes.float16).contiguous()
         if outputs <= JOINED_OUTPUTS:
             y = staged_product(x, self._half_values(*weights), tiles)
             ends = list(itertools.accumulate(sizes))
             outs = [y[:, end - size : end] for size, end in zip(sizes, ends)]
         else:
-            laid = laid_out(x, tiles)
+            laid = laid_out(x, tiles, dtypes.float16)
             outs = [staged_product(x, self._half_values(w), tiles, laid) for w in weights]
         return [out if b is None else out + self._values(b) for out, b in zip(outs, biases)]
 

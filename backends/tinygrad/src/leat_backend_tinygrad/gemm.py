@@ -402,32 +402,34 @@ def _staged_kernel(
     return fxn
 
 
-def laid_out(x: Tensor, tiles: Tiles) -> Tensor:
-    """x as the staged kernel of ``tiles`` reads it: for ring.py's, interleaved and its rows padded to the tile (a
-    kernel of its own, which products of one x can share: :func:`staged_product`'s ``laid``); else x."""
-    if tiles.stages != ring.STAGES:
-        return x
-    return ring.interleaved(x, tiles.depth, -(-x.shape[0] // tiles.rows) * tiles.rows)
+def laid_out(x: Tensor, tiles: Tiles, kind: DType) -> Tensor:
+    """x as the staged kernel of ``tiles`` reads it, in ``kind`` (the weight's type): for ring.py's, interleaved and its
+    rows padded to the tile, cast as it is laid out (a kernel of its own, which products of one x can share:
+    :func:`staged_product`'s ``laid``); else cast to ``kind``, contiguous."""
+    if tiles.stages == ring.STAGES:
+        return ring.interleaved(x, tiles.depth, -(-x.shape[0] // tiles.rows) * tiles.rows, kind)
+    return x if x.dtype == kind else x.cast(kind).contiguous()
 
 
 def staged_product(x: Tensor, w: Tensor, tiles: Tiles, laid: Tensor | None = None) -> Tensor:
-    """float32 [rows, outputs] = x [rows, inputs] @ w.T, x and w float16 (or float32: tf32 products) and contiguous,
-    as one staged kernel of ``tiles`` (:func:`tiles_for` says which a shape takes; :func:`fits` whether it can);
-    ``laid``: x's :func:`laid_out` already made (None: made here)."""
-    (rows, inputs), outputs = x.shape, w.shape[0]
+    """float32 [rows, outputs] = x [rows, inputs] @ w.T, w float16 (or float32: tf32 products) and contiguous, x of
+    any float type (taken as w's: :func:`laid_out`), as one staged kernel of ``tiles`` (:func:`tiles_for` says which a
+    shape takes; :func:`fits` whether it can); ``laid``: x's :func:`laid_out` already made (None: made here)."""
+    (rows, inputs), outputs, kind = x.shape, w.shape[0], w.dtype
     renderer = Device[x.device].renderer
-    core = tensor_core(renderer, x.dtype)
-    if core is None or not fits(tiles, outputs, inputs, x.dtype):
-        raise ValueError(f"no staged product of {x.dtype} {rows}x{inputs} @ {outputs}x{inputs} with {tiles} here")
+    core = tensor_core(renderer, kind)
+    if core is None or not fits(tiles, outputs, inputs, kind):
+        raise ValueError(f"no staged product of {kind} {rows}x{inputs} @ {outputs}x{inputs} with {tiles} here")
+    laid = laid_out(x, tiles, kind) if laid is None else laid
     if tiles.stages == ring.STAGES:  # x interleaved beforehand, its rows padded to the tile: the result's too
         padded = -(-rows // tiles.rows) * tiles.rows
         out = Tensor.empty(tiles.split * padded, outputs, dtype=dtypes.float32, device=x.device)
         asynchronous = isinstance(renderer, CUDARenderer)
-        fxn = ring.kernel(padded, outputs, inputs, tiles, x.dtype, core.dims, renderer.target.device, asynchronous)
-        y = out.custom_kernel(laid_out(x, tiles) if laid is None else laid, w, fxn=fxn)[0]
+        fxn = ring.kernel(padded, outputs, inputs, tiles, kind, core.dims, renderer.target.device, asynchronous)
+        y = out.custom_kernel(laid, w, fxn=fxn)[0]
         if tiles.split > 1:  # the parts' sums, lazy: a consumer's kernel may take the sum in
             y = y.reshape(tiles.split, padded, outputs).sum(0)
         return y if padded == rows else y[:rows]
     out = Tensor.empty(rows, outputs, dtype=dtypes.float32, device=x.device)
-    fxn = _staged_kernel(rows, outputs, inputs, tiles, x.dtype, core.dims, renderer.target.device)
-    return out.custom_kernel(x, w, fxn=fxn)[0]
+    fxn = _staged_kernel(rows, outputs, inputs, tiles, kind, core.dims, renderer.target.device)
+    return out.custom_kernel(laid, w, fxn=fxn)[0]

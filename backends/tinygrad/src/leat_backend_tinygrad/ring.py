@@ -35,8 +35,9 @@ _COMMIT = 'asm volatile("cp.async.commit_group;");'
 _WAIT = 'asm volatile("cp.async.wait_group {n};");'
 
 
-def interleaved(x: Tensor, depth: int, rows: int) -> Tensor:
-    """x [n, k] as the ring reads it, [rows / 2, 2 k]: rows padded with zeros to ``rows`` (a multiple of 16), then each
+def interleaved(x: Tensor, depth: int, rows: int, kind: DType | None = None) -> Tensor:
+    """x [n, k] as the ring reads it, [rows / 2, 2 k] of ``kind`` (None: x's; cast as the kernel stores it, so a float32
+    x needs no copy of its own in float16): rows padded with zeros to ``rows`` (a multiple of 16), then each
     16-row tile's rows g and g + 8 as one row of pairs: for each slice of ``depth`` inputs, lane t's quarter of it from
     both rows, a 32-bit word of row g, then of row g + 8 (gemm.A_WORDS' order), the lane's two 16-byte units swapped
     where g is odd (the swizzle). One kernel of our own (after the padding's copy), a thread a 16-byte unit of the
@@ -44,7 +45,7 @@ def interleaved(x: Tensor, depth: int, rows: int) -> Tensor:
     as Tensor ops moved ~60 GB/s on the H100 (the products with it: docs/benchmarks.md). With the index kept
     non-negative (the swap as (unit + g) % 2) NVRTC gets 8-byte loads and a 16-byte store; otherwise tinygrad wrapped
     each index modulo the buffer and read 2 bytes at a time."""
-    (n, k), kind = x.shape, x.dtype
+    (n, k), kind = x.shape, kind or x.dtype
     per_word, copy = 4 // kind.itemsize, 16 // kind.itemsize
 
     def fxn(out: UOp, source: UOp) -> UOp:  # source: x padded
@@ -58,7 +59,8 @@ def interleaved(x: Tensor, depth: int, rows: int) -> Tensor:
         stores = []
         for j in range(copy):
             row = tile * 16 + g + 8 * ((j // per_word) % 2)  # row g or g + 8
-            stores.append(out[pair, at + j].store(source[row, first + j // (2 * per_word) * per_word + j % per_word]))
+            value = source[row, first + j // (2 * per_word) * per_word + j % per_word]
+            stores.append(out[pair, at + j].store(value if x.dtype == kind else value.cast(kind)))
         name = f"interleave_{rows}_{k}"
         return UOp.group(*stores).end(tile, part, g, t, unit).sink(arg=KernelInfo(name=name, opts_to_apply=()))
 
