@@ -185,6 +185,9 @@ def test_ring_tiles_split_the_inputs_of_products_with_few_thread_groups():
     assert split(512, 4096, 32 * 3, 256) == 1  # neither two nor four parts of whole 32-input slices: unsplit
     assert split(512, 4096, 32 * 6, 512) == 2  # two parts, not four: the most that fit, short of the groups asked
     assert split(100, 4096, 4096, 129) == 4  # one tile of rows (the last one's extra rows repeat the last)
+    # the default: o and down in two parts, q, k and v as one (192 groups) and gate and up (448) whole
+    defaults = [gemm.tiles_for(hopper, 512, n, k).split for n, k in ((4096, 4096), (4096, 14336), (6144, 4096))]
+    assert defaults + [gemm.tiles_for(hopper, 512, 14336, 4096).split] == [2, 2, 1, 1]
     chosen = gemm.Tiles(128, 128, 32, 2, 2, stages=3)
     assert gemm.tiles_for(hopper, 512, 4096, 4096, chosen=chosen, split_groups=10**6) == chosen  # taken as it is
 

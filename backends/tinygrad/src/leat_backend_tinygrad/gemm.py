@@ -204,9 +204,11 @@ TILES: tuple[tuple[int | None, Tiles], ...] = (
 #: (28672: 583 us as one against 2 x 274: each alone already fills the multiprocessors)
 JOINED_OUTPUTS = 8192
 #: a product of the ring's tiles (split 1) in fewer thread groups than this sums its inputs in parts (Tiles.split): the
-#: fewest of SPLITS that reach it and the inputs divide (0: never split). An H100's 132 multiprocessors hold two of
-#: the ring's 128-thread groups each (212 registers a thread); the 8B file's o and down fill 128 alone
-SPLIT_GROUPS = 0
+#: fewest of SPLITS that reach it and the inputs divide (0: never split). An H100's or H200's 132 multiprocessors, each
+#: holding two of the ring's 128-thread groups (212 registers a thread): the 8B file's o and down (128 groups at 512
+#: rows) split in two, q, k and v (192) and gate and up (448) not. On the H100, in one call: down 206 us against 268,
+#: o 107 against 109, pp512 +11% (q, k and v split too: 161 us against 112, and pp512 +7%; docs/benchmarks.md)
+SPLIT_GROUPS = 132
 SPLITS = (2, 4)
 MIN_STAGED_ROWS = 64  # fewer rows waste most of a tile: tinygrad's kernel (or the opts above) takes them
 SHARED_LIMIT = 48 * 1024  # tinygrad declares shared memory statically: at most 48 KB a thread group
