@@ -244,11 +244,12 @@ def tiles_for(
         return chosen if fits(chosen, outputs, inputs, kind) else None
     under = (tiles for bound, tiles in TILES if bound is None or outputs < bound)
     tiles = next((tiles for tiles in under if fits(tiles, outputs, inputs, kind)), None)
-    groups = -(-rows // tiles.rows) * (outputs // tiles.outputs) if tiles is not None else 0
-    if tiles is None or tiles.stages != ring.STAGES or tiles.split != 1 or groups >= split_groups:
+    if tiles is None or tiles.stages != ring.STAGES or tiles.split != 1:
         return tiles
-    parts = (dataclasses.replace(tiles, split=n) for n in SPLITS)
-    fitting = [part for part in parts if fits(part, outputs, inputs, kind)]
+    groups = -(-rows // tiles.rows) * (outputs // tiles.outputs)
+    if groups >= split_groups:
+        return tiles
+    fitting = [part for n in SPLITS if fits(part := dataclasses.replace(tiles, split=n), outputs, inputs, kind)]
     return next((part for part in fitting if groups * part.split >= split_groups), fitting[-1] if fitting else tiles)
 
 
