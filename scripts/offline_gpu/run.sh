@@ -20,7 +20,7 @@
 #   tg LABEL [VAR=VALUE...]    the same on tinygrad (DEV=CUDA), 2 runs
 #   cudatests [SECONDS] [N]    the CUDA backend's GPU tests (N: xdist workers), cut at SECONDS with a tally of the
 #                              outcomes so far (about 240 s alone on an H200; more beside a llama.cpp build);
-#                              tgtests [SECONDS] the tinygrad backend's
+#   tgtests [SECONDS] [N]      the same for the tinygrad backend's tests (DEV=CUDA)
 #   vs FILE [SECONDS] [ARGS]   scripts/vs_llamacpp.py on /tmp/g/FILE beside the llama.cpp just built
 #   sh COMMAND...              any command
 #   pack DIR                   $OUT as one archive, DIR/kit-out.tgz (where a machine returns only a few files: run
@@ -41,6 +41,18 @@ bench() { # LABEL FILE BACKEND ARGS... (env set by caller)
 import json
 for r in json.load(open('$OUT/b_$label.json')): print('$label', r['test'], '%.2f +- %.2f' % (r['tokens_per_second'], r['stdev']), 'warm %.1f' % r['warmup_seconds'], [round(x, 1) for x in r['rates']])
 " 2>&1 | tee -a $OUT/summary.txt; tail -2 $OUT/b_$label.err
+}
+gputests() { # NAME SECONDS WORKERS PYTEST_ARGS...: run, cut at SECONDS (xdist's workers too), tally the outcomes
+  local name=$1 secs=$2 workers=$3; shift 3
+  # -v: a line a test as it ends (with xdist `[gwN] [ P%] OUTCOME path::test`), so a cut run still names its failures
+  setsid python3 -m pytest "$@" -v -p no:cacheprovider ${workers:+-n $workers} > $OUT/$name.log 2>&1 &
+  local tests=$!; for i in $(seq 1 $secs); do kill -0 $tests 2>/dev/null || break; sleep 1; done
+  kill -0 $tests 2>/dev/null && { kill -9 -- -$tests; echo "cut at $secs s"; }
+  grep -E "^=+ .*(passed|failed|skipped).* =+$" $OUT/$name.log | tail -1
+  grep -E "(\] |^[^ ]+::[^ ]+ )(FAILED|ERROR)" $OUT/$name.log | head -20  # the progress lines, not -ra's summary
+  # one outcome a test line (xdist's `] OUTCOME path::` or plain `path::test OUTCOME`), not the -ra summary's
+  grep -E "::" $OUT/$name.log | grep -oE "(\] | )(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)( |$)" | tr -d '] ' | sort |
+    uniq -c | tr '\n' ' '; echo
 }
 for phase in "$@"; do
   set -- $phase
@@ -65,16 +77,9 @@ for phase in "$@"; do
   tg)  # tg LABEL [ENV=..]...
     label=$2; shift 2; (export DEV=CUDA; for e in "$@"; do export "$e"; done; bench $label $G/l8b.gguf tinygrad -p 512 -n 128 -r 2) ;;
   cudatests)  # cudatests [SECONDS] [WORKERS]: killed whole (xdist's workers too) at SECONDS; the tally even then
-    log cudatests
-    # -v: a line a test as it ends (with xdist `[gwN] [ P%] OUTCOME path::test`), so a cut run still names its failures
-    setsid python3 -m pytest backends/cuda/tests -m gpu -v -p no:cacheprovider ${3:+-n $3} > $OUT/cudatests.log 2>&1 &
-    tests=$!; for i in $(seq 1 ${2:-240}); do kill -0 $tests 2>/dev/null || break; sleep 1; done
-    kill -0 $tests 2>/dev/null && { kill -9 -- -$tests; echo "cut at ${2:-240} s"; }
-    grep -E "^=+ .*(passed|failed|skipped).* =+$" $OUT/cudatests.log | tail -1
-    grep -E "\] (FAILED|ERROR) [^ ]+::" $OUT/cudatests.log | head -20  # the progress lines, not -ra's summary
-    grep -oE "\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) [^ ]+::" $OUT/cudatests.log | cut -d' ' -f2 | sort | uniq -c | tr '\n' ' '; echo ;;
-  tgtests)
-    log tgtests; DEV=CUDA timeout ${2:-200} python3 -m pytest backends/tinygrad/tests -q -p no:cacheprovider 2>&1 > $OUT/tgtests.log; grep -E "passed|failed" $OUT/tgtests.log | tail -2 ;;
+    log cudatests; gputests cudatests "${2:-240}" "$3" backends/cuda/tests -m gpu ;;
+  tgtests)  # tgtests [SECONDS] [WORKERS]: the same for the tinygrad backend's tests on DEV=CUDA
+    log tgtests; (export DEV=CUDA; gputests tgtests "${2:-200}" "$3" backends/tinygrad/tests) ;;
   vs)  # vs FILE TIMEOUT "ARGS"
     log vs $2; timeout ${3:-300} python3 scripts/vs_llamacpp.py $G/$2 --llama-bin /tmp/llama.cpp/b/bin "${@:4}" --json $OUT/vs_$2.json 2>&1 | tee $OUT/vs_$2.txt | tail -14 ;;
   oldsite)  # oldsite [NAME]
