@@ -82,22 +82,30 @@ def test_opts_follow_the_output_size_and_need_nvidia_tensor_cores():
 STAGED = """
 import json, sys
 import numpy as np
-from tinygrad import Tensor
+from tinygrad import Tensor, dtypes
 from leat_backend_tinygrad import gemm
 report = []
-for kinds, rows, outputs, inputs, tiles in json.loads(sys.argv[1]):
+for kinds, rows, outputs, inputs, tiles, *gated in json.loads(sys.argv[1]):
     x_kind, kind = (kinds.split("/") * 2)[:2]  # "x's/w's", or one for both
     if "float16" in kinds and sys.version_info < (3, 12):
         continue  # the PYTHON device holds float16 from Python 3.12 on
     rng = np.random.default_rng(rows + outputs)
     x = rng.standard_normal((rows, inputs)).astype(x_kind)
     w = rng.standard_normal((outputs, inputs)).astype(kind)
-    got = gemm.staged_product(Tensor(x), Tensor(w), gemm.Tiles(*tiles)).numpy()
-    x = x.astype(kind)  # the values the product takes
+    tiles = gemm.Tiles(*tiles)
+    if gated:  # x the gate of silu_mul, laid out with up: silu(x) * up
+        up = rng.standard_normal((rows, inputs)).astype(x_kind)
+        laid = gemm.laid_out(Tensor(x), tiles, getattr(dtypes, kind), Tensor(up))
+        got = gemm.staged_product(Tensor(x), Tensor(w), tiles, laid).numpy()
+        x = x.astype(np.float64) / (1 + np.exp(-x.astype(np.float64))) * up  # rounded in the kernel: the bound's
+    else:
+        got = gemm.staged_product(Tensor(x), Tensor(w), tiles).numpy()
+        x = x.astype(kind)  # the values the product takes
     want = x.astype(np.float64) @ w.astype(np.float64).T
+    x = x.astype(kind)
     bound = 2.0**-10 * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T) + 1e-6
-    report.append([kinds, rows, tiles, got.shape == want.shape and bool((np.abs(got - want) <= bound).all()),
-                   float(np.abs(got - want).max())])
+    ok = got.shape == want.shape and bool((np.abs(got - want) <= bound).all())
+    report.append([kinds, rows, gated, tiles.stages, ok, float(np.abs(got - want).max())])
 print("@@report", json.dumps(report), flush=True)
 """
 # (kind or "x's kind/w's", rows, outputs, inputs, tiles: rows, outputs, depth, warp rows, warp outputs, pad, stages[, runs, split]): warps in
@@ -108,7 +116,8 @@ print("@@report", json.dumps(report), flush=True)
 # one warp of rows with a short last tile (40 rows: tinygrad 0.14 dropped the gate of such a tile's stores); ring.py's
 # three stages (here its plain copies: the PYTHON device runs no asm) over six steps (the ring taken twice) and one,
 # and with the inputs split in two and three parts (three steps and two a part); a float32 x with float16 w (the
-# backend's: x cast as ring.py's interleave lays it out, or beforehand for the others)
+# backend's: x cast as ring.py's interleave lays it out, or beforehand for the others); "silu": x silu_mul's gate,
+# laid out with its up (gemm.laid_out's up: in ring.py's interleave, or before the others)
 STAGED_CASES = [
     ["float32", 100, 32, 96, [32, 16, 32, 2, 1, None, 2]],
     ["float32", 48, 64, 64, [32, 32, 16, 2, 1, None, 2]],
@@ -126,6 +135,9 @@ STAGED_CASES = [
     ["float16", 130, 256, 192, [128, 128, 32, 2, 2, None, 3, 1, 3]],
     ["float32/float16", 100, 128, 64, [128, 128, 32, 2, 2, None, 3]],
     ["float32/float16", 100, 64, 64, [64, 32, 32, 2, 2, 8, 1]],
+    ["float32", 100, 64, 96, [64, 32, 16, 2, 2, None, 3], "silu"],
+    ["float32", 100, 64, 64, [32, 32, 32, 2, 2, 8, 1, 0], "silu"],
+    ["float32/float16", 100, 128, 64, [128, 128, 32, 2, 2, None, 3], "silu"],
 ]
 
 
@@ -140,7 +152,7 @@ def test_staged_product_equals_the_float64_product_on_emulated_tensor_cores(tmp_
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.split("@@report ")[-1])
-    assert len(report) == (16 if sys.version_info >= (3, 12) else 7), report
+    assert len(report) == (19 if sys.version_info >= (3, 12) else 9), report
     assert all(ok for *_, ok, _ in report), report
 
 
@@ -410,13 +422,12 @@ def test_float16_copies_stop_at_the_budget(monkeypatch):
     assert backend.f16_budget == 100
 
 
-def test_products_of_one_x_are_one_staged_product_of_their_copies_side_by_side(monkeypatch):
-    """``matmuls`` of a prompt chunk (a layer's q, k and v): one staged product of the weights' float16 copies side
-    by side, the copy made once and kept, each output the weight's own product (float64 within the float16 bound) plus
-    its bias; few rows: each weight's own product; outputs past gemm.JOINED_OUTPUTS (gate and up): each weight's own
-    staged product of one x laid out once (gemm.laid_out: ring.py's interleave). Without NVIDIA's
-    tensor cores (CI's CPU device) the plain float16 product stands in for the staged kernel (the same sums), so the
-    joining is what is checked there; the GPU run checks the staged kernel itself (80 rows: a short last tile)."""
+@pytest.fixture
+def laid(monkeypatch) -> list:
+    """The backend's staged products at 16 rows and more, its float16 copies kept; the tiles of each gemm.laid_out
+    call listed (with its ``up``, where given). Without NVIDIA's tensor cores (CI's CPU device) the plain float16
+    product of the laid-out x stands in for the staged kernel (the same sums): what is checked there is what the
+    backend asks of the kernels; the GPU run checks the staged kernel itself (the emulated cases, the rest)."""
     import leat_backend_tinygrad.backend as module
     from tinygrad import dtypes
 
@@ -425,13 +436,28 @@ def test_products_of_one_x_are_one_staged_product_of_their_copies_side_by_side(m
     if gemm.tensor_core(Device[Device.DEFAULT].renderer, dtypes.float16) is None:
         monkeypatch.setattr(module, "tiles_for", lambda *args, **kwargs: gemm.Tiles())
 
-        # the staged kernel takes x of any float type as w's
+        # the staged kernel takes x of any float type as w's, or x laid out (Tiles(): cast, contiguous)
         def staged(x, w, tiles, laid=None):
-            return gemm.half_product(x.cast(w.dtype).contiguous(), w)
+            return gemm.half_product(x.cast(w.dtype).contiguous() if laid is None else laid, w)
 
         monkeypatch.setattr(module, "staged_product", staged)
-    laid_out, laid = module.laid_out, []
-    monkeypatch.setattr(module, "laid_out", lambda x, tiles, kind: laid.append(tiles) or laid_out(x, tiles, kind))
+    laid_out, calls = module.laid_out, []
+
+    def spy(x, tiles, kind, up=None):
+        calls.append(tiles if up is None else (tiles, up))
+        return laid_out(x, tiles, kind, up)
+
+    monkeypatch.setattr(module, "laid_out", spy)
+    return calls
+
+
+def test_products_of_one_x_are_one_staged_product_of_their_copies_side_by_side(laid, monkeypatch):
+    """``matmuls`` of a prompt chunk (a layer's q, k and v): one staged product of the weights' float16 copies side
+    by side, the copy made once and kept, each output the weight's own product (float64 within the float16 bound) plus
+    its bias; few rows: each weight's own product; outputs past gemm.JOINED_OUTPUTS (gate and up): each weight's own
+    staged product of one x laid out once (gemm.laid_out: ring.py's interleave); 80 rows: a short last tile."""
+    import leat_backend_tinygrad.backend as module
+
     backend = TinygradBackend()
     rng = np.random.default_rng(7)
     inputs, weights, values = 256, [], []
@@ -462,3 +488,24 @@ def test_products_of_one_x_are_one_staged_product_of_their_copies_side_by_side(m
     for out, w in zip(apart, values):
         w = w.astype(np.float64)
         assert (np.abs(out - x @ w.T) <= _bound(x, w) + 1e-5).all()
+
+
+def test_silu_mul_of_a_chunk_is_laid_out_with_its_up_for_the_next_staged_product(laid):
+    """A prompt chunk's gate and up (staged products), silu_mul, then the down product: silu(gate) * up is computed
+    as down's x is laid out (gemm.laid_out with ``up``: ring.py's interleave on the GPU; no kernel of its own), and
+    down is the float64 product of that activation (from the gate and up the backend made) within the float16 bound."""
+    backend = TinygradBackend()
+    rng = np.random.default_rng(11)
+    inputs, hidden, weights = 128, 256, []
+    for i, (outputs, width) in enumerate([(hidden, inputs), (hidden, inputs), (inputs, hidden)]):  # gate, up, down
+        stored = rng.integers(0, 256, (outputs, width // 32 * 34), dtype=np.uint8)
+        stored.reshape(outputs, width // 32, 34)[..., :2] = np.array([0.01], np.float16).view(np.uint8)
+        weights.append((backend.upload(FileTensor(f"w{i}", Q.Q8_0, (outputs, width), stored)), stored))
+    down = gguf.quants.dequantize(weights[2][1], Q.Q8_0).reshape(inputs, hidden).astype(np.float16)
+    x = backend.from_host(rng.standard_normal((48, inputs)).astype(np.float32))
+    gate, up = backend.matmuls(x, [weights[0][0], weights[1][0]])
+    y = backend.matmul(backend.silu_mul(gate, up), weights[2][0])
+    assert laid[-1][1] is up and not backend._gated  # down's x laid out with up
+    g, u = gate.numpy().astype(np.float64), up.numpy().astype(np.float64)
+    act, w = g / (1 + np.exp(-g)) * u, down.astype(np.float64)
+    assert (np.abs(y.numpy() - act @ w.T) <= _bound(act, w) + 1e-5).all()

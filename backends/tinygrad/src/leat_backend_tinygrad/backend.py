@@ -301,6 +301,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         self.norm_rows = int(os.environ.get("LEAT_TINYGRAD_NORM_ROWS", str(sys.maxsize)))
         # the latest few-row products not yet consumed: id(output) -> (output, x, weight), for their consumers
         self._products: dict[int, tuple[Tensor, Tensor, Weight]] = {}
+        # the latest silu_mul outputs not yet consumed: id(output) -> (output, gate, up), for a staged product's x
+        # (_laid_out: the activation computed as x is laid out, no kernel of its own)
+        self._gated: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         # float16 copies of several weights side by side (matmuls): ids -> (the weights, the copy)
         self._joined: dict[tuple[int, ...], tuple[tuple[Weight, ...], Tensor]] = {}
         # the latest rotated q and k: id(output) -> (output, input, spec, positions, cos, sin), for attention (_roped)
@@ -652,7 +655,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 (rows, inputs), outputs = x.shape, weight.shape[0]
                 tiles = self._tiles(rows, outputs, inputs) if self.staged_products else None
                 if tiles is not None:  # x cast to float16 as the kernel lays it out (gemm.laid_out)
-                    y = staged_product(x, self._half_values(weight), tiles)
+                    y = staged_product(x, self._half_values(weight), tiles, self._laid_out(x, tiles))
                 else:
                     renderer = Device[self.device].renderer
                     opts = tuned_opts(renderer, rows, outputs, inputs) if self.tc_opts else None
@@ -704,14 +707,21 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         tiles = chosen.pop() if len(chosen) == 1 else None
         if tiles is None:
             return super().matmuls(x, weights, biases)
+        laid = self._laid_out(x, tiles)
         if outputs <= JOINED_OUTPUTS:
-            y = staged_product(x, self._half_values(*weights), tiles)
+            y = staged_product(x, self._half_values(*weights), tiles, laid)
             ends = list(itertools.accumulate(sizes))
             outs = [y[:, end - size : end] for size, end in zip(sizes, ends)]
         else:
-            laid = laid_out(x, tiles, dtypes.float16)
+            laid = laid_out(x, tiles, dtypes.float16) if laid is None else laid
             outs = [staged_product(x, self._half_values(w), tiles, laid) for w in weights]
         return [out if b is None else out + self._values(b) for out, b in zip(outs, biases)]
+
+    def _laid_out(self, x: Tensor, tiles: Tiles) -> Tensor | None:
+        """x laid out for a staged product of ``tiles`` where x is a :meth:`silu_mul` not yet consumed (the activation
+        in the layout's kernel: gemm.laid_out's ``up``); None where x is anything else (staged_product lays it out)."""
+        made = self._gated.pop(id(x), None)
+        return laid_out(made[1], tiles, dtypes.float16, made[2]) if made is not None and made[0] is x else None
 
     def _tiles(self, rows: int, outputs: int, inputs: int) -> Tiles | None:
         """The staged product's tiles for this shape (gemm.tiles_for with this backend's settings), or None."""
@@ -968,7 +978,13 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         if g is not None and u is not None and g[1] is u[1] and g[2].qtype == u[2].qtype and g[2].shape == u[2].shape:
             x = self._gemv_x(g[1], g[2].qtype)
             return gemv(x, g[2].data, g[2].qtype, self.gemv_shape, up=u[2].data)  # both products, one kernel
-        return self._values(gate).silu() * self._values(up)
+        gate, up = self._values(gate), self._values(up)
+        y = gate.silu() * up
+        if self.staged_products and gate.shape == up.shape and gate.ndim == 2:  # a prompt chunk's next product's x
+            self._gated[id(y)] = (y, gate, up)
+            while len(self._gated) > PRODUCTS_KEPT:
+                del self._gated[next(iter(self._gated))]
+        return y
 
     def sigmoid_mul(self, gate: Tensor, x: Tensor) -> Tensor:
         return self._values(gate).sigmoid() * self._values(x)

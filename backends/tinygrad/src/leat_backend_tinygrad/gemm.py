@@ -405,12 +405,14 @@ def _staged_kernel(
     return fxn
 
 
-def laid_out(x: Tensor, tiles: Tiles, kind: DType) -> Tensor:
+def laid_out(x: Tensor, tiles: Tiles, kind: DType, up: Tensor | None = None) -> Tensor:
     """x as the staged kernel of ``tiles`` reads it, in ``kind`` (the weight's type): for ring.py's, interleaved and its
     rows padded to the tile, cast as it is laid out (a kernel of its own, which products of one x can share:
-    :func:`staged_product`'s ``laid``); else cast to ``kind``, contiguous."""
+    :func:`staged_product`'s ``laid``); else cast to ``kind``, contiguous. With ``up``: silu(x) * up so laid out (in
+    ring.py's kernel, or tinygrad's for the cast)."""
     if tiles.stages == ring.STAGES:
-        return ring.interleaved(x, tiles.depth, -(-x.shape[0] // tiles.rows) * tiles.rows, kind)
+        return ring.interleaved(x, tiles.depth, -(-x.shape[0] // tiles.rows) * tiles.rows, kind, up)
+    x = x if up is None else x.silu() * up
     return x.cast(kind).contiguous()  # (no kernel where x is already that, realized)
 
 

@@ -35,9 +35,11 @@ _COMMIT = 'asm volatile("cp.async.commit_group;");'
 _WAIT = 'asm volatile("cp.async.wait_group {n};");'
 
 
-def interleaved(x: Tensor, depth: int, rows: int, kind: DType | None = None) -> Tensor:
+def interleaved(x: Tensor, depth: int, rows: int, kind: DType | None = None, up: Tensor | None = None) -> Tensor:
     """x [n, k] as the ring reads it, [rows / 2, 2 k] of ``kind`` (None: x's; cast as the kernel stores it, so a float32
-    x needs no copy of its own in float16): rows padded with zeros to ``rows`` (a multiple of 16), then each
+    x needs no copy of its own in float16); with ``up`` (x's shape), silu(x) * up so laid out, the activation taken
+    into this kernel (the down product's x: no kernel of its own writes it first). Rows padded with zeros to ``rows``
+    (a multiple of 16), then each
     16-row tile's rows g and g + 8 as one row of pairs: for each slice of ``depth`` inputs, lane t's quarter of it from
     both rows, a 32-bit word of row g, then of row g + 8 (gemm.A_WORDS' order), the lane's two 16-byte units swapped
     where g is odd (the swizzle). One kernel of our own (after the padding's copy), a thread a 16-byte unit of the
@@ -48,7 +50,7 @@ def interleaved(x: Tensor, depth: int, rows: int, kind: DType | None = None) -> 
     (n, k), kind = x.shape, kind or x.dtype
     per_word, copy = 4 // kind.itemsize, 16 // kind.itemsize
 
-    def fxn(out: UOp, source: UOp) -> UOp:  # source: x padded
+    def fxn(out: UOp, source: UOp, *gated: UOp) -> UOp:  # source: x padded; gated: up padded, if given
         # a thread a unit: tile (16 rows), slice; lanes: the lane's unit (the fastest: neighbouring threads write
         # neighbouring units, read neighbouring inputs), t, g (rows g and g + 8); no divisions
         tile, part = UOp.range(rows // 16, 0, AxisType.GLOBAL), UOp.range(k // depth, 1, AxisType.GLOBAL)
@@ -59,13 +61,17 @@ def interleaved(x: Tensor, depth: int, rows: int, kind: DType | None = None) -> 
         stores = []
         for j in range(copy):
             row = tile * 16 + g + 8 * ((j // per_word) % 2)  # row g or g + 8
-            value = source[row, first + j // (2 * per_word) * per_word + j % per_word]
-            stores.append(out[pair, at + j].store(value if x.dtype == kind else value.cast(kind)))
-        name = f"interleave_{rows}_{k}"
+            column = first + j // (2 * per_word) * per_word + j % per_word
+            value = source[row, column]
+            if gated:
+                value = value.silu() * gated[0][row, column]
+            stores.append(out[pair, at + j].store(value if value.dtype == kind else value.cast(kind)))
+        name = f"interleave_{rows}_{k}" + ("_silu" if gated else "")
         return UOp.group(*stores).end(tile, part, g, t, unit).sink(arg=KernelInfo(name=name, opts_to_apply=()))
 
     out = Tensor.empty(rows // 2, 2 * k, dtype=kind, device=x.device)
-    return out.custom_kernel(x.pad(((0, rows - n), (0, 0))).contiguous(), fxn=fxn)[0]  # the padding: zeros
+    sources = [t.pad(((0, rows - n), (0, 0))).contiguous() for t in (x, up) if t is not None]  # padded with zeros
+    return out.custom_kernel(*sources, fxn=fxn)[0]
 
 
 def fits(tiles: Tiles, kind: DType) -> bool:
