@@ -832,8 +832,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             if decoding:  # attention.py's kernels read q as a plain buffer: realized contiguous
                 q = q.contiguous()
             # computed once, not once per KV write; a float decode step writes k once (one kernel, or one a row for a
-            # single row): the write computes it, its rope inside
-            Tensor.realize(*(t for t in (q, None if float_decoding else k, v) if t is not None))
+            # single row): the write computes it, its rope inside. A prompt chunk's q stays lazy: each row's score
+            # product reads its own span once, through the kernel that casts and permutes it (its rope inside)
+            Tensor.realize(*(t for t in (q if decoding else None, None if float_decoding else k, v) if t is not None))
         _, heads, dim = q.shape
         kv_heads = layout.kv_heads
         value_dim = layout.value_dim or layout.head_dim
