@@ -461,12 +461,13 @@ def test_products_of_one_x_are_one_staged_product_of_their_copies_side_by_side(l
     backend = TinygradBackend()
     rng = np.random.default_rng(7)
     inputs, weights, values = 256, [], []
-    for i, (qtype, outputs, block) in enumerate([(Q.Q8_0, 128, 34), (Q.Q4_0, 64, 18), (Q.Q8_0, 64, 34)]):
+    # outputs of whole 128-wide tiles: on the GPU each apart takes the tiles the others do (one x laid out for all)
+    for i, (qtype, outputs, block) in enumerate([(Q.Q8_0, 128, 34), (Q.Q4_0, 128, 18), (Q.Q8_0, 128, 34)]):
         stored = rng.integers(0, 256, (outputs, inputs // 32 * block), dtype=np.uint8)
         stored.reshape(outputs, inputs // 32, block)[..., :2] = np.array([0.01], np.float16).view(np.uint8)
         weights.append(backend.upload(FileTensor(f"w{i}", qtype, (outputs, inputs), stored)))
         values.append(gguf.quants.dequantize(stored, qtype).reshape(outputs, inputs).astype(np.float16))
-    bias = rng.standard_normal(64).astype(np.float32)
+    bias = rng.standard_normal(128).astype(np.float32)
     biases = [None, backend.from_host(bias), None]
     x = rng.standard_normal((80, inputs)).astype(np.float16).astype(np.float64)  # float16 values: x is cast to them
     for _ in range(2):  # the second call takes the kept copy
@@ -477,13 +478,13 @@ def test_products_of_one_x_are_one_staged_product_of_their_copies_side_by_side(l
     ((kept, copy),) = backend._joined.values()
     assert kept == tuple(weights) and all(w.half is None for w in weights)
     np.testing.assert_array_equal(copy.numpy(), np.concatenate(values))
-    assert backend.allocations.by_type["F16 copies"] == 2 * 256 * inputs
+    assert backend.allocations.by_type["F16 copies"] == 2 * 384 * inputs
     few = backend.matmuls(backend.from_host(x[:8].astype(np.float32)), weights[:2])  # under GEMM_ROWS: each its own
-    assert [t.shape for t in few] == [(8, 128), (8, 64)] and len(backend._joined) == 1
+    assert [t.shape for t in few] == [(8, 128), (8, 128)] and len(backend._joined) == 1
     assert not laid
-    monkeypatch.setattr(module, "JOINED_OUTPUTS", 255)  # outputs past the bound (gate and up): each its own product
+    monkeypatch.setattr(module, "JOINED_OUTPUTS", 383)  # outputs past the bound (gate and up): each its own product
     apart = [t.numpy() for t in backend.matmuls(backend.from_host(x.astype(np.float32)), weights)]
-    assert [t.shape for t in apart] == [(80, 128), (80, 64), (80, 64)] and len(backend._joined) == 1
+    assert [t.shape for t in apart] == [(80, 128)] * 3 and len(backend._joined) == 1
     assert all(w.half is not None for w in weights) and len(laid) == 1  # x laid out once for the three
     for out, w in zip(apart, values):
         w = w.astype(np.float64)
@@ -496,13 +497,13 @@ def test_silu_mul_of_a_chunk_is_laid_out_with_its_up_for_the_next_staged_product
     down is the float64 product of that activation (from the gate and up the backend made) within the float16 bound."""
     backend = TinygradBackend()
     rng = np.random.default_rng(11)
-    inputs, hidden, weights = 128, 256, []
+    inputs, hidden, weights = 256, 256, []  # 80 rows, whole 128-wide tiles: staged products on the GPU
     for i, (outputs, width) in enumerate([(hidden, inputs), (hidden, inputs), (inputs, hidden)]):  # gate, up, down
         stored = rng.integers(0, 256, (outputs, width // 32 * 34), dtype=np.uint8)
         stored.reshape(outputs, width // 32, 34)[..., :2] = np.array([0.01], np.float16).view(np.uint8)
         weights.append((backend.upload(FileTensor(f"w{i}", Q.Q8_0, (outputs, width), stored)), stored))
     down = gguf.quants.dequantize(weights[2][1], Q.Q8_0).reshape(inputs, hidden).astype(np.float16)
-    x = backend.from_host(rng.standard_normal((48, inputs)).astype(np.float32))
+    x = backend.from_host(rng.standard_normal((80, inputs)).astype(np.float32))
     gate, up = backend.matmuls(x, [weights[0][0], weights[1][0]])
     y = backend.matmul(backend.silu_mul(gate, up), weights[2][0])
     assert laid[-1][1] is up and not backend._gated  # down's x laid out with up
