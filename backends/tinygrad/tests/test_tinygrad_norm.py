@@ -90,3 +90,26 @@ def test_the_quantizing_kernel_gives_the_norm_and_its_integers(k, device):
 def test_threads_of_whole_runs():
     assert norm.run_lanes(4096) == 128 and norm.run_lanes(8192) == 128 and norm.run_lanes(2048) == 64
     assert norm.run_lanes(896) == 28 and norm.run_lanes(100) is None and norm.run_lanes(16384) is None
+
+
+@pytest.mark.parametrize("device", ["default", "PYTHON"])
+@pytest.mark.parametrize(("rows", "padded", "k"), [(32, 32, 256), (20, 32, 512), (48, 64, 128)])
+def test_the_norm_written_in_the_rings_layout_is_the_interleave_of_its_output(rows, padded, k, device):
+    """rms_norm_laid_out (a prompt chunk's norm before a staged product of ring.py's): bit for bit ring.interleaved
+    of rms_norm's output (float16, rows past the chunk's zero), as one kernel where no padding is asked."""
+    from leat_backend_tinygrad import ring
+    from tinygrad import dtypes
+
+    device = Device.DEFAULT if device == "default" else device
+    if not Device[device].renderer.has_local:
+        pytest.skip(f"{device} has no thread groups: rms_norm keeps tinygrad's kernels there")
+    rng = np.random.default_rng(rows + k)
+    x = (rng.standard_normal((rows, k)) * 3).astype(np.float32)
+    w = rng.standard_normal(k).astype(np.float32)
+    xt, wt = Tensor(x, device=device).realize(), Tensor(w, device=device).realize()
+    GlobalCounters.reset()
+    got = norm.rms_norm_laid_out(xt, wt, 1e-5, 32, padded).realize()
+    assert GlobalCounters.kernel_count == (1 if rows == padded else 2)  # (the padding's copy)
+    want = ring.interleaved(norm.rms_norm(xt, wt, 1e-5), 32, padded, dtypes.float16).numpy()
+    assert got.shape == want.shape == (padded // 2, 2 * k)
+    np.testing.assert_array_equal(got.numpy(), want)

@@ -491,22 +491,37 @@ def test_products_of_one_x_are_one_staged_product_of_their_copies_side_by_side(l
         assert (np.abs(out - x @ w.T) <= _bound(x, w) + 1e-5).all()
 
 
-def test_silu_mul_of_a_chunk_is_laid_out_with_its_up_for_the_next_staged_product(laid):
-    """A prompt chunk's gate and up (staged products), silu_mul, then the down product: silu(gate) * up is computed
-    as down's x is laid out (gemm.laid_out with ``up``: ring.py's interleave on the GPU; no kernel of its own), and
-    down is the float64 product of that activation (from the gate and up the backend made) within the float16 bound."""
+def test_a_chunks_norm_and_silu_mul_are_laid_out_by_their_own_kernels_for_the_next_staged_products(laid, monkeypatch):
+    """A prompt chunk's feed-forward block: rms_norm, gate and up (one staged product), silu_mul, down. Where the norm
+    is norm.py's kernel (a device with thread groups) and the products ring.py's, the norm's kernel writes x in the
+    ring's layout (norm.rms_norm_laid_out); silu(gate) * up is computed as down's x is laid out (gemm.laid_out with
+    ``up``: ring.py's interleave on the GPU). Gate and up are the float64 products of the float64 norm, down that of
+    the activation of the gate and up the backend made, each within the float16 bound."""
+    from leat_backend_tinygrad import norm, ring
+
+    normed = []
+    made = norm.rms_norm_laid_out
+    monkeypatch.setattr(norm, "rms_norm_laid_out", lambda *args: normed.append(args) or made(*args))
     backend = TinygradBackend()
     rng = np.random.default_rng(11)
-    inputs, hidden, weights = 256, 256, []  # 80 rows, whole 128-wide tiles: staged products on the GPU
+    inputs, hidden, weights, values = 256, 256, [], []  # 80 rows, whole 128-wide tiles: staged products on the GPU
     for i, (outputs, width) in enumerate([(hidden, inputs), (hidden, inputs), (inputs, hidden)]):  # gate, up, down
         stored = rng.integers(0, 256, (outputs, width // 32 * 34), dtype=np.uint8)
         stored.reshape(outputs, width // 32, 34)[..., :2] = np.array([0.01], np.float16).view(np.uint8)
-        weights.append((backend.upload(FileTensor(f"w{i}", Q.Q8_0, (outputs, width), stored)), stored))
-    down = gguf.quants.dequantize(weights[2][1], Q.Q8_0).reshape(inputs, hidden).astype(np.float16)
-    x = backend.from_host(rng.standard_normal((80, inputs)).astype(np.float32))
-    gate, up = backend.matmuls(x, [weights[0][0], weights[1][0]])
-    y = backend.matmul(backend.silu_mul(gate, up), weights[2][0])
-    assert laid[-1][1] is up and not backend._gated  # down's x laid out with up
+        weights.append(backend.upload(FileTensor(f"w{i}", Q.Q8_0, (outputs, width), stored)))
+        values.append(gguf.quants.dequantize(stored, Q.Q8_0).reshape(outputs, width).astype(np.float16))
+    x = rng.standard_normal((80, inputs)).astype(np.float32)
+    scale = rng.standard_normal(inputs).astype(np.float32)
+    gate, up = backend.matmuls(backend.rms_norm(backend.from_host(x), scale, 1e-5), weights[:2])
+    y = backend.matmul(backend.silu_mul(gate, up), weights[2])
+    assert laid[-1][1] is up and not backend._layouts  # down's x laid out with up; nothing left unconsumed
+    on_ring = isinstance(laid[-1][0], gemm.Tiles) and laid[-1][0].stages == ring.STAGES
+    assert len(normed) == (1 if on_ring and norm.applies(backend.from_host(x)) else 0)
+    x64 = x.astype(np.float64)
+    n = (x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + 1e-5) * scale).astype(np.float16).astype(np.float64)
+    for out, w in zip((gate, up), values):
+        w = w.astype(np.float64)
+        assert (np.abs(out.numpy() - n @ w.T) <= 2 * _bound(n, w) + 1e-5).all()  # (the norm's float32 rounding too)
     g, u = gate.numpy().astype(np.float64), up.numpy().astype(np.float64)
-    act, w = g / (1 + np.exp(-g)) * u, down.astype(np.float64)
+    act, w = g / (1 + np.exp(-g)) * u, values[2].astype(np.float64)
     assert (np.abs(y.numpy() - act @ w.T) <= _bound(act, w) + 1e-5).all()

@@ -42,7 +42,7 @@ from tinygrad.dtype import _to_np_dtype
 from tinygrad.helpers import getenv
 from tinygrad.uop.ops import Ops
 
-from leat_backend_tinygrad import intx, lanesum, norm, qkv, softmax
+from leat_backend_tinygrad import intx, lanesum, norm, qkv, ring, softmax
 from leat_backend_tinygrad.attention import decode_attention, rope_write, write_rows
 from leat_backend_tinygrad.deltanet import RecurrentState
 from leat_backend_tinygrad.gemm import (
@@ -301,9 +301,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         self.norm_rows = int(os.environ.get("LEAT_TINYGRAD_NORM_ROWS", str(sys.maxsize)))
         # the latest few-row products not yet consumed: id(output) -> (output, x, weight), for their consumers
         self._products: dict[int, tuple[Tensor, Tensor, Weight]] = {}
-        # the latest silu_mul outputs not yet consumed: id(output) -> (output, gate, up), for a staged product's x
-        # (_laid_out: the activation computed as x is laid out, no kernel of its own)
-        self._gated: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        # the latest prompt-chunk outputs that a staged product's kernel of x's layout can make itself, not yet
+        # consumed (_laid_out): id(output) -> (output, tiles -> the laid-out x or None). A norm's output written in
+        # ring.py's layout by the norm kernel, silu_mul's computed by the interleave: no kernel of their own
+        self._layouts: dict[int, tuple[Tensor, Callable[[Tiles], Tensor | None]]] = {}
         # float16 copies of several weights side by side (matmuls): ids -> (the weights, the copy)
         self._joined: dict[tuple[int, ...], tuple[tuple[Weight, ...], Tensor]] = {}
         # the latest rotated q and k: id(output) -> (output, input, spec, positions, cos, sin), for attention (_roped)
@@ -718,10 +719,18 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         return [out if b is None else out + self._values(b) for out, b in zip(outs, biases)]
 
     def _laid_out(self, x: Tensor, tiles: Tiles) -> Tensor | None:
-        """x laid out for a staged product of ``tiles`` where x is a :meth:`silu_mul` not yet consumed (the activation
-        in the layout's kernel: gemm.laid_out's ``up``); None where x is anything else (staged_product lays it out)."""
-        made = self._gated.pop(id(x), None)
-        return laid_out(made[1], tiles, dtypes.float16, made[2]) if made is not None and made[0] is x else None
+        """x laid out for a staged product of ``tiles`` by the kernel that would make x (a :meth:`rms_norm` or
+        :meth:`silu_mul` of a prompt chunk not yet consumed: see _layouts), or None (staged_product lays it out)."""
+        made = self._layouts.pop(id(x), None)
+        return made[1](tiles) if made is not None and made[0] is x else None
+
+    def _lays_out(self, y: Tensor, make: Callable[[Tiles], Tensor | None]) -> Tensor:
+        """``y``, with ``make`` remembered for a staged product that takes it as x (_laid_out); the latest few kept."""
+        if self.staged_products and self.half_products:
+            self._layouts[id(y)] = (y, make)
+            while len(self._layouts) > PRODUCTS_KEPT:
+                del self._layouts[next(iter(self._layouts))]
+        return y
 
     def _tiles(self, rows: int, outputs: int, inputs: int) -> Tiles | None:
         """The staged product's tiles for this shape (gemm.tiles_for with this backend's settings), or None."""
@@ -767,7 +776,17 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 y, quantized = norm.rms_norm_quantized(x, w, eps)
                 self._remember_quantized(y, quantized)
                 return y
-            return norm.rms_norm(x, w, eps)
+            y = norm.rms_norm(x, w, eps)
+            if x.shape[0] < self.gemm_rows:
+                return y
+
+            def make(tiles: Tiles) -> Tensor | None:  # written in ring.py's layout by the norm's own kernel
+                if tiles.stages != ring.STAGES:
+                    return None
+                padded = -(-x.shape[0] // tiles.rows) * tiles.rows
+                return norm.rms_norm_laid_out(x, w, eps, tiles.depth, padded)
+
+            return self._lays_out(y, make)
         y = x * ((x * x).mean(axis=-1, keepdim=True) + eps).rsqrt()
         return y * self._values(weight) if weight is not None else y
 
@@ -980,12 +999,9 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             x = self._gemv_x(g[1], g[2].qtype)
             return gemv(x, g[2].data, g[2].qtype, self.gemv_shape, up=u[2].data)  # both products, one kernel
         gate, up = self._values(gate), self._values(up)
-        y = gate.silu() * up
-        if self.staged_products and gate.shape == up.shape and gate.ndim == 2:  # a prompt chunk's next product's x
-            self._gated[id(y)] = (y, gate, up)
-            while len(self._gated) > PRODUCTS_KEPT:
-                del self._gated[next(iter(self._gated))]
-        return y
+        if gate.shape != up.shape or gate.ndim != 2:
+            return gate.silu() * up
+        return self._lays_out(gate.silu() * up, lambda tiles: laid_out(gate, tiles, dtypes.float16, up))
 
     def sigmoid_mul(self, gate: Tensor, x: Tensor) -> Tensor:
         return self._values(gate).sigmoid() * self._values(x)

@@ -49,7 +49,22 @@ def applies(x: Tensor) -> bool:
     return len(x.shape) == 2 and lanes(x.shape[1]) is not None and Device[x.device].renderer.has_local
 
 
-def _kernel(rows: int, k: int, eps: float, weighted: bool, quantized: bool, kind: str):
+def _ring_entry(out: UOp, row: UOp, column: int | UOp, depth: int) -> UOp:
+    """Where entry (row, column) of x goes in ring.py's interleaved float16 layout (:func:`ring.interleaved`, whose
+    thread writes it as entry j of its unit): rows g and g + 8 of a 16-row tile as one row of pairs, each slice of
+    ``depth`` inputs in quarters t, a quarter's halves in units swapped on odd g, a unit's words of the two rows
+    alternating."""
+    tile, g, upper = row // 16, row % 8, (row // 8) % 2
+    part, at = column // depth, column % depth
+    t, within = at // (depth // 4), at % (depth // 4)
+    unit = (within // 4 + g) % 2  # the quarter's half holding the column, swapped on odd g
+    j = (within % 4) // 2 * 4 + upper * 2 + within % 2
+    return out[tile * 8 + g, (part * 8 + t * 2 + unit) * 8 + j]
+
+
+def _kernel(rows: int, k: int, eps: float, weighted: bool, quantized: bool, kind: str, ring_depth: int = 0):
+    """The norm's kernel: out [rows, k] float32 (with ``quantized``, intx's three outputs first), or, with
+    ``ring_depth``, out in ring.py's interleaved float16 layout of that depth (rows: the padded count)."""
     n = run_lanes(k) if quantized else lanes(k)
     assert n is not None
 
@@ -71,14 +86,17 @@ def _kernel(rows: int, k: int, eps: float, weighted: bool, quantized: bool, kind
         for i, v in zip(at, values):  # the values the thread loaded, scaled: no second load of x
             y = v * factor
             ys.append(y * weight[0][i] if weighted else y)
-            stores.append(out[row, i].store(ys[-1]))
+            place = _ring_entry(out, row, i, ring_depth) if ring_depth else out[row, i]
+            stores.append(place.store(ys[-1].cast(dtypes.float16) if ring_depth else ys[-1]))
         if quantized:
             for m in range(len(ys) // intx.RUN):
                 run = lane * (len(ys) // intx.RUN) + m
                 stores += intx.run_stores(quants, row, run, ys[m * intx.RUN : (m + 1) * intx.RUN])
         return UOp.sink(
             UOp.group(*stores).end(row, *threads.threads()),
-            arg=KernelInfo(name=f"rms_norm_{rows}_{k}" + ("_i16" if quantized else ""), opts_to_apply=()),
+            arg=KernelInfo(
+                name=f"rms_norm_{rows}_{k}" + ("_i16" if quantized else "_ring" if ring_depth else ""), opts_to_apply=()
+            ),
         )
 
     return fxn
@@ -92,6 +110,18 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     extra = [] if weight is None else [weight.reshape(k).cast(dtypes.float32).contiguous()]
     fxn = _kernel(rows, k, eps, weight is not None, False, lanesum.mode(x.device))
     return out.custom_kernel(plain_rows(x), *extra, fxn=fxn)[0]
+
+
+def rms_norm_laid_out(x: Tensor, weight: Tensor | None, eps: float, depth: int, rows: int) -> Tensor:
+    """``rms_norm``'s output as ring.py's kernel reads it (:func:`ring.interleaved`: float16, ``rows`` padded with
+    zero rows, each tile's rows interleaved in pairs for slices of ``depth``), written so by the norm's own kernel:
+    no float32 output, no interleave kernel after it (``applies`` must hold; ``depth`` a multiple of 16)."""
+    n, k = x.shape
+    out = Tensor.empty(rows // 2, 2 * k, dtype=dtypes.float16, device=x.device)
+    extra = [] if weight is None else [weight.reshape(k).cast(dtypes.float32).contiguous()]
+    fxn = _kernel(rows, k, eps, weight is not None, False, lanesum.mode(x.device), depth)
+    source = plain_rows(x) if rows == n else x.pad(((0, rows - n), (0, 0))).contiguous()  # zero rows: zero norms
+    return out.custom_kernel(source, *extra, fxn=fxn)[0]
 
 
 def rms_norm_quantized(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, intx.Quantized]:
