@@ -49,7 +49,6 @@ from leat_backend_tinygrad.gemm import (
     JOINED_OUTPUTS,
     SPLIT_GROUPS,
     Tiles,
-    fits,
     half_product,
     laid_out,
     staged_product,
@@ -277,9 +276,6 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         self.softmax_kernel = os.environ.get("LEAT_TINYGRAD_SOFTMAX", "1") != "0"
         # decode attention's scores and chunks in one kernel, its combine over lanes (attention.py; thread groups only)
         self.fused_attention = os.environ.get("LEAT_TINYGRAD_FUSED_ATTENTION", "1") != "0"
-        # a prompt chunk's attention scores as one staged product of ring.py's (the heads side by side) where it
-        # applies; 0: tinygrad's tensor-core kernel for the batched matmul
-        self.staged_scores = os.environ.get("LEAT_TINYGRAD_STAGED_SCORES", "1") != "0"
         # few-row products take their consumer into their kernel: silu_mul of a gate and an up product of the same x
         # (one kernel for both, gemv.py's "glu"), add of a product and the residual ("residual"); 0: each its own
         self.fuse_products = os.environ.get("LEAT_TINYGRAD_FUSE_PRODUCTS", "1") != "0"
@@ -921,41 +917,15 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
             keys = self._gather(kv, layer, "k", row.slot, table, kind)
             values = keys[..., :value_dim] if layout.latent else self._gather(kv, layer, "v", row.slot, table, kind)
             qs = q[span].reshape(length, kv_heads, group, dim).permute(1, 2, 0, 3)
-            if kind is not None:  # made as rows [kv_heads * group * length, dim] (a staged product's x as it is)
-                qs = qs.reshape(kv_heads * group * length, dim).cast(kind).contiguous().reshape(qs.shape)
-            total = keys.shape[0]
-            scores = self._staged_scores(qs, keys) if kind is not None else None
-            if scores is None:
-                scores = qs.matmul(
-                    keys.permute(1, 2, 0).unsqueeze(1), dtype=dtypes.float32
-                )  # [kv_heads, group, length, total]
+            qs = qs if kind is None else qs.cast(kind).contiguous()
+            scores = qs.matmul(
+                keys.permute(1, 2, 0).unsqueeze(1), dtype=dtypes.float32
+            )  # [kv_heads, group, length, total]
             probabilities = self._probabilities(scores, kind, scale, softcap, layout.window, sinks, row, step, offset)
-            probabilities = probabilities[..., :total]  # (the staged scores' padded keys: masked, probability 0)
             # [kv_heads, group, length, value_dim]
             out = probabilities.matmul(values.permute(1, 0, 2).unsqueeze(1), dtype=dtypes.float32)
             outs.append(out.permute(2, 0, 1, 3).reshape(length, heads * value_dim))
         return outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:], dim=0)
-
-    def _staged_scores(self, qs: Tensor, keys: Tensor) -> Tensor | None:
-        """A prompt chunk's scores [kv_heads, group, length, padded] float32 as one staged product of ring.py's tiles
-        (a kv head's queries times its keys, the heads side by side: ``staged_product``'s batch), the keys padded
-        with zeros to the tiles' outputs (positions past every query's: the softmax masks them); or None where the
-        ring does not take the shape (each head's queries whole tiles of rows) or ``staged_scores`` is off. qs:
-        [kv_heads, group, length, dim] float16, contiguous; keys: the gathered [total, kv_heads, dim]."""
-        kv_heads, group, length, dim = qs.shape
-        total = keys.shape[0]
-        if not (self.staged_scores and self.staged_products and self.half_products):
-            return None
-        tiles = tiles_for(Device[self.device].renderer, group * length, -(-total // 128) * 128, dim, split_groups=0)
-        if tiles is None or tiles.stages != ring.STAGES or tiles.split != 1 or group * length % tiles.rows:
-            return None
-        padded = -(-total // tiles.outputs) * tiles.outputs
-        if not fits(tiles, padded, dim, dtypes.float16):
-            return None
-        k = keys.cast(dtypes.float16).permute(1, 0, 2).pad(((0, 0), (0, padded - total), (0, 0)))
-        x = Tensor(unreshaped(qs), device=qs.device)  # its rows as made (a reshape's contiguous() would be a copy)
-        y = staged_product(x, k.reshape(kv_heads * padded, dim).contiguous(), tiles, batch=kv_heads)
-        return y.reshape(kv_heads, group, length, padded)
 
     def _probabilities(self, scores, kind, scale, softcap, window, sinks, row, step, offset) -> Tensor:
         """A chunk's attention probabilities [kv_heads, group, length, total] from its scores (q . k, float32): scaled,

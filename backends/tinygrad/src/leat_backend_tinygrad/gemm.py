@@ -416,27 +416,21 @@ def laid_out(x: Tensor, tiles: Tiles, kind: DType, up: Tensor | None = None) -> 
     return x.cast(kind).contiguous()  # (no kernel where x is already that, realized)
 
 
-def staged_product(x: Tensor, w: Tensor, tiles: Tiles, laid: Tensor | None = None, batch: int = 1) -> Tensor:
+def staged_product(x: Tensor, w: Tensor, tiles: Tiles, laid: Tensor | None = None) -> Tensor:
     """float32 [rows, outputs] = x [rows, inputs] @ w.T, w float16 (or float32: tf32 products) and contiguous, x of
     any float type (taken as w's: :func:`laid_out`), as one staged kernel of ``tiles`` (:func:`tiles_for` says which a
-    shape takes; :func:`fits` whether it can); ``laid``: x's :func:`laid_out` already made (None: made here). With
-    ``batch`` b > 1, b products in the one kernel (ring.py's tiles, unsplit; each x's rows whole tiles): x's i-th
-    share of rows times w's i-th share of rows, out [rows, outputs / b] (a chunk's attention scores, a head each)."""
-    (rows, inputs), outputs, kind = x.shape, w.shape[0] // batch, w.dtype
+    shape takes; :func:`fits` whether it can); ``laid``: x's :func:`laid_out` already made (None: made here)."""
+    (rows, inputs), outputs, kind = x.shape, w.shape[0], w.dtype
     renderer = Device[x.device].renderer
     core = tensor_core(renderer, kind)
-    whole = batch == 1 or (tiles.stages == ring.STAGES and tiles.split == 1 and rows % (batch * tiles.rows) == 0)
-    if core is None or not fits(tiles, outputs, inputs, kind) or not whole or outputs * batch != w.shape[0]:
-        raise ValueError(
-            f"no staged product of {kind} {rows}x{inputs} @ {batch} x {outputs}x{inputs} with {tiles} here"
-        )
+    if core is None or not fits(tiles, outputs, inputs, kind):
+        raise ValueError(f"no staged product of {kind} {rows}x{inputs} @ {outputs}x{inputs} with {tiles} here")
     laid = laid_out(x, tiles, kind) if laid is None else laid
     if tiles.stages == ring.STAGES:  # x interleaved beforehand, its rows padded to the tile: the result's too
         padded = -(-rows // tiles.rows) * tiles.rows
         out = Tensor.empty(tiles.split * padded, outputs, dtype=dtypes.float32, device=x.device)
         asynchronous = isinstance(renderer, CUDARenderer)
-        target = renderer.target.device
-        fxn = ring.kernel(padded, outputs, inputs, tiles, kind, core.dims, target, asynchronous, batch)
+        fxn = ring.kernel(padded, outputs, inputs, tiles, kind, core.dims, renderer.target.device, asynchronous)
         y = out.custom_kernel(laid, w, fxn=fxn)[0]
         if tiles.split > 1:  # the parts' sums, lazy: a consumer's kernel may take the sum in
             y = y.reshape(tiles.split, padded, outputs).sum(0)

@@ -86,21 +86,10 @@ def shared_bytes(tiles: Tiles, kind: DType) -> int:
 
 
 def kernel(
-    rows: int,
-    outputs: int,
-    inputs: int,
-    tiles: Tiles,
-    kind: DType,
-    dims: tuple,
-    device: str,
-    asynchronous: bool,
-    batch: int = 1,
+    rows: int, outputs: int, inputs: int, tiles: Tiles, kind: DType, dims: tuple, device: str, asynchronous: bool
 ):
     """The ring's kernel for ``Tensor.custom_kernel(interleaved x, w)``: out [split * rows, outputs] float32 (``rows``
-    the padded count; with ``tiles.split`` parts, part p's sums over the p-th of the inputs in rows p * rows on). With
-    ``batch`` b > 1 (split 1), b products side by side: w [b * outputs, inputs], and rows i * rows / b on (whole
-    tiles) multiply w's rows i * outputs on."""
-    assert batch == 1 or (tiles.split == 1 and rows % (batch * tiles.rows) == 0)
+    the padded count; with ``tiles.split`` parts, part p's sums over the p-th of the inputs in rows p * rows on)."""
     copy = 16 // kind.itemsize  # entries a 16-byte copy moves
     tm, tn = tiles.rows // tiles.warp_rows // 16, tiles.outputs // tiles.warp_outputs // 8  # mma tiles a warp
     depth, steps, pairs = tiles.depth, inputs // tiles.depth // tiles.split, tiles.rows // 2  # a part's steps
@@ -125,12 +114,9 @@ def kernel(
             asm statements), the first after ``after``; the last is returned."""
             entry = None if asynchronous else UOp.range(copy, entry_axis, AxisType.UPCAST)
             sliced = step if part is None else part * steps + step  # the slice of the inputs: in the part's share
-            w_first = block_outputs * tiles.outputs
-            if batch > 1:  # the batch item's own w
-                w_first = w_first + block_rows // (rows // batch // tiles.rows) * outputs
             parts = [
                 (x_to, x, block_rows * pairs, pairs, 2 * depth, x_stage),
-                (w_to, w, w_first, tiles.outputs, depth, w_stage),
+                (w_to, w, block_outputs * tiles.outputs, tiles.outputs, depth, w_stage),
             ]
             made: list[UOp] = [] if after is None else [after]
             for shared, source, first, size, length, stage_size in parts:
@@ -206,7 +192,6 @@ def kernel(
                 column = block_outputs * tiles.outputs + output0 + 8 * n + 2 * t + e % 2
                 stores.append(out[row, column].store(total[e]))
         name = f"ring_{rows}_{outputs}_{inputs}" + (f"_split{tiles.split}" if part is not None else "")
-        name += f"_batch{batch}" if batch > 1 else ""
         ranges = (block_rows, block_outputs) if part is None else (block_rows, block_outputs, part)
         ended = UOp.group(*stores).end(*ranges, t, g, wr, wo)
         return ended.sink(arg=KernelInfo(name=name, opts_to_apply=()))

@@ -22,7 +22,6 @@ from tinygrad.dtype import DType
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
 from leat_backend_tinygrad import lanesum
-from leat_backend_tinygrad.gemv import unreshaped
 
 FEWEST_LANES, MOST_LANES = 32, 128  # threads a row
 FEW_VALUES, MOST_VALUES = 16, 64  # values a thread: lanes double while past FEW_VALUES; past MOST_VALUES, no kernel
@@ -53,7 +52,6 @@ def _kernel(kv_heads, group, length, total, offset, scale, softcap, window, sink
         threads = lanesum.Lanes.make((n,), 3, lane_sum, True)
         lane = threads.at(0)
         own = positions[query + offset].cast(dtypes.weakint)
-        row = (kv_head * group + g) * length + query
         keys = [lane + s * n for s in range(per)]  # the thread's key positions: neighbouring lanes, neighbours
         inside = [None if (s + 1) * n <= total else t < total for s, t in enumerate(keys)]  # the last may pass total
         values = []
@@ -61,9 +59,7 @@ def _kernel(kv_heads, group, length, total, offset, scale, softcap, window, sink
             seen = t <= own
             if window is not None:
                 seen = seen & (t > own - window)
-            key = t.valid(seen if within is None else seen & within)  # none unseen
-            # scores as given, or the rows [kv_heads * group * length, total] a staged product wrote (no copy)
-            x = (scores[kv_head, g, query, key] if len(scores.shape) == 4 else scores[row, key]) * scale
+            x = scores[kv_head, g, query, t.valid(seen if within is None else seen & within)] * scale  # none unseen
             if softcap is not None:
                 x = (x / softcap).tanh() * softcap
             values.append((seen if within is None else seen & within).where(x, -math.inf))
@@ -112,8 +108,5 @@ def probabilities(
     extra = [sinks.reshape(kv_heads * group).cast(dtypes.float32).contiguous()] if sinks is not None else []
     lane_sum = lanesum.mode(scores.device)
     fxn = _kernel(kv_heads, group, length, total, offset, scale, softcap, window, sinks is not None, kind, lane_sum)
-    rows = unreshaped(scores)  # a staged product's output [kv_heads * group * length, total], reshaped: read as it is
-    plain = scores.dtype == dtypes.float32 and rows.shape == (kv_heads * group * length, total)
-    source = Tensor(rows, device=scores.device) if plain else scores.cast(dtypes.float32).contiguous()
-    inputs = (source, positions.cast(dtypes.int32).contiguous(), *extra)
+    inputs = (scores.cast(dtypes.float32).contiguous(), positions.cast(dtypes.int32).contiguous(), *extra)
     return out.custom_kernel(*inputs, fxn=fxn)[0]
