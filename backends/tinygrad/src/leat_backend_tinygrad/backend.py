@@ -302,7 +302,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         # the latest few-row products not yet consumed: id(output) -> (output, x, weight), for their consumers
         self._products: dict[int, tuple[Tensor, Tensor, Weight]] = {}
         # the latest prompt-chunk outputs that a staged product's kernel of x's layout can make itself, not yet
-        # consumed (_laid_out): id(output) -> (output, tiles -> the laid-out x or None). A norm's output written in
+        # consumed (_keep_layout, _laid_out): id(output) -> (output, tiles -> the laid-out x or None). A norm's output written in
         # ring.py's layout by the norm kernel, silu_mul's computed by the interleave: no kernel of their own
         self._layouts: dict[int, tuple[Tensor, Callable[[Tiles], Tensor | None]]] = {}
         # float16 copies of several weights side by side (matmuls): ids -> (the weights, the copy)
@@ -724,9 +724,10 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         made = self._layouts.pop(id(x), None)
         return made[1](tiles) if made is not None and made[0] is x else None
 
-    def _lays_out(self, y: Tensor, make: Callable[[Tiles], Tensor | None]) -> Tensor:
-        """``y``, with ``make`` remembered for a staged product that takes it as x (_laid_out); the latest few kept."""
-        if self.staged_products and self.half_products:
+    def _keep_layout(self, y: Tensor, make: Callable[[Tiles], Tensor | None]) -> Tensor:
+        """``y``, with ``make`` remembered for a staged product that takes it as x (_laid_out) where ``y`` has rows
+        enough for one (a prompt chunk's); the latest few kept."""
+        if self.staged_products and self.half_products and self.gemm_rows and y.shape[0] >= self.gemm_rows:
             self._layouts[id(y)] = (y, make)
             while len(self._layouts) > PRODUCTS_KEPT:
                 del self._layouts[next(iter(self._layouts))]
@@ -776,9 +777,6 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 y, quantized = norm.rms_norm_quantized(x, w, eps)
                 self._remember_quantized(y, quantized)
                 return y
-            y = norm.rms_norm(x, w, eps)
-            if x.shape[0] < self.gemm_rows:
-                return y
 
             def make(tiles: Tiles) -> Tensor | None:  # written in ring.py's layout by the norm's own kernel
                 if tiles.stages != ring.STAGES:
@@ -786,7 +784,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
                 padded = -(-x.shape[0] // tiles.rows) * tiles.rows
                 return norm.rms_norm_laid_out(x, w, eps, tiles.depth, padded)
 
-            return self._lays_out(y, make)
+            return self._keep_layout(norm.rms_norm(x, w, eps), make)
         y = x * ((x * x).mean(axis=-1, keepdim=True) + eps).rsqrt()
         return y * self._values(weight) if weight is not None else y
 
@@ -1001,7 +999,7 @@ class TinygradBackend(RecurrentState, PagedKV, Backend):
         gate, up = self._values(gate), self._values(up)
         if gate.shape != up.shape or gate.ndim != 2:
             return gate.silu() * up
-        return self._lays_out(gate.silu() * up, lambda tiles: laid_out(gate, tiles, dtypes.float16, up))
+        return self._keep_layout(gate.silu() * up, lambda tiles: laid_out(gate, tiles, dtypes.float16, up))
 
     def sigmoid_mul(self, gate: Tensor, x: Tensor) -> Tensor:
         return self._values(gate).sigmoid() * self._values(x)
