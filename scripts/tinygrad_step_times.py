@@ -14,6 +14,10 @@ prompt chunk; then ``--steps`` decode steps of all rows, at positions context ..
   ``host``, printed beside it): where this is as slow as ``device``, the device is the bound;
 - ``device``: the steps again under tinygrad's ``DEBUG=2``, which times each kernel or graph launch on the device
   (a CUDA graph with the device's events) and waits for it: the device time of a step's work.
+
+With ``--split`` the synced steps run once more, each timed in three parts: issuing it (``backend.run``), waiting for
+the device (its ``synchronize``), copying the logits to the host (``to_host``); on CUDA also with the copy made into
+page-locked memory allocated once and then into a new array (what a pinned ``to_host`` would cost).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=0, help="positions filled before the steps")
     ap.add_argument("--steps", type=int, default=128, help="decode steps a run")
     ap.add_argument("--rows", type=int, default=1, help="sequences decoded together")
+    ap.add_argument("--split", action="store_true", help="time a synced step's issue, wait and copy apart")
     args = ap.parse_args()
     if args.context + args.steps > args.capacity:
         ap.error(f"--context + --steps ({args.context + args.steps}) exceeds --capacity ({args.capacity})")
@@ -71,6 +76,7 @@ def main() -> None:
         for p in positions:
             backend.to_host(step(p))
     device = GlobalCounters.time_sum_s / args.steps
+    parts = split(backend, step, positions) if args.split else {}
     rows = args.rows
     print(
         f"# {args.model}: {rows} row(s), cache {kv.page_size * kv.tables[0].shape[1]} positions a slot, "
@@ -81,6 +87,50 @@ def main() -> None:
     for name, seconds in (("synced", synced), ("enqueued", enqueued), ("host (issuing a step)", host)):
         print(f"| {name} | {seconds * 1e3:.3f} | {rows / seconds:.1f} |")
     print(f"| device (DEBUG=2) | {device * 1e3:.3f} | {rows / device:.1f} |")
+    for name, seconds in parts.items():
+        print(f"| synced, {name} | {seconds * 1e3:.3f} | |")
+
+
+def split(backend, step, positions) -> dict[str, float]:
+    """A synced step's parts, each the mean over ``positions``: issuing, waiting for the device, copying the
+    logits out (to_host), and on CUDA the copy into page-locked memory then into a new array."""
+    import ctypes
+
+    import numpy as np
+    from tinygrad import Device
+    from tinygrad.device import BufferSpec
+    from tinygrad.uop.ops import Ops
+
+    out = step(positions.start)
+    backend.to_host(out)
+    device = Device[out.device]
+    base = out.uop.base
+    buffer = base.realized if base.op is Ops.BUFFER else None
+    pinned = None
+    if buffer is not None and type(device.allocator).__name__ == "CUDAAllocator":
+        pointer = device.allocator._alloc(buffer.nbytes, BufferSpec(host=True))
+        pinned = memoryview((ctypes.c_char * buffer.nbytes).from_address(pointer.value)).cast("B")
+    parts: dict[str, float] = {}
+    for copy in ("to_host", "page-locked") if pinned is not None else ("to_host",):
+        issue = wait = moved = 0.0
+        for p in positions:
+            began = time.perf_counter()
+            out = step(p)
+            issued = time.perf_counter()
+            device.synchronize()
+            waited = time.perf_counter()
+            if copy == "to_host":
+                backend.to_host(out)
+            else:
+                buffer = out.uop.base.realized
+                buffer.allocator._copyout(pinned, buffer._buf)
+                np.frombuffer(pinned, np.float32).copy()
+            done = time.perf_counter()
+            issue, wait, moved = issue + issued - began, wait + waited - issued, moved + done - waited
+        n = len(positions)
+        parts[f"issuing ({copy})"], parts[f"waiting ({copy})"] = issue / n, wait / n
+        parts[f"copying logits ({copy})"] = moved / n
+    return parts
 
 
 if __name__ == "__main__":
