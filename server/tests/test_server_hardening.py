@@ -101,6 +101,8 @@ IMPOSSIBLE = {
     "empty anyOf": {"anyOf": []},
     "required property that cannot exist": {"type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]},
     "minItems above maxItems": {"type": "array", "minItems": 3, "maxItems": 1},
+    "integer minimum above maximum": {"type": "integer", "minimum": 5, "maximum": 1},
+    "integer bounds with no integer between": {"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 4},
     "self $ref": {"$ref": "#"},
     "$ref loop": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
     "left-recursive $ref": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},

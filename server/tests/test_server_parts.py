@@ -133,6 +133,9 @@ SCHEMA = {
 }
 
 
+RANGED = {"type": "object", "properties": {"n": {"type": "integer", "minimum": -7, "maximum": 23}}, "required": ["n"]}
+
+
 def test_schema_grammar_accepts_exactly_the_matching_json():
     from leat_server.constrained import UnsupportedSchema, compile_schema
 
@@ -170,6 +173,49 @@ def test_schema_grammar_accepts_exactly_the_matching_json():
         compile_schema({"type": "string", "pattern": "^a"})
 
 
+def test_integer_bounds_are_enforced_digit_by_digit():
+    """minimum / maximum and their exclusive forms on integers: exactly the integers within them, written as JSON
+    writes them (no leading zeros, no "-0"), against Python's comparison of every integer in a window."""
+    import itertools
+    import random
+
+    from leat_server.constrained import UnsupportedSchema, compile_schema
+
+    def allows(schema: dict, low, high, numbers) -> None:
+        g = compile_schema({"type": "integer", **schema})
+        for n in numbers:
+            assert g.accepts(str(n)) == ((low is None or n >= low) and (high is None or n <= high)), (schema, n)
+        for text in ("-0", "00", "01", "-01", "+1", "1.0", "1e2", ""):
+            assert not g.accepts(text), (schema, text)
+
+    ends = [None, -101, -100, -99, -9, -1, 0, 1, 9, 10, 99, 100, 1234]
+    for low, high in itertools.product(ends, ends):
+        if (low is None and high is None) or (None not in (low, high) and low > high):
+            continue
+        bounds = {k: v for k, v in (("minimum", low), ("maximum", high)) if v is not None}
+        allows(bounds, low, high, range(-1300, 1300))
+    r = random.Random(0)
+    wide = [r.randrange(-(10**17) + 1, 10**17) for _ in range(300)]
+    for _ in range(10):
+        low, high = sorted(r.randrange(-(10**16), 10**16) for _ in range(2))
+        allows({"minimum": low, "maximum": high}, low, high, wide + [low - 1, low, low + 1, high - 1, high, high + 1])
+    allows({"minimum": 2.5, "maximum": 7.5}, 3, 7, range(-20, 20))
+    allows({"exclusiveMinimum": 2.5, "exclusiveMaximum": 7}, 3, 6, range(-20, 20))
+    allows({"minimum": 2, "exclusiveMinimum": True, "maximum": 7, "exclusiveMaximum": True}, 3, 6, range(-20, 20))
+    allows({"minimum": 0, "exclusiveMinimum": 4}, 5, None, range(-20, 20))
+    allows({"maximum": 1e300}, None, 10**17 - 1, [10**17 - 1, 10**17, -(10**17) + 1])
+    assert compile_schema({"type": ["integer", "null"], "minimum": 1}).accepts("null")
+    assert compile_schema({"type": "number", "maximum": 3}).accepts("4.5")  # numbers' bounds are not enforced
+    for bounds, message in (
+        ({"minimum": 5, "maximum": 1}, "no integer fits the bounds"),
+        ({"exclusiveMinimum": 3, "exclusiveMaximum": 4}, "no integer fits the bounds"),
+        ({"minimum": 1e300}, "at most 17 digits"),
+        ({"maximum": "9"}, "maximum must be a number"),
+    ):
+        with pytest.raises(UnsupportedSchema, match=message):
+            compile_schema({"type": "integer", **bounds})
+
+
 def test_constrained_sampling_makes_a_random_model_write_valid_json(tmp_path):
     """A random-weight model, sampled at temperature 1, writes JSON that parses and matches the schema."""
     import numpy as np
@@ -183,8 +229,8 @@ def test_constrained_sampling_makes_a_random_model_write_valid_json(tmp_path):
     model = load(str(write_tiny_gguf(Llama, tmp_path / "tiny.gguf")), backend="cpu")
     trie = TokenTrie(model.tokenizer, model.architecture.vocab_size)
     prompt = model.chat_prompt([{"role": "user", "content": "weather?"}])
-    for seed in (0, 1):
-        constraint = JSONConstraint(compile_schema(SCHEMA), trie, model.tokenizer)
+    for schema, seed in ((SCHEMA, 0), (SCHEMA, 1), (RANGED, 0), (RANGED, 1)):
+        constraint = JSONConstraint(compile_schema(schema), trie, model.tokenizer)
         sampler = Sampler.build(SamplingParams(temperature=1.0, seed=seed))
         kv = model.new_kv(len(prompt) + 120)
         row = model.architecture.forward(Batch([Row(0, 0, np.asarray(prompt))]), kv)
@@ -197,6 +243,9 @@ def test_constrained_sampling_makes_a_random_model_write_valid_json(tmp_path):
             out.append(token)
             row = model.architecture.forward(Batch([Row(0, len(prompt) + len(out) - 1, np.asarray([token]))]), kv)
         value = json.loads(model.tokenizer.decode(out))
+        if schema is RANGED:
+            assert set(value) == {"n"} and isinstance(value["n"], int) and -7 <= value["n"] <= 23, value
+            continue
         assert value["city"] in ("Paris", "Rome") and isinstance(value["days"], int)
         assert set(value) <= set(SCHEMA["properties"])
         assert len(value.get("note", "")) <= 8 and len(value.get("tags", [])) <= 2

@@ -11,9 +11,10 @@ allowed only where the JSON is complete.
 Enforced: type (and lists of types), properties / required (properties in schema order; no extra
 properties unless ``additionalProperties`` says so), additionalProperties as a schema, items,
 minItems / maxItems, enum, const, anyOf / oneOf, allOf of one schema, local ``$ref``,
-minLength / maxLength on strings. Accepted but not enforced: format, minimum / maximum,
-multipleOf, and annotations (title, description, default, examples). Refused (400): pattern,
-patternProperties, not, if / then / else, and anything else unknown.
+minLength / maxLength on strings, minimum / maximum / exclusiveMinimum / exclusiveMaximum on integers
+(as llama.cpp's grammars do: each bound written out digit by digit, up to 17 digits). Accepted but not
+enforced: format, bounds on non-integer numbers, multipleOf, and annotations (title, description, default,
+examples). Refused (400): pattern, patternProperties, not, if / then / else, and anything else unknown.
 
 Tokens that are a fragment of a UTF-8 character are never allowed (a non-ASCII character can still
 be written whole, or as a ``\\u`` escape); control tokens are never allowed.
@@ -29,6 +30,7 @@ proportion to them.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -200,6 +202,7 @@ class SchemaCompiler:
         self.g = Grammar()
         self.root_schema = root
         self.refs: dict[str, int] = {}
+        self.spans: dict[tuple[str, str], int] = {}  # _span's rules, by their bounds
         self.depth = 0
         self.deadline = time.monotonic() + MAX_SECONDS
         g = self.g
@@ -304,7 +307,7 @@ class SchemaCompiler:
         if kind == "number":
             return self.number
         if kind == "integer":
-            return self.integer
+            return self._integer(schema)
         if kind == "boolean":
             return self.g.add("true", "false")
         if kind == "null":
@@ -386,6 +389,56 @@ class SchemaCompiler:
             alternatives = [["[", ws, "]"]]
         return g.add(*alternatives)
 
+    def _integer(self, schema: dict[str, Any]) -> int:
+        """The integers within the schema's bounds: negative ones as "-" and a magnitude, the rest plainly."""
+        low, high = _integer_bounds(schema)
+        if low is None and high is None:
+            return self.integer
+        alternatives = []
+        if low is None or low < 0:
+            smallest = 1 if high is None or high >= 0 else -high
+            if low is None or smallest <= -low:
+                alternatives.append(["-", self._naturals(smallest, None if low is None else -low)])
+        if high is None or high >= 0:
+            alternatives.append([self._naturals(max(low or 0, 0), high)])
+        return self.g.add(*alternatives)
+
+    def _naturals(self, low: int, high: int | None) -> int:
+        """Whole numbers from ``low`` to ``high`` (None: as many digits as an integer here may have), written without
+        leading zeros: an alternative for each count of digits."""
+        longest = MAX_DIGITS + 1
+        top = 10**longest - 1 if high is None else min(high, 10**longest - 1)
+        alternatives = []
+        for length in range(len(str(low)), len(str(top)) + 1):
+            first, last = max(low, 10 ** (length - 1) if length > 1 else 0), min(top, 10**length - 1)
+            alternatives.append([self._span(str(first), str(last))])
+        return self.g.add(*alternatives)
+
+    def _span(self, a: str, b: str) -> int:
+        """The digit strings of a's length from a to b (a <= b): the first digit at a's, between, or at b's, then
+        the rest within what that first digit leaves."""
+        if (a, b) in self.spans:
+            return self.spans[(a, b)]
+        g, rest = self.g, len(a) - 1
+        if not a:
+            rule = g.add([])
+        elif a[0] == b[0]:
+            rule = g.add([a[0], self._span(a[1:], b[1:])])
+        else:
+            from_bottom, to_top = a[1:] == "0" * rest, b[1:] == "9" * rest
+            start = a[0] if from_bottom else chr(ord(a[0]) + 1)
+            end = b[0] if to_top else chr(ord(b[0]) - 1)
+            alternatives: list[list[Any]] = []
+            if not from_bottom:
+                alternatives.append([a[0], self._span(a[1:], "9" * rest)])
+            if start <= end:
+                alternatives.append([("range", start, end), self._span("0" * rest, "9" * rest)])
+            if not to_top:
+                alternatives.append([b[0], self._span("0" * rest, b[1:])])
+            rule = g.add(*alternatives)
+        self.spans[(a, b)] = rule
+        return rule
+
     def _string(self, schema: dict[str, Any]) -> int:
         low, high = _bounds(schema, "minLength", "maxLength")
         if low == 0 and high is None:
@@ -413,6 +466,44 @@ def _bounds(schema: dict[str, Any], low_key: str, high_key: str) -> tuple[int, i
     if high is not None and low > high:
         raise UnsupportedSchema(f"{low_key} {low} is above {high_key} {high}: nothing fits")
     return low, high
+
+
+def _integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The smallest and largest integer an integer schema allows (None: no bound), from minimum / maximum and
+    exclusiveMinimum / exclusiveMaximum (numbers, or draft 4's booleans that make minimum / maximum exclusive)."""
+    values = {}
+    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        value = schema.get(key)
+        if value is None or (key.startswith("exclusive") and isinstance(value, bool)):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UnsupportedSchema(f"{key} must be a number, not {value!r}")
+        values[key] = value
+    lows, highs = [], []
+    if "minimum" in values:
+        lows.append(
+            math.floor(values["minimum"]) + 1
+            if schema.get("exclusiveMinimum") is True
+            else math.ceil(values["minimum"])
+        )
+    if "exclusiveMinimum" in values:
+        lows.append(math.floor(values["exclusiveMinimum"]) + 1)
+    if "maximum" in values:
+        highs.append(
+            math.ceil(values["maximum"]) - 1
+            if schema.get("exclusiveMaximum") is True
+            else math.floor(values["maximum"])
+        )
+    if "exclusiveMaximum" in values:
+        highs.append(math.ceil(values["exclusiveMaximum"]) - 1)
+    low, high = max(lows, default=None), min(highs, default=None)
+    bounds = ", ".join(f"{k} {v}" for k, v in values.items())
+    if low is not None and high is not None and low > high:
+        raise UnsupportedSchema(f"no integer fits the bounds ({bounds})")
+    limit = 10 ** (MAX_DIGITS + 1) - 1  # the largest magnitude an integer is written with here
+    if (low is not None and low > limit) or (high is not None and high < -limit):
+        raise UnsupportedSchema(f"no integer of at most {MAX_DIGITS + 1} digits fits the bounds ({bounds})")
+    return None if low is None else max(low, -limit), None if high is None else min(high, limit)
 
 
 def _merge(a: dict[str, Any], b: Any) -> dict[str, Any]:
