@@ -178,6 +178,9 @@ class Service:
         return ids, [Image(start, count, data) for start, count, data in zip(starts, counts, images)]
 
     def sampling(self, fields: dict[str, Any]) -> SamplingParams:
+        seed = fields.get("seed")
+        if seed is not None and seed < 0:  # schemas.Seed: -1 a random seed, as llama.cpp's; others wrapped
+            fields = {**fields, "seed": None if seed == -1 else seed % 2**64}
         try:
             return SamplingParams.resolve(fields, self.model.file.metadata)
         except ValueError as e:
