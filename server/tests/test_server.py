@@ -353,6 +353,31 @@ def test_json_schema_output_parses_and_validates(client):
     assert set(value) == {"name", "age"} and isinstance(value["age"], int) and len(value["name"]) <= 10
 
 
+def test_the_openai_clients_parse_gets_a_pydantic_model_with_tuples_dates_and_bounds(client):
+    """The official client's ``parse`` sends a pydantic model's strict schema (prefixItems for a tuple, format for
+    dates and uuids, minimum / maximum); what comes back must validate as that model (before: a 400 for prefixItems,
+    and formats and bounds not enforced)."""
+    import datetime
+    import uuid
+    from typing import Annotated
+
+    from pydantic import BaseModel, Field
+
+    class Trip(BaseModel):
+        day: datetime.date
+        start: datetime.datetime
+        id: uuid.UUID
+        spot: tuple[Annotated[int, Field(ge=-3, le=40)], Annotated[str, Field(max_length=3)]]
+
+    for seed in (1, 2):
+        r = client.beta.chat.completions.parse(
+            model=MODEL, messages=HELLO, response_format=Trip, max_tokens=160, temperature=1.0, seed=seed
+        )
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        trip = r.choices[0].message.parsed
+        assert isinstance(trip, Trip) and -3 <= trip.spot[0] <= 40 and len(trip.spot[1]) <= 3
+
+
 def test_messages_and_responses_stream_tool_use(server, client):
     claude = anthropic.Anthropic(base_url=server.url, api_key=server.key, max_retries=0)
     tools = [{"name": "get_weather", "input_schema": WEATHER}]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import stat
 
@@ -214,6 +215,71 @@ def test_integer_bounds_are_enforced_digit_by_digit():
     ):
         with pytest.raises(UnsupportedSchema, match=message):
             compile_schema({"type": "integer", **bounds})
+
+
+def test_prefix_items_and_item_bounds_allow_exactly_the_valid_arrays():
+    """prefixItems (each element its own schema), then items (or none past the prefix with items false), within
+    minItems / maxItems: every array of up to six elements from three values, against a direct check."""
+    from leat_server.constrained import UnsupportedSchema, compile_schema
+
+    one, bee, flag = {"const": 1}, {"const": "b"}, {"type": "boolean"}
+    values = [1, "b", True]
+
+    def fits(schema, value) -> bool:
+        return schema is True or (value is True if schema is flag else value == schema["const"] and value is not True)
+
+    def valid(schema: dict, array: list) -> bool:
+        prefix, rest = schema.get("prefixItems", []), schema.get("items", True)
+        if len(array) < schema.get("minItems", 0) or len(array) > schema.get("maxItems", len(array)):
+            return False
+        schemas = [prefix[i] if i < len(prefix) else rest for i in range(len(array))]
+        return all(each is not False and fits(each, value) for each, value in zip(schemas, array))
+
+    arrays = [list(a) for n in range(7) for a in itertools.product(values, repeat=n)]
+    for prefix in ([], [one], [one, bee, flag]):
+        for rest in (None, False, one):
+            for low, high in itertools.product((None, 1, 3), (None, 0, 2, 5)):
+                schema = {"type": "array", **({"prefixItems": prefix} if prefix else {})}
+                schema |= {k: v for k, v in (("items", rest), ("minItems", low), ("maxItems", high)) if v is not None}
+                if not any(valid(schema, a) for a in arrays):
+                    with pytest.raises(UnsupportedSchema):
+                        compile_schema(schema)
+                    continue
+                g = compile_schema(schema)
+                for a in arrays:
+                    assert g.accepts(json.dumps(a)) == valid(schema, a), (schema, a)
+
+
+def test_date_time_and_uuid_formats_are_written_as_python_reads_them():
+    """format date / time / date-time / uuid: a date is one Python's calendar has (29 February in leap years only);
+    times carry an offset; a uuid is 8-4-4-4-12 hexadecimal digits. Other formats stay unenforced."""
+    import datetime
+    import uuid
+
+    from leat_server.constrained import compile_schema
+
+    date, time_, moment, ident = (
+        compile_schema({"type": "string", "format": f}) for f in ("date", "time", "date-time", "uuid")
+    )
+    for year in (1, 4, 100, 400, 1900, 2000, 2023, 2024, 2100, 9999):
+        for month, day in itertools.product(range(14), range(33)):
+            text = f"{year:04d}-{month:02d}-{day:02d}"
+            try:
+                exists = bool(datetime.date.fromisoformat(text))
+            except ValueError:
+                exists = False
+            assert date.accepts(f'"{text}"') == exists, text
+    assert not date.accepts('"0000-01-01"')
+    for text in ("12:34:56Z", "23:59:59+01:00", "00:00:00.5-12:30", "12:34:56.123456789Z"):
+        assert time_.accepts(f'"{text}"') and datetime.time.fromisoformat(text.replace("Z", "+00:00"))
+    for text in ("12:34:56", "24:00:00Z", "12:60:00Z", "12:34:56.Z", "1:02:03Z", "12:34:56.1234567890Z"):
+        assert not time_.accepts(f'"{text}"'), text
+    assert moment.accepts('"2024-02-29T07:08:09.25+02:00"') and not moment.accepts('"2023-02-29T07:08:09Z"')
+    assert not moment.accepts('"2024-05-06 07:08:09Z"') and not moment.accepts('"2024-05-06"')
+    for text in (str(uuid.UUID(int=7)), "ABCDEFAB-CDEF-abcd-ef01-234567890abc"):
+        assert ident.accepts(f'"{text}"') and uuid.UUID(text)
+    assert not ident.accepts(f'"{uuid.UUID(int=7).hex}"') and not ident.accepts('"123e4567-e89b-12d3-a456-42661417400"')
+    assert compile_schema({"type": "string", "format": "email"}).accepts('"not an address"')
 
 
 def test_constrained_sampling_makes_a_random_model_write_valid_json(tmp_path):

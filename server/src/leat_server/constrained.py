@@ -9,11 +9,12 @@ with the state set, pruning a branch as soon as no stack survives it. End-of-gen
 allowed only where the JSON is complete.
 
 Enforced: type (and lists of types), properties / required (properties in schema order; no extra
-properties unless ``additionalProperties`` says so), additionalProperties as a schema, items,
+properties unless ``additionalProperties`` says so), additionalProperties as a schema, prefixItems and items,
 minItems / maxItems, enum, const, anyOf / oneOf, allOf of one schema, local ``$ref``,
-minLength / maxLength on strings, minimum / maximum / exclusiveMinimum / exclusiveMaximum on integers
-(as llama.cpp's grammars do: each bound written out digit by digit, up to 17 digits). Accepted but not
-enforced: format, bounds on non-integer numbers, multipleOf, and annotations (title, description, default,
+minLength / maxLength on strings, the string formats date, time, date-time and uuid (calendar days only),
+minimum / maximum / exclusiveMinimum / exclusiveMaximum on integers (each bound written out digit by digit, up
+to 17 digits). llama.cpp's grammars enforce the same, but days a month lacks. Accepted but not enforced: other
+formats, bounds on non-integer numbers, multipleOf, uniqueItems, and annotations (title, description, default,
 examples). Refused (400): pattern, patternProperties, not, if / then / else, and anything else unknown.
 
 Tokens that are a fragment of a UTF-8 character are never allowed (a non-ASCII character can still
@@ -88,6 +89,7 @@ KNOWN = ANNOTATIONS | {
     "maxLength",
     "prefixItems",
 }
+FORMATS = ("date", "time", "date-time", "uuid")  # string formats written as their grammars (as llama.cpp's)
 MAX_BOUND = 256  # largest minLength / maxLength / minItems / maxItems written out as rules
 MAX_DIGITS = 16
 MAX_INDENT = 8
@@ -203,6 +205,7 @@ class SchemaCompiler:
         self.root_schema = root
         self.refs: dict[str, int] = {}
         self.spans: dict[tuple[str, str], int] = {}  # _span's rules, by their bounds
+        self.formats: dict[str, int] = {}  # _format's rules
         self.depth = 0
         self.deadline = time.monotonic() + MAX_SECONDS
         g = self.g
@@ -366,28 +369,94 @@ class SchemaCompiler:
         return g.add(["{", ws, head, ws, "}"])
 
     def _array(self, schema: dict[str, Any]) -> int:
+        """Arrays of minItems..maxItems elements: element i matches prefixItems[i] where there is one, ``items``
+        after them (``items: false``: no element past the prefix)."""
         g, ws = self.g, self.ws
-        if "prefixItems" in schema:
-            raise UnsupportedSchema("prefixItems is not supported")
-        item = self.compile(schema.get("items", True))
+        prefix = schema.get("prefixItems") or []
+        if not isinstance(prefix, list):
+            raise UnsupportedSchema(f"prefixItems must be a list of schemas, not {prefix!r}")
+        rest = schema.get("items", True)
         low, high = _bounds(schema, "minItems", "maxItems")
-        # more[k]: zero or more further ", item" with k still allowed (None: unbounded)
-        if high is None:
-            more = g.add([])
-            g.define(more, [], [ws, ",", ws, item, more])
+        if rest is False:
+            high = len(prefix) if high is None else min(high, len(prefix))
+            if low > high:
+                raise UnsupportedSchema(f"minItems {low} is above the {len(prefix)} prefixItems with items false")
+        elements = [self.compile(p) for p in prefix]
+        extra = self.compile(rest) if rest is not False else None
+        explicit = max(len(prefix), low, 1)  # elements past these are all `items`, as many as maxItems leaves
+        # tail: the elements after the first `explicit`, each ", item"
+        if extra is None or (high is not None and high <= explicit):
+            tail = g.add([])
+        elif high is None:
+            tail = g.add([])
+            g.define(tail, [], [ws, ",", ws, extra, tail])
         else:
-            more = g.add([])
-            for _ in range(max(0, int(high) - max(low, 1))):
-                more = g.add([], [ws, ",", ws, item, more])
-        body = more
-        for _ in range(max(0, low - 1)):
-            body = g.add([ws, ",", ws, item, body])
-        alternatives = [["[", ws, item, body, ws, "]"]]
-        if low == 0:
-            alternatives.append(["[", ws, "]"])
-        if high is not None and int(high) == 0:
-            alternatives = [["[", ws, "]"]]
+            tail = g.add([])
+            for _ in range(high - explicit):
+                tail = g.add([], [ws, ",", ws, extra, tail])
+        # after[j]: the elements from index j on, once j of them are written (j >= 1)
+        after = tail
+        for j in range(explicit - 1, 0, -1):
+            element = elements[j] if j < len(elements) else extra
+            alternatives = [[ws, ",", ws, element, after]] if high is None or j < high else []
+            after = g.add(*alternatives, *([[]] if j >= low else []))
+        first = elements[0] if elements else extra
+        alternatives = [["[", ws, "]"]] if low == 0 else []
+        if first is not None and (high is None or high >= 1):
+            alternatives.append(["[", ws, first, after, ws, "]"])
         return g.add(*alternatives)
+
+    def _format(self, name: str) -> int:
+        """A string of one of FORMATS: RFC 3339's full-date (a day its month has: 29 February in leap years only;
+        years 0001-9999, as Python's dates), full-time (an offset, "Z" or +-hh:mm, required) and date-time, and
+        RFC 4122's form of a uuid (hexadecimal digits 8-4-4-4-12)."""
+        if not self.formats:
+            g = self.g
+            date = self._date()
+            hour = g.add([("range", "0", "1"), DIGIT], ["2", ("range", "0", "3")])
+            minute = [("range", "0", "5"), DIGIT]
+            fraction = g.add([])  # a fraction of a second: up to nine digits, the first written apart
+            for _ in range(8):
+                fraction = g.add([], [DIGIT, fraction])
+            second = g.add(minute, [*minute, ".", DIGIT, fraction])
+            offset = g.add("Z", [("set", frozenset("+-")), hour, ":", *minute])
+            time_ = g.add([hour, ":", *minute, ":", second, offset])
+            uuid = [*[HEX] * 8, "-", *[HEX] * 4, "-", *[HEX] * 4, "-", *[HEX] * 4, "-", *[HEX] * 12]
+            bodies = {"date": [date], "time": [time_], "date-time": [date, "T", time_], "uuid": uuid}
+            self.formats = {each: g.add(['"', *body, '"']) for each, body in bodies.items()}
+        return self.formats[name]
+
+    def _date(self) -> int:
+        """yyyy-mm-dd of a day that exists: a leap year (two last digits a multiple of 4 but 00, or 00 after two
+        that are) takes 29 February."""
+        g = self.g
+
+        def one(chars: str) -> tuple:
+            return ("set", frozenset(chars))
+
+        # two digits that are a multiple of 4 other than 00, and two that are not a multiple of 4
+        by_four = g.add(["0", one("48")], [one("2468"), one("048")], [one("13579"), one("26")])
+        not_by_four = g.add([one("02468"), one("26")], [one("13579"), one("048")], [DIGIT, one("13579")])
+        leap = g.add([DIGIT, DIGIT, by_four], [by_four, "00"])
+        common = g.add([DIGIT, DIGIT, not_by_four], [not_by_four, "00"])
+        tens = [("range", "1", "2"), DIGIT]  # days 10-29
+        thirty_one = g.add(["0", NONZERO], tens, ["3", one("01")])
+        thirty = g.add(["0", NONZERO], tens, "30")
+        february = {
+            days: g.add(["0", NONZERO], ["1", DIGIT], ["2", ("range", "0", last)])
+            for days, last in ((28, "8"), (29, "9"))
+        }
+        month_day = {
+            days: g.add(
+                ["0", one("13578"), "-", thirty_one],
+                ["1", one("02"), "-", thirty_one],
+                ["0", one("469"), "-", thirty],
+                ["11-", thirty],
+                ["02-", february[days]],
+            )
+            for days in (28, 29)
+        }
+        return g.add([leap, "-", month_day[29]], [common, "-", month_day[28]])
 
     def _integer(self, schema: dict[str, Any]) -> int:
         """The integers within the schema's bounds: negative ones as "-" and a magnitude, the rest plainly."""
@@ -440,6 +509,8 @@ class SchemaCompiler:
         return rule
 
     def _string(self, schema: dict[str, Any]) -> int:
+        if schema.get("format") in FORMATS:
+            return self._format(schema["format"])
         low, high = _bounds(schema, "minLength", "maxLength")
         if low == 0 and high is None:
             return self.string
