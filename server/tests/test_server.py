@@ -355,8 +355,8 @@ def test_json_schema_output_parses_and_validates(client):
 
 def test_the_openai_clients_parse_gets_a_pydantic_model_with_tuples_dates_and_bounds(client):
     """The official client's ``parse`` sends a pydantic model's strict schema (prefixItems for a tuple, format for
-    dates and uuids, minimum / maximum); what comes back must validate as that model (before: a 400 for prefixItems,
-    and formats and bounds not enforced)."""
+    dates and uuids, minimum / maximum, pattern); what comes back must validate as that model (before: a 400 for
+    prefixItems and pattern, formats and bounds not enforced)."""
     import datetime
     import uuid
     from typing import Annotated
@@ -368,6 +368,7 @@ def test_the_openai_clients_parse_gets_a_pydantic_model_with_tuples_dates_and_bo
         start: datetime.datetime
         id: uuid.UUID
         spot: tuple[Annotated[int, Field(ge=-3, le=40)], Annotated[str, Field(max_length=3)]]
+        code: Annotated[str, Field(pattern=r"^[A-Z]{2}-\d{2}(x|yz)?$")]
 
     for seed in (1, 2):
         r = client.beta.chat.completions.parse(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import stat
 
 import msgspec
@@ -134,7 +135,14 @@ SCHEMA = {
 }
 
 
-RANGED = {"type": "object", "properties": {"n": {"type": "integer", "minimum": -7, "maximum": 23}}, "required": ["n"]}
+RANGED = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": -7, "maximum": 23},
+        "id": {"type": "string", "pattern": "^[A-Z]\\d{2}$"},
+    },
+    "required": ["n", "id"],
+}
 
 
 def test_schema_grammar_accepts_exactly_the_matching_json():
@@ -170,8 +178,8 @@ def test_schema_grammar_accepts_exactly_the_matching_json():
         "$ref": "#/$defs/n",
     }
     assert compile_schema(linked).accepts('{"next": {"next": null}}')
-    with pytest.raises(UnsupportedSchema, match="pattern"):
-        compile_schema({"type": "string", "pattern": "^a"})
+    with pytest.raises(UnsupportedSchema, match="patternProperties"):
+        compile_schema({"type": "object", "patternProperties": {"^a": {"type": "integer"}}})
 
 
 def test_integer_bounds_are_enforced_digit_by_digit():
@@ -282,6 +290,42 @@ def test_date_time_and_uuid_formats_are_written_as_python_reads_them():
     assert compile_schema({"type": "string", "format": "email"}).accepts('"not an address"')
 
 
+PATTERNS = [
+    "^a$", "a", "^ab*$", "^(ab|1)+$", "^[a-b1]{2,3}$", "^[^a]*$", "^\\d+$", "^\\w*$", "^\\s?a$", "^.*$", "^a.b$",
+    '^["\\\\]+$', "^(?:a|b)?1$", "^a{2}$", "^a{1,}b$", "^[\\-_]+$", "b$", "^1", "^$", "^\\D\\W$", "^[^\\d\\s]+$",
+    "^a*?b+?$", "^é+$", "^[a-]$", "^\\.$", "^(a|)b$", "^\\S$",
+]  # fmt: skip
+
+
+def test_a_pattern_allows_exactly_the_strings_it_matches():
+    """A string's pattern against Python's re (ASCII classes, as ECMA-262's; a pattern without ^ or $ searched for):
+    every string of up to three characters from ten (quote, backslash, newline and a non-ASCII letter among them),
+    written as JSON writes it. What the rules cannot take is a 400 naming it."""
+    from leat_server.constrained import UnsupportedSchema, compile_schema
+
+    alphabet = ["a", "b", "1", "_", '"', "\\", " ", "-", "\n", "é"]
+    strings = ["".join(t) for n in range(4) for t in itertools.product(alphabet, repeat=n)]
+    for pattern in PATTERNS:
+        g = compile_schema({"type": "string", "pattern": pattern})
+        anchored = pattern[:-1] + "\\Z" if pattern.endswith("$") and not pattern.endswith("\\$") else pattern
+        reference = re.compile(anchored, re.ASCII)
+        for text in strings:
+            assert g.accepts(json.dumps(text, ensure_ascii=False)) == bool(reference.search(text)), (pattern, text)
+    for pattern, why in (
+        ("^(?=a)$", "lookaround"),
+        ("^\\1$", "\\1 is not supported"),
+        ("^a\\b$", "\\b is not supported"),
+        ("^a^b$", "only at the pattern's ends"),
+        ("^*$", "repeats nothing"),
+        ("^(a$", "ends too soon"),
+        ("^[b-a]$", "reversed"),
+        ("^a{999}$", "repeat count"),
+        ("^\\p{L}$", "\\p is not supported"),
+    ):
+        with pytest.raises(UnsupportedSchema, match=re.escape(why)):
+            compile_schema({"type": "string", "pattern": pattern})
+
+
 def test_constrained_sampling_makes_a_random_model_write_valid_json(tmp_path):
     """A random-weight model, sampled at temperature 1, writes JSON that parses and matches the schema."""
     import numpy as np
@@ -310,7 +354,8 @@ def test_constrained_sampling_makes_a_random_model_write_valid_json(tmp_path):
             row = model.architecture.forward(Batch([Row(0, len(prompt) + len(out) - 1, np.asarray([token]))]), kv)
         value = json.loads(model.tokenizer.decode(out))
         if schema is RANGED:
-            assert set(value) == {"n"} and isinstance(value["n"], int) and -7 <= value["n"] <= 23, value
+            assert set(value) == {"n", "id"} and isinstance(value["n"], int) and -7 <= value["n"] <= 23, value
+            assert re.fullmatch("[A-Z][0-9]{2}", value["id"]), value
             continue
         assert value["city"] in ("Paris", "Rome") and isinstance(value["days"], int)
         assert set(value) <= set(SCHEMA["properties"])

@@ -296,7 +296,7 @@ def generate(
     model = _load(model_name, backend, precision, threads, tensor_parallel)
     _mmproj(model, mmproj, not no_mmproj)
     _speculate(model, speculate, draft)
-    sampling = {k: v for k, v in sampling.items() if v is not None}
+    sampling = {k: v for k, v in sampling.items() if v is not None and (k, v) != ("seed", -1)}  # -1: llama.cpp's random
     ids, text = [], []
     from leat.vision import MARKER
 
@@ -366,7 +366,7 @@ def run(
     model = _load(model_name, backend, precision, threads, tensor_parallel)
     _mmproj(model, mmproj, not no_mmproj)
     _speculate(model, speculate, draft)
-    sampling = {k: v for k, v in sampling.items() if v is not None}
+    sampling = {k: v for k, v in sampling.items() if v is not None and (k, v) != ("seed", -1)}  # -1: llama.cpp's random
     if model.chat_template.fallback_reason:
         click.echo(f"note: {model.chat_template.fallback_reason}", err=True)
     # no limit: the session's context bounds the answer (Model.generate clamps to what is left of it)

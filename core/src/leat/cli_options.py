@@ -133,14 +133,7 @@ def sampling_options(command: Callable) -> Callable:
         click.option("--top-p", type=click.FloatRange(0, 1), default=None),
         click.option("--min-p", type=click.FloatRange(0, 1), default=None),
         click.option("--repeat-penalty", type=click.FloatRange(0, min_open=True), default=None, help="1 = off"),
-        click.option(
-            "-s",
-            "--seed",
-            type=click.IntRange(-1),
-            default=None,
-            callback=lambda ctx, param, value: None if value == -1 else value,
-            help="repeatable sampling; -1 (as llama.cpp's) or left out: a random seed",
-        ),
+        click.option("-s", "--seed", type=click.IntRange(-1), default=None, help="-1 or none: a random seed"),
     ]
     for option in reversed(options):
         command = option(command)

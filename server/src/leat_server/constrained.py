@@ -11,11 +11,12 @@ allowed only where the JSON is complete.
 Enforced: type (and lists of types), properties / required (properties in schema order; no extra
 properties unless ``additionalProperties`` says so), additionalProperties as a schema, prefixItems and items,
 minItems / maxItems, enum, const, anyOf / oneOf, allOf of one schema, local ``$ref``,
-minLength / maxLength on strings, the string formats date, time, date-time and uuid (calendar days only),
-minimum / maximum / exclusiveMinimum / exclusiveMaximum on integers (each bound written out digit by digit, up
-to 17 digits). llama.cpp's grammars enforce the same, but days a month lacks. Accepted but not enforced: other
-formats, bounds on non-integer numbers, multipleOf, uniqueItems, and annotations (title, description, default,
-examples). Refused (400): pattern, patternProperties, not, if / then / else, and anything else unknown.
+minLength / maxLength on strings, pattern (:mod:`leat_server.pattern`; not with minLength / maxLength beside it), the
+string formats date, time, date-time and uuid (calendar days only), minimum / maximum / exclusiveMinimum /
+exclusiveMaximum on integers (each bound written out digit by digit, up to 17 digits). llama.cpp's grammars enforce
+the same, but days a month lacks. Accepted but not enforced: other formats, bounds on non-integer numbers,
+multipleOf, uniqueItems, and annotations (title, description, default, examples). Refused (400): patternProperties,
+not, if / then / else, and anything else unknown.
 
 Tokens that are a fragment of a UTF-8 character are never allowed (a non-ASCII character can still
 be written whole, or as a ``\\u`` escape); control tokens are never allowed.
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from leat_server.errors import APIError
+from leat_server.pattern import pattern_rule
 
 Element = Any  # int (a rule) | tuple (a terminal: ("lit", c) | ("set", chars) | ("not", chars) | ("range", a, b))
 Stack = tuple  # of (rule, alternative, position) frames; the top frame's element is a terminal
@@ -88,6 +90,7 @@ KNOWN = ANNOTATIONS | {
     "minLength",
     "maxLength",
     "prefixItems",
+    "pattern",
 }
 FORMATS = ("date", "time", "date-time", "uuid")  # string formats written as their grammars (as llama.cpp's)
 MAX_BOUND = 256  # largest minLength / maxLength / minItems / maxItems written out as rules
@@ -509,6 +512,10 @@ class SchemaCompiler:
         return rule
 
     def _string(self, schema: dict[str, Any]) -> int:
+        if "pattern" in schema:  # (as llama.cpp's grammars: minLength / maxLength not enforced beside it)
+            if not isinstance(schema["pattern"], str):
+                raise UnsupportedSchema(f"pattern must be a string, not {schema['pattern']!r}")
+            return pattern_rule(self.g, schema["pattern"], self.char, UnsupportedSchema)
         if schema.get("format") in FORMATS:
             return self._format(schema["format"])
         low, high = _bounds(schema, "minLength", "maxLength")
