@@ -225,6 +225,30 @@ def test_integer_bounds_are_enforced_digit_by_digit():
             compile_schema({"type": "integer", **bounds})
 
 
+def test_additional_properties_beside_named_ones_take_only_other_keys():
+    """additionalProperties with properties (pydantic's extra="allow"): after the named members, members whose keys
+    are none of the names (written without escapes, so no other spelling of one), each value of its schema."""
+    from leat_server.constrained import compile_schema
+
+    names = ["ab", "a", "b", "é", 'q"']
+    g = compile_schema(
+        {
+            "type": "object",
+            "properties": {n: {"const": 0} for n in names},
+            "additionalProperties": {"const": 1},
+        }
+    )
+    for key in ["".join(t) for n in range(4) for t in itertools.product(["a", "b", "é", '"', "q"], repeat=n)]:
+        assert g.accepts("{" + json.dumps(key, ensure_ascii=False) + ": 1}") == (key not in names and '"' not in key), (
+            key
+        )
+        assert g.accepts("{" + json.dumps(key) + ": 0}") == (key in names), key  # names as json.dumps writes them
+    assert g.accepts('{"a": 0, "x": 1, "y": 1}') and not g.accepts('{"x": 1, "a": 0}')  # named members first
+    assert not g.accepts('{"\\u0061": 1}')  # a name spelled with an escape
+    anything = compile_schema({"type": "object", "properties": {"a": {"const": 0}}, "additionalProperties": True})
+    assert anything.accepts('{"a": 0, "z": [1, {"q": null}]}')
+
+
 def test_prefix_items_and_item_bounds_allow_exactly_the_valid_arrays():
     """prefixItems (each element its own schema), then items (or none past the prefix with items false), within
     minItems / maxItems: every array of up to six elements from three values, against a direct check."""

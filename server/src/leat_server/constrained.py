@@ -9,7 +9,8 @@ with the state set, pruning a branch as soon as no stack survives it. End-of-gen
 allowed only where the JSON is complete.
 
 Enforced: type (and lists of types), properties / required (properties in schema order; no extra
-properties unless ``additionalProperties`` says so), additionalProperties as a schema, prefixItems and items,
+properties unless ``additionalProperties`` says so: after the named ones, with keys none of theirs),
+additionalProperties as a schema, prefixItems and items,
 minItems / maxItems, enum, const, anyOf / oneOf, allOf of one schema, local ``$ref``,
 minLength / maxLength on strings, pattern (:mod:`leat_server.pattern`; not with minLength / maxLength beside it), the
 string formats date, time, date-time and uuid (calendar days only), minimum / maximum / exclusiveMinimum /
@@ -357,19 +358,40 @@ class SchemaCompiler:
             members = g.add([])
             g.define(members, [], [ws, ",", ws, member, members])
             return g.add(["{", ws, "}"], ["{", ws, member, members, ws, "}"])
-        if extra not in (False, None):
-            raise UnsupportedSchema("additionalProperties together with properties is not supported")
         required = set(schema.get("required") or [])
         names = list(props)
         pairs = [g.add([json.dumps(n, ensure_ascii=True), ws, ":", ws, self.compile(props[n])]) for n in names]
-        # head[k]: properties k.. with none written yet; tail[k]: the same after at least one.
+        # head[k]: properties k.. with none written yet; tail[k]: the same after at least one. After the named ones,
+        # additionalProperties' members (keys none of the names), where it allows them
         tail = g.add([])
         head = g.add([])
+        if extra not in (False, None):
+            value = self.any if extra is True or extra == {} else self.compile(extra)
+            other = g.add([self._other_key(names), ws, ":", ws, value])
+            g.define(tail, [], [ws, ",", ws, other, tail])
+            g.define(head, [], [other, tail])
         for k in range(len(names) - 1, -1, -1):
             new_tail = g.add([ws, ",", ws, pairs[k], tail], *([[tail]] if names[k] not in required else []))
             new_head = g.add([pairs[k], tail], *([[head]] if names[k] not in required else []))
             tail, head = new_tail, new_head
         return g.add(["{", ws, head, ws, "}"])
+
+    def _other_key(self, names: list[str]) -> int:
+        """A key that is none of ``names``: a JSON string written without escapes (so no other spelling of a name),
+        walking the names' characters while it follows one and leaving them by any other character."""
+        g = self.g
+        rest = g.add([])
+        g.define(rest, ['"'], [("not", frozenset('"\\')), rest])
+
+        def after(prefix: str) -> int:
+            nexts = {n[len(prefix)] for n in names if len(n) > len(prefix) and n.startswith(prefix)}
+            nexts = {c for c in nexts if c not in '"\\' and c >= " "}  # (a name's quote or backslash: escaped)
+            alternatives = [] if prefix in names else [['"']]
+            alternatives += [[("lit", c), after(prefix + c)] for c in sorted(nexts)]
+            alternatives.append([("not", frozenset('"\\') | nexts), rest])
+            return g.add(*alternatives)
+
+        return g.add(['"', after("")])
 
     def _array(self, schema: dict[str, Any]) -> int:
         """Arrays of minItems..maxItems elements: element i matches prefixItems[i] where there is one, ``items``

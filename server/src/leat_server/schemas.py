@@ -17,9 +17,9 @@ Probability = Annotated[float, Meta(ge=0, le=1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
 Positive = Annotated[int, Meta(ge=1)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
-# any 64-bit integer: -1 is llama.cpp's "a random seed"; other negative seeds are taken modulo 2**64 (as torch's
-# generators, so vLLM's API, take them). Service.sampling maps both
-Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+# any integer of 64 bits, signed or not (decode's range check): -1 is llama.cpp's "a random seed"; other negative
+# seeds are taken modulo 2**64 (as torch's generators, so vLLM's API, take them). Service.sampling maps both
+Seed = int
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 TokenBudget = Annotated[int, Meta(ge=0)]
 
