@@ -216,6 +216,32 @@ def test_logprobs_match_the_models_logits(model):
         assert [t for t, _ in tops[i]] == list(np.argsort(-logp)[:3])
 
 
+def test_a_prompts_scores_are_what_generating_it_scored(model, monkeypatch):
+    """Engine.score (an echoed prompt's logprobs): each token after the first, scored after those before it, in
+    prefill chunks; a greedy continuation, scored as part of a prompt, gets the logprobs and top tokens its decode
+    steps gave it (another path through the model), and the prompt's own tokens those of the float64 logits."""
+    monkeypatch.setattr("leat.model.PREFILL_CHUNK", 5)  # several chunks, one of them split by the continuation
+    prompt = prompts(1, seed=10)[0]
+    engine = Engine(model, batch_size=1, max_context=256).start()
+    try:
+        events = [e for e in engine.submit(GenerationRequest(prompt, 6, GREEDY, logprobs=3)) if e.kind == "tokens"]
+        ids = [t for e in events for t in e.ids]
+        scores = engine.score([prompt + ids], 3)[0]
+    finally:
+        engine.stop()
+    assert len(scores) == len(prompt) + len(ids) - 1
+    chosen = [lp for e in events for lp in e.logprobs]
+    tops = [top for e in events for top in e.top_logprobs]
+    for i, (logprob, top) in enumerate(scores[len(prompt) - 1 :]):
+        assert logprob == pytest.approx(chosen[i], abs=1e-4) and [t for t, _ in top] == [t for t, _ in tops[i]]
+    logits = model.logits(prompt + ids).astype(np.float64)
+    for position, (logprob, top) in enumerate(scores):
+        row = logits[position]
+        logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
+        assert logprob == pytest.approx(logp[(prompt + ids)[position + 1]], abs=1e-4)
+        assert [t for t, _ in top] == list(np.argsort(-logp)[:3])
+
+
 def test_events_cross_a_process_boundary_as_msgpack(model):
     engine = Engine(model, batch_size=1, max_context=256).start()
     try:

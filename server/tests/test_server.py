@@ -110,6 +110,36 @@ def test_seed_makes_sampling_repeatable(client):
         ask(2**64)
 
 
+def echo_scores(client, ids: list[int], **extra):
+    """lm-evaluation-harness's loglikelihood request: the prompt as token ids, echo, logprobs 1, one token."""
+    return client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True, **extra
+    )
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_generation_scores_its_tokens(client):
+    """Completions' echo with logprobs: every prompt token's log-probability after those before it (the first none),
+    then the generated token's; the top token at a prompt position is the one a generation from the prefix before
+    it picks, with the logprob that generation reports (a decode step there, prefill chunks here)."""
+    ids = list(range(40, 64))
+    scored = echo_scores(client, ids)
+    lp = scored.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and lp.text_offset == sorted(lp.text_offset)
+    assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()))  # greedy: its own top
+    for k in (5, 17):
+        generated = (
+            client.completions.create(model=MODEL, prompt=ids[:k], max_tokens=1, temperature=0, logprobs=1)
+            .choices[0]
+            .logprobs
+        )
+        (token, logprob), *_ = lp.top_logprobs[k].items()
+        assert generated.tokens[0] == token and generated.token_logprobs[0] == pytest.approx(logprob, abs=1e-4)
+    streamed = list(echo_scores(client, ids, stream=True))
+    assert streamed[0].choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:-1], abs=1e-9)
+
+
 def test_stop_strings_and_logprobs(client):
     full = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=20, temperature=0).choices[0]
     text = full.message.content

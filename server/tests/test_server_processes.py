@@ -92,6 +92,17 @@ def test_requests_through_separate_processes_equal_the_model(shared_server, expe
     assert results == [expected_text] * 8
 
 
+def test_echo_with_logprobs_through_separate_processes(shared_server):
+    """An echoed prompt's logprobs come from the engine's process (the engine link's ``score`` call)."""
+    client = openai.OpenAI(base_url=shared_server.url + "/v1", api_key="unused", max_retries=0)
+    ids = list(range(40, 52))
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=2, echo=True)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids) + 1
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])  # (two tokens of one text are one key)
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [

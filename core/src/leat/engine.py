@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
@@ -586,7 +587,32 @@ class Engine:
         """Each reranker prompt's label probabilities (:meth:`leat.model.Model.rank`), between the scheduler's steps."""
         return self._between_steps(prompts, lambda ids: self.model.rank(ids).tolist())
 
-    def _between_steps(self, prompts: list[list[int]], run: Callable[[list[int]], list[float]]) -> list[list[float]]:
+    def score(self, prompts: list[list[int]], top: int) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+        """Each prompt's tokens after its first: the log-probability of each after those before it, and the ``top``
+        likeliest tokens there (id, log-probability), as a request's logprobs are (an OpenAI completion's ``echo``
+        with ``logprobs``, which evaluation harnesses read). Each prefill chunk runs between the scheduler's steps;
+        its log-probabilities are worked out while the steps go on."""
+        return [self._prompt_logprobs(ids, top) for ids in prompts]
+
+    def _prompt_logprobs(self, ids: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        from leat.model import PREFILL_CHUNK
+
+        model, kv = self.model, list[Any]()  # kv: the prompt's cache, made by its first chunk
+        out: list[tuple[float, list[tuple[int, float]]]] = []
+        model._check_tokens(np.asarray(ids, dtype=np.int64))
+
+        def forward(_: list[int], row: Row) -> np.ndarray:
+            kv.extend([] if kv else [model.new_kv(len(ids), dtype=self.kv_dtype)])  # the engine's cache type
+            return model.backend.to_host(model.architecture.forward(Batch([row]), kv[0]))
+
+        for at in range(0, len(ids), PREFILL_CHUNK):
+            row = Row(0, at, np.asarray(ids[at : at + PREFILL_CHUNK], np.int64), all_logits=True)
+            logits = self._between_steps([ids], functools.partial(forward, row=row))[0]
+            for logp, token in zip(map(log_softmax, logits), ids[at + 1 : at + 1 + len(row.tokens)]):
+                out.append((float(logp[token]), [(int(t), float(logp[t])) for t in _top(logp, top)] if top else []))
+        return out
+
+    def _between_steps(self, prompts: list[list[int]], run: Callable[[list[int]], Any]) -> list[Any]:
         """``run`` on each prompt (a KV of its own), between the scheduler's steps: none is queued ahead meanwhile,
         so no device step is in flight while these run."""
         for ids in prompts:

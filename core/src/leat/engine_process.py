@@ -104,6 +104,7 @@ CALLS: dict[str, Callable[..., Any]] = {
     "restore_session": lambda engine, name: engine.restore_session(name),
     "embed": lambda engine, prompts: engine.embed(prompts),
     "rank": lambda engine, prompts: engine.rank(prompts),
+    "score": lambda engine, prompts, top: engine.score(prompts, top),
     "stale_sessions": lambda engine: engine.stale_sessions(),
 }
 
@@ -453,6 +454,9 @@ class RemoteEngine:
 
     def rank(self, prompts: list[list[int]]) -> list[list[float]]:
         return self.call("rank", prompts)
+
+    def score(self, prompts: list[list[int]], top: int) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+        return self.call("score", prompts, top)
 
     def stale_sessions(self) -> list[str]:
         return self.call("stale_sessions")

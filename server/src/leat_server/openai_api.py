@@ -359,8 +359,6 @@ def completion_job(service: Service, body: CompletionRequest, owner: str | None)
         raise unsupported("suffix", "fill-in-the-middle is not supported")
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "only best_of=1 is supported")
-    if body.echo and body.logprobs is not None:
-        raise unsupported("echo", "echo with logprobs (prompt logprobs) is not supported")
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -384,9 +382,18 @@ def completion_job(service: Service, body: CompletionRequest, owner: str | None)
     processors = service.logit_bias(body.logit_bias) + format_constraint(
         service, body.response_format, "response_format"
     )
+    prompt_logprobs = None
+    if body.echo and body.logprobs is not None:  # the prompt's own logprobs (the first token has none)
+        scores = service.engine.score([ids], body.logprobs)[0]
+        first = TokenLogprob(ids[0], service.piece(ids[0]), None)
+        prompt_logprobs = [first] + [
+            TokenLogprob(t, service.piece(t), lp, [(u, service.piece(u), v) for u, v in top])
+            for t, (lp, top) in zip(ids[1:], scores)
+        ]
     job = Job(
         endpoint="completions",
         prompt_ids=ids,
+        prompt_logprobs=prompt_logprobs,
         max_tokens=body.max_tokens,
         sampling=service.sampling(sampling_fields(body)),
         stop=stop_list(body.stop),
@@ -401,6 +408,7 @@ def completion_job(service: Service, body: CompletionRequest, owner: str | None)
 
 
 def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """OpenAI's logprobs of a completion's tokens; an echoed prompt's first token has none (``logprob`` None)."""
     offsets, at = [], offset
     for lp in lps:
         offsets.append(at)
@@ -408,7 +416,7 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
     return {
         "tokens": [lp.text for lp in lps],
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{t: v for _, t, v in lp.top} for lp in lps],
+        "top_logprobs": [{t: v for _, t, v in lp.top} if lp.logprob is not None else None for lp in lps],
         "text_offset": offsets,
     }
 
@@ -416,6 +424,9 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
 def completion_body(service: Service, job: Job, echo: str) -> dict[str, Any]:
     r = job.result
     logprobs = completion_logprobs(r.logprobs, len(echo)) if job.logprobs is not None else None
+    if logprobs is not None and job.prompt_logprobs is not None:  # the echoed prompt's first
+        prompt = completion_logprobs(job.prompt_logprobs, 0)
+        logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
     return {
         "id": f"cmpl-{job.id}",
         "object": "text_completion",
@@ -439,7 +450,8 @@ async def completion_stream(service: Service, job: Job, handle: Any, echo: str, 
         }
 
     if echo:
-        yield sse(chunk(echo))
+        prompt = job.prompt_logprobs
+        yield sse(chunk(echo, logprobs=completion_logprobs(prompt, 0) if prompt is not None else None))
     offset = len(echo)
     try:
         async for piece in service.stream(job, handle):

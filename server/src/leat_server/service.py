@@ -44,7 +44,7 @@ ASYNC_SUBMIT = os.environ.get("LEAT_ASYNC_SUBMIT", "") == "1"
 class TokenLogprob:
     id: int
     text: str
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing before it)
     top: list[tuple[int, str, float]] = field(default_factory=list)
 
 
@@ -90,6 +90,7 @@ class Job:
     session: str | None = None  # as the client names it
     owner: str | None = None  # the API key's owner id (None: the server has no keys); scopes sessions and cache
     images: list[Any] = field(default_factory=list)  # the prompt's image spans (Service.render_chat)
+    prompt_logprobs: list[TokenLogprob] | None = None  # an echoed prompt's (completions' echo with logprobs)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
     result: Result = field(default_factory=Result)
@@ -422,11 +423,12 @@ class Service:
         """The first ``count`` tokens' logprobs of a "tokens" event, with their text."""
         tops = event.top_logprobs or [[] for _ in event.ids]
         return [
-            TokenLogprob(token, self._piece(token), logprob, [(t, self._piece(t), lp) for t, lp in top])
+            TokenLogprob(token, self.piece(token), logprob, [(t, self.piece(t), lp) for t, lp in top])
             for token, logprob, top in zip(event.ids[:count], event.logprobs, tops)
         ]
 
-    def _piece(self, token: int) -> str:
+    def piece(self, token: int) -> str:
+        """One token's text (special tokens' too), as logprobs name it."""
         return self.tokenizer.decode([token], skip_special=False)
 
     def _parse(self, job: Job, text: str, pending: list[TokenLogprob]) -> list[Piece]:
