@@ -101,6 +101,13 @@ def test_echo_with_logprobs_through_separate_processes(shared_server):
     assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids) + 1
     assert all(v <= 0 for v in lp.token_logprobs[1:])
     assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])  # (two tokens of one text are one key)
+    # lm-evaluation-harness's own loglikelihood payload (local-completions), and its reading of the answer
+    payload = {"model": "tiny", "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234}
+    answer = httpx.post(shared_server.url + "/v1/completions", json=payload | {"echo": True}, timeout=30).json()
+    scores, tops = (answer["choices"][0]["logprobs"][key] for key in ("token_logprobs", "top_logprobs"))
+    context = 4  # the first four ids the context, the rest the continuation scored
+    assert sum(scores[context:-1]) == pytest.approx(sum(lp.token_logprobs[context:-1]), abs=1e-9)
+    assert all(isinstance(max(top.values()), float) for top in tops[context:-1])
 
 
 @pytest.mark.parametrize(
