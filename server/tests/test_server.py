@@ -220,6 +220,19 @@ def test_tokenize_detokenize(http):
     assert chat["count"] == len(chat["tokens"]) > len(ids)
 
 
+def test_the_remote_tokenizer_that_lm_evaluation_harness_reads(http, server):
+    """lm-evaluation-harness's remote tokenizer (vLLM's endpoints): /tokenizer_info with the special tokens and the
+    chat template, /tokenize of {"prompt", "add_special_tokens"} to {"tokens"}, /detokenize to {"prompt"}; its eos
+    token's id is the first id of the eos token's text."""
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] and info["chat_template"] and info["model_max_length"] > 0
+    ids = http.post("/tokenize", json={"prompt": "hello world", "add_special_tokens": False}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == "hello world"
+    eos = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert len(eos) == 1 and http.post("/detokenize", json={"tokens": eos}).json()["prompt"] in ("", info["eos_token"])
+    assert httpx.get(server.url + "/tokenizer_info").status_code == 401  # behind the keys, as every route
+
+
 def test_anthropic_messages_whole_and_streamed(server):
     claude = anthropic.Anthropic(base_url=server.url, api_key=server.key, max_retries=0)
     greedy = {"temperature": 0}  # newer clients no longer offer it as an argument; the API still takes it

@@ -399,7 +399,29 @@ def create_app(
     async def detokenize(request: Request) -> Response:
         lease, _, text = await prepare(request, DetokenizeRequest, detokens)
         lease.release()
-        return _json({"content": text})
+        return _json({"content": text, "prompt": text})  # llama.cpp's key, and vLLM's
+
+    @get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        """The tokenizer's special tokens and chat template, as vLLM's endpoint gives them (lm-evaluation-harness's
+        remote tokenizer reads them, with /tokenize and /detokenize, instead of loading the model's own)."""
+        with await models.acquire(_model_param(request)) as lease:
+            service = lease.service
+            tokenizer, template = service.tokenizer, service.model.chat_template
+
+            def text(token: int | None) -> str | None:
+                return None if token is None else tokenizer.decode([token], skip_special=False)
+
+            return _json(
+                {
+                    "eos_token": text(tokenizer.eos_id),
+                    "bos_token": text(tokenizer.bos_id),
+                    "pad_token": None,
+                    "add_bos_token": bool(tokenizer.add_bos),
+                    "chat_template": template.source,
+                    "model_max_length": service.max_context,
+                }
+            )
 
     def detokens(service: Service, body: DetokenizeRequest, owner: str | None) -> str:
         vocab = service.model.architecture.vocab_size
@@ -506,6 +528,7 @@ def create_app(
             responses,
             tokenize,
             detokenize,
+            tokenizer_info,
             embed,
             rank,
             list_sessions,
