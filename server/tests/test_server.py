@@ -110,6 +110,32 @@ def test_seed_makes_sampling_repeatable(client):
         ask(2**64)
 
 
+def test_vllms_guided_decoding_fields_constrain_the_text(client, http):
+    """guided_choice, guided_regex and guided_json (vLLM's; also as parts of structured_outputs), on chat and
+    completions, sampled at temperature 1; two ways to constrain one request are a 400."""
+
+    def chat(**extra):
+        return client.chat.completions.create(
+            model=MODEL, messages=HELLO, max_tokens=40, temperature=1.0, extra_body=extra
+        ).choices[0]
+
+    for seed in (1, 2, 3):
+        assert chat(guided_choice=["yes", "no", "maybe not"], seed=seed).message.content in ("yes", "no", "maybe not")
+        answer = chat(guided_regex=r"[A-Z]{2}-\d{2,3}", seed=seed)
+        assert answer.finish_reason == "stop" and re.fullmatch(r"[A-Z]{2}-\d{2,3}", answer.message.content)
+        parts = chat(structured_outputs={"choice": ["left", "right"]}, seed=seed).message.content
+        assert parts in ("left", "right")
+    value = json.loads(chat(guided_json={"type": "array", "items": {"type": "boolean"}, "maxItems": 2}).message.content)
+    assert isinstance(value, list) and len(value) <= 2 and all(isinstance(v, bool) for v in value)
+    completion = client.completions.create(
+        model=MODEL, prompt="Answer:", max_tokens=10, temperature=1.0, extra_body={"guided_choice": ["A", "B"]}
+    )
+    assert completion.choices[0].text in ("A", "B")
+    both = {"messages": HELLO, "max_tokens": 3, "guided_choice": ["a"], "response_format": {"type": "json_object"}}
+    r = http.post("/v1/chat/completions", json=both)
+    assert r.status_code == 400 and "one way to constrain" in r.json()["error"]["message"]
+
+
 def echo_scores(client, ids: list[int], **extra):
     """lm-evaluation-harness's loglikelihood request: the prompt as token ids, echo, logprobs 1, one token."""
     return client.completions.create(

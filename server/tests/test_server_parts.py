@@ -350,6 +350,28 @@ def test_a_pattern_allows_exactly_the_strings_it_matches():
             compile_schema({"type": "string", "pattern": pattern})
 
 
+def test_guided_regex_and_choice_allow_exactly_the_matching_text():
+    """vLLM's guided_regex (plain text the expression matches whole; ^ and $ change nothing) against Python's
+    re.fullmatch, and guided_choice (one of the strings, nothing longer)."""
+    from leat_server.constrained import UnsupportedSchema, compile_text
+
+    alphabet = ["a", "b", "1", "_", '"', "\\", " ", "-", "\n", "é"]
+    strings = ["".join(t) for n in range(4) for t in itertools.product(alphabet, repeat=n)]
+    for pattern in PATTERNS:
+        g = compile_text("regex", pattern)
+        body = pattern.removeprefix("^")
+        body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body
+        reference = re.compile(body, re.ASCII)
+        for text in strings:
+            assert g.accepts(text) == bool(reference.fullmatch(text)), (pattern, text)
+    choices = compile_text("choice", ["yes", "no", 'say "no"', ""])
+    assert all(choices.accepts(t) for t in ("yes", "no", 'say "no"', ""))
+    assert not any(choices.accepts(t) for t in ("ye", "yess", "noyes", "No"))
+    for kind, value in (("choice", []), ("choice", ["a", 1]), ("regex", 5), ("regex", "(a")):
+        with pytest.raises(UnsupportedSchema):
+            compile_text(kind, value)
+
+
 def test_constrained_sampling_makes_a_random_model_write_valid_json(tmp_path):
     """A random-weight model, sampled at temperature 1, writes JSON that parses and matches the schema."""
     import numpy as np

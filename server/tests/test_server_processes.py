@@ -92,6 +92,17 @@ def test_requests_through_separate_processes_equal_the_model(shared_server, expe
     assert results == [expected_text] * 8
 
 
+def test_guided_choice_and_regex_through_separate_processes(shared_server):
+    """A plain-text constraint is rebuilt in the engine's process from its spec (``constrained.rebuild_text``)."""
+    client = openai.OpenAI(base_url=shared_server.url + "/v1", api_key="unused", max_retries=0)
+    for seed in (1, 2):
+        ask = {"model": "tiny", "prompt": "x", "max_tokens": 12, "temperature": 1.0, "seed": seed}
+        picked = client.completions.create(**ask, extra_body={"guided_choice": ["one", "two"]}).choices[0].text
+        assert picked in ("one", "two")
+        code = client.completions.create(**ask, extra_body={"guided_regex": "[0-9]{3}"}).choices[0].text
+        assert re.fullmatch("[0-9]{3}", code)
+
+
 def test_echo_with_logprobs_through_separate_processes(shared_server):
     """An echoed prompt's logprobs come from the engine's process (the engine link's ``score`` call)."""
     client = openai.OpenAI(base_url=shared_server.url + "/v1", api_key="unused", max_retries=0)

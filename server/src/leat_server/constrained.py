@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from leat_server.errors import APIError
-from leat_server.pattern import pattern_rule
+from leat_server.pattern import pattern_rule, text_rule
 
 Element = Any  # int (a rule) | tuple (a terminal: ("lit", c) | ("set", chars) | ("not", chars) | ("range", a, b))
 Stack = tuple  # of (rule, alternative, position) frames; the top frame's element is a terminal
@@ -709,7 +709,27 @@ class JSONConstraint:
 
 
 def compile_schema(schema: Any) -> Grammar:
-    grammar = SchemaCompiler(schema if schema is not None else True).g
+    return _checked(SchemaCompiler(schema if schema is not None else True).g)
+
+
+def compile_text(kind: str, value: Any) -> Grammar:
+    """Plain text (not JSON): one of the strings of ``value`` (``kind`` "choice", vLLM's ``guided_choice``), or the
+    text a regular expression matches whole ("regex", its ``guided_regex``; :func:`leat_server.pattern.text_rule`)."""
+    g = Grammar()
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise UnsupportedSchema("give a list of one or more strings to choose from")
+        g.root = g.add(*[[("lit", c) for c in choice] for choice in value])
+    elif isinstance(value, str):
+        g.root = text_rule(g, value, UnsupportedSchema)
+    else:
+        raise UnsupportedSchema(f"a regular expression must be a string, not {value!r}")
+    return _checked(g)
+
+
+def _checked(grammar: Grammar) -> Grammar:
+    """``grammar`` with what can never be written dropped; refused (UnsupportedSchema) where nothing can, where it is
+    left-recursive, or where one place opens too many alternatives."""
     _drop_unwritable(grammar)
     nullable = _nullable(grammar)
     _refuse_left_recursion(grammar, nullable)
@@ -813,29 +833,37 @@ def _opens(alternative: tuple, nullable: set[int], opens: dict[int, int]) -> int
     return total + 1  # all of it can be empty: the stack ends here
 
 
-def processor(service: Any, schema: Any, param: str) -> JSONConstraint:
-    """A constraint for one request; a schema this module cannot enforce is a 400 naming ``param``."""
+def processor(service: Any, schema: Any, param: str, kind: str = "json") -> JSONConstraint:
+    """A constraint for one request: JSON matching ``schema``, or for ``kind`` "choice" and "regex" plain text
+    (:func:`compile_text` of ``schema``); what this module cannot enforce is a 400 naming ``param``."""
     try:
-        grammar = compile_schema(schema)
+        grammar = compile_schema(schema) if kind == "json" else compile_text(kind, schema)
     except (UnsupportedSchema, TypeError, ValueError, LookupError, AttributeError, RecursionError) as e:
         raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
-    trie = getattr(service, "_token_trie", None)
-    if trie is None:
-        trie = service._token_trie = TokenTrie(service.tokenizer, service.model.architecture.vocab_size)
-    constraint = JSONConstraint(grammar, trie, service.tokenizer)
+    constraint = JSONConstraint(grammar, _trie(service, service.tokenizer, service.model), service.tokenizer)
     constraint.mask(constraint.state)  # the first step's mask, made here rather than in the engine's step
     constraint.label = f"{param} constraint"
+    # how an engine in another process rebuilds it (leat.engine_process)
     constraint.spec = (
-        f"{__name__}:rebuild",
-        schema,
-    )  # how an engine in another process rebuilds it (leat.engine_process)
+        (f"{__name__}:rebuild", schema) if kind == "json" else (f"{__name__}:rebuild_text", [kind, schema])
+    )
     return constraint
 
 
 def rebuild(schema: Any, model: Any) -> JSONConstraint:
     """The constraint :func:`processor` made, rebuilt in an engine process from its spec's payload (the schema,
     already checked): ``leat.engine_process.build_processor`` imports and calls this."""
-    trie = getattr(model, "_token_trie", None)
+    return JSONConstraint(compile_schema(schema), _trie(model, model.tokenizer, model), model.tokenizer)
+
+
+def rebuild_text(payload: list, model: Any) -> JSONConstraint:
+    """:func:`rebuild` for a plain-text constraint, its payload ``[kind, value]``."""
+    return JSONConstraint(compile_text(*payload), _trie(model, model.tokenizer, model), model.tokenizer)
+
+
+def _trie(holder: Any, tokenizer: Any, model: Any) -> TokenTrie:
+    """The vocabulary's trie, made once and kept on ``holder`` (the service, or the engine process's model)."""
+    trie = getattr(holder, "_token_trie", None)
     if trie is None:
-        trie = model._token_trie = TokenTrie(model.tokenizer, model.architecture.vocab_size)
-    return JSONConstraint(compile_schema(schema), trie, model.tokenizer)
+        trie = holder._token_trie = TokenTrie(tokenizer, model.architecture.vocab_size)
+    return trie

@@ -15,6 +15,7 @@ from leat_server.schemas import (
     ChatMessage,
     ChatReasoning,
     CompletionRequest,
+    Guided,
     ImageURLPart,
     JSONObjectFormat,
     JSONSchemaResponseFormat,
@@ -183,8 +184,13 @@ def tool_constraint(service: Service, tools: list[dict[str, Any]], forced: str) 
     return [constrained.processor(service, schema, "tool_choice")]
 
 
+def formats_json(fmt: Any) -> bool:
+    """Whether a ``response_format`` (or Responses' ``text.format``) asks for JSON."""
+    return fmt is not None and type(fmt).__name__ not in ("TextFormat", "RTextFormatText")
+
+
 def format_constraint(service: Service, fmt: Any, param: str) -> list:
-    if fmt is None or type(fmt).__name__ in ("TextFormat", "RTextFormatText"):
+    if not formats_json(fmt):
         return []
     if not service.supports("processors"):
         raise unsupported(param, "structured output needs constrained decoding, which this engine does not offer yet")
@@ -192,6 +198,39 @@ def format_constraint(service: Service, fmt: Any, param: str) -> list:
         return [constrained.processor(service, {"type": "object"}, param)]
     schema = fmt.json_schema.schema if isinstance(fmt, JSONSchemaResponseFormat) else fmt.schema
     return [constrained.processor(service, schema or {}, param)]
+
+
+def guided_constraint(service: Service, body: Guided) -> list:
+    """vLLM's guided decoding: ``guided_json`` / ``guided_regex`` / ``guided_choice``, or the same as parts of
+    ``structured_outputs``; at most one of them, and not beside a JSON ``response_format``."""
+    parts = body.structured_outputs
+    chosen = [
+        (name, kind, value)
+        for name, kind, value in (
+            ("guided_json", "json", body.guided_json),
+            ("guided_regex", "regex", body.guided_regex),
+            ("guided_choice", "choice", body.guided_choice),
+            *(
+                (f"structured_outputs.{kind}", kind, getattr(parts, kind))
+                for kind in (("json", "regex", "choice") if parts is not None else ())
+            ),
+        )
+        if value is not None
+    ]
+    if not chosen:
+        return []
+    if len(chosen) > 1 or formats_json(body.response_format):
+        names = [name for name, _, _ in chosen] + (["response_format"] if len(chosen) == 1 else [])
+        raise bad_request(f"give one way to constrain the output, not {' and '.join(names)}", chosen[0][0])
+    name, kind, value = chosen[0]
+    if not service.supports("processors"):
+        raise unsupported(name, "guided decoding needs constrained decoding, which this engine does not offer yet")
+    if kind == "json" and isinstance(value, str):  # vLLM takes the schema as a JSON text too
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"{name}: not valid JSON ({e})", name) from None
+    return [constrained.processor(service, value, name, kind)]
 
 
 # --- chat -------------------------------------------------------------------------------------------------------
@@ -217,11 +256,7 @@ def chat_job(service: Service, body: ChatCompletionRequest, owner: str | None) -
     choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
         choice = {"name": choice.function.name}
-    if (
-        body.response_format is not None
-        and type(body.response_format).__name__ != "TextFormat"
-        and choice not in (None, "none", "auto")
-    ):
+    if formats_json(body.response_format) and choice not in (None, "none", "auto"):
         raise bad_request("response_format cannot be combined with a forced tool_choice", "response_format")
     template_tools_, mode, forced = plan_tools(service, tools, choice)
     asked = body.reasoning or ChatReasoning()
@@ -232,10 +267,13 @@ def chat_job(service: Service, body: ChatCompletionRequest, owner: str | None) -
     images = Images()
     text, ids, spans = service.render_chat(template_messages(body.messages, images), template_tools_, extra, images)
     processors = service.logit_bias(body.logit_bias) + reasoning.processors(service, text, "reasoning")
+    guided = guided_constraint(service, body)
+    if forced and guided:
+        raise bad_request("guided decoding cannot be combined with a forced tool_choice", "tool_choice")
     if forced:
         processors += tool_constraint(service, tools, forced)
     else:
-        processors += format_constraint(service, body.response_format, "response_format")
+        processors += guided or format_constraint(service, body.response_format, "response_format")
     return Job(
         endpoint="chat",
         prompt_ids=ids,
@@ -379,8 +417,8 @@ def completion_job(service: Service, body: CompletionRequest, owner: str | None)
         if min(ids) < 0 or max(ids) >= vocab:
             raise bad_request(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
         text = service.tokenizer.decode(ids) if body.echo else ""
-    processors = service.logit_bias(body.logit_bias) + format_constraint(
-        service, body.response_format, "response_format"
+    processors = service.logit_bias(body.logit_bias) + (
+        guided_constraint(service, body) or format_constraint(service, body.response_format, "response_format")
     )
     prompt_logprobs = None
     if body.echo and body.logprobs is not None:  # the prompt's own logprobs (the first token has none)

@@ -45,15 +45,34 @@ def pattern_rule(g: Any, pattern: str, any_char: int, refuse: type[Exception]) -
     return _Parser(g, pattern, any_char, refuse).string()
 
 
+def text_rule(g: Any, pattern: str, refuse: type[Exception]) -> int:
+    """The rule for plain text (not JSON) that ``pattern`` matches whole (vLLM's ``guided_regex``: ``^`` and ``$``
+    change nothing), every character written as itself; of the control characters only newline, tab and carriage
+    return."""
+    parser = _Parser(g, pattern, -1, refuse, raw=True)
+    parser.text = pattern.removeprefix("^")
+    if _anchored_end(parser.text):
+        parser.text = parser.text[:-1]
+    body = parser.alternation()
+    if parser.at < len(parser.text):
+        parser.fail(f"unexpected {parser.text[parser.at]!r}")
+    return body
+
+
+def _anchored_end(text: str) -> bool:
+    """Whether ``text`` ends with ``$`` that is not escaped (an even number of backslashes before it)."""
+    backslashes = len(text[:-1]) - len(text[:-1].rstrip("\\"))
+    return text.endswith("$") and backslashes % 2 == 0
+
+
 class _Parser:
-    def __init__(self, g: Any, pattern: str, any_char: int, refuse: type[Exception]):
-        self.g, self.text, self.at, self.any_char, self.refuse = g, pattern, 0, any_char, refuse
+    def __init__(self, g: Any, pattern: str, any_char: int, refuse: type[Exception], raw: bool = False):
+        self.g, self.text, self.at, self.any_char, self.refuse, self.raw = g, pattern, 0, any_char, refuse, raw
 
     def string(self) -> int:
         g, text = self.g, self.text
         anchored_start = text.startswith("^")
-        backslashes = len(text[:-1]) - len(text[:-1].rstrip("\\"))
-        anchored_end = text.endswith("$") and backslashes % 2 == 0 and len(text) > anchored_start
+        anchored_end = _anchored_end(text) and len(text) > anchored_start
         self.text = text[1 if anchored_start else 0 : len(text) - (1 if anchored_end else 0)]
         body = self.alternation()
         if self.at < len(self.text):
@@ -154,7 +173,16 @@ class _Parser:
         return Chars(chars, negated)
 
     def chars(self, chars: Chars) -> int:
-        """One character of the set, as JSON writes it: the plain ones as one terminal, the escaped ones apart."""
+        """One character of the set, as JSON writes it: the plain ones as one terminal, the escaped ones apart (as
+        itself in plain text, control characters but newline, tab and carriage return left out)."""
+        if self.raw:
+            controls = [[("lit", c)] for c in "\n\t\r" if chars.has(c)]
+            if chars.negated:
+                return self.g.add([("not", chars.chars)], *controls)
+            kept = frozenset(c for c in chars.chars if c >= " ")
+            if not kept and not controls:
+                self.fail("a control character that is not written")
+            return self.g.add(*([[("set", kept)]] if kept else []), *controls)
         escapes = [["\\", name] for c, name in ESCAPED.items() if chars.has(c)]
         if chars.negated:
             plain: Any = ("not", frozenset(chars.chars | set(ESCAPED)))

@@ -146,6 +146,25 @@ class Sampling(Body):
     safety_identifier: str | None = None
 
 
+class StructuredOutputs(Body):
+    """vLLM's ``structured_outputs``: the output is JSON of a schema, plain text a regular expression matches whole,
+    or one of a list of strings."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+
+
+class Guided(Sampling):
+    """Chat's and completions' fields beyond sampling: vLLM's guided decoding (its earlier names for
+    ``structured_outputs``' parts)."""
+
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+
 class ChatReasoning(Body):
     """``reasoning`` (OpenRouter's and vLLM's shape): thinking on or off, its effort, and a cap on its tokens."""
 
@@ -154,7 +173,7 @@ class ChatReasoning(Body):
     enabled: bool | None = None
 
 
-class ChatCompletionRequest(Sampling):
+class ChatCompletionRequest(Guided):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] = msgspec.field(default_factory=list)
     model: str = ""
     max_tokens: Positive | None = CHAT_MAX_TOKENS
@@ -179,7 +198,7 @@ class ChatCompletionRequest(Sampling):
     function_call: str | dict[str, Any] | None = None
 
 
-class CompletionRequest(Sampling):
+class CompletionRequest(Guided):
     prompt: str | list[str | int | list[int]] = ""  # text, token ids, or a batch of one (msgspec allows one list type)
     model: str = ""
     max_tokens: Annotated[int, Meta(ge=0)] | None = COMPLETION_MAX_TOKENS
