@@ -1,6 +1,6 @@
 """A JSON schema's ``pattern`` as grammar rules of :mod:`leat_server.constrained`: the JSON string contents whose
 decoded text the regular expression matches (searched for, as JSON Schema says: a pattern without ``^`` or ``$``
-may have any text before or after it).
+may have any text before or after it); and vLLM's ``guided_regex``, plain text the expression matches whole.
 
 The expressions taken are those JSON schemas use (ECMA-262's common part): literals and escapes, ``.``, classes
 (``[a-z_]``, ``[^"]``) and the escapes ``\\d \\w \\s`` (and their negations), groups (plain and ``(?:``),
@@ -53,10 +53,7 @@ def text_rule(g: Any, pattern: str, refuse: type[Exception]) -> int:
     parser.text = pattern.removeprefix("^")
     if _anchored_end(parser.text):
         parser.text = parser.text[:-1]
-    body = parser.alternation()
-    if parser.at < len(parser.text):
-        parser.fail(f"unexpected {parser.text[parser.at]!r}")
-    return body
+    return parser.whole()
 
 
 def _anchored_end(text: str) -> bool:
@@ -74,12 +71,17 @@ class _Parser:
         anchored_start = text.startswith("^")
         anchored_end = _anchored_end(text) and len(text) > anchored_start
         self.text = text[1 if anchored_start else 0 : len(text) - (1 if anchored_end else 0)]
-        body = self.alternation()
-        if self.at < len(self.text):
-            self.fail(f"unexpected {self.text[self.at]!r}")
+        body = self.whole()
         anything = g.add([])
         g.define(anything, [], [self.any_char, anything])
         return g.add(['"', *([] if anchored_start else [anything]), body, *([] if anchored_end else [anything]), '"'])
+
+    def whole(self) -> int:
+        """The rule for all of ``self.text``."""
+        body = self.alternation()
+        if self.at < len(self.text):
+            self.fail(f"unexpected {self.text[self.at]!r}")
+        return body
 
     def fail(self, why: str) -> NoReturn:
         raise self.refuse(f"pattern {self.text!r}: {why} (at {self.at})")
