@@ -131,6 +131,13 @@ def test_vllms_guided_decoding_fields_constrain_the_text(client, http):
         model=MODEL, prompt="Answer:", max_tokens=10, temperature=1.0, extra_body={"guided_choice": ["A", "B"]}
     )
     assert completion.choices[0].text in ("A", "B")
+    sums = 'root ::= term ("+" term)*\nterm ::= [1-9] [0-9]? | "(" [1-9] "+" [1-9] ")"'
+    term = r"([1-9][0-9]?|\([1-9]\+[1-9]\))"
+    for seed in (1, 2):  # llama-server's grammar (GBNF) and vLLM's guided_grammar
+        for field in ("grammar", "guided_grammar"):
+            answer = chat(**{field: sums}, seed=seed)
+            assert answer.finish_reason == "stop", answer.message.content
+            assert re.fullmatch(f"{term}(\\+{term})*", answer.message.content), answer.message.content
     both = {"messages": HELLO, "max_tokens": 3, "guided_choice": ["a"], "response_format": {"type": "json_object"}}
     r = http.post("/v1/chat/completions", json=both)
     assert r.status_code == 400 and "one way to constrain" in r.json()["error"]["message"]

@@ -372,6 +372,71 @@ def test_guided_regex_and_choice_allow_exactly_the_matching_text():
             compile_text(kind, value)
 
 
+ARITHMETIC = """
+# sums of numbers and groups, over several lines as llama.cpp's grammars are written
+root ::= expr
+expr ::= term (
+    "+" term   # more terms
+  )*
+term ::= [0-9]+ | "(" expr ")"
+"""
+
+
+def sums(text: str) -> bool:
+    """Whether ``text`` is a sum of numbers and parenthesized sums (ARITHMETIC's language), by recursive descent."""
+    at = 0
+
+    def expr() -> bool:
+        nonlocal at
+        if not term():
+            return False
+        while text[at : at + 1] == "+":
+            at += 1
+            if not term():
+                return False
+        return True
+
+    def term() -> bool:
+        nonlocal at
+        if text[at : at + 1].isdigit():
+            while text[at : at + 1].isdigit():
+                at += 1
+            return True
+        if text[at : at + 1] != "(":
+            return False
+        at += 1
+        if not expr() or text[at : at + 1] != ")":
+            return False
+        at += 1
+        return True
+
+    return expr() and at == len(text)
+
+
+def test_a_gbnf_grammar_allows_exactly_its_language():
+    """llama-server's ``grammar`` (GBNF): every string of up to seven characters of "1+()" against a recursive-
+    descent reader of the same language; escapes, classes and repeats; what cannot be taken is refused by line."""
+    from leat_server.constrained import UnsupportedSchema, compile_text
+
+    g = compile_text("grammar", ARITHMETIC)
+    for n in range(8):
+        for t in itertools.product("1+()", repeat=n):
+            assert g.accepts("".join(t)) == sums("".join(t)), "".join(t)
+    escapes = compile_text("grammar", 'root ::= "a\\n\\"\\x41\\u00e9" [^a-c\\]]{2,3} ws\nws ::= [ \\t]*')
+    assert escapes.accepts('a\n"Aédd') and escapes.accepts('a\n"Aé!!! \t')
+    assert not any(escapes.accepts(t) for t in ('a\n"Aéad', 'a\n"Aé]d', 'a\n"Aéd', 'a\n"Aédddd'))
+    for grammar, why in (
+        ("root ::= x", "'x' is used but not defined"),
+        ('a ::= "x"', "no root rule"),
+        ('root ::= "x"\nroot ::= "y"', "line 2: the rule 'root' is defined twice"),
+        ("root ::= <[12]>", "token references"),
+        ('root ::= ("x"', "not closed"),
+        ('root ::= root "x" | "y"', "refers to itself"),
+    ):
+        with pytest.raises(UnsupportedSchema, match=re.escape(why)):
+            compile_text("grammar", grammar)
+
+
 def test_constrained_sampling_makes_a_random_model_write_valid_json(tmp_path):
     """A random-weight model, sampled at temperature 1, writes JSON that parses and matches the schema."""
     import numpy as np

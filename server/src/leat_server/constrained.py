@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from leat_server.errors import APIError
+from leat_server.gbnf import gbnf_rule
 from leat_server.pattern import pattern_rule, text_rule
 
 Element = Any  # int (a rule) | tuple (a terminal: ("lit", c) | ("set", chars) | ("not", chars) | ("range", a, b))
@@ -713,10 +714,15 @@ def compile_schema(schema: Any) -> Grammar:
 
 
 def compile_text(kind: str, value: Any) -> Grammar:
-    """Plain text (not JSON): one of the strings of ``value`` (``kind`` "choice", vLLM's ``guided_choice``), or the
-    text a regular expression matches whole ("regex", its ``guided_regex``; :func:`leat_server.pattern.text_rule`)."""
+    """Plain text (not JSON): one of the strings of ``value`` (``kind`` "choice", vLLM's ``guided_choice``), the
+    text a regular expression matches whole ("regex", its ``guided_regex``; :func:`leat_server.pattern.text_rule`),
+    or the text a GBNF grammar writes ("grammar", llama-server's ``grammar``; :mod:`leat_server.gbnf`)."""
     g = Grammar()
-    if kind == "choice":
+    if kind == "grammar":
+        if not isinstance(value, str):
+            raise UnsupportedSchema(f"a grammar must be GBNF text, not {value!r}")
+        g.root = gbnf_rule(g, value, UnsupportedSchema)
+    elif kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise UnsupportedSchema("give a list of one or more strings to choose from")
         g.root = g.add(*[[("lit", c) for c in choice] for choice in value])
@@ -793,7 +799,9 @@ def _refuse_left_recursion(g: Grammar, nullable: set[int]) -> None:
                 state[rule] = 2
                 path.pop()
             elif state[child] == 1:
-                raise UnsupportedSchema("the schema refers to itself ($ref) before writing anything, so it never ends")
+                raise UnsupportedSchema(
+                    "the schema (a $ref) or grammar (a rule) refers to itself before writing anything: it never ends"
+                )
             elif state[child] == 0:
                 state[child] = 1
                 path.append((child, iter(leading[child])))

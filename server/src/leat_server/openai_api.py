@@ -201,8 +201,9 @@ def format_constraint(service: Service, fmt: Any, param: str) -> list:
 
 
 def guided_constraint(service: Service, body: Guided) -> list:
-    """vLLM's guided decoding: ``guided_json`` / ``guided_regex`` / ``guided_choice``, or the same as parts of
-    ``structured_outputs``; at most one of them, and not beside a JSON ``response_format``."""
+    """vLLM's guided decoding: ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (GBNF), or
+    the same as parts of ``structured_outputs``, and llama-server's ``grammar``; at most one of them, and not beside
+    a JSON ``response_format``."""
     parts = body.structured_outputs
     chosen = [
         (name, kind, value)
@@ -210,9 +211,11 @@ def guided_constraint(service: Service, body: Guided) -> list:
             ("guided_json", "json", body.guided_json),
             ("guided_regex", "regex", body.guided_regex),
             ("guided_choice", "choice", body.guided_choice),
+            ("guided_grammar", "grammar", body.guided_grammar),
+            ("grammar", "grammar", body.grammar),
             *(
                 (f"structured_outputs.{kind}", kind, getattr(parts, kind))
-                for kind in (("json", "regex", "choice") if parts is not None else ())
+                for kind in (("json", "regex", "choice", "grammar") if parts is not None else ())
             ),
         )
         if value is not None

@@ -153,15 +153,18 @@ class StructuredOutputs(Body):
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None  # GBNF, as llama-server's grammar
 
 
 class Guided(Sampling):
     """Chat's and completions' fields beyond sampling: vLLM's guided decoding (its earlier names for
-    ``structured_outputs``' parts)."""
+    ``structured_outputs``' parts) and llama-server's ``grammar`` (GBNF)."""
 
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None  # llama-server's name: GBNF
     structured_outputs: StructuredOutputs | None = None
 
 
