@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
+from leat_server.pattern import char_range
+
 MAX_REPEAT = 1024  # largest count of a {m,n} written out
 MAX_CLASS = 1 << 16  # largest character range written out
 ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", '"': '"', "[": "[", "]": "]", "-": "-", "^": "^"}
@@ -154,10 +156,7 @@ class _Gbnf:
             first = self.char()
             if self.peek() == "-" and self.peek(2)[1:] not in ("]", ""):
                 self.at += 1
-                last = self.char()
-                if ord(last) < ord(first) or ord(last) - ord(first) > MAX_CLASS:
-                    self.fail(f"the range {first!r}-{last!r} is reversed or wider than {MAX_CLASS} characters")
-                chars |= {chr(i) for i in range(ord(first), ord(last) + 1)}
+                chars |= char_range(first, self.char(), MAX_CLASS, self.fail)
             else:
                 chars.add(first)
         self.at += 1

@@ -15,6 +15,7 @@ only write as a ``\\u`` escape (other control characters) are never written.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 MAX_REPEAT = 256  # largest count of a {n,m} written out
@@ -27,6 +28,14 @@ CLASSES = {
     "s": " \t\n\r\f\v",
 }
 LITERAL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
+
+
+def char_range(first: str, last: str, widest: int, fail: Callable[[str], NoReturn]) -> set[str]:
+    """The characters from ``first`` to ``last`` of a class; ``fail`` takes the error of a reversed range or one of
+    more than ``widest`` characters."""
+    if ord(last) < ord(first) or ord(last) - ord(first) > widest:
+        fail(f"the range {first!r}-{last!r} is reversed or wider than {widest} characters")
+    return {chr(i) for i in range(ord(first), ord(last) + 1)}
 
 
 class Chars:
@@ -166,9 +175,7 @@ class _Parser:
                 if end == "\\":
                     end = LITERAL_ESCAPES.get(self.peek(), self.peek())
                     self.take()
-                if ord(end) < ord(c) or ord(end) - ord(c) > MAX_CLASS:
-                    self.fail(f"the range {c}-{end} is reversed or wider than {MAX_CLASS} characters")
-                chars |= {chr(i) for i in range(ord(c), ord(end) + 1)}
+                chars |= char_range(c, end, MAX_CLASS, self.fail)
             else:
                 chars.add(c)
         self.at += 1
