@@ -597,13 +597,12 @@ class Engine:
     def _prompt_logprobs(self, ids: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
         from leat.model import PREFILL_CHUNK
 
-        model, kv = self.model, list[Any]()  # kv: the prompt's cache, made by its first chunk
-        out: list[tuple[float, list[tuple[int, float]]]] = []
+        model, out = self.model, list[tuple[float, list[tuple[int, float]]]]()
         model._check_tokens(np.asarray(ids, dtype=np.int64))
+        kv = self._between_steps([ids], lambda _: model.new_kv(len(ids), dtype=self.kv_dtype))[0]  # the engine's type
 
         def forward(_: list[int], row: Row) -> np.ndarray:
-            kv.extend([] if kv else [model.new_kv(len(ids), dtype=self.kv_dtype)])  # the engine's cache type
-            return model.backend.to_host(model.architecture.forward(Batch([row]), kv[0]))
+            return model.backend.to_host(model.architecture.forward(Batch([row]), kv))
 
         for at in range(0, len(ids), PREFILL_CHUNK):
             row = Row(0, at, np.asarray(ids[at : at + PREFILL_CHUNK], np.int64), all_logits=True)

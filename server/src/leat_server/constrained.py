@@ -135,6 +135,16 @@ class Grammar:
     def define(self, rule: int, *alternatives: Sequence[Any]) -> None:
         self.rules[rule] = [self._elements(a) for a in alternatives]
 
+    def repeat(self, item: Element, low: int, high: int | None) -> list[Element]:
+        """A sequence's elements for ``item`` written ``low`` to ``high`` times (None: no upper bound)."""
+        rest = self.add([])
+        if high is None:
+            self.define(rest, [], [item, rest])
+        else:
+            for _ in range(high - low):
+                rest = self.add([], [item, rest])
+        return [*[item] * low, rest]
+
     @staticmethod
     def _elements(parts: Sequence[Any]) -> tuple[Element, ...]:
         out: list[Element] = []
@@ -441,10 +451,8 @@ class SchemaCompiler:
             date = self._date()
             hour = g.add([("range", "0", "1"), DIGIT], ["2", ("range", "0", "3")])
             minute = [("range", "0", "5"), DIGIT]
-            fraction = g.add([])  # a fraction of a second: up to nine digits, the first written apart
-            for _ in range(8):
-                fraction = g.add([], [DIGIT, fraction])
-            second = g.add(minute, [*minute, ".", DIGIT, fraction])
+            fraction = g.repeat(DIGIT, 1, 9)  # a fraction of a second: up to nine digits
+            second = g.add(minute, [*minute, ".", *fraction])
             offset = g.add("Z", [("set", frozenset("+-")), hour, ":", *minute])
             time_ = g.add([hour, ":", *minute, ":", second, offset])
             uuid = [*[HEX] * 8, "-", *[HEX] * 4, "-", *[HEX] * 4, "-", *[HEX] * 4, "-", *[HEX] * 12]
@@ -544,17 +552,7 @@ class SchemaCompiler:
         low, high = _bounds(schema, "minLength", "maxLength")
         if low == 0 and high is None:
             return self.string
-        g = self.g
-        if high is None:
-            rest = g.add([])
-            g.define(rest, [], [self.char, rest])
-        else:
-            rest = g.add([])
-            for _ in range(int(high) - low):
-                rest = g.add([], [self.char, rest])
-        for _ in range(low):
-            rest = g.add([self.char, rest])
-        return g.add(['"', rest, '"'])
+        return self.g.add(['"', *self.g.repeat(self.char, low, high), '"'])
 
 
 def _bounds(schema: dict[str, Any], low_key: str, high_key: str) -> tuple[int, int | None]:

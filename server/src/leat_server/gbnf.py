@@ -183,12 +183,4 @@ class _Gbnf:
             low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
         if (high is not None and high < low) or max(low, high or 0) > MAX_REPEAT:
             self.fail(f"a repeat count must be {{m,n}} with m <= n <= {MAX_REPEAT}")
-        g = self.g
-        item = g.add(elements)
-        rest = g.add([])
-        if high is None:
-            g.define(rest, [], [item, rest])
-        else:
-            for _ in range(high - low):
-                rest = g.add([], [item, rest])
-        return [*[item] * low, rest]
+        return self.g.repeat(self.g.add(elements), low, high)

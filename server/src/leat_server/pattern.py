@@ -216,15 +216,7 @@ class _Parser:
             self.at += 1
         if self.peek() in ("*", "+", "?", "{"):
             self.fail("a repeat of a repeat")
-        g = self.g
-        if high is None:
-            rest = g.add([])
-            g.define(rest, [], [atom, rest])
-        else:
-            rest = g.add([])
-            for _ in range(high - low):
-                rest = g.add([], [atom, rest])
-        return g.add([*[atom] * low, rest])
+        return self.g.add(self.g.repeat(atom, low, high))
 
     def counts(self) -> tuple[int, int | None]:
         end = self.text.find("}", self.at)
