@@ -400,6 +400,40 @@ def test_a_free_during_a_graph_capture_waits_for_its_end(fake):
     assert (ptr, False) in fake.freed and not any(capturing for _, capturing in fake.freed)
 
 
+def test_destroys_during_a_graph_capture_wait_for_its_end(fake, monkeypatch):
+    """Not only frees: an event's, a graph's and a cuBLAS handle's destroy (the handle frees its workspace) dropped by
+    the collector in the middle of a capture also wait for its end. In a GPU run of the suite under xdist another
+    backend's objects, collected during a 384-token capture, invalidated it ('cuMemsetD8Async failed:
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED' at the capture's next call)."""
+    from leat_backend_cuda import cublas
+
+    destroyed: list[tuple[str, bool]] = []
+
+    def destroy(kind):
+        return lambda *_: destroyed.append((kind, fake.capturing)) or (fake.ok,)
+
+    for name in ("cuEventDestroy", "cuGraphExecDestroy", "cuGraphDestroy"):
+        monkeypatch.setattr(fake, name, destroy(name), raising=False)
+    device = driver.Device(0)
+    handle = cublas.Cublas.__new__(cublas.Cublas)  # a handle without the library: its destroy is all that runs
+    handle.lib = type("Lib", (), {"cublasDestroy_v2": staticmethod(destroy("cublasDestroy_v2"))})()
+    handle.handle = 1
+    old_graph = driver.Graph(device, lambda: None)
+    held: list = [driver.Event(device), old_graph, handle]
+    held.append(held)  # a cycle: only the collector frees them
+    del old_graph, handle
+
+    def capture():
+        held.clear()
+        gc.collect()
+        return "captured"
+
+    graph = driver.Graph(device, capture)
+    kinds = sorted(kind for kind, _ in destroyed)  # (the new graph still lives)
+    assert kinds == ["cuEventDestroy", "cuGraphDestroy", "cuGraphExecDestroy", "cublasDestroy_v2"], destroyed
+    assert not any(capturing for _, capturing in destroyed) and graph.result == "captured"
+
+
 def test_a_free_inside_the_capture_bookkeeping_does_not_wait_for_itself(fake):
     """The collector may run inside the driver's locked bookkeeping of frees (a tuple or list made there) and free
     an allocation: that free takes the same lock again on the same thread, which must not wait for itself."""

@@ -114,4 +114,4 @@ class Cublas:
     def __del__(self):
         lib, handle = getattr(self, "lib", None), getattr(self, "handle", None)
         if lib is not None and handle:
-            lib.cublasDestroy_v2(handle)
+            driver.release(lib.cublasDestroy_v2, handle)  # not during a capture: it frees its workspace

@@ -21,21 +21,31 @@ import numpy as np
 from leat.errors import LeatError
 
 _local = threading.local()
-# Graphs being captured now, in any thread. A driver free meanwhile (cuMemFree and cuMemFreeHost synchronize the
-# device) would invalidate the capture, and Python may drop an allocation at any point of one (its garbage collector
-# runs when objects are created, and frees what cycles held): such frees wait here until the last capture ends.
+# Graphs being captured now, in any thread. A driver free or destroy meanwhile (cuMemFree and cuMemFreeHost
+# synchronize the device; so does a cuBLAS handle's destroy, which frees its workspace; graphs' and events' destroys
+# too, at times) would invalidate the capture, and Python may drop an object at any point of one (its garbage
+# collector runs when objects are created, and frees what cycles held: another backend's handle, say): such releases
+# wait here until the last capture ends.
 _captures = 0
 _capture_lock = threading.RLock()  # reentrant: a collection inside a locked section may free more
-_deferred_frees: list[tuple[str, int]] = []
+_deferred: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+
+
+def release(function: Callable[..., Any], *args: Any) -> None:
+    """``function(*args)`` (a free or destroy) now, or once no graph is being captured; its errors are ignored (at
+    interpreter exit the bindings may be gone)."""
+    with _capture_lock:
+        if _captures:
+            _deferred.append((function, args))
+            return
+    with contextlib.suppress(Exception):
+        function(*args)
 
 
 def _free(function: str, ptr: int) -> None:
     """``cuMemFree`` or ``cuMemFreeHost`` of ``ptr`` now, or once no graph is being captured."""
-    with _capture_lock:
-        if _captures:
-            _deferred_frees.append((function, ptr))
-            return
-    getattr(_cu(), function)(ptr)
+    with contextlib.suppress(Exception):  # at interpreter exit the bindings may be gone
+        release(getattr(_cu(), function), ptr)
 
 
 @contextlib.contextmanager
@@ -49,12 +59,12 @@ def _capture_scope():
     finally:
         with _capture_lock:
             _captures -= 1
-            due = _deferred_frees[:] if not _captures else []
+            due = _deferred[:] if not _captures else []
             if due:
-                _deferred_frees.clear()
-        for function, ptr in due:
+                _deferred.clear()
+        for function, args in due:
             with contextlib.suppress(Exception):
-                getattr(_cu(), function)(ptr)
+                function(*args)
 
 
 class CudaError(LeatError):
@@ -402,8 +412,8 @@ class Graph:
     def __del__(self):
         with contextlib.suppress(Exception):
             cu = _cu()
-            cu.cuGraphExecDestroy(self.exec)
-            cu.cuGraphDestroy(self.graph)
+            release(cu.cuGraphExecDestroy, self.exec)
+            release(cu.cuGraphDestroy, self.graph)
 
 
 class Pinned:
@@ -437,7 +447,7 @@ class Event:
 
     def __del__(self):
         with contextlib.suppress(Exception):
-            _cu().cuEventDestroy(self.handle)
+            release(_cu().cuEventDestroy, self.handle)
 
 
 class Timer:
@@ -463,5 +473,5 @@ class Timer:
 
     def __del__(self):  # an engine that profiles (`leat serve --step-log`) makes one per step
         with contextlib.suppress(Exception):
-            _cu().cuEventDestroy(self.start)
-            _cu().cuEventDestroy(self.end)
+            release(_cu().cuEventDestroy, self.start)
+            release(_cu().cuEventDestroy, self.end)
