@@ -31,7 +31,7 @@ from litestar.openapi.spec import OpenAPIMediaType, Reference, RequestBody
 from litestar.params import FromPath
 from litestar.response import Stream
 
-from leat_server import anthropic_api, embeddings, openai_api, rerank, responses_api
+from leat_server import anthropic_api, embeddings, ollama_api, openai_api, rerank, responses_api
 from leat_server.errors import APIError, bad_request, from_msgspec
 from leat_server.images import Images
 from leat_server.models import Lease, Models
@@ -73,6 +73,11 @@ BODIES = {
     **dict.fromkeys(rerank.PATHS, RerankRequest),
     "/models/load": ModelRequest,
     "/models/unload": ModelRequest,
+    "/api/chat": ollama_api.ChatRequest,
+    "/api/generate": ollama_api.GenerateRequest,
+    "/api/embed": ollama_api.EmbedRequest,
+    "/api/embeddings": ollama_api.EmbeddingsRequest,
+    "/api/show": ollama_api.ShowRequest,
 }
 SAMPLING_PATHS = ("/v1/chat/completions", "/v1/completions")  # bodies that take every sampler stage's fields
 
@@ -159,14 +164,19 @@ def _error_response(request: Request, exc: Exception) -> Response:
     error = as_api_error(exc)
     if error.status >= 500 and not isinstance(exc, APIError):
         request.logger.exception("request failed", exc_info=exc)
-    body = error.anthropic_body() if request.url.path.startswith("/v1/messages") else error.body()
+    path = request.url.path
+    if path.startswith("/api/"):
+        body = ollama_api.error_body(error)
+    else:
+        body = error.anthropic_body() if path.startswith("/v1/messages") else error.body()
     return _json(body, error.status, error.headers or None)
 
 
-def _stream(lease: Lease, job: Job, handle: Any, content: AsyncIterator[bytes], anthropic: bool = False) -> Stream:
-    """``content`` as an SSE response that ends with an error event instead of a dropped connection when something
-    fails, and whose engine request ends with it, however it ends: sent whole, failed, or its client gone (Litestar's
-    listener then cancels the sender); its model's lease is released then."""
+def _stream(lease: Lease, job: Job, handle: Any, content: AsyncIterator[bytes], style: str = "openai") -> Stream:
+    """``content`` as an SSE response (Ollama's ``style``: newline-delimited JSON) that ends with an error event
+    instead of a dropped connection when something fails, and whose engine request ends with it, however it ends:
+    sent whole, failed, or its client gone (Litestar's listener then cancels the sender); its model's lease is
+    released then."""
     service, release = lease.service, lease.keep()
 
     async def guarded() -> AsyncIterator[bytes]:
@@ -177,8 +187,10 @@ def _stream(lease: Lease, job: Job, handle: Any, content: AsyncIterator[bytes], 
             error = as_api_error(e)
             if error.status >= 500 and not isinstance(e, APIError):
                 log.exception("streamed request failed", exc_info=e)
-            if anthropic:
+            if style == "anthropic":
                 yield openai_api.sse(error.anthropic_body(), "error")
+            elif style == "ollama":
+                yield ollama_api.line(ollama_api.error_body(error))
             else:
                 yield openai_api.sse(error.body())
                 yield b"data: [DONE]\n\n"
@@ -196,9 +208,8 @@ def _stream(lease: Lease, job: Job, handle: Any, content: AsyncIterator[bytes], 
         release()
 
     body = guarded()
-    return Stream(
-        body, media_type="text/event-stream", headers=SSE_HEADERS, status_code=200, background=BackgroundTask(close)
-    )
+    media = ollama_api.NDJSON if style == "ollama" else "text/event-stream"
+    return Stream(body, media_type=media, headers=SSE_HEADERS, status_code=200, background=BackgroundTask(close))
 
 
 async def _disconnected(receive: Callable) -> None:
@@ -339,7 +350,7 @@ def create_app(
             handle = await service.submit(job)
             if body.stream:
                 stream = anthropic_api.messages_stream(service, job, handle)
-                return _stream(lease, job, handle, stream, anthropic=True)
+                return _stream(lease, job, handle, stream, "anthropic")
             await finish(request, service, job, handle)
             return _json(_signed(service, job, anthropic_api.messages_body(service, job)))
 
@@ -475,6 +486,93 @@ def create_app(
     async def restore_session(request: Request, name: FromPath[str]) -> Response:
         return _json(await on_session(request, Service.restore_session, name))
 
+    # --- Ollama's API (ollama_api) ---------------------------------------------------------------------------------
+    async def ollama_generation(request: Request, kind: type, endpoint: str) -> Response | Stream:
+        """/api/chat and /api/generate: with nothing to generate (no messages, no prompt) Ollama's way to load a
+        model, or with ``keep_alive`` 0 to unload it; else a generation, streamed unless ``stream`` is false."""
+        raw = await _read(request)
+        name = ollama_api.served_name(models.by_name, models.route(raw))
+        body = await workers.run(decode, raw, kind)
+        chat = endpoint == "chat"
+        if not (body.messages if chat else (body.prompt or body.context or body.images)):
+            if ollama_api.unloading(body.keep_alive):
+                await asyncio.to_thread(models.unload, name)
+                return _json(ollama_api.empty_answer(body.model, endpoint, "unload"))
+            await models.load_now(name)
+            return _json(ollama_api.empty_answer(body.model, endpoint, "load"))
+        make = ollama_api.chat_job if chat else ollama_api.generate_job
+        lease, body, job = await prepare(request, kind, make, name)
+        with lease:
+            service = lease.service
+            handle = await service.submit(job)
+            if body.stream:
+                stream = (ollama_api.chat_stream if chat else ollama_api.generate_stream)(
+                    body.model, service, job, handle
+                )
+                return _stream(lease, job, handle, stream, "ollama")
+            await finish(request, service, job, handle)
+            return _json((ollama_api.chat_body if chat else ollama_api.generate_body)(body.model, job))
+
+    @post("/api/chat", status_code=200)
+    async def ollama_chat(request: Request) -> Response | Stream:
+        return await ollama_generation(request, ollama_api.ChatRequest, "chat")
+
+    @post("/api/generate", status_code=200)
+    async def ollama_generate(request: Request) -> Response | Stream:
+        return await ollama_generation(request, ollama_api.GenerateRequest, "generate")
+
+    async def ollama_answer(request: Request, kind: type, make: Callable[[Service, Any, str | None], Any]) -> Response:
+        raw = await _read(request)
+        lease, _, answer = await prepare(request, kind, make, ollama_api.served_name(models.by_name, models.route(raw)))
+        lease.release()
+        return _json(answer)
+
+    @post("/api/embed", status_code=200)
+    async def ollama_embed(request: Request) -> Response:
+        return await ollama_answer(request, ollama_api.EmbedRequest, ollama_api.embed)
+
+    @post("/api/embeddings", status_code=200)
+    async def ollama_embeddings(request: Request) -> Response:
+        return await ollama_answer(request, ollama_api.EmbeddingsRequest, ollama_api.embeddings)
+
+    @post("/api/show", status_code=200)
+    async def ollama_show(request: Request) -> Response:
+        raw = await _read(request)
+        named = await workers.run(decode, raw, ollama_api.ShowRequest)
+        if not (named.model or named.name):
+            raise bad_request("send the model to show", "model")
+        name = ollama_api.served_name(models.by_name, named.model or named.name or "")
+        lease, _, answer = await prepare(
+            request, ollama_api.ShowRequest, ollama_api.show, name if models.routing else ""
+        )
+        lease.release()
+        return _json(answer)
+
+    @get("/api/tags", sync_to_thread=False)
+    def ollama_tags() -> Response:
+        return _json({"models": [ollama_api.model_card(entry) for entry in models.entries]})
+
+    @get("/api/ps", sync_to_thread=False)
+    def ollama_ps() -> Response:
+        running = [e for e in models.entries if e.state == "loaded"]
+        return _json({"models": [ollama_api.model_card(entry, running=True) for entry in running]})
+
+    @get("/api/version", sync_to_thread=False)
+    def ollama_version() -> Response:
+        return _json({"version": __version__})
+
+    @post(["/api/pull", "/api/push", "/api/create", "/api/copy", "/api/blobs/{digest:str}"], status_code=404)
+    async def ollama_manage(request: Request) -> Response:
+        raise APIError(
+            404,
+            f"{request.url.path} is not offered here: leat serve's command line names the models it serves "
+            "(leat pull fetches one from Hugging Face)",
+        )
+
+    @delete("/api/delete", status_code=404)
+    async def ollama_delete(request: Request) -> Response:
+        raise APIError(404, "/api/delete is not offered here: models are removed with `leat rm`")
+
     @get("/openapi.json", sync_to_thread=False)
     def openapi(request: Request) -> Response:
         return _json(request.app.openapi_schema.to_schema())
@@ -538,6 +636,16 @@ def create_app(
             fork_session,
             hibernate_session,
             restore_session,
+            ollama_chat,
+            ollama_generate,
+            ollama_embed,
+            ollama_embeddings,
+            ollama_show,
+            ollama_tags,
+            ollama_ps,
+            ollama_version,
+            ollama_manage,
+            ollama_delete,
             openapi,
         ],
         exception_handlers={Exception: _error_response},
