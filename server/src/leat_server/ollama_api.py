@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
+import gguf
 import msgspec
 from leat.plugins import host as plugin_host
 from leat.sampling import fields as sampling_fields
@@ -491,8 +492,6 @@ def details(service: Service | None) -> dict[str, Any]:
         sizes[tensor.qtype.name] = sizes.get(tensor.qtype.name, 0) + count
     file_type = file.metadata.get("general.file_type")
     try:
-        import gguf
-
         quant = gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_") if file_type is not None else ""
     except ValueError:
         quant = ""
@@ -516,7 +515,10 @@ def _count(n: int) -> str:
 def model_card(entry: Any, running: bool = False) -> dict[str, Any]:
     service = entry.service if entry.state == "loaded" else None
     stamp = entry.loaded_at if entry.loaded_at is not None else time.time()
-    size = entry.size or (os.path.getsize(service.model.file.path) if service is not None else 0)
+    size = entry.size or 0
+    if service is not None:  # the file's own size and time
+        stat = os.stat(service.model.file.path)
+        size, stamp = size or stat.st_size, stat.st_mtime
     card: dict[str, Any] = {
         "name": entry.spec.name,
         "model": entry.spec.name,
