@@ -83,10 +83,10 @@ class OMessage(Struct, forbid_unknown_fields=True):
     tool_name: str | None = None
 
 
-class ChatRequest(Struct, forbid_unknown_fields=True):
+class Generation(Struct, forbid_unknown_fields=True, kw_only=True):
+    """What a chat's and a generation's bodies share."""
+
     model: str
-    messages: list[OMessage] | None = None
-    tools: list[OTool] | None = None
     format: str | dict[str, Any] | None = None
     options: dict[str, Any] | None = None
     stream: bool = True
@@ -96,22 +96,19 @@ class ChatRequest(Struct, forbid_unknown_fields=True):
     top_logprobs: int | None = None
 
 
-class GenerateRequest(Struct, forbid_unknown_fields=True):
-    model: str
+class ChatRequest(Generation, kw_only=True):
+    messages: list[OMessage] | None = None
+    tools: list[OTool] | None = None
+
+
+class GenerateRequest(Generation, kw_only=True):
     prompt: str | None = None
     suffix: str | None = None
     images: list[str] | None = None
-    format: str | dict[str, Any] | None = None
-    options: dict[str, Any] | None = None
     system: str | None = None
     template: str | None = None
     context: list[int] | None = None
-    stream: bool = True
     raw: bool = False
-    keep_alive: str | int | float | None = None
-    think: bool | str | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
 
 
 class EmbedRequest(Struct, forbid_unknown_fields=True):
@@ -201,7 +198,7 @@ def _format(service: Service, fmt: str | dict[str, Any] | None) -> list:
     return [constrained.processor(service, {"type": "object"} if fmt == "json" else fmt, "format")]
 
 
-def _logprobs(body: ChatRequest | GenerateRequest) -> int | None:
+def _logprobs(body: Generation) -> int | None:
     """The job's logprobs: None for none, else how many alternatives a token."""
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise bad_request("top_logprobs must be in 0..20", "top_logprobs")
@@ -267,17 +264,14 @@ def _tools(tools: list[OTool] | None) -> list[dict[str, Any]]:
     return out
 
 
-def chat_job(service: Service, body: ChatRequest, owner: str | None) -> Job:
+def _job(
+    service: Service, body: Generation, owner: str | None, reasoning: Reasoning, prompt: tuple, tools_active: bool
+) -> Job:
+    """The engine's job for a chat or a generation whose prompt is ``(text, ids, image spans)``."""
     fields, limit, stops = options(service, body.options)
-    tools = _tools(body.tools)
-    rendered_tools, mode, _ = plan_tools(service, tools, None)
-    reasoning = _reasoning(body.think)
-    images = Images()
-    text, ids, spans = service.render_chat(
-        template_messages(body.messages or [], images), rendered_tools, reasoning.template_vars(), images
-    )
+    text, ids, spans = prompt
     return Job(
-        endpoint="ollama_chat",
+        endpoint="ollama_chat" if isinstance(body, ChatRequest) else "ollama_generate",
         prompt_ids=ids,
         images=spans,
         max_tokens=limit,
@@ -285,10 +279,19 @@ def chat_job(service: Service, body: ChatRequest, owner: str | None) -> Job:
         stop=stops,
         logprobs=_logprobs(body),
         processors=_format(service, body.format) + reasoning.processors(service, text, "think"),
-        parser=service.output_parser(mode == "auto", text),
-        skip_special=service.skip_special(mode == "auto"),
+        parser=service.output_parser(tools_active, text),
+        skip_special=service.skip_special(tools_active),
         owner=owner,
     )
+
+
+def chat_job(service: Service, body: ChatRequest, owner: str | None) -> Job:
+    rendered_tools, mode, _ = plan_tools(service, _tools(body.tools), None)
+    reasoning = _reasoning(body.think)
+    images = Images()
+    messages = template_messages(body.messages or [], images)
+    prompt = service.render_chat(messages, rendered_tools, reasoning.template_vars(), images)
+    return _job(service, body, owner, reasoning, prompt, mode == "auto")
 
 
 def generate_job(service: Service, body: GenerateRequest, owner: str | None) -> Job:
@@ -296,7 +299,6 @@ def generate_job(service: Service, body: GenerateRequest, owner: str | None) -> 
         raise unsupported("suffix", "fill-in-the-middle is not supported")
     if body.template:
         raise unsupported("template", "the model's own chat template is used; send raw: true with a formatted prompt")
-    fields, limit, stops = options(service, body.options)
     reasoning = _reasoning(body.think)
     prompt = body.prompt or ""
     if body.raw:
@@ -321,18 +323,7 @@ def generate_job(service: Service, body: GenerateRequest, owner: str | None) -> 
         ids = list(body.context) + ids
     if not ids:
         raise bad_request("prompt is empty", "prompt")
-    return Job(
-        endpoint="ollama_generate",
-        prompt_ids=ids,
-        images=spans,
-        max_tokens=limit,
-        sampling=service.sampling(fields),
-        stop=stops,
-        logprobs=_logprobs(body),
-        processors=_format(service, body.format) + reasoning.processors(service, text, "think"),
-        parser=service.output_parser(False, text),
-        owner=owner,
-    )
+    return _job(service, body, owner, reasoning, (text, ids, spans), False)
 
 
 # --- answers ------------------------------------------------------------------------------------------------------
