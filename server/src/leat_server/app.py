@@ -172,12 +172,19 @@ def _error_response(request: Request, exc: Exception) -> Response:
     return _json(body, error.status, error.headers or None)
 
 
-def _stream(lease: Lease, job: Job, handle: Any, content: AsyncIterator[bytes], style: str = "openai") -> Stream:
+def _stream(
+    lease: Lease, job: Job | list[Job], handle: Any, content: AsyncIterator[bytes], style: str = "openai"
+) -> Stream:
     """``content`` as an SSE response (Ollama's ``style``: newline-delimited JSON) that ends with an error event
-    instead of a dropped connection when something fails, and whose engine request ends with it, however it ends:
-    sent whole, failed, or its client gone (Litestar's listener then cancels the sender); its model's lease is
-    released then."""
+    instead of a dropped connection when something fails, and whose engine requests (``job`` and ``handle``, or
+    lists of them: a request's choices) end with it, however it ends: sent whole, failed, or its client gone
+    (Litestar's listener then cancels the sender); its model's lease is released then."""
     service, release = lease.service, lease.keep()
+    pairs = list(zip(job, handle, strict=True)) if isinstance(job, list) else [(job, handle)]
+
+    def abandon() -> None:  # a no-op for a request that has ended
+        for each, its_handle in pairs:
+            service.abandon(each, its_handle)
 
     async def guarded() -> AsyncIterator[bytes]:
         try:
@@ -195,7 +202,7 @@ def _stream(lease: Lease, job: Job, handle: Any, content: AsyncIterator[bytes], 
                 yield openai_api.sse(error.body())
                 yield b"data: [DONE]\n\n"
         finally:
-            service.abandon(job, handle)  # a no-op for a request that has ended
+            abandon()
             await content.aclose()  # the inner generators' clean-up runs now, not when they are garbage-collected
             release()
 
@@ -203,7 +210,7 @@ def _stream(lease: Lease, job: Job, handle: Any, content: AsyncIterator[bytes], 
         # After the response, however it ended. The sender may have been cancelled before it first pulled the
         # generator (the client gone before the stream began) or while it waited on a slow socket (the generator
         # held at a yield): then nothing else would end the request, or close the generator, but garbage collection.
-        service.abandon(job, handle)
+        abandon()
         await body.aclose()
         release()
 
@@ -253,27 +260,43 @@ def create_app(
             lease.release()
             raise
         job = made[0] if isinstance(made, tuple) else made
+        job = job[0] if isinstance(job, list) else job  # a request's choices: the first's timings
         if isinstance(job, Job):
             request.scope["leat.job"] = job  # its timings for the request log
         return lease, body, made
 
-    async def finish(request: Request, service: Service, job: Job, handle: Any) -> None:
-        """Run ``job`` to its end (``job.result``), unless the client goes away first: then its engine request is
-        cancelled at once, so the engine frees its slot and KV pages at its next step, and the answer is a 499 that
-        only the metrics see."""
-        run = asyncio.ensure_future(service.run(job, handle))
+    async def finish(request: Request, service: Service, job: Job | list[Job], handle: Any) -> None:
+        """Run ``job`` (or each of a list, with its ``handle`` of a list) to its end (``job.result``), unless the
+        client goes away first: then its engine request is cancelled at once, so the engine frees its slot and KV
+        pages at its next step, and the answer is a 499 that only the metrics see. A choice that fails ends the
+        others."""
+        pairs = list(zip(job, handle, strict=True)) if isinstance(job, list) else [(job, handle)]
+        run = asyncio.ensure_future(asyncio.gather(*(service.run(j, h) for j, h in pairs)))
         gone = asyncio.ensure_future(_disconnected(request.receive))
         try:
             done, _ = await asyncio.wait((run, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not run.done():  # the client went away, or this handler was cancelled
-                service.abandon(job, handle)
+            if not run.done() or run.exception() is not None:  # the client went away, the handler was cancelled,
+                for j, h in pairs:  # or a choice failed: none goes on (a no-op for one that has ended)
+                    service.abandon(j, h)
                 run.cancel()
         if run not in done:
             await asyncio.wait((run,))  # its clean-up done
             raise APIError(CLIENT_GONE, "the client closed the connection before the answer was ready")
         run.result()
+
+    async def submit(service: Service, jobs: list[Job]) -> list[Any]:
+        """Each of a request's choices to the engine; where one is refused (a full queue) those already taken end."""
+        handles: list[Any] = []
+        try:
+            for job in jobs:
+                handles.append(await service.submit(job))
+        except BaseException:
+            for job, handle in zip(jobs, handles):
+                service.abandon(job, handle)
+            raise
+        return handles
 
     @get("/health", sync_to_thread=False)
     def health() -> Response:
@@ -320,27 +343,28 @@ def create_app(
 
     @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request) -> Response | Stream:
-        lease, body, job = await prepare(request, bodies["/v1/chat/completions"], openai_api.chat_job)
+        lease, body, jobs = await prepare(request, bodies["/v1/chat/completions"], openai_api.chat_jobs)
         with lease:
             service = lease.service
-            handle = await service.submit(job)
+            handles = await submit(service, jobs)
             if body.stream:
                 include = bool(body.stream_options and body.stream_options.include_usage)
-                return _stream(lease, job, handle, openai_api.chat_stream(service, job, handle, include))
-            await finish(request, service, job, handle)
-            return _json(_signed(service, job, openai_api.chat_body(service, job)))
+                return _stream(lease, jobs, handles, openai_api.chat_stream(service, jobs, handles, include))
+            await finish(request, service, jobs, handles)
+            return _json(_signed(service, jobs[0], openai_api.chat_body(service, jobs)))
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Response | Stream:
-        lease, body, (job, echo) = await prepare(request, bodies["/v1/completions"], openai_api.completion_job)
+        lease, body, (jobs, echoes) = await prepare(request, bodies["/v1/completions"], openai_api.completion_jobs)
         with lease:
             service = lease.service
-            handle = await service.submit(job)
+            handles = await submit(service, jobs)
             if body.stream:
                 include = bool(body.stream_options and body.stream_options.include_usage)
-                return _stream(lease, job, handle, openai_api.completion_stream(service, job, handle, echo, include))
-            await finish(request, service, job, handle)
-            return _json(_signed(service, job, openai_api.completion_body(service, job, echo)))
+                stream = openai_api.completion_stream(service, jobs, handles, echoes, include)
+                return _stream(lease, jobs, handles, stream)
+            await finish(request, service, jobs, handles)
+            return _json(_signed(service, jobs[0], openai_api.completion_body(service, jobs, echoes)))
 
     @post("/v1/messages", status_code=200)
     async def messages(request: Request) -> Response | Stream:

@@ -27,14 +27,18 @@ from leat_server.schemas import (
 from leat_server.service import Job, Service, TokenLogprob
 
 MAX_STOPS = 16
+MAX_CHOICES = 16  # `n`, and `n` times the prompts of a completions batch
 
 
-def sampling_fields(body: Sampling) -> dict[str, Any]:
+def sampling_fields(body: Sampling, index: int = 0) -> dict[str, Any]:
     """The body's sampling fields (those the loaded stages declare were added to its struct), with vLLM's
-    ``repetition_penalty`` standing for ``repeat_penalty`` when that is left out."""
+    ``repetition_penalty`` standing for ``repeat_penalty`` when that is left out; choice ``index`` of ``n`` samples
+    with the seed plus ``index`` (a seed gives the same ``n`` choices each time, and they differ)."""
     fields = {name: getattr(body, name) for name in body.__struct_fields__}
     if fields.get("repeat_penalty") is None:
         fields["repeat_penalty"] = body.repetition_penalty
+    if index and fields.get("seed") not in (None, -1):
+        fields["seed"] = (fields["seed"] + index) % 2**64
     return fields
 
 
@@ -45,9 +49,13 @@ def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
     return [s for s in stops if s]
 
 
-def check_common(body: Sampling) -> None:
-    if body.n != 1:
-        raise unsupported("n", "only n=1 is supported; send separate requests for more choices")
+def check_common(service: Service, body: Sampling, prompts: int = 1) -> None:
+    if body.n * prompts > MAX_CHOICES:
+        raise bad_request(f"n times the prompts must be at most {MAX_CHOICES}, not {body.n * prompts}", "n")
+    if body.n * prompts > 1 and body.session is not None:
+        raise unsupported("n", "a session continues one conversation: ask for one choice of one prompt")
+    if body.n * prompts > 1 and service.receipts is not None:
+        raise unsupported("n", "a signed receipt covers one choice: ask for each separately")
 
 
 # --- messages -------------------------------------------------------------------------------------------------
@@ -239,8 +247,13 @@ def guided_constraint(service: Service, body: Guided) -> list:
 # --- chat -------------------------------------------------------------------------------------------------------
 
 
-def chat_job(service: Service, body: ChatCompletionRequest, owner: str | None) -> Job:
-    check_common(body)
+def chat_jobs(service: Service, body: ChatCompletionRequest, owner: str | None) -> list[Job]:
+    """The body's ``n`` choices, each a job of its own (its own constraint, its own seed)."""
+    check_common(service, body)
+    return [chat_job(service, body, owner, index) for index in range(body.n)]
+
+
+def chat_job(service: Service, body: ChatCompletionRequest, owner: str | None, index: int = 0) -> Job:
     for name in ("audio", "prediction", "web_search_options"):
         if getattr(body, name) is not None:
             raise unsupported(name, "not supported by this server")
@@ -282,7 +295,7 @@ def chat_job(service: Service, body: ChatCompletionRequest, owner: str | None) -
         prompt_ids=ids,
         images=spans,
         max_tokens=body.max_completion_tokens or body.max_tokens,
-        sampling=service.sampling(sampling_fields(body)),
+        sampling=service.sampling(sampling_fields(body, index)),
         stop=stop_list(body.stop),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         ignore_eos=body.ignore_eos,
@@ -312,17 +325,23 @@ def logprob_json(lp: TokenLogprob) -> dict[str, Any]:
     }
 
 
-def usage_json(job: Job) -> dict[str, Any]:
-    r = job.result
+def usage_json(jobs: Job | list[Job]) -> dict[str, Any]:
+    """Usage of a response's choices: each distinct prompt's tokens once (n choices of one prompt share it), the
+    completions' tokens summed."""
+    jobs = jobs if isinstance(jobs, list) else [jobs]
+    prompts = {tuple(j.prompt_ids): j.result for j in jobs}.values()
+    prompt = sum(r.prompt_tokens for r in prompts)
+    completion = sum(j.result.completion_tokens for j in jobs)
+    reasoning = sum(j.result.reasoning_tokens or 0 for j in jobs)
     return {
-        "prompt_tokens": r.prompt_tokens,
-        "completion_tokens": r.completion_tokens,
-        "total_tokens": r.prompt_tokens + r.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
-    } | ({"completion_tokens_details": {"reasoning_tokens": r.reasoning_tokens}} if r.reasoning_tokens else {})
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in prompts)},
+    } | ({"completion_tokens_details": {"reasoning_tokens": reasoning}} if reasoning else {})
 
 
-def chat_body(service: Service, job: Job) -> dict[str, Any]:
+def chat_choice(job: Job, index: int) -> dict[str, Any]:
     r = job.result
     message: dict[str, Any] = {"role": "assistant", "content": r.content if (r.content or not r.tool_calls) else None}
     if r.reasoning:
@@ -330,20 +349,29 @@ def chat_body(service: Service, job: Job) -> dict[str, Any]:
     if r.tool_calls:
         message["tool_calls"] = [tool_call_json(c) for c in r.tool_calls]
     logprobs = {"content": [logprob_json(lp) for lp in r.logprobs]} if job.logprobs is not None else None
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": r.finish_reason}
+
+
+def chat_body(service: Service, jobs: list[Job]) -> dict[str, Any]:
+    job = jobs[0]
     return {
         "id": f"chatcmpl-{job.id}",
         "object": "chat.completion",
         "created": job.created,
         "model": service.name,
-        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": r.finish_reason}],
-        "usage": usage_json(job),
+        "choices": [chat_choice(j, i) for i, j in enumerate(jobs)],
+        "usage": usage_json(jobs),
         "system_fingerprint": service.fingerprint,
     }
 
 
-async def chat_stream(service: Service, job: Job, handle: Any, include_usage: bool) -> AsyncIterator[bytes]:
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: list | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+async def chat_stream(
+    service: Service, jobs: list[Job], handles: list[Any], include_usage: bool
+) -> AsyncIterator[bytes]:
+    job = jobs[0]
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: list | None = None, index: int = 0) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         if logprobs is not None:
             choice["logprobs"] = {"content": [logprob_json(lp) for lp in logprobs]}
         body = {
@@ -358,31 +386,36 @@ async def chat_stream(service: Service, job: Job, handle: Any, include_usage: bo
             body["usage"] = None
         return sse(body)
 
-    yield chunk({"role": "assistant", "content": ""})
-    calls = 0
+    for index in range(len(jobs)):
+        yield chunk({"role": "assistant", "content": ""}, index=index)
+    calls = [0] * len(jobs)
     try:
-        async for piece in service.stream(job, handle):
+        async for index, piece in service.stream_all(jobs, handles):
             logprobs = piece.logprobs if job.logprobs is not None else None
             if piece.kind == "content":
-                yield chunk({"content": piece.text}, logprobs=logprobs)
+                yield chunk({"content": piece.text}, logprobs=logprobs, index=index)
             elif piece.kind == "reasoning":
-                yield chunk({"reasoning_content": piece.text}, logprobs=logprobs)
+                yield chunk({"reasoning_content": piece.text}, logprobs=logprobs, index=index)
             else:
-                yield chunk({"tool_calls": [tool_call_json(piece.call, calls)]}, logprobs=logprobs)
-                calls += 1
+                yield chunk({"tool_calls": [tool_call_json(piece.call, calls[index])]}, logprobs=logprobs, index=index)
+                calls[index] += 1
     except APIError as e:
         yield sse(e.body())
         yield b"data: [DONE]\n\n"
         return
+    for index, done in enumerate(jobs[:-1]):
+        yield chunk({}, done.result.finish_reason, index=index)
     final = {
         "id": f"chatcmpl-{job.id}",
         "object": "chat.completion.chunk",
         "created": job.created,
         "model": service.name,
         "system_fingerprint": service.fingerprint,
-        "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": job.result.finish_reason}],
+        "choices": [
+            {"index": len(jobs) - 1, "delta": {}, "logprobs": None, "finish_reason": jobs[-1].result.finish_reason}
+        ],
     }
-    for data in _stream_end(service, job, {**final, "usage": None} if include_usage else final, include_usage):
+    for data in _stream_end(service, jobs, {**final, "usage": None} if include_usage else final, include_usage):
         yield data
 
 
@@ -394,19 +427,28 @@ def sse(body: dict[str, Any], event: str | None = None) -> bytes:
 # --- completions --------------------------------------------------------------------------------------------------
 
 
-def completion_job(service: Service, body: CompletionRequest, owner: str | None) -> tuple[Job, str]:
-    check_common(body)
+def completion_jobs(service: Service, body: CompletionRequest, owner: str | None) -> tuple[list[Job], list[str]]:
+    """The body's choices: ``n`` of each of its prompts (a text, token ids, or a batch of them), prompt by prompt,
+    each a job of its own; and the text each choice's answer begins with (its prompt, with ``echo``)."""
+    prompts: list[Any] = [body.prompt]
+    if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], (str, list)):
+        prompts = list(body.prompt)
+        if not all(isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompts):
+            raise bad_request("prompt: give text, a list of token ids, or a list of either", "prompt")
+    elif isinstance(body.prompt, list) and not all(isinstance(t, int) for t in body.prompt):
+        raise bad_request("prompt: give text, a list of token ids, or a list of either", "prompt")
+    check_common(service, body, len(prompts))
+    made = [completion_job(service, body, owner, prompt, index) for prompt in prompts for index in range(body.n)]
+    return [job for job, _ in made], [echo for _, echo in made]
+
+
+def completion_job(
+    service: Service, body: CompletionRequest, owner: str | None, prompt: Any, index: int = 0
+) -> tuple[Job, str]:
     if body.suffix:
         raise unsupported("suffix", "fill-in-the-middle is not supported")
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "only best_of=1 is supported")
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise unsupported("prompt", "one prompt per request; send separate requests for a batch")
-        prompt = prompt[0]
-    elif isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
-        raise bad_request("prompt: give text, a list of token ids, or a list of one of those", "prompt")
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
@@ -436,7 +478,7 @@ def completion_job(service: Service, body: CompletionRequest, owner: str | None)
         prompt_ids=ids,
         prompt_logprobs=prompt_logprobs,
         max_tokens=body.max_tokens,
-        sampling=service.sampling(sampling_fields(body)),
+        sampling=service.sampling(sampling_fields(body, index)),
         stop=stop_list(body.stop),
         logprobs=body.logprobs,
         ignore_eos=body.ignore_eos,
@@ -462,59 +504,72 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
     }
 
 
-def completion_body(service: Service, job: Job, echo: str) -> dict[str, Any]:
+def completion_choice(job: Job, echo: str, index: int) -> dict[str, Any]:
     r = job.result
     logprobs = completion_logprobs(r.logprobs, len(echo)) if job.logprobs is not None else None
     if logprobs is not None and job.prompt_logprobs is not None:  # the echoed prompt's first
         prompt = completion_logprobs(job.prompt_logprobs, 0)
         logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
+    return {"index": index, "text": echo + r.content, "logprobs": logprobs, "finish_reason": r.finish_reason}
+
+
+def completion_body(service: Service, jobs: list[Job], echoes: list[str]) -> dict[str, Any]:
+    job = jobs[0]
     return {
         "id": f"cmpl-{job.id}",
         "object": "text_completion",
         "created": job.created,
         "model": service.name,
-        "choices": [{"index": 0, "text": echo + r.content, "logprobs": logprobs, "finish_reason": r.finish_reason}],
-        "usage": usage_json(job),
+        "choices": [completion_choice(j, echo, i) for i, (j, echo) in enumerate(zip(jobs, echoes, strict=True))],
+        "usage": usage_json(jobs),
         "system_fingerprint": service.fingerprint,
     }
 
 
-async def completion_stream(service: Service, job: Job, handle: Any, echo: str, include_usage: bool):
-    def chunk(text: str, finish: str | None = None, logprobs: dict | None = None) -> dict[str, Any]:
+async def completion_stream(
+    service: Service, jobs: list[Job], handles: list[Any], echoes: list[str], include_usage: bool
+):
+    job = jobs[0]
+
+    def chunk(text: str, finish: str | None = None, logprobs: dict | None = None, index: int = 0) -> dict[str, Any]:
         return {
             "id": f"cmpl-{job.id}",
             "object": "text_completion",
             "created": job.created,
             "model": service.name,
             "system_fingerprint": service.fingerprint,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         }
 
-    if echo:
-        prompt = job.prompt_logprobs
-        yield sse(chunk(echo, logprobs=completion_logprobs(prompt, 0) if prompt is not None else None))
-    offset = len(echo)
+    for index, (each, echo) in enumerate(zip(jobs, echoes, strict=True)):
+        if echo:
+            prompt = each.prompt_logprobs
+            yield sse(chunk(echo, logprobs=completion_logprobs(prompt, 0) if prompt is not None else None, index=index))
+    offsets = [len(echo) for echo in echoes]
     try:
-        async for piece in service.stream(job, handle):
-            lps = completion_logprobs(piece.logprobs, offset) if job.logprobs is not None else None
-            offset += len(piece.text)
+        async for index, piece in service.stream_all(jobs, handles):
+            lps = completion_logprobs(piece.logprobs, offsets[index]) if job.logprobs is not None else None
+            offsets[index] += len(piece.text)
             if piece.text or lps:
-                yield sse(chunk(piece.text, logprobs=lps))
+                yield sse(chunk(piece.text, logprobs=lps, index=index))
     except APIError as e:
         yield sse(e.body())
         yield b"data: [DONE]\n\n"
         return
-    for data in _stream_end(service, job, chunk("", job.result.finish_reason), include_usage):
+    for index, done in enumerate(jobs[:-1]):
+        yield sse(chunk("", done.result.finish_reason, index=index))
+    last = chunk("", jobs[-1].result.finish_reason, index=len(jobs) - 1)
+    for data in _stream_end(service, jobs, last, include_usage):
         yield data
 
 
-def _stream_end(service: Service, job: Job, final: dict, include_usage: bool) -> Iterator[bytes]:
+def _stream_end(service: Service, jobs: list[Job], final: dict, include_usage: bool) -> Iterator[bytes]:
     """A stream's last events: the finishing chunk, with stream_options.include_usage a chunk of usage only
-    after it, the receipt on the last one, then [DONE]."""
-    receipt = service.receipt(job)
+    after it, the receipt (of a one-choice answer) on the last one, then [DONE]."""
+    receipt = service.receipt(jobs[0]) if len(jobs) == 1 else None
     if include_usage:
         yield sse(final)
-        final = {**final, "choices": [], "usage": usage_json(job)}
+        final = {**final, "choices": [], "usage": usage_json(jobs)}
     if receipt is not None:
         final["receipt"] = receipt
     yield sse(final)

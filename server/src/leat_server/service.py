@@ -8,6 +8,7 @@ anything is sent, so those become 429 / 400), and :meth:`Service.stream` yields 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -340,6 +341,40 @@ class Service:
                 job.settled = True
                 if self.metrics:
                     self.metrics.finished(job.endpoint, job.result, time.perf_counter() - job.started)
+
+    async def stream_all(self, jobs: list[Job], handles: list[Any]) -> AsyncIterator[tuple[int, Piece]]:
+        """:meth:`stream` of several jobs at once (a request's choices): ``(index, piece)`` as each job's pieces
+        come; the first failure ends it, and every job still running ends with it."""
+        if len(jobs) == 1:
+            async for piece in self.stream(jobs[0], handles[0]):
+                yield 0, piece
+            return
+        queue: asyncio.Queue[tuple[int, Piece | None, BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for piece in self.stream(jobs[index], handles[index]):
+                    await queue.put((index, piece, None))
+            except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+                await queue.put((index, None, e))
+                return
+            await queue.put((index, None, None))
+
+        pumps = [asyncio.ensure_future(pump(i)) for i in range(len(jobs))]
+        try:
+            running = len(pumps)
+            while running:
+                index, piece, error = await queue.get()
+                if error is not None:
+                    raise error
+                if piece is None:
+                    running -= 1
+                    continue
+                yield index, piece
+        finally:  # a job still running (a failure, or the client gone) is cancelled by its stream's own clean-up
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
 
     async def warm_up(self) -> None:
         """Generate one token for a one-token prompt the way a request does (the engine and its sampler, the
