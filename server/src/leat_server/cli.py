@@ -238,7 +238,7 @@ def serve(
     api_keys,
     **options,
 ) -> None:
-    """Serve MODEL over HTTP: OpenAI and Anthropic APIs (see docs/api.md). Several MODELs, or --models-config,
+    """Serve MODEL over HTTP: OpenAI, Anthropic and Ollama APIs (see docs/api.md). Several MODELs, or --models-config,
     serve each by name: loaded when a request names it, unloaded when --models-memory is exceeded."""
     from leat.cli_models import model_label, running_server
     from leat.cli_progress import transfer
