@@ -31,7 +31,7 @@ from litestar.openapi.spec import OpenAPIMediaType, Reference, RequestBody
 from litestar.params import FromPath
 from litestar.response import Stream
 
-from leat_server import anthropic_api, embeddings, ollama_api, openai_api, rerank, responses_api
+from leat_server import anthropic_api, embeddings, llamacpp_api, ollama_api, openai_api, rerank, responses_api
 from leat_server.errors import APIError, bad_request, from_msgspec
 from leat_server.images import Images
 from leat_server.models import Lease, Models
@@ -73,6 +73,8 @@ BODIES = {
     **dict.fromkeys(rerank.PATHS, RerankRequest),
     "/models/load": ModelRequest,
     "/models/unload": ModelRequest,
+    "/completion": llamacpp_api.CompletionRequest,
+    "/apply-template": llamacpp_api.ApplyTemplateRequest,
     "/api/chat": ollama_api.ChatRequest,
     "/api/generate": ollama_api.GenerateRequest,
     "/api/embed": ollama_api.EmbedRequest,
@@ -510,6 +512,31 @@ def create_app(
     async def restore_session(request: Request, name: FromPath[str]) -> Response:
         return _json(await on_session(request, Service.restore_session, name))
 
+    # --- llama-server's own endpoints (llamacpp_api) ---------------------------------------------------------------
+    @post(["/completion", "/completions"], status_code=200)
+    async def llama_completion(request: Request) -> Response | Stream:
+        lease, body, jobs = await prepare(request, llamacpp_api.CompletionRequest, llamacpp_api.completion_jobs)
+        with lease:
+            service = lease.service
+            handles = await submit(service, jobs)
+            if body.stream:
+                return _stream(lease, jobs, handles, llamacpp_api.completion_stream(service, jobs, handles, body))
+            await finish(request, service, jobs, handles)
+            answers = [llamacpp_api.completion_body(service, job, i, body) for i, job in enumerate(jobs)]
+            return _json(answers if len(answers) > 1 else answers[0])
+
+    @post("/apply-template", status_code=200)
+    async def llama_apply_template(request: Request) -> Response:
+        lease, _, answer = await prepare(request, llamacpp_api.ApplyTemplateRequest, llamacpp_api.apply_template)
+        lease.release()
+        return _json(answer)
+
+    @get("/props")
+    async def llama_props(request: Request) -> Response:
+        with await models.acquire(_model_param(request)) as lease:
+            stats = await workers.run(lease.service.engine.stats)  # an engine process answers in a round trip
+            return _json(llamacpp_api.props(lease.service, int(stats.get("batch_size", 1))))
+
     # --- Ollama's API (ollama_api) ---------------------------------------------------------------------------------
     async def ollama_generation(request: Request, kind: type, endpoint: str) -> Response | Stream:
         """/api/chat and /api/generate: with nothing to generate (no messages, no prompt) Ollama's way to load a
@@ -660,6 +687,9 @@ def create_app(
             fork_session,
             hibernate_session,
             restore_session,
+            llama_completion,
+            llama_apply_template,
+            llama_props,
             ollama_chat,
             ollama_generate,
             ollama_embed,
