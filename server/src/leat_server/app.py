@@ -279,8 +279,8 @@ def create_app(
             done, _ = await asyncio.wait((run, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not run.done() or run.exception() is not None:  # the client went away, the handler was cancelled,
-                for j, h in pairs:  # or a choice failed: none goes on (a no-op for one that has ended)
+            if not run.done() or run.cancelled() or run.exception() is not None:  # the client went away, the handler
+                for j, h in pairs:  # was cancelled, or a choice failed: none goes on (a no-op for one that has ended)
                     service.abandon(j, h)
                 run.cancel()
         if run not in done:
