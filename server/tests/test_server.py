@@ -73,6 +73,8 @@ HELLO = [{"role": "user", "content": "hello there"}]
 def test_models_and_health(server, client, http):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").json()["status"] == "ok"  # /health needs no key
+    assert httpx.get(server.url + "/").text == "leat is running"  # nor the root, which Ollama's clients check
+    assert httpx.get(server.url + "/api/tags").status_code == 401  # the rest does
 
 
 def test_the_server_warmed_up_before_its_first_request_and_did_not_count_it(http):

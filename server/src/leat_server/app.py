@@ -300,6 +300,11 @@ def create_app(
             raise
         return handles
 
+    @get("/", sync_to_thread=False)
+    def root() -> Response:
+        """What Ollama's root answers (its clients check that the server runs); needs no key."""
+        return Response(content="leat is running", media_type="text/plain")
+
     @get("/health", sync_to_thread=False)
     def health() -> Response:
         stats = models.stats()
@@ -664,6 +669,7 @@ def create_app(
 
     app = Litestar(
         route_handlers=[
+            root,
             health,
             metrics_page,
             list_models,

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from leat_server.errors import APIError
 
-OPEN_PATHS = {"/health"}
+OPEN_PATHS = {"/health", "/"}  # "/": "leat is running", as Ollama's root says it runs (clients check it)
 COUNTED_PATHS = {
     "/health",
     "/metrics",
@@ -45,6 +45,19 @@ COUNTED_PATHS = {
     "/models/load",
     "/models/unload",
     "/openapi.json",
+    "/tokenizer_info",
+    "/completion",
+    "/completions",
+    "/apply-template",
+    "/props",
+    "/api/chat",
+    "/api/generate",
+    "/api/embed",
+    "/api/embeddings",
+    "/api/show",
+    "/api/tags",
+    "/api/ps",
+    "/api/version",
 }
 CORS_HEADERS = [
     (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
