@@ -11,7 +11,7 @@ from msgspec import Struct
 from leat_server import constrained
 from leat_server.errors import bad_request, unsupported
 from leat_server.images import Images
-from leat_server.openai_api import plan_tools, sse, template_tools, tool_constraint
+from leat_server.openai_api import plan_tools, prefilled, sse, template_tools, tool_constraint
 from leat_server.reasoning import Reasoning
 from leat_server.schemas import (
     AImage,
@@ -141,7 +141,9 @@ def messages_job(service: Service, body: MessagesRequest, owner: str | None) -> 
     images = Images()
     messages = template_messages(body.system, body.messages, images)
     reasoning = _reasoning(body.thinking)
-    text, ids, spans = service.render_chat(messages, rendered_tools, reasoning.template_vars(), images)
+    text, ids, spans = service.render_chat(
+        messages, rendered_tools, reasoning.template_vars(), images, continue_final=prefilled(messages)
+    )
     stops = [s for s in body.stop_sequences or [] if s]
     return Job(
         endpoint="messages",
@@ -177,7 +179,8 @@ def count_tokens(service: Service, body: CountTokensRequest) -> int:
     rendered_tools = template_tools(tools) if tools and _choice(body.tool_choice) != "none" else None
     images = Images()
     messages = template_messages(body.system, body.messages, images)
-    _, ids, _ = service.render_chat(messages, rendered_tools, _reasoning(body.thinking).template_vars(), images)
+    extra = _reasoning(body.thinking).template_vars()
+    _, ids, _ = service.render_chat(messages, rendered_tools, extra, images, continue_final=prefilled(messages))
     return len(ids)
 
 

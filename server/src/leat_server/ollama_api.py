@@ -30,7 +30,7 @@ from msgspec import Struct
 from leat_server import constrained
 from leat_server.errors import APIError, bad_request, unsupported
 from leat_server.images import Images, decode
-from leat_server.openai_api import plan_tools
+from leat_server.openai_api import plan_tools, prefilled
 from leat_server.reasoning import Reasoning
 from leat_server.service import Job, Service
 
@@ -290,7 +290,8 @@ def chat_job(service: Service, body: ChatRequest, owner: str | None) -> Job:
     reasoning = _reasoning(body.think)
     images = Images()
     messages = template_messages(body.messages or [], images)
-    prompt = service.render_chat(messages, rendered_tools, reasoning.template_vars(), images)
+    extra = reasoning.template_vars()
+    prompt = service.render_chat(messages, rendered_tools, extra, images, continue_final=prefilled(messages))
     return _job(service, body, owner, reasoning, prompt, mode == "auto")
 
 

@@ -129,6 +129,12 @@ def template_messages(messages: list[ChatMessage], images: Images) -> list[dict[
     return out
 
 
+def prefilled(messages: list[dict[str, Any]]) -> bool:
+    """Whether a conversation ends in an assistant's message that its answer continues (a prefill: the assistant's
+    text so far, no tool call)."""
+    return bool(messages) and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+
+
 def template_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"type": "function", "function": {k: v for k, v in t.items() if v is not None}} for t in tools]
 
@@ -281,7 +287,15 @@ def chat_job(service: Service, body: ChatCompletionRequest, owner: str | None, i
     reasoning = Reasoning.of_effort(body.reasoning_effort or asked.effort, asked.max_tokens, asked.enabled)
     extra = reasoning.template_vars() | dict(body.chat_template_kwargs or {})
     images = Images()
-    text, ids, spans = service.render_chat(template_messages(body.messages, images), template_tools_, extra, images)
+    messages = template_messages(body.messages, images)
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
+        )
+    # vLLM's flags; without them a last assistant message is continued, as llama-server does
+    final = body.continue_final_message or (body.add_generation_prompt is None and prefilled(messages))
+    opened = body.add_generation_prompt is not False
+    text, ids, spans = service.render_chat(messages, template_tools_, extra, images, opened, final)
     processors = service.logit_bias(body.logit_bias) + reasoning.processors(service, text, "reasoning")
     guided = guided_constraint(service, body)
     if forced and guided:

@@ -192,6 +192,8 @@ class ChatCompletionRequest(Guided):
     reasoning_effort: Effort | None = None
     reasoning: ChatReasoning | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued
+    add_generation_prompt: bool | None = None  # vLLM's: open the assistant's turn (None: unless the last is its)
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None

@@ -139,9 +139,18 @@ class Service:
 
     # -- prompts ---------------------------------------------------------------------------------------------
     def render_chat(
-        self, messages: list[dict], tools: list[dict] | None, extra: dict[str, Any], images: Images
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        extra: dict[str, Any],
+        images: Images,
+        generation_prompt: bool = True,
+        continue_final: bool = False,
     ) -> tuple[str, list[int], list[Any]]:
-        """The prompt's text, token ids and image spans (one per marker ``images`` placed in the messages)."""
+        """The prompt's text, token ids and image spans (one per marker ``images`` placed in the messages): the
+        assistant's turn opened after them (``generation_prompt``), or with ``continue_final`` the last message, the
+        assistant's, left open so that the answer continues it (a prefill: Anthropic's last assistant message,
+        vLLM's ``continue_final_message``)."""
         taken = sorted(RESERVED & set(extra))
         if taken:
             raise bad_request(
@@ -149,12 +158,33 @@ class Service:
                 "(messages, tools) or leave it out",
                 "chat_template_kwargs",
             )
-        try:
-            text = self.model.chat_template.render(
-                messages, add_generation_prompt=True, tools=tools, limits=self.template_limits, **extra
-            )
-        except TemplateError as e:
-            raise bad_request(str(e), param="messages") from None
+
+        def render(items: list[dict], opened: bool) -> str:
+            try:
+                return self.model.chat_template.render(
+                    items, add_generation_prompt=opened, tools=tools, limits=self.template_limits, **extra
+                )
+            except TemplateError as e:
+                raise bad_request(str(e), param="messages") from None
+
+        if not continue_final:
+            text = render(messages, generation_prompt)
+        else:
+            if not messages or messages[-1].get("role") != "assistant":
+                raise bad_request("only the assistant's last message can be continued", "messages")
+            content = messages[-1].get("content") or ""
+            if not content:  # nothing to continue: the assistant's turn opened after the others
+                text = render(messages[:-1], True)
+            else:
+                closed = render(messages, False)
+                kept = next((part for part in (content, content.rstrip()) if part and part in closed), None)
+                if kept is None:
+                    raise bad_request(
+                        "the chat template does not write the assistant's last message as it is, so it cannot be "
+                        "continued; send it as a new turn",
+                        "messages",
+                    )
+                text = closed[: closed.rindex(kept) + len(kept)]
         # The template writes BOS itself when the model wants one, so only special tokens are parsed here.
         if not images.data:
             return text, self.tokenizer.encode(text, add_special=False, parse_special=True), []
