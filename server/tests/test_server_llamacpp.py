@@ -132,3 +132,8 @@ def test_apply_template_and_props(server):
 def test_bad_completions_are_a_400(server, body, says):
     r = httpx.post(server.url + "/completion", json=body)
     assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
+def test_infill_needs_fim_tokens(server):
+    r = httpx.post(server.url + "/infill", json={"input_prefix": "def f(", "input_suffix": "):", "n_predict": 4})
+    assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]

@@ -975,12 +975,12 @@ class Tokenizer:
 
         self.eot_id = find(self.eot_id, _EOT_TEXTS)
         self.eom_id = find(self.eom_id, _EOM_TEXTS)
-        find(fim_pre, _FIM_PRE_TEXTS)
-        find(fim_suf, _FIM_SUF_TEXTS)
-        find(fim_mid, _FIM_MID_TEXTS)
+        self.fim_pre_id = find(fim_pre, _FIM_PRE_TEXTS)  # fill-in-the-middle's tokens (None: the model has none)
+        self.fim_suf_id = find(fim_suf, _FIM_SUF_TEXTS)
+        self.fim_mid_id = find(fim_mid, _FIM_MID_TEXTS)
         fim_pad = find(fim_pad, _FIM_PAD_TEXTS)
-        fim_rep = find(fim_rep, _FIM_REP_TEXTS)
-        fim_sep = find(fim_sep, _FIM_SEP_TEXTS)
+        self.fim_rep_id = fim_rep = find(fim_rep, _FIM_REP_TEXTS)
+        self.fim_sep_id = fim_sep = find(fim_sep, _FIM_SEP_TEXTS)
 
         for token in range(n_tokens):  # of a repeated text, the id its lookup gives
             text = self._texts[token] if self._attrs[token] & _ATTR_CONTROL else ""

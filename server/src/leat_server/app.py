@@ -74,6 +74,7 @@ BODIES = {
     "/models/load": ModelRequest,
     "/models/unload": ModelRequest,
     "/completion": llamacpp_api.CompletionRequest,
+    "/infill": llamacpp_api.InfillRequest,
     "/apply-template": llamacpp_api.ApplyTemplateRequest,
     "/api/chat": ollama_api.ChatRequest,
     "/api/generate": ollama_api.GenerateRequest,
@@ -530,6 +531,17 @@ def create_app(
             answers = [llamacpp_api.completion_body(service, job, i, body) for i, job in enumerate(jobs)]
             return _json(answers if len(answers) > 1 else answers[0])
 
+    @post("/infill", status_code=200)
+    async def llama_infill(request: Request) -> Response | Stream:
+        lease, body, jobs = await prepare(request, llamacpp_api.InfillRequest, llamacpp_api.infill_jobs)
+        with lease:
+            service = lease.service
+            handles = await submit(service, jobs)
+            if body.stream:
+                return _stream(lease, jobs, handles, llamacpp_api.completion_stream(service, jobs, handles, body))
+            await finish(request, service, jobs, handles)
+            return _json(llamacpp_api.completion_body(service, jobs[0], 0, body))
+
     @post("/apply-template", status_code=200)
     async def llama_apply_template(request: Request) -> Response:
         lease, _, answer = await prepare(request, llamacpp_api.ApplyTemplateRequest, llamacpp_api.apply_template)
@@ -694,6 +706,7 @@ def create_app(
             hibernate_session,
             restore_session,
             llama_completion,
+            llama_infill,
             llama_apply_template,
             llama_props,
             ollama_chat,

@@ -18,7 +18,7 @@ from typing import Any
 
 from leat import __version__
 
-from leat_server import constrained
+from leat_server import constrained, fim
 from leat_server.errors import bad_request, unsupported
 from leat_server.images import Images
 from leat_server.openai_api import MAX_CHOICES, sse, stop_list, template_messages
@@ -84,6 +84,15 @@ class CompletionRequest(Body):
     timings_per_token: bool | None = None
     samplers: list[str] | None = None
     model: str | None = None
+
+
+class InfillRequest(CompletionRequest):
+    """``/infill``: the code before the cursor and after it, other files' chunks, and the prompt (text after the
+    prefix), with /completion's fields."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[dict[str, Any]] | None = None
 
 
 class ApplyTemplateRequest(Body):
@@ -156,6 +165,19 @@ def _bias(service: Service, bias: list[list[Any]] | dict[str, float] | None) -> 
 
 
 def completion_jobs(service: Service, body: CompletionRequest, owner: str | None) -> list[Job]:
+    return _jobs(service, body, owner, _prompts(service, body.prompt))
+
+
+def infill_jobs(service: Service, body: InfillRequest, owner: str | None) -> list[Job]:
+    if not isinstance(body.prompt, str):
+        raise bad_request("prompt must be text here (it follows the prefix)", "prompt")
+    ids = fim.prompt(
+        service, body.input_prefix, body.input_suffix, body.input_extra, body.prompt, body.n_predict, "input_prefix"
+    )
+    return _jobs(service, body, owner, [ids])
+
+
+def _jobs(service: Service, body: CompletionRequest, owner: str | None, prompts: list[list[int]]) -> list[Job]:
     for name, neutral in NEUTRAL.items():
         value = getattr(body, name)
         if value is not None and value != neutral:
@@ -166,7 +188,6 @@ def completion_jobs(service: Service, body: CompletionRequest, owner: str | None
         raise unsupported("lora", "LoRA adapters are not supported")
     if not 0 <= body.n_probs <= 20:
         raise bad_request("n_probs must be in 0..20", "n_probs")
-    prompts = _prompts(service, body.prompt)
     if not 1 <= body.n_cmpl or len(prompts) * body.n_cmpl > MAX_CHOICES:
         raise bad_request(f"prompts times n_cmpl must be 1..{MAX_CHOICES}", "n_cmpl")
     if body.grammar is not None and body.json_schema is not None:

@@ -27,7 +27,7 @@ from leat.plugins import host as plugin_host
 from leat.sampling import fields as sampling_fields
 from msgspec import Struct
 
-from leat_server import constrained
+from leat_server import constrained, fim
 from leat_server.errors import APIError, bad_request, unsupported
 from leat_server.images import Images, decode
 from leat_server.openai_api import plan_tools, prefilled
@@ -296,12 +296,15 @@ def chat_job(service: Service, body: ChatRequest, owner: str | None) -> Job:
 
 
 def generate_job(service: Service, body: GenerateRequest, owner: str | None) -> Job:
-    if body.suffix:
-        raise unsupported("suffix", "fill-in-the-middle is not supported")
     if body.template:
         raise unsupported("template", "the model's own chat template is used; send raw: true with a formatted prompt")
     reasoning = _reasoning(body.think)
     prompt = body.prompt or ""
+    if body.suffix:  # fill in the middle, between the prompt and the suffix
+        if body.images or body.system or body.context:
+            raise unsupported("suffix", "a fill-in-the-middle prompt takes no images, system or context")
+        ids = fim.prompt(service, prompt, body.suffix)
+        return _job(service, body, owner, reasoning, ("", ids, []), False)
     if body.raw:
         if body.images or body.system:
             raise unsupported("raw", "a raw prompt takes no images or system; put them in the prompt")

@@ -6,7 +6,7 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from leat_server import constrained
+from leat_server import constrained, fim
 from leat_server.errors import APIError, bad_request, unsupported
 from leat_server.images import Images
 from leat_server.reasoning import Reasoning
@@ -459,11 +459,13 @@ def completion_jobs(service: Service, body: CompletionRequest, owner: str | None
 def completion_job(
     service: Service, body: CompletionRequest, owner: str | None, prompt: Any, index: int = 0
 ) -> tuple[Job, str]:
-    if body.suffix:
-        raise unsupported("suffix", "fill-in-the-middle is not supported")
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "only best_of=1 is supported")
-    if isinstance(prompt, str):
+    if body.suffix:  # fill in the middle, between the prompt and the suffix
+        if body.echo or not isinstance(prompt, str):
+            raise bad_request("suffix needs a text prompt (the code before it) and no echo", "suffix")
+        ids, text = fim.prompt(service, prompt, body.suffix, n_predict=body.max_tokens or -1), ""
+    elif isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
         ids = service.tokenizer.encode(prompt, add_special=True, parse_special=True)

@@ -48,6 +48,7 @@ COUNTED_PATHS = {
     "/tokenizer_info",
     "/completion",
     "/completions",
+    "/infill",
     "/apply-template",
     "/props",
     "/api/chat",
