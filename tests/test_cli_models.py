@@ -170,7 +170,9 @@ def test_serve_logs_loading_and_each_request_and_is_listed_by_ps(home, tiny):
     )
     assert logged, log
     total, first, size, sent, accepted, engine = (int(g) for g in logged.groups())
-    assert size == len(answer) and sent <= accepted <= first <= total and accepted + engine <= total + 1
+    # the engine counts its first token from its own queueing, between `sent` and `accepted` (its submit call
+    # returns after it: a clean-clone CI run under load logged accepted 25 ms, first token 6 ms after, total 28)
+    assert size == len(answer) and sent <= accepted <= first <= total and sent + engine <= total + 1
     assert json.loads(CliRunner().invoke(cli, ["ps", "--json"]).stdout) == []
 
 
