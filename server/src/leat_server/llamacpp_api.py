@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from leat import __version__
+from leat.plugins import host as plugin_host
+from leat.sampling import fields as sampling_fields
 
 from leat_server import constrained, fim
 from leat_server.errors import bad_request, unsupported
@@ -34,8 +36,6 @@ NEUTRAL = {
     "t_max_predict_ms": 0,
     "n_indent": 0,
 }
-#: accepted with no effect: llama-server's scheduling and cache settings (leat's engine decides them)
-IGNORED = ("cache_prompt", "id_slot", "n_keep", "min_keep", "n_cache_reuse", "timings_per_token", "samplers")
 
 
 class CompletionRequest(Body):
@@ -76,6 +76,7 @@ class CompletionRequest(Body):
     dry_sequence_breakers: list[str] | None = None
     t_max_predict_ms: int | None = None
     n_indent: int | None = None
+    # accepted with no effect: llama-server's scheduling and cache settings (leat's engine decides them)
     cache_prompt: bool | None = None
     id_slot: int | None = None
     n_keep: int | None = None
@@ -192,7 +193,11 @@ def _jobs(service: Service, body: CompletionRequest, owner: str | None, prompts:
         raise bad_request(f"prompts times n_cmpl must be 1..{MAX_CHOICES}", "n_cmpl")
     if body.grammar is not None and body.json_schema is not None:
         raise bad_request("give grammar or json_schema, not both", "grammar")
+    known = sampling_fields(plugin_host())  # the loaded sampler stages' fields
     fields = {name: getattr(body, name) for name in SAMPLING}
+    missing = [name for name, value in fields.items() if value is not None and name not in known]
+    if missing:
+        raise unsupported(missing[0], "no installed sampler takes it")
     jobs = []
     for ids in prompts:
         for index in range(body.n_cmpl):
