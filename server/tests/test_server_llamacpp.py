@@ -10,22 +10,9 @@ import httpx
 import leat
 import openai
 import pytest
-from leat.testing import write_tiny_gguf
-from leat_arch_llama.llama import Llama
-from leat_server.testing import ServerProcess, greedy_text
+from leat_server.testing import greedy_text
 
 GREEDY = {"temperature": 0, "n_predict": 8}
-
-
-@pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    return write_tiny_gguf(Llama, tmp_path_factory.mktemp("llamacpp") / "tiny.gguf", params=Llama.tiny(context=512))
-
-
-@pytest.fixture(scope="module")
-def server(path):
-    with ServerProcess(path, ["--backend", "cpu", "--batch-size", "4"], timeout=120) as proc:
-        yield proc
 
 
 @pytest.fixture(scope="module")

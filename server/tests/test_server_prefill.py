@@ -10,23 +10,10 @@ import leat
 import ollama
 import openai
 import pytest
-from leat.testing import write_tiny_gguf
-from leat_arch_llama.llama import Llama
-from leat_server.testing import ServerProcess, greedy_text
+from leat_server.testing import greedy_text
 
 PREFILL = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "Once upon"}]
 CHATML = "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\nOnce upon"
-
-
-@pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    return write_tiny_gguf(Llama, tmp_path_factory.mktemp("prefill") / "tiny.gguf", params=Llama.tiny(context=512))
-
-
-@pytest.fixture(scope="module")
-def server(path):
-    with ServerProcess(path, ["--backend", "cpu"], timeout=120) as proc:
-        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -519,9 +519,9 @@ def create_app(
         return _json(await on_session(request, Service.restore_session, name))
 
     # --- llama-server's own endpoints (llamacpp_api) ---------------------------------------------------------------
-    @post(["/completion", "/completions"], status_code=200)
-    async def llama_completion(request: Request) -> Response | Stream:
-        lease, body, jobs = await prepare(request, llamacpp_api.CompletionRequest, llamacpp_api.completion_jobs)
+    async def llama_generation(request: Request, kind: type, make: Callable[[Service, Any, str | None], Any]):
+        """/completion and /infill: whole (an answer a prompt, an array for several) or streamed."""
+        lease, body, jobs = await prepare(request, kind, make)
         with lease:
             service = lease.service
             handles = await submit(service, jobs)
@@ -531,16 +531,13 @@ def create_app(
             answers = [llamacpp_api.completion_body(service, job, i, body) for i, job in enumerate(jobs)]
             return _json(answers if len(answers) > 1 else answers[0])
 
+    @post(["/completion", "/completions"], status_code=200)
+    async def llama_completion(request: Request) -> Response | Stream:
+        return await llama_generation(request, llamacpp_api.CompletionRequest, llamacpp_api.completion_jobs)
+
     @post("/infill", status_code=200)
     async def llama_infill(request: Request) -> Response | Stream:
-        lease, body, jobs = await prepare(request, llamacpp_api.InfillRequest, llamacpp_api.infill_jobs)
-        with lease:
-            service = lease.service
-            handles = await submit(service, jobs)
-            if body.stream:
-                return _stream(lease, jobs, handles, llamacpp_api.completion_stream(service, jobs, handles, body))
-            await finish(request, service, jobs, handles)
-            return _json(llamacpp_api.completion_body(service, jobs[0], 0, body))
+        return await llama_generation(request, llamacpp_api.InfillRequest, llamacpp_api.infill_jobs)
 
     @post("/apply-template", status_code=200)
     async def llama_apply_template(request: Request) -> Response:
