@@ -519,7 +519,9 @@ def create_app(
         return _json(await on_session(request, Service.restore_session, name))
 
     # --- llama-server's own endpoints (llamacpp_api) ---------------------------------------------------------------
-    async def llama_generation(request: Request, kind: type, make: Callable[[Service, Any, str | None], Any]):
+    async def llama_generation(
+        request: Request, kind: type, make: Callable[[Service, Any, str | None], Any]
+    ) -> Response | Stream:
         """/completion and /infill: whole (an answer a prompt, an array for several) or streamed."""
         lease, body, jobs = await prepare(request, kind, make)
         with lease:
