@@ -25,6 +25,7 @@ from leat_server.schemas import (
     TextPart,
 )
 from leat_server.service import Job, Service, TokenLogprob
+from leat_server.token_rules import TokenRules
 
 MAX_STOPS = 16
 MAX_CHOICES = 16  # `n`, and `n` times the prompts of a completions batch
@@ -127,6 +128,27 @@ def template_messages(messages: list[ChatMessage], images: Images) -> list[dict[
             entry["reasoning_content"] = m.reasoning_content
         out.append(entry)
     return out
+
+
+def token_controls(service: Service, body: Sampling, max_tokens: int | None) -> tuple[list, frozenset[int]]:
+    """vLLM's token-level controls: the processor of ``allowed_token_ids`` and ``min_tokens`` (none when neither is
+    asked for), and the ``stop_token_ids``."""
+    vocab = service.model.architecture.vocab_size
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        ids = getattr(body, name)
+        if ids is not None and not all(0 <= t < vocab for t in ids):
+            raise bad_request(f"{name}: token ids must be in 0..{vocab - 1}", name)
+    if body.allowed_token_ids is not None and not body.allowed_token_ids:
+        raise bad_request("allowed_token_ids is empty: nothing could be sampled", "allowed_token_ids")
+    if max_tokens is not None and body.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({body.min_tokens}) is over max_tokens ({max_tokens})", "min_tokens")
+    stops = frozenset(body.stop_token_ids or ())
+    if body.allowed_token_ids is None and not body.min_tokens:
+        return [], stops
+    if not service.supports("processors"):
+        raise unsupported("min_tokens", "token controls need per-request logits processors, which this engine lacks")
+    banned = sorted(service.tokenizer.eog_ids | stops) if body.min_tokens else []
+    return [TokenRules(body.allowed_token_ids, banned, body.min_tokens)], stops
 
 
 def prefilled(messages: list[dict[str, Any]]) -> bool:
@@ -304,19 +326,23 @@ def chat_job(service: Service, body: ChatCompletionRequest, owner: str | None, i
         processors += tool_constraint(service, tools, forced)
     else:
         processors += guided or format_constraint(service, body.response_format, "response_format")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    controls, stop_ids = token_controls(service, body, max_tokens)
     return Job(
         endpoint="chat",
         prompt_ids=ids,
         images=spans,
-        max_tokens=body.max_completion_tokens or body.max_tokens,
+        max_tokens=max_tokens,
+        stop_ids=stop_ids,
+        include_stop=body.include_stop_str_in_output,
         sampling=service.sampling(sampling_fields(body, index)),
         stop=stop_list(body.stop),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         ignore_eos=body.ignore_eos,
-        processors=processors,
+        processors=processors + controls,
         parser=service.output_parser(mode == "auto", text),
         forced_calls=forced,
-        skip_special=service.skip_special(mode == "auto"),
+        skip_special=service.skip_special(mode == "auto") and body.skip_special_tokens,
         client=body.user,
         session=body.session,
         owner=owner,
@@ -489,6 +515,7 @@ def completion_job(
             TokenLogprob(t, service.piece(t), lp, [(u, service.piece(u), v) for u, v in top])
             for t, (lp, top) in zip(ids[1:], scores)
         ]
+    controls, stop_ids = token_controls(service, body, body.max_tokens)
     job = Job(
         endpoint="completions",
         prompt_ids=ids,
@@ -496,9 +523,12 @@ def completion_job(
         max_tokens=body.max_tokens,
         sampling=service.sampling(sampling_fields(body, index)),
         stop=stop_list(body.stop),
+        stop_ids=stop_ids,
+        include_stop=body.include_stop_str_in_output,
+        skip_special=body.skip_special_tokens,
         logprobs=body.logprobs,
         ignore_eos=body.ignore_eos,
-        processors=processors,
+        processors=processors + controls,
         client=body.user,
         session=body.session,
         owner=owner,

@@ -137,6 +137,12 @@ class Sampling(Body):
     stop: str | list[str] | None = None
     n: Positive = 1
     ignore_eos: bool = False
+    # vLLM's token-level controls (openai_api.token_controls)
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     session: str | None = None  # an engine session: its KV is kept and the next request extends it
     user: str | None = None
     metadata: dict[str, str] | None = None

@@ -86,6 +86,8 @@ class Job:
     processors: list[Callable] = field(default_factory=list)
     parser: OutputParser | ReasoningSplitter = field(default_factory=OutputParser)
     forced_calls: str | None = None  # the output is one JSON tool call: "any" {name, arguments}, or a tool's arguments
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the output (not in it): vLLM's stop_token_ids
+    include_stop: bool = False  # the stop string that ended the output stays in it
     skip_special: bool = True
     client: str | None = None  # the client's own tag (``user``): its prefix-cache namespace within the owner's
     session: str | None = None  # as the client names it
@@ -436,8 +438,14 @@ class Service:
         result = job.result
         if not result.token_ids and self.metrics and not job.settled:
             self.metrics.first_token(job.endpoint, time.perf_counter() - job.started)
-        read = text.ids_read
-        chunk = text.feed(event.ids)
+        read, ids, stopped = text.ids_read, event.ids, text.stopped
+        ended = next((i for i, token in enumerate(ids) if token in job.stop_ids), None) if job.stop_ids else None
+        chunk = text.feed(ids if ended is None else ids[:ended])
+        if ended is not None and not text.stopped:  # a stop token: what is held back is text, and the output ends
+            chunk += text.flush()
+            text.stopped = True
+        if job.include_stop and text.matched and not stopped:  # the stop string that ended it, once
+            chunk += text.matched
         used = text.ids_read - read
         result.token_ids.extend(event.ids[:used])
         if job.logprobs is not None and event.logprobs is not None:
