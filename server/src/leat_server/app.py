@@ -246,15 +246,19 @@ def create_app(
     bodies = request_bodies()
 
     async def prepare(
-        request: Request, kind: type, make: Callable[[Service, Any, str | None], Any], name: str | None = None
+        request: Request,
+        kind: type,
+        make: Callable[[Service, Any, str | None], Any],
+        name: str | None = None,
+        decoded: Any = None,
     ) -> Any:
-        """A lease on the model the body names (or ``name``), the body decoded, and ``make(service, body, owner)``
-        run on a worker thread: ``(lease, body, made)``."""
+        """A lease on the model the body names (or ``name``), the body decoded (unless the caller has: ``decoded``),
+        and ``make(service, body, owner)`` run on a worker thread: ``(lease, body, made)``."""
         raw, owner = await _read(request), _owner(request)
         lease = await models.acquire(models.route(raw) if name is None else name)
 
         def work() -> tuple[Any, Any]:
-            body = decode(raw, kind)
+            body = decode(raw, kind) if decoded is None else decoded
             return body, make(lease.service, body, owner)
 
         try:
@@ -568,7 +572,7 @@ def create_app(
             await models.load_now(name)
             return _json(ollama_api.empty_answer(body.model, endpoint, "load"))
         make = ollama_api.chat_job if chat else ollama_api.generate_job
-        lease, body, job = await prepare(request, kind, make, name)
+        lease, body, job = await prepare(request, kind, make, name, body)
         with lease:
             service = lease.service
             handle = await service.submit(job)
@@ -609,9 +613,8 @@ def create_app(
         if not (named.model or named.name):
             raise bad_request("send the model to show", "model")
         name = ollama_api.served_name(models.by_name, named.model or named.name or "")
-        lease, _, answer = await prepare(
-            request, ollama_api.ShowRequest, ollama_api.show, name if models.routing else ""
-        )
+        routed = name if models.routing else ""
+        lease, _, answer = await prepare(request, ollama_api.ShowRequest, ollama_api.show, routed, named)
         lease.release()
         return _json(answer)
 

@@ -23,7 +23,7 @@ from leat.sampling import fields as sampling_fields
 from leat_server import constrained, fim
 from leat_server.errors import bad_request, unsupported
 from leat_server.images import Images
-from leat_server.openai_api import MAX_CHOICES, sse, stop_list, template_messages
+from leat_server.openai_api import MAX_CHOICES, choice_seed, sse, stop_list, template_messages
 from leat_server.schemas import Body, ChatMessage, Seed
 from leat_server.service import Job, Service, TokenLogprob
 
@@ -201,8 +201,7 @@ def _jobs(service: Service, body: CompletionRequest, owner: str | None, prompts:
     jobs = []
     for ids in prompts:
         for index in range(body.n_cmpl):
-            seed = fields["seed"]
-            choice = {**fields, "seed": (seed + index) % 2**64 if index and seed not in (None, -1) else seed}
+            choice = {**fields, "seed": choice_seed(fields["seed"], index)}
             processors = _bias(service, body.logit_bias)
             if body.grammar is not None or body.json_schema is not None:
                 param = "grammar" if body.grammar is not None else "json_schema"

@@ -30,7 +30,7 @@ from msgspec import Struct
 from leat_server import constrained, fim
 from leat_server.errors import APIError, bad_request, unsupported
 from leat_server.images import Images, decode
-from leat_server.openai_api import plan_tools, prefilled
+from leat_server.openai_api import logprob_json, plan_tools, prefilled
 from leat_server.reasoning import Reasoning
 from leat_server.service import Job, Service
 
@@ -350,19 +350,6 @@ def _stats(job: Job) -> dict[str, Any]:
     }
 
 
-def _token_logprobs(lps: list[Any]) -> list[dict[str, Any]]:
-    """Ollama's logprobs of tokens: each token's text, logprob and bytes, and its alternatives."""
-    return [
-        {
-            "token": lp.text,
-            "logprob": lp.logprob,
-            "bytes": list(lp.text.encode()),
-            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for _, t, v in lp.top],
-        }
-        for lp in lps
-    ]
-
-
 def _call(call: Any) -> dict[str, Any]:
     return {"function": {"name": call.name, "arguments": msgspec.json.decode(call.arguments or "{}")}}
 
@@ -376,7 +363,7 @@ def chat_body(model: str, job: Job) -> dict[str, Any]:
         message["tool_calls"] = [_call(c) for c in r.tool_calls]
     body = {"model": model, "created_at": now(), "message": message, **_stats(job)}
     if job.logprobs is not None:
-        body["logprobs"] = _token_logprobs(r.logprobs)
+        body["logprobs"] = [logprob_json(lp) for lp in r.logprobs]
     return body
 
 
@@ -392,7 +379,7 @@ async def chat_stream(model: str, service: Service, job: Job, handle: Any) -> As
             message = {"role": "assistant", "content": piece.text}
         chunk = {"model": model, "created_at": now(), "message": message, "done": False}
         if job.logprobs is not None:
-            chunk["logprobs"] = _token_logprobs(piece.logprobs)
+            chunk["logprobs"] = [logprob_json(lp) for lp in piece.logprobs]
         yield line(chunk)
     end = {"role": "assistant", "content": ""}
     yield line({"model": model, "created_at": now(), "message": end, **_stats(job)})
@@ -404,7 +391,7 @@ def generate_body(model: str, job: Job) -> dict[str, Any]:
     if r.reasoning:
         body["thinking"] = r.reasoning
     if job.logprobs is not None:
-        body["logprobs"] = _token_logprobs(r.logprobs)
+        body["logprobs"] = [logprob_json(lp) for lp in r.logprobs]
     return body | _stats(job) | {"context": job.prompt_ids + r.token_ids}
 
 
@@ -415,7 +402,7 @@ async def generate_stream(model: str, service: Service, job: Job, handle: Any) -
         field = "thinking" if piece.kind == "reasoning" else "response"
         chunk = {"model": model, "created_at": now(), "response": "", field: piece.text, "done": False}
         if job.logprobs is not None:
-            chunk["logprobs"] = _token_logprobs(piece.logprobs)
+            chunk["logprobs"] = [logprob_json(lp) for lp in piece.logprobs]
         yield line(chunk)
     final = {"model": model, "created_at": now(), "response": ""} | _stats(job)
     yield line(final | {"context": job.prompt_ids + job.result.token_ids})

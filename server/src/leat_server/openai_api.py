@@ -38,9 +38,13 @@ def sampling_fields(body: Sampling, index: int = 0) -> dict[str, Any]:
     fields = {name: getattr(body, name) for name in body.__struct_fields__}
     if fields.get("repeat_penalty") is None:
         fields["repeat_penalty"] = body.repetition_penalty
-    if index and fields.get("seed") not in (None, -1):
-        fields["seed"] = (fields["seed"] + index) % 2**64
+    fields["seed"] = choice_seed(fields.get("seed"), index)
     return fields
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request's: the request's plus the index (None and -1, random, stay so)."""
+    return (seed + index) % 2**64 if index and seed not in (None, -1) else seed
 
 
 def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
