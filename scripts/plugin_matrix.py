@@ -17,6 +17,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FAILURE_LINES = 40  # of a failing plugin's report, printed (twice at most): CI keeps the end of the log
 
 
 def members() -> list[tuple[str, Path]]:
@@ -66,6 +67,10 @@ def run_alone(name: str, folder: Path) -> tuple[str, str, float]:
     for line in tests.stdout.splitlines():  # which tests, so that a run's log says what failed alone
         if line.startswith(("FAILED ", "ERROR ")):
             print(f"  {name}: {line}", flush=True)
+    if tests.returncode:  # and why: the failures' errors, then the end of their report (what the last one printed)
+        report = tests.stdout.split(" FAILURES ", 1)[-1].split(" short test summary info ", 1)[0].splitlines()
+        errors = [line for line in report if line.startswith("E ")][:FAILURE_LINES]
+        print("\n".join(f"  | {line}" for line in [*errors, "...", *report[-FAILURE_LINES:]]), flush=True)
     return status, summary, time.perf_counter() - started
 
 

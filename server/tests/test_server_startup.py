@@ -1,13 +1,20 @@
 """`leat serve` says when it is ready and where its start-up time went, in one process and with API processes."""
 
+import http.server
 import re
+import socket
+import subprocess
+import sys
+import threading
 import time
 
+import httpx
 import pytest
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
+from leat_server import testing
 from leat_server.startup import processes_line
-from leat_server.testing import ServerProcess
+from leat_server.testing import ServerProcess, free_port
 
 READY = re.compile(r"^leat: ready in (\d+\.\d\d) s \((.+)\)$", re.MULTILINE)
 PART = re.compile(r"([A-Za-z' -]+?) (\d+\.\d\d) s")
@@ -54,3 +61,48 @@ def test_the_line_follows_the_last_api_process_and_the_engine():
     named = parts(READY.search(line).group(2))
     assert (named["their start"], named["connect"], named["app"], named["warm-up"]) == (0.25, 0.0, 0.25, 0.25)
     assert named["API workers' start"] == 1.8  # the slower one's, though it was not the last
+
+
+class Healthy(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("workers", "answers"), [(0, True), (0, False), (2, False)])
+def test_a_port_taken_before_the_server_binds_it_is_given_up_for_another(model_path, monkeypatch, workers, answers):
+    """A port found free can be taken before ``leat serve`` binds it: by a server whose /health answers (the test
+    would have taken it for this one's) or by any socket, which the server's bind then fails on with a clear error.
+    Either way the test server starts again on another port."""
+    other = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), Healthy if answers else http.server.BaseHTTPRequestHandler
+    )
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    taken = other.server_address[1]
+    ports = [taken]
+    monkeypatch.setattr(testing, "free_port", lambda: ports.pop() if ports else free_port())
+    try:
+        with ServerProcess(model_path, ["--backend", "cpu", "--api-workers", str(workers)], timeout=120) as server:
+            assert ports == [] and server.port != taken
+            assert testing._listens(server.process.pid, server.port) and not testing._listens(server.process.pid, taken)
+            assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "tiny"
+    finally:
+        other.shutdown()
+        other.server_close()
+
+
+def test_a_port_in_use_is_a_clear_error_before_the_model_loads(model_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for workers in (0, 2):
+            args = ["serve", str(model_path), "--port", str(port), "--backend", "cpu", "--api-workers", str(workers)]
+            command = [sys.executable, "-m", "leat", *args]
+            done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+            assert done.returncode != 0 and "Traceback" not in done.stderr + done.stdout
+            assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in done.stderr
+            assert "pick another --port" in done.stderr and "leat: serving" not in done.stdout  # before the load

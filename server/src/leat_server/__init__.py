@@ -176,9 +176,10 @@ def serve(options: ServeOptions, load_model: Any) -> None:
     if options.api_workers:
         serve_processes(options, load_model, where, keys)
         return
-    from leat_server.startup import one_process_line, process_start
+    from leat_server.startup import listening_socket, one_process_line, process_start
 
     marks = {"loading": time.time()}  # also when this process started, where /proc does not say
+    sock = listening_socket(options.host, options.port, listen=False)
     model = load_model()
     marks["loaded"] = time.time()
     app, engine = build(options, model, keys)
@@ -197,12 +198,12 @@ def serve(options: ServeOptions, load_model: Any) -> None:
         print(one_process_line(process_start(marks["loading"]), marks | {"ready": time.time()}), flush=True)
 
     try:
-        _run(app, options, ready)
+        _run(app, options, sock, ready)
     finally:
         engine.stop()
 
 
-def _run(app: Any, options: ServeOptions, ready: Any = lambda: None) -> None:
+def _run(app: Any, options: ServeOptions, sock: Any, ready: Any = lambda: None) -> None:
     import uvicorn
 
     from leat_server.startup import Server
@@ -216,7 +217,7 @@ def _run(app: Any, options: ServeOptions, ready: Any = lambda: None) -> None:
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
-    Server(config, ready).run()
+    Server(config, ready).run(sockets=[sock])
 
 
 def serve_models(options: ServeOptions, specs: list[Any], load_model: Any, changed: Any = None) -> None:
@@ -225,6 +226,7 @@ def serve_models(options: ServeOptions, specs: list[Any], load_model: Any, chang
     from leat_server.app import create_app
     from leat_server.metrics import Metrics
     from leat_server.models import Models, estimate_bytes
+    from leat_server.startup import listening_socket
 
     keys = open_keys(options)
     where = f"http://{'[' + options.host + ']' if ':' in options.host else options.host}:{options.port}"
@@ -244,12 +246,13 @@ def serve_models(options: ServeOptions, specs: list[Any], load_model: Any, chang
     metrics = Metrics(models)
     app = create_app(models, metrics, keys, options.host, options.port, options.allow_origins)
     sys.setswitchinterval(0.0005)  # as serve() does, for each model's scheduler thread
+    sock = listening_socket(options.host, options.port, listen=False)
     models.preload()
     names = ", ".join(spec.name for spec in specs)
     budget = f"; up to {options.models_memory / 2**30:.2f} GiB loaded" if options.models_memory else ""
     print(f"leat: serving {names} on {where} (keys {'on' if keys else 'off'}{budget})", flush=True)
     try:
-        _run(app, options)
+        _run(app, options, sock)
     finally:
         models.stop()
 

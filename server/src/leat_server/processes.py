@@ -178,10 +178,9 @@ class Supervisor:
         self.folder = tempfile.mkdtemp(prefix="leat-serve-")
         self.address = str(Path(self.folder) / "engine.sock")
         self.authkey = os.urandom(32)
-        self.sock = socket.create_server((options.host, options.port), family=_family(options.host), reuse_port=False)
-        # accepted connections inherit it; asyncio sets it only on sockets it made, so without it Nagle's algorithm
-        # and delayed acknowledgements hold each response ~40 ms
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        from leat_server.startup import listening_socket
+
+        self.sock = listening_socket(options.host, options.port)
         self.engine: Any = None
         self.frontends: list[Any] = []
         self.stopping = threading.Event()
@@ -286,7 +285,3 @@ class Supervisor:
         with contextlib.suppress(OSError):
             os.unlink(self.address)
             os.rmdir(self.folder)
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET

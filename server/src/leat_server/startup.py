@@ -6,12 +6,42 @@ load)``."""
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+from leat.errors import LeatError
+
+
+def listening_socket(host: str, port: int, listen: bool = True) -> socket.socket:
+    """The server's socket, bound to ``host:port`` before the model loads, so that a port in use or a wrong host is a
+    clear error at once (not a traceback, or a log line after a long load). ``listen=False`` leaves connections
+    refused until uvicorn listens on it, once the model has loaded (one process; API processes accept while it loads).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own: restarts bind at once
+        sock.bind((host, port))
+        if listen:
+            sock.listen(2048)  # uvicorn's default backlog
+    except OSError as e:
+        sock.close()
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        hint = {
+            errno.EADDRINUSE: ": another program (or leat serve) is listening there; pick another --port",
+            errno.EACCES: ": ports below 1024 need privileges; pick another --port",
+            errno.EADDRNOTAVAIL: ": --host must be an address of this machine (0.0.0.0: all of them)",
+        }.get(e.errno, "")
+        raise LeatError(f"cannot serve on {where}: {e.strerror or e}{hint}") from None
+    # accepted connections inherit it; asyncio sets it only on sockets it made, so without it Nagle's algorithm and
+    # delayed acknowledgements hold each response ~40 ms
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def process_start(default: float) -> float:

@@ -20,6 +20,21 @@ def greedy_text(model: str | Path, prompt: str | list[int], max_tokens: int) -> 
     return "".join(t.text for t in loaded.generate(prompt, max_tokens=max_tokens, sampling={"temperature": 0}))
 
 
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the socket listening on ``port`` (from /proc: True where there is none)."""
+    try:
+        held = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+            listening = [row[9] for row in rows if row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port]
+            if any(f"socket:[{inode}]" in held for inode in listening):
+                return True
+    except (OSError, ValueError, IndexError):
+        return True
+    return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -27,29 +42,48 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``leat serve MODEL ARGS`` on 127.0.0.1; ``url`` once /health answers. Use as a context manager."""
+    """``leat serve MODEL ARGS`` on 127.0.0.1; ``url`` once /health answers. Use as a context manager.
+
+    The port is picked free, then bound by the server a moment later: another process can take it in between (a
+    parallel test run's server, a connection's local port). A server that finds it taken exits, and one that answers
+    /health there may be the other process's; either way this one starts again on another port."""
 
     def __init__(self, model: str | Path, args: list[str] = (), env: dict[str, str] | None = None, timeout: float = 60):
+        self.arguments = [sys.executable, "-m", "leat", "serve", str(model), "--port"], list(args)
+        self.env = {**os.environ, **(env or {})}
+        for _ in range(3):
+            if self._start(timeout):
+                return
+            self.stop()
+        self._fail("leat serve found its port taken three times")
+
+    def _start(self, timeout: float) -> bool:
+        """Start on a free port; True once this process answers /health there, False if the port was taken."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"leat-serve-{self.port}.log"
-        command = [sys.executable, "-m", "leat", "serve", str(model), "--port", str(self.port), *args]
+        command, rest = self.arguments
         self._log_file = open(self.log, "w")  # noqa: SIM115 (open for the life of the process)
         self.process = subprocess.Popen(
-            command, stdout=self._log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            [*command, str(self.port), *rest], stdout=self._log_file, stderr=subprocess.STDOUT, env=self.env
         )
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"leat serve exited with {self.process.returncode}:\n{self.output()}")
+                if "address already in use" in self.output().lower():
+                    return False
+                self._fail(f"leat serve exited with {self.process.returncode}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1):
-                    break
+                    return _listens(self.process.pid, self.port)
             except OSError:
                 if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"leat serve did not answer within {timeout} s:\n{self.output()}") from None
+                    self._fail(f"leat serve did not answer within {timeout} s")
                 time.sleep(0.1)
+
+    def _fail(self, why: str) -> None:
+        self.stop()
+        raise RuntimeError(f"{why}:\n{self.log.read_text(errors='replace')}")
 
     def output(self) -> str:
         self._log_file.flush()
@@ -68,5 +102,7 @@ class ServerProcess:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         self.stop()
+        if kind is not None:  # a failing test shows what the server printed (pytest reports a failure's stdout)
+            print(f"--- leat serve's output ({self.log}):\n{self.log.read_text(errors='replace')}")
