@@ -85,6 +85,18 @@ def test_products_follow_float64(qtype, n):
     np.testing.assert_allclose(got, exact_product, rtol=0, atol=1e-4 * np.abs(exact_product).max())
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("k", [32, 96, 800])  # one group, three, 25: Q4_0's and Q4_1's decode takes groups in pairs
+def test_decode_products_of_an_odd_number_of_groups_follow_float64(qtype, k):
+    w, exact = weight(qtype, 37, k)
+    x = np.random.default_rng(4).standard_normal((3, k)).astype(np.float32)
+    rounded = native.library().has_gemm and qtype in native.library().integer_gemv
+    want = (rounded_activations(x, qtype) if rounded else x.astype(np.float64)) @ exact.T
+    for n in (1, 3):  # one token, and a tile of two then one
+        got = native.matmul(x[:n], w, threads=2)
+        np.testing.assert_allclose(got, want[:n], rtol=0, atol=2e-6 * np.abs(want).max(), err_msg=f"{n} tokens")
+
+
 @pytest.mark.parametrize("qtype, n", [(Q.Q4_K, 30), (Q.Q4_1, native.GEMV_ROWS)])  # the GEMM, the integer GEMV
 def test_product_rows_do_not_depend_on_the_batch_or_threads(qtype, n):
     if n > native.GEMV_ROWS and not native.library().has_gemm:

@@ -11,8 +11,9 @@
  *   gemm_<TYPE>(w, rows, k, x, n, y, xmax, threads): a prompt's product, with int16 activations and integer dot
  *       products (below, "prompt GEMM"), from a second decoder per type, ichunk_<TYPE> (on AVX2 gemmb_q4_k,
  *       gemmb_q6_k decode its panels a block at a time);
- *   igemv_<TYPE> (and on AVX2 igemvb_q4_k, igemvb_q6_k, a block at a time): a few rows' product with the GEMM's
- *       int16 activations (below, "decode GEMV with integer dot products").
+ *   igemv_<TYPE> (and on AVX2 igemvb_q4_k, igemvb_q6_k, a block at a time; with AVX-512 VBMI igemvb_q4_0,
+ *       igemvb_q4_1, two blocks at a time): a few rows' product with the GEMM's int16 activations (below, "decode
+ *       GEMV with integer dot products").
  * Rows are split over `threads` threads (the caller's and a pool's, below).
  */
 #include <pthread.h>
@@ -841,6 +842,13 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
 /* Entry point NAME of a decode product: rows first..last-1 (NAME_rows), IGEMV_TILE tokens at a time, then 2, then 1,
  * through TILE(job, row, r, t0, tokens); ROW_BYTES may use the entry point's k */
 #define IGEMV_ENTRY(NAME, TILE, ROW_BYTES, PANEL, OFFSETS)                                                          \
+    IGEMV_ROWS(NAME, TILE)                                                                                          \
+    void NAME(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax,           \
+              int threads) {                                                                                        \
+        gemm_job j_ = {w, rows, k, n, ROW_BYTES, NULL, NULL, NULL, y, PANEL, OFFSETS};                              \
+        igemv(&j_, x, xmax, threads, NAME##_rows);                                                                  \
+    }
+#define IGEMV_ROWS(NAME, TILE)                                                                                      \
     static void NAME##_rows(const void *arg, int64_t first, int64_t last) {                                        \
         const gemm_job *j = arg;                                                                                    \
         for (int64_t r = first; r < last; r++) {                                                                    \
@@ -853,11 +861,6 @@ static void igemv(gemm_job *j, const float *x, float xmax, int threads, range_fn
             }                                                                                                       \
             for (; t < j->n; t++) TILE(j, row, r, t, 1);                                                            \
         }                                                                                                           \
-    }                                                                                                               \
-    void NAME(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax,           \
-              int threads) {                                                                                        \
-        gemm_job j_ = {w, rows, k, n, ROW_BYTES, NULL, NULL, NULL, y, PANEL, OFFSETS};                              \
-        igemv(&j_, x, xmax, threads, NAME##_rows);                                                                  \
     }
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 /* A Q4_K block's 8 groups as wgroup pairs (straight from the nibbles), their 8 scales (d * scale) and 8 mins
@@ -992,6 +995,105 @@ void gemmb_q4_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64
 void gemmb_q6_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
     gemm_job j_ = {w, rows, k, n, k / 256 * 210, NULL, NULL, NULL, y, panelb_q6_k, OFFSETS_q6_k};
     gemm(&j_, x, xmax, threads);
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+/* Q4_0 and Q4_1 decode products two groups a step (entry points igemvb_q4_0, igemvb_q4_1, which native.py prefers to
+ * igemv_): one masked load takes a pair of blocks from the file's bytes, vpermb widens their 32 nibble bytes to int16
+ * and picks their f16 d (and m); the low nibbles of both groups in one register and the high in another, two
+ * vpdpwssd leave group g's exact int32 sums in lanes 0-7 and group g + 1's in lanes 8-15, and one conversion and one
+ * FMA (by [d_g s_g] x 8, [d_g+1 s_g+1] x 8) take both, where igemv_ converts and multiplies each group alone. x is laid
+ * out for it by igemv_pairs: per pair of groups, [x_g 0-15, x_g+1 0-15] and [x_g 16-31, x_g+1 16-31] as int16; the
+ * scales [s_g x 8, s_g+1 x 8]; the offsets' factors (m, or -8 for Q4_0's values d (q - 8), times s sum(q)) in lanes 2
+ * and 3, beside d's 0 and 1, which they multiply by nothing. A lone last group is a pair whose second is zeros. Each
+ * step prefetches the bytes PAIRS_AHEAD on (the next rows, at the end of one), which the hardware's prefetch left
+ * waiting. SmolLM2-135M's 1536 x 576 Q4_1 product in L2, one thread: 40-53 us against igemv_'s 58-74; its decode
+ * (tg64, 2-core AMD EPYC) 97.5-101 tok/s against 83.5-86 on one thread (docs/benchmarks.md). */
+#define PAIRS_AHEAD 4096
+static void igemv_pairs(gemm_job *j, const float *x, float xmax, int threads, range_fn rows, float factor) {
+    int64_t groups = j->k / 32, pairs = (groups + 1) / 2, half = j->k / 2;
+    int32_t *xu = malloc(sizeof(int32_t) * (size_t)(j->n * half));
+    float *xs = malloc(sizeof(float) * (size_t)(j->n * groups)), *xo = malloc(sizeof(float) * (size_t)(j->n * groups * 2));
+    int32_t *x2 = calloc((size_t)(j->n * pairs * 32), sizeof(int32_t));
+    float *scales = calloc((size_t)(j->n * pairs * 16), sizeof(float)), *offsets = calloc((size_t)(j->n * pairs * 4), sizeof(float));
+    quantize_x(x, j->n, j->k, xmax, xu, xs, xo);
+    for (int64_t t = 0; t < j->n; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            __m512i u = _mm512_loadu_si512(xu + t * half + 16 * g); /* pairs (x_p, x_p+16) */
+            int16_t *to = (int16_t *)(x2 + (t * pairs + g / 2) * 32) + 16 * (g % 2);
+            _mm256_storeu_si256((__m256i *)to, _mm512_cvtepi32_epi16(u));
+            _mm256_storeu_si256((__m256i *)(to + 32), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+            float *scale = scales + (t * pairs + g / 2) * 16 + 8 * (g % 2);
+            for (int i = 0; i < 8; i++) scale[i] = xs[t * groups + g];
+            offsets[(t * pairs + g / 2) * 4 + 2 + g % 2] = factor * (xo[t * 2 * groups + g] + xo[(t * 2 + 1) * groups + g]);
+        }
+    free(xu);
+    free(xs);
+    free(xo);
+    j->xu = x2, j->xs = scales, j->xo = offsets;
+    run(threads, j->rows, rows, j);
+    free(x2);
+    free(scales);
+    free(offsets);
+}
+/* per type: vpermb's indices that widen a pair's nibble bytes to int16, and that pick its f16 d d (m m) */
+static const uint8_t widen_q4_0[64] = {2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0, 16, 0, 17, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31, 0, 32, 0, 33, 0, 34, 0, 35, 0};
+static const uint8_t pick_q4_0[64] = {0, 1, 18, 19, 0, 1, 18, 19, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static const uint8_t widen_q4_1[64] = {4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0, 16, 0, 17, 0, 18, 0, 19, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31, 0, 32, 0, 33, 0, 34, 0, 35, 0, 36, 0, 37, 0, 38, 0, 39, 0};
+static const uint8_t pick_q4_1[64] = {0, 1, 20, 21, 2, 3, 22, 23, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+/* a row for tokens t0 .. t0 + tn - 1, its blocks of BLOCK bytes read through the type's tables */
+static inline __attribute__((always_inline)) void pairs_tile(const gemm_job *j, const uint8_t *row, int64_t r,
+                                                             int64_t t0, const int tn, const int block,
+                                                             const uint8_t *widen, const uint8_t *pick) {
+    int64_t groups = j->k / 32, pairs = (groups + 1) / 2;
+    const __m512i wide = _mm512_loadu_si512(widen), take = _mm512_loadu_si512(pick);
+    const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __mmask64 both = (1ull << (2 * block)) - 1, one = (1ull << block) - 1;
+    __m512 even[IGEMV_TILE], odd[IGEMV_TILE];
+    __m128 off[IGEMV_TILE];
+    for (int t = 0; t < tn; t++) even[t] = odd[t] = _mm512_setzero_ps(), off[t] = _mm_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        _mm_prefetch((const char *)(row + 2 * p * block + PAIRS_AHEAD), _MM_HINT_T0);
+        __m512i raw = _mm512_maskz_loadu_epi8(2 * p + 1 < groups ? both : one, row + 2 * p * block);
+        __m512i v = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, wide, raw);
+        __m512i low = _mm512_and_si512(v, _mm512_set1_epi16(15)), high = _mm512_srli_epi16(v, 4);
+        __m128 dm = _mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi8(take, raw))); /* d_g d_g+1 m_g m_g+1 */
+        __m512 d = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(dm));
+        for (int t = 0; t < tn; t++) {
+            const int32_t *xu = j->xu + ((t0 + t) * pairs + p) * 32;
+            __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(xu));
+            sum = _mm512_dpwssd_epi32(sum, high, _mm512_loadu_si512(xu + 16));
+            __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(j->xs + ((t0 + t) * pairs + p) * 16));
+            if (p % 2 == 0)
+                even[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, even[t]);
+            else
+                odd[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, odd[t]);
+            off[t] = _mm_fmadd_ps(dm, _mm_loadu_ps(j->xo + ((t0 + t) * pairs + p) * 4), off[t]);
+        }
+    }
+    for (int t = 0; t < tn; t++) {
+        __m128 o = off[t];
+        j->y[(t0 + t) * j->rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(even[t], odd[t])) + ((o[0] + o[1]) + (o[2] + o[3]));
+    }
+}
+static inline __attribute__((always_inline)) void pairs_tile_q4_0(const gemm_job *j, const uint8_t *row, int64_t r,
+                                                                  int64_t t0, const int tn) {
+    pairs_tile(j, row, r, t0, tn, 18, widen_q4_0, pick_q4_0);
+}
+static inline __attribute__((always_inline)) void pairs_tile_q4_1(const gemm_job *j, const uint8_t *row, int64_t r,
+                                                                  int64_t t0, const int tn) {
+    pairs_tile(j, row, r, t0, tn, 20, widen_q4_1, pick_q4_1);
+}
+IGEMV_ROWS(igemvb_q4_0, pairs_tile_q4_0)
+IGEMV_ROWS(igemvb_q4_1, pairs_tile_q4_1)
+void igemvb_q4_0(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
+    gemm_job j_ = {w, rows, k, n, k / 32 * 18, NULL, NULL, NULL, y, NULL, 0};
+    igemv_pairs(&j_, x, xmax, threads, igemvb_q4_0_rows, -8);
+}
+void igemvb_q4_1(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
+    gemm_job j_ = {w, rows, k, n, k / 32 * 20, NULL, NULL, NULL, y, NULL, 1};
+    igemv_pairs(&j_, x, xmax, threads, igemvb_q4_1_rows, 1);
 }
 #endif
 #define GEMM_KERNELS(NAME, QK, BYTES)                                                                               \
