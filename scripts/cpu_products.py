@@ -1,0 +1,102 @@
+"""The CPU backend's one-token products, kernel against kernel: each decode entry point the library has for a
+weight's type (``igemv_<type>``, and ``igemvb_<type>`` where it has one) on the same weights and activations.
+
+    uv run python scripts/cpu_products.py [--model default] [--rounds 3]
+
+Two measures, the entry points interleaved round by round: one layer's products alone, repeated, so that the
+weights stay in the core's L2 (what the kernel computes at, one thread); and every layer's products one after the
+other, as a decode step runs them, so that the weights stream from memory (one thread and two). Prints a markdown
+table: microseconds a product and GB/s of weight bytes, per round. What the entry points compute is checked by
+``backends/cpu/tests/test_cpu_quantized.py``; this only times them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from leat.modelfile import ModelFile
+from leat.pull import resolve
+from leat_backend_cpu import native
+from leat_backend_cpu.backend import CPUBackend
+
+
+def timed(entry, weight, x: np.ndarray, threads: int, reps: int) -> float:
+    """Seconds a call of ``entry`` on ``weight`` takes, the mean of ``reps`` after one to warm up."""
+    rows, k = weight.shape
+    y = np.empty((len(x), rows), np.float32)
+    args = (weight.address, rows, k, x, len(x), y, native.activation_range(weight.qtype), threads)
+    entry(*args)
+    started = time.perf_counter()
+    for _ in range(reps):
+        entry(*args)
+    return (time.perf_counter() - started) / reps
+
+
+def sweep(entry, weights: list, inputs: dict[int, np.ndarray], threads: int, sweeps: int = 5) -> float:
+    """Seconds one pass over ``weights`` takes (each product once, in order, as a decode step has them), the mean of
+    ``sweeps`` passes after one: more bytes than the caches hold, so each pass reads them from memory."""
+    calls = []
+    for w in weights:
+        x = inputs[w.shape[1]]
+        y = np.empty((1, w.shape[0]), np.float32)
+        calls.append((w.address, w.shape[0], w.shape[1], x, 1, y, native.activation_range(w.qtype), threads))
+    for call in calls:
+        entry(*call)
+    started = time.perf_counter()
+    for _ in range(sweeps):
+        for call in calls:
+            entry(*call)
+    return (time.perf_counter() - started) / sweeps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    file, backend, lib = ModelFile(resolve(args.model)), CPUBackend(), native.library()
+    weights = {
+        name: backend.upload(tensor)
+        for name, tensor in file.tensors.items()
+        if name.startswith("blk.") and len(tensor.shape) == 2 and tensor.qtype in lib.integer_gemv
+    }
+    rng = np.random.default_rng(0)
+    inputs = {k: rng.standard_normal((1, k)).astype(np.float32) for k in {w.shape[1] for w in weights.values()}}
+
+    def entries(qtype) -> list[str]:
+        name = qtype.name.lower()
+        return [e for e in (f"igemv_{name}", f"igemvb_{name}") if lib.has(e)]
+
+    print("| measure | entry point | threads | round | us a product | GB/s |")
+    print("|---|---|---:|---:|---:|---:|")
+    first = {}  # layer 0's weights, one of each shape and type: the in-L2 measure
+    for name, weight in weights.items():
+        if name.startswith("blk.0."):
+            first.setdefault((weight.qtype, weight.shape), (name, weight))
+    for round_ in range(args.rounds):
+        for name, weight in first.values():
+            for entry in entries(weight.qtype):
+                seconds = timed(lib.entry(entry), weight, inputs[weight.shape[1]], 1, 300)
+                print(
+                    f"| {name} {weight.shape[0]}x{weight.shape[1]} in L2 | {entry} | 1 | {round_} | "
+                    f"{seconds * 1e6:.1f} | {weight.nbytes / seconds / 1e9:.2f} |"
+                )
+        for threads in (1, 2):
+            by_type: dict = {}
+            for weight in weights.values():
+                by_type.setdefault(weight.qtype, []).append(weight)
+            for qtype, group in by_type.items():
+                total = sum(w.nbytes for w in group)
+                for entry in entries(qtype):
+                    seconds = sweep(lib.entry(entry), group, inputs, threads)
+                    print(
+                        f"| every layer's {qtype.name} ({len(group)} products, {total / 2**20:.1f} MiB), streamed | "
+                        f"{entry} | {threads} | {round_} | {seconds / len(group) * 1e6:.1f} | "
+                        f"{total / seconds / 1e9:.2f} |"
+                    )
+
+
+if __name__ == "__main__":
+    main()
