@@ -1008,8 +1008,8 @@ void gemmb_q6_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64
  * scales [s_g x 8, s_g+1 x 8]; the offsets' factors (m, or -8 for Q4_0's values d (q - 8), times s sum(q)) in lanes 2
  * and 3, beside d's 0 and 1, which they multiply by nothing. A lone last group is a pair whose second is zeros. Each
  * step prefetches the bytes PAIRS_AHEAD on (the next rows, at the end of one), which the hardware's prefetch left
- * waiting. SmolLM2-135M's 1536 x 576 Q4_1 product in L2, one thread: 40-53 us against igemv_'s 58-74; its decode
- * (tg64, 2-core AMD EPYC) 97.5-101 tok/s against 83.5-86 on one thread (docs/benchmarks.md). */
+ * waiting. SmolLM2-135M's 1536 x 576 Q4_1 product in L2, one thread, 40.6-46.6 us against igemv_'s 57.6-60.1; its
+ * decode on one thread 97.5 tok/s against 83.5 (docs/benchmarks.md, the forty-first session). */
 #define PAIRS_AHEAD 4096
 static void igemv_pairs(gemm_job *j, const float *x, float xmax, int threads, range_fn rows, float factor) {
     int64_t groups = j->k / 32, pairs = (groups + 1) / 2, half = j->k / 2;
