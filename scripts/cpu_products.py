@@ -5,7 +5,8 @@ weight's type (``igemv_<type>``, and ``igemvb_<type>`` where it has one) on the 
 
 Two measures, the entry points interleaved round by round: one layer's products alone, repeated, so that the
 weights stay in the core's L2 (what the kernel computes at, one thread); and every layer's products one after the
-other, as a decode step runs them, so that the weights stream from memory (one thread and two). Prints a markdown
+other, as a decode step runs them, so that the weights stream from memory (one thread and two), and the output's
+product (the embedding's where it is tied) alone. Prints a markdown
 table: microseconds a product and GB/s of weight bytes, per round. What the entry points compute is checked by
 ``backends/cpu/tests/test_cpu_quantized.py``; this only times them.
 """
@@ -57,10 +58,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     file, backend, lib = ModelFile(resolve(args.model)), CPUBackend(), native.library()
-    weights = {
+    weights = {  # the layers' products and the output's (the embedding where it is tied)
         name: backend.upload(tensor)
         for name, tensor in file.tensors.items()
-        if name.startswith("blk.") and len(tensor.shape) == 2 and tensor.qtype in lib.integer_gemv
+        if (
+            name.startswith("blk.")
+            or name == ("output.weight" if "output.weight" in file.tensors else "token_embd.weight")
+        )
+        and len(tensor.shape) == 2
+        and tensor.qtype in lib.integer_gemv
     }
     rng = np.random.default_rng(0)
     inputs = {k: rng.standard_normal((1, k)).astype(np.float32) for k in {w.shape[1] for w in weights.values()}}
@@ -84,15 +90,16 @@ def main() -> None:
                     f"{seconds * 1e6:.1f} | {weight.nbytes / seconds / 1e9:.2f} |"
                 )
         for threads in (1, 2):
-            by_type: dict = {}
-            for weight in weights.values():
-                by_type.setdefault(weight.qtype, []).append(weight)
-            for qtype, group in by_type.items():
+            by_kind: dict = {}
+            for name, weight in weights.items():
+                kind = f"every layer's {weight.qtype.name}" if name.startswith("blk.") else f"the output {name}"
+                by_kind.setdefault((kind, weight.qtype), []).append(weight)
+            for (kind, qtype), group in by_kind.items():
                 total = sum(w.nbytes for w in group)
                 for entry in entries(qtype):
                     seconds = sweep(lib.entry(entry), group, inputs, threads)
                     print(
-                        f"| every layer's {qtype.name} ({len(group)} products, {total / 2**20:.1f} MiB), streamed | "
+                        f"| {kind} ({len(group)} products, {total / 2**20:.1f} MiB), streamed | "
                         f"{entry} | {threads} | {round_} | {seconds / len(group) * 1e6:.1f} | "
                         f"{total / seconds / 1e9:.2f} |"
                     )

@@ -85,8 +85,8 @@ def test_products_follow_float64(qtype, n):
     np.testing.assert_allclose(got, exact_product, rtol=0, atol=1e-4 * np.abs(exact_product).max())
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
-@pytest.mark.parametrize("k", [32, 96, 800])  # one group, three, 25: Q4_0's and Q4_1's decode takes groups in pairs
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("k", [32, 96, 800])  # one group, three, 25: Q4_0, Q4_1 and Q5_0 decode groups in pairs
 def test_decode_products_of_an_odd_number_of_groups_follow_float64(qtype, k):
     w, exact = weight(qtype, 37, k)
     x = np.random.default_rng(4).standard_normal((3, k)).astype(np.float32)

@@ -6,8 +6,8 @@ rows at a time to int16 and multiplies them with exact integer dot products (AVX
 each decoded panel reused by every token (CPUs with neither decode tiles of rows to float32 for BLAS instead; ``gemmb``
 decodes the panels a block at a time where the library has it). A few rows (decode steps) go through ``igemv`` for
 the types of ``Kernels.integer_gemv`` (the same int16 activations, each 32 weight values decoded to int16 in
-registers; ``igemvb`` a block at a time, or for Q4_0 and Q4_1 two, where the library has it), else ``gemv``, which decodes blocks in registers
-and multiplies in float32. Attention over float32 or f16 KV pages, rms_norm, the gated
+registers; ``igemvb`` a block at a time, or for Q4_0, Q4_1 and Q5_0 two, where the library has it), else ``gemv``,
+which decodes blocks in registers and multiplies in float32. Attention over float32 or f16 KV pages, rms_norm, the gated
 activations and rope are one C call each. Work is split over ``threads`` threads (the caller's and a pool's; the C
 file says how).
 
@@ -97,7 +97,7 @@ class QuantizedWeight:
         name = self.qtype.name.lower()
         kinds += ("igemv",) if lib.has_gemm and self.qtype in lib.integer_gemv else ()
         self.kernels = {kind: lib.entry(f"{kind}_{name}") for kind in kinds}
-        for kind in ("igemv", "gemm"):  # by blocks (AVX2's Q4_K and Q6_K; AVX-512 VBMI's Q4_0 and Q4_1 decode)
+        for kind in ("igemv", "gemm"):  # by blocks (AVX2's Q4_K and Q6_K; AVX-512 VBMI's Q4_0, Q4_1, Q5_0 decode)
             if kind in kinds and lib.has(f"{kind}b_{name}"):
                 self.kernels[kind] = lib.entry(f"{kind}b_{name}")
         integer = "igemv" in self.kernels

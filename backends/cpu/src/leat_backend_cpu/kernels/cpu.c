@@ -12,8 +12,8 @@
  *       products (below, "prompt GEMM"), from a second decoder per type, ichunk_<TYPE> (on AVX2 gemmb_q4_k,
  *       gemmb_q6_k decode its panels a block at a time);
  *   igemv_<TYPE> (and on AVX2 igemvb_q4_k, igemvb_q6_k, a block at a time; with AVX-512 VBMI igemvb_q4_0,
- *       igemvb_q4_1, two blocks at a time): a few rows' product with the GEMM's int16 activations (below, "decode
- *       GEMV with integer dot products").
+ *       igemvb_q4_1, igemvb_q5_0, two blocks at a time): a few rows' product with the GEMM's int16 activations
+ *       (below, "decode GEMV with integer dot products").
  * Rows are split over `threads` threads (the caller's and a pool's, below).
  */
 #include <pthread.h>
@@ -999,15 +999,16 @@ void gemmb_q6_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
-/* Q4_0 and Q4_1 decode products two groups a step (entry points igemvb_q4_0, igemvb_q4_1, which native.py prefers to
- * igemv_): one masked load takes a pair of blocks from the file's bytes, vpermb widens their 32 nibble bytes to int16
- * and picks their f16 d (and m); the low nibbles of both groups in one register and the high in another, two
- * vpdpwssd leave group g's exact int32 sums in lanes 0-7 and group g + 1's in lanes 8-15, and one conversion and one
- * FMA (by [d_g s_g] x 8, [d_g+1 s_g+1] x 8) take both, where igemv_ converts and multiplies each group alone. x is laid
- * out for it by igemv_pairs: per pair of groups, [x_g 0-15, x_g+1 0-15] and [x_g 16-31, x_g+1 16-31] as int16; the
- * scales [s_g x 8, s_g+1 x 8]; the offsets' factors (m, or -8 for Q4_0's values d (q - 8), times s sum(q)) in lanes 2
- * and 3, beside d's 0 and 1, which they multiply by nothing. A lone last group is a pair whose second is zeros. Each
- * step prefetches the bytes PAIRS_AHEAD on (the next rows, at the end of one), which the hardware's prefetch left
+/* Q4_0, Q4_1 and Q5_0 decode products two groups a step (entry points igemvb_q4_0, igemvb_q4_1, igemvb_q5_0, which
+ * native.py prefers to igemv_): one masked load takes a pair of blocks from the file's bytes, vpermb widens their 32
+ * nibble bytes to int16 and picks their f16 d (and m); the low nibbles of both groups in one register and the high
+ * in another (Q5_0's fifth bits added by a masked add), two vpdpwssd leave group g's exact int32 sums in lanes 0-7
+ * and group g + 1's in lanes 8-15, and one conversion and one FMA (by [d_g s_g] x 8, [d_g+1 s_g+1] x 8) take both,
+ * where igemv_ converts and multiplies each group alone. x is laid out for it by igemv_pairs: per pair of groups,
+ * [x_g 0-15, x_g+1 0-15] and [x_g 16-31, x_g+1 16-31] as int16; the scales [s_g x 8, s_g+1 x 8]; the offsets'
+ * factors (m; -8 for Q4_0's values d (q - 8), -16 for Q5_0's d (q - 16); times s sum(q)) in lanes 2 and 3, beside
+ * d's 0 and 1, which they multiply by nothing. A lone last group is a pair whose second is zeros. Each step
+ * prefetches the bytes PAIRS_AHEAD on (the next rows, at the end of one), which the hardware's prefetch left
  * waiting. SmolLM2-135M's 1536 x 576 Q4_1 product in L2, one thread, 40.6-46.6 us against igemv_'s 57.6-60.1; its
  * decode on one thread 97.5 tok/s against 83.5 (docs/benchmarks.md, the forty-first session). */
 #define PAIRS_AHEAD 4096
@@ -1042,10 +1043,13 @@ static const uint8_t widen_q4_0[64] = {2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0,
 static const uint8_t pick_q4_0[64] = {0, 1, 18, 19, 0, 1, 18, 19, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 static const uint8_t widen_q4_1[64] = {4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0, 16, 0, 17, 0, 18, 0, 19, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31, 0, 32, 0, 33, 0, 34, 0, 35, 0, 36, 0, 37, 0, 38, 0, 39, 0};
 static const uint8_t pick_q4_1[64] = {0, 1, 20, 21, 2, 3, 22, 23, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-/* a row for tokens t0 .. t0 + tn - 1, its blocks of BLOCK bytes read through the type's tables */
+static const uint8_t widen_q5_0[64] = {6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 28, 0, 29, 0, 30, 0, 31, 0, 32, 0, 33, 0, 34, 0, 35, 0, 36, 0, 37, 0, 38, 0, 39, 0, 40, 0, 41, 0, 42, 0, 43, 0};
+static const uint8_t pick_q5_0[64] = {0, 1, 22, 23, 0, 1, 22, 23, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+/* a row for tokens t0 .. t0 + tn - 1, its blocks of BLOCK bytes read through the type's tables (FIFTH: Q5_0's
+ * fifth bits, 32 a block from byte 2, add 16 to the values whose bit is set) */
 static inline __attribute__((always_inline)) void pairs_tile(const gemm_job *j, const uint8_t *row, int64_t r,
                                                              int64_t t0, const int tn, const int block,
-                                                             const uint8_t *widen, const uint8_t *pick) {
+                                                             const uint8_t *widen, const uint8_t *pick, const int fifth) {
     int64_t groups = j->k / 32, pairs = (groups + 1) / 2;
     const __m512i wide = _mm512_loadu_si512(widen), take = _mm512_loadu_si512(pick);
     const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -1058,6 +1062,14 @@ static inline __attribute__((always_inline)) void pairs_tile(const gemm_job *j, 
         __m512i raw = _mm512_maskz_loadu_epi8(2 * p + 1 < groups ? both : one, row + 2 * p * block);
         __m512i v = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, wide, raw);
         __m512i low = _mm512_and_si512(v, _mm512_set1_epi16(15)), high = _mm512_srli_epi16(v, 4);
+        if (fifth) { /* bits 0-15 of each block's 32 go with the low nibbles, 16-31 with the high */
+            uint32_t bits, next = 0;
+            memcpy(&bits, row + 2 * p * block + 2, 4);
+            if (2 * p + 1 < groups) memcpy(&next, row + (2 * p + 1) * block + 2, 4);
+            __m512i sixteen = _mm512_set1_epi16(16);
+            low = _mm512_mask_add_epi16(low, (bits & 0xffff) | (next << 16), low, sixteen);
+            high = _mm512_mask_add_epi16(high, (bits >> 16) | (next & 0xffff0000u), high, sixteen);
+        }
         __m128 dm = _mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi8(take, raw))); /* d_g d_g+1 m_g m_g+1 */
         __m512 d = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(dm));
         for (int t = 0; t < tn; t++) {
@@ -1079,17 +1091,26 @@ static inline __attribute__((always_inline)) void pairs_tile(const gemm_job *j, 
 }
 static inline __attribute__((always_inline)) void pairs_tile_q4_0(const gemm_job *j, const uint8_t *row, int64_t r,
                                                                   int64_t t0, const int tn) {
-    pairs_tile(j, row, r, t0, tn, 18, widen_q4_0, pick_q4_0);
+    pairs_tile(j, row, r, t0, tn, 18, widen_q4_0, pick_q4_0, 0);
 }
 static inline __attribute__((always_inline)) void pairs_tile_q4_1(const gemm_job *j, const uint8_t *row, int64_t r,
                                                                   int64_t t0, const int tn) {
-    pairs_tile(j, row, r, t0, tn, 20, widen_q4_1, pick_q4_1);
+    pairs_tile(j, row, r, t0, tn, 20, widen_q4_1, pick_q4_1, 0);
+}
+static inline __attribute__((always_inline)) void pairs_tile_q5_0(const gemm_job *j, const uint8_t *row, int64_t r,
+                                                                  int64_t t0, const int tn) {
+    pairs_tile(j, row, r, t0, tn, 22, widen_q5_0, pick_q5_0, 1);
 }
 IGEMV_ROWS(igemvb_q4_0, pairs_tile_q4_0)
+IGEMV_ROWS(igemvb_q5_0, pairs_tile_q5_0)
 IGEMV_ROWS(igemvb_q4_1, pairs_tile_q4_1)
 void igemvb_q4_0(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
     gemm_job j_ = {w, rows, k, n, k / 32 * 18, NULL, NULL, NULL, y, NULL, 0};
     igemv_pairs(&j_, x, xmax, threads, igemvb_q4_0_rows, -8);
+}
+void igemvb_q5_0(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
+    gemm_job j_ = {w, rows, k, n, k / 32 * 22, NULL, NULL, NULL, y, NULL, 0};
+    igemv_pairs(&j_, x, xmax, threads, igemvb_q5_0_rows, -16);
 }
 void igemvb_q4_1(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
     gemm_job j_ = {w, rows, k, n, k / 32 * 20, NULL, NULL, NULL, y, NULL, 1};
