@@ -1,5 +1,6 @@
 """The CPU backend's one-token products, kernel against kernel: each decode entry point the library has for a
-weight's type (``igemv_<type>``, and ``igemvb_<type>`` where it has one) on the same weights and activations.
+weight's type (``gemv_<type>``, float32; ``igemv_<type>`` and ``igemvb_<type>``, int16 activations) on the same
+weights and activations. Which one a decode step uses: ``QuantizedWeight.step`` (native.py).
 
     uv run python scripts/cpu_products.py [--model default] [--rounds 3]
 
@@ -23,11 +24,18 @@ from leat_backend_cpu import native
 from leat_backend_cpu.backend import CPUBackend
 
 
-def timed(entry, weight, x: np.ndarray, threads: int, reps: int) -> float:
-    """Seconds a call of ``entry`` on ``weight`` takes, the mean of ``reps`` after one to warm up."""
+def arguments(name: str, weight, x: np.ndarray, threads: int) -> tuple:
+    """The entry point's arguments (gemv_ takes no activation range)."""
     rows, k = weight.shape
     y = np.empty((len(x), rows), np.float32)
-    args = (weight.address, rows, k, x, len(x), y, native.activation_range(weight.qtype), threads)
+    if name.startswith("gemv_"):
+        return (weight.address, rows, k, x, len(x), y, threads)
+    return (weight.address, rows, k, x, len(x), y, native.activation_range(weight.qtype), threads)
+
+
+def timed(name: str, weight, x: np.ndarray, threads: int, reps: int) -> float:
+    """Seconds a call of entry point ``name`` on ``weight`` takes, the mean of ``reps`` after one to warm up."""
+    entry, args = native.library().entry(name), arguments(name, weight, x, threads)
     entry(*args)
     started = time.perf_counter()
     for _ in range(reps):
@@ -35,14 +43,11 @@ def timed(entry, weight, x: np.ndarray, threads: int, reps: int) -> float:
     return (time.perf_counter() - started) / reps
 
 
-def sweep(entry, weights: list, inputs: dict[int, np.ndarray], threads: int, sweeps: int = 5) -> float:
+def sweep(name: str, weights: list, inputs: dict[int, np.ndarray], threads: int, sweeps: int = 5) -> float:
     """Seconds one pass over ``weights`` takes (each product once, in order, as a decode step has them), the mean of
     ``sweeps`` passes after one: more bytes than the caches hold, so each pass reads them from memory."""
-    calls = []
-    for w in weights:
-        x = inputs[w.shape[1]]
-        y = np.empty((1, w.shape[0]), np.float32)
-        calls.append((w.address, w.shape[0], w.shape[1], x, 1, y, native.activation_range(w.qtype), threads))
+    entry = native.library().entry(name)
+    calls = [arguments(name, w, inputs[w.shape[1]], threads) for w in weights]
     for call in calls:
         entry(*call)
     started = time.perf_counter()
@@ -66,14 +71,14 @@ def main() -> None:
             or name == ("output.weight" if "output.weight" in file.tensors else "token_embd.weight")
         )
         and len(tensor.shape) == 2
-        and tensor.qtype in lib.integer_gemv
+        and tensor.qtype in native.KERNEL_TYPES
     }
     rng = np.random.default_rng(0)
     inputs = {k: rng.standard_normal((1, k)).astype(np.float32) for k in {w.shape[1] for w in weights.values()}}
 
     def entries(qtype) -> list[str]:
         name = qtype.name.lower()
-        return [e for e in (f"igemv_{name}", f"igemvb_{name}") if lib.has(e)]
+        return [e for e in (f"gemv_{name}", f"igemv_{name}", f"igemvb_{name}") if lib.has(e)]
 
     print("| measure | entry point | threads | round | us a product | GB/s |")
     print("|---|---|---:|---:|---:|---:|")
@@ -84,7 +89,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name, weight in first.values():
             for entry in entries(weight.qtype):
-                seconds = timed(lib.entry(entry), weight, inputs[weight.shape[1]], 1, 300)
+                seconds = timed(entry, weight, inputs[weight.shape[1]], 1, 300)
                 print(
                     f"| {name} {weight.shape[0]}x{weight.shape[1]} in L2 | {entry} | 1 | {round_} | "
                     f"{seconds * 1e6:.1f} | {weight.nbytes / seconds / 1e9:.2f} |"
@@ -97,7 +102,7 @@ def main() -> None:
             for (kind, qtype), group in by_kind.items():
                 total = sum(w.nbytes for w in group)
                 for entry in entries(qtype):
-                    seconds = sweep(lib.entry(entry), group, inputs, threads)
+                    seconds = sweep(entry, group, inputs, threads)
                     print(
                         f"| {kind} ({len(group)} products, {total / 2**20:.1f} MiB), streamed | "
                         f"{entry} | {threads} | {round_} | {seconds / len(group) * 1e6:.1f} | "
