@@ -154,35 +154,35 @@ def test_a_client_gone_before_its_answer_starts_frees_everything(server, http, s
     assert after["cancelled"] == idle["cancelled"] + 1 or not server.counts_cancels
 
 
+def hang_up(server, http, path: str, body: dict, stream: bool, running: int) -> tuple[dict, dict, dict]:
+    """Send ``body`` to ``path``, wait until ``running`` engine requests hold slots for it, then go away: the stats
+    before it, while it ran and once its slots were free again."""
+    idle = wait_for(http, lambda s: s["running"] == 0 and s["queue_depth"] == 0)
+    sock = open_request(server, path, body)
+    try:
+        if stream:
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        busy = wait_for(http, lambda s: s["running"] == running and s["held"] > idle["held"])
+    finally:
+        sock.close()
+    after = wait_for(http, lambda s: s["running"] == 0 and s["held"] == idle["held"])
+    return idle, busy, after
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_a_client_of_several_choices_that_goes_away_frees_them_all(server, http, path, stream):
     """``n`` choices are a request each in the engine: the client's going away ends all of them."""
-    idle = wait_for(http, lambda s: s["running"] == 0 and s["queue_depth"] == 0)
-    sock = open_request(server, path, {**long_body(path, stream), "n": 3})
-    try:
-        if stream:
-            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
-        busy = wait_for(http, lambda s: s["running"] == 3 and s["held"] > idle["held"])
-    finally:
-        sock.close()
-    after = wait_for(http, lambda s: s["running"] == 0 and s["held"] == idle["held"])
+    idle, busy, after = hang_up(server, http, path, {**long_body(path, stream), "n": 3}, stream, running=3)
     assert after["engine_steps_total"] - busy["engine_steps_total"] < STEPS, (busy, after)
     assert after["cancelled"] == idle["cancelled"] + 3 or not server.counts_cancels
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_an_ollama_client_that_goes_away_frees_its_slot(server, http, stream):
-    idle = wait_for(http, lambda s: s["running"] == 0 and s["queue_depth"] == 0)
     body = {"model": "tiny", "prompt": "Once upon a time", "raw": True, "stream": stream}
-    sock = open_request(server, "/api/generate", {**body, "options": {"temperature": 0, "num_predict": LONG}})
-    try:
-        if stream:
-            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
-        busy = wait_for(http, lambda s: s["running"] == 1 and s["held"] > idle["held"])
-    finally:
-        sock.close()
-    after = wait_for(http, lambda s: s["running"] == 0 and s["held"] == idle["held"])
+    body["options"] = {"temperature": 0, "num_predict": LONG}
+    _, busy, after = hang_up(server, http, "/api/generate", body, stream, running=1)
     assert after["engine_steps_total"] - busy["engine_steps_total"] < STEPS, (busy, after)
 
 

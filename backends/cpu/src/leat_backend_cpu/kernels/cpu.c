@@ -1014,10 +1014,12 @@ void gemmb_q6_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64
 #define PAIRS_AHEAD 4096
 static void igemv_pairs(gemm_job *j, const float *x, float xmax, int threads, range_fn rows, float factor) {
     int64_t groups = j->k / 32, pairs = (groups + 1) / 2, half = j->k / 2;
-    int32_t *xu = malloc(sizeof(int32_t) * (size_t)(j->n * half));
-    float *xs = malloc(sizeof(float) * (size_t)(j->n * groups)), *xo = malloc(sizeof(float) * (size_t)(j->n * groups * 2));
-    int32_t *x2 = calloc((size_t)(j->n * pairs * 32), sizeof(int32_t));
-    float *scales = calloc((size_t)(j->n * pairs * 16), sizeof(float)), *offsets = calloc((size_t)(j->n * pairs * 4), sizeof(float));
+    /* one allocation a product (a step makes hundreds): x as quantize_x writes it, then its pair layout (zeros where
+     * a lone last group's pair has no second) */
+    int32_t *xu = calloc((size_t)(j->n * (half + 3 * groups + pairs * 52)), 4);
+    float *xs = (float *)(xu + j->n * half), *xo = xs + j->n * groups;
+    int32_t *x2 = (int32_t *)(xo + j->n * groups * 2);
+    float *scales = (float *)(x2 + j->n * pairs * 32), *offsets = scales + j->n * pairs * 16;
     quantize_x(x, j->n, j->k, xmax, xu, xs, xo);
     for (int64_t t = 0; t < j->n; t++)
         for (int64_t g = 0; g < groups; g++) {
@@ -1029,14 +1031,9 @@ static void igemv_pairs(gemm_job *j, const float *x, float xmax, int threads, ra
             for (int i = 0; i < 8; i++) scale[i] = xs[t * groups + g];
             offsets[(t * pairs + g / 2) * 4 + 2 + g % 2] = factor * (xo[t * 2 * groups + g] + xo[(t * 2 + 1) * groups + g]);
         }
-    free(xu);
-    free(xs);
-    free(xo);
     j->xu = x2, j->xs = scales, j->xo = offsets;
     run(threads, j->rows, rows, j);
-    free(x2);
-    free(scales);
-    free(offsets);
+    free(xu);
 }
 /* per type: vpermb's indices that widen a pair's nibble bytes to int16, and that pick its f16 d d (m m) */
 static const uint8_t widen_q4_0[64] = {2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0, 16, 0, 17, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31, 0, 32, 0, 33, 0, 34, 0, 35, 0};
