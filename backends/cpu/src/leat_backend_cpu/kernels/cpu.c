@@ -1098,6 +1098,132 @@ static inline __attribute__((always_inline)) void pairs_tile_q5_0(const gemm_job
                                                                   int64_t t0, const int tn) {
     pairs_tile(j, row, r, t0, tn, 22, widen_q5_0, pick_q5_0, 1);
 }
+/* Q4_K the same way, a block's four pairs of groups from its 128 nibble bytes: pair c is groups 2c (the low nibbles
+ * of bytes 32c..32c+31) and 2c + 1 (their high nibbles), so one register takes the low and high nibbles of bytes
+ * 0-15 (x's [x_2c 0-15, x_2c+1 0-15]) and another those of bytes 16-31; vpermb widens the bytes, a masked shift
+ * takes the high nibbles' half down. The block's 8 scales and 8 mins are unpacked once (as q4_k_block does, times d
+ * and dmin), each pair's [d sc_2c x 8, d sc_2c+1 x 8] picked from them; the mins' offsets, -dmin m_g s_g sum(q_g), one
+ * FMA a block a token over igemv_pairs's offsets (factor 1: lanes 4p + 2 and 4p + 3 of a block's 16). */
+static const uint8_t widen_q4_k_front[64] = {0, 0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0, 0, 0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0};
+static const uint8_t widen_q4_k_back[64] = {16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31, 0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31, 0};
+/* a Q4_K block's d sc_g (lanes 0-7) and dmin m_g (lanes 8-15) */
+static inline __m512 q4_k_scales_mins(const uint8_t *blk) {
+    uint32_t u[4];
+    memcpy(u, blk + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    uint32_t mins_low = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = mins_low;
+    u[0] &= 0x3f3f3f3fu; /* bytes of u[0..1]: the 8 scales; of u[2..3]: the 8 mins */
+    __m512 counts = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)u)));
+    uint32_t dm;
+    memcpy(&dm, blk, 4);
+    __m512 d = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                     _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm))));
+    return _mm512_mul_ps(counts, d);
+}
+static inline __attribute__((always_inline)) void pairs_tile_q4_k(const gemm_job *j, const uint8_t *row, int64_t r,
+                                                                  int64_t t0, const int tn) {
+    int64_t pairs = j->k / 64, blocks = j->k / 256;
+    const __m512i front = _mm512_loadu_si512(widen_q4_k_front), back = _mm512_loadu_si512(widen_q4_k_back);
+    const __m512i nibble = _mm512_set1_epi16(15);
+    const __m512i take_mins = _mm512_set_epi32(15, 14, 0, 0, 13, 12, 0, 0, 11, 10, 0, 0, 9, 8, 0, 0);
+    __m512 even[IGEMV_TILE], odd[IGEMV_TILE], off[IGEMV_TILE];
+    for (int t = 0; t < tn; t++) even[t] = odd[t] = off[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = row + b * 144;
+        _mm_prefetch((const char *)(blk + PAIRS_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 64 + PAIRS_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 128 + PAIRS_AHEAD), _MM_HINT_T0);
+        const __m512 sm = q4_k_scales_mins(blk);
+        const __m512 mins = _mm512_maskz_permutexvar_ps(0xcccc, take_mins, _mm512_sub_ps(_mm512_setzero_ps(), sm));
+        for (int t = 0; t < tn; t++)
+            off[t] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(j->xo + ((t0 + t) * pairs + 4 * b) * 4), off[t]);
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+            __m512i raw = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c)));
+            __m512i lo = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, front, raw);
+            __m512i hi = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, back, raw);
+            lo = _mm512_and_si512(_mm512_mask_srli_epi16(lo, 0xffff0000u, lo, 4), nibble);
+            hi = _mm512_and_si512(_mm512_mask_srli_epi16(hi, 0xffff0000u, hi, 4), nibble);
+            const __m512 scale = _mm512_permutexvar_ps(_mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c), sm);
+            for (int t = 0; t < tn; t++) {
+                const int64_t p = (t0 + t) * pairs + 4 * b + c;
+                const int32_t *xu = j->xu + p * 32;
+                __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xu));
+                sum = _mm512_dpwssd_epi32(sum, hi, _mm512_loadu_si512(xu + 16));
+                __m512 f = _mm512_mul_ps(scale, _mm512_loadu_ps(j->xs + p * 16));
+                if (c % 2 == 0)
+                    even[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, even[t]);
+                else
+                    odd[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, odd[t]);
+            }
+        }
+    }
+    for (int t = 0; t < tn; t++)
+        j->y[(t0 + t) * j->rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(even[t], odd[t])) + _mm512_reduce_add_ps(off[t]);
+}
+IGEMV_ROWS(igemvb_q4_k, pairs_tile_q4_k)
+void igemvb_q4_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
+    gemm_job j_ = {w, rows, k, n, k / 256 * 144, NULL, NULL, NULL, y, NULL, 0};
+    igemv_pairs(&j_, x, xmax, threads, igemvb_q4_k_rows, 1);
+}
+/* Q6_K the same way: pair p of a block is groups 2p and 2p + 1, both in half h = p / 2 of it, the low (p even) or high
+ * nibbles of its 64 ql bytes 0-31 and 32-63, with bits 4p % 8 and 4p % 8 + 2 of its 32 qh bytes on top. The 64
+ * six-bit values are put together as bytes (the qh bytes in both halves of a register, each half shifted by its own
+ * count), then widened to the pair layout by vpermb; minus 32 and times the int8 scale of each 16 values (in int16:
+ * |q| <= 4096, as igemvb_q6_k on AVX2), so one f16 d a block scales them all. x at most 16383 (activation_range). */
+static const uint8_t widen_q6_k_front[64] = {0, 0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0, 32, 0, 33, 0, 34, 0, 35, 0, 36, 0, 37, 0, 38, 0, 39, 0, 40, 0, 41, 0, 42, 0, 43, 0, 44, 0, 45, 0, 46, 0, 47, 0};
+static const uint8_t widen_q6_k_back[64] = {16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31, 0, 48, 0, 49, 0, 50, 0, 51, 0, 52, 0, 53, 0, 54, 0, 55, 0, 56, 0, 57, 0, 58, 0, 59, 0, 60, 0, 61, 0, 62, 0, 63, 0};
+static inline __attribute__((always_inline)) void pairs_tile_q6_k(const gemm_job *j, const uint8_t *row, int64_t r,
+                                                                  int64_t t0, const int tn) {
+    int64_t pairs = j->k / 64, blocks = j->k / 256;
+    const __m512i front = _mm512_loadu_si512(widen_q6_k_front), back = _mm512_loadu_si512(widen_q6_k_back);
+    const __m512i low4 = _mm512_set1_epi8(15), low2 = _mm512_set1_epi8(3), bias = _mm512_set1_epi16(32);
+    __m512 even[IGEMV_TILE], odd[IGEMV_TILE];
+    for (int t = 0; t < tn; t++) even[t] = odd[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = row + b * 210;
+        _mm_prefetch((const char *)(blk + PAIRS_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 64 + PAIRS_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 128 + PAIRS_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 192 + PAIRS_AHEAD), _MM_HINT_T0);
+        const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
+        uint16_t d16;
+        memcpy(&d16, blk + 208, 2);
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(d16));
+        _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {
+            const int h = p / 2, nib = p % 2;
+            __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+            if (nib) ql = _mm512_srli_epi16(ql, 4);
+            __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+            qh = _mm512_srlv_epi16(qh, (nib ? _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4) : _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)));
+            __m512i q = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(_mm512_and_si512(qh, low2), 4));
+            __m512i first = _mm512_sub_epi16(_mm512_maskz_permutexvar_epi8(0x5555555555555555ull, front, q), bias);
+            __m512i second = _mm512_sub_epi16(_mm512_maskz_permutexvar_epi8(0x5555555555555555ull, back, q), bias);
+            /* the scales of values 0-15 and 16-31 of groups 2p and 2p + 1: chunks 4p, 4p + 1, 4p + 2, 4p + 3 */
+            const __m512i s01 = _mm512_set_epi16(4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p);
+            first = _mm512_mullo_epi16(first, _mm512_permutexvar_epi16(s01, scales));
+            second = _mm512_mullo_epi16(second, _mm512_permutexvar_epi16(_mm512_add_epi16(s01, _mm512_set1_epi16(1)), scales));
+            for (int t = 0; t < tn; t++) {
+                const int64_t at = (t0 + t) * pairs + 4 * b + p;
+                const int32_t *xu = j->xu + at * 32;
+                __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), first, _mm512_loadu_si512(xu));
+                sum = _mm512_dpwssd_epi32(sum, second, _mm512_loadu_si512(xu + 16));
+                __m512 f = _mm512_mul_ps(d, _mm512_loadu_ps(j->xs + at * 16));
+                if (p % 2 == 0)
+                    even[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, even[t]);
+                else
+                    odd[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, odd[t]);
+            }
+        }
+    }
+    for (int t = 0; t < tn; t++) j->y[(t0 + t) * j->rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(even[t], odd[t]));
+}
+IGEMV_ROWS(igemvb_q6_k, pairs_tile_q6_k)
+void igemvb_q6_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
+    gemm_job j_ = {w, rows, k, n, k / 256 * 210, NULL, NULL, NULL, y, NULL, 0};
+    igemv_pairs(&j_, x, xmax, threads, igemvb_q6_k_rows, 0);
+}
 IGEMV_ROWS(igemvb_q4_0, pairs_tile_q4_0)
 IGEMV_ROWS(igemvb_q5_0, pairs_tile_q5_0)
 IGEMV_ROWS(igemvb_q4_1, pairs_tile_q4_1)
@@ -1165,12 +1291,6 @@ void igemvb_q4_1(const uint8_t *w, int64_t rows, int64_t k, const float *x, int6
 #define GEMM_KERNELS(NAME, QK, BYTES)
 #endif
 int has_gemm(void) { return GEMM; }
-/* 1 where Q4_K and Q6_K decode steps have the integer path, a block at a time (igemvb_, AVX2) */
-#if GEMM && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-int k_quant_igemv(void) { return 1; }
-#else
-int k_quant_igemv(void) { return 0; }
-#endif
 
 /* Each row's sum goes to two vector accumulators (even and odd chunks), added at the end. The chunk loops are
  * unrolled so that each chunk's shifts and scale offsets are constants (Q4_K products 2.3x faster here). A row's
