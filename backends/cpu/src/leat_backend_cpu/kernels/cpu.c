@@ -1098,15 +1098,61 @@ static inline __attribute__((always_inline)) void pairs_tile_q5_0(const gemm_job
                                                                   int64_t t0, const int tn) {
     pairs_tile(j, row, r, t0, tn, 22, widen_q5_0, pick_q5_0, 1);
 }
-/* Q4_K the same way, a block's four pairs of groups from its 128 nibble bytes: pair c is groups 2c (the low nibbles
- * of bytes 32c..32c+31) and 2c + 1 (their high nibbles), so one register takes the low and high nibbles of bytes
- * 0-15 (x's [x_2c 0-15, x_2c+1 0-15]) and another those of bytes 16-31; vpermb widens the bytes, a masked shift
- * takes the high nibbles' half down. The block's 8 scales and 8 mins are unpacked once (as q4_k_block does, times d
- * and dmin), each pair's [d sc_2c x 8, d sc_2c+1 x 8] picked from them; the mins' offsets, -dmin m_g s_g sum(q_g), one
- * FMA a block a token over igemv_pairs's offsets (factor 1: lanes 4p + 2 and 4p + 3 of a block's 16). */
-static const uint8_t widen_q4_k_front[64] = {0, 0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0, 0, 0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0};
-static const uint8_t widen_q4_k_back[64] = {16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31, 0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31, 0};
-/* a Q4_K block's d sc_g (lanes 0-7) and dmin m_g (lanes 8-15) */
+/* Q4_K and Q6_K decode products four groups a step (entry points igemvb_q4_k, igemvb_q6_k, which native.py prefers to
+ * igemv_): 64 bytes of a block's nibbles are 32 int16 words, and four ALU operations on the words take out the low
+ * nibble of each word's even byte (A: word & 15), of its odd byte (B: word >> 8 & 15), and the high nibbles (C: word >> 4
+ * & 15, D: word >> 12), as int16 with no shuffle. The 64 bytes hold four groups; A and B hold two of them (the lower
+ * and upper 32 bytes' low nibbles), C and D the other two, each group's even values in A (C) and odd ones in B (D). x is
+ * laid out to match by igemv_quads: per four groups, the 32 int16 of x that each of A, B, C and D multiplies. Two
+ * vpdpwssd a pair of registers leave lanes 0-7 with one group's exact int32 sums and lanes 8-15 with the other's (lanes
+ * 0-3 and 4-7 of a group its values 0-15 and 16-31), and one conversion and one FMA take both groups. Offsets (Q4_K's
+ * mins, Q6_K's -32) are one FMA a block a token over x's sums per 16 values. x is rounded per 32 values as the prompt
+ * GEMM rounds it. Gemma 3 270M's 640 x 2048 Q6_K product in L2, one thread: see docs/benchmarks.md (forty-second
+ * session). */
+static const uint8_t lanes_of_mins[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+/* the group of register r (0: A and B, 1: C and D) and half u (its lower or upper 16 words) in four groups: Q4_K's
+ * (stacked 0) r + 2u, Q6_K's (stacked 1) 2r + u */
+static void igemv_quads(gemm_job *j, const float *x, float xmax, int threads, range_fn rows, int stacked) {
+    int64_t groups = j->k / 32, quads = groups / 4, half = j->k / 2;
+    /* x as quantize_x writes it, then per token: the quads' 4 x 32 int16, their [s_g x 8, s_g' x 8] scales a register
+     * pair, and s sum(q) of each 16 values in order */
+    int32_t *xu = calloc((size_t)(j->n * (half + 3 * groups + quads * 64 + quads * 32 + groups * 2)), 4);
+    float *xs = (float *)(xu + j->n * half), *xo = xs + j->n * groups;
+    int16_t *x4 = (int16_t *)(xo + j->n * groups * 2);
+    float *s4 = (float *)(x4 + j->n * quads * 128), *c16 = s4 + j->n * quads * 32;
+    quantize_x(x, j->n, j->k, xmax, xu, xs, xo);
+    /* a group's 16 pairs are 32 words, value v < 16 at word 2v, v >= 16 at word 2(v - 16) + 1: its even values and its
+     * odd ones picked by vpermw */
+    static const uint16_t even_words[32] = {0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29};
+    static const uint16_t odd_words[32] = {2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31};
+    const __m512i evens = _mm512_loadu_si512(even_words), odds = _mm512_loadu_si512(odd_words);
+    for (int64_t t = 0; t < j->n; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t q = g / 4, gi = g % 4, r = stacked ? gi / 2 : gi % 2, u = stacked ? gi % 2 : gi / 2;
+            __m512i pairs = _mm512_loadu_si512(xu + t * half + 16 * g);
+            int16_t *to = x4 + ((t * quads + q) * 4 + 2 * r) * 32 + 16 * u;
+            _mm256_storeu_si256((__m256i *)to, _mm512_castsi512_si256(_mm512_permutexvar_epi16(evens, pairs)));
+            _mm256_storeu_si256((__m256i *)(to + 32), _mm512_castsi512_si256(_mm512_permutexvar_epi16(odds, pairs)));
+            for (int i = 0; i < 8; i++) s4[((t * quads + q) * 2 + r) * 16 + 8 * u + i] = xs[t * groups + g];
+            c16[(t * groups + g) * 2] = xo[t * 2 * groups + g];
+            c16[(t * groups + g) * 2 + 1] = xo[(t * 2 + 1) * groups + g];
+        }
+    j->xu = (const int32_t *)x4, j->xs = s4, j->xo = c16;
+    run(threads, j->rows, rows, j);
+    free(xu);
+}
+/* token t's sums of quad q (its 4 x 32 x words at xq): lanes 0-7 and 8-15 of the A-B and the C-D registers, scaled */
+static inline __attribute__((always_inline)) void quad_sums(__m512 *ab_acc, __m512 *cd_acc, __m512i a, __m512i b,
+                                                            __m512i c, __m512i d, const int32_t *xq, const float *sq,
+                                                            __m512 ab_scale, __m512 cd_scale) {
+    __m512i ab = _mm512_dpwssd_epi32(_mm512_setzero_si512(), a, _mm512_loadu_si512(xq));
+    ab = _mm512_dpwssd_epi32(ab, b, _mm512_loadu_si512(xq + 16));
+    __m512i cd = _mm512_dpwssd_epi32(_mm512_setzero_si512(), c, _mm512_loadu_si512(xq + 32));
+    cd = _mm512_dpwssd_epi32(cd, d, _mm512_loadu_si512(xq + 48));
+    *ab_acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ab), _mm512_mul_ps(ab_scale, _mm512_loadu_ps(sq)), *ab_acc);
+    *cd_acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(cd), _mm512_mul_ps(cd_scale, _mm512_loadu_ps(sq + 16)), *cd_acc);
+}
+/* a Q4_K block's d sc_g (lanes 0-7) and dmin m_g (lanes 8-15): the 6-bit scales and mins unpacked as q4_k_block does */
 static inline __m512 q4_k_scales_mins(const uint8_t *blk) {
     uint32_t u[4];
     memcpy(u, blk + 4, 12);
@@ -1122,107 +1168,96 @@ static inline __m512 q4_k_scales_mins(const uint8_t *blk) {
                                      _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm))));
     return _mm512_mul_ps(counts, d);
 }
-static inline __attribute__((always_inline)) void pairs_tile_q4_k(const gemm_job *j, const uint8_t *row, int64_t r,
+/* the index vector [i x 8, k x 8] */
+static inline __m512i two_lanes(int i, int k) {
+    return _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(i), _mm512_set1_epi32(k));
+}
+static inline __attribute__((always_inline)) void quads_tile_q4_k(const gemm_job *j, const uint8_t *row, int64_t r,
                                                                   int64_t t0, const int tn) {
-    int64_t pairs = j->k / 64, blocks = j->k / 256;
-    const __m512i front = _mm512_loadu_si512(widen_q4_k_front), back = _mm512_loadu_si512(widen_q4_k_back);
-    const __m512i nibble = _mm512_set1_epi16(15);
-    const __m512i take_mins = _mm512_set_epi32(15, 14, 0, 0, 13, 12, 0, 0, 11, 10, 0, 0, 9, 8, 0, 0);
-    __m512 even[IGEMV_TILE], odd[IGEMV_TILE], off[IGEMV_TILE];
-    for (int t = 0; t < tn; t++) even[t] = odd[t] = off[t] = _mm512_setzero_ps();
+    int64_t groups = j->k / 32, quads = groups / 4, blocks = j->k / 256;
+    const __m512i nibble = _mm512_set1_epi16(15), mins_at = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)lanes_of_mins));
+    __m512 ab[IGEMV_TILE], cd[IGEMV_TILE], off[IGEMV_TILE];
+    for (int t = 0; t < tn; t++) ab[t] = cd[t] = off[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = row + b * 144;
         _mm_prefetch((const char *)(blk + PAIRS_AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(blk + 64 + PAIRS_AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(blk + 128 + PAIRS_AHEAD), _MM_HINT_T0);
-        const __m512 sm = q4_k_scales_mins(blk);
-        const __m512 mins = _mm512_maskz_permutexvar_ps(0xcccc, take_mins, _mm512_sub_ps(_mm512_setzero_ps(), sm));
+        const __m512 sm = q4_k_scales_mins(blk), mins = _mm512_permutexvar_ps(mins_at, sm);
         for (int t = 0; t < tn; t++)
-            off[t] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(j->xo + ((t0 + t) * pairs + 4 * b) * 4), off[t]);
-        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
-            __m512i raw = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c)));
-            __m512i lo = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, front, raw);
-            __m512i hi = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, back, raw);
-            lo = _mm512_and_si512(_mm512_mask_srli_epi16(lo, 0xffff0000u, lo, 4), nibble);
-            hi = _mm512_and_si512(_mm512_mask_srli_epi16(hi, 0xffff0000u, hi, 4), nibble);
-            const __m512 scale = _mm512_permutexvar_ps(_mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c), sm);
+            off[t] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(j->xo + ((t0 + t) * groups + 8 * b) * 2), off[t]);
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+            const __m512i raw = _mm512_loadu_si512(blk + 16 + 64 * h);
+            const __m512i a = _mm512_and_si512(raw, nibble), bb = _mm512_and_si512(_mm512_srli_epi16(raw, 8), nibble);
+            const __m512i c = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble), d = _mm512_srli_epi16(raw, 12);
+            const __m512 ab_scale = _mm512_permutexvar_ps(two_lanes(4 * h, 4 * h + 2), sm);
+            const __m512 cd_scale = _mm512_permutexvar_ps(two_lanes(4 * h + 1, 4 * h + 3), sm);
             for (int t = 0; t < tn; t++) {
-                const int64_t p = (t0 + t) * pairs + 4 * b + c;
-                const int32_t *xu = j->xu + p * 32;
-                __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xu));
-                sum = _mm512_dpwssd_epi32(sum, hi, _mm512_loadu_si512(xu + 16));
-                __m512 f = _mm512_mul_ps(scale, _mm512_loadu_ps(j->xs + p * 16));
-                if (c % 2 == 0)
-                    even[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, even[t]);
-                else
-                    odd[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, odd[t]);
+                const int64_t q = (t0 + t) * quads + 2 * b + h;
+                quad_sums(&ab[t], &cd[t], a, bb, c, d, j->xu + q * 64, j->xs + q * 32, ab_scale, cd_scale);
             }
         }
     }
     for (int t = 0; t < tn; t++)
-        j->y[(t0 + t) * j->rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(even[t], odd[t])) + _mm512_reduce_add_ps(off[t]);
+        j->y[(t0 + t) * j->rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(ab[t], cd[t])) - _mm512_reduce_add_ps(off[t]);
 }
-IGEMV_ROWS(igemvb_q4_k, pairs_tile_q4_k)
-void igemvb_q4_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
-    gemm_job j_ = {w, rows, k, n, k / 256 * 144, NULL, NULL, NULL, y, NULL, 0};
-    igemv_pairs(&j_, x, xmax, threads, igemvb_q4_k_rows, 1);
+/* Q6_K: the quads are the block's halves (64 ql bytes, 32 qh bytes each): groups 4h and 4h + 1 in A-B (the low
+ * nibbles), 4h + 2 and 4h + 3 in C-D; the qh bytes in both 256-bit halves of a register, each word's two bits for A, B,
+ * C, D shifted to bits 4-5 by per-half counts. The int8 scales of each 16 values (d times them, in float) are a lane's:
+ * lanes 0-3 a group's values 0-15, 4-7 its 16-31. Values 0..63 (the -32 an offset: -32 d sc s sum(q) per 16). */
+static inline __m512i two_counts(int lower, int upper) {
+    return _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16((short)lower), _mm512_set1_epi16((short)upper));
 }
-/* Q6_K the same way: pair p of a block is groups 2p and 2p + 1, both in half h = p / 2 of it, the low (p even) or high
- * nibbles of its 64 ql bytes 0-31 and 32-63, with bits 4p % 8 and 4p % 8 + 2 of its 32 qh bytes on top. The 64
- * six-bit values are put together as bytes (the qh bytes in both halves of a register, each half shifted by its own
- * count), then widened to the pair layout by vpermb; minus 32 and times the int8 scale of each 16 values (in int16:
- * |q| <= 4096, as igemvb_q6_k on AVX2), so one f16 d a block scales them all. x at most 16383 (activation_range). */
-static const uint8_t widen_q6_k_front[64] = {0, 0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0, 32, 0, 33, 0, 34, 0, 35, 0, 36, 0, 37, 0, 38, 0, 39, 0, 40, 0, 41, 0, 42, 0, 43, 0, 44, 0, 45, 0, 46, 0, 47, 0};
-static const uint8_t widen_q6_k_back[64] = {16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31, 0, 48, 0, 49, 0, 50, 0, 51, 0, 52, 0, 53, 0, 54, 0, 55, 0, 56, 0, 57, 0, 58, 0, 59, 0, 60, 0, 61, 0, 62, 0, 63, 0};
-static inline __attribute__((always_inline)) void pairs_tile_q6_k(const gemm_job *j, const uint8_t *row, int64_t r,
+static inline __m512i four_lanes(int i) {
+    return _mm512_set_epi32(i + 3, i + 3, i + 3, i + 3, i + 2, i + 2, i + 2, i + 2, i + 1, i + 1, i + 1, i + 1, i, i, i, i);
+}
+static inline __attribute__((always_inline)) void quads_tile_q6_k(const gemm_job *j, const uint8_t *row, int64_t r,
                                                                   int64_t t0, const int tn) {
-    int64_t pairs = j->k / 64, blocks = j->k / 256;
-    const __m512i front = _mm512_loadu_si512(widen_q6_k_front), back = _mm512_loadu_si512(widen_q6_k_back);
-    const __m512i low4 = _mm512_set1_epi8(15), low2 = _mm512_set1_epi8(3), bias = _mm512_set1_epi16(32);
-    __m512 even[IGEMV_TILE], odd[IGEMV_TILE];
-    for (int t = 0; t < tn; t++) even[t] = odd[t] = _mm512_setzero_ps();
+    int64_t groups = j->k / 32, quads = groups / 4, blocks = j->k / 256;
+    const __m512i nibble = _mm512_set1_epi16(15), bits = _mm512_set1_epi16(0x30);
+    __m512 ab[IGEMV_TILE], cd[IGEMV_TILE], off[IGEMV_TILE];
+    for (int t = 0; t < tn; t++) ab[t] = cd[t] = off[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = row + b * 210;
         _mm_prefetch((const char *)(blk + PAIRS_AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(blk + 64 + PAIRS_AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(blk + 128 + PAIRS_AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(blk + 192 + PAIRS_AHEAD), _MM_HINT_T0);
-        const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
         uint16_t d16;
         memcpy(&d16, blk + 208, 2);
-        const __m512 d = _mm512_set1_ps(_cvtsh_ss(d16));
-        _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {
-            const int h = p / 2, nib = p % 2;
-            __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-            if (nib) ql = _mm512_srli_epi16(ql, 4);
-            __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-            qh = _mm512_srlv_epi16(qh, (nib ? _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4) : _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)));
-            __m512i q = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(_mm512_and_si512(qh, low2), 4));
-            __m512i first = _mm512_sub_epi16(_mm512_maskz_permutexvar_epi8(0x5555555555555555ull, front, q), bias);
-            __m512i second = _mm512_sub_epi16(_mm512_maskz_permutexvar_epi8(0x5555555555555555ull, back, q), bias);
-            /* the scales of values 0-15 and 16-31 of groups 2p and 2p + 1: chunks 4p, 4p + 1, 4p + 2, 4p + 3 */
-            const __m512i s01 = _mm512_set_epi16(4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p);
-            first = _mm512_mullo_epi16(first, _mm512_permutexvar_epi16(s01, scales));
-            second = _mm512_mullo_epi16(second, _mm512_permutexvar_epi16(_mm512_add_epi16(s01, _mm512_set1_epi16(1)), scales));
+        const __m512 scales = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))),
+                                            _mm512_set1_ps(_cvtsh_ss(d16)));
+        for (int t = 0; t < tn; t++)
+            off[t] = _mm512_fmadd_ps(scales, _mm512_loadu_ps(j->xo + ((t0 + t) * groups + 8 * b) * 2), off[t]);
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+            const __m512i a = _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_and_si512(_mm512_sllv_epi16(qh, two_counts(4, 2)), bits));
+            const __m512i bb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 8), nibble),
+                                               _mm512_and_si512(_mm512_srlv_epi16(qh, two_counts(4, 6)), bits));
+            const __m512i c = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble),
+                                              _mm512_and_si512(_mm512_srlv_epi16(qh, two_counts(0, 2)), bits));
+            const __m512i d = _mm512_or_si512(_mm512_srli_epi16(ql, 12), _mm512_and_si512(_mm512_srlv_epi16(qh, two_counts(8, 10)), bits));
+            const __m512 ab_scale = _mm512_permutexvar_ps(four_lanes(8 * h), scales);
+            const __m512 cd_scale = _mm512_permutexvar_ps(four_lanes(8 * h + 4), scales);
             for (int t = 0; t < tn; t++) {
-                const int64_t at = (t0 + t) * pairs + 4 * b + p;
-                const int32_t *xu = j->xu + at * 32;
-                __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), first, _mm512_loadu_si512(xu));
-                sum = _mm512_dpwssd_epi32(sum, second, _mm512_loadu_si512(xu + 16));
-                __m512 f = _mm512_mul_ps(d, _mm512_loadu_ps(j->xs + at * 16));
-                if (p % 2 == 0)
-                    even[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, even[t]);
-                else
-                    odd[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, odd[t]);
+                const int64_t q = (t0 + t) * quads + 2 * b + h;
+                quad_sums(&ab[t], &cd[t], a, bb, c, d, j->xu + q * 64, j->xs + q * 32, ab_scale, cd_scale);
             }
         }
     }
-    for (int t = 0; t < tn; t++) j->y[(t0 + t) * j->rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(even[t], odd[t]));
+    for (int t = 0; t < tn; t++)
+        j->y[(t0 + t) * j->rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(ab[t], cd[t])) - 32 * _mm512_reduce_add_ps(off[t]);
 }
-IGEMV_ROWS(igemvb_q6_k, pairs_tile_q6_k)
+IGEMV_ROWS(igemvb_q4_k, quads_tile_q4_k)
+IGEMV_ROWS(igemvb_q6_k, quads_tile_q6_k)
+void igemvb_q4_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
+    gemm_job j_ = {w, rows, k, n, k / 256 * 144, NULL, NULL, NULL, y, NULL, 0};
+    igemv_quads(&j_, x, xmax, threads, igemvb_q4_k_rows, 0);
+}
 void igemvb_q6_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
     gemm_job j_ = {w, rows, k, n, k / 256 * 210, NULL, NULL, NULL, y, NULL, 0};
-    igemv_pairs(&j_, x, xmax, threads, igemvb_q6_k_rows, 0);
+    igemv_quads(&j_, x, xmax, threads, igemvb_q6_k_rows, 1);
 }
 IGEMV_ROWS(igemvb_q4_0, pairs_tile_q4_0)
 IGEMV_ROWS(igemvb_q5_0, pairs_tile_q5_0)
