@@ -1152,21 +1152,22 @@ static inline __attribute__((always_inline)) void quad_sums(__m512 *ab_acc, __m5
     *ab_acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ab), _mm512_mul_ps(ab_scale, _mm512_loadu_ps(sq)), *ab_acc);
     *cd_acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(cd), _mm512_mul_ps(cd_scale, _mm512_loadu_ps(sq + 16)), *cd_acc);
 }
-/* a Q4_K block's d sc_g (lanes 0-7) and dmin m_g (lanes 8-15): the 6-bit scales and mins unpacked as q4_k_block does */
+/* a Q4_K block's d sc_g (lanes 0-7) and dmin m_g (lanes 8-15): the 12 bytes of 6-bit scales and mins s unpacked in
+ * one register, as gguf-py's get_scale_min_k4 reads them: sc_j = s_j & 63 and m_j = s_j+4 & 63 for j < 4; for j >= 4
+ * sc_j = s_j+4 & 15 | (s_j-4 >> 6) << 4 and m_j = s_j+4 >> 4 | (s_j >> 6) << 4 */
 static inline __m512 q4_k_scales_mins(const uint8_t *blk) {
-    uint32_t u[4];
-    memcpy(u, blk + 4, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    uint32_t mins_low = u[1] & 0x3f3f3f3fu;
-    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    u[2] = mins_low;
-    u[0] &= 0x3f3f3f3fu; /* bytes of u[0..1]: the 8 scales; of u[2..3]: the 8 mins */
-    __m512 counts = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)u)));
+    const __m128i s = _mm_loadu_si128((const __m128i *)(blk + 4)); /* bytes 12-15: the nibbles after, unused */
+    const __m128i low = _mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i high = _mm_shuffle_epi8(s, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i masked = _mm_and_si128(low, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+    const __m128i shifted = _mm_and_si128(_mm_srli_epi16(low, 4), _mm_set1_epi8(15));
+    const __m128i counts = _mm_or_si128(_mm_mask_blend_epi8(0xf000, masked, shifted),
+                                        _mm_and_si128(_mm_srli_epi16(high, 2), _mm_set1_epi8(0x30)));
     uint32_t dm;
     memcpy(&dm, blk, 4);
     __m512 d = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
                                      _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm))));
-    return _mm512_mul_ps(counts, d);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(counts)), d);
 }
 /* the index vector [i x 8, k x 8] */
 static inline __m512i two_lanes(int i, int k) {
