@@ -97,6 +97,22 @@ def test_decode_products_of_an_odd_number_of_groups_follow_float64(qtype, k):
         np.testing.assert_allclose(got, want[:n], rtol=0, atol=2e-6 * np.abs(want).max(), err_msg=f"{n} tokens")
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("k", [256, 2304])  # one block (two sets of four groups), nine
+def test_k_quant_decode_products_follow_float64(qtype, k):
+    """Q4_K's and Q6_K's decode products: on AVX-512 VBMI and AVX2 the integer path (igemvb_, which takes four groups
+    a step on AVX-512), on the rounded x; a tile of four tokens and one alone, every scale and min bit random."""
+    w, exact = weight(qtype, 70, k, seed=5)
+    x = np.random.default_rng(6).standard_normal((5, k)).astype(np.float32) * np.geomspace(
+        1e-3, 10, k, dtype=np.float32
+    )
+    integer = native.library().has_gemm and qtype in native.library().integer_gemv
+    assert integer == native.library().has(f"igemvb_{qtype.name.lower()}")
+    want = (rounded_activations(x, qtype) if integer else x.astype(np.float64)) @ exact.T
+    got = native.matmul(x, w, threads=2)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("qtype, n", [(Q.Q4_K, 30), (Q.Q4_1, native.GEMV_ROWS)])  # the GEMM, the integer GEMV
 def test_product_rows_do_not_depend_on_the_batch_or_threads(qtype, n):
     if n > native.GEMV_ROWS and not native.library().has_gemm:

@@ -12,8 +12,8 @@
  *       products (below, "prompt GEMM"), from a second decoder per type, ichunk_<TYPE> (on AVX2 gemmb_q4_k,
  *       gemmb_q6_k decode its panels a block at a time);
  *   igemv_<TYPE> (and on AVX2 igemvb_q4_k, igemvb_q6_k, a block at a time; with AVX-512 VBMI igemvb_q4_0,
- *       igemvb_q4_1, igemvb_q5_0, two blocks at a time): a few rows' product with the GEMM's int16 activations
- *       (below, "decode GEMV with integer dot products").
+ *       igemvb_q4_1, igemvb_q5_0, two blocks at a time, and igemvb_q4_k, igemvb_q6_k, four groups at a time): a few
+ *       rows' product with the GEMM's int16 activations (below, "decode GEMV with integer dot products").
  * Rows are split over `threads` threads (the caller's and a pool's, below).
  */
 #include <pthread.h>
