@@ -1173,20 +1173,23 @@ static inline __m512 q4_k_scales_mins(const uint8_t *blk) {
 static inline __m512i two_lanes(int i, int k) {
     return _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(i), _mm512_set1_epi32(k));
 }
-static inline __attribute__((always_inline)) void quads_tile_q4_k(const gemm_job *j, const uint8_t *row, int64_t r,
-                                                                  int64_t t0, const int tn) {
+/* rows rows[0..R-1] (at[]) for tokens t0 .. t0 + tn - 1: R = 2 (one token) takes two rows' blocks side by side */
+static inline __attribute__((always_inline)) void quads_tile_q4_k(const gemm_job *j, const uint8_t *const *rows,
+                                                                  const int64_t *at, int64_t t0, const int tn, const int R) {
     int64_t groups = j->k / 32, quads = groups / 4, blocks = j->k / 256;
     const __m512i nibble = _mm512_set1_epi16(15), mins_at = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)lanes_of_mins));
-    __m512 ab[IGEMV_TILE], cd[IGEMV_TILE], off[IGEMV_TILE];
-    for (int t = 0; t < tn; t++) ab[t] = cd[t] = off[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *blk = row + b * 144;
+    __m512 ab[2][IGEMV_TILE], cd[2][IGEMV_TILE], off[2][IGEMV_TILE];
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < tn; t++) ab[i][t] = cd[i][t] = off[i][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++)
+      for (int i = 0; i < R; i++) {
+        const uint8_t *blk = rows[i] + b * 144;
         _mm_prefetch((const char *)(blk + PAIRS_AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(blk + 64 + PAIRS_AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(blk + 128 + PAIRS_AHEAD), _MM_HINT_T0);
         const __m512 sm = q4_k_scales_mins(blk), mins = _mm512_permutexvar_ps(mins_at, sm);
         for (int t = 0; t < tn; t++)
-            off[t] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(j->xo + ((t0 + t) * groups + 8 * b) * 2), off[t]);
+            off[i][t] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(j->xo + ((t0 + t) * groups + 8 * b) * 2), off[i][t]);
         _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
             const __m512i raw = _mm512_loadu_si512(blk + 16 + 64 * h);
             const __m512i a = _mm512_and_si512(raw, nibble), bb = _mm512_and_si512(_mm512_srli_epi16(raw, 8), nibble);
@@ -1195,12 +1198,14 @@ static inline __attribute__((always_inline)) void quads_tile_q4_k(const gemm_job
             const __m512 cd_scale = _mm512_permutexvar_ps(two_lanes(4 * h + 1, 4 * h + 3), sm);
             for (int t = 0; t < tn; t++) {
                 const int64_t q = (t0 + t) * quads + 2 * b + h;
-                quad_sums(&ab[t], &cd[t], a, bb, c, d, j->xu + q * 64, j->xs + q * 32, ab_scale, cd_scale);
+                quad_sums(&ab[i][t], &cd[i][t], a, bb, c, d, j->xu + q * 64, j->xs + q * 32, ab_scale, cd_scale);
             }
         }
     }
-    for (int t = 0; t < tn; t++)
-        j->y[(t0 + t) * j->rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(ab[t], cd[t])) - _mm512_reduce_add_ps(off[t]);
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < tn; t++)
+            j->y[(t0 + t) * j->rows + at[i]] = _mm512_reduce_add_ps(_mm512_add_ps(ab[i][t], cd[i][t])) -
+                                               _mm512_reduce_add_ps(off[i][t]);
 }
 /* Q6_K: the quads are the block's halves (64 ql bytes, 32 qh bytes each): groups 4h and 4h + 1 in A-B (the low
  * nibbles), 4h + 2 and 4h + 3 in C-D; the qh bytes in both 256-bit halves of a register, each word's two bits for A, B,
@@ -1212,14 +1217,16 @@ static inline __m512i two_counts(int lower, int upper) {
 static inline __m512i four_lanes(int i) {
     return _mm512_set_epi32(i + 3, i + 3, i + 3, i + 3, i + 2, i + 2, i + 2, i + 2, i + 1, i + 1, i + 1, i + 1, i, i, i, i);
 }
-static inline __attribute__((always_inline)) void quads_tile_q6_k(const gemm_job *j, const uint8_t *row, int64_t r,
-                                                                  int64_t t0, const int tn) {
+static inline __attribute__((always_inline)) void quads_tile_q6_k(const gemm_job *j, const uint8_t *const *rows,
+                                                                  const int64_t *at, int64_t t0, const int tn, const int R) {
     int64_t groups = j->k / 32, quads = groups / 4, blocks = j->k / 256;
     const __m512i nibble = _mm512_set1_epi16(15), bits = _mm512_set1_epi16(0x30);
-    __m512 ab[IGEMV_TILE], cd[IGEMV_TILE], off[IGEMV_TILE];
-    for (int t = 0; t < tn; t++) ab[t] = cd[t] = off[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *blk = row + b * 210;
+    __m512 ab[2][IGEMV_TILE], cd[2][IGEMV_TILE], off[2][IGEMV_TILE];
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < tn; t++) ab[i][t] = cd[i][t] = off[i][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++)
+      for (int i = 0; i < R; i++) {
+        const uint8_t *blk = rows[i] + b * 210;
         _mm_prefetch((const char *)(blk + PAIRS_AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(blk + 64 + PAIRS_AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(blk + 128 + PAIRS_AHEAD), _MM_HINT_T0);
@@ -1229,7 +1236,7 @@ static inline __attribute__((always_inline)) void quads_tile_q6_k(const gemm_job
         const __m512 scales = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))),
                                             _mm512_set1_ps(_cvtsh_ss(d16)));
         for (int t = 0; t < tn; t++)
-            off[t] = _mm512_fmadd_ps(scales, _mm512_loadu_ps(j->xo + ((t0 + t) * groups + 8 * b) * 2), off[t]);
+            off[i][t] = _mm512_fmadd_ps(scales, _mm512_loadu_ps(j->xo + ((t0 + t) * groups + 8 * b) * 2), off[i][t]);
         _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
             const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
             const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
@@ -1243,15 +1250,44 @@ static inline __attribute__((always_inline)) void quads_tile_q6_k(const gemm_job
             const __m512 cd_scale = _mm512_permutexvar_ps(four_lanes(8 * h + 4), scales);
             for (int t = 0; t < tn; t++) {
                 const int64_t q = (t0 + t) * quads + 2 * b + h;
-                quad_sums(&ab[t], &cd[t], a, bb, c, d, j->xu + q * 64, j->xs + q * 32, ab_scale, cd_scale);
+                quad_sums(&ab[i][t], &cd[i][t], a, bb, c, d, j->xu + q * 64, j->xs + q * 32, ab_scale, cd_scale);
             }
         }
     }
-    for (int t = 0; t < tn; t++)
-        j->y[(t0 + t) * j->rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(ab[t], cd[t])) - 32 * _mm512_reduce_add_ps(off[t]);
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < tn; t++)
+            j->y[(t0 + t) * j->rows + at[i]] = _mm512_reduce_add_ps(_mm512_add_ps(ab[i][t], cd[i][t])) -
+                                               32 * _mm512_reduce_add_ps(off[i][t]);
 }
-IGEMV_ROWS(igemvb_q4_k, quads_tile_q4_k)
-IGEMV_ROWS(igemvb_q6_k, quads_tile_q6_k)
+/* rows first..last-1 of a quads product: one token two rows a step, row i beside row i + half of the range (two
+ * streams of weights in flight where one left the core's loads waiting on memory); more tokens a row at a time, in
+ * tiles of IGEMV_TILE, 2 and 1. A row's sums run in the same order either way. */
+#define QUADS_ROWS(NAME, TILE)                                                                                      \
+    static void NAME##_rows(const void *arg, int64_t first, int64_t last) {                                        \
+        const gemm_job *j = arg;                                                                                    \
+        if (j->n == 1) {                                                                                            \
+            int64_t half = (last - first) / 2;                                                                      \
+            for (int64_t r = first; r < first + half; r++) {                                                        \
+                const uint8_t *rows[2] = {j->w + r * j->row_bytes, j->w + (r + half) * j->row_bytes};              \
+                const int64_t at[2] = {r, r + half};                                                                \
+                TILE(j, rows, at, 0, 1, 2);                                                                         \
+            }                                                                                                       \
+            first += 2 * half;                                                                                      \
+        }                                                                                                           \
+        for (int64_t r = first; r < last; r++) {                                                                    \
+            const uint8_t *row[1] = {j->w + r * j->row_bytes};                                                     \
+            const int64_t at[1] = {r};                                                                              \
+            int64_t t = 0;                                                                                          \
+            for (; t + IGEMV_TILE <= j->n; t += IGEMV_TILE) TILE(j, row, at, t, IGEMV_TILE, 1);                     \
+            if (t + 2 <= j->n) {                                                                                    \
+                TILE(j, row, at, t, 2, 1);                                                                          \
+                t += 2;                                                                                             \
+            }                                                                                                       \
+            for (; t < j->n; t++) TILE(j, row, at, t, 1, 1);                                                        \
+        }                                                                                                           \
+    }
+QUADS_ROWS(igemvb_q4_k, quads_tile_q4_k)
+QUADS_ROWS(igemvb_q6_k, quads_tile_q6_k)
 void igemvb_q4_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
     gemm_job j_ = {w, rows, k, n, k / 256 * 144, NULL, NULL, NULL, y, NULL, 0};
     igemv_quads(&j_, x, xmax, threads, igemvb_q4_k_rows, 0);
