@@ -1044,17 +1044,21 @@ static const uint8_t widen_q5_0[64] = {6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12,
 static const uint8_t pick_q5_0[64] = {0, 1, 22, 23, 0, 1, 22, 23, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 /* a row for tokens t0 .. t0 + tn - 1, its blocks of BLOCK bytes read through the type's tables (FIFTH: Q5_0's
  * fifth bits, 32 a block from byte 2, add 16 to the values whose bit is set) */
-static inline __attribute__((always_inline)) void pairs_tile(const gemm_job *j, const uint8_t *row, int64_t r,
-                                                             int64_t t0, const int tn, const int block,
-                                                             const uint8_t *widen, const uint8_t *pick, const int fifth) {
+static inline __attribute__((always_inline)) void pairs_tile(const gemm_job *j, const uint8_t *const *rows,
+                                                             const int64_t *at, int64_t t0, const int tn, const int R,
+                                                             const int block, const uint8_t *widen, const uint8_t *pick,
+                                                             const int fifth) {
     int64_t groups = j->k / 32, pairs = (groups + 1) / 2;
     const __m512i wide = _mm512_loadu_si512(widen), take = _mm512_loadu_si512(pick);
     const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const __mmask64 both = (1ull << (2 * block)) - 1, one = (1ull << block) - 1;
-    __m512 even[IGEMV_TILE], odd[IGEMV_TILE];
-    __m128 off[IGEMV_TILE];
-    for (int t = 0; t < tn; t++) even[t] = odd[t] = _mm512_setzero_ps(), off[t] = _mm_setzero_ps();
-    for (int64_t p = 0; p < pairs; p++) {
+    __m512 even[2][IGEMV_TILE], odd[2][IGEMV_TILE];
+    __m128 off[2][IGEMV_TILE];
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < tn; t++) even[i][t] = odd[i][t] = _mm512_setzero_ps(), off[i][t] = _mm_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++)
+      for (int i = 0; i < R; i++) {
+        const uint8_t *row = rows[i];
         _mm_prefetch((const char *)(row + 2 * p * block + PAIRS_AHEAD), _MM_HINT_T0);
         __m512i raw = _mm512_maskz_loadu_epi8(2 * p + 1 < groups ? both : one, row + 2 * p * block);
         __m512i v = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, wide, raw);
@@ -1075,29 +1079,27 @@ static inline __attribute__((always_inline)) void pairs_tile(const gemm_job *j, 
             sum = _mm512_dpwssd_epi32(sum, high, _mm512_loadu_si512(xu + 16));
             __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(j->xs + ((t0 + t) * pairs + p) * 16));
             if (p % 2 == 0)
-                even[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, even[t]);
+                even[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, even[i][t]);
             else
-                odd[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, odd[t]);
-            off[t] = _mm_fmadd_ps(dm, _mm_loadu_ps(j->xo + ((t0 + t) * pairs + p) * 4), off[t]);
+                odd[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, odd[i][t]);
+            off[i][t] = _mm_fmadd_ps(dm, _mm_loadu_ps(j->xo + ((t0 + t) * pairs + p) * 4), off[i][t]);
         }
     }
-    for (int t = 0; t < tn; t++) {
-        __m128 o = off[t];
-        j->y[(t0 + t) * j->rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(even[t], odd[t])) + ((o[0] + o[1]) + (o[2] + o[3]));
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < tn; t++) {
+            __m128 o = off[i][t];
+            j->y[(t0 + t) * j->rows + at[i]] =
+                _mm512_reduce_add_ps(_mm512_add_ps(even[i][t], odd[i][t])) + ((o[0] + o[1]) + (o[2] + o[3]));
+        }
+}
+#define PAIRS_TILE(NAME, BLOCK, FIFTH)                                                                              \
+    static inline __attribute__((always_inline)) void pairs_tile_##NAME(                                            \
+        const gemm_job *j, const uint8_t *const *rows, const int64_t *at, int64_t t0, const int tn, const int R) {   \
+        pairs_tile(j, rows, at, t0, tn, R, BLOCK, widen_##NAME, pick_##NAME, FIFTH);                                \
     }
-}
-static inline __attribute__((always_inline)) void pairs_tile_q4_0(const gemm_job *j, const uint8_t *row, int64_t r,
-                                                                  int64_t t0, const int tn) {
-    pairs_tile(j, row, r, t0, tn, 18, widen_q4_0, pick_q4_0, 0);
-}
-static inline __attribute__((always_inline)) void pairs_tile_q4_1(const gemm_job *j, const uint8_t *row, int64_t r,
-                                                                  int64_t t0, const int tn) {
-    pairs_tile(j, row, r, t0, tn, 20, widen_q4_1, pick_q4_1, 0);
-}
-static inline __attribute__((always_inline)) void pairs_tile_q5_0(const gemm_job *j, const uint8_t *row, int64_t r,
-                                                                  int64_t t0, const int tn) {
-    pairs_tile(j, row, r, t0, tn, 22, widen_q5_0, pick_q5_0, 1);
-}
+PAIRS_TILE(q4_0, 18, 0)
+PAIRS_TILE(q4_1, 20, 0)
+PAIRS_TILE(q5_0, 22, 1)
 /* Q4_K and Q6_K decode products four groups a step (entry points igemvb_q4_k, igemvb_q6_k, which native.py prefers to
  * igemv_): 64 bytes of a block's nibbles are 32 int16 words, and four ALU operations on the words take out the low
  * nibble of each word's even byte (A: word & 15), of its odd byte (B: word >> 8 & 15), and the high nibbles (C: word >> 4
@@ -1259,10 +1261,10 @@ static inline __attribute__((always_inline)) void quads_tile_q6_k(const gemm_job
             j->y[(t0 + t) * j->rows + at[i]] = _mm512_reduce_add_ps(_mm512_add_ps(ab[i][t], cd[i][t])) -
                                                32 * _mm512_reduce_add_ps(off[i][t]);
 }
-/* rows first..last-1 of a quads product: one token two rows a step, row i beside row i + half of the range (two
- * streams of weights in flight where one left the core's loads waiting on memory); more tokens a row at a time, in
- * tiles of IGEMV_TILE, 2 and 1. A row's sums run in the same order either way. */
-#define QUADS_ROWS(NAME, TILE)                                                                                      \
+/* rows first..last-1 of a pairs or quads product: one token two rows a step, row i beside row i + half of the range
+ * (two streams of weights in flight where one left the core's loads waiting on memory); more tokens a row at a time,
+ * in tiles of IGEMV_TILE, 2 and 1. A row's sums run in the same order either way. */
+#define TWO_ROWS(NAME, TILE)                                                                                        \
     static void NAME##_rows(const void *arg, int64_t first, int64_t last) {                                        \
         const gemm_job *j = arg;                                                                                    \
         if (j->n == 1) {                                                                                            \
@@ -1286,8 +1288,8 @@ static inline __attribute__((always_inline)) void quads_tile_q6_k(const gemm_job
             for (; t < j->n; t++) TILE(j, row, at, t, 1, 1);                                                        \
         }                                                                                                           \
     }
-QUADS_ROWS(igemvb_q4_k, quads_tile_q4_k)
-QUADS_ROWS(igemvb_q6_k, quads_tile_q6_k)
+TWO_ROWS(igemvb_q4_k, quads_tile_q4_k)
+TWO_ROWS(igemvb_q6_k, quads_tile_q6_k)
 void igemvb_q4_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
     gemm_job j_ = {w, rows, k, n, k / 256 * 144, NULL, NULL, NULL, y, NULL, 0};
     igemv_quads(&j_, x, xmax, threads, igemvb_q4_k_rows, 0);
@@ -1296,9 +1298,9 @@ void igemvb_q6_k(const uint8_t *w, int64_t rows, int64_t k, const float *x, int6
     gemm_job j_ = {w, rows, k, n, k / 256 * 210, NULL, NULL, NULL, y, NULL, 0};
     igemv_quads(&j_, x, xmax, threads, igemvb_q6_k_rows, 1);
 }
-IGEMV_ROWS(igemvb_q4_0, pairs_tile_q4_0)
-IGEMV_ROWS(igemvb_q5_0, pairs_tile_q5_0)
-IGEMV_ROWS(igemvb_q4_1, pairs_tile_q4_1)
+TWO_ROWS(igemvb_q4_0, pairs_tile_q4_0)
+TWO_ROWS(igemvb_q5_0, pairs_tile_q5_0)
+TWO_ROWS(igemvb_q4_1, pairs_tile_q4_1)
 void igemvb_q4_0(const uint8_t *w, int64_t rows, int64_t k, const float *x, int64_t n, float *y, float xmax, int threads) {
     gemm_job j_ = {w, rows, k, n, k / 32 * 18, NULL, NULL, NULL, y, NULL, 0};
     igemv_pairs(&j_, x, xmax, threads, igemvb_q4_0_rows, -8);
