@@ -1042,8 +1042,8 @@ static const uint8_t widen_q4_1[64] = {4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0
 static const uint8_t pick_q4_1[64] = {0, 1, 20, 21, 2, 3, 22, 23, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 static const uint8_t widen_q5_0[64] = {6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 28, 0, 29, 0, 30, 0, 31, 0, 32, 0, 33, 0, 34, 0, 35, 0, 36, 0, 37, 0, 38, 0, 39, 0, 40, 0, 41, 0, 42, 0, 43, 0};
 static const uint8_t pick_q5_0[64] = {0, 1, 22, 23, 0, 1, 22, 23, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-/* a row for tokens t0 .. t0 + tn - 1, its blocks of BLOCK bytes read through the type's tables (FIFTH: Q5_0's
- * fifth bits, 32 a block from byte 2, add 16 to the values whose bit is set) */
+/* rows rows[0..R-1] (at[]) for tokens t0 .. t0 + tn - 1, their blocks of BLOCK bytes read through the type's tables
+ * (FIFTH: Q5_0's fifth bits, 32 a block from byte 2, add 16 to the values whose bit is set) */
 static inline __attribute__((always_inline)) void pairs_tile(const gemm_job *j, const uint8_t *const *rows,
                                                              const int64_t *at, int64_t t0, const int tn, const int R,
                                                              const int block, const uint8_t *widen, const uint8_t *pick,
@@ -1057,34 +1057,34 @@ static inline __attribute__((always_inline)) void pairs_tile(const gemm_job *j, 
     for (int i = 0; i < R; i++)
         for (int t = 0; t < tn; t++) even[i][t] = odd[i][t] = _mm512_setzero_ps(), off[i][t] = _mm_setzero_ps();
     for (int64_t p = 0; p < pairs; p++)
-      for (int i = 0; i < R; i++) {
-        const uint8_t *row = rows[i];
-        _mm_prefetch((const char *)(row + 2 * p * block + PAIRS_AHEAD), _MM_HINT_T0);
-        __m512i raw = _mm512_maskz_loadu_epi8(2 * p + 1 < groups ? both : one, row + 2 * p * block);
-        __m512i v = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, wide, raw);
-        __m512i low = _mm512_and_si512(v, _mm512_set1_epi16(15)), high = _mm512_srli_epi16(v, 4);
-        if (fifth) { /* bits 0-15 of each block's 32 go with the low nibbles, 16-31 with the high */
-            uint32_t bits, next = 0;
-            memcpy(&bits, row + 2 * p * block + 2, 4);
-            if (2 * p + 1 < groups) memcpy(&next, row + (2 * p + 1) * block + 2, 4);
-            __m512i sixteen = _mm512_set1_epi16(16);
-            low = _mm512_mask_add_epi16(low, (bits & 0xffff) | (next << 16), low, sixteen);
-            high = _mm512_mask_add_epi16(high, (bits >> 16) | (next & 0xffff0000u), high, sixteen);
+        for (int i = 0; i < R; i++) {
+            const uint8_t *row = rows[i];
+            _mm_prefetch((const char *)(row + 2 * p * block + PAIRS_AHEAD), _MM_HINT_T0);
+            __m512i raw = _mm512_maskz_loadu_epi8(2 * p + 1 < groups ? both : one, row + 2 * p * block);
+            __m512i v = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, wide, raw);
+            __m512i low = _mm512_and_si512(v, _mm512_set1_epi16(15)), high = _mm512_srli_epi16(v, 4);
+            if (fifth) { /* bits 0-15 of each block's 32 go with the low nibbles, 16-31 with the high */
+                uint32_t bits, next = 0;
+                memcpy(&bits, row + 2 * p * block + 2, 4);
+                if (2 * p + 1 < groups) memcpy(&next, row + (2 * p + 1) * block + 2, 4);
+                __m512i sixteen = _mm512_set1_epi16(16);
+                low = _mm512_mask_add_epi16(low, (bits & 0xffff) | (next << 16), low, sixteen);
+                high = _mm512_mask_add_epi16(high, (bits >> 16) | (next & 0xffff0000u), high, sixteen);
+            }
+            __m128 dm = _mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi8(take, raw))); /* d_g d_g+1 m_g m_g+1 */
+            __m512 d = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(dm));
+            for (int t = 0; t < tn; t++) {
+                const int32_t *xu = j->xu + ((t0 + t) * pairs + p) * 32;
+                __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(xu));
+                sum = _mm512_dpwssd_epi32(sum, high, _mm512_loadu_si512(xu + 16));
+                __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(j->xs + ((t0 + t) * pairs + p) * 16));
+                if (p % 2 == 0)
+                    even[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, even[i][t]);
+                else
+                    odd[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, odd[i][t]);
+                off[i][t] = _mm_fmadd_ps(dm, _mm_loadu_ps(j->xo + ((t0 + t) * pairs + p) * 4), off[i][t]);
+            }
         }
-        __m128 dm = _mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi8(take, raw))); /* d_g d_g+1 m_g m_g+1 */
-        __m512 d = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(dm));
-        for (int t = 0; t < tn; t++) {
-            const int32_t *xu = j->xu + ((t0 + t) * pairs + p) * 32;
-            __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(xu));
-            sum = _mm512_dpwssd_epi32(sum, high, _mm512_loadu_si512(xu + 16));
-            __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(j->xs + ((t0 + t) * pairs + p) * 16));
-            if (p % 2 == 0)
-                even[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, even[i][t]);
-            else
-                odd[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, odd[i][t]);
-            off[i][t] = _mm_fmadd_ps(dm, _mm_loadu_ps(j->xo + ((t0 + t) * pairs + p) * 4), off[i][t]);
-        }
-    }
     for (int i = 0; i < R; i++)
         for (int t = 0; t < tn; t++) {
             __m128 o = off[i][t];
@@ -1125,7 +1125,7 @@ static void igemv_quads(gemm_job *j, const float *x, float xmax, int threads, ra
     quantize_x(x, j->n, j->k, xmax, xu, xs, xo);
     /* a group's 16 pairs are 32 words, value v < 16 at word 2v, v >= 16 at word 2(v - 16) + 1: its even values and its
      * odd ones picked by vpermw */
-    static const uint16_t even_words[32] = {0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29};
+    static const uint16_t even_words[32] = /* the last 16 unused */ {0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29};
     static const uint16_t odd_words[32] = {2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31};
     const __m512i evens = _mm512_loadu_si512(even_words), odds = _mm512_loadu_si512(odd_words);
     for (int64_t t = 0; t < j->n; t++)
@@ -1175,35 +1175,38 @@ static inline __m512 q4_k_scales_mins(const uint8_t *blk) {
 static inline __m512i two_lanes(int i, int k) {
     return _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(i), _mm512_set1_epi32(k));
 }
+/* block b of a row (at blk) for tokens t0 .. t0 + tn - 1: their sums into ab, cd and off */
+static inline __attribute__((always_inline)) void quads_block_q4_k(const gemm_job *j, const uint8_t *blk, int64_t b,
+                                                                   int64_t t0, const int tn, __m512 *ab, __m512 *cd,
+                                                                   __m512 *off) {
+    int64_t groups = j->k / 32, quads = groups / 4;
+    const __m512i nibble = _mm512_set1_epi16(15), mins_at = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)lanes_of_mins));
+    _mm_prefetch((const char *)(blk + PAIRS_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(blk + 64 + PAIRS_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(blk + 128 + PAIRS_AHEAD), _MM_HINT_T0);
+    const __m512 sm = q4_k_scales_mins(blk), mins = _mm512_permutexvar_ps(mins_at, sm);
+    for (int t = 0; t < tn; t++)
+        off[t] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(j->xo + ((t0 + t) * groups + 8 * b) * 2), off[t]);
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+        const __m512i raw = _mm512_loadu_si512(blk + 16 + 64 * h);
+        const __m512i a = _mm512_and_si512(raw, nibble), bb = _mm512_and_si512(_mm512_srli_epi16(raw, 8), nibble);
+        const __m512i c = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble), d = _mm512_srli_epi16(raw, 12);
+        const __m512 ab_scale = _mm512_permutexvar_ps(two_lanes(4 * h, 4 * h + 2), sm);
+        const __m512 cd_scale = _mm512_permutexvar_ps(two_lanes(4 * h + 1, 4 * h + 3), sm);
+        for (int t = 0; t < tn; t++) {
+            const int64_t q = (t0 + t) * quads + 2 * b + h;
+            quad_sums(&ab[t], &cd[t], a, bb, c, d, j->xu + q * 64, j->xs + q * 32, ab_scale, cd_scale);
+        }
+    }
+}
 /* rows rows[0..R-1] (at[]) for tokens t0 .. t0 + tn - 1: R = 2 (one token) takes two rows' blocks side by side */
 static inline __attribute__((always_inline)) void quads_tile_q4_k(const gemm_job *j, const uint8_t *const *rows,
                                                                   const int64_t *at, int64_t t0, const int tn, const int R) {
-    int64_t groups = j->k / 32, quads = groups / 4, blocks = j->k / 256;
-    const __m512i nibble = _mm512_set1_epi16(15), mins_at = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)lanes_of_mins));
     __m512 ab[2][IGEMV_TILE], cd[2][IGEMV_TILE], off[2][IGEMV_TILE];
     for (int i = 0; i < R; i++)
         for (int t = 0; t < tn; t++) ab[i][t] = cd[i][t] = off[i][t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++)
-      for (int i = 0; i < R; i++) {
-        const uint8_t *blk = rows[i] + b * 144;
-        _mm_prefetch((const char *)(blk + PAIRS_AHEAD), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + 64 + PAIRS_AHEAD), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + 128 + PAIRS_AHEAD), _MM_HINT_T0);
-        const __m512 sm = q4_k_scales_mins(blk), mins = _mm512_permutexvar_ps(mins_at, sm);
-        for (int t = 0; t < tn; t++)
-            off[i][t] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(j->xo + ((t0 + t) * groups + 8 * b) * 2), off[i][t]);
-        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-            const __m512i raw = _mm512_loadu_si512(blk + 16 + 64 * h);
-            const __m512i a = _mm512_and_si512(raw, nibble), bb = _mm512_and_si512(_mm512_srli_epi16(raw, 8), nibble);
-            const __m512i c = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble), d = _mm512_srli_epi16(raw, 12);
-            const __m512 ab_scale = _mm512_permutexvar_ps(two_lanes(4 * h, 4 * h + 2), sm);
-            const __m512 cd_scale = _mm512_permutexvar_ps(two_lanes(4 * h + 1, 4 * h + 3), sm);
-            for (int t = 0; t < tn; t++) {
-                const int64_t q = (t0 + t) * quads + 2 * b + h;
-                quad_sums(&ab[i][t], &cd[i][t], a, bb, c, d, j->xu + q * 64, j->xs + q * 32, ab_scale, cd_scale);
-            }
-        }
-    }
+    for (int64_t b = 0; b < j->k / 256; b++)
+        for (int i = 0; i < R; i++) quads_block_q4_k(j, rows[i] + b * 144, b, t0, tn, ab[i], cd[i], off[i]);
     for (int i = 0; i < R; i++)
         for (int t = 0; t < tn; t++)
             j->y[(t0 + t) * j->rows + at[i]] = _mm512_reduce_add_ps(_mm512_add_ps(ab[i][t], cd[i][t])) -
@@ -1219,43 +1222,45 @@ static inline __m512i two_counts(int lower, int upper) {
 static inline __m512i four_lanes(int i) {
     return _mm512_set_epi32(i + 3, i + 3, i + 3, i + 3, i + 2, i + 2, i + 2, i + 2, i + 1, i + 1, i + 1, i + 1, i, i, i, i);
 }
+static inline __attribute__((always_inline)) void quads_block_q6_k(const gemm_job *j, const uint8_t *blk, int64_t b,
+                                                                   int64_t t0, const int tn, __m512 *ab, __m512 *cd,
+                                                                   __m512 *off) {
+    int64_t groups = j->k / 32, quads = groups / 4;
+    const __m512i nibble = _mm512_set1_epi16(15), bits = _mm512_set1_epi16(0x30);
+    _mm_prefetch((const char *)(blk + PAIRS_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(blk + 64 + PAIRS_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(blk + 128 + PAIRS_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(blk + 192 + PAIRS_AHEAD), _MM_HINT_T0);
+    uint16_t d16;
+    memcpy(&d16, blk + 208, 2);
+    const __m512 scales = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))),
+                                        _mm512_set1_ps(_cvtsh_ss(d16)));
+    for (int t = 0; t < tn; t++)
+        off[t] = _mm512_fmadd_ps(scales, _mm512_loadu_ps(j->xo + ((t0 + t) * groups + 8 * b) * 2), off[t]);
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+        const __m512i a = _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_and_si512(_mm512_sllv_epi16(qh, two_counts(4, 2)), bits));
+        const __m512i bb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 8), nibble),
+                                           _mm512_and_si512(_mm512_srlv_epi16(qh, two_counts(4, 6)), bits));
+        const __m512i c = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble),
+                                          _mm512_and_si512(_mm512_srlv_epi16(qh, two_counts(0, 2)), bits));
+        const __m512i d = _mm512_or_si512(_mm512_srli_epi16(ql, 12), _mm512_and_si512(_mm512_srlv_epi16(qh, two_counts(8, 10)), bits));
+        const __m512 ab_scale = _mm512_permutexvar_ps(four_lanes(8 * h), scales);
+        const __m512 cd_scale = _mm512_permutexvar_ps(four_lanes(8 * h + 4), scales);
+        for (int t = 0; t < tn; t++) {
+            const int64_t q = (t0 + t) * quads + 2 * b + h;
+            quad_sums(&ab[t], &cd[t], a, bb, c, d, j->xu + q * 64, j->xs + q * 32, ab_scale, cd_scale);
+        }
+    }
+}
 static inline __attribute__((always_inline)) void quads_tile_q6_k(const gemm_job *j, const uint8_t *const *rows,
                                                                   const int64_t *at, int64_t t0, const int tn, const int R) {
-    int64_t groups = j->k / 32, quads = groups / 4, blocks = j->k / 256;
-    const __m512i nibble = _mm512_set1_epi16(15), bits = _mm512_set1_epi16(0x30);
     __m512 ab[2][IGEMV_TILE], cd[2][IGEMV_TILE], off[2][IGEMV_TILE];
     for (int i = 0; i < R; i++)
         for (int t = 0; t < tn; t++) ab[i][t] = cd[i][t] = off[i][t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++)
-      for (int i = 0; i < R; i++) {
-        const uint8_t *blk = rows[i] + b * 210;
-        _mm_prefetch((const char *)(blk + PAIRS_AHEAD), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + 64 + PAIRS_AHEAD), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + 128 + PAIRS_AHEAD), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + 192 + PAIRS_AHEAD), _MM_HINT_T0);
-        uint16_t d16;
-        memcpy(&d16, blk + 208, 2);
-        const __m512 scales = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))),
-                                            _mm512_set1_ps(_cvtsh_ss(d16)));
-        for (int t = 0; t < tn; t++)
-            off[i][t] = _mm512_fmadd_ps(scales, _mm512_loadu_ps(j->xo + ((t0 + t) * groups + 8 * b) * 2), off[i][t]);
-        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-            const __m512i a = _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_and_si512(_mm512_sllv_epi16(qh, two_counts(4, 2)), bits));
-            const __m512i bb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 8), nibble),
-                                               _mm512_and_si512(_mm512_srlv_epi16(qh, two_counts(4, 6)), bits));
-            const __m512i c = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble),
-                                              _mm512_and_si512(_mm512_srlv_epi16(qh, two_counts(0, 2)), bits));
-            const __m512i d = _mm512_or_si512(_mm512_srli_epi16(ql, 12), _mm512_and_si512(_mm512_srlv_epi16(qh, two_counts(8, 10)), bits));
-            const __m512 ab_scale = _mm512_permutexvar_ps(four_lanes(8 * h), scales);
-            const __m512 cd_scale = _mm512_permutexvar_ps(four_lanes(8 * h + 4), scales);
-            for (int t = 0; t < tn; t++) {
-                const int64_t q = (t0 + t) * quads + 2 * b + h;
-                quad_sums(&ab[i][t], &cd[i][t], a, bb, c, d, j->xu + q * 64, j->xs + q * 32, ab_scale, cd_scale);
-            }
-        }
-    }
+    for (int64_t b = 0; b < j->k / 256; b++)
+        for (int i = 0; i < R; i++) quads_block_q6_k(j, rows[i] + b * 210, b, t0, tn, ab[i], cd[i], off[i]);
     for (int i = 0; i < R; i++)
         for (int t = 0; t < tn; t++)
             j->y[(t0 + t) * j->rows + at[i]] = _mm512_reduce_add_ps(_mm512_add_ps(ab[i][t], cd[i][t])) -
