@@ -1071,7 +1071,8 @@ static inline __attribute__((always_inline)) void pairs_tile(const gemm_job *j, 
                 low = _mm512_mask_add_epi16(low, (bits & 0xffff) | (next << 16), low, sixteen);
                 high = _mm512_mask_add_epi16(high, (bits >> 16) | (next & 0xffff0000u), high, sixteen);
             }
-            __m128 dm = _mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi8(take, raw))); /* d_g d_g+1 m_g m_g+1 */
+            /* d_g d_g+1 m_g m_g+1 */
+            __m128 dm = _mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi8(take, raw)));
             __m512 d = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(dm));
             for (int t = 0; t < tn; t++) {
                 const int32_t *xu = j->xu + ((t0 + t) * pairs + p) * 32;
@@ -1102,15 +1103,15 @@ PAIRS_TILE(q4_1, 20, 0)
 PAIRS_TILE(q5_0, 22, 1)
 /* Q4_K and Q6_K decode products four groups a step (entry points igemvb_q4_k, igemvb_q6_k, which native.py prefers to
  * igemv_): 64 bytes of a block's nibbles are 32 int16 words, and four ALU operations on the words take out the low
- * nibble of each word's even byte (A: word & 15), of its odd byte (B: word >> 8 & 15), and the high nibbles (C: word >> 4
- * & 15, D: word >> 12), as int16 with no shuffle. The 64 bytes hold four groups; A and B hold two of them (the lower
- * and upper 32 bytes' low nibbles), C and D the other two, each group's even values in A (C) and odd ones in B (D). x is
- * laid out to match by igemv_quads: per four groups, the 32 int16 of x that each of A, B, C and D multiplies. Two
- * vpdpwssd a pair of registers leave lanes 0-7 with one group's exact int32 sums and lanes 8-15 with the other's (lanes
- * 0-3 and 4-7 of a group its values 0-15 and 16-31), and one conversion and one FMA take both groups. Offsets (Q4_K's
- * mins, Q6_K's -32) are one FMA a block a token over x's sums per 16 values. x is rounded per 32 values as the prompt
- * GEMM rounds it. One thread, weights cached: 13-15 GB/s for Q4_K and 17-19 for Q6_K, against the float32 GEMV's
- * 2.5-2.9 (docs/benchmarks.md, the forty-second session). */
+ * nibble of each word's even byte (A: word & 15), of its odd byte (B: word >> 8 & 15), and the high nibbles (C: word
+ * >> 4 & 15, D: word >> 12), as int16 with no shuffle. The 64 bytes hold four groups; A and B hold two of them (the
+ * lower and upper 32 bytes' low nibbles), C and D the other two, each group's even values in A (C) and odd ones in B
+ * (D). x is laid out to match by igemv_quads: per four groups, the 32 int16 of x that each of A, B, C and D
+ * multiplies. Two vpdpwssd a pair of registers leave lanes 0-7 with one group's exact int32 sums and lanes 8-15 with
+ * the other's (lanes 0-3 and 4-7 of a group its values 0-15 and 16-31), and one conversion and one FMA take both
+ * groups. Offsets (Q4_K's mins, Q6_K's -32) are one FMA a block a token over x's sums per 16 values. x is rounded per
+ * 32 values as the prompt GEMM rounds it. One thread, weights cached: 13-15 GB/s for Q4_K and 17-19 for Q6_K, against
+ * the float32 GEMV's 2.5-2.9 (docs/benchmarks.md, the forty-second session). */
 static const uint8_t lanes_of_mins[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
 /* the group of register r (0: A and B, 1: C and D) and half u (its lower or upper 16 words) in four groups: Q4_K's
  * (stacked 0) r + 2u, Q6_K's (stacked 1) 2r + u */
@@ -1125,7 +1126,7 @@ static void igemv_quads(gemm_job *j, const float *x, float xmax, int threads, ra
     quantize_x(x, j->n, j->k, xmax, xu, xs, xo);
     /* a group's 16 pairs are 32 words, value v < 16 at word 2v, v >= 16 at word 2(v - 16) + 1: its even values and its
      * odd ones picked by vpermw */
-    static const uint16_t even_words[32] = /* the last 16 unused */ {0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29};
+    static const uint16_t even_words[32] = {0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29}; /* 16 unused */
     static const uint16_t odd_words[32] = {2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31};
     const __m512i evens = _mm512_loadu_si512(even_words), odds = _mm512_loadu_si512(odd_words);
     for (int64_t t = 0; t < j->n; t++)
@@ -1199,19 +1200,22 @@ static inline __attribute__((always_inline)) void quads_block_q4_k(const gemm_jo
         }
     }
 }
-/* rows rows[0..R-1] (at[]) for tokens t0 .. t0 + tn - 1: R = 2 (one token) takes two rows' blocks side by side */
-static inline __attribute__((always_inline)) void quads_tile_q4_k(const gemm_job *j, const uint8_t *const *rows,
-                                                                  const int64_t *at, int64_t t0, const int tn, const int R) {
-    __m512 ab[2][IGEMV_TILE], cd[2][IGEMV_TILE], off[2][IGEMV_TILE];
-    for (int i = 0; i < R; i++)
-        for (int t = 0; t < tn; t++) ab[i][t] = cd[i][t] = off[i][t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < j->k / 256; b++)
-        for (int i = 0; i < R; i++) quads_block_q4_k(j, rows[i] + b * 144, b, t0, tn, ab[i], cd[i], off[i]);
-    for (int i = 0; i < R; i++)
-        for (int t = 0; t < tn; t++)
-            j->y[(t0 + t) * j->rows + at[i]] = _mm512_reduce_add_ps(_mm512_add_ps(ab[i][t], cd[i][t])) -
-                                               _mm512_reduce_add_ps(off[i][t]);
-}
+/* rows rows[0..R-1] (at[]) for tokens t0 .. t0 + tn - 1, through quads_block_NAME: R = 2 (one token) takes two rows'
+ * blocks side by side; the offsets' sum (times OFFSET: Q6_K's 32) subtracted at the end */
+#define QUADS_TILE(NAME, BYTES, OFFSET)                                                                             \
+    static inline __attribute__((always_inline)) void quads_tile_##NAME(                                            \
+        const gemm_job *j, const uint8_t *const *rows, const int64_t *at, int64_t t0, const int tn, const int R) {   \
+        __m512 ab[2][IGEMV_TILE], cd[2][IGEMV_TILE], off[2][IGEMV_TILE];                                            \
+        for (int i = 0; i < R; i++)                                                                                 \
+            for (int t = 0; t < tn; t++) ab[i][t] = cd[i][t] = off[i][t] = _mm512_setzero_ps();                   \
+        for (int64_t b = 0; b < j->k / 256; b++)                                                                    \
+            for (int i = 0; i < R; i++) quads_block_##NAME(j, rows[i] + b * BYTES, b, t0, tn, ab[i], cd[i], off[i]); \
+        for (int i = 0; i < R; i++)                                                                                 \
+            for (int t = 0; t < tn; t++)                                                                            \
+                j->y[(t0 + t) * j->rows + at[i]] = _mm512_reduce_add_ps(_mm512_add_ps(ab[i][t], cd[i][t])) -      \
+                                                   OFFSET * _mm512_reduce_add_ps(off[i][t]);                       \
+    }
+QUADS_TILE(q4_k, 144, 1)
 /* Q6_K: the quads are the block's halves (64 ql bytes, 32 qh bytes each): groups 4h and 4h + 1 in A-B (the low
  * nibbles), 4h + 2 and 4h + 3 in C-D; the qh bytes in both 256-bit halves of a register, each word's two bits for A, B,
  * C, D shifted to bits 4-5 by per-half counts. The int8 scales of each 16 values (d times them, in float) are a lane's:
@@ -1254,18 +1258,7 @@ static inline __attribute__((always_inline)) void quads_block_q6_k(const gemm_jo
         }
     }
 }
-static inline __attribute__((always_inline)) void quads_tile_q6_k(const gemm_job *j, const uint8_t *const *rows,
-                                                                  const int64_t *at, int64_t t0, const int tn, const int R) {
-    __m512 ab[2][IGEMV_TILE], cd[2][IGEMV_TILE], off[2][IGEMV_TILE];
-    for (int i = 0; i < R; i++)
-        for (int t = 0; t < tn; t++) ab[i][t] = cd[i][t] = off[i][t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < j->k / 256; b++)
-        for (int i = 0; i < R; i++) quads_block_q6_k(j, rows[i] + b * 210, b, t0, tn, ab[i], cd[i], off[i]);
-    for (int i = 0; i < R; i++)
-        for (int t = 0; t < tn; t++)
-            j->y[(t0 + t) * j->rows + at[i]] = _mm512_reduce_add_ps(_mm512_add_ps(ab[i][t], cd[i][t])) -
-                                               32 * _mm512_reduce_add_ps(off[i][t]);
-}
+QUADS_TILE(q6_k, 210, 32)
 /* rows first..last-1 of a pairs or quads product: one token two rows a step, row i beside row i + half of the range
  * (two streams of weights in flight where one left the core's loads waiting on memory); more tokens a row at a time,
  * in tiles of IGEMV_TILE, 2 and 1. A row's sums run in the same order either way. */
