@@ -113,6 +113,33 @@ def test_k_quant_decode_products_follow_float64(qtype, k):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.skipif(" avx2" not in native._cpu_flags(), reason="the AVX2 build runs on a CPU with AVX2 only")
+def test_the_avx2_build_keeps_decode_rows_independent_of_the_batch(monkeypatch, tmp_path):
+    """The kernels as a CPU with AVX2 and no AVX-512 gets them (-march=x86-64-v3; on this machine built with its own
+    compiler, cc where it has AVX-512): Q4_K's and Q6_K's decode products (AVX2's igemvb_) give a token's row the bits
+    it gets alone, and follow float64 on the rounded x. GCC summed a row's lanes in another order for some tiles here
+    until igemv_sum kept its order."""
+    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in native.FLAGS)
+    monkeypatch.setattr(native, "FLAGS", flags)
+    monkeypatch.setenv("LEAT_HOME", str(tmp_path))
+    monkeypatch.setenv("LEAT_CPU_CTYPES", "1")
+    native.library.cache_clear()
+    try:
+        assert native.library().has("igemvb_q4_k") and not native.library().has("igemvb_q4_0")  # AVX2's, not VBMI's
+        for qtype in (Q.Q4_K, Q.Q6_K):
+            w, exact = weight(qtype, 40, 512)
+            x = np.random.default_rng(3).standard_normal((native.GEMV_ROWS, 512)).astype(np.float32)
+            alone = np.concatenate([native.matmul(x[i : i + 1], w, threads=1) for i in range(len(x))])
+            for n in range(2, native.GEMV_ROWS + 1):
+                np.testing.assert_array_equal(
+                    native.matmul(x[:n], w, threads=2), alone[:n], err_msg=f"{qtype.name} {n}"
+                )
+            want = rounded_activations(x, qtype) @ exact.T
+            np.testing.assert_allclose(alone, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    finally:
+        native.library.cache_clear()
+
+
 @pytest.mark.parametrize("qtype, n", [(Q.Q4_K, 30), (Q.Q4_1, native.GEMV_ROWS)])  # the GEMM, the integer GEMV
 def test_product_rows_do_not_depend_on_the_batch_or_threads(qtype, n):
     if n > native.GEMV_ROWS and not native.library().has_gemm:

@@ -29,6 +29,15 @@
 #if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+/* Sums in a fixed order inside a function (the flags allow reassociation elsewhere): NO_REASSOCIATION opens its body
+ * for clang, KEEP_ORDER marks it for GCC (which keeps no pragma for it inside a function). */
+#ifdef __clang__
+#define NO_REASSOCIATION _Pragma("clang fp reassociate(off)")
+#define KEEP_ORDER
+#else
+#define NO_REASSOCIATION
+#define KEEP_ORDER __attribute__((optimize("no-associative-math")))
+#endif
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
@@ -810,7 +819,10 @@ static inline __m256 igemv_group(__m256 sum, wgroup w, const int32_t *xu, float 
     __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w.a, x0), _mm256_madd_epi16(w.b, x1));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), sum);
 }
-static inline float igemv_sum(__m256 even, __m256 odd) {
+/* the 8 lanes in order, whatever the tile the row's token is in (GCC with -fassociative-math summed them in another
+ * order for some tiles: a token's result then depended on its batch) */
+static inline KEEP_ORDER float igemv_sum(__m256 even, __m256 odd) {
+    NO_REASSOCIATION
     float lanes[8], total = 0;
     _mm256_storeu_ps(lanes, _mm256_add_ps(even, odd));
     for (int i = 0; i < 8; i++) total += lanes[i];
@@ -1368,15 +1380,6 @@ int has_gemm(void) { return GEMM; }
  * unrolled so that each chunk's shifts and scale offsets are constants (Q4_K products 2.3x faster here). A row's
  * chunks are decoded once for up to GEMV_TILE tokens (each token's sums in the same order as alone, so a token's
  * result does not depend on the batch it is in). */
-/* Sums in a fixed order inside a function (the flags allow reassociation elsewhere): NO_REASSOCIATION opens its body
- * for clang, KEEP_ORDER marks it for GCC (which keeps no pragma for it inside a function). */
-#ifdef __clang__
-#define NO_REASSOCIATION _Pragma("clang fp reassociate(off)")
-#define KEEP_ORDER
-#else
-#define NO_REASSOCIATION
-#define KEEP_ORDER __attribute__((optimize("no-associative-math")))
-#endif
 /* The 16 lanes' sum by halves (8 + 8, 4 + 4, 2 + 2, 1 + 1): a fixed order, in a few vector adds. */
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
