@@ -127,13 +127,7 @@ def test_the_avx2_build_keeps_decode_rows_independent_of_the_batch(monkeypatch, 
     try:
         assert native.library().has("igemvb_q4_k") and not native.library().has("igemvb_q4_0")  # AVX2's, not VBMI's
         for qtype in (Q.Q4_K, Q.Q6_K):
-            w, exact = weight(qtype, 40, 512)
-            x = np.random.default_rng(3).standard_normal((native.GEMV_ROWS, 512)).astype(np.float32)
-            alone = np.concatenate([native.matmul(x[i : i + 1], w, threads=1) for i in range(len(x))])
-            for n in range(2, native.GEMV_ROWS + 1):
-                np.testing.assert_array_equal(
-                    native.matmul(x[:n], w, threads=2), alone[:n], err_msg=f"{qtype.name} {n}"
-                )
+            x, alone, exact = decode_rows_alone_and_batched(qtype)
             want = rounded_activations(x, qtype) @ exact.T
             np.testing.assert_allclose(alone, want, rtol=0, atol=2e-6 * np.abs(want).max())
     finally:
@@ -159,11 +153,18 @@ def test_product_rows_do_not_depend_on_the_batch_or_threads(qtype, n):
 def test_decode_products_of_a_few_tokens_equal_each_token_alone(qtype):
     """The GEMV decodes a row's blocks once for up to GEMV_TILE tokens: each token's row of the product is the one it
     gets alone, bit for bit, whichever tile (4, 2 or 1 tokens) it falls in."""
-    w, _ = weight(qtype, 40, 512)
+    decode_rows_alone_and_batched(qtype)
+
+
+def decode_rows_alone_and_batched(qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asserts that each of GEMV_ROWS tokens' decode rows, in batches of 2..GEMV_ROWS, equal the rows it gets alone;
+    returns x, those rows alone and the weight's float64 values."""
+    w, exact = weight(qtype, 40, 512)
     x = np.random.default_rng(3).standard_normal((native.GEMV_ROWS, 512)).astype(np.float32)
     alone = np.concatenate([native.matmul(x[i : i + 1], w, threads=1) for i in range(len(x))])
     for n in range(2, native.GEMV_ROWS + 1):
-        np.testing.assert_array_equal(native.matmul(x[:n], w, threads=2), alone[:n], err_msg=f"{n} tokens")
+        np.testing.assert_array_equal(native.matmul(x[:n], w, threads=2), alone[:n], err_msg=f"{qtype.name} {n}")
+    return x, alone, exact
 
 
 @pytest.mark.parametrize("gelu", [False, True])
