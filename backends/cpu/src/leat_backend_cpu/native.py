@@ -8,8 +8,8 @@ decodes the panels a block at a time where the library has it). A few rows (deco
 the types of ``Kernels.integer_gemv`` (the same int16 activations, each 32 weight values decoded to int16 in
 registers; ``igemvb`` a block at a time, or for Q4_0, Q4_1 and Q5_0 two and for Q4_K and Q6_K four groups, where the
 library has it), else ``gemv``, which decodes blocks in registers and multiplies in float32. Attention over float32 or
-f16 KV pages, rms_norm, the gated activations and rope are one C call each. Work is split over ``threads`` threads (the caller's and a pool's; the C
-file says how).
+f16 KV pages, rms_norm, the gated activations and rope are one C call each. Work is split over ``threads`` threads
+(the caller's and a pool's; the C file says how).
 
 The source is compiled with the system's C compiler (``$CC``, else clang on an x86 CPU without AVX-512, else
 ``cc``; :func:`_compiler`) for this CPU (``-march=native``) into ``$LEAT_HOME/cpu`` (default ``~/.cache/leat/cpu``),
@@ -69,7 +69,7 @@ GEMV_ROWS = 8  # activation rows up to which a product decodes blocks in registe
 # docs/benchmarks.md); the others keep it
 INTEGER_GEMV = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0})
 # and these where the library has them from the blocks' bytes (kernels/cpu.c's igemvb_: AVX2, and AVX-512 VBMI, where
-# a random-weight Llama 3.2 1B-shaped Q4_K_M file decodes 5.9x faster on one thread than through the float32 GEMV,
+# a random-weight Llama 3.2 1B-shaped Q4_K_M file decodes at 15.4 tok/s on one thread against the float32 GEMV's 2.6,
 # docs/benchmarks.md); through igroup_ they were slower than the float32 GEMV (that file, 2 threads: 8.2 against 10.2)
 K_QUANT_GEMV = frozenset({Q.Q4_K, Q.Q6_K})
 # float32 bytes of weight rows decoded at once for a prompt's BLAS product, without the integer GEMM: a whole weight of
