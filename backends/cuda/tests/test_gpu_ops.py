@@ -168,10 +168,11 @@ def test_gemm_few_over_long_rows_and_row_tiles(cuda, oracle, qtype):
     weight = cuda.upload(Tensor("w", qtype, (rows, cols), data))
     reference = oracle.upload(Tensor("w", qtype, (rows, cols), data))
     bias = rng.standard_normal(rows)
-    saved = cuda.few_tokens, cuda.few_shape, cuda.cublas_min_tokens_f16
+    saved = cuda.few_tokens, cuda.few_shape, cuda.cublas_min_tokens_f16, cuda.wg_tokens
     try:
         cuda.few_tokens = (1, quants.GEMM_FEW_MAX_TOKENS)
         cuda.cublas_min_tokens_f16 = 1 << 30  # gemm_few even where the weight has an f16 copy
+        cuda.wg_tokens = (1, 0)  # and not gemm_wg (Hopper)
         for n in (1, 6, 16, 24, 32):
             x = rng.standard_normal((n, cols)) * np.logspace(-3, 3, n)[:, None]
             want = oracle.matmul(x, reference, bias)
@@ -181,7 +182,7 @@ def test_gemm_few_over_long_rows_and_row_tiles(cuda, oracle, qtype):
                 for t in range(n):
                     assert relative_error(got[t], want[t]) < 2e-3, (n, shape, t)
     finally:
-        cuda.few_tokens, cuda.few_shape, cuda.cublas_min_tokens_f16 = saved
+        cuda.few_tokens, cuda.few_shape, cuda.cublas_min_tokens_f16, cuda.wg_tokens = saved
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.IQ4_XS, Q.F16], ids=lambda q: q.name)
@@ -210,6 +211,36 @@ def test_gemm_rows_over_token_tiles_and_splits(cuda, oracle, qtype):
         cuda.rows_tokens, cuda.rows_shape, cuda.rows_blocks = saved
 
 
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q8_0, Q.Q4_0, Q.IQ4_XS, Q.F16], ids=lambda q: q.name
+)
+def test_gemm_wg_over_token_tiles_and_splits(cuda, oracle, qtype):
+    """gemm_wg (Hopper's wgmma, 9-64 tokens): every token tile (16, 32, 64), tokens that fill a tile and that do
+    not, rows not a multiple of a block's 128, K whole and split into partial sums, against the float64 product
+    with a bias."""
+    if cuda.device.arch != "sm_90":
+        pytest.skip(f"gemm_wg runs on sm_90 only, not {cuda.device.arch}")
+    rng = np.random.default_rng(8000 + int(qtype))
+    rows, cols = 200, 2304
+    data = stored(qtype, rows, cols, rng)
+    weight = cuda.upload(Tensor("w", qtype, (rows, cols), data))
+    reference = oracle.upload(Tensor("w", qtype, (rows, cols), data))
+    bias = rng.standard_normal(rows)
+    saved = cuda.wg_tokens, cuda.wg_blocks
+    try:
+        cuda.wg_tokens = (9, 64)
+        for n in (9, 16, 17, 33, 64):
+            x = rng.standard_normal((n, cols)) * np.logspace(-3, 3, n)[:, None]
+            want = oracle.matmul(x, reference, bias)
+            for blocks in (1, 1000):  # K whole; split into its 9 chunks
+                cuda.wg_blocks = blocks
+                got = cuda.to_host(cuda.matmul(cuda_array(cuda, x), weight, cuda_array(cuda, bias)))
+                for t in range(n):
+                    assert relative_error(got[t], want[t]) < 2e-3, (n, blocks, t)
+    finally:
+        cuda.wg_tokens, cuda.wg_blocks = saved
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.F16], ids=lambda q: q.name)
 def test_gated_unit_in_one_gemm_few_launch(cuda, oracle, qtype):
     """silu(x gate^T) * (x up^T) for 3-32 tokens: gate and up in one gemm_few launch (x read once for both) for every
@@ -220,10 +251,11 @@ def test_gated_unit_in_one_gemm_few_launch(cuda, oracle, qtype):
     cols = 2304 if quants.LAYOUTS[qtype].block == 256 else 2336
     rows = 200
     gate, up, ref_gate, ref_up = gate_and_up(cuda, oracle, qtype, rows, cols, rng)
-    saved = cuda.few_tokens, cuda.few_shape, cuda.cublas_min_tokens_f16
+    saved = cuda.few_tokens, cuda.few_shape, cuda.cublas_min_tokens_f16, cuda.wg_tokens
     try:
         cuda.few_tokens = (1, quants.GEMM_FEW_MAX_TOKENS)
         cuda.cublas_min_tokens_f16 = 1 << 30  # gemm_few even where the weight has an f16 copy
+        cuda.wg_tokens = (1, 0)  # and not gemm_wg (Hopper)
         for n in (3, 8, 16, 24, 32) if quants.LAYOUTS[qtype].integer else (9, 16, 32):
             x = rng.standard_normal((n, cols)) * np.logspace(-2, 1, n)[:, None]
             want = oracle.silu_mul(oracle.matmul(x, ref_gate), oracle.matmul(x, ref_up))
@@ -237,7 +269,7 @@ def test_gated_unit_in_one_gemm_few_launch(cuda, oracle, qtype):
                 for t in range(n):
                     assert relative_error(got[t], want[t]) < 3e-3, (n, shape, t)
     finally:
-        cuda.few_tokens, cuda.few_shape, cuda.cublas_min_tokens_f16 = saved
+        cuda.few_tokens, cuda.few_shape, cuda.cublas_min_tokens_f16, cuda.wg_tokens = saved
 
 
 def test_matmul_without_tensor_cores_is_float32(oracle):

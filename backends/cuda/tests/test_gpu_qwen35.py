@@ -25,6 +25,7 @@ from leat.modelfile import ModelFile
 from leat.testing import write_tiny_gguf
 from leat_backend_cpu.backend import CPUBackend
 from leat_backend_cuda.quants import GEMV_MAX_TOKENS, gemm_few_shape
+from leat_backend_cuda.wgmma import WG_KC
 
 pytestmark = pytest.mark.gpu
 _spec = importlib.util.spec_from_file_location("deltanet_on_host", Path(__file__).with_name("test_deltanet_on_host.py"))
@@ -52,7 +53,7 @@ def files(tmp_path_factory):
 
 class F16Rows(CPUBackend):
     """The oracle with the CUDA backend's f16 rows: where ``cuda`` multiplies an F32 matrix on the tensor cores
-    (gemm_few, gemm_rows, the GEMM, cuBLAS), x and the weight are rounded to f16 (their sums are float32 there,
+    (gemm_few, gemm_wg, gemm_rows, the GEMM, cuBLAS), x and the weight are rounded to f16 (their sums are float32 there,
     float64 here); the MoE's router and F32 experts stay unrounded (gemv_id and gemv_grouped multiply in float32)."""
 
     def __init__(self, cuda, precision="f64"):
@@ -61,13 +62,15 @@ class F16Rows(CPUBackend):
 
     def rounds(self, n, m, k):
         """Whether ``cuda`` multiplies n tokens by an F32 matrix [m, k] through f16 rows: CUDABackend.matmul's
-        choice for float weights (more than GEMV_MAX_TOKENS tokens, rows a multiple of 8: gemm_few where it has a
-        shape, cuBLAS from cublas_min_tokens, else gemm_rows or the GEMM where K steps by 32; else the float gemv)."""
+        choice for float weights (more than GEMV_MAX_TOKENS tokens, rows a multiple of 8: gemm_wg in its tokens where
+        K is a multiple of 256, gemm_few where it has a shape, cuBLAS from cublas_min_tokens, else gemm_rows or the
+        GEMM where K steps by 32; else the float gemv)."""
         cuda = self.cuda
         if n <= GEMV_MAX_TOKENS or k % 8 or not cuda.tensor_cores:
             return False
         few = cuda.few_tokens[0] <= n <= cuda.few_tokens[1] and gemm_few_shape(n, m) is not None
-        return few or (cuda.cublas is not None and n >= cuda.cublas_min_tokens) or k % 32 == 0
+        wg = cuda.wg_tokens[0] <= n <= cuda.wg_tokens[1] and k % WG_KC == 0
+        return few or wg or (cuda.cublas is not None and n >= cuda.cublas_min_tokens) or k % 32 == 0
 
     def matmul(self, x, weight, bias=None):
         if isinstance(weight, np.ndarray) and not self.exact and self.rounds(len(x), *weight.shape):

@@ -188,6 +188,7 @@ def _check_types(kernel, args):
 @pytest.fixture
 def fake(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("LEAT_HOME", str(tmp_path_factory.getbasetemp() / "leat-home"))
+    monkeypatch.setenv("LEAT_CUDA_WGMMA", "0")  # the fake device is sm_90: the paths these tests check, not gemm_wg
     fake = FakeDriver()
     monkeypatch.setattr(driver, "_cu", lambda: fake)
     monkeypatch.setattr(driver, "_local", types.SimpleNamespace())
@@ -350,6 +351,52 @@ def test_products_of_many_tokens_go_to_cublas_a_chunk_of_rows_at_a_time(fake):
     backend.cublas.calls.clear()
     backend.matmul(backend.from_host(rng.standard_normal((n - 1, cols))), weight)  # fewer: the own kernels
     assert not backend.cublas.calls and any(f.startswith("_Z9gemm_rows") for f, _, _ in fake.launches)
+
+
+def test_products_of_9_to_16_tokens_go_to_gemm_wg_on_hopper(fake, monkeypatch):
+    """On sm_90 (the fake device) products of WGMMA_TOKENS tokens go to gemm_wg, ahead of cuBLAS and gemm_few: x
+    put in its order once per weight type and token tile (q, k and v share it), split over K where the rows leave
+    multiprocessors idle, the tile that holds the tokens. LEAT_CUDA_WGMMA=0 turns it off, =64 widens it; off
+    Hopper it takes nothing."""
+    from leat_backend_cuda import wgmma
+
+    monkeypatch.delenv("LEAT_CUDA_WGMMA")
+    rng = np.random.default_rng(5)
+    cols = 512
+    backend = CUDABackend()
+    assert backend.wg_tokens == wgmma.WGMMA_TOKENS == (9, 16)
+    q, k = (backend.upload(Tensor(n, Q.Q4_K, (r, cols), stored_q4_k(r, cols, rng))) for n, r in (("q", 256), ("k", 64)))
+    for n, tile in ((9, 2), (16, 2)):
+        x = backend.from_host(rng.standard_normal((n, cols)))
+        fake.launches.clear()
+        backend.matmul(x, q)
+        backend.matmul(x, k)
+        names = [f for f, _, _ in fake.launches]
+        orders = [f for f in names if f.startswith("_Z10wg_order_x")]
+        products = [(f, grid) for f, grid, _ in fake.launches if f.startswith("_Z7gemm_wg")]
+        assert len(orders) == 1 and f"I5TQ4_KLi{tile}E" in orders[0]  # one order for both, the 16-token tile
+        assert [grid for _, grid in products] == [(2, 2, 1), (1, 2, 1)]  # 2 chunks of K, split in 2 (264 blocks)
+        assert names.count("x_to_f16") == 1 and names.count("splitk_sum") == 2  # x's f16 rows once for both
+        assert "scale_rows_bias" not in names  # the scales are applied in gemm_wg
+    fake.launches.clear()
+    backend.matmul(backend.from_host(rng.standard_normal((17, cols))), q)
+    assert not [f for f, _, _ in fake.launches if "gemm_wg" in f]
+    monkeypatch.setenv("LEAT_CUDA_WGMMA", "64")
+    assert wgmma.wg_tokens("sm_90") == (9, 64) and wgmma.wg_tile(33) == 8 and wgmma.wg_tile(17) == 4
+    monkeypatch.setenv("LEAT_CUDA_WGMMA", "0")
+    assert wgmma.wg_tokens("sm_90") == (1, 0)
+    monkeypatch.setenv("LEAT_CUDA_WGMMA", "65")
+    with pytest.raises(ValueError, match="LEAT_CUDA_WGMMA"):
+        wgmma.wg_tokens("sm_90")
+    assert wgmma.wg_tokens("sm_89") == (1, 0)
+
+
+def stored_q4_k(rows: int, cols: int, rng) -> np.ndarray:
+    """Random Q4_K blocks with small scales (gguf-py cannot quantize Q4_K)."""
+    block, size = gguf.GGML_QUANT_SIZES[Q.Q4_K]
+    data = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    data[:, :4] = np.frombuffer(np.full(2, 0.01, np.float16).tobytes(), np.uint8)
+    return data.reshape(rows, -1)
 
 
 def test_a_weight_kept_in_f16_goes_to_cublas_whole_without_decoding(fake):

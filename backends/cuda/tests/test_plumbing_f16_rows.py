@@ -22,7 +22,7 @@ def _module(name, file):
 
 plumbing, gpu_qwen35 = _module("cuda_test_plumbing", "test_plumbing.py"), _module("gpu_qwen35", "test_gpu_qwen35.py")
 fake = plumbing.fake
-TENSOR_CORE_PRODUCTS = ("_gemm_few", "_gemm_rows", "_gemm", "_cublas_product")  # each reads f16 rows of x
+TENSOR_CORE_PRODUCTS = ("_gemm_few", "_gemm_wg", "_gemm_rows", "_gemm", "_cublas_product")  # each reads f16 rows of x
 
 
 @pytest.mark.parametrize("with_cublas", [False, True])
@@ -31,6 +31,7 @@ def test_f16_rows_round_the_products_the_tensor_cores_take(fake, tmp_path, monke
     from leat_backend_cuda import backend as cuda_backend
 
     cuda = cuda_backend.CUDABackend()
+    cuda.wg_tokens = (9, 16)  # gemm_wg's default (the fake fixture turns it off)
     if with_cublas:
         cuda.cublas = types.SimpleNamespace(gemm_f16=lambda *args: None, version=0)
         cuda._f16_weights = cuda_backend.Memory(cuda_backend.CUBLAS_SCRATCH_BYTES)

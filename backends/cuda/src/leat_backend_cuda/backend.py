@@ -40,6 +40,7 @@ from leat_backend_cuda.driver import DeviceArray, Memory
 from leat_backend_cuda.mla import LatentAttentionOps
 from leat_backend_cuda.moe import ExpertOps
 from leat_backend_cuda.vision import VisionOps
+from leat_backend_cuda.wgmma import WG_BLOCKS_PER_SM, WarpgroupProducts, wg_tokens
 
 Q = gguf.GGMLQuantizationType
 F32, I32, U16 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint16)
@@ -329,7 +330,7 @@ def _is_norm(x: Any) -> bool:
     return isinstance(x, Pending) and x.waiting("norm")
 
 
-class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backend):
+class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, WarpgroupProducts, Backend):
     name = "cuda"
     asynchronous = True
     feeds_tokens = True
@@ -398,6 +399,10 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         self.rows_tokens = (GEMM_ROWS_MIN_TOKENS, GEMM_ROWS_MAX_TOKENS)
         self.rows_shape: tuple[int, int] | None = None
         self.rows_blocks = GEMM_ROWS_BLOCKS_PER_SM * self.device.sm_count
+        #: token counts (first, last) that go to gemm_wg, Hopper's warpgroup products (wgmma.py; (1, 0): none)
+        self.wg_tokens = wg_tokens(self.device.arch)
+        self.wg_blocks = WG_BLOCKS_PER_SM * self.device.sm_count  # the blocks its split over K aims at
+        self._wg_orders: OrderedDict[tuple, tuple[DeviceArray, DeviceArray]] = OrderedDict()
         self._f16_weights = Memory(CUBLAS_SCRATCH_BYTES) if self.cublas else None
         #: bytes of f16 weight copies the upload may keep: a prefill product through cuBLAS then multiplies the
         #: kept copy instead of decoding the weight again each step (on the H200 the decoding took 28% of a
@@ -433,10 +438,12 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
         return driver.Timer(self.device)
 
     # -- kernels -------------------------------------------------------------------------------------
-    def _module(self, key: str, file: str, names: list[str], smem: dict[str, int]) -> driver.Module:
+    def _module(
+        self, key: str, file: str, names: list[str], smem: dict[str, int], arch: str | None = None
+    ) -> driver.Module:
         module = self._modules.get(key)
         if module is None:
-            built = compiler.compile_program(file, names, self.device.arch)
+            built = compiler.compile_program(file, names, arch or self.device.arch)
             module = self._modules[key] = driver.Module(self.device, built.cubin, built.names, built.params, smem)
         return module
 
@@ -745,6 +752,8 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Backen
             product = Pending(x.shape[:-1] + (m,), lambda: self._launch_products(product), ("matmul", x, weight, bias))
             return self._sibling(x, product)
         # x may still be a pending norm: the products that read x as f16 rows take the norm in (_f16_rows)
+        if self._wg_takes(weight, n, k):
+            return self._gemm_wg(x, weight, bias, self._empty(x.shape[:-1] + (m,)), n)
         few = self._few_shape(weight, n, k)
         if few is not None and self.fuse and self.few_gated and bias is None:  # silu_mul may take it and its sibling
             shape = x.shape[:-1] + (m,)

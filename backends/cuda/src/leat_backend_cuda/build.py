@@ -12,7 +12,7 @@ import argparse
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from leat_backend_cuda import compiler, deltanet, mla, moe, quants, vision
+from leat_backend_cuda import compiler, deltanet, mla, moe, quants, vision, wgmma
 
 
 def programs() -> list[tuple[str, list[str]]]:
@@ -36,7 +36,10 @@ def _build(job: tuple[str, list[str], str, bool]) -> tuple[str, float, int, bool
 
 
 def build_all(arch: str, use_cache: bool = True, workers: int | None = None) -> list[tuple[str, float, int, bool]]:
+    """Every program for ``arch`` (on sm_90 also wgmma.cu's, for sm_90a: Hopper's warpgroup products)."""
     jobs = [(file, names, arch, use_cache) for file, names in programs()]
+    if arch == "sm_90":
+        jobs += [(file, names, wgmma.WGMMA_ARCH, use_cache) for file, names in wgmma.programs()]
     with ProcessPoolExecutor(workers) as pool:
         return list(pool.map(_build, jobs))
 
