@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from leat.backend import KVLayout
 from leat.batch import Batch, Row
+from leat.errors import LeatError
 from leat.modelfile import ModelFile, Tensor
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
@@ -353,18 +354,20 @@ def test_products_of_many_tokens_go_to_cublas_a_chunk_of_rows_at_a_time(fake):
     assert not backend.cublas.calls and any(f.startswith("_Z9gemm_rows") for f, _, _ in fake.launches)
 
 
-def test_products_of_9_to_16_tokens_go_to_gemm_wg_on_hopper(fake, monkeypatch):
-    """On sm_90 (the fake device) products of WGMMA_TOKENS tokens go to gemm_wg, ahead of cuBLAS and gemm_few: x
-    put in its order once per weight type and token tile (q, k and v share it), split over K where the rows leave
-    multiprocessors idle, the tile that holds the tokens. LEAT_CUDA_WGMMA=0 turns it off, =64 widens it; off
-    Hopper it takes nothing."""
+def test_products_of_9_to_16_tokens_go_to_gemm_wg_on_hopper_where_turned_on(fake, monkeypatch):
+    """On sm_90 (the fake device) with LEAT_CUDA_WGMMA=16, products of 9-16 tokens go to gemm_wg, ahead of cuBLAS
+    and gemm_few: x put in its order once per weight type and token tile (q, k and v share it), split over K where
+    the rows leave multiprocessors idle, the tile that holds the tokens. Unset it is off (WGMMA_LAST), =64 widens
+    it, a bad value is refused; off Hopper it takes nothing."""
     from leat_backend_cuda import wgmma
 
     monkeypatch.delenv("LEAT_CUDA_WGMMA")
+    assert CUDABackend().wg_tokens == (1, 0) and wgmma.WGMMA_LAST == 0
+    monkeypatch.setenv("LEAT_CUDA_WGMMA", "16")
     rng = np.random.default_rng(5)
     cols = 512
     backend = CUDABackend()
-    assert backend.wg_tokens == wgmma.WGMMA_TOKENS == (9, 16)
+    assert backend.wg_tokens == (9, 16)
     q, k = (backend.upload(Tensor(n, Q.Q4_K, (r, cols), stored_q4_k(r, cols, rng))) for n, r in (("q", 256), ("k", 64)))
     for n, tile in ((9, 2), (16, 2)):
         x = backend.from_host(rng.standard_normal((n, cols)))
@@ -385,9 +388,10 @@ def test_products_of_9_to_16_tokens_go_to_gemm_wg_on_hopper(fake, monkeypatch):
     assert wgmma.wg_tokens("sm_90") == (9, 64) and wgmma.wg_tile(33) == 8 and wgmma.wg_tile(17) == 4
     monkeypatch.setenv("LEAT_CUDA_WGMMA", "0")
     assert wgmma.wg_tokens("sm_90") == (1, 0)
-    monkeypatch.setenv("LEAT_CUDA_WGMMA", "65")
-    with pytest.raises(ValueError, match="LEAT_CUDA_WGMMA"):
-        wgmma.wg_tokens("sm_90")
+    for bad in ("65", "-1", "on"):
+        monkeypatch.setenv("LEAT_CUDA_WGMMA", bad)
+        with pytest.raises(LeatError, match="LEAT_CUDA_WGMMA"):
+            wgmma.wg_tokens("sm_90")
     assert wgmma.wg_tokens("sm_89") == (1, 0)
 
 

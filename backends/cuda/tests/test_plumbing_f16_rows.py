@@ -31,7 +31,7 @@ def test_f16_rows_round_the_products_the_tensor_cores_take(fake, tmp_path, monke
     from leat_backend_cuda import backend as cuda_backend
 
     cuda = cuda_backend.CUDABackend()
-    cuda.wg_tokens = (9, 16)  # gemm_wg's default (the fake fixture turns it off)
+    cuda.wg_tokens = (9, 16)  # gemm_wg as LEAT_CUDA_WGMMA=16 turns it on
     if with_cublas:
         cuda.cublas = types.SimpleNamespace(gemm_f16=lambda *args: None, version=0)
         cuda._f16_weights = cuda_backend.Memory(cuda_backend.CUBLAS_SCRATCH_BYTES)

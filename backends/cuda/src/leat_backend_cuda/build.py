@@ -35,13 +35,19 @@ def _build(job: tuple[str, list[str], str, bool]) -> tuple[str, float, int, bool
     return names[0], time.perf_counter() - started, len(built.cubin), built.cached
 
 
-def build_all(arch: str, use_cache: bool = True, workers: int | None = None) -> list[tuple[str, float, int, bool]]:
-    """Every program for ``arch`` (on sm_90 also wgmma.cu's, for sm_90a: Hopper's warpgroup products)."""
-    jobs = [(file, names, arch, use_cache) for file, names in programs()]
+def jobs(arch: str) -> list[tuple[str, list[str], str]]:
+    """Every program to compile for a GPU of ``arch``, with the target each is compiled for: on sm_90 also
+    wgmma.cu's (Hopper's warpgroup products), for sm_90a."""
+    out = [(file, names, arch) for file, names in programs()]
     if arch == "sm_90":
-        jobs += [(file, names, wgmma.WGMMA_ARCH, use_cache) for file, names in wgmma.programs()]
+        out += [(file, names, wgmma.WGMMA_ARCH) for file, names in wgmma.programs()]
+    return out
+
+
+def build_all(arch: str, use_cache: bool = True, workers: int | None = None) -> list[tuple[str, float, int, bool]]:
+    work = [(file, names, target, use_cache) for file, names, target in jobs(arch)]
     with ProcessPoolExecutor(workers) as pool:
-        return list(pool.map(_build, jobs))
+        return list(pool.map(_build, work))
 
 
 def main() -> None:

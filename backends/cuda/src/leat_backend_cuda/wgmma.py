@@ -8,9 +8,10 @@ copies it a chunk at a time in the order the decoded fragments take K in (``wg_o
 input and weight type). One ``wgmma.m64nNk16`` multiplies a warpgroup's 64 weight rows by 16, 32 or 64 tokens;
 K is split over blocks where the rows alone leave multiprocessors idle.
 
-``CUDABackend.matmul`` sends products of ``wg_tokens`` tokens there on sm_90 (WGMMA_TOKENS by default: the range
-where it measured faster than the path it replaces; docs/benchmarks.md). ``LEAT_CUDA_WGMMA=0`` turns it off,
-``LEAT_CUDA_WGMMA=N`` lets it take 9-N tokens (N up to 64).
+``CUDABackend.matmul`` sends products of ``wg_tokens`` tokens there on sm_90, ahead of cuBLAS and gemm_few. It is
+off by default: on the H200 it measured slower than the paths it replaces (WGMMA_LAST; docs/benchmarks.md, where an
+H100 measured an earlier build faster at 9-16 rows). ``LEAT_CUDA_WGMMA=N`` lets it take 9-N tokens (N up to 64),
+``LEAT_CUDA_WGMMA=0`` none.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+from leat.errors import LeatError
 
 from leat_backend_cuda import quants
 from leat_backend_cuda.driver import DeviceArray, Module
@@ -33,24 +35,25 @@ WGMMA_ARCH = "sm_90a"
 WG_KC = 256
 #: token tiles (NT: 8 NT tokens a block column) instantiated; a product takes the smallest that holds its tokens
 WG_TILES = (2, 4, 8)
-#: tokens (first, last) that go to gemm_wg by default
-WGMMA_TOKENS = (9, 16)
+#: the fewest tokens gemm_wg takes when LEAT_CUDA_WGMMA turns it on (fewer go to gemv_q and gemm_few)
+WGMMA_FIRST = 9
+#: the most tokens it takes by default: none. On the H200 it measured 0.6-1.0% slower than the paths it replaces at
+#: 9-16 rows, 9-22% at 32-64 (the engine's batched decode, forty-fifth session, docs/benchmarks.md)
+WGMMA_LAST = 0
 #: blocks per multiprocessor the split over K aims at (gemm_wg's launch bounds: two blocks of 256 threads)
 WG_BLOCKS_PER_SM = 2
 
 
 def wg_tokens(arch: str) -> tuple[int, int]:
-    """The tokens (first, last) gemm_wg takes on ``arch``: none off Hopper; LEAT_CUDA_WGMMA overrides the default
-    (0: none, N: 9 to N)."""
+    """The tokens (first, last) gemm_wg takes on ``arch``, (1, 0) for none: none off Hopper; on it WGMMA_LAST, or
+    LEAT_CUDA_WGMMA's (0: none, N: WGMMA_FIRST to N)."""
     if arch != "sm_90":
         return (1, 0)
-    setting = os.environ.get("LEAT_CUDA_WGMMA", "").strip()
-    if not setting:
-        return WGMMA_TOKENS
+    setting = os.environ.get("LEAT_CUDA_WGMMA", "").strip() or str(WGMMA_LAST)
+    if not setting.isdigit() or int(setting) > 8 * WG_TILES[-1]:
+        raise LeatError(f"LEAT_CUDA_WGMMA={setting}: 0 (off) or the most tokens gemm_wg takes, up to 64")
     last = int(setting)
-    if not 0 <= last <= 8 * WG_TILES[-1]:
-        raise ValueError(f"LEAT_CUDA_WGMMA={setting}: 0 (off) or the most tokens gemm_wg takes, up to 64")
-    return (WGMMA_TOKENS[0], last) if last else (1, 0)
+    return (WGMMA_FIRST, last) if last >= WGMMA_FIRST else (1, 0)
 
 
 def wg_tile(tokens: int) -> int:
