@@ -49,9 +49,13 @@ def test_tests_pair_by_name_with_leats_mean_over_llamacpps(script):
     # llama-bench's avg_ts (the pp row has n_gen 0, the tg row n_prompt 0); llama-batched-bench's speed_tg at pl = 2
     assert [r["llama.cpp"] for r in rows] == [58041.835094, 18386.042394, 30651.339844]
     assert [r["ratio"] for r in rows] == pytest.approx([1000 / 58041.835094, 0.05, 2.0], rel=1e-6)
+    # the batched row also beside llama.cpp's generated tokens over its whole run: 2 x 4 / 0.000561 s
+    assert "llama.cpp_with_prompts" not in rows[0]
+    assert rows[2]["llama.cpp_with_prompts"] == pytest.approx(8 / 0.000561)
+    assert rows[2]["ratio_with_prompts"] == pytest.approx(61302.68 * 0.000561 / 8)
     table = script.table(rows).splitlines()
-    assert table[2] == "| pp8 | 1,000.0 ± 5.0 | 58,041.8 | 0.02x |"
-    assert table[4] == "| tg4 x2 | 61,302.7 ± 1.0 | 30,651.3 | 2.00x |"
+    assert table[2] == "| pp8 | 1,000.0 ± 5.0 | 58,041.8 | 0.02x |  |  |"
+    assert table[4] == "| tg4 x2 | 61,302.7 ± 1.0 | 30,651.3 | 2.00x | 14,260.2 | 4.30x |"
 
 
 def test_batched_decode_after_longer_prompts_pairs_too(script):
