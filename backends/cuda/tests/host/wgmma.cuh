@@ -15,6 +15,23 @@ template <int N> void wg_wait() {}
 inline void proxy_fence() {}
 inline void keep_reg(float&) {}
 
+// f16x2 arithmetic: each half in double (a product of two f16 and a sum with a third are exact there), rounded to
+// f16 once, as the device's .rn instructions round
+inline u32 h2_apply(u32 a, u32 b, u32 c, int op) {
+    u32 r = 0;
+    for (int h = 0; h < 2; ++h) {
+        const double x = f16_to_f32((u16)(a >> 16 * h)), y = f16_to_f32((u16)(b >> 16 * h)), z = f16_to_f32((u16)(c >> 16 * h));
+        const _Float16 v = (_Float16)(op == 0 ? x + y : op == 1 ? x * y : x * y + z);
+        u16 bits;
+        memcpy(&bits, &v, 2);
+        r |= (u32)bits << 16 * h;
+    }
+    return r;
+}
+inline u32 h2_add(u32 a, u32 b) { return h2_apply(a, b, 0, 0); }
+inline u32 h2_mul(u32 a, u32 b) { return h2_apply(a, b, 0, 1); }
+inline u32 h2_fma(u32 a, u32 b, u32 c) { return h2_apply(a, b, c, 2); }
+
 template <int NT>
 struct WG {
     static void mma(float (&d)[4 * NT], const u32 (&a)[4], u64 desc) {

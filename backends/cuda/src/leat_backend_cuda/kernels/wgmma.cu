@@ -19,6 +19,92 @@ __device__ __forceinline__ u64 wg_desc(u32 address) {
     return (u64)((address & 0x3FFFF) >> 4) | (u64)(128 >> 4) << 16 | (u64)(256 >> 4) << 32;
 }
 
+// A unit of rows g and g + 8 as the A fragments of its UV / 4 k-steps (gemm_wg's decode): unit_fragments's, or for
+// Q4_K and Q6_K the same values decoded in f16x2 arithmetic, two at a time: each integer q put in an f16 as 1024 + q
+// (exact: the exponent of 1024 has a step of 1), the 1024 (and Q6_K's 32) taken off exactly, then one fused
+// multiply-add by the sub-block's scale and min rounded to f16 (the float decode rounds the value to f16 once; this
+// rounds the scale, the min and the value: within the products' bound against float64, about half the
+// instructions a weight).
+template <class T>
+struct WgFragments {
+    static __device__ __forceinline__ void get(const typename T::Raw& r0, const typename T::Raw& r1, int unit,
+                                               u32 (&a)[T::UV / 4][4]) {
+        unit_fragments<T>(r0, r1, unit, 1.0f, a);
+    }
+};
+
+// The f16x2 pair of bytes b and b + 1 of `word` (b = 0 or 2, the bytes' `mask`ed bits) as 1024 + each.
+__device__ __forceinline__ u32 f16_pair(u32 word, int b, u32 mask) {
+    return (__byte_perm(word, 0, b ? 0x4342 : 0x4140) & mask) | 0x64006400u;
+}
+
+#define H2_MINUS_1024 0xE400E400u  // f16 -1024 twice
+#define H2_MINUS_1056 0xE420E420u  // f16 -1056 twice: 1024 + q - 1056 = q - 32
+
+// The 16 pairs (values 2i, 2i + 1) of one row's unit, in the fragments' order: [j][0] or [1] takes pair 2j, [j][2]
+// or [3] pair 2j + 1.
+template <class T>
+__device__ __forceinline__ void f16_pairs(const typename T::Raw& r, int unit, u32 (&p)[16]);
+
+template <>
+__device__ __forceinline__ void f16_pairs<TQ4_K>(const TQ4_K::Raw& r, int unit, u32 (&p)[16]) {
+    const int j = unit >> 1;
+    const float d = f16_to_f32((u16)(r.head.x & 0xFFFF)), dmin = f16_to_f32((u16)(r.head.x >> 16));
+    float sc0, mn0, sc1, mn1;
+    k_scale_min(r.head.y, r.head.z, r.head.w, 2 * j, sc0, mn0);
+    k_scale_min(r.head.y, r.head.z, r.head.w, 2 * j + 1, sc1, mn1);
+    const u32 s0 = pack_f16x2(d * sc0, d * sc0), m0 = pack_f16x2(-dmin * mn0, -dmin * mn0);
+    const u32 s1 = pack_f16x2(d * sc1, d * sc1), m1 = pack_f16x2(-dmin * mn1, -dmin * mn1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // values 4i..4i+3: low nibbles of word i; 16 + 4i..: its high nibbles
+        const u32 w = word_of(r.q, i), h = w >> 4;
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            p[2 * i + b] = h2_fma(h2_add(f16_pair(w, 2 * b, 0x000F000Fu), H2_MINUS_1024), s0, m0);
+            p[8 + 2 * i + b] = h2_fma(h2_add(f16_pair(h, 2 * b, 0x000F000Fu), H2_MINUS_1024), s1, m1);
+        }
+    }
+}
+
+template <>
+__device__ __forceinline__ void f16_pairs<TQ6_K>(const TQ6_K::Raw& r, int unit, u32 (&p)[16]) {
+    const int odd = (unit & 3) >> 1;
+    const float d = f16_to_f32(r.d);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {  // values 8t..8t+7: run t, under one scale
+        const float ds = d * (float)(signed char)byte8(r.sc, 2 * t + odd);
+        const u32 s = pack_f16x2(ds, ds);
+        const uint2& l = (t & 1) ? r.lb : r.la;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const u32 q = q6_k_values(i ? l.y : l.x, i ? r.h.y : r.h.x, t);
+#pragma unroll
+            for (int b = 0; b < 2; ++b) p[4 * t + 2 * i + b] = h2_mul(h2_add(f16_pair(q, 2 * b, 0x00FF00FFu), H2_MINUS_1056), s);
+        }
+    }
+}
+
+template <class T>
+struct WgPairs {
+    static __device__ __forceinline__ void get(const typename T::Raw& r0, const typename T::Raw& r1, int unit,
+                                               u32 (&a)[T::UV / 4][4]) {
+        u32 p0[16], p1[16];
+        f16_pairs<T>(r0, unit, p0);
+        f16_pairs<T>(r1, unit, p1);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            a[j][0] = p0[2 * j];
+            a[j][1] = p1[2 * j];
+            a[j][2] = p0[2 * j + 1];
+            a[j][3] = p1[2 * j + 1];
+        }
+    }
+};
+template <>
+struct WgFragments<TQ4_K> : WgPairs<TQ4_K> {};
+template <>
+struct WgFragments<TQ6_K> : WgPairs<TQ6_K> {};
+
 // x [N, K] f16 rows in gemm_wg<T, NT>'s order: for each tile of 8 NT tokens, each chunk of WG_KC values, each of its
 // WG_KC / 16 k-steps (step s of the chunk's units, k-step j of the unit: index s J + j), a [NT][2][8][8] block of
 // core matrices: 8 tokens by 8 columns, the columns 0-7 then 8-15 of the step. Tokens past N are zeros. One thread
@@ -91,7 +177,7 @@ __global__ void __launch_bounds__(256, 2) gemm_wg(const u8* __restrict__ w, i64 
 #pragma unroll
         for (int s = 0; s < STEPS; ++s) {
             u32 a[J][4];
-            unit_fragments<T>(raw[s][0], raw[s][1], (4 * s + t) % T::UNITS, 1.0f, a);
+            WgFragments<T>::get(raw[s][0], raw[s][1], (4 * s + t) % T::UNITS, a);
             wg_fence();
 #pragma unroll
             for (int j = 0; j < J; ++j) WG<NT>::mma(acc, a[j], wg_desc(buffer + (s * J + j) * NTOK * 32));

@@ -23,6 +23,23 @@ __device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.
 // The compiler may not move a read of r above this point (after wg_wait) nor a write below it.
 __device__ __forceinline__ void keep_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
+// f16x2 arithmetic, rounded to nearest: a + b, a * b, a * b + c (each half on its own)
+__device__ __forceinline__ u32 h2_add(u32 a, u32 b) {
+    u32 r;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 h2_mul(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 h2_fma(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
 // d += A B for B 16 x 8 NT: one wgmma.m64n(8 NT)k16, f16 inputs, float32 sums, A from registers, B K-major.
 template <int NT>
 struct WG;
