@@ -38,7 +38,7 @@ WG_TILES = (2, 4, 8)
 #: the fewest tokens gemm_wg takes when LEAT_CUDA_WGMMA turns it on (fewer go to gemv_q and gemm_few)
 WGMMA_FIRST = 9
 #: the most tokens it takes by default: none. On the H200 it measured 0.6-1.0% slower than the paths it replaces at
-#: 9-16 rows, 9-22% at 32-64 (the engine's batched decode, forty-fifth session, docs/benchmarks.md)
+#: 9-16 rows, 11-22% at 32-64 (the engine's batched decode, forty-fifth session, docs/benchmarks.md)
 WGMMA_LAST = 0
 #: blocks per multiprocessor the split over K aims at (gemm_wg's launch bounds: two blocks of 256 threads)
 WG_BLOCKS_PER_SM = 2
