@@ -61,9 +61,13 @@ def wg_tile(tokens: int) -> int:
     return next((nt for nt in WG_TILES if 8 * nt >= tokens), WG_TILES[-1])
 
 
+def wg_name(kernel: str, qtype: Q, nt: int) -> str:
+    """``kernel`` (gemm_wg or wg_order_x) instantiated for ``qtype`` and the token tile ``nt``."""
+    return f"{kernel}<{quants.LAYOUTS[qtype].struct}, {nt}>"
+
+
 def wg_names(qtype: Q) -> list[str]:
-    struct = quants.LAYOUTS[qtype].struct
-    return [f"{kernel}<{struct}, {nt}>" for nt in WG_TILES for kernel in ("wg_order_x", "gemm_wg")]
+    return [wg_name(kernel, qtype, nt) for nt in WG_TILES for kernel in ("wg_order_x", "gemm_wg")]
 
 
 def wg_smem(nt: int) -> int:
@@ -84,6 +88,7 @@ class WarpgroupProducts:
     wg_tokens: tuple[int, int]
     wg_blocks: int
     _wg_orders: OrderedDict
+    _modules: dict
 
     def _wg_takes(self, weight: Any, n: int, k: int) -> bool:
         """Whether gemm_wg multiplies ``n`` tokens by ``weight`` (``k`` columns)."""
@@ -95,8 +100,12 @@ class WarpgroupProducts:
         )
 
     def _wg_module(self, qtype: Q) -> Module:
-        smem = {f"gemm_wg<{quants.LAYOUTS[qtype].struct}, {nt}>": wg_smem(nt) for nt in WG_TILES}
-        return self._module(f"wg-{qtype.name}", "wgmma.cu", wg_names(qtype), smem, arch=WGMMA_ARCH)
+        key = f"wg-{qtype.name}"
+        module = self._modules.get(key)  # loaded: no names to make (a step's every product asks)
+        if module is not None:
+            return module
+        smem = {wg_name("gemm_wg", qtype, nt): wg_smem(nt) for nt in WG_TILES}
+        return self._module(key, "wgmma.cu", wg_names(qtype), smem, arch=WGMMA_ARCH)
 
     def _wg_order(self, xh: DeviceArray, kernels: Module, qtype: Q, nt: int, n: int, k: int) -> DeviceArray:
         """``xh`` in gemm_wg<qtype, nt>'s order (wg_order_x), made once for the products that share it."""
@@ -108,7 +117,7 @@ class WarpgroupProducts:
         xo = self._empty((rows, k), U16)
         pairs = rows * k // 2
         grid = max(1, min(-(-pairs // 256), 4 * self.device.sm_count))
-        kernels[f"wg_order_x<{quants.LAYOUTS[qtype].struct}, {nt}>"]((grid,), 256, xh, xo, n, k)
+        kernels[wg_name("wg_order_x", qtype, nt)]((grid,), 256, xh, xo, n, k)
         self._remember(self._wg_orders, key, (xh, xo), size=4)
         return xo
 
@@ -126,7 +135,7 @@ class WarpgroupProducts:
         chunk = -(-chunks // splits) * WG_KC
         splits = -(-k // chunk)
         target = out if splits == 1 else self._empty((splits, n, m))
-        kernels[f"gemm_wg<{quants.LAYOUTS[weight.qtype].struct}, {nt}>"](
+        kernels[wg_name("gemm_wg", weight.qtype, nt)](
             (grid[0], splits, grid[2]),
             256,
             weight.ptr,
