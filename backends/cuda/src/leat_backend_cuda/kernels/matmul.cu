@@ -314,8 +314,10 @@ __global__ void __launch_bounds__(128) gemv_q(
     } else {
         const int steps = (upr + 32 * U - 1) / (32 * U);  // a group's steps, the same for every lane
         int group = first_group;
-        GemvRows<R, MODE> at = first_at;
-        if constexpr ((MODE & EARLY) == 0)
+        GemvRows<R, MODE> at;
+        if constexpr ((MODE & EARLY) != 0)
+            at = first_at;
+        else
             while (group < groups && !GEMV_Q_AT(at, group)) group += gridDim.x;
         if (group >= groups) return;
         GemvRows<R, MODE> next = at;
