@@ -252,6 +252,7 @@ __global__ void __launch_bounds__(128) gemv_q(
         const int slot = tok_slot[0];
         if (slot >= 0) page = page_table[(i64)slot * pages_per_slot + tok_pos[0] / page_size];
     }
+    const int lane = threadIdx.x & 31;
     const int g1 = (M + 4 * R - 1) / (4 * R), g2 = g1 + (M2 + 4 * R - 1) / (4 * R), groups = g2 + (M3 + 4 * R - 1) / (4 * R);
 #define GEMV_Q_AT(rows, g) rows.at(g, g1, g2, w, w2, w3, nb, nb2, nb3, y, y2, y3, bias, bias2, bias3, M, M2, M3, bpr)
     // EARLY: the warp's first group with rows, and its first step's loads, before x is ready
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(128) gemv_q(
     if constexpr ((MODE & EARLY) != 0) {
         while (first_group < groups && !GEMV_Q_AT(first_at, first_group)) first_group += gridDim.x;
         if (first_group < groups)
-            load_units<T, U, RR, R>(raw, first_at.ws, first_at.wu, first_at.nbs, first_at.first, threadIdx.x & 31, upr);
+            load_units<T, U, RR, R>(raw, first_at.ws, first_at.wu, first_at.nbs, first_at.first, lane, upr);
     }
     float squares[NC];
 #pragma unroll
@@ -274,7 +275,6 @@ __global__ void __launch_bounds__(128) gemv_q(
     }
     __syncthreads();
 
-    const int lane = threadIdx.x & 31;
 #define GEMV_Q_ZERO \
     _Pragma("unroll") for (int r = 0; r < RR; ++r) _Pragma("unroll") for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f
     if constexpr ((MODE & PIPE) == 0) {
