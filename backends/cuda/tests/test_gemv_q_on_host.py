@@ -1,7 +1,7 @@
 """matmul.cu's gemv_q (one-token and two-token products with int16 x) compiled for the host with g++ and run with each
 CUDA thread a fiber (test_moe_mla_on_host.py's harness), against the float64 products: with a bias and a residual,
-the RMS norm inside, the gated unit, three segments in one launch (q, k and v), and the pipelined loop and the early
-first loads (GEMV_Q_EARLY) equal to the plain loop bit for bit; and its ROPE epilogue (one token's q rotated out, k rotated and v written into the cache)
+the RMS norm inside, the gated unit, three segments in one launch (q, k and v), and the pipelined loop equal to the
+plain one bit for bit; and its ROPE epilogue (one token's q rotated out, k rotated and v written into the cache)
 equal to the products followed by rope_kv_write (ops.cu) bit for bit. The GPU tests check every instantiation on a GPU; these check the kernel's logic on any
 machine with g++ (skipped where it is missing)."""
 
@@ -21,14 +21,12 @@ _spec.loader.exec_module(host)
 ptr, f32 = host.ptr, host.f32
 Q = gguf.GGMLQuantizationType
 
-# (struct, tokens, rows a warp, units, mode) of each exported instantiation: mode 1 norm, 2 gated unit, 4 pipelined,
-# 32 the first loads early (one token); TQ4_KP and TQ6_KP are the decode step's Q4_K and Q6_K products (64-value units)
+# (struct, tokens, rows a warp, units, mode) of each exported instantiation: mode 1 norm, 2 gated unit, 4 pipelined;
+# TQ4_KP and TQ6_KP are the decode step's Q4_K and Q6_K products (64-value units)
 STRUCTS = {"TQ8_0": Q.Q8_0, "TQ4_0": Q.Q4_0, "TQ4_KP": Q.Q4_K, "TQ6_KP": Q.Q6_K}
 SHAPES = [(s, 1, r, u, m) for s in STRUCTS for r, u in ((8, 2), (2, 1)) for m in (0, 1, 4, 5)]
 SHAPES += [(s, 1, 1, 2, m) for s in STRUCTS for m in (2, 3, 6, 7)]
 SHAPES += [(s, 2, 2, 2, m) for s in ("TQ8_0", "TQ4_KP") for m in (0, 3, 4, 7)]
-EARLY = quants.GEMV_Q_EARLY
-SHAPES += [(s, t, r, u, m | EARLY) for s, t, r, u, m in SHAPES if t == 1]
 
 
 def _name(shape) -> str:
@@ -79,7 +77,6 @@ void rope_product(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 
     }
 PRODUCT(product_plain, 1)
 PRODUCT(product_rope, 17)
-PRODUCT(product_rope_early, 49)
 // rope_kv_write as the backend launches it (one-token q and k without per-head norms)
 template <typename KV>
 void rope_kv(const float* q, const float* k, const float* v, float* qy, KV* kc, KV* vc, const int* table,
@@ -126,12 +123,12 @@ def _weights(qtype, rows, cols, rng):
     return stored, blocks, np.asarray(exact, np.float64)
 
 
-@pytest.mark.parametrize("shape", [s for s in SHAPES if not s[4] & (4 | EARLY)], ids=_name)
+@pytest.mark.parametrize("shape", [s for s in SHAPES if not s[4] & 4], ids=_name)
 def test_gemv_q_against_float64_and_pipelined_equal_to_plain(kernels, shape):
     """Rows not a multiple of any group (three segments of 75, 40 and 33 rows; the gated unit 75), several steps a
     lane (960 columns: 60 units of 16 values, 30 of 32; 4,352 for the K types: 68 units of 64), a grid of 3 blocks
     for more groups (each block takes several); a bias and a residual on the first segment; the pipelined twin
-    (mode | 4) and, for one token, the early twins (mode | 32, mode | 36) give the same bits."""
+    (mode | 4) gives the same bits."""
     struct, tokens, r, u, mode = shape
     qtype = STRUCTS[struct]
     rng = np.random.default_rng(7000 + SHAPES.index(shape))
@@ -146,7 +143,7 @@ def test_gemv_q_against_float64_and_pipelined_equal_to_plain(kernels, shape):
     x, nw = f32(rng.standard_normal((tokens, cols)) * 2), f32(rng.standard_normal(cols))
     bias, res = (None, None) if gated else (f32(rng.standard_normal(75)), f32(rng.standard_normal((tokens, 75))))
     results = []
-    for twin in (mode, mode | 4) + ((mode | EARLY, mode | 4 | EARLY) if tokens == 1 else ()):
+    for twin in (mode, mode | 4):
         outs = [np.full((tokens, m), np.nan, np.float32) for m in ms[: len(sizes)]]
         run = getattr(kernels, _name((struct, tokens, r, u, twin)))
         run(*map(ptr, ws), *map(ctypes.c_longlong, nbs), ptr(x), *map(ptr, outs + [None] * (3 - len(outs))),
@@ -164,20 +161,16 @@ def test_gemv_q_against_float64_and_pipelined_equal_to_plain(kernels, shape):
         wants[0] = wants[0] + bias + res
     for got, want in zip(results[0], wants, strict=True):
         assert relative_error(got, want) < 3e-4, shape
-    assert len(results) == (4 if tokens == 1 else 2)
-    for twin in results[1:]:
-        for plain, other in zip(results[0], twin, strict=True):
-            np.testing.assert_array_equal(other, plain)
+    for plain, pipelined in zip(*results, strict=True):
+        np.testing.assert_array_equal(pipelined, plain)
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("together", [True, False])
 @pytest.mark.parametrize("slot", [0, -1])
-@pytest.mark.parametrize("early", [False, True])
-def test_rope_epilogue_equals_products_then_rope_kv_write(kernels, cache, together, slot, early):
+def test_rope_epilogue_equals_products_then_rope_kv_write(kernels, cache, together, slot):
     """q (4 heads), k and v (2 heads) of 32 dimensions, 24 of them rotated, from one normed x of 256 values; the
-    token at position 6 of a slot whose pages are out of order (slot -1: a padding row, which writes no cache);
-    ``early``: the ROPE twin with its first loads early (GEMV_Q_EARLY)."""
+    token at position 6 of a slot whose pages are out of order (slot -1: a padding row, which writes no cache)."""
     rng = np.random.default_rng(31 + together)
     heads, kv_heads, head_dim, dims, k_cols, page_size = 4, 2, 32, 24, 256, 4
     rows = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
@@ -231,12 +224,11 @@ def test_rope_epilogue_equals_products_then_rope_kv_write(kernels, cache, togeth
     # the products with the ROPE epilogue: q, k and v in one launch, or q and k, then v
     got_q = np.full(rows[0], np.nan, np.float32)
     got_k, got_v = np.zeros(size, CACHES[cache]), np.zeros(size, CACHES[cache])
-    rope = kernels.product_rope_early if early else kernels.product_rope
     if together:
-        launch(rope, [0, 1, 2], [got_q], 1 | 2 << 2 | 3 << 4, (got_k, got_v))
+        launch(kernels.product_rope, [0, 1, 2], [got_q], 1 | 2 << 2 | 3 << 4, (got_k, got_v))
     else:
-        launch(rope, [0, 1], [got_q], 1 | 2 << 2, (got_k, got_v))
-        launch(rope, [2], [], 3, (got_k, got_v))
+        launch(kernels.product_rope, [0, 1], [got_q], 1 | 2 << 2, (got_k, got_v))
+        launch(kernels.product_rope, [2], [], 3, (got_k, got_v))
     np.testing.assert_array_equal(got_q, want_q)
     np.testing.assert_array_equal(got_k, want_k)
     np.testing.assert_array_equal(got_v, want_v)

@@ -22,7 +22,7 @@ from leat.errors import LeatError
 from leat.modelfile import ModelFile, Tensor
 from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
-from leat_backend_cuda import driver, quants
+from leat_backend_cuda import driver
 from leat_backend_cuda.backend import CUDABackend, KVCache
 
 Q = gguf.GGMLQuantizationType
@@ -393,37 +393,6 @@ def test_products_of_9_to_16_tokens_go_to_gemm_wg_on_hopper_where_turned_on(fake
         with pytest.raises(LeatError, match="LEAT_CUDA_WGMMA"):
             wgmma.wg_tokens("sm_90")
     assert wgmma.wg_tokens("sm_89") == (1, 0)
-
-
-def test_early_first_loads_where_turned_on(fake, monkeypatch, tmp_path):
-    """LEAT_CUDA_EARLY_LOADS=1: a one-token step's products (q, k and v with their ROPE epilogue, o, the gated unit,
-    down, the output matrix) take gemv_q's twins with GEMV_Q_EARLY, two tokens' do not; unset, none does; a bad value
-    is refused."""
-    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
-
-    def modes(backend, model, kv, rows) -> list[int]:
-        fake.launches.clear()
-        backend.to_host(model.forward(Batch(rows), kv))
-        products = [f for f, _, _ in fake.launches if f.startswith("_Z6gemv_q")]
-        return [int(re.search(r"Li(\d+)EEv", f).group(1)) for f in products]
-
-    for setting, early in (("1", quants.GEMV_Q_EARLY), ("", 0)):
-        monkeypatch.setenv("LEAT_CUDA_EARLY_LOADS", setting)
-        backend = CUDABackend()
-        assert backend.gemv_early == early
-        model = Llama(ModelFile(path), backend)
-        kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=2, context=64, dtype="f16")
-        backend.to_host(model.forward(Batch([Row(0, 0, np.arange(5)), Row(1, 0, np.arange(3))]), kv))
-        one = modes(backend, model, kv, [Row(0, 5, np.array([5]))])
-        assert len(one) == 4 * model.params.layers + 1
-        assert all(m & quants.GEMV_Q_EARLY == early for m in one), one
-        assert any(m & quants.GEMV_Q_ROPE for m in one)  # q, k and v's launch with the epilogue is among them
-        two = modes(backend, model, kv, [Row(0, 6, np.array([5])), Row(1, 3, np.array([7]))])
-        assert two and not any(m & quants.GEMV_Q_EARLY for m in two)
-    for bad in ("2", "on"):
-        monkeypatch.setenv("LEAT_CUDA_EARLY_LOADS", bad)
-        with pytest.raises(LeatError, match="LEAT_CUDA_EARLY_LOADS"):
-            CUDABackend()
 
 
 def stored_q4_k(rows: int, cols: int, rng) -> np.ndarray:

@@ -402,8 +402,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         #: token counts (first, last) that go to gemm_wg, Hopper's warpgroup products (wgmma.py; (1, 0): none)
         self.wg_tokens = wg_tokens(self.device.arch)
         self.wg_blocks = WG_BLOCKS_PER_SM * self.device.sm_count  # the blocks its split over K aims at
-        #: GEMV_Q_EARLY where one-token products issue their first loads before x's prologue (LEAT_CUDA_EARLY_LOADS)
-        self.gemv_early = quants.early_loads()
         self._wg_orders: OrderedDict[tuple, tuple[DeviceArray, DeviceArray]] = OrderedDict()
         self._f16_weights = Memory(CUBLAS_SCRATCH_BYTES) if self.cublas else None
         #: bytes of f16 weight copies the upload may keep: a prefill product through cuBLAS then multiplies the
@@ -450,7 +448,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         return module
 
     def _type_kernels(self, qtype: Q) -> driver.Module:
-        names = quants.kernel_names(qtype, early=self.gemv_early)
+        names = quants.kernel_names(qtype)
         smem = {quants.gemm_name(qtype, kt): size for kt, size in quants.GEMM_SMEM.items()}
         smem |= {name: quants.GEMV_Q_MAX_SMEM for name in names if name.startswith("gemv_q")}
         smem |= {
@@ -935,7 +933,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
             ]
         )
         rows, units, variant = quants.gemv_q_shape(n, mode, sum(w.rows for w, _ in segments), k)
-        variant |= self.gemv_early if n == 1 else 0
         if rope is not None:
             mode |= quants.GEMV_Q_ROPE
         kernel = first.kernels[quants.gemv_q_name(first.qtype, n, (rows, units), mode | variant)]
@@ -1312,7 +1309,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         weight = group[0].fusion[2]
         mode = quants.GEMV_Q_NORM if isinstance(x, Pending) and x.waiting("norm") else 0
         rows, units, variant = quants.gemv_q_shape(1, mode, sum(p.fusion[2].rows for p in group), weight.cols)
-        name = quants.gemv_q_name(weight.qtype, 1, (rows, units), mode | variant | self.gemv_early | quants.GEMV_Q_ROPE)
+        name = quants.gemv_q_name(weight.qtype, 1, (rows, units), mode | variant | quants.GEMV_Q_ROPE)
         return variant == 0 and rows % 2 == 0 and weight.kernels is not None and name in weight.kernels.kernels
 
     def _flash(self, q, kv: KVCache, layer: int, batch: Batch, table, slots, positions, scale: float, softcap: float):

@@ -10,12 +10,10 @@ decodes each layout. Types without kernels are dequantized on the host to float3
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import gguf
 import numpy as np
-from leat.errors import LeatError
 
 Q = gguf.GGMLQuantizationType
 
@@ -84,9 +82,6 @@ GEMV_Q_PIPE = 4
 #: gemv_q's fusion bit for RoPE and the cache write in its epilogue (one token; rows of q rotated into its output, of k
 #: rotated into the K cache, of v into the V cache: rope_kv_write's work without its launch)
 GEMV_Q_ROPE = 16
-#: gemv_q's mode bit for its first loads issued before the block quantizes x (a variant, not a fusion; one token):
-#: instantiated and taken only where LEAT_CUDA_EARLY_LOADS=1 asks for it (early_loads)
-GEMV_Q_EARLY = 32
 #: tokens up to which gemv_q is instantiated with fusion modes
 GEMV_Q_FUSED_TOKENS = 2
 #: (tokens, rows per warp, units per lane, mode) of every gemv_q instantiation
@@ -217,25 +212,14 @@ def gemm_few_shape(tokens: int, rows: int) -> tuple[int, int] | None:
     return None
 
 
-def early_loads() -> int:
-    """GEMV_Q_EARLY where LEAT_CUDA_EARLY_LOADS=1 turns it on for one-token products, else 0 (the default: not yet
-    measured faster on a GPU)."""
-    setting = os.environ.get("LEAT_CUDA_EARLY_LOADS", "").strip() or "0"
-    if setting not in ("0", "1"):
-        raise LeatError(f"LEAT_CUDA_EARLY_LOADS={setting}: 0 (off) or 1 (gemv_q's first loads before x's prologue)")
-    return GEMV_Q_EARLY if setting == "1" else 0
-
-
-def kernel_names(qtype: Q, extra_gemv: tuple[tuple[int, int, int], ...] = (), early: int = 0) -> list[str]:
-    """Every kernel the backend instantiates for ``qtype`` (``extra_gemv``: more (tokens, rows, units); ``early``:
-    GEMV_Q_EARLY to add the one-token variants' twins with it)."""
+def kernel_names(qtype: Q, extra_gemv: tuple[tuple[int, int, int], ...] = ()) -> list[str]:
+    """Every kernel the backend instantiates for ``qtype`` (``extra_gemv``: more (tokens, rows, units))."""
     layout = LAYOUTS[qtype]
     names = [f"dequantize<{layout.struct}>", f"dequantize_f16<{layout.struct}>", f"embed<{layout.struct}>"]
     names += [gemv_name(qtype, n) for n in range(1, GEMV_MAX_TOKENS + 1)]
     names += [gemv_name(qtype, n, (r, u)) for n, r, u in extra_gemv]
     if layout.integer:
         names += [gemv_q_name(qtype, n, (r, u), m) for n, r, u, m in GEMV_Q_VARIANTS]
-        names += [gemv_q_name(qtype, 1, (r, u), m | early) for n, r, u, m in GEMV_Q_VARIANTS if early and n == 1]
     names += [gemm_name(qtype, kt) for kt in ((32, 256) if layout.small_block else (256,))]
     names += [gemm_few_name(qtype, shape, glu) for shape in GEMM_FEW_VARIANTS for glu in (False, True)]
     names += [gemm_rows_name(qtype, shape) for shape in GEMM_ROWS_VARIANTS]

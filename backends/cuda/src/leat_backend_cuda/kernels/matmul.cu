@@ -91,9 +91,6 @@ __global__ void __launch_bounds__(128) gemv(const u8* __restrict__ w, i64 nb, co
 // the first of its next group's) before the dot products of the current one, so its loads stay in flight while it
 // computes; the sums are the same, in the same order.
 //
-// With EARLY (a variant) a warp issues its first loads before the block quantizes x, so that they are in flight
-// while it does; the sums are the same.
-//
 // With ROPE (one token a launch; not with GLU or PIPE; R even) the rows do not all go to y: segment s's role,
 // (roles >> 2s) & 3, is 0 (to its y, as without ROPE), 1 (q: rotated pair by pair, rows 2i and 2i + 1 of each head of
 // `head_dim` rows, into its y), 2 (k: rotated the same way, into the cache's K rows) or 3 (v: into the cache's V
@@ -102,7 +99,6 @@ __global__ void __launch_bounds__(128) gemv(const u8* __restrict__ w, i64 nb, co
 #define GLU 2
 #define PIPE 4
 #define ROPE 16
-#define EARLY 32
 
 // Where gemv_q's ROPE epilogue puts its rows: the token's rotation (its RoPE position, the float64 frequencies, the
 // rotated dimensions of a head and the factor) and its cache row (its position in its page, the caches: f16 or
@@ -252,18 +248,6 @@ __global__ void __launch_bounds__(128) gemv_q(
         const int slot = tok_slot[0];
         if (slot >= 0) page = page_table[(i64)slot * pages_per_slot + tok_pos[0] / page_size];
     }
-    const int lane = threadIdx.x & 31;
-    const int g1 = (M + 4 * R - 1) / (4 * R), g2 = g1 + (M2 + 4 * R - 1) / (4 * R), groups = g2 + (M3 + 4 * R - 1) / (4 * R);
-#define GEMV_Q_AT(rows, g) rows.at(g, g1, g2, w, w2, w3, nb, nb2, nb3, y, y2, y3, bias, bias2, bias3, M, M2, M3, bpr)
-    // EARLY: the warp's first group with rows, and its first step's loads, before x is ready
-    GemvRows<R, MODE> first_at;
-    int first_group = blockIdx.x;
-    typename T::Raw raw[U][RR];  // a step's weights (with PIPE, the current step's)
-    if constexpr ((MODE & EARLY) != 0) {
-        while (first_group < groups && !GEMV_Q_AT(first_at, first_group)) first_group += gridDim.x;
-        if (first_group < groups)
-            load_units<T, U, RR, R>(raw, first_at.ws, first_at.wu, first_at.nbs, first_at.first, lane, upr);
-    }
     float squares[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) squares[c] = 0.0f;
@@ -275,10 +259,12 @@ __global__ void __launch_bounds__(128) gemv_q(
     }
     __syncthreads();
 
+    const int lane = threadIdx.x & 31;
+    const int g1 = (M + 4 * R - 1) / (4 * R), g2 = g1 + (M2 + 4 * R - 1) / (4 * R), groups = g2 + (M3 + 4 * R - 1) / (4 * R);
+#define GEMV_Q_AT(rows, g) rows.at(g, g1, g2, w, w2, w3, nb, nb2, nb3, y, y2, y3, bias, bias2, bias3, M, M2, M3, bpr)
 #define GEMV_Q_ZERO \
     _Pragma("unroll") for (int r = 0; r < RR; ++r) _Pragma("unroll") for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f
     if constexpr ((MODE & PIPE) == 0) {
-        bool loaded = (MODE & EARLY) != 0;  // raw holds the first step's weights
         for (int group = blockIdx.x; group < groups; group += gridDim.x) {
             // GemvRows::at's work written out: through the struct NVRTC 13 gives the gated unit (1 x 2) 117 registers
             // for sm_90 where this takes 96
@@ -297,8 +283,8 @@ __global__ void __launch_bounds__(128) gemv_q(
             float acc[RR][NC];  // a lane's sums for its warp's rows
             GEMV_Q_ZERO;
             for (int base = lane; base < upr; base += 32 * U) {
-                if (!loaded) load_units<T, U, RR, R>(raw, ws, wu, nbs, first, base, upr);
-                loaded = false;
+                typename T::Raw raw[U][RR];
+                load_units<T, U, RR, R>(raw, ws, wu, nbs, first, base, upr);
                 gemv_q_step<T, NC, U, RR>(raw, base, upr, xsh, lines, lane, acc);
             }
             const int role = (MODE & ROPE) ? (roles >> (2 * seg)) & 3 : 0;
@@ -313,18 +299,15 @@ __global__ void __launch_bounds__(128) gemv_q(
         }
     } else {
         const int steps = (upr + 32 * U - 1) / (32 * U);  // a group's steps, the same for every lane
-        int group = first_group;
+        int group = blockIdx.x;
         GemvRows<R, MODE> at;
-        if constexpr ((MODE & EARLY) != 0)
-            at = first_at;
-        else
-            while (group < groups && !GEMV_Q_AT(at, group)) group += gridDim.x;
+        while (group < groups && !GEMV_Q_AT(at, group)) group += gridDim.x;
         if (group >= groups) return;
         GemvRows<R, MODE> next = at;
         float acc[RR][NC];
         GEMV_Q_ZERO;
-        typename T::Raw ahead[U][RR];
-        if constexpr ((MODE & EARLY) == 0) load_units<T, U, RR, R>(raw, at.ws, at.wu, at.nbs, at.first, lane, upr);
+        typename T::Raw raw[U][RR], ahead[U][RR];
+        load_units<T, U, RR, R>(raw, at.ws, at.wu, at.nbs, at.first, lane, upr);
         for (int step = 0;;) {
             int coming = step + 1;
             bool more = true;
