@@ -188,6 +188,8 @@ class Device:
 
     def join(self) -> None:
         """The main stream waits for the launches of the last :meth:`beside` block."""
+        if self._side is None:
+            raise RuntimeError("Device.join() before any Device.beside() block")
         check(_cu().cuStreamWaitEvent(self.stream, self._side[2], 0), "cuStreamWaitEvent")
 
     def free_memory(self) -> tuple[int, int]:
