@@ -448,12 +448,14 @@ def test_attention_softcap(cuda, oracle):
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (9, 3, 64), (8, 8, 64), (4, 2, 128), (20, 4, 64)])
 @pytest.mark.parametrize("window,softcap", [(None, 0.0), (37, 0.0), (None, 4.0)])
-def test_flash_prefill_attention(cuda, oracle, heads, kv_heads, dim, window, softcap):
-    """The tensor-core prefill kernel (f16 cache, n > 8 tokens): rows of one, several and many tiles,
-    decode rows in the same batch, a second chunk over cached positions, windows and soft-capping."""
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_flash_prefill_attention(cuda, oracle, heads, kv_heads, dim, window, softcap, dtype):
+    """The tensor-core prefill kernel (an f16 or q8_0 cache, n > 8 tokens): rows of one, several and many tiles,
+    decode rows in the same batch, a second chunk over cached positions, windows and soft-capping; against the
+    oracle over a cache of the same type (q8_0: the same quants and scales)."""
     rng = np.random.default_rng(12)
     layouts = [KVLayout(kv_heads, dim, window=window)]
-    kvs = [b.allocate_kv(layouts, slots=3, context=320, page_size=16, dtype="f16") for b in (cuda, oracle)]
+    kvs = [b.allocate_kv(layouts, slots=3, context=320, page_size=16, dtype=dtype) for b in (cuda, oracle)]
     for b, kv in zip((cuda, oracle), kvs):
         b.set_pages(kv, 2, kv.page_table[2][::-1].copy())
     seqs = {s: [rng.standard_normal((300, h, dim)) for h in (heads, kv_heads, kv_heads)] for s in (0, 1, 2)}
@@ -464,7 +466,7 @@ def test_flash_prefill_attention(cuda, oracle, heads, kv_heads, dim, window, sof
         cap = softcap or None
         want = oracle.attention(q, k, v, kvs[1], 0, batch, dim**-0.5, cap)
         got = cuda.attention(*(cuda_array(cuda, t) for t in (q, k, v)), kvs[0], 0, batch, dim**-0.5, cap)
-        # f16 keys, values, queries and probabilities (as llama.cpp's flash attention)
+        # f16 keys, values (a q8_0 cache's decoded into f16), queries and probabilities (as llama.cpp's flash attention)
         assert relative_error(cuda.to_host(got), want) < 3e-3
 
 

@@ -53,8 +53,8 @@ def test_q8_0_attention_prefill_then_decode(cuda, oracle, window, heads, kv_head
 
 
 def test_q8_0_attention_long_context_splits(cuda, oracle):
-    """A 700-token prefill (attention_wide: a q8_0 prefill never takes the f16 tensor-core kernel), decode
-    steps split over the sequence, and a second long chunk."""
+    """A 700-token prefill (the tensor-core kernel, the q8_0 cache decoded into its f16 tiles), decode steps split
+    over the sequence, and a second long chunk."""
     rng = np.random.default_rng(5)
     heads, kv_heads, dim = 8, 2, 64
     kvs = [b.allocate_kv([KVLayout(kv_heads, dim)], slots=1, context=1280, dtype="q8_0") for b in (cuda, oracle)]

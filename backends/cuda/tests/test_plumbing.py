@@ -301,8 +301,8 @@ def test_prefill_steps_past_the_per_token_buckets_replay_a_graph_with_tiled_atte
 
 
 def test_q8_0_kv_and_top_k(fake, tmp_path):
-    """A q8_0 cache: scale planes beside the quants, its kernels (a prefill takes attention_wide, not the f16
-    tensor-core kernel), a replayed decode step; top_k's launch and host arrays."""
+    """A q8_0 cache: scale planes beside the quants, its kernels (a prefill of 32-dimension heads takes
+    attention_wide: the tensor-core kernel has 64 and 128), a replayed decode step; top_k's launch and host arrays."""
     path = write_tiny_gguf(Llama, tmp_path / "hd32.gguf", Q.Q8_0, params=Llama.tiny(head_dim=32))
     backend = CUDABackend()
     model = Llama(ModelFile(path), backend)
@@ -320,6 +320,23 @@ def test_q8_0_kv_and_top_k(fake, tmp_path):
     assert values.shape == ids.shape == (1, 40) and ids.dtype == np.int64
     assert "top_k_rows" in {f for f, _, _ in fake.launches}
     assert len(backend.read_pages(kv, [3])) == 4 * model.params.layers
+
+
+def test_a_prefill_over_a_q8_0_cache_takes_the_tensor_core_attention(fake, tmp_path):
+    """Heads of 64 dimensions: a prefill over a q8_0 cache runs flash_attention<i8, 64> (its scale planes passed, the
+    argument types checked against the kernel's), as one over an f16 cache runs flash_attention<u16, 64>; neither
+    falls back to attention_wide."""
+    path = write_tiny_gguf(Llama, tmp_path / "hd64.gguf", Q.Q8_0, params=Llama.tiny(head_dim=64))
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    for dtype, kind in (("q8_0", "a"), ("f16", "t")):  # mangled: a signed char, t unsigned short
+        kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=1, context=64, dtype=dtype)
+        fake.launches.clear()
+        model.forward(Batch([Row(0, 0, np.arange(20) % 300)]), kv)
+        names = [f for f, _, _ in fake.launches]
+        flash = [f for f in names if "flash_attention" in f]
+        assert len(flash) == model.params.layers and all(f"flash_attentionI{kind}Li64E" in f for f in flash), flash
+        assert not any("attention_wide" in f for f in names)
 
 
 class RecordingCublas:

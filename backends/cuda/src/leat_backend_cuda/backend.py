@@ -84,7 +84,8 @@ OPS_KERNELS = (
     ]
 )
 FLASH_DIMS = (64, 128)  # head dimensions of the tensor-core prefill attention
-FLASH_KERNELS = [f"flash_attention<{d}>" for d in FLASH_DIMS]
+FLASH_KINDS = ("u16", "i8")  # the caches it reads: f16, q8_0 (decoded into its f16 tiles)
+FLASH_KERNELS = [f"flash_attention<{kind}, {d}>" for kind in FLASH_KINDS for d in FLASH_DIMS]
 ROPE_KV_MAX_DIM = 512  # head dimensions rope_kv_write holds (a k head in shared memory)
 GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
 #: positions of a decode step's attention split are a multiple of this (a block's 4 warps take 32 per step): at short
@@ -1161,12 +1162,11 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         slots, positions, span = self._token_rows(batch)
         q, (kind, (_, _, k_scale, v_scale, table), per_slot) = self._write_kv(k, v, kv, layer, slots, positions, q)
         # a prefill (some row has several tokens, or a graph past TILED_GRAPH_TOKENS; never a captured decode step):
-        # tensor cores over an f16 cache; a q8_0 cache's prefill takes attention_wide below (flash.cu reads f16 tiles
-        # only)
+        # tensor cores over an f16 or q8_0 cache (flash.cu decodes q8_0 into its f16 tiles)
         prefill = n > len(batch.rows) or batch is self._tiled_batch
-        flash = n > quants.GEMV_MAX_TOKENS and prefill and kind == "u16" and dk == dv
+        flash = n > quants.GEMV_MAX_TOKENS and prefill and kind in FLASH_KINDS and dk == dv
         if flash and dk in FLASH_DIMS and sinks is None:
-            return self._flash(q, kv, layer, batch, table, slots, positions, scale, softcap)
+            return self._flash(q, kv, layer, batch, (kind, k_scale, v_scale, table), slots, positions, scale, softcap)
         lanes = -(-max(dk, dv) // 32)
         dl = next((d for d in (1, 2, 4, 8) if d >= lanes), None)
         if dl is None:
@@ -1330,21 +1330,25 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         name = quants.gemv_q_name(weight.qtype, 1, (rows, units), mode | variant | quants.GEMV_Q_ROPE)
         return variant == 0 and rows % 2 == 0 and weight.kernels is not None and name in weight.kernels.kernels
 
-    def _flash(self, q, kv: KVCache, layer: int, batch: Batch, table, slots, positions, scale: float, softcap: float):
-        """Tensor-core attention for a prefill over an f16 cache (kernels/flash.cu): the batch's rows cut
-        into tiles of consecutive tokens, one block per tile, KV head and chunk of its query heads."""
+    def _flash(self, q, kv: KVCache, layer: int, batch: Batch, cache, slots, positions, scale: float, softcap: float):
+        """Tensor-core attention for a prefill over an f16 or q8_0 cache (kernels/flash.cu): the batch's rows cut
+        into tiles of consecutive tokens, one block per tile, KV head and chunk of its query heads. ``cache``: the
+        cache's element kind, its scale planes (q8_0; else None) and the layer's device page table."""
+        kind, k_scale, v_scale, table = cache
         n, heads, dim = q.shape
         kv_heads = kv.layouts[layer].kv_heads
         group = heads // kv_heads
         per_block = 4 if group >= 3 else group  # query heads per block; its 4 warps split the tile's tokens
         tiles = self._flash_tiles(batch, 16 * 4 // per_block, kv, slots, positions)
         out = self._empty((n, heads * dim))
-        self._module("flash", "flash.cu", FLASH_KERNELS, {})[f"flash_attention<{dim}>"](
+        self._module("flash", "flash.cu", FLASH_KERNELS, {})[f"flash_attention<{kind}, {dim}>"](
             (tiles.size // 2, kv_heads * -(-group // per_block)),
             128,
             q,
             kv.k[layer],
             kv.v[layer],
+            k_scale,
+            v_scale,
             table,
             slots,
             positions,

@@ -8,6 +8,7 @@ typedef unsigned char u8; typedef unsigned short u16; typedef unsigned int u32; 
 #define __device__
 #define __forceinline__ inline
 struct uint4 { u32 x, y, z, w; }; struct uint2 { u32 x, y; }; struct float4 { float x, y, z, w; };
+struct float2 { float x, y; }; inline float2 make_float2(float x, float y) { return {x, y}; }
 template<class T> T __ldg(const T* p) { T v; memcpy(&v, p, sizeof(T)); return v; }
 inline u32 __byte_perm(u32 x, u32 y, u32 s) { u8 b[8]; memcpy(b, &x, 4); memcpy(b+4, &y, 4); u32 r = 0; for (int i = 0; i < 4; ++i) r |= (u32)b[(s >> (4*i)) & 7] << (8*i); return r; }
 inline int __popc(u32 x) { return __builtin_popcount(x); }

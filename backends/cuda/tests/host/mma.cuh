@@ -26,6 +26,24 @@ inline void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     for (int i = 0; i < 4; ++i) c[i] += sums[i];
 }
 
+// ldmatrix .x4: lane l gives the address of row l % 8 of tile l / 8; each lane receives, of tile j in register j,
+// row lane / 4 at columns 2 (lane % 4) and + 1; transposed (.trans), column lane / 4 at rows 2 (lane % 4) and + 1.
+inline const u16* host_rows[1024];
+
+inline void host_ldmatrix(u32 (&r)[4], const u16* p, bool trans) {
+    const unsigned me = threadIdx.x, warp = me & ~31u, lane = me & 31;
+    host_rows[me] = p;
+    __syncwarp();
+    for (int j = 0; j < 4; ++j) {
+        const u16* const* tile = host_rows + warp + 8 * j;
+        const unsigned a = 2 * (lane % 4), b = lane / 4;
+        r[j] = trans ? tile[a][b] | (u32)tile[a + 1][b] << 16 : tile[b][a] | (u32)tile[b][a + 1] << 16;
+    }
+    __syncwarp();
+}
+inline void ldmatrix_x4(u32 (&r)[4], const u16* p) { host_ldmatrix(r, p, false); }
+inline void ldmatrix_x4_trans(u32 (&r)[4], const u16* p) { host_ldmatrix(r, p, true); }
+
 // cp.async as a plain copy (the host's copies are done when issued; the kernels' barriers still order them)
 inline void cp_async16(void* dst, const void* src, int bytes) {
     if (bytes) memcpy(dst, src, 16);

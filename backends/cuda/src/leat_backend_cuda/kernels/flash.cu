@@ -1,6 +1,6 @@
-// Attention for many query tokens (a prefill chunk) on tensor cores, over an f16 paged KV cache
-// (the layout of ops.cu's kv_write: K [pages, page_size, kv_heads, D], V likewise, one table row
-// of pages per slot). FlashAttention-2's scheme with mma.sync m16n8k16: scores and the running
+// Attention for many query tokens (a prefill chunk) on tensor cores, over an f16 or q8_0 paged KV
+// cache (the layout of ops.cu's kv_write: K [pages, page_size, kv_heads, D], V likewise, one table
+// row of pages per slot; q8_0's f16 scales, one per 32 values, in the planes ks and vs). FlashAttention-2's scheme with mma.sync m16n8k16: scores and the running
 // output stay in registers, the softmax is online, K and V pass through shared memory once per
 // block in tiles of BK keys.
 //
@@ -9,14 +9,26 @@
 // warps each own 16 query rows: warp w takes query head (chunk * gb + w % gb) of the KV head's
 // group and tokens (w / gb) * 16 ... + 15 of the tile, so a tile holds 16 * 4 / gb tokens.
 // q is float32, scaled and rounded to f16 here; probabilities are rounded to f16 for P V;
-// accumulation is float32. Causal, windowed (`window` > 0) and soft-capped (`softcap` > 0) as
-// ops.cu's attention. The output is [n, heads, D] float32, normalized.
+// accumulation is float32. A q8_0 cache's keys and values are decoded into the same f16 tiles (q x d
+// exact in float32, then rounded to f16). Causal, windowed (`window` > 0) and soft-capped
+// (`softcap` > 0) as ops.cu's attention. The output is [n, heads, D] float32, normalized.
 #include "mma.cuh"
+#include "kv.cuh"
 
-template <int D>
+// Values d ... d + 7 of cache row `row` as eight f16 (16 bytes): an f16 cache's as stored, a q8_0 cache's decoded.
+template <int D> __device__ __forceinline__ uint4 kv_f16x8(const u16* c, const u16*, i64 row, int d) {
+    return *(const uint4*)(c + row * D + d);
+}
+template <int D> __device__ __forceinline__ uint4 kv_f16x8(const i8* c, const u16* s, i64 row, int d) {
+    float v[8];
+    kv_load8(c, s, row, D, d, v);
+    return make_uint4(pack_f16x2(v[0], v[1]), pack_f16x2(v[2], v[3]), pack_f16x2(v[4], v[5]), pack_f16x2(v[6], v[7]));
+}
+
+template <typename KV, int D>
 __global__ void __launch_bounds__(128) flash_attention(
-    const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
-    const int* __restrict__ page_table, const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
+    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const u16* __restrict__ ksc,
+    const u16* __restrict__ vsc, const int* __restrict__ page_table, const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
     const int* __restrict__ tiles, float* __restrict__ out, int heads, int kv_heads, int pages_per_slot,
     int page_size, int window, float scale, float softcap, int gb) {
     constexpr int BK = 32, LD = D + 8, C8 = D / 8;  // keys per tile; padded smem rows (bank spread)
@@ -73,8 +85,8 @@ __global__ void __launch_bounds__(128) flash_attention(
             const int page = p < end ? table[p / page_size] : -1;
             if (page >= 0) {
                 const i64 row = ((i64)page * page_size + p % page_size) * kv_heads + kvh;
-                kval = *(const uint4*)(kc + row * D + c * 8);
-                vval = *(const uint4*)(vc + row * D + c * 8);
+                kval = kv_f16x8<D>(kc, ksc, row, c * 8);
+                vval = kv_f16x8<D>(vc, vsc, row, c * 8);
             }
             *(uint4*)(ks + j * LD + c * 8) = kval;
             *(uint4*)(vs + j * LD + c * 8) = vval;

@@ -1,0 +1,127 @@
+"""flash.cu's tensor-core prefill attention compiled for the host with g++ and run with each CUDA thread a fiber
+(test_moe_mla_on_host.py's harness; mma.sync and ldmatrix emulated by tests/host/mma.cuh), over an f16 and a q8_0
+paged cache, against the float64 CPU backend's attention over the same cache (its q8_0 quants and scales, or its f16
+values): two rows in one step, a second chunk over cached positions, pages out of order, grouped-query heads, windows
+and soft-capping. Skipped where g++ is missing."""
+
+import ctypes
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+from leat.backend import KVLayout
+from leat.batch import Batch, Row
+from leat.testing import relative_error
+from leat_backend_cpu.backend import CPUBackend
+
+_spec = importlib.util.spec_from_file_location("moe_mla_on_host", Path(__file__).parent / "test_moe_mla_on_host.py")
+host = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(host)
+
+HARNESS = r"""
+template <typename KV, int D>
+void flash_run(const float* q, const void* kc, const void* vc, const u16* ks, const u16* vs, const int* table,
+               const int* slots, const int* pos, const int* tiles, int count, float* out, int heads, int kv_heads,
+               int per_slot, int page_size, int window, float scale, float softcap, int gb) {
+    const unsigned chunks = (unsigned)((heads / kv_heads + gb - 1) / gb);
+    launch({(unsigned)count, (unsigned)kv_heads * chunks, 1}, 128, [=] {
+        flash_attention<KV, D>(q, (const KV*)kc, (const KV*)vc, ks, vs, table, slots, pos, tiles, out, heads, kv_heads,
+                               per_slot, page_size, window, scale, softcap, gb);
+    });
+}
+extern "C" void flash(const float* q, const void* kc, const void* vc, const u16* ks, const u16* vs, const int* table,
+                      const int* slots, const int* pos, const int* tiles, int count, float* out, int heads,
+                      int kv_heads, int per_slot, int page_size, int window, float scale, float softcap, int gb,
+                      int q8_0, int dim) {
+    auto run = q8_0 ? (dim == 64 ? flash_run<i8, 64> : flash_run<i8, 128>)
+                    : (dim == 64 ? flash_run<u16, 64> : flash_run<u16, 128>);
+    run(q, kc, vc, ks, vs, table, slots, pos, tiles, count, out, heads, kv_heads, per_slot, page_size, window, scale,
+        softcap, gb);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    headers = {"mma.cuh": (Path(__file__).parent / "host" / "mma.cuh").read_text()}
+    return host.host_library(tmp_path_factory, "flash-host", host._kernel("flash.cu") + HARNESS, headers)
+
+
+def tiles_of(step: list[tuple[int, int, int]], tile: int) -> np.ndarray:
+    """(first token, count) of each run of up to ``tile`` tokens of one row (CUDABackend._flash_tiles' rule)."""
+    tiles, first = [], 0
+    for _, _, count in step:
+        tiles += [(start, min(tile, first + count - start)) for start in range(first, first + count, tile)]
+        first += count
+    return np.array(tiles, np.int32).reshape(-1)
+
+
+def run_flash(kernels, kv, q, step, dtype, heads, kv_heads, dim, scale, window, softcap, scales=True):
+    """flash.cu over the CPU backend's cache ``kv`` (layer 0) for the step's tokens; ``scales`` False passes a q8_0
+    cache without its scale planes (the check below must fail then)."""
+    group = heads // kv_heads
+    gb = 4 if group >= 3 else group  # CUDABackend._flash's query heads a block
+    tiles = tiles_of(step, 16 * 4 // gb)
+    slots = np.concatenate([np.full(n, s, np.int32) for s, _, n in step])
+    pos = np.concatenate([np.arange(a, a + n, dtype=np.int32) for _, a, n in step])
+    out = np.full((len(q), heads * dim), np.nan, np.float32)
+    q8_0 = dtype == "q8_0"
+    ks, vs = (np.ascontiguousarray(c[0]).view(np.uint16) if q8_0 else None for c in (kv.k_scale, kv.v_scale))
+    if q8_0 and not scales:
+        ks = vs = np.full(ks.size, 0x3C00, np.uint16)  # every scale f16 1.0
+    kc, vc = (np.ascontiguousarray(c[0]) for c in (kv.k, kv.v))
+    table = np.ascontiguousarray(kv.page_table, np.int32)
+    q32 = host.f32(q)  # held: a temporary's memory could be reused before the call
+    kernels.flash(
+        *map(host.ptr, (q32, kc, vc, ks, vs, table, slots, pos, tiles)),
+        len(tiles) // 2,
+        host.ptr(out),
+        heads,
+        kv_heads,
+        table.shape[1],
+        kv.page_size,
+        window or 0,
+        ctypes.c_float(scale),
+        ctypes.c_float(softcap),
+        gb,
+        int(q8_0),
+        dim,
+    )
+    return out
+
+
+CASES = [(8, 2, 64, None, 0.0), (4, 4, 64, 37, 0.0), (6, 2, 128, None, 4.0)]
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("heads,kv_heads,dim,window,softcap", CASES)
+def test_flash_attention_against_float64(kernels, dtype, heads, kv_heads, dim, window, softcap):
+    """Each step's output against the float64 attention over the same cache: f16 queries, keys, values (a q8_0
+    cache's decoded q x d rounded to f16) and probabilities, as the f16 cache's GPU test bounds them."""
+    rng = np.random.default_rng(40 + dim + heads)
+    cpu = CPUBackend("f64")
+    kv = cpu.allocate_kv([KVLayout(kv_heads, dim, window=window)], 2, 96, page_size=16, dtype=dtype)
+    cpu.set_pages(kv, 1, kv.page_table[1][::-1].copy())
+    seqs = {s: [rng.standard_normal((96, h, dim)) for h in (heads, kv_heads, kv_heads)] for s in (0, 1)}
+    steps = [[(0, 0, 40), (1, 0, 25)], [(1, 25, 50), (0, 40, 9)]]
+    scale = dim**-0.5
+    for step in steps:
+        batch = Batch([Row(s, a, np.zeros(n, int), all_logits=True) for s, a, n in step])
+        q, k, v = (np.concatenate([seqs[s][i][a : a + n] for s, a, n in step]) for i in range(3))
+        want = cpu.attention(q, k, v, kv, 0, batch, scale, softcap or None)
+        got = run_flash(kernels, kv, q, step, dtype, heads, kv_heads, dim, scale, window, softcap)
+        assert np.isfinite(got).all()
+        assert relative_error(got, want.reshape(got.shape)) < 3e-3, (step, relative_error(got, want.reshape(got.shape)))
+
+
+def test_the_check_fails_without_q8_0_scales(kernels):
+    """The comparison above can fail: a q8_0 cache read with every scale 1 (its quants alone) is far off."""
+    rng = np.random.default_rng(3)
+    cpu = CPUBackend("f64")
+    kv = cpu.allocate_kv([KVLayout(2, 64)], 1, 32, page_size=16, dtype="q8_0")
+    q, k, v = (rng.standard_normal((20, h, 64)) for h in (4, 2, 2))
+    step = [(0, 0, 20)]
+    want = cpu.attention(q, k, v, kv, 0, Batch([Row(0, 0, np.zeros(20, int), all_logits=True)]), 0.125)
+    got = run_flash(kernels, kv, q, step, "q8_0", 4, 2, 64, 0.125, None, 0.0, scales=False)
+    assert relative_error(got, want.reshape(got.shape)) > 0.1
