@@ -1,6 +1,7 @@
 // Attention for many query tokens (a prefill chunk) on tensor cores, over an f16 or q8_0 paged KV
 // cache (the layout of ops.cu's kv_write: K [pages, page_size, kv_heads, D], V likewise, one table
-// row of pages per slot; q8_0's f16 scales, one per 32 values, in the planes ks and vs). FlashAttention-2's scheme with mma.sync m16n8k16: scores and the running
+// row of pages per slot; q8_0's f16 scales, one per 32 values, in the planes ksc and vsc).
+// FlashAttention-2's scheme with mma.sync m16n8k16: scores and the running
 // output stay in registers, the softmax is online, K and V pass through shared memory once per
 // block in tiles of BK keys.
 //
@@ -28,7 +29,8 @@ template <int D> __device__ __forceinline__ uint4 kv_f16x8(const i8* c, const u1
 template <typename KV, int D>
 __global__ void __launch_bounds__(128) flash_attention(
     const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const u16* __restrict__ ksc,
-    const u16* __restrict__ vsc, const int* __restrict__ page_table, const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
+    const u16* __restrict__ vsc, const int* __restrict__ page_table, const int* __restrict__ tok_slot,
+    const int* __restrict__ tok_pos,
     const int* __restrict__ tiles, float* __restrict__ out, int heads, int kv_heads, int pages_per_slot,
     int page_size, int window, float scale, float softcap, int gb) {
     constexpr int BK = 32, LD = D + 8, C8 = D / 8;  // keys per tile; padded smem rows (bank spread)
