@@ -15,9 +15,12 @@ from leat.batch import Batch, Row
 from leat.testing import relative_error
 from leat_backend_cpu.backend import CPUBackend
 
-_spec = importlib.util.spec_from_file_location("moe_mla_on_host", Path(__file__).parent / "test_moe_mla_on_host.py")
-host = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(host)
+_spec = importlib.util.spec_from_file_location(
+    "flash_tiles_on_host", Path(__file__).parent / "test_flash_tiles_on_host.py"
+)
+flash_tiles = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(flash_tiles)
+host = flash_tiles.host  # test_moe_mla_on_host.py's harness
 
 HARNESS = r"""
 template <typename KV, int D>
@@ -48,21 +51,12 @@ def kernels(tmp_path_factory):
     return host.host_library(tmp_path_factory, "flash-host", host._kernel("flash.cu") + HARNESS, headers)
 
 
-def tiles_of(step: list[tuple[int, int, int]], tile: int) -> np.ndarray:
-    """(first token, count) of each run of up to ``tile`` tokens of one row (CUDABackend._flash_tiles' rule)."""
-    tiles, first = [], 0
-    for _, _, count in step:
-        tiles += [(start, min(tile, first + count - start)) for start in range(first, first + count, tile)]
-        first += count
-    return np.array(tiles, np.int32).reshape(-1)
-
-
 def run_flash(kernels, kv, q, step, dtype, heads, kv_heads, dim, scale, window, softcap, scales=True):
     """flash.cu over the CPU backend's cache ``kv`` (layer 0) for the step's tokens; ``scales`` False passes a q8_0
     cache without its scale planes (the check below must fail then)."""
     group = heads // kv_heads
     gb = 4 if group >= 3 else group  # CUDABackend._flash's query heads a block
-    tiles = tiles_of(step, 16 * 4 // gb)
+    tiles = np.array(flash_tiles.expected(step, 16 * 4 // gb), np.int32).reshape(-1)  # _flash_tiles' rule
     slots = np.concatenate([np.full(n, s, np.int32) for s, _, n in step])
     pos = np.concatenate([np.arange(a, a + n, dtype=np.int32) for _, a, n in step])
     out = np.full((len(q), heads * dim), np.nan, np.float32)
