@@ -173,12 +173,10 @@ def test_fused_decode_equals_unfused(files, name):
 
 @pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
 @pytest.mark.parametrize("v_type", ["Q8_0", "Q4_0"])
-@pytest.mark.parametrize("beside", [False, True])
-def test_rope_epilogue_equals_rope_kv_write(tmp_path, kv_dtype, v_type, beside):
+def test_rope_epilogue_equals_rope_kv_write(tmp_path, kv_dtype, v_type):
     """One token a step, graph-replayed: q, k and v with RoPE and the cache write in gemv_q's epilogue (GEMV_Q_ROPE;
-    v in a launch of its own where its type differs from q's and k's, as Q4_K_M's Q6_K v does, and with
-    ``v_beside`` on a second stream beside theirs) give the logits and the cache that the products followed by
-    rope_kv_write give, bit for bit."""
+    v in a launch of its own where its type differs from q's and k's, as Q4_K_M's Q6_K v does) give the logits and
+    the cache that the products followed by rope_kv_write give, bit for bit."""
     import gguf
     from leat_backend_cuda.backend import CUDABackend
 
@@ -189,7 +187,6 @@ def test_rope_epilogue_equals_rope_kv_write(tmp_path, kv_dtype, v_type, beside):
     results, taken = [], []
     for fused in (True, False):
         backend = CUDABackend(poison=True)
-        backend.v_beside = beside and fused
         backend._write_kv_fused = _recorded(backend._write_kv_fused, taken) if fused else lambda *args: None
         model = load(path, backend)
         tokens = prompt(model, 10, seed=4)

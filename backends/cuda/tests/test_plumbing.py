@@ -39,7 +39,6 @@ class FakeDriver:
         self.capturing = False
         self.freed: list[tuple[int, bool]] = []  # (pointer, freed while capturing)
         self.captured: list[list[str]] = []
-        self.order: list[tuple[str, object, int]] = []  # launches, event records and waits, with their streams
         self.next_ptr = 1 << 32
         self.allocated = 0
 
@@ -80,8 +79,7 @@ class FakeDriver:
         return self.ok, 13000
 
     def cuStreamCreate(self, flags):
-        self.streams = getattr(self, "streams", 0) + 1
-        return self.ok, self.real.CUstream(0x5156 + self.streams)  # a real handle: CUlaunchConfig takes no other
+        return self.ok, self.real.CUstream(0x5157)  # a real handle: CUlaunchConfig takes no other
 
     def cuMemAlloc(self, size):
         ptr = self.next_ptr
@@ -121,11 +119,6 @@ class FakeDriver:
         return self.ok, object()
 
     def cuEventRecord(self, event, stream):
-        self.order.append(("record", id(event), int(stream)))
-        return (self.ok,)
-
-    def cuStreamWaitEvent(self, stream, event, flags):
-        self.order.append(("wait", id(event), int(stream)))
         return (self.ok,)
 
     def cuEventSynchronize(self, event):
@@ -159,7 +152,6 @@ class FakeDriver:
             bx,
         )
         self.launches.append((f, (gx, gy, gz), bx))
-        self.order.append(("launch", f, int(stream)))
         if self.capturing:
             self.captured[-1].append(f)
         return (self.ok,)
@@ -731,53 +723,6 @@ def test_one_token_decode_rotates_and_writes_the_cache_in_the_products(fake, tmp
         assert len(rope_kv) == (0 if fused else model.params.layers), (rows, dtype)
         assert len(with_rope) == (model.params.layers if fused else 0), (rows, dtype)
         assert len([f for f in names if f.startswith("_Z6gemv_q")]) == 4 * model.params.layers + 1
-
-
-def test_v_of_another_type_runs_beside_q_and_k(fake, tmp_path, monkeypatch):
-    """One token a step where v's type differs from q's and k's (Q4_K_M's Q6_K v), with LEAT_CUDA_V_BESIDE=1: v's
-    ROPE launch goes to a second stream that first waits for the main stream's work so far; q's and k's launch
-    follows on the main stream, which then waits for v's before attention reads the cache. Where the types agree,
-    or the switch is off (the default), no second stream; another value is refused."""
-    for v_type, switch, beside in (
-        (Q.Q4_0, "1", True),
-        (Q.Q4_0, "", False),
-        (Q.Q4_0, "0", False),
-        (Q.Q8_0, "1", False),
-    ):
-        monkeypatch.setenv("LEAT_CUDA_V_BESIDE", switch)
-        types = {f"blk.{i}.attn_v.weight": v_type for i in range(Llama.tiny().layers)}
-        path = write_tiny_gguf(Llama, tmp_path / f"tiny-{v_type.name}.gguf", Q.Q8_0, types=types)
-        backend = CUDABackend()
-        model = Llama(ModelFile(path), backend)
-        kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=1, context=64, dtype="f16")
-        model.forward(Batch([Row(0, 0, np.arange(12) % 300)]), kv)
-        fake.order.clear()
-        backend.to_host(model.forward(Batch([Row(0, 12, np.array([5]))]), kv))
-        main = int(backend.device.stream)
-        side = [op for op in fake.order if op[2] != main]
-        rope = [
-            i
-            for i, op in enumerate(fake.order)
-            if op[0] == "launch" and op[1].startswith("_Z6gemv_q") and "ELi17EEv" in op[1]
-        ]
-        if not beside:
-            assert side == [] and len(rope) == model.params.layers * (2 if v_type != Q.Q8_0 else 1)
-            continue
-        assert len(rope) == 2 * model.params.layers
-        assert len([op for op in side if op[0] == "launch"]) == model.params.layers  # nothing but v goes beside
-        for v, qk in zip(rope[::2], rope[1::2], strict=True):
-            fork, wait, launch, done = fake.order[v - 2 : v + 2]
-            assert fork[0] == "record" and fork[2] == main  # the main stream's work so far...
-            assert wait == ("wait", fork[1], launch[2]) and launch[2] != main  # ...waited for on the second
-            assert "I5TQ4_0" in launch[1] and "I5TQ8_0" in fake.order[v + 2][1]  # v's type beside, q's and k's on main
-            assert done[0] == "record" and done[2] == launch[2]
-            assert qk == v + 2 and fake.order[qk][2] == main  # q and k beside it on the main stream
-            join = fake.order[qk + 1]
-            assert join == ("wait", done[1], main)  # the main stream waits for v before anything else runs
-        assert {op[0] for op in side} == {"wait", "launch", "record"}
-    monkeypatch.setenv("LEAT_CUDA_V_BESIDE", "yes")
-    with pytest.raises(LeatError, match="LEAT_CUDA_V_BESIDE=yes"):
-        CUDABackend()
 
 
 def _script(name: str):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -300,14 +299,6 @@ class Pending(DeviceArray):
         return Pending(shape, lambda: self.materialize().view(shape), ("view", self))  # stays pending
 
 
-def _switch(name: str) -> bool:
-    """An on/off setting from the environment: unset, empty or 0 off, 1 on; anything else a clear error."""
-    value = os.environ.get(name, "").strip()
-    if value not in ("", "0", "1"):
-        raise LeatError(f"{name}={value}: 0 (off) or 1 (on)")
-    return value == "1"
-
-
 def _ready(x: Any) -> Any:
     return x.materialize() if isinstance(x, Pending) else x
 
@@ -404,9 +395,6 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         self.few_shape: tuple[int, int] | None = None
         #: the gated unit's gate and up products in one gemm_few launch (x read once for both, silu applied in it)
         self.few_gated = True
-        #: a one-token step's v product, where its type is not q's and k's, on a second stream beside theirs
-        #: (Device.beside); off by default until a GPU has timed it (LEAT_CUDA_V_BESIDE=1 turns it on)
-        self.v_beside = _switch("LEAT_CUDA_V_BESIDE")
         #: token counts (first, last) that go to gemm_rows, its instantiation (None: NT 8, RT 2) and the blocks its
         #: split over K aims at
         self.rows_tokens = (GEMM_ROWS_MIN_TOKENS, GEMM_ROWS_MAX_TOKENS)
@@ -1282,8 +1270,8 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         """_write_kv without rope_kv_write, where it can be: one token's q, k and v still waiting as gemv_q products
         of one x, q and k to be rotated by one RoPE of adjacent pairs with no per-head norm, a float32 or f16 cache.
         Their products run with the rotation and the cache write in gemv_q's epilogue (GEMV_Q_ROPE: the same values
-        bit for bit), q, k and v in one launch where they share a type (else q and k, then v; with ``v_beside``, v
-        on a second stream beside them: Device.beside); None where it does not apply."""
+        bit for bit), q, k and v in one launch where they share a type (else q and k, then v); None where it does
+        not apply."""
         if q is None or not _rope_pair(q, k) or _is_norm(q.fusion[1]):
             return None
         _, qx, rope_positions, spec = q.fusion
@@ -1308,15 +1296,9 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         per_slot = kv.tables[0].shape[1]
         rest = (slots, positions, table, self._ints(rope_positions), self._rope_table(spec), kv.k[layer], kv.v[layer])
         rest += (int(kind == "u16"), dk, spec.dims, per_slot, kv.page_size, float(spec.attn_factor))
-        segments = [([(p.fusion[2], p.fusion[3]) for p in group], RopeWrite(roles, rest)) for group, roles in launches]
-        if len(segments) == 1 or not self.v_beside:
-            outs = [out for group, rope in segments for out in self._gemv_q(x, group, rope=rope)]
-        else:  # v's launch beside q's and k's: it writes only the V cache, and neither fills the card alone
-            _ready(x.fusion[1] if isinstance(x, Pending) and x.waiting("norm") else x)  # on the main stream first
-            with self.device.beside():
-                self._gemv_q(x, segments[1][0], rope=segments[1][1])
-            outs = self._gemv_q(x, segments[0][0], rope=segments[0][1])
-            self.device.join()
+        outs = []
+        for group, roles in launches:
+            outs += self._gemv_q(x, [(p.fusion[2], p.fusion[3]) for p in group], rope=RopeWrite(roles, rest))
         for pending in (*products, q, k):
             pending.fused = True  # taken in: launched again only if something else asks for it
         return outs[0].view(q.shape), (kind, (kv.k[layer], kv.v[layer], None, None, table), per_slot)

@@ -147,7 +147,6 @@ class Device:
         self.name = check(cu.cuDeviceGetName(256, self.handle)).split(b"\0")[0].decode()
         self.driver_version = check(cu.cuDriverGetVersion())
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
-        self._side: tuple | None = None  # beside()'s stream and its two events, made on first use
 
     @property
     def arch(self) -> str:
@@ -161,36 +160,6 @@ class Device:
 
     def synchronize(self) -> None:
         check(_cu().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
-
-    @contextlib.contextmanager
-    def beside(self):
-        """Launches made in the block go to a second stream: they wait for what the main stream had before the
-        block and run beside what it gets after, until :meth:`join`. Under a graph's capture they become a branch
-        of the graph. Every launch reads ``self.stream`` as it is made, so the block swaps it."""
-        cu = _cu()
-        if self._side is None:
-            flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
-            self._side = (
-                check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate"),
-                check(cu.cuEventCreate(flags), "cuEventCreate"),
-                check(cu.cuEventCreate(flags), "cuEventCreate"),
-            )
-        side, forked, done = self._side
-        main = self.stream
-        check(cu.cuEventRecord(forked, main), "cuEventRecord")
-        check(cu.cuStreamWaitEvent(side, forked, 0), "cuStreamWaitEvent")
-        self.stream = side
-        try:
-            yield
-        finally:
-            self.stream = main
-            check(cu.cuEventRecord(done, side), "cuEventRecord")
-
-    def join(self) -> None:
-        """The main stream waits for the launches of the last :meth:`beside` block."""
-        if self._side is None:
-            raise RuntimeError("Device.join() before any Device.beside() block")
-        check(_cu().cuStreamWaitEvent(self.stream, self._side[2], 0), "cuStreamWaitEvent")
 
     def free_memory(self) -> tuple[int, int]:
         self.activate()
