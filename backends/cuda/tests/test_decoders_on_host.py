@@ -68,6 +68,31 @@ template <class T> void dots(const u8* w, i64 nb, const float* x, int rows, int 
     }
 }
 
+// TQ4_KP::dot with the high nibbles shifted down and signed dp2a (as before they stayed in place): the reference
+// test_q4_k_dot_with_high_nibbles_in_place holds the kernel's to, bit for bit
+float q4_kp_shifted(const TQ4_KP::Raw& r, int unit, const u32* xw, const float* xs, const float* xsum) {
+    u32 sc, mn;
+    TQ4_KP::scales(r.head, unit, sc, mn);
+    const float d = f16_to_f32((u16)(r.head.x & 0xFFFF)), dmin = f16_to_f32((u16)(r.head.x >> 16));
+    const int s0 = dot16(low_nibbles(r.lo.x), low_nibbles(r.lo.y), low_nibbles(r.lo.z), low_nibbles(r.lo.w), xw);
+    const int s1 = dot16(low_nibbles(r.hi.x), low_nibbles(r.hi.y), low_nibbles(r.hi.z), low_nibbles(r.hi.w), xw + 8);
+    const int s2 = dot16(high_nibbles(r.lo.x), high_nibbles(r.lo.y), high_nibbles(r.lo.z), high_nibbles(r.lo.w), xw + 16);
+    const int s3 = dot16(high_nibbles(r.hi.x), high_nibbles(r.hi.y), high_nibbles(r.hi.z), high_nibbles(r.hi.w), xw + 24);
+    const float low = byte_f32(sc, 0) * (xs[0] * (float)s0 + xs[1] * (float)s1);
+    const float high = byte_f32(sc, 1) * (xs[2] * (float)s2 + xs[3] * (float)s3);
+    const float mins = byte_f32(mn, 0) * (xsum[0] + xsum[1]) + byte_f32(mn, 1) * (xsum[2] + xsum[3]);
+    return d * (low + high) - dmin * mins;
+}
+// n units: raw (12 words each), x (32 words and 8 floats each); the kernel's dot and the reference's
+extern "C" void q4_kp_dots(const u32* raw, const u32* xw, const float* xf, int n, float* got, float* want) {
+    for (int i = 0; i < n; ++i) {
+        TQ4_KP::Raw r;
+        memcpy(&r, raw + 12 * i, sizeof r);
+        got[i] = TQ4_KP::dot(r, i & 3, xw + 32 * i, xf + 8 * i, xf + 8 * i + 4);
+        want[i] = q4_kp_shifted(r, i & 3, xw + 32 * i, xf + 8 * i, xf + 8 * i + 4);
+    }
+}
+
 template <class T, bool EXACT> void run(const u8* w, i64 nb, float* out) {
     for (i64 blk = 0; blk < nb; ++blk)
         for (int unit = 0; unit < T::UNITS; ++unit) {
@@ -161,6 +186,28 @@ def test_integer_dot_products(decoders, qtype):
     )
     scale = np.abs(gguf.quants.dequantize(data, qtype).reshape(rows, cols)).astype(np.float64) @ np.abs(x)
     assert np.all(np.abs(got - want) <= 1e-4 * scale), (got, want)
+
+
+def test_q4_k_dot_with_high_nibbles_in_place(decoders):
+    """TQ4_KP::dot (the decode step's Q4_K products) multiplies each byte's high nibble in place, 16 times its value,
+    by unsigned dp2a and takes 1/16 into the scale: the same float32 values, bit for bit, as with the nibbles shifted
+    down, over random blocks, int16 x to the extremes and scales of every magnitude."""
+    rng = np.random.default_rng(16)
+    n = 20000
+    raw = rng.integers(0, 2**32, (n, 12), dtype=np.uint64).astype(np.uint32)
+    raw[:, 0] &= 0x3BFF3BFF  # d and dmin finite f16s, under 1
+    xw = rng.integers(0, 2**32, (n, 32), dtype=np.uint64).astype(np.uint32)
+    xw[::3] = (xw[::3] & 0x7FFF7FFF) | 0x80008000  # -32768..-1 in both halves
+    xw[1::3] = np.uint32(0x7FFF7FFF)  # 32767 in both halves
+    xf = (rng.standard_normal((n, 8)) * np.exp2(rng.integers(-30, 30, (n, 8)))).astype(np.float32)
+    got, want = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    decoders.q4_kp_dots(
+        *(ctypes.c_void_p(a.ctypes.data) for a in (raw, xw, xf)),
+        ctypes.c_int(n),
+        *(ctypes.c_void_p(a.ctypes.data) for a in (got, want)),
+    )
+    assert np.isfinite(want).all()
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_codebooks_header_is_gguf_py_tables():

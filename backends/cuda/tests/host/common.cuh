@@ -26,6 +26,12 @@ inline int __dp2a_lo(int a, int b, int c) {
 inline int __dp2a_hi(int a, int b, int c) {
     return c + (int)(short)(a & 0xFFFF) * (int)(signed char)((b >> 16) & 0xFF) + (int)(short)(a >> 16) * (int)(signed char)((b >> 24) & 0xFF);
 }
+inline int dp2a_lo_su(u32 a, u32 b, int c) {
+    return c + (int)(short)(a & 0xFFFF) * (int)(b & 0xFF) + (int)(short)(a >> 16) * (int)((b >> 8) & 0xFF);
+}
+inline int dp2a_hi_su(u32 a, u32 b, int c) {
+    return c + (int)(short)(a & 0xFFFF) * (int)((b >> 16) & 0xFF) + (int)(short)(a >> 16) * (int)(b >> 24);
+}
 inline u32 __vsub4(u32 a, u32 b) {
     u32 r = 0;
     for (int i = 0; i < 4; ++i) r |= (((a >> (8 * i)) - (b >> (8 * i))) & 0xFF) << (8 * i);

@@ -30,6 +30,19 @@ __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
     return r;
 }
 
+// dp2a with a's two int16 signed and b's four bytes unsigned (0..255; __dp2a_lo/__dp2a_hi take both signed or both
+// unsigned): c + a.lo * b.byte0 + a.hi * b.byte1 (lo), or with bytes 2 and 3 (hi).
+__device__ __forceinline__ int dp2a_lo_su(u32 a, u32 b, int c) {
+    int d;
+    asm("dp2a.lo.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ int dp2a_hi_su(u32 a, u32 b, int c) {
+    int d;
+    asm("dp2a.hi.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
 // Byte k of `word` as a float, exactly, without an int-to-float conversion (those run at a quarter
