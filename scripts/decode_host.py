@@ -5,7 +5,7 @@ logits' download by ``to_host``, and the same download into page-locked memory a
 ``leat bench``'s tg loop runs it (``run`` and ``to_host`` a token) and back to back without downloads (the GPU's
 step alone).
 
-    python scripts/decode_host.py MODEL.gguf [--position 128] [--reps 200] [--rounds 3]
+    python scripts/decode_host.py MODEL.gguf [--position 128] [--context N] [--reps 200] [--rounds 3]
 
 A token's time over the back-to-back step is the host's share: the enqueue, the download, and whatever of them
 the device does not overlap. Needs a GPU.
@@ -28,7 +28,7 @@ def main() -> None:
     ap = step_arguments(__doc__, rounds=3)
     ap.set_defaults(reps=200)
     args = ap.parse_args()
-    backend, arch, batch, kv = one_token_step(args.model, args.position)
+    backend, arch, batch, kv = one_token_step(args.model, args.position, args.context)
     cu = driver._cu()
 
     def run():

@@ -3,7 +3,7 @@
 it is, then with every launch of one kind left out (its launcher made a no-op before the graph is captured), and
 with only the products (``gemv_q``) left in.
 
-    python scripts/decode_parts.py MODEL.gguf [--position 128] [--reps 50] [--rounds 3]
+    python scripts/decode_parts.py MODEL.gguf [--position 128] [--context N] [--reps 50] [--rounds 3]
 
 A kind is a kernel's name up to its template arguments (``attention`` is not ``attention_combine``). The step's
 values are wrong once a kernel is left out, so this is for dense files only (a MoE step's routing would read
@@ -23,7 +23,7 @@ from leat_backend_cuda.bench import one_token_step, step_arguments, step_ms
 def main() -> None:
     ap = step_arguments(__doc__, rounds=3)
     args = ap.parse_args()
-    backend, arch, batch, kv = one_token_step(args.model, args.position)
+    backend, arch, batch, kv = one_token_step(args.model, args.position, args.context)
 
     launch = driver.Kernel.__call__
     launched: Counter[str] = Counter()

@@ -3,7 +3,7 @@
 (its mode, rows and row length), every (rows a warp, units in flight, pipelined or not) tried while the others keep
 ``quants.gemv_q_shape``'s choice, then the best of each together.
 
-    python scripts/decode_shapes.py MODEL.gguf [--position 128] [--reps 50] [--rounds 2] [--pipelined] [--rows N...]
+    python scripts/decode_shapes.py MODEL.gguf [--position 128] [--context N] [--reps 50] [--rounds 2] [--pipelined] [--rows N...]
 
 A kind is (mode, rows, cols) as ``_gemv_q`` passes them to the shape rule: mode 1 has the RMS norm inside, 2 the
 gated unit (3: both); rows is the sum over the launch's segments (q, k and v together). A step is graph-replayed
@@ -52,7 +52,7 @@ def main() -> None:
         return chosen.get(key, seen[key])
 
     quants.gemv_q_shape = rule
-    backend, arch, batch, kv = one_token_step(args.model, args.position)
+    backend, arch, batch, kv = one_token_step(args.model, args.position, args.context)
 
     def step() -> float:
         return statistics.median(step_ms(backend, arch.forward, batch, kv, args.reps) for _ in range(args.rounds))

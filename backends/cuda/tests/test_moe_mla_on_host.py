@@ -416,9 +416,13 @@ def test_rms_norm_f16_equals_rms_norm_then_x_to_f16(ops_kernels, weighted, threa
 
 
 @pytest.mark.parametrize("wide", [0, 1])
-@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("splits", [1, 2, 4])
 @pytest.mark.parametrize("window", [0, 5])
 def test_attention_sinks(ops_kernels, wide, splits, window):
+    """attention (a decode step's) and attention_wide (a prefill's) over 11 positions, windowed or not, with sinks,
+    whole or split: attention_wide's splits cut the positions at multiples of its split; attention cuts each token's
+    own range (window included) into `splits` parts rounded up to its `keys` (4 splits of 2 keys: the 11th token's 11
+    keys in parts of 4, the 3rd's 3 keys in parts of 2, the windowed ones from their window's start)."""
     rng = np.random.default_rng(wide + 2 * splits + window)
     heads, kv_heads, dim, n, page_size = 6, 2, 16, 11, 4
     cpu = CPUBackend("f64")
@@ -451,7 +455,7 @@ def test_attention_sinks(ops_kernels, wide, splits, window):
         table.shape[1],
         page_size,
         window,
-        64 if splits == 1 else 8,
+        -(-n // splits) if wide else {1: 64, 2: 8, 4: 2}[splits],  # attention_wide's split, attention's keys
         splits,
         ctypes.c_float(0.4),
         ptr(sinks),

@@ -243,6 +243,38 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, qtype):
     backend.to_host(out)
 
 
+def test_decode_attention_cuts_each_tokens_range_not_the_launchs(fake, tmp_path, monkeypatch):
+    """A captured one-token step's attention is launched with as many splits as the cache's whole context calls for
+    (the graph replays at every depth), so the kernel must cut each token's own range: it gets ATTENTION_SPLIT_KEYS,
+    the unit a split's keys are rounded to, not the launch's split (which would leave a token near the start of a long
+    cache to the first split alone); a prefill's attention_wide still gets the split of its span."""
+    from leat_backend_cuda.backend import ATTENTION_SPLIT_KEYS
+
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=1, context=8192, dtype="f32")
+    launch, seen = driver.Kernel.__call__, []
+
+    def call(self, grid, block, *args, **kw):
+        if self.name.split("<")[0] in ("attention", "attention_wide"):  # (..., window, split or keys, scale, ...)
+            seen.append((self.name.split("<")[0], grid[2], args[-4]))
+        return launch(self, grid, block, *args, **kw)
+
+    monkeypatch.setattr(driver.Kernel, "__call__", call)
+    model.forward(Batch([Row(0, 0, np.arange(100) % 300)]), kv)  # a prefill of 100 tokens, eagerly
+    wide = [s for s in seen if s[0] == "attention_wide"]
+    assert wide and {(z, split) for _, z, split in wide} == {(2, 64)}  # its 100 positions in two splits of 64
+    seen.clear()
+    backend.run(model.forward, Batch([Row(0, 100, np.array([5]))]), kv)  # captured for the cache's 8,192 positions
+    assert not backend.graph_failures
+    decode = [s for s in seen if s[0] == "attention"]
+    assert len(decode) == 2 * model.params.layers  # the eager pass before the capture, then the capture
+    # 2 KV heads: 132 splits would make two blocks a multiprocessor; 8,192 positions in 132 splits, rounded up to a
+    # multiple of 32, is 128 splits of 64 (the launch's split, which the kernel no longer takes)
+    assert {(z, keys) for _, z, keys in decode} == {(128, ATTENTION_SPLIT_KEYS)}, decode
+
+
 def test_steps_with_prefill_chunks_replay_a_graph(fake, tmp_path):
     """A step that carries a prompt's chunk beside decode rows is captured once per (tokens, logits) bucket and
     replayed after; a chunk deep into a long prompt runs eagerly (its tile-wise attention is cheaper)."""

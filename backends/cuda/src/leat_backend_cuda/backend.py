@@ -89,7 +89,9 @@ ROPE_KV_MAX_DIM = 512  # head dimensions rope_kv_write holds (a k head in shared
 GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
 #: positions of a decode step's attention split are a multiple of this (a block's 4 warps take 32 per step): at short
 #: contexts more splits, so more blocks (H200, device time of 128 one-token steps, 32 against 64: the 12-layer
-#: qwen3moe file 1,227 against 1,190 tok/s; the 8B file 371.7 against 362.9, at depth 512 351.8 against 347.8)
+#: qwen3moe file 1,227 against 1,190 tok/s; the 8B file 371.7 against 362.9, at depth 512 351.8 against 347.8). The
+#: decode kernel cuts each token's own range by it (H100, the 8B file in a cache of 8,192 positions, a step at
+#: position 128: 2.874 ms against 3.239 when a graph's split, sized for the whole cache, left it to one split)
 ATTENTION_SPLIT_KEYS = 32
 # KV storage: (the kernels' KV type, the element). q8_0 keeps GGUF's Q8_0 blocks (an f16 scale and 32 int8
 # along the head dimension) split into two allocations per layer and kind: the quants laid out as a float
@@ -1201,7 +1203,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
             per_slot,
             kv.page_size,
             window,
-            split,
+            split if variant == "attention_wide" else keys,  # attention cuts each token's own range
             float(scale),
             float(softcap),
             sinks,

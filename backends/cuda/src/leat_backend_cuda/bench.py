@@ -34,22 +34,25 @@ def architecture(file: ModelFile, ref: str | None):
     return architecture_class(file)
 
 
-def one_token_step(path: str, position: int) -> tuple[CUDABackend, Any, Batch, Any]:
-    """A CUDA backend with the file at ``path`` loaded (its architecture), a one-slot f16 cache and a one-token batch
-    at ``position``: what the decode-step scripts (``scripts/decode_shapes.py``, ``decode_parts.py``) time."""
+def one_token_step(path: str, position: int, context: int | None = None) -> tuple[CUDABackend, Any, Batch, Any]:
+    """A CUDA backend with the file at ``path`` loaded (its architecture), a one-slot f16 cache of ``context``
+    positions (default ``position`` + 64; a server's cache is longer) and a one-token batch at ``position``: what
+    the decode-step scripts (``scripts/decode_shapes.py``, ``decode_parts.py``) time."""
     file = ModelFile(path)
     backend = CUDABackend()
     arch = architecture(file, None)(file, backend)
-    kv = backend.allocate_kv(arch.kv_layouts(arch.params), 1, position + 64, dtype="f16")
+    kv = backend.allocate_kv(arch.kv_layouts(arch.params), 1, context or position + 64, dtype="f16")
     token = np.random.default_rng(0).integers(0, arch.vocab_size, 1)
     return backend, arch, Batch([Row(0, position, token)]), kv
 
 
 def step_arguments(description: str | None, rounds: int) -> argparse.ArgumentParser:
-    """The decode-step scripts' arguments (MODEL, --position, --reps, --rounds), for :func:`one_token_step`."""
+    """The decode-step scripts' arguments (MODEL, --position, --context, --reps, --rounds), for
+    :func:`one_token_step`."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--position", type=int, default=128)
+    ap.add_argument("--context", type=int, help="the cache's positions (default: the position + 64)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=rounds)
     return ap

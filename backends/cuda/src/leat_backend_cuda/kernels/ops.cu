@@ -201,7 +201,11 @@ __global__ void rope_kv_write(const float* __restrict__ q, const float* __restri
 
 // Causal (optionally windowed, soft-capped) attention of each token's query heads over its slot's
 // cached positions, grouped-query: a block serves one token, one KV head and up to GB of the query
-// heads that share it, over positions [z * split, (z + 1) * split) of its range (grid.z = splits).
+// heads that share it, over split z of the token's own range (grid.z = splits): the range cut into
+// splits of equal length, rounded up to a multiple of `keys`. So a token near the start of a long
+// cache spreads its few keys over the splits as one deep in it does (a graph's launch is sized for
+// the cache's whole context, a batch's for its deepest token: cut by those, a short range would fall
+// to the first split alone).
 // Its 4 warps take turns over runs of 8 positions; a lane holds dims lane, lane + 32, ... (DL of them) of q,
 // k, v and the output; online softmax per head in float32. With one split the normalized output
 // is written; with several, (max, sum) and the unnormalized sums go to `part_*` for
@@ -212,14 +216,15 @@ __global__ void __launch_bounds__(128) attention(
     const u16* __restrict__ vs, const int* __restrict__ page_table,
     const int* __restrict__ tok_slot, const int* __restrict__ tok_pos, float* __restrict__ out,
     float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int kv_heads, int dk, int dv,
-    int pages_per_slot, int page_size, int window, int split, float scale, float softcap,
+    int pages_per_slot, int page_size, int window, int keys, float scale, float softcap,
     const float* __restrict__ sinks) {
     const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
     const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int slot = tok_slot[t], pos = tok_pos[t];
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
-    const int begin = max(lo, z * split), end = slot < 0 ? 0 : min(pos + 1, (z + 1) * split);
+    const int split = ((pos + 1 - lo + nsplit - 1) / nsplit + keys - 1) / keys * keys;
+    const int begin = lo + z * split, end = slot < 0 ? 0 : min(pos + 1, begin + split);
 
     float qv[GB][DL], m[GB], l[GB], acc[GB][DL];
 #pragma unroll
