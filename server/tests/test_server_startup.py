@@ -1,12 +1,14 @@
 """`leat serve` says when it is ready and where its start-up time went, in one process and with API processes."""
 
 import http.server
+import os
 import re
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -92,6 +94,41 @@ def test_a_port_taken_before_the_server_binds_it_is_given_up_for_another(model_p
     finally:
         other.shutdown()
         other.server_close()
+
+
+def test_listens_tells_a_process_own_port_from_anothers_while_its_fds_change(monkeypatch):
+    """_listens (ServerProcess's check that the server answering /health is the one it started) says True for a port
+    this process listens on and False for one another process listens on, also while fds close under it (a starting
+    server's do; an fd gone between the listing and its readlink once made it answer True for anything), and False
+    for a process that is gone."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("no /proc")
+    listen = "import socket, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()"
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"{listen}; print(s.getsockname()[1], flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        theirs = int(child.stdout.readline())
+        with socket.socket() as own:
+            own.bind(("127.0.0.1", 0))
+            own.listen()
+            mine = own.getsockname()[1]
+            assert testing._listens(os.getpid(), mine) and not testing._listens(os.getpid(), theirs)
+            readlink, fds = os.readlink, sorted(os.listdir("/proc/self/fd"), key=int)
+
+            def closing(path, *args, **kwargs):  # the first two fds closed after the listing
+                if path.rsplit("/", 1)[-1] in fds[:2]:
+                    raise FileNotFoundError(path)
+                return readlink(path, *args, **kwargs)
+
+            monkeypatch.setattr(os, "readlink", closing)
+            assert testing._listens(os.getpid(), mine) and not testing._listens(os.getpid(), theirs)
+    finally:
+        child.kill()
+        child.wait()
+    assert not testing._listens(child.pid, theirs)
 
 
 def test_a_port_in_use_is_a_clear_error_before_the_model_loads(model_path):

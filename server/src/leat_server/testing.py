@@ -21,9 +21,23 @@ def greedy_text(model: str | Path, prompt: str | list[int], max_tokens: int) -> 
 
 
 def _listens(pid: int, port: int) -> bool:
-    """Whether process ``pid`` holds the socket listening on ``port`` (from /proc: True where there is none)."""
+    """Whether process ``pid`` holds the socket listening on ``port`` (from /proc: True where there is none; False
+    where the process is gone). A starting server opens and closes files as this reads them: an fd closed between
+    the listing and its readlink is skipped, not taken for "no /proc" (which let another process's server on the
+    port pass for this one's)."""
+    if not os.path.isdir("/proc/self/fd"):
+        return True
     try:
-        held = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    held = set()
+    for fd in fds:
+        try:
+            held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue  # closed meanwhile
+    try:
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
             with open(table) as f:
                 rows = [line.split() for line in f.readlines()[1:]]
