@@ -915,6 +915,8 @@ def test_whole_moe_layer(kernels, spec):
 
 @pytest.mark.parametrize("window", [0, 4])
 def test_mla_attention(kernels, window):
+    """Latent attention over 13 positions, windowed or not: whole, and each token's own range (from its window's
+    start) cut into 2 splits of multiples of 8 keys and 4 of multiples of 2 (the last's 13 keys in parts of 4)."""
     rng = np.random.default_rng(5 + window)
     heads, rank, rope, n, page_size = 5, 32, 8, 13, 4
     cpu = CPUBackend("f64")
@@ -927,7 +929,7 @@ def test_mla_attention(kernels, window):
     cache = np.full(4 * page_size * (rank + rope), np.nan, np.float32)
     table = np.ascontiguousarray(kv.page_table, np.int32)
     slots, pos = np.zeros(n, np.int32), np.arange(n, dtype=np.int32)
-    for splits, split in ((1, 64), (2, 8)):
+    for splits, split in ((1, 64), (2, 8), (4, 2)):
         out = np.full((n, heads, rank), np.nan, np.float32)
         ml, acc = np.zeros(n * heads * splits * 2, np.float32), np.zeros(n * heads * splits * rank, np.float32)
         kernels.mla(

@@ -98,3 +98,29 @@ def test_forward_prefill_decode_and_graph(fake, tmp_path, name):
     backend.run(model.forward, wide, kv)
     assert not backend.graph_failures and len(fake.captured) == 2
     assert any(grouped in f for f in fake.captured[1]) and "moe_group" in fake.captured[1]
+
+
+def test_latent_decode_attention_cuts_each_tokens_range(fake, tmp_path, monkeypatch):
+    """As the GQA kernel (test_plumbing's test_decode_attention_cuts_each_tokens_range_not_the_launchs): a captured
+    one-token step over a 32,768-position latent cache launches mla_attention with 256 splits (two blocks a
+    multiprocessor, rounded to splits of 128) and passes it MLA_SPLIT_KEYS, the unit it cuts each token's own range
+    by, not the launch's 128."""
+    from leat_backend_cuda.backend import CUDABackend
+    from leat_backend_cuda.mla import MLA_SPLIT_KEYS
+
+    cls, overrides, _ = architectures()["deepseek2-lite"]
+    path = write_tiny_gguf(cls, tmp_path / "ds.gguf", Q.Q8_0, params=cls.tiny(**overrides))
+    backend = CUDABackend()
+    model = cls(ModelFile(path), backend)
+    kv = backend.allocate_kv(cls.kv_layouts(model.params), slots=1, context=32768, dtype="f16")
+    launch, seen = driver.Kernel.__call__, []
+
+    def call(self, grid, block, *args, **kw):
+        if self.name.startswith("mla_attention"):  # (..., window, keys, scale)
+            seen.append((grid[2], args[-2]))
+        return launch(self, grid, block, *args, **kw)
+
+    monkeypatch.setattr(driver.Kernel, "__call__", call)
+    backend.run(model.forward, Batch([Row(0, 100, np.array([5]))]), kv)
+    assert not backend.graph_failures and len(seen) == 2 * model.params.layers  # the eager pass, then the capture
+    assert set(seen) == {(256, MLA_SPLIT_KEYS)}, seen

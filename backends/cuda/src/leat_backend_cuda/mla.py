@@ -20,6 +20,7 @@ from leat_backend_cuda.driver import DeviceArray, Module
 from leat_backend_cuda.moe import _ready
 
 MLA_HEADS = 4  # query heads per block (the GB template argument)
+MLA_SPLIT_KEYS = 64  # a decode split's positions are a multiple of this; the kernel cuts each token's range by it
 MLA_LANES = (1, 2, 4, 8, 12, 18)  # dims per lane instantiated (DL): up to 576 = DeepSeek's 512 + 64
 KV_TYPES = {"f32": "float", "f16": "u16", "q8_0": "i8"}  # q8_0: quants and scale planes as backend.KV_DTYPES
 MLA_KERNELS = (
@@ -81,10 +82,11 @@ class LatentAttentionOps:
             lengths = [len(r.tokens) for r in batch.rows]
             slots = self._ints(np.repeat([-1 if g else r.slot for r, g in zip(batch.rows, long)], lengths))
         chunks = -(-heads // MLA_HEADS)
-        # about two blocks per multiprocessor, splits of at least 64 positions (as the GQA kernels)
-        splits = max(1, min(-(-2 * self.device.sm_count // (n * chunks)), -(-span // 64)))
+        # about two blocks per multiprocessor, splits of at least MLA_SPLIT_KEYS positions (as the GQA kernels); the
+        # kernel cuts each token's own range into them (a graph's launch is sized for the cache's whole context)
+        splits = max(1, min(-(-2 * self.device.sm_count // (n * chunks)), -(-span // MLA_SPLIT_KEYS)))
         split = -(-span // splits)
-        split = -(-split // 64) * 64
+        split = -(-split // MLA_SPLIT_KEYS) * MLA_SPLIT_KEYS
         splits = -(-span // split)
         out = self._empty((n, heads, rank))
         parts = (
@@ -110,7 +112,7 @@ class LatentAttentionOps:
             per_slot,
             kv.page_size,
             layout.window or 0,
-            split,
+            MLA_SPLIT_KEYS,
             float(scale),
         )
         if splits > 1:

@@ -20,8 +20,9 @@ __global__ void mla_kv_write(const float* __restrict__ latent, const float* __re
 }
 
 // Causal (optionally windowed) attention of query heads [q_latent, q_rope] over the cached keys, as
-// ops.cu's attention with one KV head: a block serves one token and GB heads over positions
-// [z * split, (z + 1) * split) (grid (n, ceil(heads / GB), splits)); its 4 warps take turns over the
+// ops.cu's attention with one KV head: a block serves one token and GB heads over split z of the
+// token's own range, cut as attention cuts it (grid (n, ceil(heads / GB), splits); each split's
+// length a multiple of `keys`); its 4 warps take turns over the
 // keys, KB at a time; a lane holds dims lane, lane + 32, ... (DL of them, covering rank + rope) of q
 // and the key, and of the output where they are below `rank`. Online softmax in float32; one split
 // writes the normalized output [n, heads, rank], several write (max, sum) and the unnormalized sums
@@ -31,12 +32,13 @@ __global__ void __launch_bounds__(128) mla_attention(
     const float* __restrict__ q_latent, const float* __restrict__ q_rope, const KV* __restrict__ kc,
     const u16* __restrict__ ks, const int* __restrict__ page_table, const int* __restrict__ tok_slot, const int* __restrict__ tok_pos,
     float* __restrict__ out, float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int rank, int rope,
-    int pages_per_slot, int page_size, int window, int split, float scale) {
+    int pages_per_slot, int page_size, int window, int keys, float scale) {
     const int t = blockIdx.x, h0 = blockIdx.y * GB, z = blockIdx.z, nsplit = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, dk = rank + rope;
     const int slot = tok_slot[t], pos = tok_pos[t];
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
-    const int begin = max(lo, z * split), end = slot < 0 ? 0 : min(pos + 1, (z + 1) * split);
+    const int split = ((pos + 1 - lo + nsplit - 1) / nsplit + keys - 1) / keys * keys;
+    const int begin = lo + z * split, end = slot < 0 ? 0 : min(pos + 1, begin + split);
 
     float qv[GB][DL], m[GB], l[GB], acc[GB][DL];
 #pragma unroll
