@@ -3,7 +3,7 @@
 decode speed (``leat bench`` beside ``llama-bench``) and batched decode (``leat bench --concurrency`` beside
 ``llama-batched-bench``'s S_TG), each pair with its ratio.
 
-    python scripts/vs_llamacpp.py FILE --llama-bin DIR [--backend cuda] [--pp 512] [--tg 128] [--reps 2]
+    python scripts/vs_llamacpp.py FILE --llama-bin DIR [--backend cuda] [--pp 512] [--tg 128] [--depth 0] [--reps 2]
         [--concurrency 8,16,32,64] [--batch-prompt 128] [--rounds 1] [--json OUT]
 
 DIR holds llama.cpp's ``llama-bench`` and ``llama-batched-bench`` (not part of leat: build them from llama.cpp's
@@ -12,7 +12,8 @@ llama-bench llama-batched-bench``). Each round runs leat's tests and then llama.
 f16 KV on both sides; llama.cpp with every layer on the GPU and flash attention (``-ngl 99 -fa 1`` for llama-bench,
 ``-ngl 99 -fa on`` for llama-batched-bench, which spell it differently) unless ``--bench-args`` and ``--batched-args``
 say otherwise (``--backend cpu``: ``-ngl 0``); batched decode after prompts of ``--batch-prompt``
-tokens on both sides (``leat bench --batch-prompt``, ``llama-batched-bench -npp``), ``--tg`` tokens a sequence. The
+tokens on both sides (``leat bench --batch-prompt``, ``llama-batched-bench -npp``), ``--tg`` tokens a sequence;
+with ``--depth D``, pp and tg after D positions of context on both sides (``-d D``: ``pp512 @ dD``). The
 table's leat figures are ``leat bench``'s means over ``--reps`` runs, llama-bench's its ``avg_ts``, and
 llama-batched-bench's the S_TG of its one run a sequence count. leat's batched figure counts the generated tokens
 over the whole run, its prompts' prefill included, where S_TG leaves llama.cpp's prompt processing out: each batched
@@ -73,7 +74,8 @@ def pairs(leat: list[dict], bench: list[dict], batched: list[dict]) -> list[dict
     theirs: dict[str, float] = {}
     for row in bench:
         name = f"pp{row['n_prompt']}" if row["n_prompt"] and not row["n_gen"] else f"tg{row['n_gen']}"
-        theirs[name] = row["avg_ts"]
+        depth = row.get("n_depth", 0)  # llama-bench -d's rows, named as leat bench -d names its
+        theirs[name + (f" @ d{depth}" if depth else "")] = row["avg_ts"]
     sequences = {row["pl"]: row for row in batched}
     out = []
     for row in leat:
@@ -132,6 +134,7 @@ def main() -> None:
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=0, help="positions of context pp and tg run after (-d on both sides)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--concurrency", default="8,16,32,64", help="sequence counts of batched decode ('' for none)")
     ap.add_argument("--batch-prompt", type=int, default=128, help="prompt tokens of each sequence in batched decode")
@@ -148,8 +151,10 @@ def main() -> None:
     report: dict = {"model": args.model, "backend": args.backend, "leat": leat_version(), "rounds": []}
     for index in range(args.rounds):
         tests = ["-p", str(args.pp), "-n", str(args.tg), "-r", str(args.reps), "--batch-prompt", str(args.batch_prompt)]
-        leat = leat_rows(args.model, args.backend, [*tests, "--concurrency", ",".join(map(str, counts))])
-        bench = llama_bench(args.llama_bin / "llama-bench", args.model, args.pp, args.tg, args.reps, bench_extra)
+        depth = ["-d", str(args.depth)] if args.depth else []
+        leat = leat_rows(args.model, args.backend, [*tests, *depth, "--concurrency", ",".join(map(str, counts))])
+        bench_binary = args.llama_bin / "llama-bench"
+        bench = llama_bench(bench_binary, args.model, args.pp, args.tg, args.reps, [*bench_extra, *depth])
         batched = []
         if counts:
             batched_binary = args.llama_bin / "llama-batched-bench"

@@ -58,6 +58,21 @@ def test_tests_pair_by_name_with_leats_mean_over_llamacpps(script):
     assert table[4] == "| tg4 x2 | 61,302.7 ± 1.0 | 30,651.3 | 2.00x | 14,260.2 | 4.30x |"
 
 
+def test_tests_at_depth_pair_with_llama_benchs_rows_at_that_depth(script):
+    """With --depth, llama-bench's rows carry n_depth and leat bench names its tests ``pp8 @ d16``: they pair by that
+    name, and a depth-0 row of one side does not pair with the other side's row at depth."""
+    bench, batched = _recorded()
+    deep = [dict(row, n_depth=16, avg_ts=row["avg_ts"] / 2) for row in bench]
+    leat = [
+        {"test": "pp8 @ d16", "tokens_per_second": 1000.0, "stdev": 5.0},
+        {"test": "tg4 @ d16", "tokens_per_second": 919.3021197, "stdev": 0.0},
+        {"test": "tg4", "tokens_per_second": 1.0, "stdev": 0.0},  # llama.cpp ran tg4 only at depth 16: no row
+    ]
+    rows = script.pairs(leat, deep, batched)
+    assert [r["test"] for r in rows] == ["pp8 @ d16", "tg4 @ d16"]
+    assert [r["llama.cpp"] for r in rows] == [58041.835094 / 2, 18386.042394 / 2]
+
+
 def test_batched_decode_after_longer_prompts_pairs_too(script):
     """The script's default --batch-prompt 128: leat names the test ``pp128+tg4 x2``, llama-batched-bench's line
     says pp 128; the two are one row (they were not, and the table lost every batched figure)."""

@@ -96,3 +96,39 @@ def test_bench_speculative_table(tmp_path):
     assert lines[2].split("|")[5].strip() == "code tg16" and lines[2].split("|")[-2].strip() == "yes"
     bad = CliRunner().invoke(cli, args[:-1] + ["poem", "--backend", "cpu"])
     assert bad.exit_code == 2 and "choose from quote, code, story" in bad.output
+
+
+def test_bench_at_depth(tmp_path, monkeypatch):
+    """``-d`` runs each pp and tg test after that many positions of context, as llama-bench's: rows ``pp8 @ d24`` and
+    ``tg4 @ d24`` with ``n_depth``; the depth is prefilled once per test (untimed), the timed tokens go at positions
+    24 and on. The batched tests run once, at depth 0. A depth past the model's context is a clear error."""
+    from leat_arch_llama.llama import Llama
+    from leat_backend_cpu.backend import CPUBackend
+
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf")
+    starts: list[tuple[int, int]] = []
+    run = CPUBackend.run
+
+    def recorded(self, forward, batch, kv):
+        starts.extend((row.start, len(row.tokens)) for row in batch.rows)
+        return run(self, forward, batch, kv)
+
+    monkeypatch.setattr(CPUBackend, "run", recorded)
+    args = ["bench", str(path), "-p", "8", "-n", "4", "-d", "0,24", "--concurrency", "2", "-r", "2", "--json"]
+    result = CliRunner().invoke(cli, [*args, "--backend", "cpu"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [(row["test"], row["n_depth"]) for row in rows] == [
+        ("pp8", 0),
+        ("tg4", 0),
+        ("pp8 @ d24", 24),
+        ("tg4 @ d24", 24),
+        ("tg4 x2", 0),
+    ]
+    assert all(row["tokens_per_second"] > 0 for row in rows)
+    # pp8 (3 runs: a warm-up and 2), tg4 (3 x 4 steps), then the depth's prefill once for each test at depth 24
+    assert starts[:15] == [(0, 8)] * 3 + [(p, 1) for _ in range(3) for p in range(4)]
+    assert starts[15:19] == [(0, 24), (24, 8), (24, 8), (24, 8)]
+    assert starts[19:32] == [(0, 24)] + [(24 + p, 1) for _ in range(3) for p in range(4)]
+    long = CliRunner().invoke(cli, ["bench", str(path), "-p", "8", "-n", "0", "-d", "250", "--backend", "cpu"])
+    assert "at depth 250 reaches 258: past the context of 256" in str(long.exception)  # main() says it

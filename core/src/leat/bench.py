@@ -14,6 +14,7 @@ standard deviation over the repetitions, like llama-bench's ``t/s`` column.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import statistics
 import time
@@ -53,14 +54,27 @@ def _tokens(model: Any, n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, model.architecture.vocab_size, n, dtype=np.int64)
 
 
-def prefill(model: Any, n: int, kv: str = "f16") -> Callable[[], int]:
+def _cache(model: Any, n: int, kv: str, depth: int) -> Any:
+    """A one-slot cache of ``depth + n`` positions, its first ``depth`` prefilled here (untimed, once: each run writes
+    only the positions after them): the context a test runs after, as llama-bench's ``-d``."""
+    cache = model.new_kv(depth + n, dtype=kv)
+    context = _tokens(model, depth, seed=1)
+    for start in range(0, depth, PREFILL_CHUNK):
+        out = model.backend.run(
+            model.architecture.forward, Batch([Row(0, start, context[start : start + PREFILL_CHUNK])]), cache
+        )
+        model.backend.to_host(out)
+    return cache
+
+
+def prefill(model: Any, n: int, kv: str = "f16", depth: int = 0) -> Callable[[], int]:
     ids = _tokens(model, n)
-    kv = model.new_kv(n, dtype=kv)  # one cache for every run, as llama-bench keeps its context: each run overwrites it
+    cache = _cache(model, n, kv, depth)  # one for every run, as llama-bench keeps its context: each run overwrites it
 
     def run() -> int:
         for start in range(0, n, PREFILL_CHUNK):
             out = model.backend.run(
-                model.architecture.forward, Batch([Row(0, start, ids[start : start + PREFILL_CHUNK])]), kv
+                model.architecture.forward, Batch([Row(0, depth + start, ids[start : start + PREFILL_CHUNK])]), cache
             )
         model.backend.to_host(out)
         return n
@@ -68,13 +82,13 @@ def prefill(model: Any, n: int, kv: str = "f16") -> Callable[[], int]:
     return run
 
 
-def decode(model: Any, n: int, kv: str = "f16") -> Callable[[], int]:
+def decode(model: Any, n: int, kv: str = "f16", depth: int = 0) -> Callable[[], int]:
     ids = _tokens(model, n)
-    kv = model.new_kv(n, dtype=kv)
+    cache = _cache(model, n, kv, depth)
 
     def run() -> int:
         for pos in range(n):
-            out = model.backend.run(model.architecture.forward, Batch([Row(0, pos, ids[pos : pos + 1])]), kv)
+            out = model.backend.run(model.architecture.forward, Batch([Row(0, depth + pos, ids[pos : pos + 1])]), cache)
             model.backend.to_host(out)  # each step's logits come back, as a sampler needs them
         return n
 
@@ -272,25 +286,31 @@ def bench(
     batch_prompt: int = 8,
     profile: bool = False,
     progress: Callable[[str], None] | None = None,
+    depths: list[int] | tuple[int, ...] = (0,),
 ) -> list[dict[str, Any]]:
     """One row per test: ``model``, ``size`` (bytes), ``params``, ``backend``, ``precision``, ``test``,
-    ``n_tokens``, ``repetitions``, ``rates`` and ``tokens_per_second`` with ``stdev``, and ``warmup_seconds``
-    (the untimed first run). Batched decode tests give each request a prompt of ``batch_prompt`` tokens; with
-    ``profile`` their rows carry ``profile`` (:func:`profile_summary` of the last repetition). ``progress`` gets a
-    line of text as each test starts and ends."""
+    ``n_tokens``, ``n_depth``, ``repetitions``, ``rates`` and ``tokens_per_second`` with ``stdev``, and
+    ``warmup_seconds`` (the untimed first run). Each prefill and decode test runs after each of ``depths`` positions
+    of context (llama-bench's ``-d``; named ``pp512 @ d4096`` as it names them). Batched decode tests give each
+    request a prompt of ``batch_prompt`` tokens; with ``profile`` their rows carry ``profile`` (:func:`profile_summary`
+    of the last repetition). ``progress`` gets a line of text as each test starts and ends."""
     base = _describe(model, model_name) | {"kv": kv}
-    tests: list[tuple[str, int, Callable[[], int]]] = []
-    tests += [(f"pp{n}", n, prefill(model, n, kv)) for n in prompt if n > 0]
-    tests += [(f"tg{n}", n, decode(model, n, kv)) for n in generate if n > 0]
+    if any(depths) and (longest := max(depths) + max([*prompt, *generate], default=0)) > model.context_length:
+        raise LeatError(f"a test at depth {max(depths)} reaches {longest}: past the context of {model.context_length}")
+    tests: list[tuple[str, int, int, Callable[[], Callable[[], int]]]] = []  # name, tokens, depth, its run's maker
+    for d in depths:
+        at = f" @ d{d}" if d else ""
+        tests += [(f"pp{n}{at}", n, d, functools.partial(prefill, model, n, kv, d)) for n in prompt if n > 0]
+        tests += [(f"tg{n}{at}", n, d, functools.partial(decode, model, n, kv, d)) for n in generate if n > 0]
     tg = max(generate) if generate else 16
     label = f"tg{tg}" if batch_prompt == 8 else f"pp{batch_prompt}+tg{tg}"
-    tests += [
-        (f"{label} x{c}", c * tg, batched_decode(model, c, tg, batch_prompt, kv, profile)) for c in concurrency if c > 0
-    ]
+    batched = functools.partial(batched_decode, model, n=tg, prompt_tokens=batch_prompt, kv=kv, profile=profile)
+    tests += [(f"{label} x{c}", c * tg, 0, functools.partial(batched, c)) for c in concurrency if c > 0]
     rows = []
-    for index, (name, n, run) in enumerate(tests, 1):
+    for index, (name, n, depth, make) in enumerate(tests, 1):
         if progress:
             progress(f"{name} ({index}/{len(tests)}): {repetitions} runs after a warm-up")
+        run = make()  # a test's cache (and its depth's prefill) only while it runs
         try:
             rates, warmup = measure(run, repetitions)
         finally:
@@ -300,6 +320,7 @@ def bench(
             | {
                 "test": name,
                 "n_tokens": n,
+                "n_depth": depth,
                 "repetitions": repetitions,
                 "tokens_per_second": statistics.fmean(rates),
                 "stdev": statistics.stdev(rates) if len(rates) > 1 else 0.0,

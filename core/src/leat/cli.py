@@ -473,6 +473,15 @@ def _workloads(ctx: click.Context, param: click.Parameter, value: str) -> list[s
     help="tokens to decode one at a time (tg N), comma-separated",
 )
 @click.option(
+    "-d",
+    "--n-depth",
+    "depth",
+    default="0",
+    show_default=True,
+    callback=int_list,
+    help="positions of context the pp and tg tests run after (pp N @ dD), comma-separated, as llama-bench's -d",
+)
+@click.option(
     "--concurrency",
     default="1,8",
     show_default=True,
@@ -511,6 +520,7 @@ def bench(
     model_name,
     prompt,
     generate,
+    depth,
     concurrency,
     repetitions,
     workloads,
@@ -558,6 +568,7 @@ def bench(
             batch_prompt,
             profile,
             lambda s: say(f"bench: {s}"),
+            depth or [0],
         )
     click.echo(json.dumps(rows, indent=2) if as_json else render(rows))
 
