@@ -88,6 +88,15 @@ __device__ __forceinline__ void sink_join(float s, float mx, float& sum, float& 
     a *= f;
 }
 
+// A decode attention block's positions [begin, end): split z of `nsplit` over its token's own range [lo, pos], in
+// equal parts rounded up to a multiple of `keys` (empty where the token has no slot). The launch's split count is
+// sized for the batch's deepest token or a graph's whole cache; cutting the token's range keeps a short one spread.
+__device__ __forceinline__ void split_range(int lo, int pos, int slot, int z, int nsplit, int keys, int& begin, int& end) {
+    const int split = ((pos + 1 - lo + nsplit - 1) / nsplit + keys - 1) / keys * keys;
+    begin = lo + z * split;
+    end = slot < 0 ? 0 : min(pos + 1, begin + split);
+}
+
 // The end of an attention block whose 4 warps each ran an online softmax over their share of the keys
 // for GB query heads (m, l: running max and sum; acc: the lane's DL value dims, lane + 32 i): merges
 // the warps' states per head and writes, for the block's first `live` heads, rows th0 + g, g < live, of

@@ -37,8 +37,8 @@ __global__ void __launch_bounds__(128) mla_attention(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, dk = rank + rope;
     const int slot = tok_slot[t], pos = tok_pos[t];
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
-    const int split = ((pos + 1 - lo + nsplit - 1) / nsplit + keys - 1) / keys * keys;
-    const int begin = lo + z * split, end = slot < 0 ? 0 : min(pos + 1, begin + split);
+    int begin, end;
+    split_range(lo, pos, slot, z, nsplit, keys, begin, end);
 
     float qv[GB][DL], m[GB], l[GB], acc[GB][DL];
 #pragma unroll

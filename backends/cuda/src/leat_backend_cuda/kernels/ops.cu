@@ -201,11 +201,8 @@ __global__ void rope_kv_write(const float* __restrict__ q, const float* __restri
 
 // Causal (optionally windowed, soft-capped) attention of each token's query heads over its slot's
 // cached positions, grouped-query: a block serves one token, one KV head and up to GB of the query
-// heads that share it, over split z of the token's own range (grid.z = splits): the range cut into
-// splits of equal length, rounded up to a multiple of `keys`. So a token near the start of a long
-// cache spreads its few keys over the splits as one deep in it does (a graph's launch is sized for
-// the cache's whole context, a batch's for its deepest token: cut by those, a short range would fall
-// to the first split alone).
+// heads that share it, over split z of the token's own range (grid.z = splits; kv.cuh's split_range:
+// equal parts, rounded up to a multiple of `keys`).
 // Its 4 warps take turns over runs of 8 positions; a lane holds dims lane, lane + 32, ... (DL of them) of q,
 // k, v and the output; online softmax per head in float32. With one split the normalized output
 // is written; with several, (max, sum) and the unnormalized sums go to `part_*` for
@@ -223,8 +220,8 @@ __global__ void __launch_bounds__(128) attention(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int slot = tok_slot[t], pos = tok_pos[t];
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
-    const int split = ((pos + 1 - lo + nsplit - 1) / nsplit + keys - 1) / keys * keys;
-    const int begin = lo + z * split, end = slot < 0 ? 0 : min(pos + 1, begin + split);
+    int begin, end;
+    split_range(lo, pos, slot, z, nsplit, keys, begin, end);
 
     float qv[GB][DL], m[GB], l[GB], acc[GB][DL];
 #pragma unroll
