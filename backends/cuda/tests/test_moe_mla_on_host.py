@@ -335,6 +335,32 @@ extern "C" void attend_q8_0(const float* q, const float* k, const float* v, i8* 
     attend_kv<i8>(q, k, v, kc, vc, ks, vs, table, slots, pos, out, ml, acc, n, heads, kv_heads, dim, per_slot, page_size,
                   window, split, splits, scale, nullptr, wide);
 }
+extern "C" void merge_splits(const float* ml, const float* acc, float* out, int rows, int splits, int dv,
+                             const float* sinks, int heads, int threads) {
+    launch({(unsigned)rows, (unsigned)((dv + threads - 1) / threads), 1}, (unsigned)threads,
+           [=] { attention_combine(ml, acc, out, splits, dv, sinks, heads); });
+}
+// The merge a split at a time, one load after another (attention_combine before its loads went out together)
+extern "C" void merge_splits_in_turn(const float* ml, const float* acc, float* out, int rows, int splits, int dv,
+                                     const float* sinks, int heads) {
+    for (int th = 0; th < rows; ++th) {
+        float mx = NEG_INF;
+        for (int z = 0; z < splits; ++z) mx = fmaxf(mx, ml[2 * (th * splits + z)]);
+        for (int d = 0; d < dv; ++d) {
+            float sum = 0.0f, a = 0.0f;
+            for (int z = 0; z < splits; ++z) {
+                const float* m = ml + 2 * (th * splits + z);
+                if (m[1] > 0.0f) {
+                    const float f = expf(m[0] - mx);
+                    sum += m[1] * f;
+                    a += acc[((i64)th * splits + z) * dv + d] * f;
+                }
+            }
+            if (sinks) sink_join(sinks[th % heads], mx, sum, a);
+            out[(i64)th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
+        }
+    }
+}
 extern "C" void top_k(const float* x, float* values, int* ids, int rows, int cols, int k) {
     launch({(unsigned)rows, 1, 1}, 1024, [=] { top_k_rows(x, values, ids, cols, k); });
 }
@@ -462,6 +488,35 @@ def test_attention_sinks(ops_kernels, wide, splits, window):
         wide,
     )
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("splits", "dv", "threads"), [(3, 16, 32), (37, 300, 128), (200, 64, 64)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_attention_combine_equals_the_merge_a_split_at_a_time(ops_kernels, splits, dv, threads, with_sinks):
+    """attention_combine (the splits' weights once a block, its loads COMBINE_AHEAD at a time, a row's values over
+    several blocks) gives the merge a split at a time bit for bit, and the float64 merge within float32 rounding:
+    over split counts past and not a multiple of 16, splits without keys (sum 0) among them, and a row with none."""
+    rng = np.random.default_rng(splits + dv + with_sinks)
+    heads, rows = 3, 6
+    ml = np.stack([rng.standard_normal((rows, splits)) * 4, rng.uniform(0.5, 9.0, (rows, splits))], -1)
+    ml[rng.random((rows, splits)) < 0.3] = (-np.inf, 0.0)  # splits a token's range left empty
+    ml[4] = (-np.inf, 0.0)  # a row whose splits all have no keys (a token with no slot)
+    ml = f32(ml)
+    acc = f32(rng.standard_normal((rows, splits, dv)) * ml[..., 1:])
+    sinks = f32(np.linspace(-2, 3, heads)) if with_sinks else None
+    got, want = (np.full((rows, dv), np.nan, np.float32) for _ in range(2))
+    ops_kernels.merge_splits(ptr(ml), ptr(acc), ptr(got), rows, splits, dv, ptr(sinks), heads, threads)
+    ops_kernels.merge_splits_in_turn(ptr(ml), ptr(acc), ptr(want), rows, splits, dv, ptr(sinks), heads)
+    np.testing.assert_array_equal(got, want)
+    m, l, a = ml[..., 0].astype(np.float64), ml[..., 1].astype(np.float64), acc.astype(np.float64)
+    top = np.where(l > 0, m, -np.inf).max(axis=1)
+    if with_sinks:
+        top = np.maximum(top, sinks[np.arange(rows) % heads])
+    with np.errstate(invalid="ignore"):  # the row without keys: -inf - -inf, not taken
+        f = np.where(l > 0, np.exp(m - top[:, None]), 0.0)
+    total = (l * f).sum(axis=1) + (np.exp(sinks[np.arange(rows) % heads] - top) if with_sinks else 0.0)
+    exact = (a * f[..., None]).sum(axis=1) / np.where(total > 0, total, 1.0)[:, None]
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("wide", [0, 1])

@@ -104,7 +104,7 @@ def test_latent_decode_attention_cuts_each_tokens_range(fake, tmp_path, monkeypa
     """As the GQA kernel (test_plumbing's test_decode_attention_cuts_each_tokens_range_not_the_launchs): a captured
     one-token step over a 32,768-position latent cache launches mla_attention with 256 splits (two blocks a
     multiprocessor, rounded to splits of 128) and passes it MLA_SPLIT_KEYS, the unit it cuts each token's own range
-    by, not the launch's 128."""
+    by, not the launch's 128; attention_combine merges the 256 splits, a block a head and up to 128 latent values."""
     from leat_backend_cuda.backend import CUDABackend
     from leat_backend_cuda.mla import MLA_SPLIT_KEYS
 
@@ -113,14 +113,19 @@ def test_latent_decode_attention_cuts_each_tokens_range(fake, tmp_path, monkeypa
     backend = CUDABackend()
     model = cls(ModelFile(path), backend)
     kv = backend.allocate_kv(cls.kv_layouts(model.params), slots=1, context=32768, dtype="f16")
-    launch, seen = driver.Kernel.__call__, []
+    launch, seen, merged = driver.Kernel.__call__, [], []
 
     def call(self, grid, block, *args, **kw):
         if self.name.startswith("mla_attention"):  # (..., window, keys, scale)
             seen.append((grid[2], args[-2]))
+        if self.name == "attention_combine":  # (part_ml, part_acc, out, nsplit, dv, sinks, heads)
+            merged.append((tuple(grid), block, args[3], args[4]))
         return launch(self, grid, block, *args, **kw)
 
     monkeypatch.setattr(driver.Kernel, "__call__", call)
     backend.run(model.forward, Batch([Row(0, 100, np.array([5]))]), kv)
     assert not backend.graph_failures and len(seen) == 2 * model.params.layers  # the eager pass, then the capture
     assert set(seen) == {(256, MLA_SPLIT_KEYS)}, seen
+    heads, rank = model.params.heads, model.params.kv_rank
+    threads = min(128, -(-rank // 32) * 32)
+    assert set(merged) == {((heads, -(-rank // threads)), threads, 256, rank)}, merged

@@ -93,6 +93,8 @@ GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
 #: decode kernel cuts each token's own range by it (H100, the 8B file in a cache of 8,192 positions, a step at
 #: position 128: 2.874 ms against 3.239 when a graph's split, sized for the whole cache, left it to one split)
 ATTENTION_SPLIT_KEYS = 32
+#: most splits attention_combine merges (its shared memory, COMBINE_MAX_SPLITS in ops.cu), and its threads a block
+COMBINE_MAX_SPLITS, COMBINE_THREADS = 1024, 128
 # KV storage: (the kernels' KV type, the element). q8_0 keeps GGUF's Q8_0 blocks (an f16 scale and 32 int8
 # along the head dimension) split into two allocations per layer and kind: the quants laid out as a float
 # cache would be, and the scales [pages, page_size, kv_heads, dim / 32]. A 34-byte block would leave rows
@@ -1163,13 +1165,8 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
             raise LeatError(f"attention heads of {max(dk, dv)} dimensions exceed the kernel's 256")
         chunks = -(-(heads // kv_heads) // GROUP_HEADS)
         base = n * kv_heads * chunks
-        # about two blocks per multiprocessor (measured: more splits cost more in the combine than they
-        # gain at depth 4096)
         keys = ATTENTION_SPLIT_KEYS
-        splits = max(1, min(-(-2 * self.device.sm_count // base), -(-span // keys)))
-        split = -(-span // splits)
-        split = -(-split // keys) * keys
-        splits = -(-span // split)
+        splits, split = self._decode_splits(base, span, keys)
         out = self._empty((n, heads * dv))
         window = kv.layouts[layer].window or 0
         if splits == 1:
@@ -1209,8 +1206,28 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
             sinks,
         )
         if splits > 1:
-            self.ops["attention_combine"]((n * heads,), _threads(dv), part_ml, part_acc, out, splits, dv, sinks, heads)
+            self.combine(part_ml, part_acc, out, n * heads, splits, dv, sinks, heads)
         return out
+
+    def _decode_splits(self, blocks: int, span: int, keys: int) -> tuple[int, int]:
+        """(splits, positions a split) of a decode attention launch of ``blocks`` blocks a split over ``span``
+        positions: about two blocks a multiprocessor (measured: more splits cost more in the combine than they gained
+        at depth 4096, before the combine's loads went out together), splits a multiple of ``keys`` positions, at most
+        COMBINE_MAX_SPLITS of them. The kernels cut each token's own range into the splits (a graph's launch is sized
+        for the cache's whole context)."""
+        splits = max(1, min(-(-2 * self.device.sm_count // blocks), -(-span // keys), COMBINE_MAX_SPLITS))
+        per_split = -(-span // splits)
+        split = -(-per_split // keys) * keys  # rounded up to a multiple of keys
+        return -(-span // split), split
+
+    def combine(self, part_ml, part_acc, out, rows: int, splits: int, dv: int, sinks, heads: int) -> None:
+        """attention_combine: ``rows`` (token, head) rows of ``dv`` values merged from ``splits`` partial results each
+        (``part_ml``: each split's max and sum; ``part_acc``: its unnormalized values) into ``out``; ``sinks`` a logit a
+        head, or None. A block a row and COMBINE_THREADS of its values."""
+        threads = min(COMBINE_THREADS, _threads(dv))
+        self.ops["attention_combine"](
+            (rows, -(-dv // threads)), threads, part_ml, part_acc, out, splits, dv, sinks, heads
+        )
 
     def _write_kv(self, k, v, kv: KVCache, layer: int, slots, positions, q=None) -> tuple[Any, tuple[str, tuple, int]]:
         """Each token's k and v into ``layer``'s pages, and ``q`` made ready: q, and the KV kernels' element kind, the

@@ -82,12 +82,7 @@ class LatentAttentionOps:
             lengths = [len(r.tokens) for r in batch.rows]
             slots = self._ints(np.repeat([-1 if g else r.slot for r, g in zip(batch.rows, long)], lengths))
         chunks = -(-heads // MLA_HEADS)
-        # about two blocks per multiprocessor, splits of at least MLA_SPLIT_KEYS positions (as the GQA kernels); the
-        # kernel cuts each token's own range into them (a graph's launch is sized for the cache's whole context)
-        splits = max(1, min(-(-2 * self.device.sm_count // (n * chunks)), -(-span // MLA_SPLIT_KEYS)))
-        split = -(-span // splits)
-        split = -(-split // MLA_SPLIT_KEYS) * MLA_SPLIT_KEYS
-        splits = -(-span // split)
+        splits, _ = self._decode_splits(n * chunks, span, MLA_SPLIT_KEYS)
         out = self._empty((n, heads, rank))
         parts = (
             (None, None)
@@ -116,8 +111,7 @@ class LatentAttentionOps:
             float(scale),
         )
         if splits > 1:
-            threads = max(32, min(256, -(-rank // 32) * 32))
-            self.ops["attention_combine"]((n * heads,), threads, *parts, out, splits, rank, None, heads)
+            self.combine(*parts, out, n * heads, splits, rank, None, heads)
         if any(long):
             self._mla_gemm(q_latent, q_rope, kv, layer, batch, long, scale, kind, scales, positions, out)
         return out

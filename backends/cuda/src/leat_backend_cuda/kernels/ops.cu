@@ -387,21 +387,41 @@ __global__ void __launch_bounds__(128) attention_wide(
                             nsplit, sinks, out, part_ml, part_acc);
 }
 
-// Merges the splits of attention: one block per (token, head); `sinks` (or null) as in attention.
-extern "C" __global__ void attention_combine(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
-                                             float* __restrict__ out, int nsplit, int dv,
-                                             const float* __restrict__ sinks, int heads) {
+// Merges the splits of attention: block (th, c) serves (token, head) th and its value dims from c * blockDim.x, on by
+// gridDim.y * blockDim.x; `sinks` (or null) as in attention. The splits' largest max and weights exp(m_z - max) are
+// worked out once a block, a thread a split, into shared memory; then each thread's sums over the splits, in order,
+// with COMBINE_AHEAD of its loads in flight at a time (one split after another, a long cache's merge was a chain of
+// nsplit load latencies: 60 us a layer at 64 splits). The values are the one-split-at-a-time merge's.
+#define COMBINE_MAX_SPLITS 1024
+#define COMBINE_AHEAD 16
+extern "C" __global__ void __launch_bounds__(256) attention_combine(const float* __restrict__ part_ml,
+                                                                    const float* __restrict__ part_acc,
+                                                                    float* __restrict__ out, int nsplit, int dv,
+                                                                    const float* __restrict__ sinks, int heads) {
+    __shared__ float weight[COMBINE_MAX_SPLITS], total[COMBINE_MAX_SPLITS];
     const i64 th = blockIdx.x;
     const float* ml = part_ml + th * nsplit * 2;
-    float mx = NEG_INF;
-    for (int z = 0; z < nsplit; ++z) mx = fmaxf(mx, ml[2 * z]);
-    for (int d = threadIdx.x; d < dv; d += blockDim.x) {
+    float top = NEG_INF;
+    for (int z = threadIdx.x; z < nsplit; z += blockDim.x) top = fmaxf(top, ml[2 * z]);
+    const float mx = block_max(top);
+    for (int z = threadIdx.x; z < nsplit; z += blockDim.x) {
+        total[z] = ml[2 * z + 1];  // a split with no keys has sum 0 and takes no part
+        weight[z] = total[z] > 0.0f ? expf(ml[2 * z] - mx) : 0.0f;
+    }
+    __syncthreads();
+    const float* acc = part_acc + th * nsplit * dv;
+    for (int d = blockIdx.y * blockDim.x + threadIdx.x; d < dv; d += gridDim.y * blockDim.x) {
         float sum = 0.0f, a = 0.0f;
-        for (int z = 0; z < nsplit; ++z) {
-            if (ml[2 * z + 1] > 0.0f) {
-                const float f = expf(ml[2 * z] - mx);
-                sum += ml[2 * z + 1] * f;
-                a += part_acc[(th * nsplit + z) * dv + d] * f;
+        for (int z0 = 0; z0 < nsplit; z0 += COMBINE_AHEAD) {
+            float v[COMBINE_AHEAD];
+#pragma unroll
+            for (int j = 0; j < COMBINE_AHEAD; ++j) v[j] = z0 + j < nsplit ? acc[(i64)(z0 + j) * dv + d] : 0.0f;
+#pragma unroll
+            for (int j = 0; j < COMBINE_AHEAD; ++j) {
+                if (z0 + j < nsplit && total[z0 + j] > 0.0f) {
+                    sum += total[z0 + j] * weight[z0 + j];
+                    a += v[j] * weight[z0 + j];
+                }
             }
         }
         if (sinks) sink_join(sinks[th % heads], mx, sum, a);
