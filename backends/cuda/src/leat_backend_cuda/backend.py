@@ -1206,7 +1206,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
             sinks,
         )
         if splits > 1:
-            self.combine(part_ml, part_acc, out, n * heads, splits, dv, sinks, heads)
+            self._merge_splits(part_ml, part_acc, out, n * heads, splits, dv, sinks, heads)
         return out
 
     def _decode_splits(self, blocks: int, span: int, keys: int) -> tuple[int, int]:
@@ -1220,7 +1220,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         split = -(-per_split // keys) * keys  # rounded up to a multiple of keys
         return -(-span // split), split
 
-    def combine(self, part_ml, part_acc, out, rows: int, splits: int, dv: int, sinks, heads: int) -> None:
+    def _merge_splits(self, part_ml, part_acc, out, rows: int, splits: int, dv: int, sinks, heads: int) -> None:
         """attention_combine: ``rows`` (token, head) rows of ``dv`` values merged from ``splits`` partial results each
         (``part_ml``: each split's max and sum; ``part_acc``: its unnormalized values) into ``out``; ``sinks`` a logit a
         head, or None. A block a row and COMBINE_THREADS of its values."""

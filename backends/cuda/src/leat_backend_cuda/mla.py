@@ -111,7 +111,7 @@ class LatentAttentionOps:
             float(scale),
         )
         if splits > 1:
-            self.combine(*parts, out, n * heads, splits, rank, None, heads)
+            self._merge_splits(*parts, out, n * heads, splits, rank, None, heads)
         if any(long):
             self._mla_gemm(q_latent, q_rope, kv, layer, batch, long, scale, kind, scales, positions, out)
         return out
