@@ -508,14 +508,7 @@ def test_attention_combine_equals_the_merge_a_split_at_a_time(ops_kernels, split
     ops_kernels.merge_splits(ptr(ml), ptr(acc), ptr(got), rows, splits, dv, ptr(sinks), heads, threads)
     ops_kernels.merge_splits_in_turn(ptr(ml), ptr(acc), ptr(want), rows, splits, dv, ptr(sinks), heads)
     np.testing.assert_array_equal(got, want)
-    m, l, a = ml[..., 0].astype(np.float64), ml[..., 1].astype(np.float64), acc.astype(np.float64)
-    top = np.where(l > 0, m, -np.inf).max(axis=1)
-    if with_sinks:
-        top = np.maximum(top, sinks[np.arange(rows) % heads])
-    with np.errstate(invalid="ignore"):  # the row without keys: -inf - -inf, not taken
-        f = np.where(l > 0, np.exp(m - top[:, None]), 0.0)
-    total = (l * f).sum(axis=1) + (np.exp(sinks[np.arange(rows) % heads] - top) if with_sinks else 0.0)
-    exact = (a * f[..., None]).sum(axis=1) / np.where(total > 0, total, 1.0)[:, None]
+    exact = merged_splits(ml, acc, sinks[np.arange(rows) % heads] if with_sinks else None)
     np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-6)
 
 
@@ -601,6 +594,20 @@ def ptr(a):
 
 def f32(x):
     return np.ascontiguousarray(x, np.float32)
+
+
+def merged_splits(ml, acc, sinks=None):
+    """The float64 merge of attention's splits (ops.cu's attention_combine): ``ml`` [rows, splits, 2] each split's max
+    and sum (sum 0: a split without keys, which takes no part), ``acc`` [rows, splits, dv] its unnormalized values,
+    ``sinks`` a logit a row or None."""
+    m, l, a = ml[..., 0].astype(np.float64), ml[..., 1].astype(np.float64), acc.astype(np.float64)
+    top = np.where(l > 0, m, -np.inf).max(axis=1)
+    if sinks is not None:
+        top = np.maximum(top, sinks)
+    with np.errstate(invalid="ignore"):  # a row without keys: -inf - -inf, not taken
+        f = np.where(l > 0, np.exp(m - top[:, None]), 0.0)
+    total = (l * f).sum(axis=1) + (np.exp(sinks - top) if sinks is not None else 0.0)
+    return (a * f[..., None]).sum(axis=1) / np.where(total > 0, total, 1.0)[:, None]
 
 
 SPECS = [
@@ -1010,11 +1017,7 @@ def test_mla_attention(kernels, window):
         if splits == 1:
             np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
         else:  # the partial results merged as ops.cu's attention_combine does
-            ml = ml.reshape(n * heads, splits, 2)
-            acc = acc.reshape(n * heads, splits, rank)
-            top = ml[..., 0].max(axis=1, keepdims=True)
-            f = np.where(ml[..., 1] > 0, np.exp(ml[..., 0] - top), 0.0)
-            merged = (acc * f[..., None]).sum(axis=1) / (ml[..., 1] * f).sum(axis=1)[:, None]
+            merged = merged_splits(ml.reshape(n * heads, splits, 2), acc.reshape(n * heads, splits, rank))
             np.testing.assert_allclose(merged.reshape(n, heads, rank), want, rtol=1e-5, atol=1e-6)
 
 
@@ -1053,11 +1056,7 @@ def test_mla_attention_q8_0(kernels):
         if splits == 1:
             np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
         else:
-            ml = ml.reshape(n * heads, splits, 2)
-            acc = acc.reshape(n * heads, splits, rank)
-            top = ml[..., 0].max(axis=1, keepdims=True)
-            f = np.where(ml[..., 1] > 0, np.exp(ml[..., 0] - top), 0.0)
-            merged = (acc * f[..., None]).sum(axis=1) / (ml[..., 1] * f).sum(axis=1)[:, None]
+            merged = merged_splits(ml.reshape(n * heads, splits, 2), acc.reshape(n * heads, splits, rank))
             np.testing.assert_allclose(merged.reshape(n, heads, rank), want, rtol=1e-5, atol=1e-6)
 
 
