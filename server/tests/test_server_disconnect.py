@@ -18,14 +18,15 @@ from leat.testing import write_tiny_gguf
 from leat_arch_llama.llama import Llama
 from leat_server.testing import ServerProcess
 
-CONTEXT = 2048
-LONG = 1900  # tokens a request would generate if nobody cancelled it: many more steps than a cancel may take
+CONTEXT = 8192
+LONG = 8000  # tokens a request would generate if nobody cancelled it: many more steps than a cancel may take
 SLOTS = 4
 # Steps a disconnect may take to free the pages: the engine reaps a cancelled request at its next step, but it steps
 # ~2,000 times a second here and the server notices a closed socket on another thread (with --api-workers, in another
-# process, the cancel a message after that), so a slack a quarter of LONG: a clean-clone CI run on the 2-core machine
-# under xdist took 202 steps (~0.1 s) for the api-workers' stalled reader; a stream run to its end takes the whole
-# remaining LONG (1,500 steps and more after the requests below are seen running).
+# process, the cancel a message after that), so a slack a quarter of LONG. Clean-clone CI runs on the 2-core machine
+# under xdist have taken 202 steps (~0.1 s, the api-workers' stalled reader) and 1,064 (~0.5 s, an in-process
+# /v1/messages whose event loop waited on the engine thread for the GIL); a request run to its end takes the whole
+# remaining LONG (7,000 steps and more after the requests below are seen running).
 STEPS = LONG // 4
 
 
