@@ -42,6 +42,26 @@ extern "C" void flash(const float* q, const void* kc, const void* vc, const u16*
     run(q, kc, vc, ks, vs, table, slots, pos, tiles, count, out, heads, kv_heads, per_slot, page_size, window, scale,
         softcap, gb);
 }
+template <typename KV, int D>
+void decode_run(const float* q, const void* kc, const void* vc, const u16* ks, const u16* vs, const int* table,
+                const int* slots, const int* pos, int n, float* out, float* ml, float* acc, int heads, int kv_heads,
+                int per_slot, int page_size, int window, int keys, int splits, float scale, float softcap,
+                const float* sinks) {
+    const unsigned chunks = (unsigned)((heads / kv_heads + 15) / 16);
+    launch({(unsigned)n, (unsigned)kv_heads * chunks, (unsigned)splits}, 128, [=] {
+        attention_tc<KV, D>(q, (const KV*)kc, (const KV*)vc, ks, vs, table, slots, pos, splits == 1 ? out : nullptr,
+                            ml, acc, heads, kv_heads, per_slot, page_size, window, keys, scale, softcap, sinks);
+    });
+}
+extern "C" void decode(const float* q, const void* kc, const void* vc, const u16* ks, const u16* vs, const int* table,
+                       const int* slots, const int* pos, int n, float* out, float* ml, float* acc, int heads,
+                       int kv_heads, int per_slot, int page_size, int window, int keys, int splits, float scale,
+                       float softcap, const float* sinks, int q8_0, int dim) {
+    auto run = q8_0 ? (dim == 64 ? decode_run<i8, 64> : decode_run<i8, 128>)
+                    : (dim == 64 ? decode_run<u16, 64> : decode_run<u16, 128>);
+    run(q, kc, vc, ks, vs, table, slots, pos, n, out, ml, acc, heads, kv_heads, per_slot, page_size, window, keys,
+        splits, scale, softcap, sinks);
+}
 """
 
 
@@ -119,3 +139,71 @@ def test_the_check_fails_without_q8_0_scales(kernels):
     want = cpu.attention(q, k, v, kv, 0, Batch([Row(0, 0, np.zeros(20, int), all_logits=True)]), 0.125)
     got = run_flash(kernels, kv, q, step, "q8_0", 4, 2, 64, 0.125, None, 0.0, scales=False)
     assert relative_error(got, want.reshape(got.shape)) > 0.1
+
+
+DECODE_CASES = [(8, 2, 64, None, 0.0, False), (4, 4, 64, 37, 0.0, False), (6, 2, 128, None, 4.0, False)]
+DECODE_CASES += [(40, 2, 128, None, 0.0, False), (8, 2, 64, None, 0.0, True)]
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("heads,kv_heads,dim,window,softcap,sinks", DECODE_CASES)
+def test_decode_attention_on_tensor_cores_against_float64(kernels, dtype, heads, kv_heads, dim, window, softcap, sinks):
+    """attention_tc (decode attention on tensor cores, LEAT_CUDA_ATTENTION_TC=1) for a decode step after two prompts
+    (slot 1's pages out of order): one token of each, and three of slot 1 (a verify step), against the float64
+    attention over the same cache; whole, and cut into 3 splits of multiples of 16 keys and 5 of multiples of 64,
+    merged as attention_combine merges them. Grouped-query heads (40 over 2: blocks of 16, 16 and 8 heads), a window,
+    soft-capping and sinks. f16 queries and probabilities, flash attention's bound; another slot's pages are far off."""
+    rng = np.random.default_rng(80 + dim + heads)
+    cpu = CPUBackend("f64")
+    kv = cpu.allocate_kv([KVLayout(kv_heads, dim, window=window)], 2, 112, page_size=16, dtype=dtype)
+    cpu.set_pages(kv, 1, kv.page_table[1][::-1].copy())
+    scale, group = dim**-0.5, heads // kv_heads
+    logits = rng.standard_normal(heads) if sinks else None
+    prompts = [(0, 0, 70), (1, 0, 45)]
+    for step in (prompts, [(0, 70, 1), (1, 45, 3)]):
+        batch = Batch([Row(s, a, np.zeros(n, int), all_logits=True) for s, a, n in step])
+        q, k, v = (rng.standard_normal((sum(n for *_, n in step), h, dim)) for h in (heads, kv_heads, kv_heads))
+        want = cpu.attention(q, k, v, kv, 0, batch, scale, softcap or None, logits).reshape(len(q), heads, dim)
+    slots = np.array([0, 1, 1, 1], np.int32)
+    pos = np.array([70, 45, 46, 47], np.int32)
+    q8_0 = dtype == "q8_0"
+    ks, vs = (np.ascontiguousarray(c[0]).view(np.uint16) if q8_0 else None for c in (kv.k_scale, kv.v_scale))
+    kc, vc = (np.ascontiguousarray(c[0]) for c in (kv.k, kv.v))
+    table = np.ascontiguousarray(kv.page_table, np.int32)
+    q32, sinks32 = host.f32(q), (host.f32(logits) if sinks else None)
+
+    def run(splits, keys, pages):
+        out = np.full((4, heads, dim), np.nan, np.float32)
+        ml, acc = np.zeros(4 * heads * splits * 2, np.float32), np.zeros(4 * heads * splits * dim, np.float32)
+        kernels.decode(
+            *map(host.ptr, (q32, kc, vc, ks, vs, pages, slots, pos)),
+            4,
+            *map(host.ptr, (out, ml, acc)),
+            heads,
+            kv_heads,
+            table.shape[1],
+            kv.page_size,
+            window or 0,
+            keys,
+            splits,
+            ctypes.c_float(scale),
+            ctypes.c_float(softcap),
+            host.ptr(sinks32),
+            int(q8_0),
+            dim,
+        )
+        if splits == 1:
+            return out
+        rows = (4 * heads, splits)
+        merged = host.merged_splits(
+            ml.reshape(*rows, 2), acc.reshape(*rows, dim), np.tile(logits, 4) if sinks else None
+        )
+        return merged.reshape(out.shape)
+
+    for splits, keys in ((1, 16), (3, 16), (5, 64)):
+        got = run(splits, keys, table)
+        assert np.isfinite(got).all() and group > 0
+        assert relative_error(got, want) < 3e-3, (splits, relative_error(got, want))
+    wrong = table.copy()
+    wrong[1, :2] = wrong[0, :2]  # slot 1's first two pages read from slot 0's
+    assert relative_error(run(1, 16, wrong), want) > 0.1

@@ -195,6 +195,25 @@ def test_mla_attention_long_context_splits(cuda, oracle, monkeypatch):
         assert relative_error(cuda.to_host(got), want) < 1e-5
 
 
+@pytest.mark.parametrize("kv_dtype,heads", [("f16", 16), ("q8_0", 40)])
+def test_mla_attention_on_tensor_cores(cuda, oracle, monkeypatch, kv_dtype, heads):
+    """mla_attention_tc (LEAT_CUDA_MLA_TC=1; DeepSeek's 512 + 64) for every row, prefill and decode, at depths up to
+    1,200: f16 queries and probabilities, the f16 bar."""
+    monkeypatch.setenv("LEAT_CUDA_MLA_GEMM", "0")
+    monkeypatch.setenv("LEAT_CUDA_MLA_TC", "1")
+    rng = np.random.default_rng(14)
+    rank, rope = 512, 64
+    layouts = [KVLayout(1, rank + rope, rank, latent=True)]
+    kvs = [b.allocate_kv(layouts, slots=1, context=1280, dtype=kv_dtype) for b in (cuda, oracle)]
+    args = [rng.standard_normal(s) for s in ((1203, heads, rank), (1203, heads, rope), (1203, rank), (1203, rope))]
+    for start, n in ((0, 700), (700, 1), (701, 2), (703, 497), (1200, 1), (1201, 2)):
+        batch = Batch([Row(0, start, np.zeros(n, int), all_logits=True)])
+        part = [a[start : start + n] for a in args]
+        want = oracle.mla_attention(*part, kvs[1], 0, batch, 0.05)
+        got = cuda.mla_attention(*(cuda.from_host(a) for a in part), kvs[0], 0, batch, 0.05)
+        assert relative_error(cuda.to_host(got), want) < 2e-3
+
+
 def test_latent_cache_has_no_value_storage_and_pages_copy(cuda, oracle):
     rng = np.random.default_rng(13)
     layouts = [KVLayout(1, 40, 32, latent=True)]

@@ -436,6 +436,23 @@ def test_attention_long_context_splits(cuda, oracle, kv_dtype):
         assert relative_error(cuda.to_host(got), want) < (1e-5 if kv_dtype == "f32" else 2e-3)
 
 
+@pytest.mark.parametrize("kv_dtype,heads,kv_heads,dim,softcap", [("f16", 32, 8, 128, 0.0), ("q8_0", 36, 2, 64, 5.0)])
+def test_decode_attention_on_tensor_cores(cuda, oracle, monkeypatch, kv_dtype, heads, kv_heads, dim, softcap):
+    """LEAT_CUDA_ATTENTION_TC=1 (flash.cu's attention_tc for decode steps; a prefill keeps flash) at depths up to
+    1,200: f16 queries and probabilities, the f16 bar."""
+    monkeypatch.setenv("LEAT_CUDA_ATTENTION_TC", "1")
+    rng = np.random.default_rng(15)
+    layouts = [KVLayout(kv_heads, dim)]
+    kvs = [b.allocate_kv(layouts, slots=1, context=1280, dtype=kv_dtype) for b in (cuda, oracle)]
+    q, k, v = (rng.standard_normal((1203, h, dim)) for h in (heads, kv_heads, kv_heads))
+    for start, n in ((0, 700), (700, 1), (701, 2), (703, 497), (1200, 1), (1201, 2)):
+        batch = Batch([Row(0, start, np.zeros(n, int), all_logits=True)])
+        args = [t[start : start + n] for t in (q, k, v)]
+        want = oracle.attention(*args, kvs[1], 0, batch, dim**-0.5, softcap or None)
+        got = cuda.attention(*(cuda_array(cuda, t) for t in args), kvs[0], 0, batch, dim**-0.5, softcap or None)
+        assert relative_error(cuda.to_host(got), want) < 2e-3
+
+
 def test_attention_softcap(cuda, oracle):
     rng = np.random.default_rng(6)
     kvs = [b.allocate_kv([KVLayout(2, 32)], slots=1, context=32, dtype="f32") for b in (cuda, oracle)]

@@ -91,6 +91,11 @@ template <class T> unsigned __match_any_sync(unsigned, T v) {
     return same;
 }
 inline int __ffs(unsigned x) { return __builtin_ffs(x); }
+inline int __any_sync(unsigned, int p) {
+    int any = 0;
+    for (int l = 0; l < 32; ++l) any |= exchange(p != 0, l);
+    return any;
+}
 inline float warp_sum(float v) { for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o); return v; }
 inline float warp_max(float v) { for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o)); return v; }
 inline float block_reduce(float v, bool max) {
@@ -294,6 +299,25 @@ extern "C" void mla_q8_0(const float* ql, const float* qr, const float* latent, 
                          float scale) {
     mla_kv<i8>(ql, qr, latent, kr, kc, ks, table, slots, pos, out, ml, acc, n, heads, rank, rope, per_slot, page_size,
                window, split, splits, scale);
+}
+template <typename KV>
+void mla_tc_run(const float* ql, const float* qr, const KV* kc, const u16* ks, const int* table, const int* slots,
+                const int* pos, float* out, float* ml, float* acc, int n, int heads, int per_slot, int page_size,
+                int window, int split, int splits, float scale) {
+    launch({(unsigned)n, (unsigned)((heads + 15) / 16), (unsigned)splits}, 128, [=] {
+        mla_attention_tc<KV, 64, 32>(ql, qr, kc, ks, table, slots, pos, splits == 1 ? out : nullptr, ml, acc, heads,
+                                     per_slot, page_size, window, split, scale);
+    });
+}
+extern "C" void mla_tc(const float* ql, const float* qr, const void* kc, const u16* ks, const int* table,
+                       const int* slots, const int* pos, float* out, float* ml, float* acc, int n, int heads,
+                       int per_slot, int page_size, int window, int split, int splits, float scale, int q8_0) {
+    if (q8_0)
+        mla_tc_run<i8>(ql, qr, (const i8*)kc, ks, table, slots, pos, out, ml, acc, n, heads, per_slot, page_size,
+                       window, split, splits, scale);
+    else
+        mla_tc_run<u16>(ql, qr, (const u16*)kc, ks, table, slots, pos, out, ml, acc, n, heads, per_slot, page_size,
+                        window, split, splits, scale);
 }
 """
 
@@ -1058,6 +1082,58 @@ def test_mla_attention_q8_0(kernels):
         else:
             merged = merged_splits(ml.reshape(n * heads, splits, 2), acc.reshape(n * heads, splits, rank))
             np.testing.assert_allclose(merged.reshape(n, heads, rank), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,window", [("f16", 0), ("f16", 11), ("q8_0", 0)])
+def test_mla_attention_on_tensor_cores(kernels, dtype, window):
+    """mla_attention_tc (rank 64 + rope 32 here) over the float64 CPU backend's f16 or q8_0 latent cache of 40
+    positions (pages out of order), 20 heads (a block of 16 and one of 4): whole, and each token's range cut into
+    3 splits of multiples of 16 keys and 5 of multiples of 3, merged as attention_combine merges them. Queries past
+    f16's range (rounded through their per-head scale) and f16 probabilities keep it within 1e-3 (2-3e-4 here); with
+    the queries' rope dims zeroed it is 0.1 away or more."""
+    rng = np.random.default_rng(70 + window)
+    heads, rank, rope, n, page_size = 20, 64, 32, 40, 4
+    cpu = CPUBackend("f64")
+    layout = KVLayout(1, rank + rope, rank, window=window or None, latent=True)
+    kv = cpu.allocate_kv([layout], 1, 48, page_size=page_size, dtype=dtype)
+    cpu.set_pages(kv, 0, kv.page_table[0][::-1].copy())
+    args = [rng.standard_normal(s) for s in ((n, heads, rank), (n, heads, rope), (n, rank), (n, rope))]
+    args[0] *= 1e5  # queries past f16's range (65504): rounded to f16 only through the per-head scale
+    args[1] *= 1e5
+    scale = 1e-6
+    batch = Batch([Row(0, 0, np.zeros(n, int), all_logits=True)])
+    want = cpu.mla_attention(*args, kv, 0, batch, scale)
+    q8_0 = dtype == "q8_0"
+    cache = np.ascontiguousarray(kv.k[0]) if q8_0 else np.ascontiguousarray(kv.k[0]).view(np.uint16)
+    scales = np.ascontiguousarray(kv.k_scale[0]).view(np.uint16) if q8_0 else None
+    table = np.ascontiguousarray(kv.page_table, np.int32)
+    slots, pos = np.zeros(n, np.int32), np.arange(n, dtype=np.int32)
+    ql, qr = f32(args[0]), f32(args[1])
+
+    def run(splits, split, query_rope):
+        out = np.full((n, heads, rank), np.nan, np.float32)
+        ml, acc = np.zeros(n * heads * splits * 2, np.float32), np.zeros(n * heads * splits * rank, np.float32)
+        kernels.mla_tc(
+            *map(ptr, (ql, query_rope, cache, scales, table, slots, pos, out, ml, acc)),
+            n,
+            heads,
+            table.shape[1],
+            page_size,
+            window,
+            split,
+            splits,
+            ctypes.c_float(scale),
+            int(q8_0),
+        )
+        if splits == 1:
+            return out
+        return merged_splits(ml.reshape(n * heads, splits, 2), acc.reshape(n * heads, splits, rank)).reshape(out.shape)
+
+    for splits, split in ((1, 64), (3, 16), (5, 3)):
+        got = run(splits, split, qr)
+        assert np.isfinite(got).all()
+        assert relative_error(got, want) < 1e-3, (splits, relative_error(got, want))
+    assert relative_error(run(1, 64, np.zeros_like(qr)), want) > 0.1
 
 
 @pytest.mark.parametrize("neox", [0, 1])

@@ -275,6 +275,41 @@ def test_decode_attention_cuts_each_tokens_range_not_the_launchs(fake, tmp_path,
     assert {(z, keys) for _, z, keys in decode} == {(128, ATTENTION_SPLIT_KEYS)}, decode
 
 
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
+def test_decode_attention_on_tensor_cores_launches(fake, tmp_path, monkeypatch, kv_dtype):
+    """LEAT_CUDA_ATTENTION_TC=1: a captured one-token step of 64-dim heads (36 over 2 KV heads: 18 a KV head,
+    blocks of 16 and 2) launches flash.cu's attention_tc, with its PTX signature's arguments, ATTENTION_TC_KEYS as
+    the unit of its splits, and attention_combine's merge; a prefill keeps attention_wide or flash."""
+    from leat_backend_cuda.backend import ATTENTION_TC_KEYS
+
+    monkeypatch.setenv("LEAT_CUDA_ATTENTION_TC", "1")
+    params = Llama.tiny(width=36 * 64, heads=36, kv_heads=2, head_dim=64, context=4096)
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0, params=params)
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=1, context=4096, dtype=kv_dtype)
+    launch, seen = driver.Kernel.__call__, []
+
+    def call(self, grid, block, *args, **kw):
+        if "attention" in self.name:
+            seen.append((self.name, tuple(grid), args[-4] if self.name.startswith("attention_tc") else None))
+        return launch(self, grid, block, *args, **kw)
+
+    monkeypatch.setattr(driver.Kernel, "__call__", call)
+    model.forward(Batch([Row(0, 0, np.arange(100) % 300)]), kv)
+    assert seen and not any(name.startswith("attention_tc") for name, *_ in seen)
+    seen.clear()
+    backend.run(model.forward, Batch([Row(0, 100, np.array([5]))]), kv)
+    assert not backend.graph_failures
+    tc = [s for s in seen if s[0].startswith("attention_tc")]
+    kind = {"f16": "u16", "q8_0": "i8"}[kv_dtype]
+    assert len(tc) == 2 * model.params.layers and {(s[0], s[1][:2], s[2]) for s in tc} == {
+        (f"attention_tc<{kind}, 64>", (1, 2 * 2), ATTENTION_TC_KEYS)
+    }
+    splits = tc[0][1][2]
+    assert splits > 1 and [s[1][0] for s in seen if s[0] == "attention_combine"] == [36] * len(tc)
+
+
 def test_steps_with_prefill_chunks_replay_a_graph(fake, tmp_path):
     """A step that carries a prompt's chunk beside decode rows is captured once per (tokens, logits) bucket and
     replayed after; a chunk deep into a long prompt runs eagerly (its tile-wise attention is cheaper)."""

@@ -129,3 +129,36 @@ def test_latent_decode_attention_cuts_each_tokens_range(fake, tmp_path, monkeypa
     heads, rank = model.params.heads, model.params.kv_rank
     threads = min(128, -(-rank // 32) * 32)
     assert set(merged) == {((heads, -(-rank // threads)), threads, 256, rank)}, merged
+
+
+def test_latent_decode_attention_on_tensor_cores_launches(fake, tmp_path, monkeypatch):
+    """LEAT_CUDA_MLA_TC=1 at DeepSeek's latent shape (512 + 64): a captured one-token step launches mla_attention_tc,
+    a block of 16 heads (20 heads: two), with its signature's arguments (the fake driver checks them against the PTX)
+    and MLA_TC_KEYS as the unit of its splits; attention_combine merges them."""
+    from leat_backend_cuda.backend import CUDABackend
+    from leat_backend_cuda.mla import MLA_TC_KEYS
+
+    monkeypatch.setenv("LEAT_CUDA_MLA_TC", "1")
+    cls, overrides, _ = architectures()["deepseek2-lite"]
+    params = cls.tiny(**{**overrides, "heads": 20, "kv_rank": 512, "rope": 64})
+    path = write_tiny_gguf(cls, tmp_path / "ds.gguf", Q.Q8_0, params=params)
+    backend = CUDABackend()
+    model = cls(ModelFile(path), backend)
+    kv = backend.allocate_kv(cls.kv_layouts(model.params), slots=1, context=4096, dtype="f16")
+    launch, seen, merged = driver.Kernel.__call__, [], []
+
+    def call(self, grid, block, *args, **kw):
+        if self.name.startswith("mla_attention"):
+            seen.append((self.name, tuple(grid), args[-2]))
+        if self.name == "attention_combine":
+            merged.append(args[3])
+        return launch(self, grid, block, *args, **kw)
+
+    monkeypatch.setattr(driver.Kernel, "__call__", call)
+    backend.run(model.forward, Batch([Row(0, 100, np.array([5]))]), kv)
+    assert not backend.graph_failures and len(seen) == 2 * model.params.layers
+    splits = {grid[2] for _, grid, _ in seen}
+    assert {(name, grid[:2], keys) for name, grid, keys in seen} == {
+        ("mla_attention_tc<u16, 512, 64>", (1, 2), MLA_TC_KEYS)
+    }
+    assert len(splits) == 1 and splits.pop() > 1 and set(merged) == {seen[0][1][2]}

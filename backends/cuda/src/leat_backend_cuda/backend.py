@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -84,7 +85,9 @@ OPS_KERNELS = (
 )
 FLASH_DIMS = (64, 128)  # head dimensions of the tensor-core prefill attention
 FLASH_KINDS = ("u16", "i8")  # the caches it reads: f16, q8_0 (decoded into its f16 tiles)
-FLASH_KERNELS = [f"flash_attention<{kind}, {d}>" for kind in FLASH_KINDS for d in FLASH_DIMS]
+FLASH_KERNELS = [
+    f"{k}<{kind}, {d}>" for k in ("flash_attention", "attention_tc") for kind in FLASH_KINDS for d in FLASH_DIMS
+]
 ROPE_KV_MAX_DIM = 512  # head dimensions rope_kv_write holds (a k head in shared memory)
 GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
 #: positions of a decode step's attention split are a multiple of this (a block's 4 warps take 32 per step): at short
@@ -93,6 +96,9 @@ GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
 #: decode kernel cuts each token's own range by it (H100, the 8B file in a cache of 8,192 positions, a step at
 #: position 128: 2.874 ms against 3.239 when a graph's split, sized for the whole cache, left it to one split)
 ATTENTION_SPLIT_KEYS = 32
+#: decode attention on tensor cores (flash.cu's attention_tc) takes a split's keys in multiples of this: a run of 16
+#: for each of its 4 warps. Off by default, not yet timed on a GPU against the kernel above: LEAT_CUDA_ATTENTION_TC=1
+ATTENTION_TC_KEYS = 64
 #: most splits attention_combine merges (its shared memory, COMBINE_MAX_SPLITS in ops.cu), and its threads a block
 COMBINE_MAX_SPLITS, COMBINE_THREADS = 1024, 128
 # KV storage: (the kernels' KV type, the element). q8_0 keeps GGUF's Q8_0 blocks (an f16 scale and 32 int8
@@ -1169,16 +1175,15 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         splits, split = self._decode_splits(base, span, keys)
         out = self._empty((n, heads * dv))
         window = kv.layouts[layer].window or 0
-        if splits == 1:
-            part_ml = part_acc = None
-            target = out
-        else:
-            part_ml = self._empty((n * heads * splits * 2,))
-            part_acc = self._empty((n * heads * splits * dv,))
-            target = None
+        part_ml, part_acc = self._split_parts(n * heads, splits, dv)
+        target = out if splits == 1 else None
         # many query tokens (a prefill): one key per lane; a decode step: one key per warp step (the
         # faster of the two for decode, also at depth 4096: measured on an H200, see NOTES.md)
         variant = "attention_wide" if n > quants.GEMV_MAX_TOKENS and dk % 8 == 0 else "attention"
+        tensor_cores = kind in FLASH_KINDS and dk == dv and dk in FLASH_DIMS
+        if variant == "attention" and tensor_cores and os.environ.get("LEAT_CUDA_ATTENTION_TC") == "1":
+            cache = (kind, k_scale, v_scale, table)
+            return self._attend_tc(q, kv, layer, cache, per_slot, slots, positions, span, scale, softcap, sinks)
         self.ops[f"{variant}<{kind}, {dl}, {GROUP_HEADS}>"](
             (n, kv_heads * chunks, splits),
             128,
@@ -1208,6 +1213,50 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         if splits > 1:
             self._merge_splits(part_ml, part_acc, out, n * heads, splits, dv, sinks, heads)
         return out
+
+    def _attend_tc(self, q, kv, layer, cache, per_slot, slots, positions, span, scale, softcap, sinks):
+        """Decode attention on tensor cores (flash.cu's attention_tc; LEAT_CUDA_ATTENTION_TC=1, off by default): a
+        block a token, KV head, 16 of its query heads and split, the splits' keys a multiple of ATTENTION_TC_KEYS."""
+        n, heads, dim = q.shape
+        kind, k_scale, v_scale, table = cache
+        kv_heads = kv.layouts[layer].kv_heads
+        chunks = -(-(heads // kv_heads) // 16)
+        splits, _ = self._decode_splits(n * kv_heads * chunks, span, ATTENTION_TC_KEYS)
+        out = self._empty((n, heads * dim))
+        parts = self._split_parts(n * heads, splits, dim)
+        self._module("flash", "flash.cu", FLASH_KERNELS, {})[f"attention_tc<{kind}, {dim}>"](
+            (n, kv_heads * chunks, splits),
+            128,
+            q,
+            kv.k[layer],
+            kv.v[layer],
+            k_scale,
+            v_scale,
+            table,
+            slots,
+            positions,
+            out if splits == 1 else None,
+            *parts,
+            heads,
+            kv_heads,
+            per_slot,
+            kv.page_size,
+            kv.layouts[layer].window or 0,
+            ATTENTION_TC_KEYS,
+            float(scale),
+            float(softcap),
+            sinks,
+        )
+        if splits > 1:
+            self._merge_splits(*parts, out, n * heads, splits, dim, sinks, heads)
+        return out
+
+    def _split_parts(self, rows: int, splits: int, dv: int) -> tuple[Any, Any]:
+        """A split decode attention's partial results for attention_combine: each row's (max, sum) and unnormalized
+        values a split; (None, None) for one split (the kernel writes the output)."""
+        if splits == 1:
+            return None, None
+        return self._empty((rows * splits * 2,)), self._empty((rows * splits * dv,))
 
     def _decode_splits(self, blocks: int, span: int, keys: int) -> tuple[int, int]:
         """(splits, positions a split) of a decode attention launch of ``blocks`` blocks a split over ``span``

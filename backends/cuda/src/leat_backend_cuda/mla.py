@@ -26,9 +26,13 @@ KV_TYPES = {"f32": "float", "f16": "u16", "q8_0": "i8"}  # q8_0: quants and scal
 MLA_KERNELS = (
     [f"mla_kv_write<{kv}>" for kv in KV_TYPES.values()]
     + [f"mla_attention<{kv}, {dl}, {MLA_HEADS}>" for kv in KV_TYPES.values() for dl in MLA_LANES]
+    + [f"mla_attention_tc<{kv}, 512, 64>" for kv in ("u16", "i8")]
     + [f"mla_keys_f16<{kv}>" for kv in KV_TYPES.values()]
     + ["mla_q_f16", "mla_softmax_f16"]
 )
+#: decode on tensor cores (mla_attention_tc, DeepSeek's 512 + 64 over an f16 or q8_0 cache; 16 heads a block): a split's
+#: keys a multiple of this. Off by default, not yet timed on a GPU against mla_attention: LEAT_CUDA_MLA_TC=1
+MLA_TC_KEYS = 64
 #: rows of at least this many tokens take the cuBLAS prefill (where cuBLAS is; LEAT_CUDA_MLA_GEMM=0: never)
 MLA_GEMM_MIN_TOKENS = 16
 #: scores (query rows x keys) one cuBLAS product of the prefill writes at most: more queries go in pieces
@@ -81,15 +85,15 @@ class LatentAttentionOps:
         if any(long):  # the kernel below skips the long rows' tokens (slot -1), cuBLAS writes them after it
             lengths = [len(r.tokens) for r in batch.rows]
             slots = self._ints(np.repeat([-1 if g else r.slot for r, g in zip(batch.rows, long)], lengths))
-        chunks = -(-heads // MLA_HEADS)
-        splits, _ = self._decode_splits(n * chunks, span, MLA_SPLIT_KEYS)
+        tc = kind in ("u16", "i8") and (rank, rope) == (512, 64) and os.environ.get("LEAT_CUDA_MLA_TC") == "1"
+        name, per_block, keys = (f"mla_attention<{kind}, {dl}, {MLA_HEADS}>", MLA_HEADS, MLA_SPLIT_KEYS)
+        if tc:
+            name, per_block, keys = f"mla_attention_tc<{kind}, 512, 64>", 16, MLA_TC_KEYS
+        chunks = -(-heads // per_block)
+        splits, _ = self._decode_splits(n * chunks, span, keys)
         out = self._empty((n, heads, rank))
-        parts = (
-            (None, None)
-            if splits == 1
-            else (self._empty((n * heads * splits * 2,)), self._empty((n * heads * splits * rank,)))
-        )
-        ops[f"mla_attention<{kind}, {dl}, {MLA_HEADS}>"](
+        parts = self._split_parts(n * heads, splits, rank)
+        ops[name](
             (n, chunks, splits),
             128,
             q_latent,
@@ -101,13 +105,11 @@ class LatentAttentionOps:
             positions,
             out if splits == 1 else None,
             *parts,
-            heads,
-            rank,
-            rope,
+            *((heads,) if tc else (heads, rank, rope)),
             per_slot,
             kv.page_size,
             layout.window or 0,
-            MLA_SPLIT_KEYS,
+            keys,
             float(scale),
         )
         if splits > 1:

@@ -16,16 +16,6 @@
 #include "mma.cuh"
 #include "kv.cuh"
 
-// Values d ... d + 7 of cache row `row` as eight f16 (16 bytes): an f16 cache's as stored, a q8_0 cache's decoded.
-template <int D> __device__ __forceinline__ uint4 kv_f16x8(const u16* c, const u16*, i64 row, int d) {
-    return *(const uint4*)(c + row * D + d);
-}
-template <int D> __device__ __forceinline__ uint4 kv_f16x8(const i8* c, const u16* s, i64 row, int d) {
-    float v[8];
-    kv_load8(c, s, row, D, d, v);
-    return make_uint4(pack_f16x2(v[0], v[1]), pack_f16x2(v[2], v[3]), pack_f16x2(v[4], v[5]), pack_f16x2(v[6], v[7]));
-}
-
 template <typename KV, int D>
 __global__ void __launch_bounds__(128) flash_attention(
     const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const u16* __restrict__ ksc,
@@ -53,10 +43,7 @@ __global__ void __launch_bounds__(128) flash_attention(
         const int g = chunk * gb + w % gb, tok = (w / gb) * 16 + (row & 15);
         uint4 val = make_uint4(0, 0, 0, 0);
         if (g < group && tok < count) {
-            const float* src = q + ((i64)(first + tok) * heads + (i64)kvh * group + g) * D + c * 8;
-            const float4 a = *(const float4*)src, b = *(const float4*)(src + 4);
-            val = make_uint4(pack_f16x2(a.x * scale, a.y * scale), pack_f16x2(a.z * scale, a.w * scale),
-                             pack_f16x2(b.x * scale, b.y * scale), pack_f16x2(b.z * scale, b.w * scale));
+            val = f16x8_scaled(q + ((i64)(first + tok) * heads + (i64)kvh * group + g) * D + c * 8, scale);
         }
         *(uint4*)(qs + row * LD + c * 8) = val;
     }
@@ -174,5 +161,140 @@ __global__ void __launch_bounds__(128) flash_attention(
         float* dst = out + ((i64)(first + tw + r0 + 8 * h) * heads + (i64)kvh * group + g) * D + 2 * (lane & 3);
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) *(float2*)(dst + i * 8) = make_float2(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
+    }
+}
+
+// Decode attention on tensor cores (LEAT_CUDA_ATTENTION_TC=1; off by default, not yet timed on a GPU): ops.cu's attention (a block one
+// token, one KV head and split z of the token's range, cut by split_range) with up to 16 of the KV head's query heads
+// (heads g0 ... g0 + 15 of its group, g0 = 16 (blockIdx.y / kv_heads)) as mma.sync's rows. Each warp takes its own
+// runs of 16 keys (runs warp, warp + 4, ... of the split; K and V through the warp's own shared tiles, the next run's
+// loads in registers meanwhile) and keeps its own online softmax, as flash_attention's warps do for their rows; the
+// 4 warps' (max, sum, values) are merged at the end as kv.cuh's attention_store merges them, which writes the output
+// (sinks joined) or the split's partial sums the same way. q times scale and the probabilities in f16, as
+// flash_attention; sums in float32; soft-capping as attention.
+template <typename KV, int D>
+__global__ void __launch_bounds__(128) attention_tc(
+    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc, const u16* __restrict__ ksc,
+    const u16* __restrict__ vsc, const int* __restrict__ page_table, const int* __restrict__ tok_slot,
+    const int* __restrict__ tok_pos, float* __restrict__ out, float* __restrict__ part_ml, float* __restrict__ part_acc,
+    int heads, int kv_heads, int pages_per_slot, int page_size, int window, int keys, float scale, float softcap,
+    const float* __restrict__ sinks) {
+    constexpr int BK = 16, LD = D + 8, C8 = D / 8, PER = BK * C8 / 32;  // PER: a lane's 16-byte pieces of a run's K
+    static_assert(4 * 16 * D * 4 <= 4 * 2 * BK * LD * 2, "the merge's values fit in the warps' tiles");
+    __shared__ __align__(16) u16 qs[16 * LD];
+    __shared__ __align__(16) u16 tiles[4][2][BK * LD];  // each warp's K and V
+    __shared__ float merge_m[4][16], merge_l[4][16];
+    const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * 16;
+    const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r0 = lane >> 2;
+    const int slot = tok_slot[t], pos = tok_pos[t];
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    int begin, end;
+    split_range(lo, pos, slot, z, nsplit, keys, begin, end);
+    const int* table = page_table + (i64)max(slot, 0) * pages_per_slot;
+    u16 *kt = tiles[warp][0], *vt = tiles[warp][1];
+
+    uint4 kn[PER], vn[PER];  // the warp's next run of keys and values
+    auto fetch = [&](int k0) {
+        // lane j < 16 looks up key k0 + j's cache row (one page-table load and division a lane, not one a piece);
+        // a piece takes its key's by shuffle
+        const int pj = min(k0 + (lane & 15), end - 1);
+        const int mine = (table[pj / page_size] * page_size + pj % page_size) * kv_heads + kvh;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int idx = lane + 32 * i, j = idx / C8, c = idx % C8;
+            const int row = __shfl_sync(FULL_MASK, mine, j);
+            kn[i] = vn[i] = make_uint4(0, 0, 0, 0);
+            if (k0 + j < end) {
+                kn[i] = kv_f16x8<D>(kc, ksc, row, c * 8);
+                vn[i] = kv_f16x8<D>(vc, vsc, row, c * 8);
+            }
+        }
+    };
+    const int first = begin + BK * warp;
+    if (first < end) fetch(first);
+
+    // queries: row r of qs is head g0 + r of the KV head's group, times scale, in f16 (zeros past the group)
+    for (int idx = threadIdx.x; idx < 16 * C8; idx += 128) {
+        const int r = idx / C8, c = idx % C8;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (g0 + r < group) {
+            val = f16x8_scaled(q + ((i64)t * heads + (i64)kvh * group + g0 + r) * D + c * 8, scale);
+        }
+        *(uint4*)(qs + r * LD + c * 8) = val;
+    }
+    __syncthreads();
+    u32 qa[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qa[kk], qs + (lane & 15) * LD + kk * 16 + (lane >> 4) * 8);
+
+    // o[i][2h + e]: row r0 + 8h, value dim 8i + 2 (lane & 3) + e; m and l: rows r0 and r0 + 8 (l a quad's share)
+    float o[D / 8][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    for (int k0 = first; k0 < end; k0 += 4 * BK) {
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int idx = lane + 32 * i, at = (idx / C8) * LD + (idx % C8) * 8;
+            *(uint4*)(kt + at) = kn[i];
+            *(uint4*)(vt + at) = vn[i];
+        }
+        __syncwarp();
+        if (k0 + 4 * BK < end) fetch(k0 + 4 * BK);  // in flight while this run is worked on
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 t4[4];
+            ldmatrix_x4(t4, kt + ((lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
+            mma_f16(s[0], qa[kk], t4[0], t4[1]);
+            mma_f16(s[1], qa[kk], t4[2], t4[3]);
+        }
+        // soft-cap, the run's keys past `end` masked (s[nt][2h + e]: row r0 + 8h, key nt * 8 + 2 (lane & 3) + e),
+        // online softmax
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float v = s[nt][i];
+                if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
+                s[nt][i] = k0 + nt * 8 + 2 * (lane & 3) + (i & 1) < end ? v : NEG_INF;
+            }
+        softmax_tiles(s, m, l, o);
+        const u32 pa[4] = {pack_f16x2(s[0][0], s[0][1]), pack_f16x2(s[0][2], s[0][3]), pack_f16x2(s[1][0], s[1][1]),
+                           pack_f16x2(s[1][2], s[1][3])};
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            u32 t4[4];
+            ldmatrix_x4_trans(t4, vt + ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + dp * 16 + (lane >> 4) * 8);
+            mma_f16(o[2 * dp], pa, t4[0], t4[1]);
+            mma_f16(o[2 * dp + 1], pa, t4[2], t4[3]);
+        }
+        __syncwarp();  // the next run overwrites kt and vt
+    }
+
+    // the 4 warps merged (their tiles hold their values now): attention_store's arithmetic
+    __syncthreads();
+    float* values = (float*)&tiles[0][0][0];  // [warp][row][D]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float total = l[h];
+        total += __shfl_xor_sync(FULL_MASK, total, 1);
+        total += __shfl_xor_sync(FULL_MASK, total, 2);
+        const int row = r0 + 8 * h;
+        if ((lane & 3) == 0) {
+            merge_m[warp][row] = m[h];
+            merge_l[warp][row] = total;
+        }
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i)
+            *(float2*)(values + (warp * 16 + row) * D + 8 * i + 2 * (lane & 3)) = make_float2(o[i][2 * h], o[i][2 * h + 1]);
+    }
+    __syncthreads();
+    const int live = min(16, group - g0);
+    for (int idx = threadIdx.x; idx < live * D; idx += 128) {
+        const int r = idx / D, d = idx % D;
+        merge_warps([&](int w) { return merge_m[w][r]; }, [&](int w) { return merge_l[w][r]; },
+                    [&](int w) { return values[(w * 16 + r) * D + d]; }, (i64)t * heads + (i64)kvh * group + g0 + r,
+                    d, heads, D, z, nsplit, sinks, out, part_ml, part_acc);
     }
 }

@@ -59,6 +59,17 @@ __device__ __forceinline__ void kv_load8(const i8* c, const u16* s, i64 row, int
         k[4 + i] = byte_f32(w.y ^ 0x80808080u, i, 128.0f) * scale;
     }
 }
+// Values d ... d + 7 of cache row `row` (rows of D values) as eight f16 (16 bytes), for the tensor-core kernels
+// (flash.cu, mla.cu): an f16 cache's as stored, a q8_0 cache's decoded.
+template <int D> __device__ __forceinline__ uint4 kv_f16x8(const u16* c, const u16*, i64 row, int d) {
+    return *(const uint4*)(c + row * D + d);
+}
+template <int D> __device__ __forceinline__ uint4 kv_f16x8(const i8* c, const u16* s, i64 row, int d) {
+    float v[8];
+    kv_load8(c, s, row, D, d, v);
+    return make_uint4(pack_f16x2(v[0], v[1]), pack_f16x2(v[2], v[3]), pack_f16x2(v[4], v[5]), pack_f16x2(v[6], v[7]));
+}
+
 // Stores x(0) ... x(n - 1) at elements at ... at + n - 1 of a cache; all threads of the block take part.
 template <typename F> __device__ __forceinline__ void kv_put(float* c, u16*, i64 at, int n, F x) {
     for (int i = threadIdx.x; i < n; i += blockDim.x) c[at + i] = x(i);
@@ -97,6 +108,79 @@ __device__ __forceinline__ void split_range(int lo, int pos, int slot, int z, in
     end = slot < 0 ? 0 : min(pos + 1, begin + split);
 }
 
+// Eight floats (16-byte aligned) times `scale` as eight f16, for an mma operand's row.
+__device__ __forceinline__ uint4 f16x8_scaled(const float* p, float scale) {
+    const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+    return make_uint4(pack_f16x2(a.x * scale, a.y * scale), pack_f16x2(a.z * scale, a.w * scale),
+                      pack_f16x2(b.x * scale, b.y * scale), pack_f16x2(b.z * scale, b.w * scale));
+}
+
+// An online-softmax step over a warp's 16 x 16 scores, two m16n8 accumulator tiles (s[nt][2h + e]: row lane / 4 + 8h,
+// key nt * 8 + 2 (lane % 4) + e; -inf where a key takes no part), for the decode kernels on tensor cores (flash.cu's
+// attention_tc, mla.cu's mla_attention_tc): the scores become probabilities exp(s - max), each row's running max m
+// and sum l (this lane's share; a quad adds them up at the end) move on, and the value tiles o are rescaled where a
+// row's max moved (a warp whose every row kept its max skips that: it would multiply by 1).
+template <int NO>
+__device__ __forceinline__ void softmax_tiles(float (&s)[2][4], float (&m)[2], float (&l)[2], float (&o)[NO][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+        const float mn = fmaxf(m[h], mx), corr = mn == NEG_INF ? 1.0f : expf(m[h] - mn);
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float v = s[nt][2 * h + e], p = v == NEG_INF ? 0.0f : expf(v - mn);
+                s[nt][2 * h + e] = p;
+                sum += p;
+            }
+        l[h] = l[h] * corr + sum;
+        m[h] = mn;
+        if (__any_sync(FULL_MASK, corr != 1.0f)) {
+#pragma unroll
+            for (int i = 0; i < NO; ++i) {
+                o[i][2 * h] *= corr;
+                o[i][2 * h + 1] *= corr;
+            }
+        }
+    }
+}
+
+// Where a block's 4 warps each ran an online softmax over their share of the keys: for one head row th and value dim
+// d, the warps' maxima m(w), sums l(w) and unnormalized values a(w) merged, then written. One split: the normalized
+// output (with `sinks`, a logit per head th % heads, or null); several: this split z's (max, sum) and unnormalized
+// sums for attention_combine.
+template <typename M, typename L, typename A>
+__device__ __forceinline__ void merge_warps(M m, L l, A a, i64 th, int d, int heads, int dv, int z, int nsplit,
+                                            const float* __restrict__ sinks, float* __restrict__ out,
+                                            float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) mx = fmaxf(mx, m(w));
+    float sum = 0.0f, v = 0.0f;
+    if (mx != NEG_INF) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const float f = expf(m(w) - mx);
+            sum += l(w) * f;
+            v += a(w) * f;
+        }
+    }
+    if (nsplit == 1) {
+        if (sinks) sink_join(sinks[th % heads], mx, sum, v);
+        out[th * dv + d] = sum > 0.0f ? v / sum : 0.0f;
+    } else {
+        part_acc[(th * nsplit + z) * dv + d] = v;
+        if (d == 0) {
+            part_ml[2 * (th * nsplit + z)] = mx;
+            part_ml[2 * (th * nsplit + z) + 1] = sum;
+        }
+    }
+}
+
 // The end of an attention block whose 4 warps each ran an online softmax over their share of the keys
 // for GB query heads (m, l: running max and sum; acc: the lane's DL value dims, lane + 32 i): merges
 // the warps' states per head and writes, for the block's first `live` heads, rows th0 + g, g < live, of
@@ -122,28 +206,8 @@ __device__ __forceinline__ void attention_store(const float (&m)[GB], const floa
     for (int idx = threadIdx.x; idx < GB * dv; idx += blockDim.x) {
         const int g = idx / dv, d = idx % dv;
         if (g >= live) continue;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sm_m[w][g]);
-        float sum = 0.0f, a = 0.0f;
-        if (mx != NEG_INF) {
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                const float f = expf(sm_m[w][g] - mx);
-                sum += sm_l[w][g] * f;
-                a += sm_acc[w][g][d] * f;
-            }
-        }
-        const i64 th = th0 + g;
-        if (nsplit == 1) {
-            if (sinks) sink_join(sinks[th % heads], mx, sum, a);
-            out[th * dv + d] = sum > 0.0f ? a / sum : 0.0f;
-        } else {
-            part_acc[(th * nsplit + z) * dv + d] = a;
-            if (d == 0) {
-                part_ml[2 * (th * nsplit + z)] = mx;
-                part_ml[2 * (th * nsplit + z) + 1] = sum;
-            }
-        }
+        merge_warps([&](int w) { return sm_m[w][g]; }, [&](int w) { return sm_l[w][g]; },
+                    [&](int w) { return sm_acc[w][g][d]; }, th0 + g, d, heads, dv, z, nsplit, sinks, out, part_ml,
+                    part_acc);
     }
 }
