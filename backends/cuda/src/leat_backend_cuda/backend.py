@@ -1169,62 +1169,22 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         dl = next((d for d in (1, 2, 4, 8) if d >= lanes), None)
         if dl is None:
             raise LeatError(f"attention heads of {max(dk, dv)} dimensions exceed the kernel's 256")
-        chunks = -(-(heads // kv_heads) // GROUP_HEADS)
-        base = n * kv_heads * chunks
-        keys = ATTENTION_SPLIT_KEYS
-        splits, split = self._decode_splits(base, span, keys)
-        out = self._empty((n, heads * dv))
-        window = kv.layouts[layer].window or 0
-        part_ml, part_acc = self._split_parts(n * heads, splits, dv)
-        target = out if splits == 1 else None
         # many query tokens (a prefill): one key per lane; a decode step: one key per warp step (the
-        # faster of the two for decode, also at depth 4096: measured on an H200, see NOTES.md)
+        # faster of the two for decode, also at depth 4096: measured on an H200, see NOTES.md), or with
+        # LEAT_CUDA_ATTENTION_TC=1 flash.cu's attention_tc (16 query heads a block on tensor cores; off by default)
         variant = "attention_wide" if n > quants.GEMV_MAX_TOKENS and dk % 8 == 0 else "attention"
-        tensor_cores = kind in FLASH_KINDS and dk == dv and dk in FLASH_DIMS
-        if variant == "attention" and tensor_cores and os.environ.get("LEAT_CUDA_ATTENTION_TC") == "1":
-            cache = (kind, k_scale, v_scale, table)
-            return self._attend_tc(q, kv, layer, cache, per_slot, slots, positions, span, scale, softcap, sinks)
-        self.ops[f"{variant}<{kind}, {dl}, {GROUP_HEADS}>"](
-            (n, kv_heads * chunks, splits),
-            128,
-            q,
-            kv.k[layer],
-            kv.v[layer],
-            k_scale,
-            v_scale,
-            table,
-            slots,
-            positions,
-            target,
-            part_ml,
-            part_acc,
-            heads,
-            kv_heads,
-            dk,
-            dv,
-            per_slot,
-            kv.page_size,
-            window,
-            split if variant == "attention_wide" else keys,  # attention cuts each token's own range
-            float(scale),
-            float(softcap),
-            sinks,
-        )
-        if splits > 1:
-            self._merge_splits(part_ml, part_acc, out, n * heads, splits, dv, sinks, heads)
-        return out
-
-    def _attend_tc(self, q, kv, layer, cache, per_slot, slots, positions, span, scale, softcap, sinks):
-        """Decode attention on tensor cores (flash.cu's attention_tc; LEAT_CUDA_ATTENTION_TC=1, off by default): a
-        block a token, KV head, 16 of its query heads and split, the splits' keys a multiple of ATTENTION_TC_KEYS."""
-        n, heads, dim = q.shape
-        kind, k_scale, v_scale, table = cache
-        kv_heads = kv.layouts[layer].kv_heads
-        chunks = -(-(heads // kv_heads) // 16)
-        splits, _ = self._decode_splits(n * kv_heads * chunks, span, ATTENTION_TC_KEYS)
-        out = self._empty((n, heads * dim))
-        parts = self._split_parts(n * heads, splits, dim)
-        self._module("flash", "flash.cu", FLASH_KERNELS, {})[f"attention_tc<{kind}, {dim}>"](
+        tensor_cores = variant == "attention" and kind in FLASH_KINDS and dk == dv and dk in FLASH_DIMS
+        tc = tensor_cores and os.environ.get("LEAT_CUDA_ATTENTION_TC") == "1"
+        per_block, keys = (16, ATTENTION_TC_KEYS) if tc else (GROUP_HEADS, ATTENTION_SPLIT_KEYS)
+        chunks = -(-(heads // kv_heads) // per_block)
+        splits, split = self._decode_splits(n * kv_heads * chunks, span, keys)
+        out = self._empty((n, heads * dv))
+        part_ml, part_acc = self._split_parts(n * heads, splits, dv)
+        if tc:
+            kernel = self._module("flash", "flash.cu", FLASH_KERNELS, {})[f"attention_tc<{kind}, {dk}>"]
+        else:
+            kernel = self.ops[f"{variant}<{kind}, {dl}, {GROUP_HEADS}>"]
+        kernel(
             (n, kv_heads * chunks, splits),
             128,
             q,
@@ -1236,19 +1196,19 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
             slots,
             positions,
             out if splits == 1 else None,
-            *parts,
-            heads,
-            kv_heads,
+            part_ml,
+            part_acc,
+            *((heads, kv_heads) if tc else (heads, kv_heads, dk, dv)),
             per_slot,
             kv.page_size,
             kv.layouts[layer].window or 0,
-            ATTENTION_TC_KEYS,
+            split if variant == "attention_wide" else keys,  # attention cuts each token's own range
             float(scale),
             float(softcap),
             sinks,
         )
         if splits > 1:
-            self._merge_splits(*parts, out, n * heads, splits, dim, sinks, heads)
+            self._merge_splits(part_ml, part_acc, out, n * heads, splits, dv, sinks, heads)
         return out
 
     def _split_parts(self, rows: int, splits: int, dv: int) -> tuple[Any, Any]:
