@@ -68,6 +68,7 @@ extern "C" void decode(const float* q, const void* kc, const void* vc, const u16
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
     headers = {"mma.cuh": (Path(__file__).parent / "host" / "mma.cuh").read_text()}
+    headers["decode_tc.cuh"] = host._kernel("decode_tc.cuh")
     return host.host_library(tmp_path_factory, "flash-host", host._kernel("flash.cu") + HARNESS, headers)
 
 

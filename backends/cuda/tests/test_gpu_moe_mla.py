@@ -180,19 +180,26 @@ def test_mla_attention_prefill_then_decode(cuda, oracle, monkeypatch, kv_dtype, 
             assert relative_error(cuda.to_host(got), want) < bar
 
 
-def test_mla_attention_long_context_splits(cuda, oracle, monkeypatch):
-    monkeypatch.setenv("LEAT_CUDA_MLA_GEMM", "0")  # the float32 kernel's splits (not cuBLAS's prefill)
-    rng = np.random.default_rng(12)
-    heads, rank, rope = 8, 128, 32
+def latent_long_context(cuda, oracle, dims, scale, bar, seed, kv_dtype="f32"):
+    """Latent attention of one sequence of 1,203 tokens of ``dims`` (heads, rank, rope) in a cache of 1,280: a
+    700-token prefill, decode steps split over the sequence, a 497-token chunk and decode past 1,024 positions, each
+    output within ``bar`` of the oracle's over the same cache."""
+    rng = np.random.default_rng(seed)
+    heads, rank, rope = dims
     layouts = [KVLayout(1, rank + rope, rank, latent=True)]
-    kvs = [b.allocate_kv(layouts, slots=1, context=1280) for b in (cuda, oracle)]
+    kvs = [b.allocate_kv(layouts, slots=1, context=1280, dtype=kv_dtype) for b in (cuda, oracle)]
     args = [rng.standard_normal(s) for s in ((1203, heads, rank), (1203, heads, rope), (1203, rank), (1203, rope))]
     for start, n in ((0, 700), (700, 1), (701, 2), (703, 497), (1200, 1), (1201, 2)):
         batch = Batch([Row(0, start, np.zeros(n, int), all_logits=True)])
         part = [a[start : start + n] for a in args]
-        want = oracle.mla_attention(*part, kvs[1], 0, batch, 0.1)
-        got = cuda.mla_attention(*(cuda.from_host(a) for a in part), kvs[0], 0, batch, 0.1)
-        assert relative_error(cuda.to_host(got), want) < 1e-5
+        want = oracle.mla_attention(*part, kvs[1], 0, batch, scale)
+        got = cuda.mla_attention(*(cuda.from_host(a) for a in part), kvs[0], 0, batch, scale)
+        assert relative_error(cuda.to_host(got), want) < bar
+
+
+def test_mla_attention_long_context_splits(cuda, oracle, monkeypatch):
+    monkeypatch.setenv("LEAT_CUDA_MLA_GEMM", "0")  # the float32 kernel's splits (not cuBLAS's prefill)
+    latent_long_context(cuda, oracle, (8, 128, 32), 0.1, 1e-5, 12)
 
 
 @pytest.mark.parametrize("kv_dtype,heads", [("f16", 16), ("q8_0", 40)])
@@ -201,17 +208,7 @@ def test_mla_attention_on_tensor_cores(cuda, oracle, monkeypatch, kv_dtype, head
     1,200: f16 queries and probabilities, the f16 bar."""
     monkeypatch.setenv("LEAT_CUDA_MLA_GEMM", "0")
     monkeypatch.setenv("LEAT_CUDA_MLA_TC", "1")
-    rng = np.random.default_rng(14)
-    rank, rope = 512, 64
-    layouts = [KVLayout(1, rank + rope, rank, latent=True)]
-    kvs = [b.allocate_kv(layouts, slots=1, context=1280, dtype=kv_dtype) for b in (cuda, oracle)]
-    args = [rng.standard_normal(s) for s in ((1203, heads, rank), (1203, heads, rope), (1203, rank), (1203, rope))]
-    for start, n in ((0, 700), (700, 1), (701, 2), (703, 497), (1200, 1), (1201, 2)):
-        batch = Batch([Row(0, start, np.zeros(n, int), all_logits=True)])
-        part = [a[start : start + n] for a in args]
-        want = oracle.mla_attention(*part, kvs[1], 0, batch, 0.05)
-        got = cuda.mla_attention(*(cuda.from_host(a) for a in part), kvs[0], 0, batch, 0.05)
-        assert relative_error(cuda.to_host(got), want) < 2e-3
+    latent_long_context(cuda, oracle, (heads, 512, 64), 0.05, 2e-3, 14, kv_dtype)
 
 
 def test_latent_cache_has_no_value_storage_and_pages_copy(cuda, oracle):

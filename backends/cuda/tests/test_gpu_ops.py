@@ -419,21 +419,30 @@ def test_attention_prefill_then_decode(cuda, oracle, kv_dtype, window, heads, kv
             assert relative_error(cuda.to_host(got), want) < (1e-5 if kv_dtype == "f32" else 2e-3)
 
 
+# the steps of a long-context check: a 700-token prefill, decode steps split over the sequence, a 497-token chunk,
+# and decode past 1,024 positions; (start, tokens) of one sequence of LONG_TOKENS in a cache of 1,280
+LONG_STEPS, LONG_TOKENS = ((0, 700), (700, 1), (701, 2), (703, 497), (1200, 1), (1201, 2)), 1203
+
+
+def attend_long_context(cuda, oracle, kv_dtype, heads, kv_heads, dim, scale, softcap, bar, seed):
+    """Each of LONG_STEPS' outputs of ``cuda.attention`` within ``bar`` of the oracle's over the same cache."""
+    rng = np.random.default_rng(seed)
+    layouts = [KVLayout(kv_heads, dim)]
+    kvs = [b.allocate_kv(layouts, slots=1, context=1280, dtype=kv_dtype) for b in (cuda, oracle)]
+    q, k, v = (rng.standard_normal((LONG_TOKENS, h, dim)) for h in (heads, kv_heads, kv_heads))
+    for start, n in LONG_STEPS:
+        batch = Batch([Row(0, start, np.zeros(n, int), all_logits=True)])
+        args = [t[start : start + n] for t in (q, k, v)]
+        want = oracle.attention(*args, kvs[1], 0, batch, scale, softcap or None)
+        got = cuda.attention(*(cuda_array(cuda, t) for t in args), kvs[0], 0, batch, scale, softcap or None)
+        assert relative_error(cuda.to_host(got), want) < bar
+
+
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
 def test_attention_long_context_splits(cuda, oracle, kv_dtype):
     """A 700-token prefill (one split per token), decode steps split over the sequence, and decode past
     1024 positions (the one-key-per-lane kernel, split)."""
-    rng = np.random.default_rng(5)
-    heads, kv_heads, dim = 8, 2, 64
-    layouts = [KVLayout(kv_heads, dim)]
-    kvs = [b.allocate_kv(layouts, slots=1, context=1280, dtype=kv_dtype) for b in (cuda, oracle)]
-    q, k, v = (rng.standard_normal((1203, h, dim)) for h in (heads, kv_heads, kv_heads))
-    for start, n in ((0, 700), (700, 1), (701, 2), (703, 497), (1200, 1), (1201, 2)):
-        batch = Batch([Row(0, start, np.zeros(n, int), all_logits=True)])
-        args = [t[start : start + n] for t in (q, k, v)]
-        want = oracle.attention(*args, kvs[1], 0, batch, 0.125)
-        got = cuda.attention(*(cuda_array(cuda, t) for t in args), kvs[0], 0, batch, 0.125)
-        assert relative_error(cuda.to_host(got), want) < (1e-5 if kv_dtype == "f32" else 2e-3)
+    attend_long_context(cuda, oracle, kv_dtype, 8, 2, 64, 0.125, 0.0, 1e-5 if kv_dtype == "f32" else 2e-3, 5)
 
 
 @pytest.mark.parametrize("kv_dtype,heads,kv_heads,dim,softcap", [("f16", 32, 8, 128, 0.0), ("q8_0", 36, 2, 64, 5.0)])
@@ -441,16 +450,7 @@ def test_decode_attention_on_tensor_cores(cuda, oracle, monkeypatch, kv_dtype, h
     """LEAT_CUDA_ATTENTION_TC=1 (flash.cu's attention_tc for decode steps; a prefill keeps flash) at depths up to
     1,200: f16 queries and probabilities, the f16 bar."""
     monkeypatch.setenv("LEAT_CUDA_ATTENTION_TC", "1")
-    rng = np.random.default_rng(15)
-    layouts = [KVLayout(kv_heads, dim)]
-    kvs = [b.allocate_kv(layouts, slots=1, context=1280, dtype=kv_dtype) for b in (cuda, oracle)]
-    q, k, v = (rng.standard_normal((1203, h, dim)) for h in (heads, kv_heads, kv_heads))
-    for start, n in ((0, 700), (700, 1), (701, 2), (703, 497), (1200, 1), (1201, 2)):
-        batch = Batch([Row(0, start, np.zeros(n, int), all_logits=True)])
-        args = [t[start : start + n] for t in (q, k, v)]
-        want = oracle.attention(*args, kvs[1], 0, batch, dim**-0.5, softcap or None)
-        got = cuda.attention(*(cuda_array(cuda, t) for t in args), kvs[0], 0, batch, dim**-0.5, softcap or None)
-        assert relative_error(cuda.to_host(got), want) < 2e-3
+    attend_long_context(cuda, oracle, kv_dtype, heads, kv_heads, dim, dim**-0.5, softcap, 2e-3, 15)
 
 
 def test_attention_softcap(cuda, oracle):

@@ -607,7 +607,7 @@ def kernels(tmp_path_factory):
     experts = experts.replace("extern __shared__ uint4 grouped_smem[];", "uint4* grouped_smem = (uint4*)host_smem;")
     experts = experts.replace("extern __shared__ uint4 xsh[];", "uint4* xsh = (uint4*)host_smem;")
     harness = "\n".join(['#include "runs.cuh"', moe, experts, _kernel("mla.cu"), EXPORTS])
-    headers = {name: _kernel(name) for name in ("quants.cuh", "runs.cuh", "iq_grids.cuh")}
+    headers = {name: _kernel(name) for name in ("quants.cuh", "runs.cuh", "iq_grids.cuh", "decode_tc.cuh")}
     headers["mma.cuh"] = (Path(__file__).parent / "host" / "mma.cuh").read_text()  # experts.cu's gemm_grouped
     return host_library(tmp_path_factory, "moe-mla-host", harness, headers)
 

@@ -1173,8 +1173,8 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         # faster of the two for decode, also at depth 4096: measured on an H200, see NOTES.md), or with
         # LEAT_CUDA_ATTENTION_TC=1 flash.cu's attention_tc (16 query heads a block on tensor cores; off by default)
         variant = "attention_wide" if n > quants.GEMV_MAX_TOKENS and dk % 8 == 0 else "attention"
-        tensor_cores = variant == "attention" and kind in FLASH_KINDS and dk == dv and dk in FLASH_DIMS
-        tc = tensor_cores and os.environ.get("LEAT_CUDA_ATTENTION_TC") == "1"
+        tc = os.environ.get("LEAT_CUDA_ATTENTION_TC") == "1" and variant == "attention"
+        tc = tc and kind in FLASH_KINDS and dk == dv and dk in FLASH_DIMS
         per_block, keys = (16, ATTENTION_TC_KEYS) if tc else (GROUP_HEADS, ATTENTION_SPLIT_KEYS)
         chunks = -(-(heads // kv_heads) // per_block)
         splits, split = self._decode_splits(n * kv_heads * chunks, span, keys)

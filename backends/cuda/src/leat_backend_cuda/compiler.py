@@ -21,7 +21,7 @@ from pathlib import Path
 
 from leat.errors import LeatError
 
-HEADERS = ("common.cuh", "kv.cuh", "quants.cuh", "runs.cuh", "iq_grids.cuh", "mma.cuh", "wgmma.cuh")
+HEADERS = ("common.cuh", "kv.cuh", "quants.cuh", "runs.cuh", "iq_grids.cuh", "mma.cuh", "wgmma.cuh", "decode_tc.cuh")
 OPTIONS = ("-std=c++17", "--fmad=true")
 
 

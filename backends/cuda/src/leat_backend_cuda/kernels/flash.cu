@@ -13,8 +13,7 @@
 // accumulation is float32. A q8_0 cache's keys and values are decoded into the same f16 tiles (q x d
 // exact in float32, then rounded to f16). Causal, windowed (`window` > 0) and soft-capped
 // (`softcap` > 0) as ops.cu's attention. The output is [n, heads, D] float32, normalized.
-#include "mma.cuh"
-#include "kv.cuh"
+#include "decode_tc.cuh"
 
 template <typename KV, int D>
 __global__ void __launch_bounds__(128) flash_attention(
@@ -153,9 +152,7 @@ __global__ void __launch_bounds__(128) flash_attention(
     if (g >= group) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        float total = l[h];
-        total += __shfl_xor_sync(FULL_MASK, total, 1);
-        total += __shfl_xor_sync(FULL_MASK, total, 2);
+        const float total = quad_sum(l[h]);
         if (!live[h]) continue;
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
         float* dst = out + ((i64)(first + tw + r0 + 8 * h) * heads + (i64)kvh * group + g) * D + 2 * (lane & 3);
@@ -187,11 +184,8 @@ __global__ void __launch_bounds__(128) attention_tc(
     const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * 16;
     const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r0 = lane >> 2;
-    const int slot = tok_slot[t], pos = tok_pos[t];
-    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     int begin, end;
-    split_range(lo, pos, slot, z, nsplit, keys, begin, end);
-    const int* table = page_table + (i64)max(slot, 0) * pages_per_slot;
+    const int* table = token_range(tok_slot, tok_pos, page_table, pages_per_slot, window, keys, begin, end);
     u16 *kt = tiles[warp][0], *vt = tiles[warp][1];
 
     uint4 kn[PER], vn[PER];  // the warp's next run of keys and values
@@ -260,15 +254,7 @@ __global__ void __launch_bounds__(128) attention_tc(
                 s[nt][i] = k0 + nt * 8 + 2 * (lane & 3) + (i & 1) < end ? v : NEG_INF;
             }
         softmax_tiles(s, m, l, o);
-        const u32 pa[4] = {pack_f16x2(s[0][0], s[0][1]), pack_f16x2(s[0][2], s[0][3]), pack_f16x2(s[1][0], s[1][1]),
-                           pack_f16x2(s[1][2], s[1][3])};
-#pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-            u32 t4[4];
-            ldmatrix_x4_trans(t4, vt + ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + dp * 16 + (lane >> 4) * 8);
-            mma_f16(o[2 * dp], pa, t4[0], t4[1]);
-            mma_f16(o[2 * dp + 1], pa, t4[2], t4[3]);
-        }
+        pv_tiles<D / 8, LD>(s, vt, 0, o);
         __syncwarp();  // the next run overwrites kt and vt
     }
 
@@ -277,9 +263,7 @@ __global__ void __launch_bounds__(128) attention_tc(
     float* values = (float*)&tiles[0][0][0];  // [warp][row][D]
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        float total = l[h];
-        total += __shfl_xor_sync(FULL_MASK, total, 1);
-        total += __shfl_xor_sync(FULL_MASK, total, 2);
+        const float total = quad_sum(l[h]);
         const int row = r0 + 8 * h;
         if ((lane & 3) == 0) {
             merge_m[warp][row] = m[h];

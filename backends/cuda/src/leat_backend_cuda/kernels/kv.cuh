@@ -99,13 +99,19 @@ __device__ __forceinline__ void sink_join(float s, float mx, float& sum, float& 
     a *= f;
 }
 
-// A decode attention block's positions [begin, end): split z of `nsplit` over its token's own range [lo, pos], in
-// equal parts rounded up to a multiple of `keys` (empty where the token has no slot). The launch's split count is
-// sized for the batch's deepest token or a graph's whole cache; cutting the token's range keeps a short one spread.
-__device__ __forceinline__ void split_range(int lo, int pos, int slot, int z, int nsplit, int keys, int& begin, int& end) {
+// A decode attention block's token t (blockIdx.x): its positions [begin, end), split z (blockIdx.z) of gridDim.z over
+// the token's own range [lo, pos] (lo = pos - window + 1 with a window, else 0), in equal parts rounded up to a
+// multiple of `keys` (empty where the token has no slot), and its slot's row of the page table. The launch's split
+// count is sized for the batch's deepest token or a graph's whole cache; cutting the token's range keeps a short one
+// spread.
+__device__ __forceinline__ const int* token_range(const int* tok_slot, const int* tok_pos, const int* page_table,
+                                                  int pages_per_slot, int window, int keys, int& begin, int& end) {
+    const int slot = tok_slot[blockIdx.x], pos = tok_pos[blockIdx.x];
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0, nsplit = gridDim.z;
     const int split = ((pos + 1 - lo + nsplit - 1) / nsplit + keys - 1) / keys * keys;
-    begin = lo + z * split;
+    begin = lo + (int)blockIdx.z * split;
     end = slot < 0 ? 0 : min(pos + 1, begin + split);
+    return page_table + (i64)max(slot, 0) * pages_per_slot;
 }
 
 // Eight floats (16-byte aligned) times `scale` as eight f16, for an mma operand's row.
@@ -113,40 +119,6 @@ __device__ __forceinline__ uint4 f16x8_scaled(const float* p, float scale) {
     const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
     return make_uint4(pack_f16x2(a.x * scale, a.y * scale), pack_f16x2(a.z * scale, a.w * scale),
                       pack_f16x2(b.x * scale, b.y * scale), pack_f16x2(b.z * scale, b.w * scale));
-}
-
-// An online-softmax step over a warp's 16 x 16 scores, two m16n8 accumulator tiles (s[nt][2h + e]: row lane / 4 + 8h,
-// key nt * 8 + 2 (lane % 4) + e; -inf where a key takes no part), for the decode kernels on tensor cores (flash.cu's
-// attention_tc, mla.cu's mla_attention_tc): the scores become probabilities exp(s - max), each row's running max m
-// and sum l (this lane's share; a quad adds them up at the end) move on, and the value tiles o are rescaled where a
-// row's max moved (a warp whose every row kept its max skips that: it would multiply by 1).
-template <int NO>
-__device__ __forceinline__ void softmax_tiles(float (&s)[2][4], float (&m)[2], float (&l)[2], float (&o)[NO][4]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
-        const float mn = fmaxf(m[h], mx), corr = mn == NEG_INF ? 1.0f : expf(m[h] - mn);
-        float sum = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float v = s[nt][2 * h + e], p = v == NEG_INF ? 0.0f : expf(v - mn);
-                s[nt][2 * h + e] = p;
-                sum += p;
-            }
-        l[h] = l[h] * corr + sum;
-        m[h] = mn;
-        if (__any_sync(FULL_MASK, corr != 1.0f)) {
-#pragma unroll
-            for (int i = 0; i < NO; ++i) {
-                o[i][2 * h] *= corr;
-                o[i][2 * h + 1] *= corr;
-            }
-        }
-    }
 }
 
 // Where a block's 4 warps each ran an online softmax over their share of the keys: for one head row th and value dim

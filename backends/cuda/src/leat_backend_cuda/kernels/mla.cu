@@ -3,8 +3,7 @@
 // `rank` entries (leat.mla; Backend.mla_attention). The page layout and the token arrays (slot -1:
 // a padding token) are those of ops.cu's kv_write with kv_heads 1 and dk = rank + rope; KV as there
 // (a q8_0 cache, KV = i8, has its scales in `ks`, and rank + rope a multiple of 32).
-#include "kv.cuh"
-#include "mma.cuh"
+#include "decode_tc.cuh"
 
 // Writes [latent[t], k_rope[t]] at each token's position; one block per token.
 template <typename KV>
@@ -36,10 +35,8 @@ __global__ void __launch_bounds__(128) mla_attention(
     int pages_per_slot, int page_size, int window, int keys, float scale) {
     const int t = blockIdx.x, h0 = blockIdx.y * GB, z = blockIdx.z, nsplit = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, dk = rank + rope;
-    const int slot = tok_slot[t], pos = tok_pos[t];
-    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     int begin, end;
-    split_range(lo, pos, slot, z, nsplit, keys, begin, end);
+    const int* table = token_range(tok_slot, tok_pos, page_table, pages_per_slot, window, keys, begin, end);
 
     float qv[GB][DL], m[GB], l[GB], acc[GB][DL];
 #pragma unroll
@@ -56,7 +53,6 @@ __global__ void __launch_bounds__(128) mla_attention(
         m[g] = NEG_INF;
         l[g] = 0.0f;
     }
-    const int* table = page_table + (i64)max(slot, 0) * pages_per_slot;
     constexpr int KB = 2;
     for (int p0 = begin + KB * warp; p0 < end; p0 += 4 * KB) {
         float kd[KB][DL];
@@ -115,11 +111,8 @@ __global__ void __launch_bounds__(128) mla_attention_tc(
     __shared__ float qscale[16];
     const int t = blockIdx.x, h0 = blockIdx.y * 16, z = blockIdx.z, nsplit = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r0 = lane >> 2;
-    const int slot = tok_slot[t], pos = tok_pos[t];
-    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     int begin, end;
-    split_range(lo, pos, slot, z, nsplit, keys, begin, end);
-    const int* table = page_table + (i64)max(slot, 0) * pages_per_slot;
+    const int* table = token_range(tok_slot, tok_pos, page_table, pages_per_slot, window, keys, begin, end);
 
     // a tile's pieces: keys k0 ... k0 + 15 (zeros past `end`), a key's DK values as f16; lane j < 16 of each warp
     // looks up key k0 + j's cache row, and a piece takes its key's by shuffle
@@ -189,24 +182,13 @@ __global__ void __launch_bounds__(128) mla_attention_tc(
                 s[nt][i] = k0 + key < end ? v * qscale[row] : NEG_INF;
             }
         softmax_tiles(s, m, l, o);
-        // O += P V over this warp's value dims
-        const u32 pa[4] = {pack_f16x2(s[0][0], s[0][1]), pack_f16x2(s[0][2], s[0][3]), pack_f16x2(s[1][0], s[1][1]),
-                           pack_f16x2(s[1][2], s[1][3])};
-#pragma unroll
-        for (int dp = 0; dp < DW / 16; ++dp) {
-            u32 t4[4];
-            ldmatrix_x4_trans(t4, kt + ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + DW * warp + dp * 16 + (lane >> 4) * 8);
-            mma_f16(o[2 * dp], pa, t4[0], t4[1]);
-            mma_f16(o[2 * dp + 1], pa, t4[2], t4[3]);
-        }
+        pv_tiles<DW / 8, LD>(s, kt, DW * warp, o);  // O += P V over this warp's value dims
         __syncthreads();  // the next tile overwrites kt and part
     }
 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        float total = l[h];
-        total += __shfl_xor_sync(FULL_MASK, total, 1);
-        total += __shfl_xor_sync(FULL_MASK, total, 2);
+        const float total = quad_sum(l[h]);
         const int row = r0 + 8 * h;
         if (h0 + row >= heads) continue;
         const i64 th = (i64)t * heads + h0 + row;

@@ -218,10 +218,8 @@ __global__ void __launch_bounds__(128) attention(
     const int t = blockIdx.x, kvh = blockIdx.y % kv_heads, g0 = (blockIdx.y / kv_heads) * GB;
     const int z = blockIdx.z, nsplit = gridDim.z, group = heads / kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int slot = tok_slot[t], pos = tok_pos[t];
-    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     int begin, end;
-    split_range(lo, pos, slot, z, nsplit, keys, begin, end);
+    const int* table = token_range(tok_slot, tok_pos, page_table, pages_per_slot, window, keys, begin, end);
 
     float qv[GB][DL], m[GB], l[GB], acc[GB][DL];
 #pragma unroll
@@ -236,7 +234,6 @@ __global__ void __launch_bounds__(128) attention(
         m[g] = NEG_INF;
         l[g] = 0.0f;
     }
-    const int* table = page_table + (i64)max(slot, 0) * pages_per_slot;
     // Each warp takes KB consecutive keys per step (positions begin + 4 * KB * step + KB * warp + j),
     // loading all of them before any arithmetic so their latencies overlap.
     constexpr int KB = 8;
