@@ -201,7 +201,7 @@ __global__ void rope_kv_write(const float* __restrict__ q, const float* __restri
 
 // Causal (optionally windowed, soft-capped) attention of each token's query heads over its slot's
 // cached positions, grouped-query: a block serves one token, one KV head and up to GB of the query
-// heads that share it, over split z of the token's own range (grid.z = splits; kv.cuh's split_range:
+// heads that share it, over split z of the token's own range (grid.z = splits; kv.cuh's token_range:
 // equal parts, rounded up to a multiple of `keys`).
 // Its 4 warps take turns over runs of 8 positions; a lane holds dims lane, lane + 32, ... (DL of them) of q,
 // k, v and the output; online softmax per head in float32. With one split the normalized output
