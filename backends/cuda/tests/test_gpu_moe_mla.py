@@ -204,8 +204,8 @@ def test_mla_attention_long_context_splits(cuda, oracle, monkeypatch):
 
 @pytest.mark.parametrize("kv_dtype,heads", [("f16", 16), ("q8_0", 40)])
 def test_mla_attention_on_tensor_cores(cuda, oracle, monkeypatch, kv_dtype, heads):
-    """mla_attention_tc (LEAT_CUDA_MLA_TC=1; DeepSeek's 512 + 64) for every row, prefill and decode, at depths up to
-    1,200: f16 queries and probabilities, the f16 bar."""
+    """mla_attention_tc (LEAT_CUDA_MLA_TC=1; DeepSeek's 512 + 64) for the decode steps (the prefill chunks take
+    mla_attention) at depths up to 1,200: f16 queries and probabilities, the f16 bar."""
     monkeypatch.setenv("LEAT_CUDA_MLA_GEMM", "0")
     monkeypatch.setenv("LEAT_CUDA_MLA_TC", "1")
     latent_long_context(cuda, oracle, (heads, 512, 64), 0.05, 2e-3, 14, kv_dtype)

@@ -277,12 +277,12 @@ def test_decode_attention_cuts_each_tokens_range_not_the_launchs(fake, tmp_path,
 
 @pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
 def test_decode_attention_on_tensor_cores_launches(fake, tmp_path, monkeypatch, kv_dtype):
-    """LEAT_CUDA_ATTENTION_TC=1: a captured one-token step of 64-dim heads (36 over 2 KV heads: 18 a KV head,
-    blocks of 16 and 2) launches flash.cu's attention_tc, with its PTX signature's arguments, ATTENTION_TC_KEYS as
-    the unit of its splits, and attention_combine's merge; a prefill keeps attention_wide or flash."""
+    """By default, a captured one-token step of 64-dim heads (36 over 2 KV heads: 18 a KV head, blocks of 16 and 2)
+    launches flash.cu's attention_tc, with its PTX signature's arguments, ATTENTION_TC_KEYS as the unit of its splits,
+    and attention_combine's merge; a prefill keeps attention_wide or flash."""
     from leat_backend_cuda.backend import ATTENTION_TC_KEYS
 
-    monkeypatch.setenv("LEAT_CUDA_ATTENTION_TC", "1")
+    monkeypatch.delenv("LEAT_CUDA_ATTENTION_TC", raising=False)
     params = Llama.tiny(width=36 * 64, heads=36, kv_heads=2, head_dim=64, context=4096)
     path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0, params=params)
     backend = CUDABackend()
@@ -308,6 +308,33 @@ def test_decode_attention_on_tensor_cores_launches(fake, tmp_path, monkeypatch, 
     }
     splits = tc[0][1][2]
     assert splits > 1 and [s[1][0] for s in seen if s[0] == "attention_combine"] == [36] * len(tc)
+
+
+@pytest.mark.parametrize(
+    "switch,kv_heads,tensor_cores", [(None, 2, True), (None, 12, False), ("0", 2, False), ("1", 12, True)]
+)
+def test_decode_attention_kernel_by_group_and_switch(fake, tmp_path, monkeypatch, switch, kv_heads, tensor_cores):
+    """A decode step takes attention_tc where a KV head has at least ATTENTION_TC_MIN_GROUP query heads (36 over 2:
+    18; over 12: 3 takes the SIMT kernel); LEAT_CUDA_ATTENTION_TC=0 never takes it, =1 at any group size."""
+    if switch is None:
+        monkeypatch.delenv("LEAT_CUDA_ATTENTION_TC", raising=False)
+    else:
+        monkeypatch.setenv("LEAT_CUDA_ATTENTION_TC", switch)
+    params = Llama.tiny(width=36 * 64, heads=36, kv_heads=kv_heads, head_dim=64, context=256)
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0, params=params)
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=1, context=256, dtype="f16")
+    launch, seen = driver.Kernel.__call__, []
+
+    def call(self, grid, block, *args, **kw):
+        seen.append(self.name)
+        return launch(self, grid, block, *args, **kw)
+
+    monkeypatch.setattr(driver.Kernel, "__call__", call)
+    model.forward(Batch([Row(0, 10, np.array([5]))]), kv)
+    decode = {name.split("<")[0] for name in seen if name.startswith("attention") and name != "attention_combine"}
+    assert decode == ({"attention_tc"} if tensor_cores else {"attention"})
 
 
 def test_steps_with_prefill_chunks_replay_a_graph(fake, tmp_path):

@@ -97,8 +97,13 @@ GROUP_HEADS = 4  # query heads per attention block (the GB template argument)
 #: position 128: 2.874 ms against 3.239 when a graph's split, sized for the whole cache, left it to one split)
 ATTENTION_SPLIT_KEYS = 32
 #: decode attention on tensor cores (flash.cu's attention_tc) takes a split's keys in multiples of this: a run of 16
-#: for each of its 4 warps. Off by default, not yet timed on a GPU against the kernel above: LEAT_CUDA_ATTENTION_TC=1
+#: for each of its 4 warps
 ATTENTION_TC_KEYS = 64
+#: attention_tc is the decode kernel for 64- and 128-dim heads over an f16 or q8_0 cache where a KV head has at least
+#: this many query heads (its mma rows; 4 is the fewest timed: H100, the 8B file's tg128 at depth 4096 303.0 and 298.8
+#: against 287.1 and 278.1 tok/s, at depth 0 335.6 and 344.2 against 336.8 and 331.2; fifty-first session).
+#: LEAT_CUDA_ATTENTION_TC=0: never, =1: at any group size
+ATTENTION_TC_MIN_GROUP = 4
 #: most splits attention_combine merges (its shared memory, COMBINE_MAX_SPLITS in ops.cu), and its threads a block
 COMBINE_MAX_SPLITS, COMBINE_THREADS = 1024, 128
 # KV storage: (the kernels' KV type, the element). q8_0 keeps GGUF's Q8_0 blocks (an f16 scale and 32 int8
@@ -1169,12 +1174,13 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         dl = next((d for d in (1, 2, 4, 8) if d >= lanes), None)
         if dl is None:
             raise LeatError(f"attention heads of {max(dk, dv)} dimensions exceed the kernel's 256")
-        # many query tokens (a prefill): one key per lane; a decode step: one key per warp step (the
-        # faster of the two for decode, also at depth 4096: measured on an H200, see NOTES.md), or with
-        # LEAT_CUDA_ATTENTION_TC=1 flash.cu's attention_tc (16 query heads a block on tensor cores; off by default)
+        # many query tokens (a prefill): one key per lane; a decode step: flash.cu's attention_tc (16 query heads a
+        # block on tensor cores, ATTENTION_TC_MIN_GROUP), else one key per warp step (the faster of the two SIMT
+        # kernels for decode, also at depth 4096: measured on an H200, see NOTES.md)
         variant = "attention_wide" if n > quants.GEMV_MAX_TOKENS and dk % 8 == 0 else "attention"
-        tc = os.environ.get("LEAT_CUDA_ATTENTION_TC") == "1" and variant == "attention"
-        tc = tc and kind in FLASH_KINDS and dk == dv and dk in FLASH_DIMS
+        switch = os.environ.get("LEAT_CUDA_ATTENTION_TC")
+        tc = switch == "1" or (switch != "0" and heads // kv_heads >= ATTENTION_TC_MIN_GROUP)
+        tc = tc and variant == "attention" and kind in FLASH_KINDS and dk == dv and dk in FLASH_DIMS
         per_block, keys = (16, ATTENTION_TC_KEYS) if tc else (GROUP_HEADS, ATTENTION_SPLIT_KEYS)
         chunks = -(-(heads // kv_heads) // per_block)
         splits, split = self._decode_splits(n * kv_heads * chunks, span, keys)

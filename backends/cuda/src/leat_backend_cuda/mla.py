@@ -15,7 +15,7 @@ import numpy as np
 from leat.batch import Batch
 from leat.errors import LeatError
 
-from leat_backend_cuda import cublas
+from leat_backend_cuda import cublas, quants
 from leat_backend_cuda.driver import DeviceArray, Module
 from leat_backend_cuda.moe import _ready
 
@@ -30,9 +30,11 @@ MLA_KERNELS = (
     + [f"mla_keys_f16<{kv}>" for kv in KV_TYPES.values()]
     + ["mla_q_f16", "mla_softmax_f16"]
 )
-#: decode on tensor cores (mla_attention_tc, DeepSeek's 512 + 64 over an f16 or q8_0 cache; 16 heads a block): a split's
-#: keys a multiple of this. Off by default, not yet timed on a GPU against mla_attention: LEAT_CUDA_MLA_TC=1
-MLA_TC_KEYS = 64
+#: decode on tensor cores (mla_attention_tc, DeepSeek's 512 + 64 over an f16 or q8_0 cache; 16 heads a block; rows of
+#: at most GEMV_MAX_TOKENS tokens, LEAT_CUDA_MLA_TC=0: never): a split's keys a multiple of this. H100, the
+#: DeepSeek-V2-Lite-shaped file's tg128, two rounds (fifty-first session): 32 keys 363.6 and 362.5 tok/s, at depth 4096
+#: 318.1 and 318.0; 64 keys 346.6 and 352.6, 324.8 and 312.1; mla_attention 331.4 and 341.2, 286.1 and 295.1
+MLA_TC_KEYS = 32
 #: rows of at least this many tokens take the cuBLAS prefill (where cuBLAS is; LEAT_CUDA_MLA_GEMM=0: never)
 MLA_GEMM_MIN_TOKENS = 16
 #: scores (query rows x keys) one cuBLAS product of the prefill writes at most: more queries go in pieces
@@ -85,7 +87,12 @@ class LatentAttentionOps:
         if any(long):  # the kernel below skips the long rows' tokens (slot -1), cuBLAS writes them after it
             lengths = [len(r.tokens) for r in batch.rows]
             slots = self._ints(np.repeat([-1 if g else r.slot for r, g in zip(batch.rows, long)], lengths))
-        tc = kind in ("u16", "i8") and (rank, rope) == (512, 64) and os.environ.get("LEAT_CUDA_MLA_TC") == "1"
+        # a prefill chunk keeps mla_attention: with mla_attention_tc for every row, pp512 on that file fell to
+        # 11,806-12,864 tok/s in 4 of 6 runs, against 17,905-18,205 in each of 3 without
+        decode = max(len(r.tokens) for r in batch.rows) <= quants.GEMV_MAX_TOKENS
+        tc = (
+            kind in ("u16", "i8") and (rank, rope) == (512, 64) and decode and os.environ.get("LEAT_CUDA_MLA_TC") != "0"
+        )
         name, per_block, keys = (f"mla_attention<{kind}, {dl}, {MLA_HEADS}>", MLA_HEADS, MLA_SPLIT_KEYS)
         if tc:
             name, per_block, keys = f"mla_attention_tc<{kind}, 512, 64>", 16, MLA_TC_KEYS

@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(128) flash_attention(
     }
 }
 
-// Decode attention on tensor cores (LEAT_CUDA_ATTENTION_TC=1; off by default, not yet timed on a GPU): ops.cu's
+// Decode attention on tensor cores (backend.py's ATTENTION_TC_MIN_GROUP; LEAT_CUDA_ATTENTION_TC=0: never): ops.cu's
 // attention (a block one token, one KV head and split z of the token's range, cut by token_range) with up to 16 of
 // the KV head's query heads (heads g0 ... g0 + 15 of its group, g0 = 16 (blockIdx.y / kv_heads)) as mma.sync's rows. Each warp takes its own
 // runs of 16 keys (runs warp, warp + 4, ... of the split; K and V through the warp's own shared tiles, the next run's

@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(128) mla_attention(
                             part_ml, part_acc);
 }
 
-// mla_attention on tensor cores (decode; LEAT_CUDA_MLA_TC=1, off by default, not yet timed on a GPU): a block serves one token, 16 of
+// mla_attention on tensor cores (decode at 512 + 64; LEAT_CUDA_MLA_TC=0: never): a block serves one token, 16 of
 // its query heads (mma.sync m16n8k16's m: every head reads the same latent keys) and split z of its range, cut as
 // mla_attention cuts it; the keys pass through shared memory 16 at a time, the next 16 loaded into registers while
 // the block works on these. Each of the 4 warps multiplies a quarter of the key dims (S = Q K^T, its 16 x 16 part
