@@ -134,9 +134,9 @@ def test_latent_decode_attention_cuts_each_tokens_range(fake, tmp_path, monkeypa
 def test_latent_decode_attention_on_tensor_cores_launches(fake, tmp_path, monkeypatch):
     """By default at DeepSeek's latent shape (512 + 64), a captured one-token step launches mla_attention_tc, a block
     of 16 heads (20 heads: two), with its signature's arguments (the fake driver checks them against the PTX) and
-    MLA_TC_KEYS as the unit of its splits; attention_combine merges them. A prefill chunk of 12 tokens (past
-    GEMV_MAX_TOKENS, short of the cuBLAS prefill's MLA_GEMM_MIN_TOKENS) keeps mla_attention, as does a decode step
-    with LEAT_CUDA_MLA_TC=0."""
+    MLA_TC_KEYS as the unit of its splits; attention_combine merges them. A captured step of 12 one-token rows and
+    a prefill chunk of 12 tokens (past GEMV_MAX_TOKENS, short of the cuBLAS prefill's MLA_GEMM_MIN_TOKENS) keep
+    mla_attention, as does a decode step with LEAT_CUDA_MLA_TC=0."""
     from leat_backend_cuda.backend import CUDABackend
     from leat_backend_cuda.mla import MLA_TC_KEYS
 
@@ -165,7 +165,10 @@ def test_latent_decode_attention_on_tensor_cores_launches(fake, tmp_path, monkey
     }
     assert len(splits) == 1 and splits.pop() > 1 and set(merged) == {seen[0][1][2]}
     seen.clear()
-    model.forward(Batch([Row(0, 101, np.arange(12))]), kv)
+    backend.run(model.forward, Batch([Row(0, 101, np.arange(12))]), kv)
+    assert len(seen) == 2 * model.params.layers and {name.split("<")[0] for name, *_ in seen} == {"mla_attention"}
+    seen.clear()
+    model.forward(Batch([Row(0, 113, np.arange(12))]), kv)
     monkeypatch.setenv("LEAT_CUDA_MLA_TC", "0")
-    model.forward(Batch([Row(0, 113, np.array([5]))]), kv)
+    model.forward(Batch([Row(0, 125, np.array([5]))]), kv)
     assert len(seen) == 2 * model.params.layers and {name.split("<")[0] for name, *_ in seen} == {"mla_attention"}

@@ -30,7 +30,7 @@ MLA_KERNELS = (
     + [f"mla_keys_f16<{kv}>" for kv in KV_TYPES.values()]
     + ["mla_q_f16", "mla_softmax_f16"]
 )
-#: decode on tensor cores (mla_attention_tc, DeepSeek's 512 + 64 over an f16 or q8_0 cache; 16 heads a block; rows of
+#: decode on tensor cores (mla_attention_tc, DeepSeek's 512 + 64 over an f16 or q8_0 cache; 16 heads a block; steps of
 #: at most GEMV_MAX_TOKENS tokens, LEAT_CUDA_MLA_TC=0: never): a split's keys a multiple of this. H100, the
 #: DeepSeek-V2-Lite-shaped file's tg128, two rounds (fifty-first session): 32 keys 363.6 and 362.5 tok/s, at depth 4096
 #: 318.1 and 318.0; 64 keys 346.6 and 352.6, 324.8 and 312.1; mla_attention 331.4 and 341.2, 286.1 and 295.1
@@ -87,9 +87,10 @@ class LatentAttentionOps:
         if any(long):  # the kernel below skips the long rows' tokens (slot -1), cuBLAS writes them after it
             lengths = [len(r.tokens) for r in batch.rows]
             slots = self._ints(np.repeat([-1 if g else r.slot for r, g in zip(batch.rows, long)], lengths))
-        # a prefill chunk keeps mla_attention: with mla_attention_tc for every row, pp512 on that file fell to
-        # 11,806-12,864 tok/s in 4 of 6 runs, against 17,905-18,205 in each of 3 without
-        decode = max(len(r.tokens) for r in batch.rows) <= quants.GEMV_MAX_TOKENS
+        # steps of at most GEMV_MAX_TOKENS tokens, as attention_tc's (a graph makes every token of a prefill chunk a
+        # row of its own): with mla_attention_tc for every step, pp512 on that file fell to 11,806-12,864 tok/s in 4
+        # of 6 runs, against 17,905-18,205 in each of 3 without; batched decode on it is not timed yet
+        decode = n <= quants.GEMV_MAX_TOKENS
         tc = (
             kind in ("u16", "i8") and (rank, rope) == (512, 64) and decode and os.environ.get("LEAT_CUDA_MLA_TC") != "0"
         )
