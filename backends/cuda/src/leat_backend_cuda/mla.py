@@ -23,10 +23,11 @@ MLA_HEADS = 4  # query heads per block (the GB template argument)
 MLA_SPLIT_KEYS = 64  # a decode split's positions are a multiple of this; the kernel cuts each token's range by it
 MLA_LANES = (1, 2, 4, 8, 12, 18)  # dims per lane instantiated (DL): up to 576 = DeepSeek's 512 + 64
 KV_TYPES = {"f32": "float", "f16": "u16", "q8_0": "i8"}  # q8_0: quants and scale planes as backend.KV_DTYPES
+MLA_TC_KINDS = ("u16", "i8")  # the caches mla_attention_tc reads: f16, q8_0
 MLA_KERNELS = (
     [f"mla_kv_write<{kv}>" for kv in KV_TYPES.values()]
     + [f"mla_attention<{kv}, {dl}, {MLA_HEADS}>" for kv in KV_TYPES.values() for dl in MLA_LANES]
-    + [f"mla_attention_tc<{kv}, 512, 64>" for kv in ("u16", "i8")]
+    + [f"mla_attention_tc<{kv}, 512, 64>" for kv in MLA_TC_KINDS]
     + [f"mla_keys_f16<{kv}>" for kv in KV_TYPES.values()]
     + ["mla_q_f16", "mla_softmax_f16"]
 )
@@ -89,10 +90,8 @@ class LatentAttentionOps:
             slots = self._ints(np.repeat([-1 if g else r.slot for r, g in zip(batch.rows, long)], lengths))
         # steps of at most GEMV_MAX_TOKENS tokens, as attention_tc's (a graph makes every token of a prefill chunk a
         # row of its own): one-token decode is what was timed; prompt chunks and batched decode on it are not
-        decode = n <= quants.GEMV_MAX_TOKENS
-        tc = (
-            kind in ("u16", "i8") and (rank, rope) == (512, 64) and decode and os.environ.get("LEAT_CUDA_MLA_TC") != "0"
-        )
+        tc = kind in MLA_TC_KINDS and (rank, rope) == (512, 64) and n <= quants.GEMV_MAX_TOKENS
+        tc = tc and os.environ.get("LEAT_CUDA_MLA_TC") != "0"
         name, per_block, keys = (f"mla_attention<{kind}, {dl}, {MLA_HEADS}>", MLA_HEADS, MLA_SPLIT_KEYS)
         if tc:
             name, per_block, keys = f"mla_attention_tc<{kind}, 512, 64>", 16, MLA_TC_KEYS

@@ -1,8 +1,17 @@
 // What the attention kernels (ops.cu, mla.cu) share: the KV cache's element types, float32, f16 (u16)
 // or q8_0 (i8), read as floats and written from floats; and the merge of a block's warps at the end. And what the
-// kernels that rotate k before writing it share with the rest: RoPE's pair rotation.
+// kernels that rotate k before writing it share with the rest: RoPE's pair rotation; and a row's binade, for
+// scaling it to f16.
 #pragma once
 #include "common.cuh"
+
+// e with `mx` in [2^(e-1), 2^e), 0 where mx is 0 or not finite: scaled by 2^(15 - e), a row whose largest magnitude
+// is mx has it in [2^14, 2^15), f16's top binade (x_to_f16's shift, the MLA kernels' f16 queries).
+__device__ __forceinline__ int binade(float mx) {
+    int e = 0;
+    if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);
+    return e;
+}
 
 // One RoPE pair: (xa, xb) rotated by `angle` (float64, as the oracle computes it), cos and sin times `magnitude`
 // (RopeSpec.attn_factor); each product and sum rounded on its own (no fused multiply-add), so that every kernel that

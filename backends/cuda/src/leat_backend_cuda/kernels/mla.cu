@@ -137,9 +137,7 @@ __global__ void __launch_bounds__(128) mla_attention_tc(
         auto value = [&](int d) { return d < RANK ? q_latent[th * RANK + d] : q_rope[th * ROPE + d - RANK]; };
         float mx = 0.0f;
         for (int d = lane; d < DK; d += 32) mx = fmaxf(mx, real ? fabsf(value(d)) : 0.0f);
-        mx = warp_max(mx);
-        int e = 0;
-        if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);
+        const int e = binade(warp_max(mx));
         const float f = ldexpf(1.0f, 15 - e);
         for (int d = lane; d < DK; d += 32) qs[r * LD + d] = real ? f32_to_f16(value(d) * f) : (u16)0;
         if (lane == 0) qscale[r] = scale * ldexpf(1.0f, e - 15);
@@ -217,9 +215,7 @@ extern "C" __global__ void mla_q_f16(const float* __restrict__ q_latent, const f
     const float *ql = q_latent + r * rank, *qr = q_rope + r * rope - rank;
     float mx = 0.0f;
     for (int d = threadIdx.x; d < dk; d += blockDim.x) mx = fmaxf(mx, fabsf(d < rank ? ql[d] : qr[d]));
-    mx = block_max(mx);
-    int e = 0;
-    if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);
+    const int e = binade(block_max(mx));
     const float f = ldexpf(1.0f, 15 - e);
     for (int d = threadIdx.x; d < dk; d += blockDim.x) qh[r * dk + d] = f32_to_f16((d < rank ? ql[d] : qr[d]) * f);
     if (threadIdx.x == 0) qscale[r] = ldexpf(1.0f, e - 15);

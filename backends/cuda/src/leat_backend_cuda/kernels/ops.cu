@@ -59,8 +59,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 // f16's absolute precision, 2^-25), else the one that puts mx in [2^14, 2^15). Rows left as they are (scale 1)
 // need no epilogue after cuBLAS (scale_rows_bias skips them).
 __device__ __forceinline__ int f16_shift(float mx) {
-    int e = 0;
-    if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);  // mx in [2^(e-1), 2^e)
+    const int e = binade(mx);
     return (e >= -5 && e <= 15) ? 0 : 15 - e;
 }
 
