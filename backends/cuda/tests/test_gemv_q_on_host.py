@@ -1,9 +1,10 @@
 """matmul.cu's gemv_q (one-token and two-token products with int16 x) compiled for the host with g++ and run with each
 CUDA thread a fiber (test_moe_mla_on_host.py's harness), against the float64 products: with a bias and a residual,
 the RMS norm inside, the gated unit, three segments in one launch (q, k and v), and the pipelined loop equal to the
-plain one bit for bit; and its ROPE epilogue (one token's q rotated out, k rotated and v written into the cache)
-equal to the products followed by rope_kv_write (ops.cu) bit for bit. The GPU tests check every instantiation on a GPU; these check the kernel's logic on any
-machine with g++ (skipped where it is missing)."""
+plain one bit for bit, the split over K (8 warps a block) within float32 rounding of the plain; and its ROPE
+epilogue (one token's q rotated out, k rotated and v written into the cache) equal to the products followed by
+rope_kv_write (ops.cu) bit for bit, split or not. The GPU tests check every instantiation on a GPU; these check the
+kernel's logic on any machine with g++ (skipped where it is missing)."""
 
 import ctypes
 import importlib.util
@@ -21,10 +22,11 @@ _spec.loader.exec_module(host)
 ptr, f32 = host.ptr, host.f32
 Q = gguf.GGMLQuantizationType
 
-# (struct, tokens, rows a warp, units, mode) of each exported instantiation: mode 1 norm, 2 gated unit, 4 pipelined;
-# TQ4_KP and TQ6_KP are the decode step's Q4_K and Q6_K products (64-value units)
+# (struct, tokens, rows a warp, units, mode) of each exported instantiation: mode 1 norm, 2 gated unit, 4 pipelined,
+# 32 split over K; TQ4_KP and TQ6_KP are the decode step's Q4_K and Q6_K products (64-value units)
 STRUCTS = {"TQ8_0": Q.Q8_0, "TQ4_0": Q.Q4_0, "TQ4_KP": Q.Q4_K, "TQ6_KP": Q.Q6_K}
-SHAPES = [(s, 1, r, u, m) for s in STRUCTS for r, u in ((8, 2), (2, 1)) for m in (0, 1, 4, 5)]
+SPLIT = quants.GEMV_Q_SPLIT
+SHAPES = [(s, 1, r, u, m) for s in STRUCTS for r, u in ((8, 2), (2, 1)) for m in (0, 1, 4, 5, SPLIT, SPLIT | 1)]
 SHAPES += [(s, 1, 1, 2, m) for s in STRUCTS for m in (2, 3, 6, 7)]
 SHAPES += [(s, 2, 2, 2, m) for s in ("TQ8_0", "TQ4_KP") for m in (0, 3, 4, 7)]
 
@@ -37,7 +39,7 @@ HARNESS = r"""
 template <class T, int NC, int R, int U, int MODE>
 void product(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 nb3, const float* x, float* y, float* y2,
              float* y3, const float* bias, const float* res, const float* nw, int M, int M2, int M3, int K, int grid) {
-    launch({(unsigned)grid, 1, 1}, 128, [=] {
+    launch({(unsigned)grid, 1, 1}, (MODE & SPLIT) ? 256 : 128, [=] {
         gemv_q<T, NC, R, U, MODE>(w, w2, w3, nb, nb2, nb3, x, y, y2, y3, bias, nullptr, nullptr, res, nw, 1e-5f, M, M2,
                                   M3, K, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0,
                                   0, 0.0f);
@@ -49,18 +51,21 @@ void product(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 nb3, 
                          int M3, int K, int grid) {                                                                   \
         product<T, NC, R, U, MODE>(w, w2, w3, nb, nb2, nb3, x, y, y2, y3, bias, res, nw, M, M2, M3, K, grid);        \
     }
+// blocks so far whose lanes passed different numbers of block barriers (the shim's count)
+extern "C" int uneven() { return uneven_blocks; }
 """ + "\n".join(f"PRODUCT({_name(s)}, {s[0]}, {s[1]}, {s[2]}, {s[3]}, {s[4]})" for s in SHAPES)
 
 ROPE_HARNESS = r"""
 // gemv_q<TQ8_0, 1 token, 8 rows a warp, 2 units, MODE> over up to three segments (q, k, v) with the norm inside;
-// MODE 1 plain, 17 with the ROPE epilogue
+// MODE 1 plain, 17 with the ROPE epilogue, 33 and 49 their splits over K
 template <int MODE>
 void rope_product(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 nb3, const float* x, float* y, float* y2,
              float* y3, const float* nw, int M, int M2, int M3, int K, int roles, const int* slots,
              const int* cache_pos, const int* table, const int* rope_pos, const double* inv_freq, void* kc, void* vc,
              int kv_f16, int head_dim, int dims, int per_slot, int page_size, float magnitude) {
     const unsigned groups = (unsigned)((M + 31) / 32 + (M2 + 31) / 32 + (M3 + 31) / 32);
-    launch({groups < 3 ? groups : 3, 1, 1}, 128, [=] {  // fewer blocks than groups: each takes several
+    // fewer blocks than groups: each takes several
+    launch({groups < 3 ? groups : 3, 1, 1}, (MODE & SPLIT) ? 256 : 128, [=] {
         gemv_q<TQ8_0, 1, 8, 2, MODE>(w, w2, w3, nb, nb2, nb3, x, y, y2, y3, nullptr, nullptr, nullptr, nullptr, nw, 1e-5f,
                                       M, M2, M3, K, roles, slots, cache_pos, table, rope_pos, inv_freq, kc, vc, kv_f16,
                                       head_dim, dims, per_slot, page_size, magnitude);
@@ -77,6 +82,8 @@ void rope_product(const u8* w, const u8* w2, const u8* w3, i64 nb, i64 nb2, i64 
     }
 PRODUCT(product_plain, 1)
 PRODUCT(product_rope, 17)
+PRODUCT(product_plain_split, 33)
+PRODUCT(product_rope_split, 49)
 // rope_kv_write as the backend launches it (one-token q and k without per-head norms)
 template <typename KV>
 void rope_kv(const float* q, const float* k, const float* v, float* qy, KV* kc, KV* vc, const int* table,
@@ -123,7 +130,7 @@ def _weights(qtype, rows, cols, rng):
     return stored, blocks, np.asarray(exact, np.float64)
 
 
-@pytest.mark.parametrize("shape", [s for s in SHAPES if not s[4] & 4], ids=_name)
+@pytest.mark.parametrize("shape", [s for s in SHAPES if not s[4] & (4 | SPLIT)], ids=_name)
 def test_gemv_q_against_float64_and_pipelined_equal_to_plain(kernels, shape):
     """Rows not a multiple of any group (three segments of 75, 40 and 33 rows; the gated unit 75), several steps a
     lane (960 columns: 60 units of 16 values, 30 of 32; 4,352 for the K types: 68 units of 64), a grid of 3 blocks
@@ -165,14 +172,59 @@ def test_gemv_q_against_float64_and_pipelined_equal_to_plain(kernels, shape):
         np.testing.assert_array_equal(pipelined, plain)
 
 
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[4] & SPLIT], ids=_name)
+def test_gemv_q_split_over_k_against_float64_and_plain(kernels, shape):
+    """The split over K (8 warps a block, warps w and w + 4 on the same rows, every other step of the units each):
+    three segments of 75, 40 and 33 rows (groups that end mid-group: warps with no rows, which must still meet the
+    block's barriers), rows of 3,840 values (240 units of 16, 120 of 32) or 8,448 (132 of 64) so that both halves of
+    a group's warps take several steps and the last one partial, a grid of 3 blocks for 7 groups or more; a bias and
+    a residual on the first segment; against the float64 products, and within float32 rounding of the plain
+    products (mode without SPLIT: the same sums added in another order). Every lane of a block passes the same
+    block barriers."""
+    struct, tokens, r, u, mode = shape
+    qtype = STRUCTS[struct]
+    rng = np.random.default_rng(7500 + SHAPES.index(shape))
+    cols, sizes = 3840 if quants.LAYOUTS[qtype].block == 32 else 8448, [75, 40, 33]
+    segments = [_weights(qtype, m, cols, rng) for m in sizes]
+    ws, nbs = [w for w, _, _ in segments], [nb for _, nb, _ in segments]
+    x, nw = f32(rng.standard_normal((tokens, cols)) * 2), f32(rng.standard_normal(cols))
+    bias, res = f32(rng.standard_normal(75)), f32(rng.standard_normal((tokens, 75)))
+    uneven = kernels.uneven()
+    results = []
+    for twin in (mode, mode & ~SPLIT):
+        outs = [np.full((tokens, m), np.nan, np.float32) for m in sizes]
+        run = getattr(kernels, _name((struct, tokens, r, u, twin)))
+        run(*map(ptr, ws), *map(ctypes.c_longlong, nbs), ptr(x), *map(ptr, outs), ptr(bias), ptr(res),
+            ptr(nw if mode & 1 else None), *sizes, cols, 3)  # fmt: skip
+        results.append(outs)
+    assert kernels.uneven() == uneven, "a block's lanes passed different numbers of barriers"
+    xr = x.astype(np.float64)
+    if mode & 1:
+        xr = xr / np.sqrt(np.mean(xr**2, axis=1, keepdims=True) + 1e-5) * nw
+    wants = [xr @ exact.T for _, _, exact in segments]
+    wants[0] = wants[0] + bias + res
+    for got, plain, want in zip(*results, wants, strict=True):
+        assert relative_error(got, want) < 3e-4, shape
+        assert relative_error(got, plain) < 1e-6, shape
+    assert any(not np.array_equal(*pair) for pair in zip(*results)), "the same bits: no split"
+
+
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("together", [True, False])
 @pytest.mark.parametrize("slot", [0, -1])
-def test_rope_epilogue_equals_products_then_rope_kv_write(kernels, cache, together, slot):
-    """q (4 heads), k and v (2 heads) of 32 dimensions, 24 of them rotated, from one normed x of 256 values; the
-    token at position 6 of a slot whose pages are out of order (slot -1: a padding row, which writes no cache)."""
+def test_rope_epilogue_equals_products_then_rope_kv_write(kernels, cache, together, slot, split):
+    """q (4 heads), k and v (2 heads) of 32 dimensions, 24 of them rotated, from one normed x of 256 values (2,048
+    split over K: both halves of a group's warps take units); the token at position 6 of a slot whose pages are out
+    of order (slot -1: a padding row, which writes no cache)."""
     rng = np.random.default_rng(31 + together)
-    heads, kv_heads, head_dim, dims, k_cols, page_size = 4, 2, 32, 24, 256, 4
+    heads, kv_heads, head_dim, dims, k_cols, page_size = 4, 2, 32, 24, 2048 if split else 256, 4
+    plain, fused = (
+        (kernels.product_plain_split, kernels.product_rope_split)
+        if split
+        else (kernels.product_plain, kernels.product_rope)
+    )
+    uneven = kernels.uneven()
     rows = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     data = [gguf.quants.quantize(f32(rng.standard_normal((m, k_cols))), Q.Q8_0) for m in rows]
     weights = [quants.device_bytes(Q.Q8_0, d) for d in data]  # as the backend uploads them (Q8_0: planes)
@@ -205,7 +257,7 @@ def test_rope_epilogue_equals_products_then_rope_kv_write(kernels, cache, togeth
 
     # the plain products, then rope_kv_write
     y = [np.full(m, np.nan, np.float32) for m in rows]
-    launch(kernels.product_plain, [0, 1, 2], list(y))
+    launch(plain, [0, 1, 2], list(y))
     normed = x.astype(np.float64) / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5) * nw
     for d, got in zip(data, y, strict=True):  # the products themselves: the float64 products of x's norm
         assert relative_error(got, gguf.quants.dequantize(d, Q.Q8_0).astype(np.float64) @ normed) < 3e-4
@@ -225,10 +277,11 @@ def test_rope_epilogue_equals_products_then_rope_kv_write(kernels, cache, togeth
     got_q = np.full(rows[0], np.nan, np.float32)
     got_k, got_v = np.zeros(size, CACHES[cache]), np.zeros(size, CACHES[cache])
     if together:
-        launch(kernels.product_rope, [0, 1, 2], [got_q], 1 | 2 << 2 | 3 << 4, (got_k, got_v))
+        launch(fused, [0, 1, 2], [got_q], 1 | 2 << 2 | 3 << 4, (got_k, got_v))
     else:
-        launch(kernels.product_rope, [0, 1], [got_q], 1 | 2 << 2, (got_k, got_v))
-        launch(kernels.product_rope, [2], [], 3, (got_k, got_v))
+        launch(fused, [0, 1], [got_q], 1 | 2 << 2, (got_k, got_v))
+        launch(fused, [2], [], 3, (got_k, got_v))
+    assert kernels.uneven() == uneven, "a block's lanes passed different numbers of barriers"
     np.testing.assert_array_equal(got_q, want_q)
     np.testing.assert_array_equal(got_k, want_k)
     np.testing.assert_array_equal(got_v, want_v)

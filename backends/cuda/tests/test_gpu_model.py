@@ -171,12 +171,14 @@ def test_fused_decode_equals_unfused(files, name):
     assert result.max_abs_logit_diff < 5e-3, str(result)
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
 @pytest.mark.parametrize("v_type", ["Q8_0", "Q4_0"])
-def test_rope_epilogue_equals_rope_kv_write(tmp_path, kv_dtype, v_type):
+def test_rope_epilogue_equals_rope_kv_write(tmp_path, kv_dtype, v_type, split):
     """One token a step, graph-replayed: q, k and v with RoPE and the cache write in gemv_q's epilogue (GEMV_Q_ROPE;
     v in a launch of its own where its type differs from q's and k's, as Q4_K_M's Q6_K v does) give the logits and
-    the cache that the products followed by rope_kv_write give, bit for bit."""
+    the cache that the products followed by rope_kv_write give, bit for bit; also with the small products split over
+    K (``split``: LEAT_CUDA_GEMV_SPLIT=1)."""
     import gguf
     from leat_backend_cuda.backend import CUDABackend
 
@@ -187,6 +189,7 @@ def test_rope_epilogue_equals_rope_kv_write(tmp_path, kv_dtype, v_type):
     results, taken = [], []
     for fused in (True, False):
         backend = CUDABackend(poison=True)
+        backend.gemv_split = split
         backend._write_kv_fused = _recorded(backend._write_kv_fused, taken) if fused else lambda *args: None
         model = load(path, backend)
         tokens = prompt(model, 10, seed=4)

@@ -115,16 +115,18 @@ def gate_and_up(cuda, oracle, qtype: Q, rows: int, cols: int, rng):
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_K, Q.IQ4_XS], ids=lambda q: q.name)
 def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
     """Each gemv_q the backend compiles (tokens, rows a warp, units in flight, mode), and the pipelined loop of each
-    (GEMV_Q_PIPE), its shape forced through quants.gemv_q_shape: plain with a bias, the RMS norm inside, the gated
-    unit, both; rows not a multiple of any group and long enough for several steps a lane; against the float64
-    products, and the pipelined loop equal to the plain one bit for bit (the same sums in the same order)."""
+    (GEMV_Q_PIPE) and the split over K of each one-token shape without the gated unit (GEMV_Q_SPLIT), its shape
+    forced through quants.gemv_q_shape: plain with a bias, the RMS norm inside, the gated unit, both; rows not a
+    multiple of any group and long enough for several steps a lane; against the float64 products, and the pipelined
+    loop equal to the plain one bit for bit (the same sums in the same order; the split's are in another order)."""
     assert quants.LAYOUTS[qtype].integer  # products of one token go through gemv_q
-    pipe = quants.GEMV_Q_PIPE
+    pipe, split = quants.GEMV_Q_PIPE, quants.GEMV_Q_SPLIT
     # (the ROPE twins write the cache: test_gpu_model.py's test_rope_epilogue_equals_rope_kv_write)
     variants = [(t, r, u, m) for t, r, u, m in quants.GEMV_Q_VARIANTS if not m & quants.GEMV_Q_ROPE]
-    plain = tuple(dict.fromkeys((t, r, u, m & ~pipe) for t, r, u, m in variants))
+    plain = tuple(dict.fromkeys((t, r, u, m & ~(pipe | split)) for t, r, u, m in variants))
     pipelined = tuple((t, r, u, m | pipe) for t, r, u, m in plain)
-    monkeypatch.setattr(quants, "GEMV_Q_VARIANTS", plain + pipelined)
+    splits = tuple((t, r, u, m | split) for t, r, u, m in plain if t == 1 and not m & quants.GEMV_Q_GLU)
+    monkeypatch.setattr(quants, "GEMV_Q_VARIANTS", plain + pipelined + splits)
     monkeypatch.setattr(cuda, "_modules", {})  # the type's kernels compiled again, with the pipelined ones
     rng = np.random.default_rng(6000 + int(qtype))
     cols = 2304 if quants.LAYOUTS[qtype].block == 256 else 2336
@@ -135,7 +137,7 @@ def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
     for tokens, r, u, mode in plain:
         x = rng.standard_normal((tokens, cols)) * 3
         results = []
-        for variant in (0, quants.GEMV_Q_PIPE):
+        for variant in (0, pipe) + ((split,) if (tokens, r, u, mode | split) in splits else ()):
             monkeypatch.setattr(quants, "gemv_q_shape", lambda *_, shape=(r, u, variant): shape)
             x_in = cuda_array(cuda, x)
             if mode & quants.GEMV_Q_NORM:
@@ -150,8 +152,9 @@ def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
             want = oracle.silu_mul(oracle.matmul(ref, ref_gate), oracle.matmul(ref, ref_up))
         else:
             want = oracle.matmul(ref, ref_gate, bias)
-        assert relative_error(results[-1], want) < 3e-4, (tokens, r, u, mode)
-        np.testing.assert_array_equal(results[-1], results[0])
+        for got in results:
+            assert relative_error(got, want) < 3e-4, (tokens, r, u, mode)
+        np.testing.assert_array_equal(results[1], results[0])
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,7 @@ struct Dim { unsigned x = 0, y = 0, z = 0; };
 inline Dim threadIdx, blockIdx;  // the running lane's, set before it is resumed
 inline Dim blockDim, gridDim;
 enum Wait : unsigned char { RUNNING, AT_BLOCK, AT_WARP, DONE };
-struct Lane { ucontext_t context; Wait wait = RUNNING; };
+struct Lane { ucontext_t context; Wait wait = RUNNING; unsigned barriers = 0; };  // block barriers passed
 struct HostBlock {
     std::vector<Lane> lanes;
     ucontext_t scheduler;
@@ -65,6 +65,9 @@ inline void* current_kernel;
 inline std::vector<std::unique_ptr<char[]>> lane_stacks;  // reused by every block
 constexpr size_t LANE_STACK = 256 << 10;
 inline float host_smem[1 << 16];
+// Blocks whose lanes passed different numbers of block barriers: a lane that skipped one the others waited at, which
+// a GPU may leave waiting for ever (here an exited lane releases the others, so it would go unseen)
+inline int uneven_blocks = 0;
 inline void wait_at(Wait barrier) {
     Lane& lane = current->lanes[threadIdx.x];
     lane.wait = barrier;
@@ -147,9 +150,18 @@ inline void run_block(HostBlock& b) {
             any |= lane.wait == AT_BLOCK;
             all &= lane.wait == AT_BLOCK || lane.wait == DONE;
         }
-        if (!any && all) return;  // every lane returned
+        if (!any && all) {  // every lane returned
+            bool even = true;
+            for (auto& lane : b.lanes) even &= lane.barriers == b.lanes[0].barriers;
+            uneven_blocks += !even;
+            return;
+        }
         if (!all) { fprintf(stderr, "lanes wait at different barriers\n"); abort(); }
-        for (auto& lane : b.lanes) lane.wait = lane.wait == AT_BLOCK ? RUNNING : lane.wait;
+        for (auto& lane : b.lanes)
+            if (lane.wait == AT_BLOCK) {
+                lane.wait = RUNNING;
+                ++lane.barriers;
+            }
     }
 }
 

@@ -466,6 +466,79 @@ def test_products_of_many_tokens_go_to_cublas_a_chunk_of_rows_at_a_time(fake):
     assert not backend.cublas.calls and any(f.startswith("_Z9gemm_rows") for f, _, _ in fake.launches)
 
 
+@pytest.mark.parametrize("switch", [None, "0", "1"])
+def test_one_token_products_split_over_k_where_switched_on(fake, tmp_path, monkeypatch, switch):
+    """With LEAT_CUDA_GEMV_SPLIT=1 a one-token decode step's products of few rows without the gated unit launch
+    gemv_q's split variants (GEMV_Q_SPLIT in the mode) with 8 warps a block and the reduction's shared memory after
+    x's: q, k and v with the RoPE epilogue and the norm inside, o and down with the residual, the output matrix with
+    the norm; gate and up stay whole. Unset or 0, none is split; a bad value is refused."""
+    from leat_backend_cuda import quants
+
+    if switch is None:
+        monkeypatch.delenv("LEAT_CUDA_GEMV_SPLIT", raising=False)
+    else:
+        monkeypatch.setenv("LEAT_CUDA_GEMV_SPLIT", switch)
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=1, context=64, dtype="f16")
+    model.forward(Batch([Row(0, 0, np.arange(5))]), kv)
+    launch, shared = fake.cuLaunchKernel, []
+
+    def recorded(f, gx, gy, gz, bx, by, bz, smem, *rest):
+        shared.append(smem)
+        return launch(f, gx, gy, gz, bx, by, bz, smem, *rest)
+
+    monkeypatch.setattr(fake, "cuLaunchKernel", recorded)
+    fake.launches.clear()
+    backend.to_host(model.forward(Batch([Row(0, 5, np.array([7]))]), kv))
+    # (rows a warp, mode, threads, shared memory) of each gemv_q<struct, tokens, rows a warp, units, mode> launched:
+    # the template's integers from the mangled symbol
+    products = [
+        (*(int(v) for v in re.findall(r"Li(\d+)E", f)[1::2]), threads, smem)
+        for (f, _, threads), smem in zip(fake.launches, shared, strict=True)
+        if kernel_name(f) == "gemv_q"
+    ]
+    split = quants.GEMV_Q_SPLIT if switch == "1" else 0
+    threads = quants.gemv_q_threads(split)
+    assert threads == (256 if switch == "1" else 128)
+    norm, glu, rope = quants.GEMV_Q_NORM, quants.GEMV_Q_GLU, quants.GEMV_Q_ROPE
+    width, ffn = model.params.width, model.params.ffn  # o's rows are as long as the others' (4 heads of 16)
+
+    def smem(cols: int) -> int:  # x's, and the reduction's of 2 rows a warp where split
+        return quants.gemv_q_smem(Q.Q8_0, 1, cols, 2 if split else 0)
+
+    layer = [
+        (2, norm | rope | split, threads, smem(width)),  # q, k and v: 128 rows
+        (2, split, threads, smem(width)),  # o, the residual added
+        (2, norm | glu, 128, quants.gemv_q_smem(Q.Q8_0, 1, width)),  # gate and up
+        (2, split, threads, smem(ffn)),  # down, the residual added
+    ]
+    assert sorted(products) == sorted(layer * model.params.layers + [(2, norm | split, threads, smem(width))])
+    for bad in ("2", "on", "yes"):
+        monkeypatch.setenv("LEAT_CUDA_GEMV_SPLIT", bad)
+        with pytest.raises(LeatError, match="LEAT_CUDA_GEMV_SPLIT"):
+            CUDABackend()
+
+
+def test_the_rule_splits_only_the_small_one_token_products():
+    """quants.gemv_q_shape with ``split``: Llama-3-8B's q, k and v (6,144 rows, the norm inside), o (4,096) and v alone
+    (1,024) take their whole shapes split over K; the gated unit, down (rows of 14,336 values), the output matrix and
+    two tokens are as without it. A split launch's shared memory (x's, then the reduction's) stays under
+    GEMV_Q_MAX_SMEM for every integer type up to the 8,192 values a row the rule splits."""
+    from leat_backend_cuda import quants
+
+    split, glu, norm = quants.GEMV_Q_SPLIT, quants.GEMV_Q_GLU, quants.GEMV_Q_NORM
+    for tokens, mode, rows, cols in [(1, norm, 6144, 4096), (1, 0, 4096, 4096), (1, 0, 1024, 4096)]:
+        r, u, variant = quants.gemv_q_shape(tokens, mode, rows, cols)
+        assert variant == 0 and quants.gemv_q_shape(tokens, mode, rows, cols, True) == (r, u, split)
+    for shape in [(1, norm | glu, 14336, 4096), (1, 0, 4096, 14336), (1, norm, 128256, 4096), (2, 0, 4096, 4096)]:
+        assert quants.gemv_q_shape(*shape, True) == quants.gemv_q_shape(*shape)
+    for qtype, layout in quants.LAYOUTS.items():
+        if layout.integer:
+            assert quants.gemv_q_smem(qtype, 1, 8192, 8) <= quants.GEMV_Q_MAX_SMEM, qtype
+
+
 def test_products_of_9_to_16_tokens_go_to_gemm_wg_on_hopper_where_turned_on(fake, monkeypatch):
     """On sm_90 (the fake device) with LEAT_CUDA_WGMMA=16, products of 9-16 tokens go to gemm_wg, ahead of cuBLAS
     and gemm_few: x put in its order once per weight type and token tile (q, k and v share it), split over K where

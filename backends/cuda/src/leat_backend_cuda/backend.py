@@ -175,6 +175,15 @@ FLAT_ATTENTION_BUDGET = 128 * 2048
 FLASH_TILES_THREADS = 1024  # ops.cu's flash_tiles: one block, a thread a token (TOKEN_BUCKETS[-1] at most)
 
 
+def gemv_split() -> bool:
+    """LEAT_CUDA_GEMV_SPLIT: 1 lets the shape rule split the small one-token products over K inside a block
+    (quants.GEMV_Q_SPLIT); 0 or unset (the default: no GPU has timed it) leaves them whole."""
+    setting = os.environ.get("LEAT_CUDA_GEMV_SPLIT", "").strip() or "0"
+    if setting not in ("0", "1"):
+        raise LeatError(f"LEAT_CUDA_GEMV_SPLIT={setting}: 0 (off) or 1 (the small one-token products split over K)")
+    return setting == "1"
+
+
 def _host_dequantizable() -> frozenset[Q]:
     """Types gguf-py can dequantize: the host fallback covers them."""
     out = set()
@@ -418,6 +427,8 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         #: token counts (first, last) that go to gemm_wg, Hopper's warpgroup products (wgmma.py; (1, 0): none)
         self.wg_tokens = wg_tokens(self.device.arch)
         self.wg_blocks = WG_BLOCKS_PER_SM * self.device.sm_count  # the blocks its split over K aims at
+        #: one-token products of few rows split over K inside their blocks (gemv_split: LEAT_CUDA_GEMV_SPLIT)
+        self.gemv_split = gemv_split()
         self._wg_orders: OrderedDict[tuple, tuple[DeviceArray, DeviceArray]] = OrderedDict()
         self._f16_weights = Memory(CUBLAS_SCRATCH_BYTES) if self.cublas else None
         #: bytes of f16 weight copies the upload may keep: a prefill product through cuBLAS then multiplies the
@@ -948,19 +959,21 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
                 for i, (w, _) in enumerate(segments)
             ]
         )
-        rows, units, variant = quants.gemv_q_shape(n, mode, sum(w.rows for w, _ in segments), k)
+        rows, units, variant = quants.gemv_q_shape(n, mode, sum(w.rows for w, _ in segments), k, self.gemv_split)
         if rope is not None:
             mode |= quants.GEMV_Q_ROPE
         kernel = first.kernels[quants.gemv_q_name(first.qtype, n, (rows, units), mode | variant)]
-        smem = quants.gemv_q_smem(first.qtype, n, k)
+        threads = quants.gemv_q_threads(variant)
+        smem = quants.gemv_q_smem(first.qtype, n, k, rows if variant & quants.GEMV_Q_SPLIT else 0)
+        assert smem <= quants.GEMV_Q_MAX_SMEM, "past the shared memory gemv_q's kernels are opted in to"
         groups = sum(-(-w.rows // (4 * rows)) for w, _ in segments)
-        grid = min(groups, self.device.sm_count * kernel.occupancy(128, smem))
+        grid = min(groups, self.device.sm_count * kernel.occupancy(threads, smem))
         padded = list(zip(segments, outs)) + [((None, None), None)] * (3 - len(segments))
         weights = [s[0] for s, _ in padded]
         second = up if up is not None else weights[1]
         kernel(
             (grid,),
-            128,
+            threads,
             first.ptr,
             second.ptr if second else 0,
             weights[2].ptr if weights[2] else 0,
@@ -1339,12 +1352,14 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
 
     def _rope_twin(self, x, group: list[Pending]) -> bool:
         """Whether the launch of ``group``'s products has a ROPE twin: the rule's shape for them, rows a warp even
-        and not pipelined, compiled with GEMV_Q_ROPE."""
+        and not pipelined (split or not), compiled with GEMV_Q_ROPE."""
         weight = group[0].fusion[2]
         mode = quants.GEMV_Q_NORM if isinstance(x, Pending) and x.waiting("norm") else 0
-        rows, units, variant = quants.gemv_q_shape(1, mode, sum(p.fusion[2].rows for p in group), weight.cols)
+        rows_all = sum(p.fusion[2].rows for p in group)
+        rows, units, variant = quants.gemv_q_shape(1, mode, rows_all, weight.cols, self.gemv_split)
         name = quants.gemv_q_name(weight.qtype, 1, (rows, units), mode | variant | quants.GEMV_Q_ROPE)
-        return variant == 0 and rows % 2 == 0 and weight.kernels is not None and name in weight.kernels.kernels
+        pipelined = variant & quants.GEMV_Q_PIPE
+        return not pipelined and rows % 2 == 0 and weight.kernels is not None and name in weight.kernels.kernels
 
     def _flash(self, q, kv: KVCache, layer: int, batch: Batch, cache, slots, positions, scale: float, softcap: float):
         """Tensor-core attention for a prefill over an f16 or q8_0 cache (kernels/flash.cu): the batch's rows cut

@@ -82,6 +82,10 @@ GEMV_Q_PIPE = 4
 #: gemv_q's fusion bit for RoPE and the cache write in its epilogue (one token; rows of q rotated into its output, of k
 #: rotated into the K cache, of v into the V cache: rope_kv_write's work without its launch)
 GEMV_Q_ROPE = 16
+#: gemv_q's mode bit for its split over K inside a block (8 warps, two a group of rows, each taking every other step of
+#: the units; their sums added in shared memory): a variant, not a fusion, for one token without the gated unit or the
+#: pipelined loop. Off by default (no GPU has timed it); LEAT_CUDA_GEMV_SPLIT=1 lets the rule take it (gemv_q_shape)
+GEMV_Q_SPLIT = 32
 #: tokens up to which gemv_q is instantiated with fusion modes
 GEMV_Q_FUSED_TOKENS = 2
 #: (tokens, rows per warp, units per lane, mode) of every gemv_q instantiation
@@ -92,24 +96,31 @@ GEMV_Q_VARIANTS = (
     + [(1, 1, 2, GEMV_Q_PIPE | m) for m in (2, 3)]
     + [(2, 2, 2, m) for m in (0, 1, 2, 3)]
     + [(3, 2, 1, 0), (4, 2, 1, 0)]
+    + [(1, r, u, m | GEMV_Q_SPLIT) for r, u in ((8, 2), (4, 2), (4, 1), (2, 2), (2, 1)) for m in (0, 1)]
 )
-#: the ROPE twins: the one-token shapes the rule gives q, k and v (rows a warp even, no gated unit, not pipelined)
+#: the ROPE twins: the one-token shapes the rule gives q, k and v (rows a warp even, no gated unit, not pipelined;
+#: split or not)
 GEMV_Q_VARIANTS += [
-    (1, r, u, m | GEMV_Q_ROPE) for t, r, u, m in GEMV_Q_VARIANTS if t == 1 and m in (0, 1) and r % 2 == 0
+    (1, r, u, m | GEMV_Q_ROPE)
+    for t, r, u, m in GEMV_Q_VARIANTS
+    if t == 1 and (m & ~GEMV_Q_SPLIT) in (0, 1) and r % 2 == 0
 ]
 #: gemv_q's last arguments where it has no ROPE epilogue: roles, the token slots, positions, page table, RoPE
 #: positions, frequencies, K and V caches; f16 or not, head_dim, dims, pages a slot, page size, the factor
 GEMV_Q_NO_ROPE: tuple = (0, None, None, None, None, None, None, None, 0, 0, 0, 0, 0, 0.0)
 
 
-def gemv_q_shape(tokens: int, mode: int, rows: int, cols: int) -> tuple[int, int, int]:
+def gemv_q_shape(tokens: int, mode: int, rows: int, cols: int, split: bool = False) -> tuple[int, int, int]:
     """Rows per warp and units in flight per lane for a product of this shape, as measured on an H200 for one token
     (``scripts/decode_shapes.py``: each kind of product of a decode step tried in every shape): the gated unit over
     many rows one row a warp (two with its up row), two units in flight, pipelined; products of 4,096 rows and more
     over rows of more than 8,192 values (down) four rows a warp, one unit, pipelined; other products of 4,096 rows
     and more four rows a warp (eight with the norm inside: q, k and v), two units in flight, but for the output
-    matrix; fewer rows (v alone) two by two. The third number is the variant's mode bits (GEMV_Q_PIPE or 0), added
-    to the fusions'."""
+    matrix; fewer rows (v alone) two by two. The third number is the variant's mode bits (GEMV_Q_PIPE,
+    GEMV_Q_SPLIT or 0), added to the fusions'. With ``split`` (LEAT_CUDA_GEMV_SPLIT=1) the one-token products of
+    fewer than 8,192 rows of at most 8,192 values without the gated unit (q, k and v, the output matrix, v alone)
+    take the same shapes split over K (GEMV_Q_SPLIT); their reduction's shared memory, at most 4 KiB, keeps x's
+    far under GEMV_Q_MAX_SMEM."""
     if tokens > 2:
         return 2, 1, 0
     if tokens == 2:
@@ -122,9 +133,10 @@ def gemv_q_shape(tokens: int, mode: int, rows: int, cols: int) -> tuple[int, int
         return 8, 1, 0
     if rows >= 4096 and cols > 8192:
         return 4, 1, GEMV_Q_PIPE
+    variant = GEMV_Q_SPLIT if split and cols <= 8192 else 0
     if rows >= 4096:
-        return (8, 2, 0) if mode & GEMV_Q_NORM else (4, 2, 0)
-    return 2, 2, 0
+        return (8, 2, variant) if mode & GEMV_Q_NORM else (4, 2, variant)
+    return 2, 2, variant
 
 
 #: (tiles NT, row tiles RT) of every gemm_few instantiation: products of up to 8 * NT tokens, 16 * RT rows a block
@@ -160,11 +172,18 @@ def unit_shape(qtype: Q) -> tuple[int, int]:
     return UNIT_SHAPES.get(LAYOUTS[qtype].dot_struct, (32, 2))
 
 
-def gemv_q_smem(qtype: Q, tokens: int, cols: int) -> int:
-    """Shared memory of gemv_q: per token and unit (padded to 32), int16 x plus a scale and a sum per run."""
+def gemv_q_smem(qtype: Q, tokens: int, cols: int, split_rows: int = 0) -> int:
+    """Shared memory of gemv_q: per token and unit (padded to 32), int16 x plus a scale and a sum per run; a split
+    variant (GEMV_Q_SPLIT) of ``split_rows`` rows a warp adds its reduction after them, a float per lane, row and
+    token for each of 4 warps."""
     values, runs = unit_shape(qtype)
     units = -(-(cols // values) // 32) * 32
-    return tokens * units * (values * 2 + runs * 8)
+    return tokens * units * (values * 2 + runs * 8) + 4 * 32 * split_rows * tokens * 4
+
+
+def gemv_q_threads(mode: int) -> int:
+    """Threads a block of gemv_q with these mode bits: 8 warps split over K (GEMV_Q_SPLIT), else 4."""
+    return 256 if mode & GEMV_Q_SPLIT else 128
 
 
 def gemm_name(qtype: Q, kt: int) -> str:

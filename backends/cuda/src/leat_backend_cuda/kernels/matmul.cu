@@ -95,10 +95,16 @@ __global__ void __launch_bounds__(128) gemv(const u8* __restrict__ w, i64 nb, co
 // (roles >> 2s) & 3, is 0 (to its y, as without ROPE), 1 (q: rotated pair by pair, rows 2i and 2i + 1 of each head of
 // `head_dim` rows, into its y), 2 (k: rotated the same way, into the cache's K rows) or 3 (v: into the cache's V
 // rows of `dv`): rope_kv_write's values bit for bit (rope_pair; kv_put's f16 rounding), with no launch of its own.
+//
+// With SPLIT (a variant, not a fusion; not with GLU or PIPE) a block has 8 warps, and warps w and w + 4 share the
+// same rows, each taking every other step of the units: twice the warps in flight for the same prologue, where few
+// rows leave the multiprocessors short of warps. Warp w + 4 adds its sums to warp w's through shared memory, after
+// x's runs, and warp w alone writes the rows. The sums are added in another order than without SPLIT.
 #define NORM 1
 #define GLU 2
 #define PIPE 4
 #define ROPE 16
+#define SPLIT 32
 
 // Where gemv_q's ROPE epilogue puts its rows: the token's rotation (its RoPE position, the float64 frequencies, the
 // rotated dimensions of a head and the factor) and its cache row (its position in its page, the caches: f16 or
@@ -231,7 +237,7 @@ __device__ __forceinline__ void gemv_q_rows_out(const float (&acc)[RR][NC], floa
 }
 
 template <class T, int NC, int R, int U, int MODE>
-__global__ void __launch_bounds__(128) gemv_q(
+__global__ void __launch_bounds__((MODE & SPLIT) ? 256 : 128) gemv_q(
     const u8* __restrict__ w, const u8* __restrict__ w2, const u8* __restrict__ w3, i64 nb, i64 nb2, i64 nb3,
     const float* __restrict__ x, float* __restrict__ y, float* __restrict__ y2, float* __restrict__ y3,
     const float* __restrict__ bias, const float* __restrict__ bias2, const float* __restrict__ bias3,
@@ -241,6 +247,7 @@ __global__ void __launch_bounds__(128) gemv_q(
     int head_dim, int dims, int pages_per_slot, int page_size, float magnitude) {
     constexpr int RR = (MODE & GLU) ? 2 * R : R;
     static_assert(!(MODE & ROPE) || (NC == 1 && !(MODE & (GLU | PIPE)) && R % 2 == 0), "ROPE: one token, R even");
+    static_assert(!((MODE & SPLIT) && (MODE & (GLU | PIPE))), "SPLIT: the plain loop, without the gated unit");
     extern __shared__ uint4 xsh[];
     const int bpr = K / T::BLOCK, upr = bpr * T::UNITS, lines = (upr + 31) >> 5;
     int page = -1;  // ROPE: the token's cache page (loaded ahead: its loads overlap x's quantizing)
@@ -265,6 +272,11 @@ __global__ void __launch_bounds__(128) gemv_q(
 #define GEMV_Q_ZERO \
     _Pragma("unroll") for (int r = 0; r < RR; ++r) _Pragma("unroll") for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f
     if constexpr ((MODE & PIPE) == 0) {
+        // SPLIT: warps quad and quad + 4 take the same rows, part 0 the even steps of the units, part 1 the odd ones
+        // (without it, 4 warps a block: quad is the warp)
+        constexpr int KS = (MODE & SPLIT) ? 2 : 1;
+        const int warp = threadIdx.x >> 5;
+        const int quad = (MODE & SPLIT) ? warp & 3 : warp, part = (MODE & SPLIT) ? warp >> 2 : 0;
         for (int group = blockIdx.x; group < groups; group += gridDim.x) {
             // GemvRows::at's work written out: through the struct NVRTC 13 gives the gated unit (1 x 2) 117 registers
             // for sm_90 where this takes 96
@@ -275,17 +287,39 @@ __global__ void __launch_bounds__(128) gemv_q(
             float* ys = seg == 0 ? y : seg == 1 ? y2 : y3;
             const float* bs = seg == 0 ? bias : seg == 1 ? bias2 : bias3;
             const int Ms = seg == 0 ? M : seg == 1 ? M2 : M3;
-            const int row0 = ((group - (seg == 0 ? 0 : seg == 1 ? g1 : g2)) * 4 + (threadIdx.x >> 5)) * R;
-            if (row0 >= Ms) continue;
+            const int row0 = ((group - (seg == 0 ? 0 : seg == 1 ? g1 : g2)) * 4 + quad) * R;
+            // a warp past its segment's last row has nothing to do; with SPLIT it still meets the block's barriers
+            if constexpr (KS == 1) {
+                if (row0 >= Ms) continue;
+            }
+            const int end = KS == 1 || row0 < Ms ? upr : 0;
             i64 first[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) first[r] = (i64)min(row0 + r, Ms - 1) * bpr;
             float acc[RR][NC];  // a lane's sums for its warp's rows
             GEMV_Q_ZERO;
-            for (int base = lane; base < upr; base += 32 * U) {
+            for (int base = lane + 32 * U * part; base < end; base += 32 * U * KS) {
                 typename T::Raw raw[U][RR];
                 load_units<T, U, RR, R>(raw, ws, wu, nbs, first, base, upr);
                 gemv_q_step<T, NC, U, RR>(raw, base, upr, xsh, lines, lane, acc);
+            }
+            if constexpr (KS == 2) {  // part 1's sums into part 0's, in shared memory after x's runs and sums
+                float* red = (float*)(xsh + NC * lines * (T::UV / 8) * 32) + 2 * NC * lines * T::NR * 32;
+                if (part == 1) {
+#pragma unroll
+                    for (int r = 0; r < RR; ++r)
+#pragma unroll
+                        for (int c = 0; c < NC; ++c) red[((quad * RR + r) * NC + c) * 32 + lane] = acc[r][c];
+                }
+                __syncthreads();
+                if (part == 0) {
+#pragma unroll
+                    for (int r = 0; r < RR; ++r)
+#pragma unroll
+                        for (int c = 0; c < NC; ++c) acc[r][c] += red[((quad * RR + r) * NC + c) * 32 + lane];
+                }
+                __syncthreads();  // read before the next group's sums are written
+                if (part == 1 || row0 >= Ms) continue;
             }
             const int role = (MODE & ROPE) ? (roles >> (2 * seg)) & 3 : 0;
             if constexpr ((MODE & ROPE) != 0) {
