@@ -96,7 +96,7 @@ GEMV_Q_VARIANTS = (
     + [(1, 1, 2, GEMV_Q_PIPE | m) for m in (2, 3)]
     + [(2, 2, 2, m) for m in (0, 1, 2, 3)]
     + [(3, 2, 1, 0), (4, 2, 1, 0)]
-    + [(1, r, u, m | GEMV_Q_SPLIT) for r, u in ((8, 2), (4, 2), (4, 1), (2, 2), (2, 1)) for m in (0, 1)]
+    + [(1, r, u, m | GEMV_Q_SPLIT) for r, u, m in ((8, 2, 1), (4, 2, 0), (2, 2, 0), (2, 2, 1))]  # the rule's (split)
 )
 #: the ROPE twins: the one-token shapes the rule gives q, k and v (rows a warp even, no gated unit, not pipelined;
 #: split or not)
