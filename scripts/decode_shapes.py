@@ -12,8 +12,8 @@ and timed on the device (``bench.step_ms``) at ``--position``; each figure is th
 The shapes not in ``quants.GEMV_Q_VARIANTS`` are compiled beside the backend's own (the gated unit's only up to 4
 rows-and-units: it holds twice the weights), with the ROPE twins of the shapes q, k and v can take (rows a warp even,
 not pipelined: a one-token step rotates and writes the cache in their epilogue; a shape without a twin falls back to
-rope_kv_write). The split shapes (GEMV_Q_SPLIT: 8 warps a block, two a group of rows) are not tried for the gated
-unit, and have ROPE twins where their rows a warp are even. ``--pipelined`` tries only the pipelined shapes,
+rope_kv_write). The split shapes (GEMV_Q_SPLIT: 8 warps a block, two a group of rows) have ROPE twins where their
+rows a warp are even. ``--pipelined`` tries only the pipelined shapes,
 ``--split`` only the split ones; ``--rows`` only the kinds of those row counts (e.g. the q/k/v launches: 6144 5120
 1024 on Llama-3-8B, 4096 its output matrix). The rule's own choice follows LEAT_CUDA_GEMV_SPLIT. Needs a GPU.
 """
@@ -30,7 +30,7 @@ SHAPES = [
 ]
 # the pipelined loop holds the next step's weights too: the shapes whose loads fit twice
 SHAPES += [(r, u, quants.GEMV_Q_PIPE) for r, u in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2))]
-# split over K: a warp takes every other step of its rows' units (not with the gated unit)
+# split over K: a warp takes every other step of its rows' units
 SHAPES += [(r, u, quants.GEMV_Q_SPLIT) for r, u in ((8, 2), (4, 2), (4, 1), (2, 2), (2, 1), (1, 2))]
 
 
@@ -43,7 +43,7 @@ def main() -> None:
     pipe, glu, split_bit = quants.GEMV_Q_PIPE, quants.GEMV_Q_GLU, quants.GEMV_Q_SPLIT
     shapes = [s for s in SHAPES if (not args.pipelined or s[2] & pipe) and (not args.split or s[2] & split_bit)]
     modes = range(2) if args.rows else range(4)  # q, k and v's launches have no gated unit: fewer to compile
-    products = [(1, r, u, m | v) for r, u, v in shapes for m in modes if not (v & split_bit and m & glu)]
+    products = [(1, r, u, m | v) for r, u, v in shapes for m in modes]
     rope = [(1, r, u, m | v | quants.GEMV_Q_ROPE) for r, u, v in shapes if r % 2 == 0 and not v & pipe for m in (0, 1)]
     quants.GEMV_Q_VARIANTS = tuple(dict.fromkeys([*quants.GEMV_Q_VARIANTS, *products, *rope]))
     default_rule = quants.gemv_q_shape
@@ -73,7 +73,7 @@ def main() -> None:
         best[key] = (default, base)
         for shape in shapes:
             loads = shape[0] * shape[1] * (2 if shape[2] & pipe else 1)  # rows x units a lane holds
-            if shape == default or loads > (4 if key[0] & glu else 16) or (shape[2] & split_bit and key[0] & glu):
+            if shape == default or loads > (4 if key[0] & glu else 16):
                 continue
             chosen[key] = shape
             ms = step()

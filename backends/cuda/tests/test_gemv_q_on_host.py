@@ -27,7 +27,7 @@ Q = gguf.GGMLQuantizationType
 STRUCTS = {"TQ8_0": Q.Q8_0, "TQ4_0": Q.Q4_0, "TQ4_KP": Q.Q4_K, "TQ6_KP": Q.Q6_K}
 SPLIT = quants.GEMV_Q_SPLIT
 SHAPES = [(s, 1, r, u, m) for s in STRUCTS for r, u in ((8, 2), (2, 1)) for m in (0, 1, 4, 5, SPLIT, SPLIT | 1)]
-SHAPES += [(s, 1, 1, 2, m) for s in STRUCTS for m in (2, 3, 6, 7)]
+SHAPES += [(s, 1, 1, 2, m) for s in STRUCTS for m in (2, 3, 6, 7, SPLIT | 2, SPLIT | 3)]
 SHAPES += [(s, 2, 2, 2, m) for s in ("TQ8_0", "TQ4_KP") for m in (0, 3, 4, 7)]
 
 
@@ -130,19 +130,18 @@ def _weights(qtype, rows, cols, rng):
     return stored, blocks, np.asarray(exact, np.float64)
 
 
-@pytest.mark.parametrize("shape", [s for s in SHAPES if not s[4] & (4 | SPLIT)], ids=_name)
-def test_gemv_q_against_float64_and_pipelined_equal_to_plain(kernels, shape):
-    """Rows not a multiple of any group (three segments of 75, 40 and 33 rows; the gated unit 75), several steps a
-    lane (960 columns: 60 units of 16 values, 30 of 32; 4,352 for the K types: 68 units of 64), a grid of 3 blocks
-    for more groups (each block takes several); a bias and a residual on the first segment; the pipelined twin
-    (mode | 4) gives the same bits."""
+def _products(kernels, shape, twins, cols, seed):
+    """Run gemv_q ``shape`` and each mode of ``twins`` on the same weights and x: three segments of 75, 40 and 33 rows
+    (rows not a multiple of any group: warps with no rows) with a bias and a residual on the first, or the gated
+    unit's gate and up of 75 rows (no bias, no residual); a grid of 3 blocks for more groups (each block takes
+    several). Returns each twin's outputs and the float64 products they must match."""
     struct, tokens, r, u, mode = shape
     qtype = STRUCTS[struct]
-    rng = np.random.default_rng(7000 + SHAPES.index(shape))
-    cols, gated = 960 if quants.LAYOUTS[qtype].block == 32 else 4352, bool(mode & 2)
+    rng = np.random.default_rng(seed + SHAPES.index(shape))
+    gated = bool(mode & 2)
     sizes = [75] if gated else [75, 40, 33]
     segments = [_weights(qtype, m, cols, rng) for m in sizes]
-    if gated:  # gate and up: w and w2, both of the gate's blocks (nb); no bias, no residual
+    if gated:  # gate and up: w and w2, both of the gate's blocks (nb)
         segments.append(_weights(qtype, sizes[0], cols, rng))
         ws, nbs, ms = [segments[0][0], segments[1][0], None], [segments[0][1], 0, 0], [sizes[0], 0, 0]
     else:
@@ -150,7 +149,7 @@ def test_gemv_q_against_float64_and_pipelined_equal_to_plain(kernels, shape):
     x, nw = f32(rng.standard_normal((tokens, cols)) * 2), f32(rng.standard_normal(cols))
     bias, res = (None, None) if gated else (f32(rng.standard_normal(75)), f32(rng.standard_normal((tokens, 75))))
     results = []
-    for twin in (mode, mode | 4):
+    for twin in twins:
         outs = [np.full((tokens, m), np.nan, np.float32) for m in ms[: len(sizes)]]
         run = getattr(kernels, _name((struct, tokens, r, u, twin)))
         run(*map(ptr, ws), *map(ctypes.c_longlong, nbs), ptr(x), *map(ptr, outs + [None] * (3 - len(outs))),
@@ -166,47 +165,38 @@ def test_gemv_q_against_float64_and_pipelined_equal_to_plain(kernels, shape):
     else:
         wants = [xr @ exact.T for _, _, exact in segments]
         wants[0] = wants[0] + bias + res
-    for got, want in zip(results[0], wants, strict=True):
+    return results, wants
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if not s[4] & (4 | SPLIT)], ids=_name)
+def test_gemv_q_against_float64_and_pipelined_equal_to_plain(kernels, shape):
+    """_products' cases with several steps a lane (960 columns: 60 units of 16 values, 30 of 32; 4,352 for the K
+    types: 68 units of 64); the pipelined twin (mode | 4) gives the same bits."""
+    mode = shape[4]
+    cols = 960 if quants.LAYOUTS[STRUCTS[shape[0]]].block == 32 else 4352
+    (plain, pipelined), wants = _products(kernels, shape, (mode, mode | 4), cols, 7000)
+    for got, want in zip(plain, wants, strict=True):
         assert relative_error(got, want) < 3e-4, shape
-    for plain, pipelined in zip(*results, strict=True):
-        np.testing.assert_array_equal(pipelined, plain)
+    for a, b in zip(plain, pipelined, strict=True):
+        np.testing.assert_array_equal(b, a)
 
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[4] & SPLIT], ids=_name)
 def test_gemv_q_split_over_k_against_float64_and_plain(kernels, shape):
-    """The split over K (8 warps a block, warps w and w + 4 on the same rows, every other step of the units each):
-    three segments of 75, 40 and 33 rows (groups that end mid-group: warps with no rows, which must still meet the
-    block's barriers), rows of 3,840 values (240 units of 16, 120 of 32) or 8,448 (132 of 64) so that both halves of
-    a group's warps take several steps and the last one partial, a grid of 3 blocks for 7 groups or more; a bias and
-    a residual on the first segment; against the float64 products, and within float32 rounding of the plain
-    products (mode without SPLIT: the same sums added in another order). Every lane of a block passes the same
-    block barriers."""
-    struct, tokens, r, u, mode = shape
-    qtype = STRUCTS[struct]
-    rng = np.random.default_rng(7500 + SHAPES.index(shape))
-    cols, sizes = 3840 if quants.LAYOUTS[qtype].block == 32 else 8448, [75, 40, 33]
-    segments = [_weights(qtype, m, cols, rng) for m in sizes]
-    ws, nbs = [w for w, _, _ in segments], [nb for _, nb, _ in segments]
-    x, nw = f32(rng.standard_normal((tokens, cols)) * 2), f32(rng.standard_normal(cols))
-    bias, res = f32(rng.standard_normal(75)), f32(rng.standard_normal((tokens, 75)))
+    """The split over K (8 warps a block, warps w and w + 4 on the same rows, every other step of the units each) in
+    _products' cases (warps with no rows must still meet the block's barriers), rows of 3,840 values (240 units of
+    16, 120 of 32) or 8,448 (132 of 64) so that both halves of a group's warps take several steps and the last one
+    partial; against the float64 products, and within float32 rounding of the plain products (mode without SPLIT:
+    the same sums added in another order). Every lane of a block passes the same block barriers."""
+    mode = shape[4]
+    cols = 3840 if quants.LAYOUTS[STRUCTS[shape[0]]].block == 32 else 8448
     uneven = kernels.uneven()
-    results = []
-    for twin in (mode, mode & ~SPLIT):
-        outs = [np.full((tokens, m), np.nan, np.float32) for m in sizes]
-        run = getattr(kernels, _name((struct, tokens, r, u, twin)))
-        run(*map(ptr, ws), *map(ctypes.c_longlong, nbs), ptr(x), *map(ptr, outs), ptr(bias), ptr(res),
-            ptr(nw if mode & 1 else None), *sizes, cols, 3)  # fmt: skip
-        results.append(outs)
+    (split, plain), wants = _products(kernels, shape, (mode, mode & ~SPLIT), cols, 7500)
     assert kernels.uneven() == uneven, "a block's lanes passed different numbers of barriers"
-    xr = x.astype(np.float64)
-    if mode & 1:
-        xr = xr / np.sqrt(np.mean(xr**2, axis=1, keepdims=True) + 1e-5) * nw
-    wants = [xr @ exact.T for _, _, exact in segments]
-    wants[0] = wants[0] + bias + res
-    for got, plain, want in zip(*results, wants, strict=True):
+    for got, flat, want in zip(split, plain, wants, strict=True):
         assert relative_error(got, want) < 3e-4, shape
-        assert relative_error(got, plain) < 1e-6, shape
-    assert any(not np.array_equal(*pair) for pair in zip(*results)), "the same bits: no split"
+        assert relative_error(got, flat) < 1e-6, shape
+    assert any(not np.array_equal(a, b) for a, b in zip(split, plain, strict=True)), "the same bits: no split"
 
 
 @pytest.mark.parametrize("split", [False, True])

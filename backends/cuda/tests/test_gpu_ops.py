@@ -115,7 +115,7 @@ def gate_and_up(cuda, oracle, qtype: Q, rows: int, cols: int, rng):
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_K, Q.IQ4_XS], ids=lambda q: q.name)
 def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
     """Each gemv_q the backend compiles (tokens, rows a warp, units in flight, mode), and the pipelined loop of each
-    (GEMV_Q_PIPE) and the split over K of each one-token shape without the gated unit (GEMV_Q_SPLIT), its shape
+    (GEMV_Q_PIPE) and the split over K of each one-token shape (GEMV_Q_SPLIT), its shape
     forced through quants.gemv_q_shape: plain with a bias, the RMS norm inside, the gated unit, both; rows not a
     multiple of any group and long enough for several steps a lane; against the float64 products, and the pipelined
     loop equal to the plain one bit for bit (the same sums in the same order; the split's are in another order)."""
@@ -125,7 +125,7 @@ def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
     variants = [(t, r, u, m) for t, r, u, m in quants.GEMV_Q_VARIANTS if not m & quants.GEMV_Q_ROPE]
     plain = tuple(dict.fromkeys((t, r, u, m & ~(pipe | split)) for t, r, u, m in variants))
     pipelined = tuple((t, r, u, m | pipe) for t, r, u, m in plain)
-    splits = tuple((t, r, u, m | split) for t, r, u, m in plain if t == 1 and not m & quants.GEMV_Q_GLU)
+    splits = tuple((t, r, u, m | split) for t, r, u, m in plain if t == 1)
     monkeypatch.setattr(quants, "GEMV_Q_VARIANTS", plain + pipelined + splits)
     monkeypatch.setattr(cuda, "_modules", {})  # the type's kernels compiled again, with the pipelined ones
     rng = np.random.default_rng(6000 + int(qtype))

@@ -521,6 +521,36 @@ def test_one_token_products_split_over_k_where_switched_on(fake, tmp_path, monke
             CUDABackend()
 
 
+def test_a_split_gated_unit_reserves_its_up_rows_sums(fake, monkeypatch):
+    """Where the rule gives the gated unit a split shape (decode_shapes.py tries them), its launch's reduction holds
+    the gate's and the up rows' sums: shared memory for twice its rows a warp, 8 warps a block."""
+    from leat_backend_cuda import quants
+
+    split = quants.GEMV_Q_SPLIT
+    monkeypatch.setattr(quants, "GEMV_Q_VARIANTS", (*quants.GEMV_Q_VARIANTS, (1, 2, 2, quants.GEMV_Q_GLU | split)))
+    rng = np.random.default_rng(8)
+    cols, rows = 512, 64
+    backend = CUDABackend()
+    gate, up = (backend.upload(Tensor(n, Q.Q4_K, (rows, cols), stored_q4_k(rows, cols, rng))) for n in "gu")
+    monkeypatch.setattr(quants, "gemv_q_shape", lambda *_: (2, 2, split))
+    launch, shared = fake.cuLaunchKernel, []
+
+    def recorded(f, gx, gy, gz, bx, by, bz, smem, *rest):
+        shared.append(smem)
+        return launch(f, gx, gy, gz, bx, by, bz, smem, *rest)
+
+    monkeypatch.setattr(fake, "cuLaunchKernel", recorded)
+    fake.launches.clear()
+    x = backend.from_host(rng.standard_normal((1, cols)))
+    backend.to_host(backend.silu_mul(backend.matmul(x, gate), backend.matmul(x, up)))
+    products = [
+        (*(int(v) for v in re.findall(r"Li(\d+)E", f)[1::2]), threads, smem)
+        for (f, _, threads), smem in zip(fake.launches, shared, strict=True)
+        if kernel_name(f) == "gemv_q"
+    ]
+    assert products == [(2, quants.GEMV_Q_GLU | split, 256, quants.gemv_q_smem(Q.Q4_K, 1, cols, 4))]
+
+
 def test_the_rule_splits_only_the_small_one_token_products():
     """quants.gemv_q_shape with ``split``: Llama-3-8B's q, k and v (6,144 rows, the norm inside), o (4,096) and v alone
     (1,024) take their whole shapes split over K; the gated unit, down (rows of 14,336 values), the output matrix and

@@ -83,8 +83,8 @@ GEMV_Q_PIPE = 4
 #: rotated into the K cache, of v into the V cache: rope_kv_write's work without its launch)
 GEMV_Q_ROPE = 16
 #: gemv_q's mode bit for its split over K inside a block (8 warps, two a group of rows, each taking every other step of
-#: the units; their sums added in shared memory): a variant, not a fusion, for one token without the gated unit or the
-#: pipelined loop. Off by default (no GPU has timed it); LEAT_CUDA_GEMV_SPLIT=1 lets the rule take it (gemv_q_shape)
+#: the units; their sums added in shared memory): a variant, not a fusion, for one token, not with the pipelined loop.
+#: Off by default (no GPU has timed it); LEAT_CUDA_GEMV_SPLIT=1 lets the rule take it (gemv_q_shape)
 GEMV_Q_SPLIT = 32
 #: tokens up to which gemv_q is instantiated with fusion modes
 GEMV_Q_FUSED_TOKENS = 2
@@ -174,8 +174,8 @@ def unit_shape(qtype: Q) -> tuple[int, int]:
 
 def gemv_q_smem(qtype: Q, tokens: int, cols: int, split_rows: int = 0) -> int:
     """Shared memory of gemv_q: per token and unit (padded to 32), int16 x plus a scale and a sum per run; a split
-    variant (GEMV_Q_SPLIT) of ``split_rows`` rows a warp adds its reduction after them, a float per lane, row and
-    token for each of 4 warps."""
+    variant (GEMV_Q_SPLIT) of ``split_rows`` sums a lane (its rows a warp; twice that with the gated unit's up rows)
+    adds its reduction after them, a float per lane, sum and token for each of 4 warps."""
     values, runs = unit_shape(qtype)
     units = -(-(cols // values) // 32) * 32
     return tokens * units * (values * 2 + runs * 8) + 4 * 32 * split_rows * tokens * 4

@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(128) gemv(const u8* __restrict__ w, i64 nb, co
 // `head_dim` rows, into its y), 2 (k: rotated the same way, into the cache's K rows) or 3 (v: into the cache's V
 // rows of `dv`): rope_kv_write's values bit for bit (rope_pair; kv_put's f16 rounding), with no launch of its own.
 //
-// With SPLIT (a variant, not a fusion; not with GLU or PIPE) a block has 8 warps, and warps w and w + 4 share the
+// With SPLIT (a variant, not a fusion; not with PIPE) a block has 8 warps, and warps w and w + 4 share the
 // same rows, each taking every other step of the units: twice the warps in flight for the same prologue, where few
 // rows leave the multiprocessors short of warps. Warp w + 4 adds its sums to warp w's through shared memory, after
 // x's runs, and warp w alone writes the rows. The sums are added in another order than without SPLIT.
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__((MODE & SPLIT) ? 256 : 128) gemv_q(
     int head_dim, int dims, int pages_per_slot, int page_size, float magnitude) {
     constexpr int RR = (MODE & GLU) ? 2 * R : R;
     static_assert(!(MODE & ROPE) || (NC == 1 && !(MODE & (GLU | PIPE)) && R % 2 == 0), "ROPE: one token, R even");
-    static_assert(!((MODE & SPLIT) && (MODE & (GLU | PIPE))), "SPLIT: the plain loop, without the gated unit");
+    static_assert(!((MODE & SPLIT) && (MODE & PIPE)), "SPLIT: the plain loop");
     extern __shared__ uint4 xsh[];
     const int bpr = K / T::BLOCK, upr = bpr * T::UNITS, lines = (upr + 31) >> 5;
     int page = -1;  // ROPE: the token's cache page (loaded ahead: its loads overlap x's quantizing)
