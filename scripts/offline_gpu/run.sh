@@ -18,6 +18,9 @@
 #   gen KIND NAME [LAYERS]     write make_bench_gguf.py's KIND to /tmp/g/NAME (genbg: in the background; wait)
 #   cuda LABEL [VAR=VALUE...]  leat bench /tmp/g/l8b.gguf on the CUDA backend, pp512 and tg128, 3 runs
 #   tg LABEL [VAR=VALUE...]    the same on tinygrad (DEV=CUDA), 2 runs
+#   bench LABEL FILE ARGS [VAR=VALUE...]
+#                              leat bench /tmp/g/FILE on the CUDA backend with ARGS, its words joined by +
+#                              (-p+0+-n+128+-d+0,4096+-r+3); an A/B is such phases alternating, each with its switches
 #   cudatests [SECONDS] [N]    the CUDA backend's GPU tests (N: xdist workers), cut at SECONDS with a tally of the
 #                              outcomes so far (about 240 s alone on an H200; more beside a llama.cpp build);
 #   tgtests [SECONDS] [N]      the same for the tinygrad backend's tests (DEV=CUDA)
@@ -74,6 +77,8 @@ for phase in "$@"; do
     log llwait; for i in $(seq 1 ${2:-300}); do grep -q BUILD_DONE /tmp/llb.log 2>/dev/null && break; sleep 1; done; tail -2 /tmp/llb.log ;;
   cuda)  # cuda LABEL [ENV=..]...
     label=$2; shift 2; (for e in "$@"; do export "$e"; done; bench $label $G/l8b.gguf cuda -p 512 -n 128 -r 3) ;;
+  bench)  # bench LABEL FILE ARGS [ENV=..]...
+    label=$2 file=$3 args=$4; shift 4; (for e in "$@"; do export "$e"; done; bench $label $G/$file cuda ${args//+/ }) ;;
   tg)  # tg LABEL [ENV=..]...
     label=$2; shift 2; (export DEV=CUDA; for e in "$@"; do export "$e"; done; bench $label $G/l8b.gguf tinygrad -p 512 -n 128 -r 2) ;;
   cudatests)  # cudatests [SECONDS] [WORKERS]: killed whole (xdist's workers too) at SECONDS; the tally even then
