@@ -466,6 +466,25 @@ def test_products_of_many_tokens_go_to_cublas_a_chunk_of_rows_at_a_time(fake):
     assert not backend.cublas.calls and any(f.startswith("_Z9gemm_rows") for f, _, _ in fake.launches)
 
 
+def gemv_q_launches(fake, monkeypatch):
+    """Record the launches from here on; the function returned gives (rows a warp, mode, threads, shared memory) of
+    each gemv_q<struct, tokens, rows a warp, units, mode> launched since (the template's integers from the mangled
+    symbol)."""
+    launch, shared = fake.cuLaunchKernel, []
+
+    def recorded(f, gx, gy, gz, bx, by, bz, smem, *rest):
+        shared.append(smem)
+        return launch(f, gx, gy, gz, bx, by, bz, smem, *rest)
+
+    monkeypatch.setattr(fake, "cuLaunchKernel", recorded)
+    fake.launches.clear()
+    return lambda: [
+        (*(int(v) for v in re.findall(r"Li(\d+)E", f)[1::2]), threads, smem)
+        for (f, _, threads), smem in zip(fake.launches, shared, strict=True)
+        if kernel_name(f) == "gemv_q"
+    ]
+
+
 @pytest.mark.parametrize("switch", [None, "0", "1"])
 def test_one_token_products_split_over_k_where_switched_on(fake, tmp_path, monkeypatch, switch):
     """With LEAT_CUDA_GEMV_SPLIT=1 a one-token decode step's products of few rows without the gated unit launch
@@ -483,22 +502,9 @@ def test_one_token_products_split_over_k_where_switched_on(fake, tmp_path, monke
     model = Llama(ModelFile(path), backend)
     kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=1, context=64, dtype="f16")
     model.forward(Batch([Row(0, 0, np.arange(5))]), kv)
-    launch, shared = fake.cuLaunchKernel, []
-
-    def recorded(f, gx, gy, gz, bx, by, bz, smem, *rest):
-        shared.append(smem)
-        return launch(f, gx, gy, gz, bx, by, bz, smem, *rest)
-
-    monkeypatch.setattr(fake, "cuLaunchKernel", recorded)
-    fake.launches.clear()
+    launched = gemv_q_launches(fake, monkeypatch)
     backend.to_host(model.forward(Batch([Row(0, 5, np.array([7]))]), kv))
-    # (rows a warp, mode, threads, shared memory) of each gemv_q<struct, tokens, rows a warp, units, mode> launched:
-    # the template's integers from the mangled symbol
-    products = [
-        (*(int(v) for v in re.findall(r"Li(\d+)E", f)[1::2]), threads, smem)
-        for (f, _, threads), smem in zip(fake.launches, shared, strict=True)
-        if kernel_name(f) == "gemv_q"
-    ]
+    products = launched()
     split = quants.GEMV_Q_SPLIT if switch == "1" else 0
     threads = quants.gemv_q_threads(split)
     assert threads == (256 if switch == "1" else 128)
@@ -533,22 +539,10 @@ def test_a_split_gated_unit_reserves_its_up_rows_sums(fake, monkeypatch):
     backend = CUDABackend()
     gate, up = (backend.upload(Tensor(n, Q.Q4_K, (rows, cols), stored_q4_k(rows, cols, rng))) for n in "gu")
     monkeypatch.setattr(quants, "gemv_q_shape", lambda *_: (2, 2, split))
-    launch, shared = fake.cuLaunchKernel, []
-
-    def recorded(f, gx, gy, gz, bx, by, bz, smem, *rest):
-        shared.append(smem)
-        return launch(f, gx, gy, gz, bx, by, bz, smem, *rest)
-
-    monkeypatch.setattr(fake, "cuLaunchKernel", recorded)
-    fake.launches.clear()
+    launched = gemv_q_launches(fake, monkeypatch)
     x = backend.from_host(rng.standard_normal((1, cols)))
     backend.to_host(backend.silu_mul(backend.matmul(x, gate), backend.matmul(x, up)))
-    products = [
-        (*(int(v) for v in re.findall(r"Li(\d+)E", f)[1::2]), threads, smem)
-        for (f, _, threads), smem in zip(fake.launches, shared, strict=True)
-        if kernel_name(f) == "gemv_q"
-    ]
-    assert products == [(2, quants.GEMV_Q_GLU | split, 256, quants.gemv_q_smem(Q.Q4_K, 1, cols, 4))]
+    assert launched() == [(2, quants.GEMV_Q_GLU | split, 256, quants.gemv_q_smem(Q.Q4_K, 1, cols, 4))]
 
 
 def test_the_rule_splits_only_the_small_one_token_products():
