@@ -549,7 +549,8 @@ def test_the_rule_splits_only_the_small_one_token_products():
     """quants.gemv_q_shape with ``split``: Llama-3-8B's q, k and v (6,144 rows, the norm inside), o (4,096) and v alone
     (1,024) take their whole shapes split over K; the gated unit, down (rows of 14,336 values), the output matrix and
     two tokens are as without it. A split launch's shared memory (x's, then the reduction's) stays under
-    GEMV_Q_MAX_SMEM for every integer type up to the 8,192 values a row the rule splits."""
+    GEMV_Q_MAX_SMEM for every integer type up to the 8,192 values a row the rule splits. The split kernels are
+    compiled only with the switch: each the rule can give, with its ROPE twin."""
     from leat_backend_cuda import quants
 
     split, glu, norm = quants.GEMV_Q_SPLIT, quants.GEMV_Q_GLU, quants.GEMV_Q_NORM
@@ -561,6 +562,16 @@ def test_the_rule_splits_only_the_small_one_token_products():
     for qtype, layout in quants.LAYOUTS.items():
         if layout.integer:
             assert quants.gemv_q_smem(qtype, 1, 8192, 8) <= quants.GEMV_Q_MAX_SMEM, qtype
+    # the split kernels are compiled only where the switch is on: every shape the rule can give, and its ROPE twin
+    default, switched = quants.kernel_names(Q.Q4_K), quants.kernel_names(Q.Q4_K, split=True)
+    modes = [int(name.rsplit(",", 1)[1].rstrip(">")) for name in default if name.startswith("gemv_q<")]
+    assert modes and not [m for m in modes if m & quants.GEMV_Q_SPLIT]
+    names = {quants.gemv_q_name(Q.Q4_K, 1, (r, u), m) for _, r, u, m in quants.GEMV_Q_SPLIT_VARIANTS}
+    assert set(switched) - set(default) == names and len(names) == 8
+    for mode, rows in [(norm, 6144), (0, 4096), (0, 1024), (norm, 1024)]:
+        r, u, variant = quants.gemv_q_shape(1, mode, rows, 4096, True)
+        for twin in (0, quants.GEMV_Q_ROPE):
+            assert quants.gemv_q_name(Q.Q4_K, 1, (r, u), mode | variant | twin) in names
 
 
 def test_products_of_9_to_16_tokens_go_to_gemm_wg_on_hopper_where_turned_on(fake, monkeypatch):

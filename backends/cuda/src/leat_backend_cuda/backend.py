@@ -475,7 +475,7 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         return module
 
     def _type_kernels(self, qtype: Q) -> driver.Module:
-        names = quants.kernel_names(qtype)
+        names = quants.kernel_names(qtype, split=self.gemv_split)
         smem = {quants.gemm_name(qtype, kt): size for kt, size in quants.GEMM_SMEM.items()}
         smem |= {name: quants.GEMV_Q_MAX_SMEM for name in names if name.startswith("gemv_q")}
         smem |= {

@@ -96,15 +96,15 @@ GEMV_Q_VARIANTS = (
     + [(1, 1, 2, GEMV_Q_PIPE | m) for m in (2, 3)]
     + [(2, 2, 2, m) for m in (0, 1, 2, 3)]
     + [(3, 2, 1, 0), (4, 2, 1, 0)]
-    + [(1, r, u, m | GEMV_Q_SPLIT) for r, u, m in ((8, 2, 1), (4, 2, 0), (2, 2, 0), (2, 2, 1))]  # the rule's (split)
 )
-#: the ROPE twins: the one-token shapes the rule gives q, k and v (rows a warp even, no gated unit, not pipelined;
-#: split or not)
+#: the ROPE twins: the one-token shapes the rule gives q, k and v (rows a warp even, no gated unit, not pipelined)
 GEMV_Q_VARIANTS += [
-    (1, r, u, m | GEMV_Q_ROPE)
-    for t, r, u, m in GEMV_Q_VARIANTS
-    if t == 1 and (m & ~GEMV_Q_SPLIT) in (0, 1) and r % 2 == 0
+    (1, r, u, m | GEMV_Q_ROPE) for t, r, u, m in GEMV_Q_VARIANTS if t == 1 and m in (0, 1) and r % 2 == 0
 ]
+#: the split shapes the rule gives with LEAT_CUDA_GEMV_SPLIT=1 (q, k and v with the norm, o, v alone) and their ROPE
+#: twins: compiled only where the switch is on (kernel_names' ``split``), so the default build compiles nothing more
+GEMV_Q_SPLIT_VARIANTS = [(1, r, u, m | GEMV_Q_SPLIT) for r, u, m in ((8, 2, 1), (4, 2, 0), (2, 2, 0), (2, 2, 1))]
+GEMV_Q_SPLIT_VARIANTS += [(t, r, u, m | GEMV_Q_ROPE) for t, r, u, m in GEMV_Q_SPLIT_VARIANTS]
 #: gemv_q's last arguments where it has no ROPE epilogue: roles, the token slots, positions, page table, RoPE
 #: positions, frequencies, K and V caches; f16 or not, head_dim, dims, pages a slot, page size, the factor
 GEMV_Q_NO_ROPE: tuple = (0, None, None, None, None, None, None, None, 0, 0, 0, 0, 0, 0.0)
@@ -231,14 +231,16 @@ def gemm_few_shape(tokens: int, rows: int) -> tuple[int, int] | None:
     return None
 
 
-def kernel_names(qtype: Q, extra_gemv: tuple[tuple[int, int, int], ...] = ()) -> list[str]:
-    """Every kernel the backend instantiates for ``qtype`` (``extra_gemv``: more (tokens, rows, units))."""
+def kernel_names(qtype: Q, extra_gemv: tuple[tuple[int, int, int], ...] = (), split: bool = False) -> list[str]:
+    """Every kernel the backend instantiates for ``qtype`` (``extra_gemv``: more (tokens, rows, units); ``split``:
+    with GEMV_Q_SPLIT_VARIANTS, for LEAT_CUDA_GEMV_SPLIT=1)."""
     layout = LAYOUTS[qtype]
     names = [f"dequantize<{layout.struct}>", f"dequantize_f16<{layout.struct}>", f"embed<{layout.struct}>"]
     names += [gemv_name(qtype, n) for n in range(1, GEMV_MAX_TOKENS + 1)]
     names += [gemv_name(qtype, n, (r, u)) for n, r, u in extra_gemv]
     if layout.integer:
-        names += [gemv_q_name(qtype, n, (r, u), m) for n, r, u, m in GEMV_Q_VARIANTS]
+        variants = [*GEMV_Q_VARIANTS, *(GEMV_Q_SPLIT_VARIANTS if split else ())]
+        names += [gemv_q_name(qtype, n, (r, u), m) for n, r, u, m in variants]
     names += [gemm_name(qtype, kt) for kt in ((32, 256) if layout.small_block else (256,))]
     names += [gemm_few_name(qtype, shape, glu) for shape in GEMM_FEW_VARIANTS for glu in (False, True)]
     names += [gemm_rows_name(qtype, shape) for shape in GEMM_ROWS_VARIANTS]
