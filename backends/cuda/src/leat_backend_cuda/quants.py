@@ -84,7 +84,7 @@ GEMV_Q_PIPE = 4
 GEMV_Q_ROPE = 16
 #: gemv_q's mode bit for its split over K inside a block (8 warps, two a group of rows, each taking every other step of
 #: the units; their sums added in shared memory): a variant, not a fusion, for one token, not with the pipelined loop.
-#: Off by default (no GPU has timed it); LEAT_CUDA_GEMV_SPLIT=1 lets the rule take it (gemv_q_shape)
+#: Off by default (slower in tg128 as the rule gives it); LEAT_CUDA_GEMV_SPLIT=1 lets the rule take it (gemv_q_shape)
 GEMV_Q_SPLIT = 32
 #: tokens up to which gemv_q is instantiated with fusion modes
 GEMV_Q_FUSED_TOKENS = 2
