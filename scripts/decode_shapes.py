@@ -13,9 +13,9 @@ The shapes not in ``quants.GEMV_Q_VARIANTS`` are compiled beside the backend's o
 rows-and-units: it holds twice the weights), with the ROPE twins of the shapes q, k and v can take (rows a warp even,
 not pipelined: a one-token step rotates and writes the cache in their epilogue; a shape without a twin falls back to
 rope_kv_write). The split shapes (GEMV_Q_SPLIT: 8 warps a block, two a group of rows) have ROPE twins where their
-rows a warp are even. ``--pipelined`` tries only the pipelined shapes,
-``--split`` only the split ones; ``--rows`` only the kinds of those row counts (e.g. the q/k/v launches: 6144 5120
-1024 on Llama-3-8B, 4096 its output matrix). The rule's own choice follows LEAT_CUDA_GEMV_SPLIT. Needs a GPU.
+rows a warp are even. ``--pipelined`` tries only the pipelined shapes, ``--split`` only the split ones; ``--rows``
+only the kinds of those row counts (e.g. the q/k/v launches: 6144 5120 1024 on Llama-3-8B, 4096 its output matrix).
+The rule's own choice follows LEAT_CUDA_GEMV_SPLIT. Needs a GPU.
 """
 
 from __future__ import annotations

@@ -277,6 +277,8 @@ __global__ void __launch_bounds__((MODE & SPLIT) ? 256 : 128) gemv_q(
         constexpr int KS = (MODE & SPLIT) ? 2 : 1;
         const int warp = threadIdx.x >> 5;
         const int quad = (MODE & SPLIT) ? warp & 3 : warp, part = (MODE & SPLIT) ? warp >> 2 : 0;
+        // SPLIT: part 1's sums for part 0, in shared memory after x's runs and sums
+        float* red = (float*)(xsh + NC * lines * (T::UV / 8) * 32) + 2 * NC * lines * T::NR * 32;
         for (int group = blockIdx.x; group < groups; group += gridDim.x) {
             // GemvRows::at's work written out: through the struct NVRTC 13 gives the gated unit (1 x 2) 117 registers
             // for sm_90 where this takes 96
@@ -303,8 +305,7 @@ __global__ void __launch_bounds__((MODE & SPLIT) ? 256 : 128) gemv_q(
                 load_units<T, U, RR, R>(raw, ws, wu, nbs, first, base, upr);
                 gemv_q_step<T, NC, U, RR>(raw, base, upr, xsh, lines, lane, acc);
             }
-            if constexpr (KS == 2) {  // part 1's sums into part 0's, in shared memory after x's runs and sums
-                float* red = (float*)(xsh + NC * lines * (T::UV / 8) * 32) + 2 * NC * lines * T::NR * 32;
+            if constexpr (KS == 2) {  // part 1's sums into part 0's
                 if (part == 1) {
 #pragma unroll
                     for (int r = 0; r < RR; ++r)
