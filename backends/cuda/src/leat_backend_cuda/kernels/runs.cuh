@@ -25,55 +25,75 @@ __device__ __forceinline__ void load_units(typename T::Raw (&raw)[U][RR], const 
 // = ceil(units a row / 32). Rows c < NC of x at x + c * K. With NORMED, x * nw is quantized (nw null: x) and each
 // row's sum of x^2 added to squares[c] (this thread's part; the caller reduces it). The caller syncs the block
 // before reading.
+// A thread takes its runs B at a time, all B runs' loads of x (and nw) issued before any is rounded: one trip to L2
+// for B runs, where a run at a time waited on one trip each (a 14,336-value row of x: 7 runs a thread at 128 threads,
+// 7 trips before the block's first weight load). The runs are rounded, and their squares added, in the same order as
+// one at a time, so the values are the same bit for bit.
 template <class T, int NC, bool NORMED>
 __device__ __forceinline__ void quantize_runs(const float* __restrict__ x, int K, const float* __restrict__ nw,
                                               uint4* __restrict__ xg, float (&squares)[NC]) {
     constexpr int QG = T::UV / 8, NR = T::NR, RL = T::RL;
-    const int upr = K / T::BLOCK * T::UNITS, lines = (upr + 31) >> 5;
+    constexpr int B = (NORMED ? 32 : 64) / RL > 0 ? (NORMED ? 32 : 64) / RL : 1;  // 64 floats of x (and nw) in flight
+    const int upr = K / T::BLOCK * T::UNITS, lines = (upr + 31) >> 5, items = NC * upr * NR;
     float* xs = (float*)(xg + NC * lines * QG * 32);
     float* xsum = xs + NC * lines * NR * 32;
-    for (int item = threadIdx.x; item < NC * upr * NR; item += blockDim.x) {
-        const int c = item / (upr * NR), u = (item / NR) % upr, run = item % NR, unit = u % T::UNITS;
-        const int k0 = (u / T::UNITS) * T::BLOCK + T::run_offset(unit, run);
-        const float* xr = x + (i64)c * K + k0;
-        float v[RL];
+    for (int first = threadIdx.x; first < items; first += B * blockDim.x) {
+        float v[B][RL], wn[B][RL];
 #pragma unroll
-        for (int q = 0; q < RL / 4; ++q) {
-            const float4 f = *(const float4*)(xr + 4 * q);
-            v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
+        for (int b = 0; b < B; ++b) {
+            const int item = first + b * blockDim.x;
+            if (item >= items) break;
+            const int c = item / (upr * NR), u = (item / NR) % upr, run = item % NR;
+            const int k0 = (u / T::UNITS) * T::BLOCK + T::run_offset(u % T::UNITS, run);
+            const float* xr = x + (i64)c * K + k0;
+#pragma unroll
+            for (int q = 0; q < RL / 4; ++q) {
+                const float4 f = *(const float4*)(xr + 4 * q);
+                v[b][4 * q] = f.x; v[b][4 * q + 1] = f.y; v[b][4 * q + 2] = f.z; v[b][4 * q + 3] = f.w;
+                if (NORMED && nw) {
+                    const float4 g = *(const float4*)(nw + k0 + 4 * q);
+                    wn[b][4 * q] = g.x; wn[b][4 * q + 1] = g.y; wn[b][4 * q + 2] = g.z; wn[b][4 * q + 3] = g.w;
+                }
+            }
         }
-        if (NORMED) {
-            float ss = 0.0f;
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int item = first + b * blockDim.x;
+            if (item >= items) break;
+            const int c = item / (upr * NR), u = (item / NR) % upr, run = item % NR;
+            if (NORMED) {
+                float ss = 0.0f;
+#pragma unroll
+                for (int i = 0; i < RL; ++i) {
+                    ss = fmaf(v[b][i], v[b][i], ss);
+                    if (nw) v[b][i] *= wn[b][i];
+                }
+#pragma unroll
+                for (int cc = 0; cc < NC; ++cc)
+                    if (cc == c) squares[cc] += ss;
+            }
+            float amax = 0.0f, sum = 0.0f;
 #pragma unroll
             for (int i = 0; i < RL; ++i) {
-                ss = fmaf(v[i], v[i], ss);
-                if (nw) v[i] *= nw[k0 + i];
+                amax = fmaxf(amax, fabsf(v[b][i]));
+                sum += v[b][i];
             }
+            const float f = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            u32 words[RL / 2];
 #pragma unroll
-            for (int cc = 0; cc < NC; ++cc)
-                if (cc == c) squares[cc] += ss;
+            for (int i = 0; i < RL / 2; ++i) {  // round to nearest: 1.5 * 2^23 leaves the integer in the low bits
+                const u32 lo = __float_as_uint(fmaf(v[b][2 * i], f, 12582912.0f)) - 0x4B400000u;
+                const u32 hi = __float_as_uint(fmaf(v[b][2 * i + 1], f, 12582912.0f)) - 0x4B400000u;
+                words[i] = (lo & 0xFFFF) | (hi << 16);
+            }
+            const int line = c * lines + (u >> 5), lane = u & 31;
+#pragma unroll
+            for (int g = 0; g < RL / 8; ++g)
+                xg[(line * QG + run * (RL / 8) + g) * 32 + lane] =
+                    make_uint4(words[4 * g], words[4 * g + 1], words[4 * g + 2], words[4 * g + 3]);
+            xs[(line * NR + run) * 32 + lane] = amax / 32767.0f;
+            xsum[(line * NR + run) * 32 + lane] = sum;
         }
-        float amax = 0.0f, sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < RL; ++i) {
-            amax = fmaxf(amax, fabsf(v[i]));
-            sum += v[i];
-        }
-        const float f = amax > 0.0f ? 32767.0f / amax : 0.0f;
-        u32 words[RL / 2];
-#pragma unroll
-        for (int i = 0; i < RL / 2; ++i) {  // round to nearest: 1.5 * 2^23 leaves the integer in the low bits
-            const u32 a = __float_as_uint(fmaf(v[2 * i], f, 12582912.0f)) - 0x4B400000u;
-            const u32 b = __float_as_uint(fmaf(v[2 * i + 1], f, 12582912.0f)) - 0x4B400000u;
-            words[i] = (a & 0xFFFF) | (b << 16);
-        }
-        const int line = c * lines + (u >> 5), lane = u & 31;
-#pragma unroll
-        for (int g = 0; g < RL / 8; ++g)
-            xg[(line * QG + run * (RL / 8) + g) * 32 + lane] =
-                make_uint4(words[4 * g], words[4 * g + 1], words[4 * g + 2], words[4 * g + 3]);
-        xs[(line * NR + run) * 32 + lane] = amax / 32767.0f;
-        xsum[(line * NR + run) * 32 + lane] = sum;
     }
 }
 
