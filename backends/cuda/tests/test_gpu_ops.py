@@ -114,15 +114,21 @@ def gate_and_up(cuda, oracle, qtype: Q, rows: int, cols: int, rng):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_K, Q.IQ4_XS], ids=lambda q: q.name)
 def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
-    """Each gemv_q the backend compiles (tokens, rows a warp, units in flight, mode), and the pipelined loop of each
-    (GEMV_Q_PIPE) and the split over K of each one-token shape (GEMV_Q_SPLIT), its shape forced through
-    quants.gemv_q_shape: plain with a bias, the RMS norm inside, the gated unit, both; rows not a multiple of any
-    group and long enough for several steps a lane; against the float64 products, and the pipelined loop equal to
-    the plain one bit for bit (the same sums in the same order; the split's are in another order)."""
+    """Each gemv_q the backend compiles (tokens, rows a warp, units in flight, mode; the split shapes of
+    LEAT_CUDA_GEMV_SPLIT=1 too), and the pipelined loop of each (GEMV_Q_PIPE) and the split over K of each one-token
+    shape (GEMV_Q_SPLIT), its shape forced through quants.gemv_q_shape: plain with a bias, the RMS norm inside, the
+    gated unit, both; rows not a multiple of any group and long enough for several steps a lane; against the float64
+    products, and the pipelined loop equal to the plain one bit for bit (the same sums in the same order; the split's
+    are in another order)."""
     assert quants.LAYOUTS[qtype].integer  # products of one token go through gemv_q
     pipe, split = quants.GEMV_Q_PIPE, quants.GEMV_Q_SPLIT
     # (the ROPE twins write the cache: test_gpu_model.py's test_rope_epilogue_equals_rope_kv_write)
-    variants = [(t, r, u, m) for t, r, u, m in quants.GEMV_Q_VARIANTS if not m & quants.GEMV_Q_ROPE]
+    # with the shapes the switch splits (LEAT_CUDA_GEMV_SPLIT=1: GEMV_Q_SPLIT_VARIANTS), which the default lacks
+    variants = [
+        (t, r, u, m)
+        for t, r, u, m in (*quants.GEMV_Q_VARIANTS, *quants.GEMV_Q_SPLIT_VARIANTS)
+        if not m & quants.GEMV_Q_ROPE
+    ]
     plain = tuple(dict.fromkeys((t, r, u, m & ~(pipe | split)) for t, r, u, m in variants))
     pipelined = tuple((t, r, u, m | pipe) for t, r, u, m in plain)
     splits = tuple((t, r, u, m | split) for t, r, u, m in plain if t == 1)

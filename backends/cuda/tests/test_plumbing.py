@@ -467,8 +467,8 @@ def test_products_of_many_tokens_go_to_cublas_a_chunk_of_rows_at_a_time(fake):
 
 
 def gemv_q_launches(fake, monkeypatch):
-    """Record the launches from here on; the function returned gives (rows a warp, mode, threads, shared memory) of
-    each gemv_q<struct, tokens, rows a warp, units, mode> launched since (the template's integers from the mangled
+    """Record the launches from here on; the function returned gives (rows a warp, units, mode, threads, shared memory)
+    of each gemv_q<struct, tokens, rows a warp, units, mode> launched since (the template's integers from the mangled
     symbol)."""
     launch, shared = fake.cuLaunchKernel, []
 
@@ -479,7 +479,7 @@ def gemv_q_launches(fake, monkeypatch):
     monkeypatch.setattr(fake, "cuLaunchKernel", recorded)
     fake.launches.clear()
     return lambda: [
-        (*(int(v) for v in re.findall(r"Li(\d+)E", f)[1::2]), threads, smem)
+        (*(int(v) for v in re.findall(r"Li(\d+)E", f)[1:]), threads, smem)
         for (f, _, threads), smem in zip(fake.launches, shared, strict=True)
         if kernel_name(f) == "gemv_q"
     ]
@@ -490,7 +490,8 @@ def test_one_token_products_split_over_k_where_switched_on(fake, tmp_path, monke
     """With LEAT_CUDA_GEMV_SPLIT=1 a one-token decode step's products of few rows without the gated unit launch
     gemv_q's split variants (GEMV_Q_SPLIT in the mode) with 8 warps a block and the reduction's shared memory after
     x's: q, k and v with the RoPE epilogue and the norm inside, o and down with the residual, the output matrix with
-    the norm; gate and up stay whole. Unset or 0, none is split; a bad value is refused."""
+    the norm (every product of the tiny model has fewer than 4,096 rows: two rows a warp, one unit); gate and up stay
+    whole. Unset or 0, none is split; a bad value is refused."""
     from leat_backend_cuda import quants
 
     if switch is None:
@@ -514,13 +515,15 @@ def test_one_token_products_split_over_k_where_switched_on(fake, tmp_path, monke
     def smem(cols: int) -> int:  # x's, and the reduction's of 2 rows a warp where split
         return quants.gemv_q_smem(Q.Q8_0, 1, cols, 2 if split else 0)
 
+    units = 1 if split else 2  # the split shape of fewer than 4,096 rows: (2, 1)
     layer = [
-        (2, norm | rope | split, threads, smem(width)),  # q, k and v: 128 rows
-        (2, split, threads, smem(width)),  # o, the residual added
-        (2, norm | glu, 128, quants.gemv_q_smem(Q.Q8_0, 1, width)),  # gate and up
-        (2, split, threads, smem(ffn)),  # down, the residual added
+        (2, units, norm | rope | split, threads, smem(width)),  # q, k and v: 128 rows
+        (2, units, split, threads, smem(width)),  # o, the residual added
+        (2, 2, norm | glu, 128, quants.gemv_q_smem(Q.Q8_0, 1, width)),  # gate and up
+        (2, units, split, threads, smem(ffn)),  # down, the residual added
     ]
-    assert sorted(products) == sorted(layer * model.params.layers + [(2, norm | split, threads, smem(width))])
+    output = (2, units, norm | split, threads, smem(width))
+    assert sorted(products) == sorted(layer * model.params.layers + [output])
     for bad in ("2", "on", "yes"):
         monkeypatch.setenv("LEAT_CUDA_GEMV_SPLIT", bad)
         with pytest.raises(LeatError, match="LEAT_CUDA_GEMV_SPLIT"):
@@ -542,34 +545,38 @@ def test_a_split_gated_unit_reserves_its_up_rows_sums(fake, monkeypatch):
     launched = gemv_q_launches(fake, monkeypatch)
     x = backend.from_host(rng.standard_normal((1, cols)))
     backend.to_host(backend.silu_mul(backend.matmul(x, gate), backend.matmul(x, up)))
-    assert launched() == [(2, quants.GEMV_Q_GLU | split, 256, quants.gemv_q_smem(Q.Q4_K, 1, cols, 4))]
+    assert launched() == [(2, 2, quants.GEMV_Q_GLU | split, 256, quants.gemv_q_smem(Q.Q4_K, 1, cols, 4))]
 
 
 def test_the_rule_splits_only_the_small_one_token_products():
-    """quants.gemv_q_shape with ``split``: Llama-3-8B's q, k and v (6,144 rows, the norm inside), o (4,096) and v alone
-    (1,024) take their whole shapes split over K; the gated unit, down (rows of 14,336 values), the output matrix and
-    two tokens are as without it. A split launch's shared memory (x's, then the reduction's) stays under
-    GEMV_Q_MAX_SMEM for every integer type up to the 8,192 values a row the rule splits. The split kernels are
+    """quants.gemv_q_shape with ``split``: on Llama-3-8B's shapes, the three that decode_shapes.py --split found faster
+    split take it: o (4,096 rows) four rows by one unit, v alone (1,024 rows, the norm inside) two by one, down (rows
+    of 14,336 values) two by two; q, k and v (6,144 rows, the norm inside), the gated unit, the output matrix and two
+    tokens are as without it, and so are rows longer than GEMV_Q_SPLIT_MAX_COLS. A split launch's shared memory (x's,
+    then the reduction's) stays under GEMV_Q_MAX_SMEM for every integer type up to that length. The split kernels are
     compiled only with the switch: each the rule can give, with its ROPE twin."""
     from leat_backend_cuda import quants
 
     split, glu, norm = quants.GEMV_Q_SPLIT, quants.GEMV_Q_GLU, quants.GEMV_Q_NORM
-    for tokens, mode, rows, cols in [(1, norm, 6144, 4096), (1, 0, 4096, 4096), (1, 0, 1024, 4096)]:
-        r, u, variant = quants.gemv_q_shape(tokens, mode, rows, cols)
-        assert variant == 0 and quants.gemv_q_shape(tokens, mode, rows, cols, True) == (r, u, split)
-    for shape in [(1, norm | glu, 14336, 4096), (1, 0, 4096, 14336), (1, norm, 128256, 4096), (2, 0, 4096, 4096)]:
-        assert quants.gemv_q_shape(*shape, True) == quants.gemv_q_shape(*shape)
+    longest = quants.GEMV_Q_SPLIT_MAX_COLS
+    for shape, taken in [((1, 0, 4096, 4096), (4, 1)), ((1, norm, 1024, 4096), (2, 1)), ((1, 0, 4096, 14336), (2, 2))]:
+        assert quants.gemv_q_shape(*shape)[2] != split
+        assert quants.gemv_q_shape(*shape, True) == (*taken, split), shape
+    whole = [(1, norm, 6144, 4096), (1, norm | glu, 14336, 4096), (1, norm, 128256, 4096), (2, 0, 4096, 4096)]
+    for shape in whole + [(1, 0, 4096, longest + 256), (1, 0, 1024, longest + 256)]:
+        assert quants.gemv_q_shape(*shape, True) == quants.gemv_q_shape(*shape), shape
     for qtype, layout in quants.LAYOUTS.items():
         if layout.integer:
-            assert quants.gemv_q_smem(qtype, 1, 8192, 8) <= quants.GEMV_Q_MAX_SMEM, qtype
+            assert quants.gemv_q_smem(qtype, 1, longest, 4) <= quants.GEMV_Q_MAX_SMEM, qtype
     # the split kernels are compiled only where the switch is on: every shape the rule can give, and its ROPE twin
     default, switched = quants.kernel_names(Q.Q4_K), quants.kernel_names(Q.Q4_K, split=True)
     modes = [int(name.rsplit(",", 1)[1].rstrip(">")) for name in default if name.startswith("gemv_q<")]
     assert modes and not [m for m in modes if m & quants.GEMV_Q_SPLIT]
     names = {quants.gemv_q_name(Q.Q4_K, 1, (r, u), m) for _, r, u, m in quants.GEMV_Q_SPLIT_VARIANTS}
     assert set(switched) - set(default) == names and len(names) == 8
-    for mode, rows in [(norm, 6144), (0, 4096), (0, 1024), (norm, 1024)]:
-        r, u, variant = quants.gemv_q_shape(1, mode, rows, 4096, True)
+    for mode, rows, cols in [(0, 4096, 4096), (0, 1024, 4096), (norm, 1024, 4096), (0, 4096, 14336), (0, 512, 8192)]:
+        r, u, variant = quants.gemv_q_shape(1, mode, rows, cols, True)
+        assert variant == split
         for twin in (0, quants.GEMV_Q_ROPE):
             assert quants.gemv_q_name(Q.Q4_K, 1, (r, u), mode | variant | twin) in names
 

@@ -101,10 +101,13 @@ GEMV_Q_VARIANTS = (
 GEMV_Q_VARIANTS += [
     (1, r, u, m | GEMV_Q_ROPE) for t, r, u, m in GEMV_Q_VARIANTS if t == 1 and m in (0, 1) and r % 2 == 0
 ]
-#: the split shapes the rule gives with LEAT_CUDA_GEMV_SPLIT=1 (q, k and v with the norm, o, v alone) and their ROPE
-#: twins: compiled only where the switch is on (kernel_names' ``split``), so the default build compiles nothing more
-GEMV_Q_SPLIT_VARIANTS = [(1, r, u, m | GEMV_Q_SPLIT) for r, u, m in ((8, 2, 1), (4, 2, 0), (2, 2, 0), (2, 2, 1))]
+#: the split shapes the rule gives with LEAT_CUDA_GEMV_SPLIT=1 (the fifty-second session's sweep's three: v alone and
+#: other products of fewer than 4,096 rows (2, 1), o (4, 1), down (2, 2); q, k and v stay whole) and their ROPE twins:
+#: compiled only where the switch is on (kernel_names' ``split``), so the default build compiles nothing more
+GEMV_Q_SPLIT_VARIANTS = [(1, r, u, m | GEMV_Q_SPLIT) for r, u, m in ((2, 1, 0), (2, 1, 1), (4, 1, 0), (2, 2, 0))]
 GEMV_Q_SPLIT_VARIANTS += [(t, r, u, m | GEMV_Q_ROPE) for t, r, u, m in GEMV_Q_SPLIT_VARIANTS]
+#: the longest rows the rule splits: x's shared memory and the reduction's under GEMV_Q_MAX_SMEM for every integer type
+GEMV_Q_SPLIT_MAX_COLS = 32768
 #: gemv_q's last arguments where it has no ROPE epilogue: roles, the token slots, positions, page table, RoPE
 #: positions, frequencies, K and V caches; f16 or not, head_dim, dims, pages a slot, page size, the factor
 GEMV_Q_NO_ROPE: tuple = (0, None, None, None, None, None, None, None, 0, 0, 0, 0, 0, 0.0)
@@ -117,10 +120,10 @@ def gemv_q_shape(tokens: int, mode: int, rows: int, cols: int, split: bool = Fal
     over rows of more than 8,192 values (down) four rows a warp, one unit, pipelined; other products of 4,096 rows
     and more four rows a warp (eight with the norm inside: q, k and v), two units in flight, but for the output
     matrix; fewer rows (v alone) two by two. The third number is the variant's mode bits (GEMV_Q_PIPE,
-    GEMV_Q_SPLIT or 0), added to the fusions'. With ``split`` (LEAT_CUDA_GEMV_SPLIT=1) the one-token products of
-    fewer than 8,192 rows of at most 8,192 values without the gated unit (q, k and v, the output matrix, v alone)
-    take the same shapes split over K (GEMV_Q_SPLIT); their reduction's shared memory, at most 4 KiB, keeps x's
-    far under GEMV_Q_MAX_SMEM."""
+    GEMV_Q_SPLIT or 0), added to the fusions'. With ``split`` (LEAT_CUDA_GEMV_SPLIT=1) the shapes that the split over K
+    made faster in ``decode_shapes.py --split`` (H100, the 8B file) take it, on rows of up to GEMV_Q_SPLIT_MAX_COLS
+    values: the down products two rows by two units, o (attention's output product) four rows by one unit, and fewer
+    rows (v alone) two rows by one unit; q, k and v, the gated unit and the vocabulary's output matrix stay whole."""
     if tokens > 2:
         return 2, 1, 0
     if tokens == 2:
@@ -131,12 +134,14 @@ def gemv_q_shape(tokens: int, mode: int, rows: int, cols: int, split: bool = Fal
         return 4, 1, 0
     if rows >= 8192 and cols <= 8192:
         return 8, 1, 0
+    split = split and cols <= GEMV_Q_SPLIT_MAX_COLS
     if rows >= 4096 and cols > 8192:
-        return 4, 1, GEMV_Q_PIPE
-    variant = GEMV_Q_SPLIT if split and cols <= 8192 else 0
+        return (2, 2, GEMV_Q_SPLIT) if split else (4, 1, GEMV_Q_PIPE)
     if rows >= 4096:
-        return (8, 2, variant) if mode & GEMV_Q_NORM else (4, 2, variant)
-    return 2, 2, variant
+        if mode & GEMV_Q_NORM:
+            return 8, 2, 0
+        return (4, 1, GEMV_Q_SPLIT) if split else (4, 2, 0)
+    return (2, 1, GEMV_Q_SPLIT) if split else (2, 2, 0)
 
 
 #: (tiles NT, row tiles RT) of every gemm_few instantiation: products of up to 8 * NT tokens, 16 * RT rows a block
