@@ -31,7 +31,7 @@ SHAPES = [
 # the pipelined loop holds the next step's weights too: the shapes whose loads fit twice
 SHAPES += [(r, u, quants.GEMV_Q_PIPE) for r, u in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2))]
 # split over K: a warp takes every other step of its rows' units
-SHAPES += [(r, u, quants.GEMV_Q_SPLIT) for r, u in ((8, 2), (4, 2), (4, 1), (2, 2), (2, 1), (1, 2))]
+SHAPES += [(r, u, quants.GEMV_Q_SPLIT) for r, u in ((8, 2), (8, 1), (4, 2), (4, 1), (2, 2), (2, 1), (1, 2))]
 
 
 def main() -> None:
