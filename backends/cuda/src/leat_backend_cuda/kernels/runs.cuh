@@ -28,12 +28,12 @@ __device__ __forceinline__ void load_units(typename T::Raw (&raw)[U][RR], const 
 // A thread takes its runs B at a time, all B runs' loads of x (and nw) issued before any is rounded: one trip to L2
 // for B runs, where a run at a time waited on one trip each (a 14,336-value row of x: 7 runs a thread at 128 threads,
 // 7 trips before the block's first weight load). The runs are rounded, and their squares added, in the same order as
-// one at a time, so the values are the same bit for bit.
-template <class T, int NC, bool NORMED>
+// one at a time, so the values are the same bit for bit. B = 1 takes a run at a time (experts.cu: a decode step's
+// experts see rows of x of one or two runs a thread, where B > 1 only costs registers).
+template <class T, int NC, bool NORMED, int B = ((NORMED ? 32 : 64) / T::RL > 0 ? (NORMED ? 32 : 64) / T::RL : 1)>
 __device__ __forceinline__ void quantize_runs(const float* __restrict__ x, int K, const float* __restrict__ nw,
                                               uint4* __restrict__ xg, float (&squares)[NC]) {
-    constexpr int QG = T::UV / 8, NR = T::NR, RL = T::RL;
-    constexpr int B = (NORMED ? 32 : 64) / RL > 0 ? (NORMED ? 32 : 64) / RL : 1;  // 64 floats of x (and nw) in flight
+    constexpr int QG = T::UV / 8, NR = T::NR, RL = T::RL;  // B: 64 floats of x (and nw) in flight by default
     const int upr = K / T::BLOCK * T::UNITS, lines = (upr + 31) >> 5, items = NC * upr * NR;
     float* xs = (float*)(xg + NC * lines * QG * 32);
     float* xsum = xs + NC * lines * NR * 32;
