@@ -279,3 +279,38 @@ def test_rope_epilogue_equals_products_then_rope_kv_write(kernels, cache, togeth
         assert np.count_nonzero(want_k) >= kv_heads * head_dim - 2 and np.count_nonzero(want_v) > 0
     else:
         assert not np.any(want_k) and not np.any(got_v)
+
+
+# the shapes the runs-ahead build is checked in: the norm inside (half the runs ahead), plain, pipelined, the gated
+# unit, two tokens, split over K
+AHEAD_SHAPES = [s for s in SHAPES if s[0] in ("TQ8_0", "TQ4_KP") and s[4] in (1, 4, 7, SPLIT | 1) or s[1] == 2]
+
+
+@pytest.fixture(scope="module")
+def ahead_kernels(tmp_path_factory):
+    """gemv_q as compiled with LEAT_CUDA_RUNS_AHEAD=4 (backend.runs_ahead): quantize_runs loads four runs of x a
+    thread (two with the norm) before it rounds any."""
+    matmul = host._kernel("matmul.cu")
+    matmul = matmul[: matmul.index("// Y = X W^T (+ bias) for a few tokens")]
+    matmul = matmul.replace("extern __shared__ uint4 xsh[];", "uint4* xsh = (uint4*)host_smem;")
+    headers = {name: host._kernel(name) for name in ("quants.cuh", "runs.cuh", "iq_grids.cuh")}
+    headers["mma.cuh"] = (Path(__file__).parent / "host" / "mma.cuh").read_text()
+    harness = (
+        HARNESS[: HARNESS.index("\nPRODUCT(gemv_")]
+        + "\n"
+        + "\n".join(f"PRODUCT({_name(s)}, {s[0]}, {s[1]}, {s[2]}, {s[3]}, {s[4]})" for s in AHEAD_SHAPES)
+    )
+    source = "#define LEAT_RUNS_AHEAD 4\n" + host._kernel("ops.cu") + matmul + harness
+    return host.host_library(tmp_path_factory, "gemv-q-ahead-host", source, headers)
+
+
+@pytest.mark.parametrize("shape", AHEAD_SHAPES, ids=_name)
+def test_runs_ahead_gives_the_same_bits(kernels, ahead_kernels, shape):
+    """quantize_runs with runs loaded ahead (LEAT_RUNS_AHEAD 4: several batches a thread, the last one partial, over
+    14,336 values; one over 960) rounds x as one run at a time does: every output equal bit for bit."""
+    for cols in (960, 14336) if quants.LAYOUTS[STRUCTS[shape[0]]].block == 32 else (4352, 14336):
+        (one,), _ = _products(kernels, shape, (shape[4],), cols, 8000)
+        (ahead,), _ = _products(ahead_kernels, shape, (shape[4],), cols, 8000)
+        for a, b in zip(one, ahead, strict=True):
+            assert not np.isnan(a).any()
+            np.testing.assert_array_equal(b, a)

@@ -530,6 +530,38 @@ def test_one_token_products_split_over_k_where_switched_on(fake, tmp_path, monke
             CUDABackend()
 
 
+@pytest.mark.parametrize("switch", [None, "1", "4"])
+def test_runs_ahead_compiles_the_products_program_with_its_define(fake, tmp_path, monkeypatch, switch):
+    """LEAT_CUDA_RUNS_AHEAD=N above 1 compiles matmul.cu (gemv_q: its prologue's quantize_runs) with
+    -DLEAT_RUNS_AHEAD=N and no other program with it; unset or 1 compiles every program as before (no define). Values
+    outside 1-8 are refused."""
+    from leat_backend_cuda import compiler
+
+    if switch is None:
+        monkeypatch.delenv("LEAT_CUDA_RUNS_AHEAD", raising=False)
+    else:
+        monkeypatch.setenv("LEAT_CUDA_RUNS_AHEAD", switch)
+    built, compile_program = [], compiler.compile_program
+
+    def recorded(file, names, arch, extra=(), **kw):
+        built.append((file, tuple(extra)))
+        return compile_program(file, names, arch, extra, **kw)
+
+    monkeypatch.setattr(compiler, "compile_program", recorded)
+    path = write_tiny_gguf(Llama, tmp_path / "tiny.gguf", Q.Q8_0)
+    backend = CUDABackend()
+    model = Llama(ModelFile(path), backend)
+    kv = backend.allocate_kv(Llama.kv_layouts(model.params), slots=1, context=16, dtype="f16")
+    backend.to_host(model.forward(Batch([Row(0, 0, np.arange(3))]), kv))
+    ahead = (f"-DLEAT_RUNS_AHEAD={switch}",) if switch == "4" else ()
+    assert {extra for file, extra in built if file == "matmul.cu"} == {ahead}
+    assert {extra for file, extra in built if file != "matmul.cu"} <= {()}
+    for bad in ("0", "9", "two", "-1"):
+        monkeypatch.setenv("LEAT_CUDA_RUNS_AHEAD", bad)
+        with pytest.raises(LeatError, match="LEAT_CUDA_RUNS_AHEAD"):
+            CUDABackend()
+
+
 def test_a_split_gated_unit_reserves_its_up_rows_sums(fake, monkeypatch):
     """Where the rule gives the gated unit a split shape (decode_shapes.py tries them), its launch's reduction holds
     the gate's and the up rows' sums: shared memory for twice its rows a warp, 8 warps a block."""

@@ -184,6 +184,17 @@ def gemv_split() -> bool:
     return setting == "1"
 
 
+def runs_ahead() -> int:
+    """LEAT_CUDA_RUNS_AHEAD=N (1-8): the runs of x a thread of gemv_q loads before it rounds them in the block's
+    prologue (runs.cuh's quantize_runs, compiled with -DLEAT_RUNS_AHEAD=N; half as many with the norm inside, which
+    loads the norm's weights too): one trip to L2 for N runs. 1 or unset (the default: more are not yet timed on a
+    GPU, and they cost registers) rounds each run once its own loads are back, as before."""
+    setting = os.environ.get("LEAT_CUDA_RUNS_AHEAD", "").strip() or "1"
+    if not setting.isdigit() or not 1 <= int(setting) <= 8:
+        raise LeatError(f"LEAT_CUDA_RUNS_AHEAD={setting}: the runs of x a thread loads at once, 1 (the default) to 8")
+    return int(setting)
+
+
 def _host_dequantizable() -> frozenset[Q]:
     """Types gguf-py can dequantize: the host fallback covers them."""
     out = set()
@@ -429,6 +440,8 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
         self.wg_blocks = WG_BLOCKS_PER_SM * self.device.sm_count  # the blocks its split over K aims at
         #: one-token products of few rows split over K inside their blocks (gemv_split: LEAT_CUDA_GEMV_SPLIT)
         self.gemv_split = gemv_split()
+        #: runs of x a gemv_q thread loads at once in its prologue (runs_ahead: LEAT_CUDA_RUNS_AHEAD)
+        self.runs_ahead = runs_ahead()
         self._wg_orders: OrderedDict[tuple, tuple[DeviceArray, DeviceArray]] = OrderedDict()
         self._f16_weights = Memory(CUBLAS_SCRATCH_BYTES) if self.cublas else None
         #: bytes of f16 weight copies the upload may keep: a prefill product through cuBLAS then multiplies the
@@ -466,11 +479,17 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
 
     # -- kernels -------------------------------------------------------------------------------------
     def _module(
-        self, key: str, file: str, names: list[str], smem: dict[str, int], arch: str | None = None
+        self,
+        key: str,
+        file: str,
+        names: list[str],
+        smem: dict[str, int],
+        arch: str | None = None,
+        extra: tuple[str, ...] = (),
     ) -> driver.Module:
         module = self._modules.get(key)
         if module is None:
-            built = compiler.compile_program(file, names, arch or self.device.arch)
+            built = compiler.compile_program(file, names, arch or self.device.arch, extra)
             module = self._modules[key] = driver.Module(self.device, built.cubin, built.names, built.params, smem)
         return module
 
@@ -483,7 +502,8 @@ class CUDABackend(VisionOps, ExpertOps, LatentAttentionOps, RecurrentOps, Warpgr
             for v in quants.GEMM_FEW_VARIANTS
             for glu in (False, True)
         }
-        return self._module(qtype.name, "matmul.cu", names, smem)
+        ahead = (f"-DLEAT_RUNS_AHEAD={self.runs_ahead}",) if self.runs_ahead > 1 else ()
+        return self._module(qtype.name, "matmul.cu", names, smem, extra=ahead)
 
     # -- memory -------------------------------------------------------------------------------------
     def _grew(self, nbytes: int) -> None:

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(128) gemv_id_q(const u8* __restrict__ w, i64 n
     const i64 e = ids ? ids[p] : p % mod;
     const int bpr = K / T::BLOCK, upr = bpr * T::UNITS, lines = (upr + 31) >> 5;
     float unused[1];
-    quantize_runs<T, 1, false, 1>(x + (i64)(p / x_div) * K, K, nullptr, xsh, unused);
+    quantize_runs<T, 1, false>(x + (i64)(p / x_div) * K, K, nullptr, xsh, unused);
     __syncthreads();
     const int groups = (M + 4 * R - 1) / (4 * R);
     for (int group = blockIdx.y; group < groups; group += gridDim.y) {

@@ -26,14 +26,19 @@ __device__ __forceinline__ void load_units(typename T::Raw (&raw)[U][RR], const 
 // row's sum of x^2 added to squares[c] (this thread's part; the caller reduces it). The caller syncs the block
 // before reading.
 // A thread takes its runs B at a time, all B runs' loads of x (and nw) issued before any is rounded: one trip to L2
-// for B runs, where a run at a time waited on one trip each (a 14,336-value row of x: 7 runs a thread at 128 threads,
-// 7 trips before the block's first weight load). The runs are rounded, and their squares added, in the same order as
-// one at a time, so the values are the same bit for bit. B = 1 takes a run at a time (experts.cu: a decode step's
-// experts see rows of x of one or two runs a thread, where B > 1 only costs registers).
-template <class T, int NC, bool NORMED, int B = ((NORMED ? 32 : 64) / T::RL > 0 ? (NORMED ? 32 : 64) / T::RL : 1)>
+// for B runs, where a run at a time waits on one trip each (a 14,336-value row of x: 7 runs a thread at 128
+// threads, 7 trips before the block's first weight load). The runs are rounded, and their squares added, in the same
+// order whatever B, so the values are the same bit for bit. B is LEAT_RUNS_AHEAD (half of it with NORMED, which loads
+// nw's values too; at least 1): 1 unless the program is compiled with -DLEAT_RUNS_AHEAD=N (LEAT_CUDA_RUNS_AHEAD=N,
+// backend.runs_ahead), as more runs in flight cost registers and are not yet timed on a GPU.
+#ifndef LEAT_RUNS_AHEAD
+#define LEAT_RUNS_AHEAD 1
+#endif
+template <class T, int NC, bool NORMED, int B = (NORMED && LEAT_RUNS_AHEAD > 1 ? LEAT_RUNS_AHEAD / 2 : LEAT_RUNS_AHEAD)>
 __device__ __forceinline__ void quantize_runs(const float* __restrict__ x, int K, const float* __restrict__ nw,
                                               uint4* __restrict__ xg, float (&squares)[NC]) {
-    constexpr int QG = T::UV / 8, NR = T::NR, RL = T::RL;  // B: 64 floats of x (and nw) in flight by default
+    static_assert(B >= 1, "runs a thread loads before rounding them");
+    constexpr int QG = T::UV / 8, NR = T::NR, RL = T::RL;
     const int upr = K / T::BLOCK * T::UNITS, lines = (upr + 31) >> 5, items = NC * upr * NR;
     float* xs = (float*)(xg + NC * lines * QG * 32);
     float* xsum = xs + NC * lines * NR * 32;
@@ -50,10 +55,10 @@ __device__ __forceinline__ void quantize_runs(const float* __restrict__ x, int K
             for (int q = 0; q < RL / 4; ++q) {
                 const float4 f = *(const float4*)(xr + 4 * q);
                 v[b][4 * q] = f.x; v[b][4 * q + 1] = f.y; v[b][4 * q + 2] = f.z; v[b][4 * q + 3] = f.w;
-                if (NORMED && nw) {
-                    const float4 g = *(const float4*)(nw + k0 + 4 * q);
-                    wn[b][4 * q] = g.x; wn[b][4 * q + 1] = g.y; wn[b][4 * q + 2] = g.z; wn[b][4 * q + 3] = g.w;
-                }
+            }
+            if (NORMED && B > 1 && nw) {  // (one run at a time reads nw as it rounds, as before B)
+#pragma unroll
+                for (int i = 0; i < RL; ++i) wn[b][i] = nw[k0 + i];
             }
         }
 #pragma unroll
@@ -62,11 +67,12 @@ __device__ __forceinline__ void quantize_runs(const float* __restrict__ x, int K
             if (item >= items) break;
             const int c = item / (upr * NR), u = (item / NR) % upr, run = item % NR;
             if (NORMED) {
+                const int k0 = (u / T::UNITS) * T::BLOCK + T::run_offset(u % T::UNITS, run);
                 float ss = 0.0f;
 #pragma unroll
                 for (int i = 0; i < RL; ++i) {
                     ss = fmaf(v[b][i], v[b][i], ss);
-                    if (nw) v[b][i] *= wn[b][i];
+                    if (nw) v[b][i] *= B > 1 ? wn[b][i] : nw[k0 + i];
                 }
 #pragma unroll
                 for (int cc = 0; cc < NC; ++cc)
