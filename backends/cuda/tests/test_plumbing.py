@@ -486,12 +486,13 @@ def gemv_q_launches(fake, monkeypatch):
 
 
 @pytest.mark.parametrize("switch", [None, "0", "1"])
-def test_one_token_products_split_over_k_where_switched_on(fake, tmp_path, monkeypatch, switch):
-    """With LEAT_CUDA_GEMV_SPLIT=1 a one-token decode step's products of few rows without the gated unit launch
+def test_one_token_products_split_over_k_unless_switched_off(fake, tmp_path, monkeypatch, switch):
+    """By default (LEAT_CUDA_GEMV_SPLIT unset or 1) a one-token decode step's products of few rows without the gated
+    unit launch
     gemv_q's split variants (GEMV_Q_SPLIT in the mode) with 8 warps a block and the reduction's shared memory after
     x's: q, k and v with the RoPE epilogue and the norm inside, o and down with the residual, the output matrix with
     the norm (every product of the tiny model has fewer than 4,096 rows: two rows a warp, one unit); gate and up stay
-    whole. Unset or 0, none is split; a bad value is refused."""
+    whole. With 0 none is split; a bad value is refused."""
     from leat_backend_cuda import quants
 
     if switch is None:
@@ -506,9 +507,9 @@ def test_one_token_products_split_over_k_where_switched_on(fake, tmp_path, monke
     launched = gemv_q_launches(fake, monkeypatch)
     backend.to_host(model.forward(Batch([Row(0, 5, np.array([7]))]), kv))
     products = launched()
-    split = quants.GEMV_Q_SPLIT if switch == "1" else 0
+    split = quants.GEMV_Q_SPLIT if switch != "0" else 0
     threads = quants.gemv_q_threads(split)
-    assert threads == (256 if switch == "1" else 128)
+    assert threads == (256 if switch != "0" else 128)
     norm, glu, rope = quants.GEMV_Q_NORM, quants.GEMV_Q_GLU, quants.GEMV_Q_ROPE
     width, ffn = model.params.width, model.params.ffn  # o's rows are as long as the others' (4 heads of 16)
 
@@ -586,7 +587,7 @@ def test_the_rule_splits_only_the_small_one_token_products():
     of 14,336 values) two by two; q, k and v (6,144 rows, the norm inside), the gated unit, the output matrix and two
     tokens are as without it, and so are rows longer than GEMV_Q_SPLIT_MAX_COLS. A split launch's shared memory (x's,
     then the reduction's) stays under GEMV_Q_MAX_SMEM for every integer type up to that length. The split kernels are
-    compiled only with the switch: each the rule can give, with its ROPE twin."""
+    compiled only where the split is on (kernel_names' ``split``): each the rule can give, with its ROPE twin."""
     from leat_backend_cuda import quants
 
     split, glu, norm = quants.GEMV_Q_SPLIT, quants.GEMV_Q_GLU, quants.GEMV_Q_NORM
@@ -600,7 +601,7 @@ def test_the_rule_splits_only_the_small_one_token_products():
     for qtype, layout in quants.LAYOUTS.items():
         if layout.integer:
             assert quants.gemv_q_smem(qtype, 1, longest, 4) <= quants.GEMV_Q_MAX_SMEM, qtype
-    # the split kernels are compiled only where the switch is on: every shape the rule can give, and its ROPE twin
+    # the split kernels are compiled only where the split is on: every shape the rule can give, and its ROPE twin
     default, switched = quants.kernel_names(Q.Q4_K), quants.kernel_names(Q.Q4_K, split=True)
     modes = [int(name.rsplit(",", 1)[1].rstrip(">")) for name in default if name.startswith("gemv_q<")]
     assert modes and not [m for m in modes if m & quants.GEMV_Q_SPLIT]
@@ -961,7 +962,8 @@ def test_one_token_decode_rotates_and_writes_the_cache_in_the_products(fake, tmp
         backend.to_host(model.forward(decode, kv))
         names = [f for f, _, _ in fake.launches]
         rope_kv = [f for f in names if f.startswith("_Z13rope_kv_write")]
-        with_rope = [f for f in names if f.startswith("_Z6gemv_q") and "ELi17EEv" in f]  # mode NORM | ROPE
+        # gemv_q with the ROPE bit in its mode (its last template integer): NORM | ROPE, split over K or not
+        with_rope = [f for f in names if f.startswith("_Z6gemv_q") and int(re.findall(r"Li(\d+)E", f)[-1]) & 16]
         assert len(rope_kv) == (0 if fused else model.params.layers), (rows, dtype)
         assert len(with_rope) == (model.params.layers if fused else 0), (rows, dtype)
         assert len([f for f in names if f.startswith("_Z6gemv_q")]) == 4 * model.params.layers + 1

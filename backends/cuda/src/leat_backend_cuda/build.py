@@ -16,11 +16,12 @@ from leat_backend_cuda import compiler, deltanet, mla, moe, quants, vision, wgmm
 
 
 def programs() -> list[tuple[str, list[str]]]:
-    from leat_backend_cuda.backend import FLASH_KERNELS, OPS_KERNELS
+    from leat_backend_cuda.backend import FLASH_KERNELS, OPS_KERNELS, gemv_split
 
+    split = gemv_split()  # the products' programs as the backend compiles them (with the split shapes by default)
     return (
         [("ops.cu", OPS_KERNELS), ("flash.cu", FLASH_KERNELS)]
-        + [("matmul.cu", quants.kernel_names(q)) for q in quants.LAYOUTS]
+        + [("matmul.cu", quants.kernel_names(q, split=split)) for q in quants.LAYOUTS]
         + moe.programs()
         + mla.programs()
         + vision.programs()

@@ -84,7 +84,7 @@ GEMV_Q_PIPE = 4
 GEMV_Q_ROPE = 16
 #: gemv_q's mode bit for its split over K inside a block (8 warps, two a group of rows, each taking every other step of
 #: the units; their sums added in shared memory): a variant, not a fusion, for one token, not with the pipelined loop.
-#: Off by default (slower in tg128 as the rule gives it); LEAT_CUDA_GEMV_SPLIT=1 lets the rule take it (gemv_q_shape)
+#: The rule takes it for the shapes it names (gemv_q_shape's ``split``; LEAT_CUDA_GEMV_SPLIT=0: none)
 GEMV_Q_SPLIT = 32
 #: tokens up to which gemv_q is instantiated with fusion modes
 GEMV_Q_FUSED_TOKENS = 2
@@ -101,9 +101,9 @@ GEMV_Q_VARIANTS = (
 GEMV_Q_VARIANTS += [
     (1, r, u, m | GEMV_Q_ROPE) for t, r, u, m in GEMV_Q_VARIANTS if t == 1 and m in (0, 1) and r % 2 == 0
 ]
-#: the split shapes the rule gives with LEAT_CUDA_GEMV_SPLIT=1 (the fifty-second session's sweep's three: v alone and
-#: other products of fewer than 4,096 rows (2, 1), o (4, 1), down (2, 2); q, k and v stay whole) and their ROPE twins:
-#: compiled only where the switch is on (kernel_names' ``split``), so the default build compiles nothing more
+#: the split shapes the rule gives (the fifty-second session's sweep's three: v alone and other products of fewer than
+#: 4,096 rows (2, 1), o (4, 1), down (2, 2); q, k and v stay whole) and their ROPE twins: compiled where the split is
+#: on (kernel_names' ``split``; the backend's default, LEAT_CUDA_GEMV_SPLIT=0 leaves them out)
 GEMV_Q_SPLIT_VARIANTS = [(1, r, u, m | GEMV_Q_SPLIT) for r, u, m in ((2, 1, 0), (2, 1, 1), (4, 1, 0), (2, 2, 0))]
 GEMV_Q_SPLIT_VARIANTS += [(t, r, u, m | GEMV_Q_ROPE) for t, r, u, m in GEMV_Q_SPLIT_VARIANTS]
 #: the longest rows the rule splits: x's shared memory and the reduction's under GEMV_Q_MAX_SMEM for every integer type
@@ -120,8 +120,9 @@ def gemv_q_shape(tokens: int, mode: int, rows: int, cols: int, split: bool = Fal
     over rows of more than 8,192 values (down) four rows a warp, one unit, pipelined; other products of 4,096 rows
     and more four rows a warp (eight with the norm inside: q, k and v), two units in flight, but for the output
     matrix; fewer rows (v alone) two by two. The third number is the variant's mode bits (GEMV_Q_PIPE,
-    GEMV_Q_SPLIT or 0), added to the fusions'. With ``split`` (LEAT_CUDA_GEMV_SPLIT=1) the shapes that the split over K
-    made faster in ``decode_shapes.py --split`` (H100, the 8B file) take it, on rows of up to GEMV_Q_SPLIT_MAX_COLS
+    GEMV_Q_SPLIT or 0), added to the fusions'. With ``split`` (the backend's default; LEAT_CUDA_GEMV_SPLIT=0 turns it
+    off) the shapes that the split over K made faster in ``decode_shapes.py --split`` (H100, the 8B file; tg128 +1.9
+    and +2.5% in ``leat bench``) take it, on rows of up to GEMV_Q_SPLIT_MAX_COLS
     values: the down products two rows by two units, o (attention's output product) four rows by one unit, and fewer
     rows (v alone) two rows by one unit; q, k and v, the gated unit and the vocabulary's output matrix stay whole."""
     if tokens > 2:

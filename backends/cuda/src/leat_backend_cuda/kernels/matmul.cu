@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(128) gemv(const u8* __restrict__ w, i64 nb, co
 // With SPLIT (a variant, not a fusion; not with PIPE) a block has 8 warps, and warps w and w + 4 share the
 // same rows, each taking every other step of the units: twice the warps in flight for the same prologue, where few
 // rows leave the multiprocessors short of warps. Warp w + 4 adds its sums to warp w's through shared memory, after
-// x's runs, and warp w alone writes the rows. The sums are added in another order than without SPLIT.
+// x's runs, and warp w alone writes the rows. The sums are added in another order than without SPLIT. It pays only
+// where a warp has two steps of units or more (a pair with one step leaves its second warp without units).
 #define NORM 1
 #define GLU 2
 #define PIPE 4
