@@ -110,8 +110,9 @@ ROPE_KV(rope_kv_f16, u16)
 CACHES = {"f32": np.float32, "f16": np.uint16}
 
 
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
+def _library(tmp_path_factory, name: str, harness: str, defines: str = ""):
+    """ops.cu and matmul.cu's gemv and gemv_q (not the GEMMs) with ``harness``, built for the host; ``defines`` go
+    first (before runs.cuh is included)."""
     matmul = host._kernel("matmul.cu")
     matmul = matmul[: matmul.index("// Y = X W^T (+ bias) for a few tokens")]  # gemv and gemv_q, not the GEMMs
     matmul = matmul.replace("extern __shared__ uint4 xsh[];", "uint4* xsh = (uint4*)host_smem;")
@@ -119,8 +120,13 @@ def kernels(tmp_path_factory):
     headers["mma.cuh"] = (Path(__file__).parent / "host" / "mma.cuh").read_text()  # included, not used by gemv_q
     # ops.cu (rope_kv_write, the ROPE epilogue's reference) first: matmul.cu's mode macros (NORM, ...) would rename
     # its template parameters
-    source = host._kernel("ops.cu") + matmul + HARNESS + ROPE_HARNESS
-    return host.host_library(tmp_path_factory, "gemv-q-host", source, headers)
+    source = defines + host._kernel("ops.cu") + matmul + harness
+    return host.host_library(tmp_path_factory, name, source, headers)
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    return _library(tmp_path_factory, "gemv-q-host", HARNESS + ROPE_HARNESS)
 
 
 def _weights(qtype, rows, cols, rng):
@@ -290,18 +296,9 @@ AHEAD_SHAPES = [s for s in SHAPES if s[0] in ("TQ8_0", "TQ4_KP") and s[4] in (1,
 def ahead_kernels(tmp_path_factory):
     """gemv_q as compiled with LEAT_CUDA_RUNS_AHEAD=4 (backend.runs_ahead): quantize_runs loads four runs of x a
     thread (two with the norm) before it rounds any."""
-    matmul = host._kernel("matmul.cu")
-    matmul = matmul[: matmul.index("// Y = X W^T (+ bias) for a few tokens")]
-    matmul = matmul.replace("extern __shared__ uint4 xsh[];", "uint4* xsh = (uint4*)host_smem;")
-    headers = {name: host._kernel(name) for name in ("quants.cuh", "runs.cuh", "iq_grids.cuh")}
-    headers["mma.cuh"] = (Path(__file__).parent / "host" / "mma.cuh").read_text()
-    harness = (
-        HARNESS[: HARNESS.index("\nPRODUCT(gemv_")]
-        + "\n"
-        + "\n".join(f"PRODUCT({_name(s)}, {s[0]}, {s[1]}, {s[2]}, {s[3]}, {s[4]})" for s in AHEAD_SHAPES)
-    )
-    source = "#define LEAT_RUNS_AHEAD 4\n" + host._kernel("ops.cu") + matmul + harness
-    return host.host_library(tmp_path_factory, "gemv-q-ahead-host", source, headers)
+    harness = HARNESS[: HARNESS.index("\nPRODUCT(gemv_")] + "\n"
+    harness += "\n".join(f"PRODUCT({_name(s)}, {s[0]}, {s[1]}, {s[2]}, {s[3]}, {s[4]})" for s in AHEAD_SHAPES)
+    return _library(tmp_path_factory, "gemv-q-ahead-host", harness, "#define LEAT_RUNS_AHEAD 4\n")
 
 
 @pytest.mark.parametrize("shape", AHEAD_SHAPES, ids=_name)

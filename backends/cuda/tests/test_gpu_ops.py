@@ -123,7 +123,7 @@ def test_every_gemv_q_instantiation(cuda, oracle, qtype, monkeypatch):
     assert quants.LAYOUTS[qtype].integer  # products of one token go through gemv_q
     pipe, split = quants.GEMV_Q_PIPE, quants.GEMV_Q_SPLIT
     # (the ROPE twins write the cache: test_gpu_model.py's test_rope_epilogue_equals_rope_kv_write)
-    # with the shapes the switch splits (LEAT_CUDA_GEMV_SPLIT=1: GEMV_Q_SPLIT_VARIANTS), which the default lacks
+    # with the split shapes the rule gives (GEMV_Q_SPLIT_VARIANTS, kept apart from GEMV_Q_VARIANTS)
     variants = [
         (t, r, u, m)
         for t, r, u, m in (*quants.GEMV_Q_VARIANTS, *quants.GEMV_Q_SPLIT_VARIANTS)
